@@ -1,0 +1,163 @@
+//! The stable ABI every kvferry planner is built against.
+//!
+//! kvferry moves a request's KV cache from a context (prefill) server to a generation
+//! (decode) server. *Which bytes go where* depends on the model's cache layout and on how each
+//! side is sharded; a **planner** decides it. Planners are plugins: each is its own `cdylib`,
+//! dropped into a plugin directory and loaded by the host at run time. This crate is the only
+//! thing a planner depends on.
+//!
+//! # Glossary
+//!
+//! - **interface crate**: this crate. It defines the data model, the [`TransferPlanner`]
+//!   trait and the root module every planner library exports.
+//! - **implementation crate**: a planner library (`crate-type = ["cdylib", "rlib"]`).
+//! - **user crate**: the host (`kvferry`), which loads implementation crates.
+//! - **root module**: the [`PlannerModule`] a library exports; the host reads the planner's
+//!   id, describer id and version from it, asks [`PlannerModuleRef::check_deployment`], then
+//!   builds one planner per rank with [`PlannerModuleRef::instantiate`].
+//! - **rows**: what one side holds for one request, computed by the default describer
+//!   [`rows`] from a [`PageTable`] and the request's [`SlotTable`]s.
+//!
+//! # Writing a planner
+//!
+//! 1. Create a library crate with `crate-type = ["cdylib", "rlib"]` that depends on
+//!    `kvferry-planner-abi` alone (copy `examples/planner-template`).
+//! 2. Implement [`TransferPlanner`]: the peer check, the targets, and `pair`, which turns the
+//!    rows both sides described into `(src, dst, len)` fragments.
+//! 3. Implement [`PlannerPlugin`]: the id, `supports_deployment` and the constructor.
+//! 4. Add one line: `export_planner!(MyPlanner);`.
+//! 5. `cargo build --release`, copy `target/release/lib<name>.so` into a directory on
+//!    `KVFERRY_PLUGIN_DIR`, and set `KVFERRY_PLANNER=<your id>` on both servers.
+//!
+//! A minimal planner for a model with one PAGED layer group whose single view is laid out
+//! identically on both sides (one rank per side, no sharding), writing whole rows:
+//!
+//! ```
+//! use kvferry_planner_abi::{
+//!     export_planner, Deployment, LayerGroupRows, PairRequest, PeerTargets, PlanError,
+//!     PlannerPlugin, RankInfo, TransferPlan, TransferPlanner,
+//! };
+//!
+//! pub struct WholeRows;
+//!
+//! impl TransferPlanner for WholeRows {
+//!     fn check_peer(&self, me: &RankInfo, peer: &RankInfo) -> Result<(), PlanError> {
+//!         let (ours, theirs) = (&me.page_table, &peer.page_table);
+//!         if ours.tokens_per_block != theirs.tokens_per_block {
+//!             return Err(PlanError::refuse(
+//!                 "tokens_per_block",
+//!                 ours.tokens_per_block,
+//!                 theirs.tokens_per_block,
+//!                 "rows must hold the same tokens on both sides",
+//!             ));
+//!         }
+//!         Ok(())
+//!     }
+//!
+//!     fn targets(&self, _: &RankInfo, _: &RankInfo, _: u32) -> Result<PeerTargets, PlanError> {
+//!         Ok(PeerTargets { ranks: vec![0].into(), uniform: true })
+//!     }
+//!
+//!     fn pair(
+//!         &self,
+//!         _me: &RankInfo,
+//!         _peer: &RankInfo,
+//!         mine: &[LayerGroupRows],
+//!         theirs: &[LayerGroupRows],
+//!         request: &PairRequest,
+//!     ) -> Result<TransferPlan, PlanError> {
+//!         let mut plan = TransferPlan::new();
+//!         let (Some(src), Some(dst)) = (mine.first(), theirs.first()) else {
+//!             return Ok(plan);
+//!         };
+//!         let tpb = 32; // tokens per block, checked equal in check_peer
+//!         let (lo, hi) = (request.token_range.start / tpb, request.token_range.end.div_ceil(tpb));
+//!         for (k, &ordinal) in src.ordinals.iter().enumerate() {
+//!             if (lo..hi).contains(&ordinal) {
+//!                 if let Some(d) = dst.address_of(ordinal) {
+//!                     plan.push(src.addresses[k], d, src.row_bytes);
+//!                 }
+//!             }
+//!         }
+//!         Ok(plan)
+//!     }
+//! }
+//!
+//! impl PlannerPlugin for WholeRows {
+//!     const PLANNER_ID: &'static str = "example.whole_rows";
+//!
+//!     fn supports_deployment(d: &Deployment) -> Result<(), String> {
+//!         if d.mapping.world_size() == 1 {
+//!             Ok(())
+//!         } else {
+//!             Err(format!("{d}: only single-rank deployments"))
+//!         }
+//!     }
+//!
+//!     fn new(_: &RankInfo) -> Result<Self, PlanError> {
+//!         Ok(WholeRows)
+//!     }
+//! }
+//!
+//! export_planner!(WholeRows);
+//!
+//! // The same crate linked statically exposes its root module too:
+//! let module = planner_module();
+//! assert_eq!(module.id(), "example.whole_rows");
+//! ```
+//!
+//! # Rules a planner lives by
+//!
+//! - It is pure computation: no I/O, no clock, no UCX, no CUDA, no `unsafe`.
+//! - It never addresses memory itself; it returns addresses computed from the rows, and the
+//!   host validates every fragment against both sides' rows before a byte moves.
+//! - Panics are caught at the boundary ([`ErrorKind::PANICKED`]); still, return errors.
+//! - Libraries are never unloaded: do not rely on destructors of statics.
+//!
+//! The [`evolution`] chapter says which changes to this crate keep old planners loadable.
+
+#![deny(missing_docs)]
+#![deny(unsafe_code)]
+
+pub mod evolution;
+
+mod error;
+mod layout;
+mod module;
+mod plan;
+// abi_stable's #[sabi_trait] expands to `unsafe impl`s and unsafe vtable calls; the code we
+// write in this module is safe.
+#[allow(unsafe_code)]
+mod planner;
+mod rank;
+mod request;
+mod rows;
+
+pub use error::{ErrorKind, PeerRefusal, PlanError};
+pub use layout::{
+    BufferEntry, GroupKind, LayerGroup, LayerRange, LayoutKind, LocalLayer, MemoryType,
+    PageTable, PhysicalPool, PoolView, RoleLayout,
+};
+pub use module::{PlannerModule, PlannerModuleRef, module_of};
+pub use plan::{PeerTargets, TransferPlan};
+pub use planner::{
+    FfiPlanner, FfiPlanner_TO, LoadedPlanner, PlannerBox, PlannerPlugin, TransferPlanner,
+};
+pub use rank::{Deployment, Mapping, RankInfo};
+pub use request::{PairRequest, SlotTable, TokenRange, ViewId};
+pub use rows::{DEFAULT_DESCRIBER_ID, LayerGroupRows, rows};
+
+/// Re-exported so hosts can spell FFI string and vector types without naming abi_stable.
+pub mod ffi {
+    pub use abi_stable::std_types::{ROption, RSlice, RString, RVec};
+}
+
+/// Items used by [`export_planner!`]; not part of the public API.
+#[doc(hidden)]
+pub mod __private {
+    pub use abi_stable::library::{
+        CheckTypeLayout, LibHeader, RootModuleResult, __call_root_module_loader as call_root_module_loader,
+    };
+
+    pub use crate::module::{PluginVersion, module_of};
+}
