@@ -3,7 +3,7 @@
 use std::fmt;
 
 use abi_stable::StableAbi;
-use abi_stable::std_types::{ROption, RString};
+use abi_stable::std_types::{RBox, ROption, RString};
 use serde::{Deserialize, Serialize};
 
 /// What kind of failure a [`PlanError`] reports.
@@ -77,7 +77,8 @@ impl fmt::Display for PeerRefusal {
 pub struct PlanError {
     kind: ErrorKind,
     message: RString,
-    refusal: ROption<PeerRefusal>,
+    // Boxed so the error stays small on the happy path's Result.
+    refusal: ROption<RBox<PeerRefusal>>,
 }
 
 impl PlanError {
@@ -121,7 +122,7 @@ impl PlanError {
         Self {
             kind: ErrorKind::PEER_INCOMPATIBLE,
             message: RString::from(refusal.to_string()),
-            refusal: ROption::RSome(refusal),
+            refusal: ROption::RSome(RBox::new(refusal)),
         }
     }
 
@@ -137,7 +138,7 @@ impl PlanError {
 
     /// The field-level reason, for [`ErrorKind::PEER_INCOMPATIBLE`].
     pub fn refusal(&self) -> Option<&PeerRefusal> {
-        self.refusal.as_ref().into_option()
+        self.refusal.as_ref().into_option().map(|r| &**r)
     }
 
     /// Prefix the message with context, keeping kind and refusal.

@@ -135,8 +135,8 @@ mod rows;
 
 pub use error::{ErrorKind, PeerRefusal, PlanError};
 pub use layout::{
-    BufferEntry, GroupKind, LayerGroup, LayerRange, LayoutKind, LocalLayer, MemoryType,
-    PageTable, PhysicalPool, PoolView, RoleLayout,
+    BufferEntry, GroupKind, LayerGroup, LayerRange, LayoutKind, LocalLayer, MemoryType, PageTable,
+    PhysicalPool, PoolView, RoleLayout,
 };
 pub use module::{PlannerModule, PlannerModuleRef, module_of};
 pub use plan::{PeerTargets, TransferPlan};
@@ -156,7 +156,8 @@ pub mod ffi {
 #[doc(hidden)]
 pub mod __private {
     pub use abi_stable::library::{
-        CheckTypeLayout, LibHeader, RootModuleResult, __call_root_module_loader as call_root_module_loader,
+        __call_root_module_loader as call_root_module_loader, CheckTypeLayout, LibHeader,
+        RootModuleResult,
     };
 
     pub use crate::module::{PluginVersion, module_of};

@@ -146,6 +146,12 @@ type _Box = RBox<()>;
 /// It also defines `pub fn planner_module() -> PlannerModuleRef` in the calling module, so the
 /// same crate built as an `rlib` can be driven statically.
 ///
+/// The export is the fixed, unmangled symbol abi_stable's loader looks for, so **one binary
+/// can link at most one planner statically**: linking two planner `rlib`s into one executable
+/// fails with a duplicate-symbol error from the linker. Load the others from their `.so`
+/// instead (as the host always does); a test binary that needs two planners links one and
+/// loads the other, or loads both.
+///
 /// ```ignore
 /// kvferry_planner_abi::export_planner!(MyPlanner);
 /// ```

@@ -206,7 +206,8 @@ impl<T: TransferPlanner> FfiPlanner for Exported<T> {
         slot_tables: RSlice<'_, SlotTable>,
     ) -> RResult<u64, PlanError> {
         guard("receiver_payload_bytes", || {
-            self.0.receiver_payload_bytes(me, peer, slot_tables.as_slice())
+            self.0
+                .receiver_payload_bytes(me, peer, slot_tables.as_slice())
         })
     }
 
