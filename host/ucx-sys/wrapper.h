@@ -1,0 +1,2 @@
+/* Everything ucx-sys binds comes from the public UCP header. */
+#include <ucp/api/ucp.h>

@@ -1,0 +1,455 @@
+//! Endpoints: one-sided puts, flushes, active messages, and the remote keys they use.
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::ptr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ucx_sys as sys;
+
+use crate::ffi::{RawRequest, check, check_ptr};
+use crate::request::Request;
+use crate::status::WithOp;
+use crate::{Error, MemRegion, Op, Status, Worker};
+
+/// How long `Drop` lets an endpoint flush before closing it with `UCP_EP_CLOSE_FLAG_FORCE`.
+const DROP_CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A connection from a [`Worker`] to one peer worker (`ucp_ep_h`).
+///
+/// Borrows its worker: it is not `Send` and cannot outlive the worker. Everything issued on it
+/// ([`RemoteKey`]s, [`Request`]s) borrows the endpoint in turn.
+///
+/// `Drop` closes it as [`Endpoint::close`] does with a 2 s timeout: flush (progressing the
+/// worker), then a graceful `ucp_ep_close_nbx`; if the flush does not finish in time (the peer
+/// is gone or not progressing), a forced close instead.
+#[doc(alias = "ucp_ep_h")]
+pub struct Endpoint<'w> {
+    /// Null once closed.
+    handle: sys::ucp_ep_h,
+    worker: &'w Worker,
+}
+
+/// The protocol for an active message's payload.
+#[derive(Clone, Copy, Debug, Default, Eq, PartialEq)]
+#[non_exhaustive]
+pub enum AmProto {
+    /// Eager (`UCP_AM_SEND_FLAG_EAGER`): the payload travels with the message and is copied on
+    /// the receiver; fragmented and reassembled before the handler runs when large. The
+    /// default, and what kvferry's notifications use.
+    #[default]
+    Eager,
+    /// Rendezvous (`UCP_AM_SEND_FLAG_RNDV`): the receiver pulls the payload after the header
+    /// arrives. Saves a copy for large payloads; handlers still see inline bytes.
+    Rendezvous,
+    /// Let UCX choose by size (eager below its rendezvous threshold).
+    Auto,
+}
+
+impl<'w> Endpoint<'w> {
+    pub(crate) fn connect(worker: &'w Worker, address: &[u8]) -> Result<Endpoint<'w>, Error> {
+        if address.is_empty() {
+            return Err(Error::new(Op::EpCreate, Status::INVALID_PARAM));
+        }
+        let params = sys::ucp_ep_params_t {
+            field_mask: (sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
+                | sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE) as u64,
+            address: address.as_ptr().cast(),
+            // Peer-failure mode would exclude shared memory in UCX 1.13 ("no peer failure
+            // handler" for posix/sysv), losing the fast path.
+            err_mode: sys::UCP_ERR_HANDLING_MODE_NONE,
+            ..Default::default()
+        };
+        let mut handle = ptr::null_mut();
+        // SAFETY: the worker is live and used from this thread only; `params` is initialised
+        // and names only the fields set above; `address` is readable for the call (UCX copies
+        // what it needs; its format is the caller's trust contract, see the crate docs);
+        // `handle` is a valid out-pointer.
+        check(unsafe { sys::ucp_ep_create(worker.as_raw(), &params, &mut handle) })
+            .op(Op::EpCreate)?;
+        Ok(Endpoint { handle, worker })
+    }
+
+    /// The worker this endpoint belongs to.
+    pub fn worker(&self) -> &'w Worker {
+        self.worker
+    }
+
+    /// Unpacks a peer's packed remote key (from [`MemRegion::pack_rkey`]) for use on this
+    /// endpoint.
+    ///
+    /// Wraps `ucp_ep_rkey_unpack`.
+    ///
+    /// # Errors
+    ///
+    /// [`Op::RkeyUnpack`] if UCX cannot reach the key's memory over this endpoint's transports,
+    /// or [`Status::INVALID_PARAM`] for empty bytes. Like worker addresses, the bytes are parsed
+    /// without a length and must be delivered intact.
+    #[doc(alias = "ucp_ep_rkey_unpack")]
+    pub fn unpack_rkey(&self, packed: &[u8]) -> Result<RemoteKey<'_>, Error> {
+        if packed.is_empty() {
+            return Err(Error::new(Op::RkeyUnpack, Status::INVALID_PARAM));
+        }
+        let mut handle = ptr::null_mut();
+        // SAFETY: the endpoint is open (a closed one is consumed); `packed` is readable for the
+        // call and UCX copies what it keeps; `handle` is a valid out-pointer.
+        check(unsafe { sys::ucp_ep_rkey_unpack(self.handle, packed.as_ptr().cast(), &mut handle) })
+            .op(Op::RkeyUnpack)?;
+        Ok(RemoteKey {
+            handle,
+            ep: self.handle,
+            _ep: PhantomData,
+        })
+    }
+
+    /// Writes `src` to `remote_addr` in the peer memory described by `rkey`.
+    ///
+    /// The returned request borrows `src` (and `rkey`) until it is finished or dropped, and
+    /// dropping it waits for UCX to let go of `src`, so the bytes can neither be freed nor
+    /// changed while UCX may still read them. Completion is local (`src` reusable); call
+    /// [`Endpoint::flush`] for remote completion.
+    ///
+    /// Wraps `ucp_put_nbx`.
+    ///
+    /// # Errors
+    ///
+    /// [`Op::Put`] if UCX cannot start the write, or [`Status::INVALID_PARAM`] if `rkey` was
+    /// unpacked on another endpoint.
+    #[doc(alias = "ucp_put_nbx")]
+    pub fn put<'a>(
+        &'a self,
+        src: &'a [u8],
+        remote_addr: u64,
+        rkey: &'a RemoteKey<'_>,
+    ) -> Result<Request<'a>, Error> {
+        self.put_raw(src.as_ptr(), src.len(), None, remote_addr, rkey)
+    }
+
+    /// Writes `len` bytes of `src` starting at `offset` to `remote_addr`, passing the region's
+    /// memory handle so UCX skips its registration lookup. Otherwise as [`Endpoint::put`].
+    ///
+    /// Wraps `ucp_put_nbx` with `UCP_OP_ATTR_FIELD_MEMH`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Endpoint::put`], plus [`Status::INVALID_PARAM`] if `offset..offset + len` is not
+    /// inside `src` or `src` belongs to another context than this endpoint's worker.
+    #[doc(alias = "ucp_put_nbx")]
+    pub fn put_region<'a>(
+        &'a self,
+        src: &'a MemRegion,
+        offset: usize,
+        len: usize,
+        remote_addr: u64,
+        rkey: &'a RemoteKey<'_>,
+    ) -> Result<Request<'a>, Error> {
+        let in_bounds = offset.checked_add(len).is_some_and(|end| end <= src.len());
+        if !in_bounds || !Arc::ptr_eq(src.context(), self.worker.context()) {
+            return Err(Error::new(Op::Put, Status::INVALID_PARAM));
+        }
+        // `offset <= src.len()`, so this stays inside (or one past) the mapping.
+        let start = src.as_ptr().wrapping_add(offset).cast_const();
+        self.put_raw(start, len, Some(src), remote_addr, rkey)
+    }
+
+    fn put_raw<'a>(
+        &'a self,
+        src: *const u8,
+        len: usize,
+        region: Option<&'a MemRegion>,
+        remote_addr: u64,
+        rkey: &'a RemoteKey<'_>,
+    ) -> Result<Request<'a>, Error> {
+        if rkey.ep != self.handle {
+            return Err(Error::new(Op::Put, Status::INVALID_PARAM));
+        }
+        let mut param = sys::ucp_request_param_t::default();
+        if let Some(region) = region {
+            param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_MEMH;
+            param.memh = region.as_raw();
+        }
+        // SAFETY: the endpoint is open and used on its worker's thread; `src` is readable for
+        // `len` bytes for `'a` (a borrowed slice, or a bounds-checked range of a borrowed
+        // region whose `memh` is passed alongside), and the returned `Request<'a>` keeps those
+        // borrows until UCX has finished with them; `rkey` was unpacked on this endpoint (checked
+        // above) and is borrowed for `'a` too; `param` is initialised.
+        let ptr = unsafe {
+            sys::ucp_put_nbx(
+                self.handle,
+                src.cast(),
+                len,
+                remote_addr,
+                rkey.handle,
+                &param,
+            )
+        };
+        Request::new(self.worker, Op::Put, check_ptr(ptr))
+    }
+
+    /// Completes every operation issued on this endpoint so far, remotely: once the returned
+    /// request finishes, earlier puts are visible in the peer's memory.
+    ///
+    /// Wraps `ucp_ep_flush_nbx`.
+    ///
+    /// # Errors
+    ///
+    /// [`Op::Flush`] if UCX cannot start the flush.
+    #[doc(alias = "ucp_ep_flush_nbx")]
+    pub fn flush(&self) -> Result<Request<'_>, Error> {
+        let param = sys::ucp_request_param_t::default();
+        // SAFETY: the endpoint is open and used on its worker's thread; `param` is initialised.
+        let ptr = unsafe { sys::ucp_ep_flush_nbx(self.handle, &param) };
+        Request::new(self.worker, Op::Flush, check_ptr(ptr))
+    }
+
+    /// Sends an active message: `header` and `data` reach the peer's handler for `id` (see
+    /// [`Worker::set_am_handler`]). Eager protocol; see [`Endpoint::am_send_with`].
+    ///
+    /// The request borrows both buffers until UCX is done with them, as for [`Endpoint::put`].
+    /// Active messages on one endpoint are delivered after the puts issued before them only if
+    /// a [`flush`](Endpoint::flush) completed in between.
+    ///
+    /// Wraps `ucp_am_send_nbx`.
+    ///
+    /// # Errors
+    ///
+    /// [`Op::AmSend`] if UCX cannot start the send (for example a header longer than the
+    /// worker's maximum active-message header).
+    #[doc(alias = "ucp_am_send_nbx")]
+    pub fn am_send<'a>(
+        &'a self,
+        id: u16,
+        header: &'a [u8],
+        data: &'a [u8],
+    ) -> Result<Request<'a>, Error> {
+        self.am_send_with(id, header, data, AmProto::Eager)
+    }
+
+    /// [`Endpoint::am_send`] with an explicit payload protocol.
+    ///
+    /// Wraps `ucp_am_send_nbx`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Endpoint::am_send`].
+    #[doc(alias = "ucp_am_send_nbx")]
+    pub fn am_send_with<'a>(
+        &'a self,
+        id: u16,
+        header: &'a [u8],
+        data: &'a [u8],
+        proto: AmProto,
+    ) -> Result<Request<'a>, Error> {
+        // SAFETY: both slices are borrowed for `'a` by the returned request.
+        let ptr = unsafe { self.am_send_raw(id, header, data, proto) };
+        Request::new(self.worker, Op::AmSend, check_ptr(ptr))
+    }
+
+    /// [`Endpoint::am_send`] for buffers the request should own: it keeps `header` and `data`
+    /// until UCX is done with them, so the request borrows only the endpoint.
+    ///
+    /// Wraps `ucp_am_send_nbx`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Endpoint::am_send`].
+    #[doc(alias = "ucp_am_send_nbx")]
+    pub fn am_send_owned(
+        &self,
+        id: u16,
+        header: Vec<u8>,
+        data: Vec<u8>,
+    ) -> Result<Request<'_>, Error> {
+        // SAFETY: the heap buffers of `header` and `data` do not move when the vectors move into
+        // the request, which keeps them until UCX has finished with them.
+        let ptr = unsafe { self.am_send_raw(id, &header, &data, AmProto::Eager) };
+        Ok(Request::new(self.worker, Op::AmSend, check_ptr(ptr))?.keep(header, data))
+    }
+
+    /// # Safety
+    ///
+    /// `header` and `data` must stay valid and unchanged until the operation completes (the
+    /// returned pointer is null, an error, or a request that has left `UCS_INPROGRESS`).
+    unsafe fn am_send_raw(
+        &self,
+        id: u16,
+        header: &[u8],
+        data: &[u8],
+        proto: AmProto,
+    ) -> sys::ucs_status_ptr_t {
+        let flags = match proto {
+            AmProto::Eager => sys::UCP_AM_SEND_FLAG_EAGER,
+            AmProto::Rendezvous => sys::UCP_AM_SEND_FLAG_RNDV,
+            AmProto::Auto => 0,
+        };
+        let param = sys::ucp_request_param_t {
+            op_attr_mask: sys::UCP_OP_ATTR_FIELD_FLAGS,
+            flags,
+            ..Default::default()
+        };
+        // UCX wants a null header with length 0.
+        let header_ptr = if header.is_empty() {
+            ptr::null()
+        } else {
+            header.as_ptr()
+        };
+        // SAFETY: the endpoint is open and used on its worker's thread; the buffers are readable
+        // for their lengths and, by this function's contract, stay so until completion; `param`
+        // is initialised.
+        unsafe {
+            sys::ucp_am_send_nbx(
+                self.handle,
+                id.into(),
+                header_ptr.cast(),
+                header.len(),
+                data.as_ptr().cast(),
+                data.len(),
+                &param,
+            )
+        }
+    }
+
+    /// Closes the endpoint, reporting how: flushes it (progressing the worker) for up to
+    /// `timeout`, then closes gracefully; if the flush fails or times out, closes with
+    /// `UCP_EP_CLOSE_FLAG_FORCE`, which drops whatever was still queued.
+    ///
+    /// Wraps `ucp_ep_flush_nbx` and `ucp_ep_close_nbx`.
+    ///
+    /// # Errors
+    ///
+    /// [`Op::Flush`] if the flush failed or timed out ([`Status::TIMED_OUT`]) and the endpoint was
+    /// force-closed; [`Op::EpClose`] if closing failed or did not finish within the timeout
+    /// (UCX then finishes it internally). The endpoint is released in every case.
+    #[doc(alias = "ucp_ep_close_nbx")]
+    pub fn close(mut self, timeout: Duration) -> Result<(), Error> {
+        self.close_inner(timeout)
+    }
+
+    fn close_inner(&mut self, timeout: Duration) -> Result<(), Error> {
+        let handle = std::mem::replace(&mut self.handle, ptr::null_mut());
+        if handle.is_null() {
+            return Ok(());
+        }
+        let deadline = Instant::now() + timeout;
+
+        let param = sys::ucp_request_param_t::default();
+        // SAFETY: `handle` is open and used on its worker's thread; nothing borrows the endpoint
+        // any more (`close` consumes it, `drop` owns it).
+        let flush = check_ptr(unsafe { sys::ucp_ep_flush_nbx(handle, &param) });
+        let (flushed, stale_flush) = match flush {
+            Ok(None) => (Ok(()), None),
+            Ok(Some(req)) => match self.wait_raw(&req, deadline) {
+                Some(status) => {
+                    // SAFETY: the flush request completed; released once, here.
+                    unsafe { sys::ucp_request_free(req.as_ptr()) };
+                    (check(status).op(Op::Flush), None)
+                }
+                None => (Err(Error::new(Op::Flush, Status::TIMED_OUT)), Some(req)),
+            },
+            Err(status) => (Err(Error::new(Op::Flush, status)), None),
+        };
+
+        let flags = match &flushed {
+            Ok(()) => 0,
+            Err(err) => {
+                tracing::warn!(
+                    status = %err.status(),
+                    "endpoint flush did not finish; closing it with UCP_EP_CLOSE_FLAG_FORCE"
+                );
+                sys::UCP_EP_CLOSE_FLAG_FORCE
+            }
+        };
+        let param = sys::ucp_request_param_t {
+            op_attr_mask: sys::UCP_OP_ATTR_FIELD_FLAGS,
+            flags,
+            ..Default::default()
+        };
+        // SAFETY: `handle` is open; it is never used again after this call.
+        let close = check_ptr(unsafe { sys::ucp_ep_close_nbx(handle, &param) });
+        let closed = match close {
+            Ok(None) => Ok(()),
+            Ok(Some(req)) => {
+                // A forced close completes without the peer; give it a moment past a deadline
+                // that the flush may have used up.
+                let deadline = deadline.max(Instant::now() + Duration::from_millis(100));
+                let status = self.wait_raw(&req, deadline);
+                // SAFETY: released once, here; `ucp_request_free` accepts a request in any
+                // state, and a close request references no memory of ours.
+                unsafe { sys::ucp_request_free(req.as_ptr()) };
+                match status {
+                    Some(status) => check(status).op(Op::EpClose),
+                    None => Err(Error::new(Op::EpClose, Status::TIMED_OUT)),
+                }
+            }
+            Err(status) => Err(Error::new(Op::EpClose, status)),
+        };
+
+        if let Some(req) = stale_flush {
+            // SAFETY: the timed-out flush was purged by the forced close; a flush references no
+            // memory of ours, and `ucp_request_free` accepts a request in any state.
+            unsafe { sys::ucp_request_free(req.as_ptr()) };
+        }
+        flushed.and(closed)
+    }
+
+    /// Progresses the worker until `req` completes (its status) or `deadline` passes (`None`).
+    fn wait_raw(&self, req: &RawRequest, deadline: Instant) -> Option<sys::ucs_status_t> {
+        loop {
+            // SAFETY: `req` is a live request of this worker, not yet freed.
+            let status = unsafe { sys::ucp_request_check_status(req.as_ptr()) };
+            if status != sys::ucs_status_t::UCS_INPROGRESS {
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            self.worker.progress_for_drop();
+        }
+    }
+}
+
+impl Drop for Endpoint<'_> {
+    fn drop(&mut self) {
+        if let Err(err) = self.close_inner(DROP_CLOSE_TIMEOUT) {
+            tracing::warn!(error = %err, status = %err.status(), "endpoint closed uncleanly");
+        }
+    }
+}
+
+impl fmt::Debug for Endpoint<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Endpoint")
+            .field("handle", &self.handle)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A peer's remote key unpacked on an [`Endpoint`] (`ucp_rkey_h`): the permission to write the
+/// peer memory it describes. Borrows the endpoint and is used only with it.
+///
+/// `Drop` wraps `ucp_rkey_destroy`.
+#[doc(alias = "ucp_rkey_h")]
+pub struct RemoteKey<'ep> {
+    handle: sys::ucp_rkey_h,
+    /// The endpoint it was unpacked on, to reject use on another.
+    ep: sys::ucp_ep_h,
+    _ep: PhantomData<&'ep Endpoint<'ep>>,
+}
+
+impl Drop for RemoteKey<'_> {
+    fn drop(&mut self) {
+        // SAFETY: `handle` came from `ucp_ep_rkey_unpack` and is destroyed once, here, on the
+        // worker's thread (`RemoteKey` is not `Send`); requests that use it borrow it, so none is
+        // in flight, and the endpoint is still open (borrowed).
+        unsafe { sys::ucp_rkey_destroy(self.handle) };
+    }
+}
+
+impl fmt::Debug for RemoteKey<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RemoteKey")
+            .field("handle", &self.handle)
+            .finish_non_exhaustive()
+    }
+}

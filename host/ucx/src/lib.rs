@@ -1,0 +1,137 @@
+/*!
+Safe UCX (UCP) for kvferry: contexts, workers, endpoints, one-sided puts and active messages.
+
+This is the only crate that calls into `ucx-sys`; nothing else in the workspace names it. Every
+UCX object has one owning type whose `Drop` releases it, and lifetimes encode the destruction
+order UCX needs:
+
+```text
+Arc<Context> ─┬─ Worker ── Endpoint<'w> ─┬─ RemoteKey<'ep>
+              │     │                     └─ Request<'a> ── borrows its source bytes
+              │     └─ progress(), active-message handlers
+              └─ MemRegion (ucp_mem_map; keeps the context alive)
+```
+
+# Typical use
+
+```no_run
+use std::sync::Arc;
+use kvferry_ucx::{Context, MemRegion, PutWindow, Worker};
+
+# fn main() -> Result<(), kvferry_ucx::Error> {
+let ctx = Context::builder().tls("posix,sysv,self").build()?;
+// Target side: UCX-allocated memory is the one-sided shared-memory fast path.
+let target_worker = Worker::new(&ctx)?;
+let target = MemRegion::allocate(&ctx, 1 << 20)?;
+let (address, rkey, base) = (target_worker.address()?, target.pack_rkey()?, target.remote_addr());
+
+// Initiator side (normally another process; the three values travel out of band).
+let worker = Worker::new(&ctx)?;
+let ep = worker.connect(&address)?;
+let rkey = ep.unpack_rkey(rkey.as_bytes())?;
+let src = vec![7u8; 1 << 20];
+let mut window = PutWindow::new(&ep);
+for (i, chunk) in src.chunks(64 << 10).enumerate() {
+    window.put(chunk, base + (i * (64 << 10)) as u64, &rkey)?;
+}
+window.finish()?; // every put done and flushed: remotely visible
+# Ok(())
+# }
+```
+
+# Progress
+
+Nothing happens unless a worker is progressed ([`Worker::progress`]); [`Request::wait`] and
+[`PutWindow`] progress the initiator's worker for you. The **target** worker must be progressed
+too, by its own thread or loop: wire-up always needs it, and so do puts into registered (rather
+than UCX-allocated) memory and every put over `tcp`, which UCX emulates with active messages.
+
+# Threads
+
+A [`Context`] is `Send + Sync` and shared through `Arc`. A [`Worker`] is `Send` but not `Sync`:
+move it to the thread that progresses it. Endpoints, remote keys and requests borrow their
+worker and stay on that thread.
+
+# Trust
+
+Worker addresses and packed remote keys are parsed by UCX without a length: they must be bytes
+produced by a peer's [`Worker::address`] / [`MemRegion::pack_rkey`], delivered intact. A peer
+is trusted anyway: holding a remote key, it can write the memory the key describes.
+*/
+
+#![deny(missing_docs)]
+
+mod callback;
+mod context;
+mod endpoint;
+mod ffi;
+mod memory;
+mod request;
+mod status;
+mod window;
+mod worker;
+
+use std::ffi::CStr;
+
+pub use context::{Context, ContextBuilder};
+pub use endpoint::{AmProto, Endpoint, RemoteKey};
+pub use memory::{MemRegion, PackedRkey};
+pub use request::Request;
+pub use status::{Error, Op, Status};
+pub use window::PutWindow;
+pub use worker::Worker;
+
+/// The version of the loaded UCX library, e.g. `"1.13.1"`.
+#[doc(alias = "ucp_get_version_string")]
+pub fn version() -> &'static str {
+    // SAFETY: `ucp_get_version_string` takes no arguments and returns a pointer to a static,
+    // NUL-terminated string literal inside the (never unloaded) library.
+    let version = unsafe { CStr::from_ptr(ucx_sys::ucp_get_version_string()) };
+    version.to_str().unwrap_or("unknown")
+}
+
+/// Compile-time checks of the thread-safety claims in the crate docs.
+///
+/// ```compile_fail
+/// fn sync<T: Sync>() {}
+/// sync::<kvferry_ucx::Worker>(); // a worker is progressed by one thread at a time
+/// ```
+///
+/// ```compile_fail
+/// fn send<T: Send>() {}
+/// send::<kvferry_ucx::Endpoint<'static>>(); // endpoints stay with their worker's thread
+/// ```
+///
+/// ```compile_fail
+/// fn send<T: Send>() {}
+/// send::<kvferry_ucx::Request<'static>>();
+/// ```
+///
+/// ```compile_fail
+/// # use kvferry_ucx::{Endpoint, RemoteKey};
+/// fn put_then_free(ep: &Endpoint<'_>, rkey: &RemoteKey<'_>) {
+///     let src = vec![1u8; 64];
+///     let req = ep.put(&src, 0, rkey).unwrap();
+///     drop(src); // error: `src` is borrowed by the in-flight put
+///     req.wait().unwrap();
+/// }
+/// ```
+///
+/// The same code with the request finished first compiles:
+///
+/// ```
+/// # use kvferry_ucx::{Endpoint, RemoteKey};
+/// fn put_then_free(ep: &Endpoint<'_>, rkey: &RemoteKey<'_>) {
+///     let src = vec![1u8; 64];
+///     let req = ep.put(&src, 0, rkey).unwrap();
+///     req.wait().unwrap();
+///     drop(src);
+/// }
+/// fn send<T: Send>() {}
+/// fn sync<T: Send + Sync>() {}
+/// send::<kvferry_ucx::Worker>();
+/// sync::<kvferry_ucx::Context>();
+/// sync::<kvferry_ucx::MemRegion>();
+/// ```
+#[cfg(doctest)]
+pub struct ThreadSafetyDocTests;

@@ -1,0 +1,106 @@
+//! Helpers shared by the integration tests (each test file is its own binary and uses a
+//! different subset, hence the `dead_code` allowance).
+#![allow(dead_code)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use kvferry_ucx::{Context, Error, Request, Worker};
+
+/// How long any single wait in these tests may take before the test fails instead of hanging.
+pub const DEADLINE: Duration = Duration::from_secs(10);
+
+/// Transport selections, set through context overrides so that the environment's `UCX_TLS`
+/// cannot change what a test exercises (except [`Transport::Env`], which is exactly that).
+#[derive(Clone, Copy, Debug)]
+pub enum Transport {
+    /// Intra-node shared memory: `posix,sysv,self`.
+    Shm,
+    /// Loopback TCP: `tcp` on `lo`; puts are emulated with active messages.
+    Tcp,
+    /// Whatever `UCX_TLS` / `UCX_NET_DEVICES` in the environment select (UCX's default if unset).
+    Env,
+}
+
+impl Transport {
+    pub fn context(self) -> Arc<Context> {
+        let builder = Context::builder();
+        let builder = match self {
+            Transport::Shm => builder.tls("posix,sysv,self"),
+            Transport::Tcp => builder.tls("tcp").net_devices("lo"),
+            Transport::Env => builder,
+        };
+        builder.build().expect("create UCX context")
+    }
+}
+
+/// Deterministic bytes that are never 0x00 nor 0xFF, so a zeroed target byte, a byte of this
+/// pattern and a byte of its complement are always three different values.
+pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| {
+            let x = (i as u32).wrapping_mul(2_654_435_761).rotate_left(7) as u8 ^ seed;
+            x.clamp(1, 0xFE)
+        })
+        .collect()
+}
+
+/// Waits for `request` while progressing every worker in `workers` (the request's own among
+/// them): in one thread the target must be progressed by hand, or emulated puts and wire-up
+/// never finish.
+pub fn drive(mut request: Request<'_>, workers: &[&Worker]) -> Result<(), Error> {
+    let deadline = Instant::now() + DEADLINE;
+    while !request.is_done() {
+        assert!(
+            Instant::now() < deadline,
+            "{:?} did not finish in {DEADLINE:?}",
+            request.op()
+        );
+        for worker in workers {
+            worker.progress();
+        }
+    }
+    request.wait()
+}
+
+/// Progresses `workers` until `done()` holds.
+pub fn progress_until(workers: &[&Worker], mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + DEADLINE;
+    while !done() {
+        assert!(
+            Instant::now() < deadline,
+            "condition not reached in {DEADLINE:?}"
+        );
+        for worker in workers {
+            worker.progress();
+        }
+    }
+}
+
+/// A worker progressed by its own thread, as a target process would.
+pub struct Progressor {
+    stop: Arc<AtomicBool>,
+    thread: JoinHandle<Worker>,
+}
+
+impl Progressor {
+    pub fn spawn(worker: Worker) -> Progressor {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&stop);
+        let thread = thread::spawn(move || {
+            while !flag.load(Ordering::Acquire) {
+                worker.progress();
+            }
+            worker
+        });
+        Progressor { stop, thread }
+    }
+
+    /// Stops the thread and hands the worker back.
+    pub fn stop(self) -> Worker {
+        self.stop.store(true, Ordering::Release);
+        self.thread.join().expect("progress thread panicked")
+    }
+}
