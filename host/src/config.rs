@@ -1,5 +1,6 @@
 //! Configuration: a TOML file (`--config`, else `KVFERRY_CONFIG`), overridden by the
-//! environment (`KVFERRY_PLANNER`, `KVFERRY_PLUGIN_DIR`), overridden by command-line flags.
+//! environment (`KVFERRY_PLANNER`, `KVFERRY_PLUGIN_DIR`), overridden by command-line flags
+//! (see [`crate::registry::select_planner_id`] and [`crate::registry::plugin_dirs`]).
 //!
 //! ```toml
 //! planner = "kvferry.deepseek_mla_latent"   # default: kvferry.default
@@ -10,15 +11,9 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-/// The environment variable naming the config file.
+/// The environment variable naming the config file. The planner and plugin-directory
+/// variables belong to [`crate::registry`], which reads them.
 pub const CONFIG_ENV: &str = "KVFERRY_CONFIG";
-/// The environment variable naming the planner to bind.
-pub const PLANNER_ENV: &str = "KVFERRY_PLANNER";
-/// The environment variable listing plugin directories, colon-separated.
-pub const PLUGIN_DIR_ENV: &str = "KVFERRY_PLUGIN_DIR";
-
-/// The planner bound when nothing names one.
-pub const DEFAULT_PLANNER: &str = "kvferry.default";
 
 /// The config file's contents. Unknown keys are refused, so a typo does not silently fall
 /// back to a default.

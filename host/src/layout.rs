@@ -1,0 +1,794 @@
+//! Model presets and the per-rank cache layout they produce.
+//!
+//! [`build_instance`] turns a [`ModelSpec`] and a parallel [`Mapping`] into one [`RankInfo`]
+//! per rank of an instance, with the page table that rank would advertise: pools, layer
+//! groups, views, buffer entries and shard geometry (`transfer-semantics.md` §2, §12). The
+//! dimensions are the published ones of each model; nothing here is tuned for a planner.
+//!
+//! | preset | layers | groups |
+//! |---|---|---|
+//! | `deepseek-v3` | 61 | PAGED MLA latent `{key}`, 576 elements/token/layer, duplicated over TP |
+//! | `llama-3-70b` | 80 | PAGED `{key,value}` HND, 8 KV heads × 128 |
+//! | `qwen3-next-80b-a3b` | 48 | PAGED `{key,value}` (every 4th layer, 2 KV heads × 256) + STATE `conv` (SECTIONED Q/K/V) and `ssm` (HND fp32) |
+//! | `gpt-oss-120b` | 36 | PAGED sliding (even layers, window 128) + PAGED full (odd layers), 8 KV heads × 64 |
+//!
+//! Every view gets its own pool; a slot holds the group's layers back to back, each layer's
+//! buffers (K then V) back to back. Layer ids are stage-local (`local`) and model-wide
+//! (`global = first layer of the stage + local`).
+
+use std::fmt;
+use std::str::FromStr;
+
+use kvferry_planner_abi::ffi::{ROption, RString, RVec};
+use kvferry_planner_abi::{
+    BufferEntry, DEFAULT_DESCRIBER_ID, GroupKind, LayerGroup, LayoutKind, LocalLayer, Mapping,
+    MemoryType, PageTable, PhysicalPool, PlanError, PoolView, RankInfo, RoleLayout,
+};
+
+/// Why a layout could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum LayoutError {
+    /// A preset name no preset answers to.
+    #[error(
+        "unknown model preset `{0}` (known: deepseek-v3, llama-3-70b, qwen3-next-80b-a3b, gpt-oss-120b)"
+    )]
+    UnknownPreset(String),
+    /// A dtype name other than `fp8` or `bf16`.
+    #[error("unknown kv dtype `{0}` (known: fp8, bf16)")]
+    UnknownDtype(String),
+    /// A mapping with a zero size.
+    #[error("mapping {mapping}: {what} must be at least 1")]
+    ZeroSize {
+        /// The mapping.
+        mapping: Mapping,
+        /// Which size is zero.
+        what: &'static str,
+    },
+    /// `tokens_per_block` is zero.
+    #[error("tokens_per_block must be at least 1")]
+    ZeroTokensPerBlock,
+    /// An explicit PP split that does not fit the model or the mapping.
+    #[error("layers_per_pp {split:?} does not fit: {reason}")]
+    LayerSplit {
+        /// The split asked for.
+        split: Vec<u32>,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A TP width the model's heads or channels cannot be split over.
+    #[error(
+        "{preset}: {what} ({count}) cannot be split over {width} ranks: the width must divide \
+         the count or be a multiple of it"
+    )]
+    Sharding {
+        /// The preset.
+        preset: Preset,
+        /// What is being split, e.g. `kv heads`.
+        what: &'static str,
+        /// How many there are.
+        count: u32,
+        /// The width asked for.
+        width: u32,
+    },
+    /// An instance rank outside the mapping.
+    #[error("instance rank {rank} is outside mapping {mapping} ({world} ranks)")]
+    RankOutOfRange {
+        /// The rank asked for.
+        rank: u32,
+        /// The mapping.
+        mapping: Mapping,
+        /// Ranks in the mapping.
+        world: u32,
+    },
+    /// The built page table failed its structural check (a bug in this module).
+    #[error("page table of rank {rank} is invalid: {source}")]
+    InvalidPageTable {
+        /// The rank.
+        rank: u32,
+        /// The check that failed.
+        source: PlanError,
+    },
+}
+
+/// A model whose cache layout kvferry knows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Preset {
+    /// DeepSeek-V3 / R1: MLA latent cache, 61 layers.
+    DeepseekV3,
+    /// Llama-3-70B: GQA, 80 layers, 8 KV heads of 128.
+    Llama3_70b,
+    /// Qwen3-Next-80B-A3B: 12 full-attention layers and 36 Gated DeltaNet layers.
+    Qwen3Next80bA3b,
+    /// gpt-oss-120b: 36 layers alternating sliding-window (128) and full attention.
+    GptOss120b,
+}
+
+impl Preset {
+    /// Every preset, in documentation order.
+    pub const ALL: [Preset; 4] = [
+        Preset::DeepseekV3,
+        Preset::Llama3_70b,
+        Preset::Qwen3Next80bA3b,
+        Preset::GptOss120b,
+    ];
+
+    /// The preset's command-line name, e.g. `deepseek-v3`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Preset::DeepseekV3 => "deepseek-v3",
+            Preset::Llama3_70b => "llama-3-70b",
+            Preset::Qwen3Next80bA3b => "qwen3-next-80b-a3b",
+            Preset::GptOss120b => "gpt-oss-120b",
+        }
+    }
+
+    /// The architecture name of the model's config, as a [`kvferry_planner_abi::Deployment`]
+    /// carries it.
+    pub fn architecture(self) -> &'static str {
+        match self {
+            Preset::DeepseekV3 => "DeepseekV3ForCausalLM",
+            Preset::Llama3_70b => "LlamaForCausalLM",
+            Preset::Qwen3Next80bA3b => "Qwen3NextForCausalLM",
+            Preset::GptOss120b => "GptOssForCausalLM",
+        }
+    }
+
+    /// Decoder layers of the model.
+    pub fn num_layers(self) -> u32 {
+        match self {
+            Preset::DeepseekV3 => 61,
+            Preset::Llama3_70b => 80,
+            Preset::Qwen3Next80bA3b => 48,
+            Preset::GptOss120b => 36,
+        }
+    }
+
+    /// The KV dtype served by default: FP8 for DeepSeek, BF16 otherwise.
+    pub fn default_dtype(self) -> Dtype {
+        match self {
+            Preset::DeepseekV3 => Dtype::Fp8,
+            _ => Dtype::Bf16,
+        }
+    }
+}
+
+impl fmt::Display for Preset {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Preset {
+    type Err = LayoutError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Preset::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| LayoutError::UnknownPreset(s.to_string()))
+    }
+}
+
+/// Element type of the attention KV cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Dtype {
+    /// FP8 E4M3, one byte.
+    Fp8,
+    /// BF16, two bytes.
+    Bf16,
+}
+
+impl Dtype {
+    /// The command-line name: `fp8` or `bf16`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::Fp8 => "fp8",
+            Dtype::Bf16 => "bf16",
+        }
+    }
+
+    /// The name a [`RoleLayout`] carries: `fp8_e4m3` or `bf16`.
+    pub fn layout_name(self) -> &'static str {
+        match self {
+            Dtype::Fp8 => "fp8_e4m3",
+            Dtype::Bf16 => "bf16",
+        }
+    }
+
+    /// Bits per element.
+    pub fn bits(self) -> u32 {
+        match self {
+            Dtype::Fp8 => 8,
+            Dtype::Bf16 => 16,
+        }
+    }
+
+    /// Bytes per element.
+    pub fn bytes(self) -> u64 {
+        u64::from(self.bits() / 8)
+    }
+}
+
+impl fmt::Display for Dtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Dtype {
+    type Err = LayoutError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "fp8" => Ok(Dtype::Fp8),
+            "bf16" => Ok(Dtype::Bf16),
+            _ => Err(LayoutError::UnknownDtype(s.to_string())),
+        }
+    }
+}
+
+/// A model as served: preset, KV dtype, block size and (optionally) an uneven PP split.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelSpec {
+    /// The model.
+    pub preset: Preset,
+    /// Element type of the attention KV cache (recurrent state keeps its own types).
+    pub dtype: Dtype,
+    /// Tokens per PAGED slot.
+    pub tokens_per_block: u32,
+    /// Layers per PP stage; `None` splits evenly, earlier stages taking the remainder.
+    pub layers_per_pp: Option<Vec<u32>>,
+}
+
+impl ModelSpec {
+    /// The preset with its default dtype, 32 tokens per block and an even PP split.
+    pub fn new(preset: Preset) -> Self {
+        Self {
+            preset,
+            dtype: preset.default_dtype(),
+            tokens_per_block: 32,
+            layers_per_pp: None,
+        }
+    }
+
+    /// The same spec with another dtype.
+    pub fn with_dtype(mut self, dtype: Dtype) -> Self {
+        self.dtype = dtype;
+        self
+    }
+
+    /// The same spec with another block size.
+    pub fn with_tokens_per_block(mut self, tokens_per_block: u32) -> Self {
+        self.tokens_per_block = tokens_per_block;
+        self
+    }
+
+    /// The same spec with an explicit PP split.
+    pub fn with_layers_per_pp(mut self, split: Vec<u32>) -> Self {
+        self.layers_per_pp = Some(split);
+        self
+    }
+
+    /// Layers held by each of `pp` stages.
+    ///
+    /// # Errors
+    ///
+    /// `pp` of 0, or an explicit split whose length is not `pp` or whose sum is not the
+    /// model's layer count.
+    pub fn layers_per_pp(&self, pp: u32) -> Result<Vec<u32>, LayoutError> {
+        let total = self.preset.num_layers();
+        match &self.layers_per_pp {
+            Some(split) => {
+                let fail = |reason: String| LayoutError::LayerSplit {
+                    split: split.clone(),
+                    reason,
+                };
+                if split.len() != pp as usize {
+                    return Err(fail(format!("{} stages for pp {pp}", split.len())));
+                }
+                let sum: u64 = split.iter().map(|&n| u64::from(n)).sum();
+                if sum != u64::from(total) {
+                    return Err(fail(format!(
+                        "sums to {sum}, {} has {total} layers",
+                        self.preset
+                    )));
+                }
+                Ok(split.clone())
+            }
+            None => {
+                if pp == 0 {
+                    return Err(LayoutError::LayerSplit {
+                        split: Vec::new(),
+                        reason: "pp is 0".to_string(),
+                    });
+                }
+                let (base, extra) = (total / pp, total % pp);
+                Ok((0..pp).map(|p| base + u32::from(p < extra)).collect())
+            }
+        }
+    }
+}
+
+impl fmt::Display for ModelSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} {} tpb{}",
+            self.preset, self.dtype, self.tokens_per_block
+        )
+    }
+}
+
+/// How pools are sized and placed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolOptions {
+    /// Slots of every PAGED pool.
+    pub paged_slots: u64,
+    /// Slots of every STATE pool.
+    pub state_slots: u64,
+    /// Bytes added after every slot's payload (`slot_stride = slot_bytes + slot_padding`).
+    pub slot_padding: u64,
+    /// Where the pools live.
+    pub memory_type: MemoryType,
+}
+
+impl Default for PoolOptions {
+    /// 64 PAGED slots, 1 STATE slot, no padding, VRAM.
+    fn default() -> Self {
+        Self {
+            paged_slots: 64,
+            state_slots: 1,
+            slot_padding: 0,
+            memory_type: MemoryType::VRAM,
+        }
+    }
+}
+
+/// A rank's position in a mapping.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RankCoords {
+    /// Pipeline stage.
+    pub pp: u32,
+    /// Tensor-parallel rank.
+    pub tp: u32,
+    /// Context-parallel rank.
+    pub cp: u32,
+}
+
+/// The instance rank of `coords`, CP-minor: `pp × (tp × cp) + tp × cp + cp`.
+pub fn instance_rank(mapping: &Mapping, coords: RankCoords) -> u32 {
+    coords.pp * mapping.tp * mapping.cp + coords.tp * mapping.cp + coords.cp
+}
+
+/// The coordinates of `rank` (inverse of [`instance_rank`]).
+pub fn rank_coords(mapping: &Mapping, rank: u32) -> RankCoords {
+    let per_stage = (mapping.tp * mapping.cp).max(1);
+    let cp = mapping.cp.max(1);
+    RankCoords {
+        pp: rank / per_stage,
+        tp: rank % per_stage / cp,
+        cp: rank % cp,
+    }
+}
+
+/// One [`RankInfo`] per rank of an instance, in rank order.
+///
+/// `alloc(rank, pool, bytes)` is called once per pool of every rank with the pool's
+/// footprint ([`PhysicalPool::footprint`]) and returns the pool's base address.
+///
+/// # Errors
+///
+/// See [`build_rank`].
+pub fn build_instance(
+    model: &ModelSpec,
+    mapping: &Mapping,
+    instance_name: &str,
+    planner_id: &str,
+    options: &PoolOptions,
+    alloc: &mut dyn FnMut(u32, usize, u64) -> u64,
+) -> Result<Vec<RankInfo>, LayoutError> {
+    check_mapping(mapping)?;
+    (0..mapping.world_size())
+        .map(|rank| {
+            build_rank(
+                model,
+                mapping,
+                instance_name,
+                planner_id,
+                rank,
+                options,
+                alloc,
+            )
+        })
+        .collect()
+}
+
+/// The [`RankInfo`] of one rank of an instance.
+///
+/// # Errors
+///
+/// A zero size in the mapping or a zero block size, a PP split that does not fit, a TP width
+/// the model's heads cannot be split over (e.g. Llama's 8 KV heads over 3 ranks), or a rank
+/// outside the mapping.
+pub fn build_rank(
+    model: &ModelSpec,
+    mapping: &Mapping,
+    instance_name: &str,
+    planner_id: &str,
+    rank: u32,
+    options: &PoolOptions,
+    alloc: &mut dyn FnMut(u32, usize, u64) -> u64,
+) -> Result<RankInfo, LayoutError> {
+    check_mapping(mapping)?;
+    if model.tokens_per_block == 0 {
+        return Err(LayoutError::ZeroTokensPerBlock);
+    }
+    let world = mapping.world_size();
+    if rank >= world {
+        return Err(LayoutError::RankOutOfRange {
+            rank,
+            mapping: *mapping,
+            world,
+        });
+    }
+    let coords = rank_coords(mapping, rank);
+    let layers_per_pp = model.layers_per_pp(mapping.pp)?;
+    let stage_start: u32 = layers_per_pp[..coords.pp as usize].iter().sum();
+    let stage = Stage {
+        start: stage_start,
+        len: layers_per_pp[coords.pp as usize],
+    };
+    // TP width of one DP group, and this rank's place in it.
+    let (tp_per_dp, tp_in_dp) = if mapping.attention_dp {
+        (1, 0)
+    } else {
+        (mapping.tp, coords.tp)
+    };
+    let geometry = Geometry {
+        tpb: u64::from(model.tokens_per_block),
+        elem: model.dtype,
+        tp_per_dp,
+        tp_in_dp,
+        // Recurrent state under helix: CP ranks act as TP, CP-minor (semantics §6.2).
+        state_width: tp_per_dp * mapping.cp,
+        state_index: tp_in_dp * mapping.cp + coords.cp,
+    };
+    let groups = match model.preset {
+        Preset::DeepseekV3 => deepseek_v3(&geometry, &stage)?,
+        Preset::Llama3_70b => llama_3_70b(&geometry, &stage)?,
+        Preset::Qwen3Next80bA3b => qwen3_next(&geometry, &stage)?,
+        Preset::GptOss120b => gpt_oss(&geometry, &stage)?,
+    };
+    let page_table = assemble(model.tokens_per_block, groups, options, rank, alloc);
+    page_table
+        .validate()
+        .map_err(|source| LayoutError::InvalidPageTable { rank, source })?;
+    let (dp_size, dp_rank) = if mapping.attention_dp {
+        (mapping.tp, coords.tp)
+    } else {
+        (1, 0)
+    };
+    Ok(RankInfo {
+        instance_name: RString::from(instance_name),
+        instance_rank: rank,
+        tp_size: mapping.tp,
+        tp_rank: coords.tp,
+        pp_size: mapping.pp,
+        pp_rank: coords.pp,
+        cp_size: mapping.cp,
+        cp_rank: coords.cp,
+        dp_size,
+        dp_rank,
+        attention_dp: mapping.attention_dp,
+        layers_per_pp: RVec::from(layers_per_pp),
+        page_table,
+        planner_id: RString::from(planner_id),
+        describer_id: RString::from(DEFAULT_DESCRIBER_ID),
+        planner_blob: RVec::new(),
+    })
+}
+
+fn check_mapping(mapping: &Mapping) -> Result<(), LayoutError> {
+    for (what, size) in [("tp", mapping.tp), ("pp", mapping.pp), ("cp", mapping.cp)] {
+        if size == 0 {
+            return Err(LayoutError::ZeroSize {
+                mapping: *mapping,
+                what,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The layers one PP stage holds: global ids `start .. start + len`.
+struct Stage {
+    start: u32,
+    len: u32,
+}
+
+impl Stage {
+    /// The stage's layers whose global id satisfies `keep`, as (local, global).
+    fn layers(&self, keep: impl Fn(u32) -> bool) -> Vec<LocalLayer> {
+        (0..self.len)
+            .map(|local| LocalLayer {
+                local,
+                global: self.start + local,
+            })
+            .filter(|l| keep(l.global))
+            .collect()
+    }
+}
+
+/// What a rank's layout depends on besides the model.
+struct Geometry {
+    tpb: u64,
+    elem: Dtype,
+    /// Attention TP width inside the DP group (1 under attention DP).
+    tp_per_dp: u32,
+    /// TP rank inside the DP group.
+    tp_in_dp: u32,
+    /// Width of the recurrent-state shard grid (TP × CP).
+    state_width: u32,
+    /// This rank's index in that grid.
+    state_index: u32,
+}
+
+/// How a set of heads is spread over a TP width.
+struct HeadSplit {
+    heads_per_rank: u32,
+    num_shards: u32,
+    shard_index: u32,
+    num_replicas: u32,
+    replica_index: u32,
+}
+
+fn split_heads(
+    preset: Preset,
+    what: &'static str,
+    heads: u32,
+    width: u32,
+    index: u32,
+) -> Result<HeadSplit, LayoutError> {
+    if heads % width != 0 && width % heads != 0 {
+        return Err(LayoutError::Sharding {
+            preset,
+            what,
+            count: heads,
+            width,
+        });
+    }
+    let num_shards = width.min(heads);
+    let num_replicas = width / num_shards;
+    Ok(HeadSplit {
+        heads_per_rank: (heads / width).max(1),
+        num_shards,
+        shard_index: index / num_replicas,
+        num_replicas,
+        replica_index: index % num_replicas,
+    })
+}
+
+/// A view to build: its own pool, `buffers` buffers of `buffer_bytes` per layer.
+struct ViewSpec {
+    roles: &'static [&'static str],
+    layout: RoleLayout,
+    buffers: u32,
+    buffer_bytes: u64,
+}
+
+/// A layer group to build.
+struct GroupSpec {
+    kind: GroupKind,
+    window: Option<u64>,
+    layers: Vec<LocalLayer>,
+    views: Vec<ViewSpec>,
+}
+
+/// A K/V (or K-only) attention view, HND, sharded by head.
+fn attention_view(
+    roles: &'static [&'static str],
+    split: &HeadSplit,
+    head_dim: u64,
+    g: &Geometry,
+) -> ViewSpec {
+    let unit = g.tpb * head_dim * g.elem.bytes();
+    ViewSpec {
+        roles,
+        layout: RoleLayout {
+            kind: LayoutKind::HND,
+            dtype: RString::from(g.elem.layout_name()),
+            elem_bits: g.elem.bits(),
+            num_shards: split.num_shards,
+            shard_index: split.shard_index,
+            num_replicas: split.num_replicas,
+            replica_index: split.replica_index,
+            shard_unit_bytes: unit,
+            section_bytes: RVec::new(),
+        },
+        buffers: roles.len() as u32,
+        buffer_bytes: u64::from(split.heads_per_rank) * unit,
+    }
+}
+
+const KV: &[&str] = &["key", "value"];
+
+fn deepseek_v3(g: &Geometry, stage: &Stage) -> Result<Vec<GroupSpec>, LayoutError> {
+    // One latent "head" of kv_lora_rank 512 + rope 64, duplicated on every TP rank.
+    let split = split_heads(
+        Preset::DeepseekV3,
+        "mla latent heads",
+        1,
+        g.tp_per_dp,
+        g.tp_in_dp,
+    )?;
+    Ok(vec![GroupSpec {
+        kind: GroupKind::PAGED,
+        window: None,
+        layers: stage.layers(|_| true),
+        views: vec![attention_view(&["key"], &split, 576, g)],
+    }])
+}
+
+fn llama_3_70b(g: &Geometry, stage: &Stage) -> Result<Vec<GroupSpec>, LayoutError> {
+    let split = split_heads(Preset::Llama3_70b, "kv heads", 8, g.tp_per_dp, g.tp_in_dp)?;
+    Ok(vec![GroupSpec {
+        kind: GroupKind::PAGED,
+        window: None,
+        layers: stage.layers(|_| true),
+        views: vec![attention_view(KV, &split, 128, g)],
+    }])
+}
+
+fn qwen3_next(g: &Geometry, stage: &Stage) -> Result<Vec<GroupSpec>, LayoutError> {
+    const PRESET: Preset = Preset::Qwen3Next80bA3b;
+    let is_attention = |global: u32| global % 4 == 3;
+    let split = split_heads(PRESET, "kv heads", 2, g.tp_per_dp, g.tp_in_dp)?;
+    // Gated DeltaNet: 16 key heads and 32 value heads of 128, conv kernel 4.
+    let (w, i) = (g.state_width, g.state_index);
+    if 16 % w != 0 {
+        return Err(LayoutError::Sharding {
+            preset: PRESET,
+            what: "gated deltanet key heads",
+            count: 16,
+            width: w,
+        });
+    }
+    let conv_elem = Dtype::Bf16;
+    // Conv state is channel-major (`[channel][kernel - 1]`), so a shard of a section is one
+    // contiguous run of channels.
+    let per_channel = 3 * conv_elem.bytes();
+    let sections = [
+        2048 / u64::from(w),
+        2048 / u64::from(w),
+        4096 / u64::from(w),
+    ]
+    .map(|channels| channels * per_channel);
+    let conv = ViewSpec {
+        roles: &["conv"],
+        layout: RoleLayout {
+            kind: LayoutKind::SECTIONED,
+            dtype: RString::from(conv_elem.layout_name()),
+            elem_bits: conv_elem.bits(),
+            num_shards: w,
+            shard_index: i,
+            num_replicas: 1,
+            replica_index: 0,
+            shard_unit_bytes: 0,
+            section_bytes: RVec::from(sections.to_vec()),
+        },
+        buffers: 1,
+        buffer_bytes: sections.iter().sum(),
+    };
+    let ssm_head = 128 * 128 * 4;
+    let ssm = ViewSpec {
+        roles: &["ssm"],
+        layout: RoleLayout {
+            kind: LayoutKind::HND,
+            dtype: RString::from("fp32"),
+            elem_bits: 32,
+            num_shards: w,
+            shard_index: i,
+            num_replicas: 1,
+            replica_index: 0,
+            shard_unit_bytes: ssm_head,
+            section_bytes: RVec::new(),
+        },
+        buffers: 1,
+        buffer_bytes: u64::from(32 / w) * ssm_head,
+    };
+    Ok(vec![
+        GroupSpec {
+            kind: GroupKind::PAGED,
+            window: None,
+            layers: stage.layers(is_attention),
+            views: vec![attention_view(KV, &split, 256, g)],
+        },
+        GroupSpec {
+            kind: GroupKind::STATE,
+            window: None,
+            layers: stage.layers(|l| !is_attention(l)),
+            views: vec![conv, ssm],
+        },
+    ])
+}
+
+fn gpt_oss(g: &Geometry, stage: &Stage) -> Result<Vec<GroupSpec>, LayoutError> {
+    let split = split_heads(Preset::GptOss120b, "kv heads", 8, g.tp_per_dp, g.tp_in_dp)?;
+    Ok(vec![
+        GroupSpec {
+            kind: GroupKind::PAGED,
+            window: Some(128),
+            layers: stage.layers(|l| l % 2 == 0),
+            views: vec![attention_view(KV, &split, 64, g)],
+        },
+        GroupSpec {
+            kind: GroupKind::PAGED,
+            window: None,
+            layers: stage.layers(|l| l % 2 == 1),
+            views: vec![attention_view(KV, &split, 64, g)],
+        },
+    ])
+}
+
+/// Lays the groups out in pools (one per view), skipping groups without layers.
+fn assemble(
+    tokens_per_block: u32,
+    specs: Vec<GroupSpec>,
+    options: &PoolOptions,
+    rank: u32,
+    alloc: &mut dyn FnMut(u32, usize, u64) -> u64,
+) -> PageTable {
+    let mut pools = RVec::new();
+    let mut groups = RVec::new();
+    for spec in specs.into_iter().filter(|s| !s.layers.is_empty()) {
+        let num_slots = if spec.kind == GroupKind::STATE {
+            options.state_slots
+        } else {
+            options.paged_slots
+        };
+        let mut views = RVec::new();
+        for view in spec.views {
+            let layer_bytes = u64::from(view.buffers) * view.buffer_bytes;
+            let mut entries = RVec::new();
+            for (k, layer) in spec.layers.iter().enumerate() {
+                for b in 0..u64::from(view.buffers) {
+                    entries.push(BufferEntry {
+                        local_layer: layer.local,
+                        offset: k as u64 * layer_bytes + b * view.buffer_bytes,
+                        size: view.buffer_bytes,
+                    });
+                }
+            }
+            let slot_bytes = spec.layers.len() as u64 * layer_bytes;
+            let mut pool = PhysicalPool {
+                base: 0,
+                slot_bytes,
+                slot_stride: slot_bytes + options.slot_padding,
+                num_slots,
+                memory_type: options.memory_type,
+            };
+            pool.base = alloc(rank, pools.len(), pool.footprint());
+            views.push(PoolView {
+                pool: pools.len() as u32,
+                entries,
+                roles: view.roles.iter().map(|&r| RString::from(r)).collect(),
+                layout: view.layout,
+            });
+            pools.push(pool);
+        }
+        groups.push(LayerGroup {
+            kind: spec.kind,
+            window: match spec.window {
+                Some(w) => ROption::RSome(w),
+                None => ROption::RNone,
+            },
+            layers: RVec::from(spec.layers),
+            views,
+        });
+    }
+    PageTable {
+        tokens_per_block,
+        pools,
+        groups,
+    }
+}

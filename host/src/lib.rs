@@ -1,0 +1,19 @@
+//! kvferry host: loads planners, plans and validates transfers, moves the bytes.
+//!
+//! ```text
+//!   plugin dir ──► registry ──► bound planner ──► targets / check_peer
+//!                                   │
+//!   slot tables ──► describer rows ─┴─► pair ──► validate + coalesce ──► ValidatedPlan
+//!                                                                           │
+//!                                                  local executor / UCX put ◄┘
+//! ```
+
+#![deny(missing_docs)]
+
+pub mod config;
+pub mod layout;
+pub mod oracle;
+pub mod plan;
+pub mod registry;
+pub mod scenario;
+pub mod spec;

@@ -1,0 +1,420 @@
+//! `kvferry`: list planners, check a deployment, dry-run a transfer plan.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::{Context, Result, anyhow, bail};
+use clap::{Parser, Subcommand};
+use kvferry::config::{self, Config};
+use kvferry::layout::{self, Dtype, ModelSpec, PoolOptions, Preset};
+use kvferry::registry::{self, BoundPlanner, Registry};
+use kvferry::scenario::Scenario;
+use kvferry::spec;
+use kvferry_planner_abi::{Deployment, Mapping, PlanError, RankInfo, TokenRange, TransferPlanner};
+use serde_json::json;
+
+/// Moves LLM KV caches from context servers to generation servers, planned by plugins.
+#[derive(Debug, Parser)]
+#[command(name = "kvferry", version, about)]
+struct Cli {
+    /// Config file (TOML: `planner`, `plugin_dir`); default `$KVFERRY_CONFIG`.
+    #[arg(long, global = true, value_name = "FILE")]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// List the planners found on the plugin path.
+    Planners {
+        /// Also list files that were skipped, and why.
+        #[arg(long)]
+        all: bool,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Bind a planner for a model and deployment, or say why it cannot be bound.
+    Check {
+        /// Model preset.
+        #[arg(long, value_name = "PRESET")]
+        model: Preset,
+        /// Deployment: tp4, tp4pp2, tp2cp4, dep8, dep8ep8, ...
+        #[arg(long, value_name = "SPEC", value_parser = parse_spec)]
+        deployment: Mapping,
+        #[command(flatten)]
+        shape: Shape,
+        /// Planner id (default: $KVFERRY_PLANNER, config `planner`, kvferry.default).
+        #[arg(long, value_name = "ID")]
+        planner: Option<String>,
+    },
+    /// Dry-run one request: plan every (sender, receiver) pair, execute the plans in
+    /// memory and check every destination byte.
+    Plan {
+        /// Model preset.
+        #[arg(long, value_name = "PRESET")]
+        model: Preset,
+        /// The context instance's deployment.
+        #[arg(long, value_name = "SPEC", value_parser = parse_spec)]
+        ctx: Mapping,
+        /// The generation instance's deployment.
+        #[arg(long, value_name = "SPEC", value_parser = parse_spec)]
+        r#gen: Mapping,
+        /// Prompt length in tokens.
+        #[arg(long, value_name = "N")]
+        prompt_len: u64,
+        #[command(flatten)]
+        shape: Shape,
+        /// Context DP rank serving the request.
+        #[arg(long, default_value_t = 0, value_name = "N")]
+        ctx_dp_rank: u32,
+        /// Generation DP rank receiving it.
+        #[arg(long, default_value_t = 0, value_name = "N")]
+        gen_dp_rank: u32,
+        /// Send in chunks of this many tokens (a multiple of the block size).
+        #[arg(long, value_name = "TOKENS")]
+        chunk: Option<u64>,
+        /// Prompt tokens the receiver already caches.
+        #[arg(long, default_value_t = 0, value_name = "TOKENS")]
+        cached: u64,
+        /// Seed of the random slot placement.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Place each side's slots contiguously instead of at random.
+        #[arg(long)]
+        contiguous: bool,
+        /// Planner id (default: $KVFERRY_PLANNER, config `planner`, kvferry.default).
+        #[arg(long, value_name = "ID")]
+        planner: Option<String>,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Cache shape options shared by `check` and `plan`.
+#[derive(Debug, clap::Args)]
+struct Shape {
+    /// KV cache element type (default: the preset's, fp8 for deepseek-v3, else bf16).
+    #[arg(long, value_name = "fp8|bf16")]
+    dtype: Option<Dtype>,
+    /// Tokens per cache block.
+    #[arg(long, default_value_t = 32, value_name = "N")]
+    tokens_per_block: u32,
+}
+
+impl Shape {
+    fn model(&self, preset: Preset) -> ModelSpec {
+        let mut model = ModelSpec::new(preset).with_tokens_per_block(self.tokens_per_block);
+        if let Some(dtype) = self.dtype {
+            model = model.with_dtype(dtype);
+        }
+        model
+    }
+}
+
+fn parse_spec(s: &str) -> Result<Mapping, String> {
+    spec::parse(s).map_err(|e| e.to_string())
+}
+
+/// The loaded configuration and plugin registry.
+struct Host {
+    config: Config,
+    registry: Registry,
+}
+
+impl Host {
+    fn load(config_flag: Option<&std::path::Path>) -> Result<Self> {
+        let env = std::env::var(config::CONFIG_ENV).ok();
+        let config = Config::discover(config_flag, env.as_deref())?;
+        let dirs = registry::plugin_dirs(config.plugin_dir.as_deref());
+        let registry = Registry::scan(&dirs);
+        Ok(Self { config, registry })
+    }
+
+    fn planner_id(&self, flag: Option<&str>) -> String {
+        let env = std::env::var(registry::PLANNER_ENV).ok();
+        registry::select_planner_id(flag, env.as_deref(), self.config.planner.as_deref())
+            .to_string()
+    }
+
+    fn bind(&self, id: &str, model: &ModelSpec, mapping: Mapping) -> Result<BoundPlanner> {
+        let deployment = Deployment {
+            architecture: model.preset.architecture().into(),
+            mapping,
+        };
+        Ok(self.registry.bind(id, &deployment)?)
+    }
+}
+
+/// Builds every rank of an instance (pools at dummy addresses) and a planner for each, so a
+/// planner that refuses the cache layout is caught here, not at the first request.
+fn instantiate_all(
+    bound: &BoundPlanner,
+    model: &ModelSpec,
+    mapping: &Mapping,
+) -> Result<Vec<RankInfo>> {
+    let mut next = 0x1000_0000_u64;
+    let mut alloc = |_: u32, _: usize, bytes: u64| {
+        let base = next;
+        next += bytes.next_multiple_of(4096) + 4096;
+        base
+    };
+    let options = PoolOptions::default();
+    let ranks = layout::build_instance(model, mapping, "check", bound.id(), &options, &mut alloc)?;
+    for rank in &ranks {
+        bound
+            .instantiate(rank)
+            .map_err(|e| anyhow!("{} refuses rank {}: {e}", bound.id(), rank.instance_rank))?;
+    }
+    Ok(ranks)
+}
+
+fn planners(host: &Host, all: bool, json: bool) -> Result<ExitCode> {
+    let r = &host.registry;
+    if json {
+        let mut out = json!({ "dirs": r.dirs(), "planners": r.planners() });
+        if all {
+            out["skipped"] = serde_json::to_value(r.skipped())?;
+        }
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    if r.planners().is_empty() {
+        println!("no planners found in {}", display_dirs(r.dirs()));
+    }
+    for p in r.planners() {
+        println!(
+            "{:<32} {:<28} {:<8} {}",
+            p.id,
+            p.describer_id,
+            p.version,
+            p.path.display()
+        );
+    }
+    if all {
+        for s in r.skipped() {
+            println!("skipped {}: {}", s.path.display(), s.reason);
+        }
+    } else if !r.skipped().is_empty() {
+        eprintln!(
+            "{} file(s) skipped; `kvferry planners --all` says why",
+            r.skipped().len()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn display_dirs(dirs: &[PathBuf]) -> String {
+    let list: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
+    if list.is_empty() {
+        "(no plugin directory)".into()
+    } else {
+        list.join(":")
+    }
+}
+
+fn check(
+    host: &Host,
+    model: &ModelSpec,
+    mapping: Mapping,
+    planner: Option<&str>,
+) -> Result<ExitCode> {
+    let id = host.planner_id(planner);
+    let bound = host.bind(&id, model, mapping)?;
+    let ranks = instantiate_all(&bound, model, &mapping)?;
+    println!(
+        "{} {} (version {}, {}) plans {} {mapping} ({} ranks, {} {} tokens per block)",
+        bound.id(),
+        bound.describer_id(),
+        bound.version(),
+        bound.path().display(),
+        model.preset.architecture(),
+        ranks.len(),
+        model.dtype,
+        model.tokens_per_block,
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+struct PlanArgs {
+    model: ModelSpec,
+    ctx: Mapping,
+    r#gen: Mapping,
+    prompt_len: u64,
+    ctx_dp_rank: u32,
+    gen_dp_rank: u32,
+    chunk: Option<u64>,
+    cached: u64,
+    seed: u64,
+    contiguous: bool,
+    planner: Option<String>,
+    json: bool,
+}
+
+fn plan(host: &Host, a: PlanArgs) -> Result<ExitCode> {
+    let id = host.planner_id(a.planner.as_deref());
+    let ctx_bound = host
+        .bind(&id, &a.model, a.ctx)
+        .context("context instance")?;
+    let gen_bound = host
+        .bind(&id, &a.model, a.r#gen)
+        .context("generation instance")?;
+    let mut scenario = Scenario::new(a.model.clone(), a.ctx, a.r#gen, a.prompt_len);
+    scenario.ctx_dp_rank = a.ctx_dp_rank;
+    scenario.gen_dp_rank = a.gen_dp_rank;
+    scenario.cached_tokens = a.cached;
+    scenario.seed = a.seed;
+    scenario.contiguous_slots = a.contiguous;
+    scenario.planner_id = id.clone();
+    if let Some(chunk) = a.chunk {
+        if chunk == 0 {
+            bail!("--chunk must be positive");
+        }
+        let starts = (0..a.prompt_len).step_by(chunk as usize);
+        scenario.chunks = Some(
+            starts
+                .map(|start| TokenRange {
+                    start,
+                    end: (start + chunk).min(a.prompt_len),
+                })
+                .collect(),
+        );
+    }
+    let ctx_factory =
+        |r: &RankInfo| -> Result<Arc<dyn TransferPlanner>, PlanError> { ctx_bound.instantiate(r) };
+    let gen_factory =
+        |r: &RankInfo| -> Result<Arc<dyn TransferPlanner>, PlanError> { gen_bound.instantiate(r) };
+    let report = scenario.run(&ctx_factory, &gen_factory)?;
+    let verified = report.is_ok();
+    if a.json {
+        let pairs: Vec<_> = report
+            .pairs
+            .iter()
+            .map(|p| {
+                json!({
+                    "src_rank": p.src_rank,
+                    "dst_rank": p.dst_rank,
+                    "fragments": p.fragments,
+                    "planned_fragments": p.planned_fragments,
+                    "bytes": p.bytes,
+                })
+            })
+            .collect();
+        let receivers: Vec<_> = report
+            .receivers
+            .iter()
+            .map(|r| json!({ "rank": r.rank, "expected_transfers": r.expected_transfers, "targets": r.targets }))
+            .collect();
+        let out = json!({
+            "planner": ctx_bound.id(),
+            "planner_version": ctx_bound.version(),
+            "planner_path": ctx_bound.path(),
+            "model": a.model.preset.name(),
+            "dtype": a.model.dtype.name(),
+            "tokens_per_block": a.model.tokens_per_block,
+            "ctx": a.ctx.to_string(),
+            "gen": a.r#gen.to_string(),
+            "prompt_len": a.prompt_len,
+            "pairs": pairs,
+            "receivers": receivers,
+            "total_fragments": report.fragments,
+            "total_planned_fragments": report.planned_fragments,
+            "total_bytes": report.bytes,
+            "overlapping_writes": report.overlapping_writes,
+            "verified": verified,
+            "verify": report.verification.to_string(),
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        println!(
+            "planner {} {} ({})",
+            ctx_bound.id(),
+            ctx_bound.version(),
+            ctx_bound.path().display()
+        );
+        println!(
+            "{} {} tpb {}: context {} (DP rank {}) -> generation {} (DP rank {}), prompt {} tokens",
+            a.model.preset,
+            a.model.dtype,
+            a.model.tokens_per_block,
+            a.ctx,
+            a.ctx_dp_rank,
+            a.r#gen,
+            a.gen_dp_rank,
+            a.prompt_len
+        );
+        println!("{report}");
+        println!("verified: {verified}");
+    }
+    Ok(if verified {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+fn run(cli: Cli) -> Result<ExitCode> {
+    let host = Host::load(cli.config.as_deref())?;
+    match cli.command {
+        Command::Planners { all, json } => planners(&host, all, json),
+        Command::Check {
+            model,
+            deployment,
+            shape,
+            planner,
+        } => check(&host, &shape.model(model), deployment, planner.as_deref()),
+        Command::Plan {
+            model,
+            ctx,
+            r#gen,
+            prompt_len,
+            shape,
+            ctx_dp_rank,
+            gen_dp_rank,
+            chunk,
+            cached,
+            seed,
+            contiguous,
+            planner,
+            json,
+        } => plan(
+            &host,
+            PlanArgs {
+                model: shape.model(model),
+                ctx,
+                r#gen,
+                prompt_len,
+                ctx_dp_rank,
+                gen_dp_rank,
+                chunk,
+                cached,
+                seed,
+                contiguous,
+                planner,
+                json,
+            },
+        ),
+    }
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("kvferry=info,warn")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("kvferry: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,766 @@
+//! One request end to end, in process: build both instances, plan every pair, move the bytes,
+//! verify every byte.
+//!
+//! A [`Scenario`] names a model, the context and generation mappings, a prompt and the DP
+//! ranks serving it. [`Scenario::run`] then does what the two servers would do:
+//!
+//! 1. builds both instances' [`RankInfo`]s on one [`LocalMemory`] (pools sized to the request:
+//!    `ceil(prompt_len / tpb)` plus slack PAGED slots, 2 STATE slots);
+//! 2. builds slot tables ([`slot_tables`]): PAGED tables are positional, with the stale front
+//!    of windowed groups (`stale_end = max(0, (prompt_len + 1 − window) // tpb)` ordinals) and,
+//!    on the receiver, the cached prefix masked to `-1`; STATE tables hold one slot;
+//! 3. for every receiver rank (the generation ranks of `gen_dp_rank`'s DP group, over PP and
+//!    CP): runs the generation planner's `check_peer` and `targets` against context rank 0,
+//!    then for every target context rank its `check_peer` and `targets` back (which must name
+//!    the receiver), and for every piece [`plan_transfer`] and [`LocalMemory::execute`];
+//! 4. checks every byte with [`Oracle::verify`], and that no two writes into a receiver
+//!    overlap (each destination byte has one writer over the whole request).
+//!
+//! Only ranks that take part get memory. Everything is deterministic for a seed.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvferry_planner_abi::ffi::{ROption, RVec};
+use kvferry_planner_abi::{
+    GroupKind, Mapping, PairRequest, PlanError, RankInfo, SlotTable, TokenRange, TransferPlanner,
+};
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+
+use crate::layout::{LayoutError, ModelSpec, PoolOptions, build_instance};
+use crate::oracle::{Delivery, LocalMemory, Oracle, OracleError, VerifyReport};
+use crate::plan::{PlanFailure, RequestSide, plan_transfer};
+
+/// Instance name of the context side.
+pub const CONTEXT_INSTANCE: &str = "ctx";
+/// Instance name of the generation side.
+pub const GENERATION_INSTANCE: &str = "gen";
+/// Bytes of padding after every slot of a padded scenario.
+pub const PADDING_BYTES: u64 = 4096;
+/// STATE slots per STATE pool.
+const STATE_SLOTS: u64 = 2;
+/// Overlapping writes kept in a report.
+const MAX_OVERLAPS_KEPT: usize = 8;
+
+/// Builds the planner of one rank.
+pub type PlannerFactory<'a> = &'a dyn Fn(&RankInfo) -> Result<Arc<dyn TransferPlanner>, PlanError>;
+
+/// Why a scenario could not run to verification.
+#[derive(Debug, thiserror::Error)]
+pub enum ScenarioError {
+    /// The scenario's parameters contradict each other.
+    #[error("scenario: {0}")]
+    Invalid(String),
+    /// An instance could not be laid out.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    /// A planner call (construction, describe, check_peer, targets) failed.
+    #[error("{instance} rank {rank}: {what}: {source}")]
+    Planner {
+        /// The rank's instance.
+        instance: &'static str,
+        /// The rank.
+        rank: u32,
+        /// The call, e.g. `check_peer of gen rank 3`.
+        what: String,
+        /// The planner's error.
+        source: PlanError,
+    },
+    /// A receiver's targets name a rank outside the context DP group.
+    #[error("gen rank {gen_rank} targets ctx rank {ctx_rank}, which is not in ctx dp group {dp}")]
+    TargetOutsideGroup {
+        /// The receiver.
+        gen_rank: u32,
+        /// The named context rank.
+        ctx_rank: u32,
+        /// The context DP rank of the request.
+        dp: u32,
+    },
+    /// A context rank's targets do not name the receiver that targets it.
+    #[error(
+        "ctx rank {ctx_rank} does not target gen rank {gen_rank} back (it targets {targets:?})"
+    )]
+    Asymmetric {
+        /// The context rank.
+        ctx_rank: u32,
+        /// The receiver.
+        gen_rank: u32,
+        /// What the context rank targets.
+        targets: Vec<u32>,
+    },
+    /// Planning one piece failed.
+    #[error("ctx rank {ctx_rank} -> gen rank {gen_rank}, piece {piece}: {source}")]
+    Plan {
+        /// The sender.
+        ctx_rank: u32,
+        /// The receiver.
+        gen_rank: u32,
+        /// Index of the piece.
+        piece: usize,
+        /// What failed.
+        source: PlanFailure,
+    },
+    /// Executing a plan failed.
+    #[error("ctx rank {ctx_rank} -> gen rank {gen_rank}: {source}")]
+    Execute {
+        /// The sender.
+        ctx_rank: u32,
+        /// The receiver.
+        gen_rank: u32,
+        /// What failed.
+        source: crate::oracle::MemoryError,
+    },
+    /// The oracle could not fill or check.
+    #[error(transparent)]
+    Oracle(#[from] OracleError),
+}
+
+/// One request between two instances.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Scenario {
+    /// The model, on both sides.
+    pub model: ModelSpec,
+    /// The context instance's mapping.
+    pub ctx_mapping: Mapping,
+    /// The generation instance's mapping.
+    pub gen_mapping: Mapping,
+    /// Prompt length in tokens.
+    pub prompt_len: u64,
+    /// The context DP group serving the request (0 without attention DP).
+    pub ctx_dp_rank: u32,
+    /// The generation DP group receiving it (0 without attention DP).
+    pub gen_dp_rank: u32,
+    /// Sender-side chunks (block-aligned, ascending); `None` sends the prompt in one piece.
+    pub chunks: Option<Vec<TokenRange>>,
+    /// Prompt tokens the receiver already holds (its first `cached_tokens / tpb` ordinals are
+    /// masked).
+    pub cached_tokens: u64,
+    /// Seed of slot placement and of the oracle's tags.
+    pub seed: u64,
+    /// Slots `0, 1, 2, ...` by ordinal instead of a random placement.
+    pub contiguous_slots: bool,
+    /// Pools with [`PADDING_BYTES`] after every slot.
+    pub padded: bool,
+    /// The planner id stamped on every rank.
+    pub planner_id: String,
+}
+
+impl Scenario {
+    /// A monolithic, uncached request with random slots, seed 0, unpadded pools, planner id
+    /// `kvferry.default`, DP ranks 0.
+    pub fn new(
+        model: ModelSpec,
+        ctx_mapping: Mapping,
+        gen_mapping: Mapping,
+        prompt_len: u64,
+    ) -> Self {
+        Self {
+            model,
+            ctx_mapping,
+            gen_mapping,
+            prompt_len,
+            ctx_dp_rank: 0,
+            gen_dp_rank: 0,
+            chunks: None,
+            cached_tokens: 0,
+            seed: 0,
+            contiguous_slots: false,
+            padded: false,
+            planner_id: "kvferry.default".to_string(),
+        }
+    }
+
+    /// The pieces the senders plan, the last with `is_last`.
+    ///
+    /// # Errors
+    ///
+    /// Chunks that are empty, out of order, overlapping, past the prompt, or not aligned to
+    /// blocks (a chunk may end at the prompt's end).
+    pub fn pieces(&self) -> Result<Vec<PairRequest>, ScenarioError> {
+        let Some(chunks) = &self.chunks else {
+            return Ok(vec![PairRequest::whole(self.prompt_len)]);
+        };
+        if chunks.is_empty() {
+            return Err(ScenarioError::Invalid("chunks is empty".to_string()));
+        }
+        let tpb = u64::from(self.model.tokens_per_block);
+        let mut previous_end = 0;
+        let mut out = Vec::with_capacity(chunks.len());
+        for (k, c) in chunks.iter().enumerate() {
+            let bad = |why: &str| {
+                ScenarioError::Invalid(format!("chunk {k} [{}, {}): {why}", c.start, c.end))
+            };
+            if c.start >= c.end {
+                return Err(bad("empty"));
+            }
+            if c.start < previous_end {
+                return Err(bad("overlaps or precedes the previous chunk"));
+            }
+            if c.end > self.prompt_len {
+                return Err(bad("runs past the prompt"));
+            }
+            if c.start % tpb != 0 || (c.end % tpb != 0 && c.end != self.prompt_len) {
+                return Err(bad("not aligned to blocks"));
+            }
+            previous_end = c.end;
+            out.push(PairRequest {
+                token_range: *c,
+                prompt_len: self.prompt_len,
+                dst_start_token: ROption::RNone,
+                is_last: k + 1 == chunks.len(),
+            });
+        }
+        Ok(out)
+    }
+
+    /// Runs the request end to end (see the module docs).
+    ///
+    /// # Errors
+    ///
+    /// Invalid parameters, a layout refusal, any planner error or refusal, asymmetric
+    /// targets, a rejected plan, or an oracle failure. Byte mismatches are not errors: they
+    /// are in the report's [`ScenarioReport::verification`].
+    pub fn run(
+        &self,
+        ctx_planner: PlannerFactory<'_>,
+        gen_planner: PlannerFactory<'_>,
+    ) -> Result<ScenarioReport, ScenarioError> {
+        let started = Instant::now();
+        self.check()?;
+        let pieces = self.pieces()?;
+        let tpb = u64::from(self.model.tokens_per_block);
+        let blocks = self.prompt_len.div_ceil(tpb);
+        let options = PoolOptions {
+            paged_slots: blocks + 2 + blocks / 16,
+            state_slots: STATE_SLOTS,
+            slot_padding: if self.padded { PADDING_BYTES } else { 0 },
+            ..PoolOptions::default()
+        };
+
+        let mut memory = LocalMemory::new();
+        let mut ctx_infos =
+            self.instance(&self.ctx_mapping, CONTEXT_INSTANCE, &options, &mut memory)?;
+        let mut gen_infos = self.instance(
+            &self.gen_mapping,
+            GENERATION_INSTANCE,
+            &options,
+            &mut memory,
+        )?;
+        let ctx_group: Vec<u32> = dp_group(&ctx_infos, self.ctx_dp_rank);
+        let receivers: Vec<u32> = dp_group(&gen_infos, self.gen_dp_rank);
+
+        let ctx_slots = SlotAssignment::new(self, 0x00c0_17e7, blocks, &options);
+        let gen_slots = SlotAssignment::new(self, 0x0009_e4e7, blocks, &options);
+        let ctx_tables: BTreeMap<u32, Vec<SlotTable>> = ctx_group
+            .iter()
+            .map(|&r| {
+                (
+                    r,
+                    slot_tables(&ctx_infos[r as usize], self.prompt_len, 0, &ctx_slots),
+                )
+            })
+            .collect();
+        let gen_tables: BTreeMap<u32, Vec<SlotTable>> = receivers
+            .iter()
+            .map(|&r| {
+                let info = &gen_infos[r as usize];
+                (
+                    r,
+                    slot_tables(info, self.prompt_len, self.cached_tokens, &gen_slots),
+                )
+            })
+            .collect();
+
+        // Planners: context rank 0 (what a receiver bootstraps from) and every receiver first.
+        let mut ctx_planners = Planners::new(CONTEXT_INSTANCE, ctx_planner);
+        let mut gen_planners = Planners::new(GENERATION_INSTANCE, gen_planner);
+        ctx_planners.ensure(&mut ctx_infos, 0)?;
+        for &g in &receivers {
+            gen_planners.ensure(&mut gen_infos, g)?;
+        }
+        let mut targets: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
+        for &g in &receivers {
+            let (me, peer) = (&gen_infos[g as usize], &ctx_infos[0]);
+            let planner = gen_planners.get(g);
+            planner
+                .check_peer(me, peer)
+                .map_err(|e| gen_planners.error(g, "check_peer of ctx rank 0", e))?;
+            let t = planner
+                .targets(me, peer, self.ctx_dp_rank)
+                .map_err(|e| gen_planners.error(g, "targets", e))?;
+            let t: Vec<u32> = t.ranks.to_vec();
+            if let Some(&c) = t.iter().find(|c| !ctx_group.contains(c)) {
+                return Err(ScenarioError::TargetOutsideGroup {
+                    gen_rank: g,
+                    ctx_rank: c,
+                    dp: self.ctx_dp_rank,
+                });
+            }
+            targets.insert(g, t);
+        }
+        let senders: BTreeSet<u32> = targets.values().flatten().copied().collect();
+        for &c in &senders {
+            ctx_planners.ensure(&mut ctx_infos, c)?;
+        }
+        for (&g, t) in &targets {
+            for &c in t {
+                let (me, peer) = (&ctx_infos[c as usize], &gen_infos[g as usize]);
+                let planner = ctx_planners.get(c);
+                planner.check_peer(me, peer).map_err(|e| {
+                    ctx_planners.error(c, &format!("check_peer of gen rank {g}"), e)
+                })?;
+                let back = planner
+                    .targets(me, peer, self.gen_dp_rank)
+                    .map_err(|e| ctx_planners.error(c, &format!("targets of gen rank {g}"), e))?;
+                if !back.ranks.contains(&g) {
+                    return Err(ScenarioError::Asymmetric {
+                        ctx_rank: c,
+                        gen_rank: g,
+                        targets: back.ranks.to_vec(),
+                    });
+                }
+            }
+        }
+
+        // Memory for the ranks that take part, then tags and canaries.
+        for &c in &senders {
+            back_pools(&mut memory, &ctx_infos[c as usize])?;
+        }
+        for &g in &receivers {
+            back_pools(&mut memory, &gen_infos[g as usize])?;
+        }
+        let setup = started.elapsed();
+        let oracle = Oracle::new(self.seed);
+        let clock = Instant::now();
+        for &c in &senders {
+            let side = RequestSide::new(&ctx_infos[c as usize], &ctx_tables[&c]);
+            oracle.fill_source(&mut memory, side)?;
+        }
+        for &g in &receivers {
+            oracle.prime_destination(&mut memory, &gen_infos[g as usize])?;
+        }
+        let fill = clock.elapsed();
+
+        let mut report = ScenarioReport::default();
+        let (mut plan_time, mut execute_time) = (Duration::ZERO, Duration::ZERO);
+        for (&g, t) in &targets {
+            report.receivers.push(ReceiverReport {
+                rank: g,
+                expected_transfers: t.len(),
+                targets: t.clone(),
+            });
+            let receiver = RequestSide::new(&gen_infos[g as usize], &gen_tables[&g]);
+            let mut writes: Vec<(u64, u64, u32)> = Vec::new();
+            for &c in t {
+                let sender = RequestSide::new(&ctx_infos[c as usize], &ctx_tables[&c]);
+                let mut pair = PairReport {
+                    src_rank: c,
+                    dst_rank: g,
+                    ..PairReport::default()
+                };
+                for (k, piece) in pieces.iter().enumerate() {
+                    let clock = Instant::now();
+                    let plan = plan_transfer(ctx_planners.get(c).as_ref(), sender, receiver, piece)
+                        .map_err(|source| ScenarioError::Plan {
+                            ctx_rank: c,
+                            gen_rank: g,
+                            piece: k,
+                            source,
+                        })?;
+                    plan_time += clock.elapsed();
+                    let clock = Instant::now();
+                    memory
+                        .execute(&plan)
+                        .map_err(|source| ScenarioError::Execute {
+                            ctx_rank: c,
+                            gen_rank: g,
+                            source,
+                        })?;
+                    execute_time += clock.elapsed();
+                    writes.extend(plan.fragments().map(|(_, d, n)| (d, n, c)));
+                    pair.pieces += 1;
+                    pair.fragments += plan.len();
+                    pair.planned_fragments += plan.planned_fragments();
+                    pair.bytes += plan.total_bytes();
+                }
+                report.fragments += pair.fragments;
+                report.planned_fragments += pair.planned_fragments;
+                report.bytes += pair.bytes;
+                report.pairs.push(pair);
+            }
+            find_overlaps(g, writes, &mut report);
+        }
+
+        let clock = Instant::now();
+        let context: Vec<RequestSide<'_>> = ctx_group
+            .iter()
+            .map(|&c| RequestSide::new(&ctx_infos[c as usize], &ctx_tables[&c]))
+            .collect();
+        let receiver_sides: Vec<RequestSide<'_>> = receivers
+            .iter()
+            .map(|&g| RequestSide::new(&gen_infos[g as usize], &gen_tables[&g]))
+            .collect();
+        report.verification = oracle.verify(
+            &memory,
+            &Delivery {
+                context: &context,
+                receivers: &receiver_sides,
+                pieces: &pieces,
+            },
+        )?;
+        report.timings = Timings {
+            setup,
+            fill,
+            plan: plan_time,
+            execute: execute_time,
+            verify: clock.elapsed(),
+        };
+        report.backed_bytes = memory.backed_bytes();
+        Ok(report)
+    }
+
+    fn check(&self) -> Result<(), ScenarioError> {
+        let invalid = |m: String| Err(ScenarioError::Invalid(m));
+        if self.prompt_len == 0 {
+            return invalid("prompt_len is 0".to_string());
+        }
+        if self.model.tokens_per_block == 0 {
+            return invalid("tokens_per_block is 0".to_string());
+        }
+        if self.cached_tokens > self.prompt_len {
+            return invalid(format!(
+                "cached_tokens {} exceeds prompt_len {}",
+                self.cached_tokens, self.prompt_len
+            ));
+        }
+        for (name, mapping, dp) in [
+            ("ctx", &self.ctx_mapping, self.ctx_dp_rank),
+            ("gen", &self.gen_mapping, self.gen_dp_rank),
+        ] {
+            let groups = if mapping.attention_dp { mapping.tp } else { 1 };
+            if dp >= groups {
+                return invalid(format!(
+                    "{name}_dp_rank {dp} but mapping {mapping} has {groups} dp groups"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Lays out one instance, reserving (not backing) its pools.
+    fn instance(
+        &self,
+        mapping: &Mapping,
+        name: &str,
+        options: &PoolOptions,
+        memory: &mut LocalMemory,
+    ) -> Result<Vec<RankInfo>, ScenarioError> {
+        let mut alloc = |rank: u32, pool: usize, bytes: u64| {
+            memory.reserve(bytes, format!("{name} rank {rank} pool {pool}"))
+        };
+        Ok(build_instance(
+            &self.model,
+            mapping,
+            name,
+            &self.planner_id,
+            options,
+            &mut alloc,
+        )?)
+    }
+}
+
+/// Which slot holds which ordinal, shared by every rank of one side.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlotAssignment {
+    /// Slot of local ordinal `j` of a PAGED group.
+    pub paged: Vec<i64>,
+    /// The STATE slot.
+    pub state: i64,
+}
+
+impl SlotAssignment {
+    /// Slots `0, 1, 2, ...` and STATE slot 0.
+    pub fn contiguous(blocks: u64) -> Self {
+        Self {
+            paged: (0..blocks as i64).collect(),
+            state: 0,
+        }
+    }
+
+    /// `blocks` distinct slots drawn from `paged_slots`, and one of `state_slots`.
+    pub fn random(blocks: u64, paged_slots: u64, state_slots: u64, rng: &mut StdRng) -> Self {
+        let mut all: Vec<i64> = (0..paged_slots as i64).collect();
+        all.shuffle(rng);
+        all.truncate(blocks as usize);
+        let mut state: Vec<i64> = (0..state_slots.max(1) as i64).collect();
+        state.shuffle(rng);
+        Self {
+            paged: all,
+            state: state[0],
+        }
+    }
+
+    fn new(scenario: &Scenario, side: u64, blocks: u64, options: &PoolOptions) -> Self {
+        if scenario.contiguous_slots {
+            Self::contiguous(blocks)
+        } else {
+            let mut rng = StdRng::seed_from_u64(scenario.seed ^ side);
+            Self::random(blocks, options.paged_slots, options.state_slots, &mut rng)
+        }
+    }
+}
+
+/// The slot tables of `info` for a prompt of `prompt_len` tokens.
+///
+/// PAGED groups are positional: local ordinal `j` (global ordinal `j × C + r` on CP rank `r`
+/// of `C`) holds `assignment.paged[j]`, except holes for the stale front of a windowed group
+/// (`max(0, (prompt_len + 1 − window) // tpb)` ordinals) and for the first
+/// `cached_tokens / tpb` ordinals. STATE groups hold `[assignment.state]`.
+pub fn slot_tables(
+    info: &RankInfo,
+    prompt_len: u64,
+    cached_tokens: u64,
+    assignment: &SlotAssignment,
+) -> Vec<SlotTable> {
+    let pt = &info.page_table;
+    let tpb = u64::from(pt.tokens_per_block);
+    let blocks = prompt_len.div_ceil(tpb);
+    let (cp, cp_rank) = (u64::from(info.cp_size.max(1)), u64::from(info.cp_rank));
+    let local = if blocks > cp_rank {
+        (blocks - cp_rank).div_ceil(cp)
+    } else {
+        0
+    };
+    pt.groups
+        .iter()
+        .map(|group| {
+            if group.kind == GroupKind::STATE {
+                return SlotTable::new([assignment.state]);
+            }
+            let stale_end = group
+                .window()
+                .map_or(0, |w| (prompt_len + 1).saturating_sub(w) / tpb);
+            let masked = stale_end.max(cached_tokens / tpb);
+            SlotTable::from(
+                (0..local)
+                    .map(|j| {
+                        let global = j * cp + cp_rank;
+                        match assignment.paged.get(j as usize) {
+                            Some(&slot) if global >= masked => slot,
+                            _ => SlotTable::HOLE,
+                        }
+                    })
+                    .collect::<Vec<_>>(),
+            )
+        })
+        .collect()
+}
+
+/// Ranks of the DP group `dp_rank` (all ranks without attention DP).
+fn dp_group(infos: &[RankInfo], dp_rank: u32) -> Vec<u32> {
+    infos
+        .iter()
+        .filter(|i| i.dp_rank == dp_rank)
+        .map(|i| i.instance_rank)
+        .collect()
+}
+
+fn back_pools(memory: &mut LocalMemory, info: &RankInfo) -> Result<(), OracleError> {
+    for pool in info.page_table.pools.iter() {
+        memory.back(pool.base)?;
+    }
+    Ok(())
+}
+
+/// Planners of one instance, built on first use; building stamps the rank's planner blob.
+struct Planners<'a> {
+    instance: &'static str,
+    factory: PlannerFactory<'a>,
+    built: BTreeMap<u32, Arc<dyn TransferPlanner>>,
+}
+
+impl<'a> Planners<'a> {
+    fn new(instance: &'static str, factory: PlannerFactory<'a>) -> Self {
+        Self {
+            instance,
+            factory,
+            built: BTreeMap::new(),
+        }
+    }
+
+    fn ensure(&mut self, infos: &mut [RankInfo], rank: u32) -> Result<(), ScenarioError> {
+        if self.built.contains_key(&rank) {
+            return Ok(());
+        }
+        let info = &mut infos[rank as usize];
+        let planner =
+            (self.factory)(info).map_err(|e| self.error(rank, "building the planner", e))?;
+        let blob = planner
+            .describe()
+            .map_err(|e| self.error(rank, "describe", e))?;
+        info.planner_blob = RVec::from(blob);
+        self.built.insert(rank, planner);
+        Ok(())
+    }
+
+    fn get(&self, rank: u32) -> &Arc<dyn TransferPlanner> {
+        &self.built[&rank]
+    }
+
+    fn error(&self, rank: u32, what: &str, source: PlanError) -> ScenarioError {
+        ScenarioError::Planner {
+            instance: self.instance,
+            rank,
+            what: what.to_string(),
+            source,
+        }
+    }
+}
+
+/// Records writes into receiver `rank` that overlap: `(dst, len, sender)` over all pieces.
+fn find_overlaps(rank: u32, mut writes: Vec<(u64, u64, u32)>, report: &mut ScenarioReport) {
+    writes.sort_unstable();
+    let mut reach: Option<(u64, u64, u32)> = None;
+    for w in writes {
+        if let Some(r) = reach {
+            if w.0 < r.0 + r.1 {
+                report.overlapping_writes += 1;
+                if report.overlaps.len() < MAX_OVERLAPS_KEPT {
+                    report.overlaps.push(OverlappingWrite {
+                        gen_rank: rank,
+                        first: (r.2, r.0, r.1),
+                        second: (w.2, w.0, w.1),
+                    });
+                }
+            }
+        }
+        if reach.is_none_or(|r| w.0 + w.1 > r.0 + r.1) {
+            reach = Some(w);
+        }
+    }
+}
+
+/// Traffic of one (sender, receiver) pair over every piece.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PairReport {
+    /// Context rank.
+    pub src_rank: u32,
+    /// Generation rank.
+    pub dst_rank: u32,
+    /// Pieces planned.
+    pub pieces: usize,
+    /// Fragments after coalescing.
+    pub fragments: usize,
+    /// Fragments the planner returned.
+    pub planned_fragments: usize,
+    /// Bytes moved.
+    pub bytes: u64,
+}
+
+/// What one receiver waited for.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReceiverReport {
+    /// Generation rank.
+    pub rank: u32,
+    /// Writers it counts (`targets.len()`).
+    pub expected_transfers: usize,
+    /// The context ranks its planner named.
+    pub targets: Vec<u32>,
+}
+
+/// Two writes into one receiver that cover the same bytes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OverlappingWrite {
+    /// The receiver.
+    pub gen_rank: u32,
+    /// `(sender, destination, length)` of the write reaching furthest before the second.
+    pub first: (u32, u64, u64),
+    /// `(sender, destination, length)` of the write starting inside it.
+    pub second: (u32, u64, u64),
+}
+
+/// Wall-clock time of the phases of a run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Timings {
+    /// Layout, slot tables, planners, peer checks, targets, memory.
+    pub setup: Duration,
+    /// Tagging sources and priming destinations.
+    pub fill: Duration,
+    /// Describing, pairing, validating and coalescing.
+    pub plan: Duration,
+    /// Copying.
+    pub execute: Duration,
+    /// Checking every byte.
+    pub verify: Duration,
+}
+
+/// What a run did and found.
+#[derive(Clone, Debug, Default)]
+pub struct ScenarioReport {
+    /// Per (sender, receiver) pair, receivers ascending, senders in target order.
+    pub pairs: Vec<PairReport>,
+    /// Per receiver, ascending.
+    pub receivers: Vec<ReceiverReport>,
+    /// Fragments after coalescing, all pairs.
+    pub fragments: usize,
+    /// Fragments the planners returned, all pairs.
+    pub planned_fragments: usize,
+    /// Bytes moved, all pairs.
+    pub bytes: u64,
+    /// Writes that overlap an earlier write into the same receiver (any sender, any piece).
+    pub overlapping_writes: u64,
+    /// The first few of them.
+    pub overlaps: Vec<OverlappingWrite>,
+    /// The oracle's verdict.
+    pub verification: VerifyReport,
+    /// Bytes of memory the run backed.
+    pub backed_bytes: u64,
+    /// Phase timings (not deterministic).
+    pub timings: Timings,
+}
+
+impl ScenarioReport {
+    /// Whether every byte matched and no receiver byte was written twice.
+    pub fn is_ok(&self) -> bool {
+        self.verification.is_clean() && self.overlapping_writes == 0
+    }
+}
+
+impl fmt::Display for ScenarioReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for r in &self.receivers {
+            writeln!(
+                f,
+                "gen rank {}: {} expected transfers from {:?}",
+                r.rank, r.expected_transfers, r.targets
+            )?;
+        }
+        for p in &self.pairs {
+            writeln!(
+                f,
+                "ctx {} -> gen {}: {} pieces, {} fragments ({} planned), {} bytes",
+                p.src_rank, p.dst_rank, p.pieces, p.fragments, p.planned_fragments, p.bytes
+            )?;
+        }
+        writeln!(
+            f,
+            "total: {} fragments ({} planned), {} bytes",
+            self.fragments, self.planned_fragments, self.bytes
+        )?;
+        if self.overlapping_writes > 0 {
+            writeln!(f, "{} overlapping writes:", self.overlapping_writes)?;
+            for o in &self.overlaps {
+                writeln!(
+                    f,
+                    "  gen rank {}: ctx {} wrote {:#x} +{}, ctx {} wrote {:#x} +{}",
+                    o.gen_rank, o.first.0, o.first.1, o.first.2, o.second.0, o.second.1, o.second.2
+                )?;
+            }
+        }
+        write!(f, "verify: {}", self.verification)
+    }
+}

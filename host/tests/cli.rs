@@ -1,0 +1,213 @@
+//! The `kvferry` command line as a user runs it: planners found next to the binary, selection
+//! by environment, refusals with reasons, and the dry-run plan with its oracle.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+/// The directory cargo put the binary and the planner `.so` files in.
+fn build_dir() -> PathBuf {
+    Path::new(env!("CARGO_BIN_EXE_kvferry"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+/// `kvferry` with no planner configuration at all, plus `env`.
+fn kvferry(args: &[&str], env: &[(&str, &Path)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvferry"));
+    cmd.args(args)
+        .env_remove("KVFERRY_PLUGIN_DIR")
+        .env_remove("KVFERRY_PLANNER")
+        .env_remove("KVFERRY_CONFIG");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().expect("run kvferry")
+}
+
+fn text(out: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn listed_ids(out: &Output) -> Vec<String> {
+    let v: Value = serde_json::from_slice(&out.stdout).expect("planners --json prints JSON");
+    v["planners"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["id"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[test]
+fn both_planners_are_found_next_to_the_binary_with_no_configuration() {
+    let out = kvferry(&["planners", "--json"], &[]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    let ids = listed_ids(&out);
+    assert!(ids.contains(&"kvferry.default".to_string()), "{ids:?}");
+    assert!(
+        ids.contains(&"kvferry.deepseek_mla_latent".to_string()),
+        "{ids:?}"
+    );
+    let out = kvferry(&["planners"], &[]);
+    let (stdout, _) = text(&out);
+    assert!(stdout.contains("kvferry.default_describer"), "{stdout}");
+}
+
+#[test]
+fn a_plugin_dir_with_one_planner_lists_only_that_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let so = "libkvferry_planner_deepseek_mla_latent.so";
+    std::fs::copy(build_dir().join(so), dir.path().join(so)).unwrap();
+    let out = kvferry(
+        &["planners", "--json"],
+        &[("KVFERRY_PLUGIN_DIR", dir.path())],
+    );
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert_eq!(listed_ids(&out), vec!["kvferry.deepseek_mla_latent"]);
+}
+
+#[test]
+fn planners_all_shows_skipped_files_with_their_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("libgarbage.so"), b"not an elf file at all").unwrap();
+    let out = kvferry(
+        &["planners", "--all"],
+        &[("KVFERRY_PLUGIN_DIR", dir.path())],
+    );
+    assert!(out.status.success(), "{:?}", text(&out));
+    let (stdout, _) = text(&out);
+    assert!(stdout.contains("no planners found"), "{stdout}");
+    assert!(stdout.contains("libgarbage.so"), "{stdout}");
+    assert!(
+        stdout.contains("not a loadable ELF shared object"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn an_unknown_planner_fails_listing_the_known_ids() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args(["check", "--model", "deepseek-v3", "--deployment", "dep4"])
+        .env_remove("KVFERRY_PLUGIN_DIR")
+        .env_remove("KVFERRY_CONFIG")
+        .env("KVFERRY_PLANNER", "nope")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let (_, stderr) = text(&out);
+    assert!(stderr.contains("nope"), "{stderr}");
+    assert!(stderr.contains("kvferry.default"), "{stderr}");
+    assert!(stderr.contains("kvferry.deepseek_mla_latent"), "{stderr}");
+}
+
+#[test]
+fn an_unsupported_deployment_fails_with_the_planners_reason() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args(["check", "--model", "llama-3-70b", "--deployment", "tp4"])
+        .env_remove("KVFERRY_PLUGIN_DIR")
+        .env_remove("KVFERRY_CONFIG")
+        .env("KVFERRY_PLANNER", "kvferry.deepseek_mla_latent")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let (_, stderr) = text(&out);
+    assert!(
+        stderr.contains("plans DeepseekV3ForCausalLM only, not LlamaForCausalLM"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn check_binds_and_builds_every_rank() {
+    let out = kvferry(
+        &[
+            "check",
+            "--model",
+            "deepseek-v3",
+            "--deployment",
+            "dep8",
+            "--planner",
+            "kvferry.deepseek_mla_latent",
+        ],
+        &[],
+    );
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("kvferry.deepseek_mla_latent"), "{stdout}");
+    assert!(stdout.contains("dep8 (8 ranks"), "{stdout}");
+    assert!(stderr.contains("bound planner"), "{stderr}");
+}
+
+#[test]
+fn a_bad_deployment_spec_names_the_problem() {
+    let out = kvferry(
+        &["check", "--model", "deepseek-v3", "--deployment", "tp4xx2"],
+        &[],
+    );
+    assert!(!out.status.success());
+    let (_, stderr) = text(&out);
+    assert!(stderr.contains("unknown axis \"xx\""), "{stderr}");
+}
+
+#[test]
+fn deepseek_dep4_to_dep8_moves_and_verifies_every_byte() {
+    let out = kvferry(
+        &[
+            "plan",
+            "--model",
+            "deepseek-v3",
+            "--ctx",
+            "dep4",
+            "--gen",
+            "dep8",
+            "--prompt-len",
+            "8192",
+            "--dtype",
+            "fp8",
+            "--planner",
+            "kvferry.deepseek_mla_latent",
+            "--json",
+        ],
+        &[],
+    );
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let v: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(v["planner"], "kvferry.deepseek_mla_latent");
+    assert_eq!(v["total_bytes"], 287_834_112_u64);
+    assert_eq!(v["verified"], true);
+    let pairs = v["pairs"].as_array().unwrap();
+    assert_eq!(pairs.len(), 1);
+    assert_eq!(pairs[0]["src_rank"], 0);
+    assert_eq!(pairs[0]["dst_rank"], 0);
+    assert_eq!(pairs[0]["bytes"], 287_834_112_u64);
+}
+
+#[test]
+fn a_config_file_names_the_planner_and_the_flag_wins() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("kvferry.toml");
+    std::fs::write(&config, "planner = \"kvferry.deepseek_mla_latent\"\n").unwrap();
+    let args = ["check", "--model", "deepseek-v3", "--deployment", "dep2"];
+    let out = kvferry(&args, &[("KVFERRY_CONFIG", &config)]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    assert!(text(&out).0.starts_with("kvferry.deepseek_mla_latent"));
+    let mut with_flag = args.to_vec();
+    with_flag.extend(["--planner", "kvferry.default"]);
+    let out = kvferry(&with_flag, &[("KVFERRY_CONFIG", &config)]);
+    assert!(text(&out).0.starts_with("kvferry.default "), "{:?}", text(&out));
+    std::fs::write(&config, "planer = \"typo\"\n").unwrap();
+    let out = kvferry(&args, &[("KVFERRY_CONFIG", &config)]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out).1.contains("unknown field `planer`"),
+        "{:?}",
+        text(&out)
+    );
+}

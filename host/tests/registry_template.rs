@@ -1,0 +1,219 @@
+//! The out-of-tree planner template (`examples/planner-template`) builds on its own and the
+//! registry loads it like any third-party planner.
+//!
+//! The template is its own cargo workspace; it is built once per test binary into
+//! `examples/planner-template/target` with:
+//!
+//! ```sh
+//! cargo build --manifest-path examples/planner-template/Cargo.toml \
+//!     --target-dir examples/planner-template/target
+//! ```
+//!
+//! which leaves `examples/planner-template/target/debug/libplanner_template.so`. Its
+//! `Cargo.lock` (not committed) is seeded from the main workspace's on first use.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use kvferry::registry::{BindError, Registry};
+use kvferry_planner_abi::ffi::RVec;
+use kvferry_planner_abi::{DEFAULT_DESCRIBER_ID, Deployment, Mapping, PageTable, RankInfo};
+
+/// The template's planner id.
+const TEMPLATE_ID: &str = "example.template";
+
+/// The repository root (`host/..`).
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("host has a parent directory")
+        .to_path_buf()
+}
+
+/// Builds the planner template (debug profile) once per test binary and returns the path of
+/// its shared object.
+pub fn build_template() -> &'static Path {
+    static SO: OnceLock<PathBuf> = OnceLock::new();
+    SO.get_or_init(|| {
+        let dir = repo_root().join("examples/planner-template");
+        let target = dir.join("target");
+        // The template's lockfile is not committed (a copy starts its own). Seed it from the
+        // main workspace's, so the build uses crate versions already downloaded for kvferry
+        // and needs no registry access; cargo drops the entries the template does not use.
+        let lock = dir.join("Cargo.lock");
+        if !lock.exists() {
+            std::fs::copy(repo_root().join("Cargo.lock"), &lock)
+                .expect("seed the template's Cargo.lock");
+        }
+        let status = Command::new(env!("CARGO"))
+            .arg("build")
+            .arg("--manifest-path")
+            .arg(dir.join("Cargo.toml"))
+            .arg("--target-dir")
+            .arg(&target)
+            .env_remove("CARGO_TARGET_DIR")
+            .env_remove("CARGO_BUILD_TARGET_DIR")
+            .status()
+            .expect("run cargo to build examples/planner-template");
+        assert!(
+            status.success(),
+            "building the planner template failed: {status}"
+        );
+        let so = target.join("debug/libplanner_template.so");
+        assert!(so.is_file(), "{} was not built", so.display());
+        so
+    })
+}
+
+/// The template's version, from its `Cargo.toml`.
+fn template_version() -> String {
+    let manifest = repo_root().join("examples/planner-template/Cargo.toml");
+    let text = std::fs::read_to_string(&manifest).expect("read the template's Cargo.toml");
+    let value: toml::Value = text.parse().expect("parse the template's Cargo.toml");
+    value["package"]["version"]
+        .as_str()
+        .expect("package.version")
+        .to_string()
+}
+
+/// A temporary plugin directory holding a copy of the template's `.so`.
+fn plugin_dir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("create a temporary plugin directory");
+    std::fs::copy(build_template(), dir.path().join("libplanner_template.so"))
+        .expect("copy the template into the plugin directory");
+    dir
+}
+
+fn deployment(tp: u32, pp: u32) -> Deployment {
+    Deployment {
+        architecture: "LlamaForCausalLM".into(),
+        mapping: Mapping {
+            tp,
+            pp,
+            cp: 1,
+            moe_tp: 1,
+            moe_ep: 1,
+            attention_dp: false,
+        },
+    }
+}
+
+#[test]
+fn the_template_is_listed_with_its_describer_and_version() {
+    let dir = plugin_dir();
+    let registry = Registry::scan(&[dir.path().to_path_buf()]);
+    assert!(registry.skipped().is_empty(), "{:?}", registry.skipped());
+    let info = registry
+        .planner(TEMPLATE_ID)
+        .expect("example.template is listed");
+    assert_eq!(info.describer_id, DEFAULT_DESCRIBER_ID);
+    assert_eq!(info.version, template_version());
+    assert_eq!(info.path, dir.path().join("libplanner_template.so"));
+    println!("{info}");
+}
+
+#[test]
+fn the_template_binds_where_it_supports_the_deployment() {
+    let dir = plugin_dir();
+    let registry = Registry::scan(&[dir.path().to_path_buf()]);
+
+    let bound = registry.bind(TEMPLATE_ID, &deployment(2, 1)).unwrap();
+    assert_eq!(bound.id(), TEMPLATE_ID);
+    let me = RankInfo {
+        instance_name: "ctx".into(),
+        instance_rank: 0,
+        tp_size: 2,
+        tp_rank: 0,
+        pp_size: 1,
+        pp_rank: 0,
+        cp_size: 1,
+        cp_rank: 0,
+        dp_size: 1,
+        dp_rank: 0,
+        attention_dp: false,
+        layers_per_pp: RVec::from(vec![0]),
+        page_table: PageTable {
+            tokens_per_block: 32,
+            pools: RVec::new(),
+            groups: RVec::new(),
+        },
+        planner_id: TEMPLATE_ID.into(),
+        describer_id: DEFAULT_DESCRIBER_ID.into(),
+        planner_blob: RVec::new(),
+    };
+    let planner = bound.instantiate(&me).unwrap();
+    let mut peer = me.clone();
+    peer.instance_name = "gen".into();
+    planner.check_peer(&me, &peer).unwrap();
+    assert_eq!(
+        planner.targets(&me, &peer, 0).unwrap().ranks.as_slice(),
+        &[0]
+    );
+
+    let error = registry.bind(TEMPLATE_ID, &deployment(2, 2)).unwrap_err();
+    assert!(matches!(error, BindError::Unsupported { .. }), "{error:?}");
+    let text = error.to_string();
+    assert!(text.contains("pp = 1 and cp = 1"), "{text}");
+    assert!(text.contains("libplanner_template.so"), "{text}");
+    println!("{text}");
+}
+
+/// Runs the `kvferry` binary with a clean planner environment and `KVFERRY_PLUGIN_DIR` set.
+fn kvferry(plugin_dir: &Path, args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args(args)
+        .env("KVFERRY_PLUGIN_DIR", plugin_dir)
+        .env_remove("KVFERRY_PLANNER")
+        .env_remove("KVFERRY_CONFIG")
+        .output()
+        .expect("run kvferry")
+}
+
+#[test]
+fn the_cli_lists_the_template_and_plans_with_it() {
+    let dir = plugin_dir();
+    let out = kvferry(dir.path(), &["planners", "--json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let listed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let ids: Vec<&str> = listed["planners"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, vec![TEMPLATE_ID]);
+
+    // Bound through KVFERRY_PLANNER, exactly as a third party would run it.
+    let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args([
+            "plan",
+            "--model",
+            "llama-3-70b",
+            "--ctx",
+            "tp2",
+            "--gen",
+            "tp2",
+            "--prompt-len",
+            "100",
+            "--json",
+        ])
+        .env("KVFERRY_PLUGIN_DIR", dir.path())
+        .env("KVFERRY_PLANNER", TEMPLATE_ID)
+        .env_remove("KVFERRY_CONFIG")
+        .output()
+        .expect("run kvferry plan");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(plan["planner"], TEMPLATE_ID);
+    assert_eq!(plan["verified"], true, "{plan}");
+    // 100 tokens of Llama-3-70B at tp2: 4 blocks of 32 tokens, 5,242,880 B per rank's slot.
+    assert_eq!(plan["total_bytes"], 2 * 4 * 5_242_880_u64);
+    assert_eq!(plan["pairs"].as_array().unwrap().len(), 2);
+    assert!(stderr.contains("bound planner"), "{stderr}");
+}
