@@ -1,0 +1,180 @@
+//! Plan time for one 131,072-token request, through the linked rlib and through the loaded
+//! `.so`, so the cost of the plugin boundary is visible.
+//!
+//! - Llama-3-70B (bf16, 32 tokens per block) tp4 → tp8: context rank 0 → generation rank 0,
+//!   4,096 blocks × 160 head-split fragments.
+//! - DeepSeek-V3 (fp8) dep8 → dep8: DP rank 0 → DP rank 0, 4,096 rows, with the default
+//!   planner and with the MLA latent planner.
+//!
+//! `pair` is timed on precomputed rows (the planner alone); `plan_transfer` adds describing
+//! both sides, validating every fragment and coalescing (what the host does per request).
+//! The default planner is linked; both planners are also loaded from their `.so`.
+
+use std::sync::Arc;
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use kvferry::layout::{self, ModelSpec, PoolOptions, Preset};
+use kvferry::plan::{RequestSide, plan_transfer};
+use kvferry::scenario::{SlotAssignment, slot_tables};
+use kvferry_conformance::{PlannerUnderTest, plugin_dir_with};
+use kvferry_planner_abi::{
+    LayerGroupRows, Mapping, PairRequest, RankInfo, SlotTable, TransferPlanner, rows,
+};
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+
+const TOKENS: u64 = 131_072;
+
+struct Case {
+    name: &'static str,
+    me: RankInfo,
+    peer: RankInfo,
+    my_tables: Vec<SlotTable>,
+    peer_tables: Vec<SlotTable>,
+    my_rows: Vec<LayerGroupRows>,
+    peer_rows: Vec<LayerGroupRows>,
+    mapping: Mapping,
+    architecture: &'static str,
+}
+
+fn mapping(tp: u32, adp: bool) -> Mapping {
+    Mapping {
+        tp,
+        pp: 1,
+        cp: 1,
+        moe_tp: tp,
+        moe_ep: 1,
+        attention_dp: adp,
+    }
+}
+
+fn case(name: &'static str, preset: Preset, ctx: Mapping, r#gen: Mapping) -> Case {
+    let model = ModelSpec::new(preset);
+    let blocks = TOKENS.div_ceil(u64::from(model.tokens_per_block));
+    let options = PoolOptions {
+        paged_slots: blocks * 2,
+        ..PoolOptions::default()
+    };
+    let mut next = 0x100_0000_0000_u64;
+    let mut alloc = |_: u32, _: usize, bytes: u64| {
+        let base = next;
+        next += bytes.next_multiple_of(1 << 21) + (1 << 21);
+        base
+    };
+    let ctx_infos = layout::build_instance(&model, &ctx, "ctx", "x", &options, &mut alloc).unwrap();
+    let gen_infos =
+        layout::build_instance(&model, &r#gen, "gen", "x", &options, &mut alloc).unwrap();
+    let mut rng = StdRng::seed_from_u64(7);
+    let me = ctx_infos[0].clone();
+    let peer = gen_infos[0].clone();
+    let my_tables = slot_tables(
+        &me,
+        TOKENS,
+        0,
+        &SlotAssignment::random(blocks, blocks * 2, 1, &mut rng),
+    );
+    let peer_tables = slot_tables(
+        &peer,
+        TOKENS,
+        0,
+        &SlotAssignment::random(blocks, blocks * 2, 1, &mut rng),
+    );
+    let my_rows = rows(&me.page_table, &my_tables, &[]).unwrap();
+    let peer_rows = rows(&peer.page_table, &peer_tables, &[]).unwrap();
+    Case {
+        name,
+        me,
+        peer,
+        my_tables,
+        peer_tables,
+        my_rows,
+        peer_rows,
+        mapping: ctx,
+        architecture: preset.architecture(),
+    }
+}
+
+fn bench(c: &mut Criterion) {
+    let dir = plugin_dir_with(&[
+        "libkvferry_planner_default.so",
+        "libkvferry_planner_deepseek_mla_latent.so",
+    ]);
+    let linked_default = PlannerUnderTest::linked(kvferry_planner_default::planner_module());
+    let loaded_default = PlannerUnderTest::loaded(dir.path(), "kvferry.default");
+    let loaded_mla = PlannerUnderTest::loaded(dir.path(), "kvferry.deepseek_mla_latent");
+
+    let cases = [
+        case(
+            "llama-3-70b tp4->tp8",
+            Preset::Llama3_70b,
+            mapping(4, false),
+            mapping(8, false),
+        ),
+        case(
+            "deepseek-v3 dep8->dep8",
+            Preset::DeepseekV3,
+            mapping(8, true),
+            mapping(8, true),
+        ),
+    ];
+    let request = PairRequest::whole(TOKENS);
+    for case in &cases {
+        let mut group = c.benchmark_group(case.name);
+        group.sample_size(10);
+        let mut planners = vec![
+            ("default linked", &linked_default),
+            ("default loaded", &loaded_default),
+        ];
+        if case.architecture == Preset::DeepseekV3.architecture() {
+            planners.push(("mla loaded", &loaded_mla));
+        }
+        for (label, planner) in planners {
+            let bound = planner.bind(case.architecture, case.mapping).unwrap();
+            let p: Arc<dyn TransferPlanner> = bound.instantiate(&case.me).unwrap();
+            p.check_peer(&case.me, &case.peer).unwrap();
+            let plan = p
+                .pair(
+                    &case.me,
+                    &case.peer,
+                    &case.my_rows,
+                    &case.peer_rows,
+                    &request,
+                )
+                .unwrap();
+            eprintln!(
+                "{} / {label}: {} fragments, {} bytes per pair",
+                case.name,
+                plan.fragments(),
+                plan.total_bytes()
+            );
+            group.throughput(Throughput::Elements(plan.fragments() as u64));
+            group.bench_function(BenchmarkId::new("pair", label), |b| {
+                b.iter(|| {
+                    p.pair(
+                        &case.me,
+                        &case.peer,
+                        &case.my_rows,
+                        &case.peer_rows,
+                        &request,
+                    )
+                    .unwrap()
+                })
+            });
+            group.bench_function(BenchmarkId::new("plan_transfer", label), |b| {
+                b.iter(|| {
+                    plan_transfer(
+                        p.as_ref(),
+                        RequestSide::new(&case.me, &case.my_tables),
+                        RequestSide::new(&case.peer, &case.peer_tables),
+                        &request,
+                    )
+                    .unwrap()
+                })
+            });
+        }
+        group.finish();
+    }
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
