@@ -1,0 +1,147 @@
+#![deny(unsafe_code)]
+#![deny(missing_docs)]
+
+//! kvferry's default planner, `kvferry.default`: the transfer plan every model gets unless a
+//! model-specific planner is bound.
+//!
+//! It has the semantics of TensorRT-LLM's `DefaultTransferPlanner` over the "G4" page table
+//! (`transfer-semantics.md` §2–§9):
+//!
+//! - **Peer check** ([`TransferPlanner::check_peer`], §3): topology rules, the page-table
+//!   layout gate for every matched view pair, recurrent-state layout, pool-matching refusals
+//!   and layer coverage. Every refusal names the field and both sides' values.
+//! - **Pool matching** (§4): each local view is matched to the peer views of the same role
+//!   set and overlapping global layers, inside the single peer layer group of the same class
+//!   (PAGED or STATE) that holds its layers.
+//! - **Targets** (§5.1): PP layer overlap, TP overlap inside the DP group, CP overlap, and
+//!   the CP-minor flat rank `pp × (TP × CP) + tp × CP + cp`.
+//! - **Ownership** (§5.2): a rank writes a view pair only when the shards are paired and it
+//!   is the elected replica, so exactly one writer lands on every destination byte; the
+//!   others return empty plans.
+//! - **Mappers** (§5.3, §7): intact copies with layer-run merging, HND / NHD head re-split,
+//!   SECTIONED per-section re-split, REPLICATED whole copies.
+//! - **Pairing** (§8.2, §6.2): ordinals both sides hold inside the piece's token range, with
+//!   the helix stride when the receiver runs context parallelism; recurrent state rides on
+//!   the last piece.
+//! - **Receiver payload** (§7): the recurrent-state bytes that land in the receiver's slots.
+//!
+//! Everything a peer needs is derived once per peer and cached (the verdict, the matched view
+//! pairs with their per-row fragment offsets and ownership, the targets per peer DP rank);
+//! [`TransferPlanner::forget_peer`] drops it.
+//!
+//! # Where the reference leaves a choice
+//!
+//! Each choice keeps destination bytes correct, refusing rather than guessing:
+//!
+//! - Different `tokens_per_block` on the two sides are refused whenever both have PAGED
+//!   groups (§3.2 rule 4 would allow HND re-blocking; rows are paired by ordinal here).
+//! - A local view is matched to *every* same-role peer view it shares layers with, not only
+//!   the first: identical when at most one exists, and no layer is silently dropped when one
+//!   side split a role's layers over several views.
+//! - A global layer cached in PAGED views on both sides must be carried by some view pair
+//!   (e.g. an MLA latent against separate K/V heads is refused), and a STATE view must have
+//!   a counterpart for every layer the other side holds in state (§3.4 rule 4, generalised).
+//! - Bounded replay (§3.6) is checked per piece: a receiver view that is not excluded, over
+//!   layers this sender holds in a group of the same class, must be served by a view pair.
+//! - Recurrent state travels with the piece marked `is_last` only (§7).
+//! - `uniform` (§9.1) is conservative: any PP fan-in, CP, replica election, recurrent
+//!   state, replicated view or uneven block size makes it `false`.
+
+/*
+Module map, for maintainers:
+
+- `view`:     one (layer group, view) of a page table with its layer regions resolved.
+- `matching`: §4 pool matching.
+- `mapper`:   §5.2 shard pairing and ownership, §5.3 shard arithmetic and the five mappers.
+- `compat`:   §3 peer check; builds the `Link` (matched pairs + mappers + ownership) a peer's
+              plans are made from.
+- `topology`: §5.1 targets and §9.1 uniform writer shares.
+- `pairing`:  §8.2 ordinal pairing, §6.2 helix stride, and plan emission.
+- `state`:    §7 receiver payload bytes.
+- `cache`:    per-peer caches behind one mutex.
+*/
+
+mod cache;
+mod compat;
+mod mapper;
+mod matching;
+mod pairing;
+mod state;
+#[cfg(test)]
+mod testkit;
+mod topology;
+mod view;
+
+use kvferry_planner_abi::{
+    Deployment, LayerGroupRows, PairRequest, PeerTargets, PlanError, PlannerPlugin, RankInfo,
+    SlotTable, TransferPlan, TransferPlanner, export_planner,
+};
+
+/// The default planner: one instance per rank.
+///
+/// Stateless apart from its per-peer caches, so one instance may serve several threads.
+#[derive(Debug, Default)]
+pub struct DefaultPlanner {
+    cache: cache::PeerCache,
+}
+
+impl TransferPlanner for DefaultPlanner {
+    fn check_peer(&self, me: &RankInfo, peer: &RankInfo) -> Result<(), PlanError> {
+        self.cache.link(me, peer).map(|_| ())
+    }
+
+    fn targets(
+        &self,
+        me: &RankInfo,
+        peer: &RankInfo,
+        peer_dp_rank: u32,
+    ) -> Result<PeerTargets, PlanError> {
+        self.cache.targets(me, peer, peer_dp_rank)
+    }
+
+    fn pair(
+        &self,
+        me: &RankInfo,
+        peer: &RankInfo,
+        my_rows: &[LayerGroupRows],
+        peer_rows: &[LayerGroupRows],
+        request: &PairRequest,
+    ) -> Result<TransferPlan, PlanError> {
+        pairing::check_request(me, peer, request)?;
+        let link = self.cache.link(me, peer)?;
+        pairing::pair(me, peer, &link, my_rows, peer_rows, request)
+    }
+
+    fn receiver_payload_bytes(
+        &self,
+        me: &RankInfo,
+        peer: &RankInfo,
+        slot_tables: &[SlotTable],
+    ) -> Result<u64, PlanError> {
+        state::receiver_payload_bytes(me, peer, slot_tables)
+    }
+
+    fn forget_peer(&self, peer: &RankInfo) {
+        self.cache.forget(peer);
+    }
+}
+
+impl PlannerPlugin for DefaultPlanner {
+    const PLANNER_ID: &'static str = "kvferry.default";
+
+    /// The default plan holds for every architecture and mapping: what a pair of ranks can
+    /// exchange is decided per peer by [`TransferPlanner::check_peer`].
+    fn supports_deployment(_: &Deployment) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn new(me: &RankInfo) -> Result<Self, PlanError> {
+        topology::check_rank(me)?;
+        me.page_table
+            .validate()
+            .map_err(|e| e.context(format!("page table of {}", topology::who(me))))?;
+        Ok(Self::default())
+    }
+}
+
+export_planner!(DefaultPlanner);

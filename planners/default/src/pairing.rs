@@ -1,0 +1,266 @@
+//! Ordinal pairing (semantics §8.2), the helix stride (§6.2) and plan emission.
+
+use std::collections::HashMap;
+
+use kvferry_planner_abi::{
+    GroupKind, LayerGroupRows, PageTable, PairRequest, PlanError, RankInfo, TransferPlan, ViewId,
+};
+
+use crate::compat::{Link, ViewPair};
+use crate::topology::who;
+
+/// Request-level rules that hold before any view is looked at.
+pub(crate) fn check_request(
+    me: &RankInfo,
+    peer: &RankInfo,
+    request: &PairRequest,
+) -> Result<(), PlanError> {
+    let range = request.token_range;
+    if range.start > range.end {
+        return Err(PlanError::invalid(format!(
+            "token range [{}, {}) ends before it starts",
+            range.start, range.end
+        )));
+    }
+    // Helix context parallelism lives on the generation side only; the sender is context.
+    if me.cp_size > 1 {
+        return Err(PlanError::refuse(
+            "cp_size",
+            me.cp_size,
+            peer.cp_size,
+            "the sending (context) rank must have cp_size 1: helix pairs a cp=1 context \
+             instance with a cp=N generation instance",
+        ));
+    }
+    // T3: block ownership under helix is fixed for the whole prompt.
+    let chunked = range.start > 0 || range.end < request.prompt_len;
+    if chunked && peer.cp_size > 1 {
+        return Err(PlanError::refuse(
+            "cp_size",
+            me.cp_size,
+            peer.cp_size,
+            format!(
+                "chunked transfer (token range [{}, {}) of a {}-token prompt) is not \
+                 supported with context parallelism",
+                range.start, range.end, request.prompt_len
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The fragments `me` writes into `peer` for one piece of a request.
+///
+/// For every matched view pair this rank owns, in page-table order: PAGED rows are paired
+/// by ordinal inside the piece's range, STATE rows (the request's one slot) on the last
+/// piece only; each pair of rows gets the view pair's fragments, in mapper order. A view
+/// excluded on either side has no rows and is skipped.
+pub(crate) fn pair(
+    me: &RankInfo,
+    peer: &RankInfo,
+    link: &Link,
+    my_rows: &[LayerGroupRows],
+    peer_rows: &[LayerGroupRows],
+    request: &PairRequest,
+) -> Result<TransferPlan, PlanError> {
+    let mine =
+        index(&me.page_table, my_rows).map_err(|e| e.context(format!("rows of {}", who(me))))?;
+    let theirs = index(&peer.page_table, peer_rows)
+        .map_err(|e| e.context(format!("rows of {}", who(peer))))?;
+
+    // §3.6 bounded replay [INFERRED]: a receiver view that is not excluded expects bytes
+    // this rank holds but has no view for; writing nothing would leave it stale. The check
+    // lives here rather than in `check_peer` because exclusions are per request: only the
+    // receiver's rows say which views it rebuilds itself.
+    if let Some(u) = link.unserved.iter().find(|u| theirs.contains_key(&u.view)) {
+        return Err(PlanError::refuse(
+            "excluded_views",
+            format!(
+                "global layer {} held without a view of these roles",
+                u.layer
+            ),
+            format!("{} not excluded", u.name),
+            "bounded replay mismatch: the receiver expects bytes this sender does not keep; \
+             the receiver must exclude the view (bounded replay on generation) or the sender \
+             keep it",
+        ));
+    }
+
+    // The ordinals of the piece, `[start / tpb, ceil(end / tpb))`. A start that is not block
+    // aligned rounds down: the block holding it is sent whole (the same bytes again, from the
+    // same writer). Windowed groups need no case of their own: each block travels with the
+    // piece that covers it, and each side's table already masks what it does not hold.
+    let tpb = u64::from(me.page_table.tokens_per_block);
+    let range = request.token_range;
+    let mut lo = range.start / tpb;
+    if let Some(start) = request.dst_start_token.into_option() {
+        // A prompt position, so it bounds global (sender) ordinals, helix or not.
+        lo = lo.max(start / tpb);
+    }
+    let hi = range.end.div_ceil(tpb);
+    // Helix: receiver local ordinal j of CP rank r holds global (sender) ordinal j × C + r.
+    let helix = (peer.cp_size > 1).then(|| (u64::from(peer.cp_size), u64::from(peer.cp_rank)));
+
+    let mut plan = TransferPlan::new();
+    for vp in link.pairs.iter().filter(|vp| vp.owned) {
+        let (Some(src), Some(dst)) = (mine.get(&vp.mine), theirs.get(&vp.theirs)) else {
+            continue;
+        };
+        if vp.class == GroupKind::STATE {
+            // [INFERRED §7] The state is a checkpoint at the end of the prompt: it is written
+            // once, with the last piece, never from an intermediate chunk.
+            if request.is_last && !src.is_empty() && !dst.is_empty() {
+                emit(&mut plan, vp, src, dst, src.addresses[0], dst.addresses[0]);
+            }
+            continue;
+        }
+        let rows = ordinal_pairs(src, dst, lo, hi, helix);
+        let more = rows.len() * vp.frags.len();
+        plan.src.reserve(more);
+        plan.dst.reserve(more);
+        plan.len.reserve(more);
+        for (s, d) in rows {
+            emit(&mut plan, vp, src, dst, s, d);
+        }
+    }
+    Ok(plan)
+}
+
+/// The rows of one side by view, after checking they describe `pt`.
+fn index<'r>(
+    pt: &PageTable,
+    rows: &'r [LayerGroupRows],
+) -> Result<HashMap<ViewId, &'r LayerGroupRows>, PlanError> {
+    let mut out = HashMap::with_capacity(rows.len());
+    for r in rows {
+        let id = r.view;
+        let at = || format!("rows of group {} view {}", id.group, id.view);
+        let group = pt
+            .groups
+            .get(id.group as usize)
+            .ok_or_else(|| PlanError::invalid(format!("{}: no such group", at())))?;
+        let view = group
+            .views
+            .get(id.view as usize)
+            .ok_or_else(|| PlanError::invalid(format!("{}: no such view", at())))?;
+        let pool = pt.pools.get(view.pool as usize).ok_or_else(|| {
+            PlanError::invalid(format!("{}: pool {} does not exist", at(), view.pool))
+        })?;
+        if r.kind != group.kind {
+            return Err(PlanError::invalid(format!(
+                "{}: kind {} but the group is {}",
+                at(),
+                r.kind,
+                group.kind
+            )));
+        }
+        if r.row_bytes != pool.slot_bytes {
+            return Err(PlanError::invalid(format!(
+                "{}: {} bytes per row but pool {} has {}-byte slots",
+                at(),
+                r.row_bytes,
+                view.pool,
+                pool.slot_bytes
+            )));
+        }
+        if r.ordinals.len() != r.addresses.len() {
+            return Err(PlanError::invalid(format!(
+                "{}: {} ordinals for {} addresses",
+                at(),
+                r.ordinals.len(),
+                r.addresses.len()
+            )));
+        }
+        if r.ordinals.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(PlanError::invalid(format!(
+                "{}: ordinals are not strictly ascending",
+                at()
+            )));
+        }
+        if group.kind == GroupKind::STATE && r.ordinals.len() > 1 {
+            return Err(PlanError::invalid(format!(
+                "{}: a STATE view holds at most one row, found {}",
+                at(),
+                r.ordinals.len()
+            )));
+        }
+        if r.addresses
+            .iter()
+            .any(|a| a.checked_add(r.row_bytes).is_none())
+        {
+            return Err(PlanError::invalid(format!(
+                "{}: a row runs past 2^64",
+                at()
+            )));
+        }
+        if out.insert(id, r).is_some() {
+            return Err(PlanError::invalid(format!("{}: listed twice", at())));
+        }
+    }
+    Ok(out)
+}
+
+/// `(source row, destination row)` addresses of the ordinals both sides hold in `[lo, hi)`,
+/// in ordinal order. With `helix = (C, r)` the destination's local ordinal `j` stands for
+/// the source ordinal `j × C + r`.
+fn ordinal_pairs(
+    src: &LayerGroupRows,
+    dst: &LayerGroupRows,
+    lo: u64,
+    hi: u64,
+    helix: Option<(u64, u64)>,
+) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    match helix {
+        None => {
+            let mut j = dst.ordinals.partition_point(|&o| o < lo);
+            for k in src.ordinals.partition_point(|&o| o < lo)..src.len() {
+                let o = src.ordinals[k];
+                if o >= hi {
+                    break;
+                }
+                while j < dst.len() && dst.ordinals[j] < o {
+                    j += 1;
+                }
+                if j < dst.len() && dst.ordinals[j] == o {
+                    out.push((src.addresses[k], dst.addresses[j]));
+                }
+            }
+        }
+        Some((c, r)) => {
+            for (j, &local) in dst.ordinals.iter().enumerate() {
+                let Some(o) = local.checked_mul(c).and_then(|g| g.checked_add(r)) else {
+                    break;
+                };
+                if o >= hi {
+                    break;
+                }
+                if o < lo {
+                    continue;
+                }
+                if let Ok(k) = src.ordinals.binary_search(&o) {
+                    out.push((src.addresses[k], dst.addresses[j]));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Appends the view pair's fragments for one pair of rows.
+fn emit(
+    plan: &mut TransferPlan,
+    vp: &ViewPair,
+    src: &LayerGroupRows,
+    dst: &LayerGroupRows,
+    s: u64,
+    d: u64,
+) {
+    // Fragments lie inside the slot payload (the gate checked the views against the page
+    // tables, `index` the rows against the pools and their end against 2^64).
+    debug_assert!(vp.frags.iter().all(|f| f.src + f.len <= src.row_bytes));
+    debug_assert!(vp.frags.iter().all(|f| f.dst + f.len <= dst.row_bytes));
+    for f in &vp.frags {
+        plan.push(s + f.src, d + f.dst, f.len);
+    }
+}
