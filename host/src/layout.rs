@@ -236,7 +236,9 @@ pub struct ModelSpec {
     pub dtype: Dtype,
     /// Tokens per PAGED slot.
     pub tokens_per_block: u32,
-    /// Layers per PP stage; `None` splits evenly, earlier stages taking the remainder.
+    /// An explicit layer split for deployments with exactly `split.len()` PP stages; other
+    /// PP sizes (and `None`) split evenly, earlier stages taking the remainder. One spec can
+    /// so describe both sides of a pair whose PP sizes differ.
     pub layers_per_pp: Option<Vec<u32>>,
 }
 
@@ -263,7 +265,7 @@ impl ModelSpec {
         self
     }
 
-    /// The same spec with an explicit PP split.
+    /// The same spec with an explicit split for `split.len()` PP stages.
     pub fn with_layers_per_pp(mut self, split: Vec<u32>) -> Self {
         self.layers_per_pp = Some(split);
         self
@@ -273,19 +275,20 @@ impl ModelSpec {
     ///
     /// # Errors
     ///
-    /// `pp` of 0, or an explicit split whose length is not `pp` or whose sum is not the
-    /// model's layer count.
+    /// `pp` of 0, or an explicit split for `pp` stages whose sum is not the model's layer
+    /// count.
     pub fn layers_per_pp(&self, pp: u32) -> Result<Vec<u32>, LayoutError> {
         let total = self.preset.num_layers();
-        match &self.layers_per_pp {
+        match self
+            .layers_per_pp
+            .as_ref()
+            .filter(|s| s.len() == pp as usize)
+        {
             Some(split) => {
                 let fail = |reason: String| LayoutError::LayerSplit {
                     split: split.clone(),
                     reason,
                 };
-                if split.len() != pp as usize {
-                    return Err(fail(format!("{} stages for pp {pp}", split.len())));
-                }
                 let sum: u64 = split.iter().map(|&n| u64::from(n)).sum();
                 if sum != u64::from(total) {
                     return Err(fail(format!(

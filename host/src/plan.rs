@@ -180,7 +180,7 @@ impl PlanRejected {
 ///
 /// Opaque: an executor may trust that every source lies in the sender's rows and every
 /// destination in the receiver's rows for the request, without overlap.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ValidatedPlan {
     src: Vec<u64>,
     dst: Vec<u64>,
@@ -369,8 +369,11 @@ fn check_overlap(dst: &[u64], len: &[u64]) -> Result<(), PlanRejected> {
 
 fn coalesce(plan: &TransferPlan) -> ValidatedPlan {
     let mut out = ValidatedPlan {
+        src: Vec::new(),
+        dst: Vec::new(),
+        len: Vec::new(),
         planned: plan.fragments(),
-        ..ValidatedPlan::default()
+        total: 0,
     };
     for (s, d, n) in plan.iter() {
         out.total += n;

@@ -201,7 +201,11 @@ fn a_config_file_names_the_planner_and_the_flag_wins() {
     let mut with_flag = args.to_vec();
     with_flag.extend(["--planner", "kvferry.default"]);
     let out = kvferry(&with_flag, &[("KVFERRY_CONFIG", &config)]);
-    assert!(text(&out).0.starts_with("kvferry.default "), "{:?}", text(&out));
+    assert!(
+        text(&out).0.starts_with("kvferry.default "),
+        "{:?}",
+        text(&out)
+    );
     std::fs::write(&config, "planer = \"typo\"\n").unwrap();
     let out = kvferry(&args, &[("KVFERRY_CONFIG", &config)]);
     assert!(!out.status.success());

@@ -190,7 +190,7 @@ fn slot_bytes(preset: Preset) -> u64 {
 #[test]
 fn every_preset_single_rank() {
     for preset in Preset::ALL {
-        let s = Scenario::new(ModelSpec::new(preset), tp1(), tp1(), 300);
+        let s = Scenario::new(ModelSpec::new(preset), tp1(), tp1(), 100);
         let report = run(&s);
         assert_eq!(report.receivers.len(), 1);
         assert_eq!(report.receivers[0].expected_transfers, 1);
@@ -360,7 +360,7 @@ fn qwen_state_rides_on_the_last_piece() {
 
 #[test]
 fn runs_are_deterministic_for_a_seed() {
-    let mut s = Scenario::new(ModelSpec::new(Preset::DeepseekV3), tp1(), tp1(), 1000);
+    let mut s = Scenario::new(ModelSpec::new(Preset::DeepseekV3), tp1(), tp1(), 300);
     s.seed = 42;
     let a = run(&s);
     let b = run(&s);
@@ -423,7 +423,7 @@ fn shifted_fragment_is_caught() {
 
 #[test]
 fn missing_fragment_is_caught() {
-    let s = Scenario::new(ModelSpec::new(Preset::Llama3_70b), tp1(), tp1(), 300);
+    let s = Scenario::new(ModelSpec::new(Preset::Llama3_70b), tp1(), tp1(), 100);
     let mirror = Mirror {
         mutate: Some(Box::new(|p: &mut TransferPlan| {
             p.src.remove(2);
