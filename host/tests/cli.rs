@@ -215,3 +215,80 @@ fn a_config_file_names_the_planner_and_the_flag_wins() {
         text(&out)
     );
 }
+
+/// Runs `kvferry plan --json` for Llama-3-70B and returns the parsed report.
+fn llama_plan(ctx: &str, r#gen: &str, prompt: &str) -> Value {
+    let out = kvferry(
+        &[
+            "plan",
+            "--model",
+            "llama-3-70b",
+            "--ctx",
+            ctx,
+            "--gen",
+            r#gen,
+            "--prompt-len",
+            prompt,
+            "--json",
+        ],
+        &[],
+    );
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    serde_json::from_str(&stdout).unwrap()
+}
+
+/// Semantics §12.2 at 512 tokens (16 blocks of 32): ctx tp4 -> gen tp8, generation rank g is
+/// written by context rank g / 2 alone, one 8,192-byte head of every K and V buffer: 160
+/// fragments per block.
+#[test]
+fn llama_tp4_to_tp8_follows_the_head_split() {
+    let v = llama_plan("tp4", "tp8", "512");
+    assert_eq!(v["planner"], "kvferry.default");
+    assert_eq!(v["verified"], true, "{v}");
+    let pairs = v["pairs"].as_array().unwrap();
+    assert_eq!(pairs.len(), 8);
+    for p in pairs {
+        let g = p["dst_rank"].as_u64().unwrap();
+        assert_eq!(p["src_rank"].as_u64().unwrap(), g / 2, "{p}");
+        assert_eq!(p["fragments"], 16 * 160);
+        assert_eq!(p["bytes"], 16 * 160 * 8192);
+    }
+    for r in v["receivers"].as_array().unwrap() {
+        assert_eq!(r["expected_transfers"], 1);
+    }
+}
+
+/// The reverse: generation rank g is written by context ranks 2g and 2g + 1, each placing
+/// its head in every K and V buffer.
+#[test]
+fn llama_tp8_to_tp4_has_two_writers_per_receiver() {
+    let v = llama_plan("tp8", "tp4", "512");
+    assert_eq!(v["verified"], true, "{v}");
+    let pairs = v["pairs"].as_array().unwrap();
+    assert_eq!(pairs.len(), 8);
+    for p in pairs {
+        let t = p["src_rank"].as_u64().unwrap();
+        assert_eq!(p["dst_rank"].as_u64().unwrap(), t / 2, "{p}");
+        assert_eq!(p["fragments"], 16 * 160);
+        assert_eq!(p["bytes"], 16 * 160 * 8192);
+    }
+    for r in v["receivers"].as_array().unwrap() {
+        assert_eq!(r["expected_transfers"], 2);
+    }
+}
+
+/// More TP ranks than KV heads: tp16 duplicates every head on two ranks; one of each pair
+/// writes, the other sends an empty plan that still counts.
+#[test]
+fn llama_tp16_to_tp8_elects_one_writer_per_duplicated_head() {
+    let v = llama_plan("tp16", "tp8", "100");
+    assert_eq!(v["verified"], true, "{v}");
+    let pairs = v["pairs"].as_array().unwrap();
+    assert_eq!(pairs.len(), 16);
+    let empty = pairs.iter().filter(|p| p["bytes"] == 0).count();
+    assert_eq!(empty, 8, "{v}");
+    for r in v["receivers"].as_array().unwrap() {
+        assert_eq!(r["expected_transfers"], 2);
+    }
+}

@@ -8,7 +8,8 @@
 //!
 //! `pair` is timed on precomputed rows (the planner alone); `plan_transfer` adds describing
 //! both sides, validating every fragment and coalescing (what the host does per request).
-//! The default planner is linked; both planners are also loaded from their `.so`.
+//! "linked" calls the default planner's Rust type directly (`DefaultPlanner` from its rlib,
+//! no FFI); "loaded" goes through the `.so` and the abi_stable vtable, as the host does.
 
 use std::sync::Arc;
 
@@ -18,8 +19,9 @@ use kvferry::plan::{RequestSide, plan_transfer};
 use kvferry::scenario::{SlotAssignment, slot_tables};
 use kvferry_conformance::{PlannerUnderTest, plugin_dir_with};
 use kvferry_planner_abi::{
-    LayerGroupRows, Mapping, PairRequest, RankInfo, SlotTable, TransferPlanner, rows,
+    LayerGroupRows, Mapping, PairRequest, PlannerPlugin, RankInfo, SlotTable, TransferPlanner, rows,
 };
+use kvferry_planner_default::DefaultPlanner;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
@@ -99,7 +101,6 @@ fn bench(c: &mut Criterion) {
         "libkvferry_planner_default.so",
         "libkvferry_planner_deepseek_mla_latent.so",
     ]);
-    let linked_default = PlannerUnderTest::linked(kvferry_planner_default::planner_module());
     let loaded_default = PlannerUnderTest::loaded(dir.path(), "kvferry.default");
     let loaded_mla = PlannerUnderTest::loaded(dir.path(), "kvferry.deepseek_mla_latent");
 
