@@ -1,16 +1,21 @@
-//! `kvferry`: list planners, check a deployment, dry-run a transfer plan.
+//! `kvferry`: list planners, check a deployment, dry-run a transfer plan, serve an instance,
+//! run the two-process demo.
 
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
 use clap::{Parser, Subcommand};
 use kvferry::config::{self, Config};
+use kvferry::demo::{self, DemoConfig};
 use kvferry::layout::{self, Dtype, ModelSpec, PoolOptions, Preset};
 use kvferry::registry::{self, BoundPlanner, Registry};
 use kvferry::scenario::Scenario;
 use kvferry::spec;
+use kvferry::transfer::{self, InstanceConfig, Role, ServeOptions, Transport};
 use kvferry_planner_abi::{Deployment, Mapping, PlanError, RankInfo, TokenRange, TransferPlanner};
 use serde_json::json;
 
@@ -92,6 +97,104 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Run one instance (every rank in this process) as a context or generation server.
+    Serve(ServeArgs),
+    /// Start a context and a generation server on loopback and stream requests through them,
+    /// checking every destination byte.
+    Demo(DemoArgs),
+}
+
+/// Options of `kvferry serve`.
+#[derive(Debug, clap::Args)]
+struct ServeArgs {
+    /// Which side this instance is.
+    #[arg(long, value_name = "context|generation")]
+    role: Role,
+    /// Model preset.
+    #[arg(long, value_name = "PRESET")]
+    model: Preset,
+    /// Deployment: tp4, tp4pp2, dep8, ...
+    #[arg(long, value_name = "SPEC", value_parser = parse_spec)]
+    deployment: Mapping,
+    #[command(flatten)]
+    shape: Shape,
+    /// Planner id (default: $KVFERRY_PLANNER, config `planner`, kvferry.default).
+    #[arg(long, value_name = "ID")]
+    planner: Option<String>,
+    /// Control address to listen on (port 0: a free port, printed on stdout).
+    #[arg(long, default_value = "127.0.0.1:0", value_name = "HOST:PORT")]
+    listen: String,
+    /// UCX transports: shared memory or loopback TCP.
+    #[arg(long, default_value = "shm", value_name = "shm|tcp")]
+    transport: Transport,
+    /// PAGED slots per pool of every rank.
+    #[arg(long, default_value_t = 256, value_name = "N")]
+    slots: u64,
+    /// STATE slots per pool of every rank (recurrent-state models).
+    #[arg(long, default_value_t = 16, value_name = "N")]
+    state_slots: u64,
+    /// Generation side: fail a request whose writers have not all reported after this long.
+    #[arg(long, default_value_t = 30_000, value_name = "N")]
+    timeout_ms: u64,
+    /// Salt of the oracle's tags and canaries (both servers of a pair must agree).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Instance name (default: `ctx-PID` or `gen-PID`).
+    #[arg(long, value_name = "NAME")]
+    name: Option<String>,
+    /// Fault injection, context side: sleep this long before every flush.
+    #[arg(long, default_value_t = 0, hide = true)]
+    debug_stall_ms: u64,
+    /// Exit when standard input reaches its end (a parent holding the pipe has gone).
+    #[arg(long)]
+    exit_with_stdin: bool,
+}
+
+/// Options of `kvferry demo`.
+#[derive(Debug, clap::Args)]
+struct DemoArgs {
+    /// Model preset.
+    #[arg(long, value_name = "PRESET")]
+    model: Preset,
+    /// The context instance's deployment.
+    #[arg(long, value_name = "SPEC")]
+    ctx: String,
+    /// The generation instance's deployment.
+    #[arg(long, value_name = "SPEC")]
+    r#gen: String,
+    #[command(flatten)]
+    shape: Shape,
+    /// Requests to stream.
+    #[arg(long, default_value_t = 32, value_name = "N")]
+    requests: u64,
+    /// Longest prompt; each request's length is drawn from 1..=MAX.
+    #[arg(long, default_value_t = 1024, value_name = "MAX")]
+    prompt_len: u64,
+    /// UCX transports: shared memory or loopback TCP.
+    #[arg(long, default_value = "shm", value_name = "shm|tcp")]
+    transport: Transport,
+    /// Planner id for both servers (default: $KVFERRY_PLANNER, config `planner`,
+    /// kvferry.default).
+    #[arg(long, value_name = "ID")]
+    planner: Option<String>,
+    /// Seed of prompt lengths, slot placement and the oracle.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Send each request in chunks of this many tokens (a multiple of the block size).
+    #[arg(long, value_name = "TOKENS")]
+    chunk: Option<u64>,
+    /// Prompt tokens the receiver already caches.
+    #[arg(long, default_value_t = 0, value_name = "TOKENS")]
+    cached: u64,
+    /// Requests in flight at once.
+    #[arg(long, default_value_t = 8, value_name = "N")]
+    in_flight: usize,
+    /// Per-request timeout on the generation server.
+    #[arg(long, default_value_t = 30_000, value_name = "N")]
+    timeout_ms: u64,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
 }
 
 /// Cache shape options shared by `check` and `plan`.
@@ -356,9 +459,107 @@ fn plan(host: &Host, a: PlanArgs) -> Result<ExitCode> {
     })
 }
 
+/// Exits the process once standard input ends: a parent that holds our stdin pipe (the
+/// demo) takes its servers down with it however it ends.
+fn exit_with_stdin() -> Result<()> {
+    std::thread::Builder::new()
+        .name("stdin-watch".into())
+        .spawn(|| {
+            let _ = std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink());
+            tracing::info!("standard input closed; exiting");
+            std::process::exit(0);
+        })?;
+    Ok(())
+}
+
+fn serve(host: &Host, a: ServeArgs) -> Result<ExitCode> {
+    if a.exit_with_stdin {
+        exit_with_stdin()?;
+    }
+    let id = host.planner_id(a.planner.as_deref());
+    let model = a.shape.model(a.model);
+    let bound = host.bind(&id, &model, a.deployment)?;
+    let name = a.name.unwrap_or_else(|| {
+        let prefix = match a.role {
+            Role::Context => "ctx",
+            Role::Generation => "gen",
+        };
+        format!("{prefix}-{}", std::process::id())
+    });
+    let config = InstanceConfig {
+        role: a.role,
+        name: name.clone(),
+        model,
+        mapping: a.deployment,
+        transport: a.transport,
+        paged_slots: a.slots,
+        state_slots: a.state_slots,
+    };
+    let options = ServeOptions {
+        listen: a.listen,
+        timeout: Duration::from_millis(a.timeout_ms),
+        seed: a.seed,
+        stall: Duration::from_millis(a.debug_stall_ms),
+    };
+    let running = transfer::start(config, bound, &options)
+        .with_context(|| format!("starting {} instance {name}", a.role))?;
+    let addr = running.local_addr();
+    tracing::info!(instance = %name, role = %a.role, planner = %id, %addr, "serving");
+    println!(
+        "kvferry serve: {} instance {name} ({}, planner {id}, {}) {}{addr}",
+        a.role,
+        running.instance().label(),
+        a.transport,
+        demo::LISTENING
+    );
+    std::io::stdout().flush()?;
+    running.run();
+    Ok(ExitCode::SUCCESS)
+}
+
+fn run_demo(config_file: Option<PathBuf>, a: DemoArgs) -> Result<ExitCode> {
+    let ctx = spec::parse(&a.ctx).map_err(|e| anyhow!("--ctx: {e}"))?;
+    let r#gen = spec::parse(&a.r#gen).map_err(|e| anyhow!("--gen: {e}"))?;
+    let config = DemoConfig {
+        exe: std::env::current_exe().context("locating the kvferry executable")?,
+        config_file,
+        model: a.shape.model(a.model),
+        ctx_spec: a.ctx,
+        gen_spec: a.r#gen,
+        ctx,
+        r#gen,
+        requests: a.requests,
+        max_prompt_len: a.prompt_len,
+        transport: a.transport,
+        planner: a.planner,
+        seed: a.seed,
+        chunk: a.chunk,
+        cached: a.cached,
+        in_flight: a.in_flight,
+        timeout: Duration::from_millis(a.timeout_ms),
+    };
+    let report = demo::run(&config)?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        println!("{report}");
+    }
+    Ok(if report.verified {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
 fn run(cli: Cli) -> Result<ExitCode> {
+    let command = match cli.command {
+        Command::Demo(args) => return run_demo(cli.config, args),
+        other => other,
+    };
     let host = Host::load(cli.config.as_deref())?;
-    match cli.command {
+    match command {
+        Command::Serve(args) => serve(&host, args),
+        Command::Demo(args) => run_demo(cli.config, args),
         Command::Planners { all, json } => planners(&host, all, json),
         Command::Check {
             model,

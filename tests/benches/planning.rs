@@ -122,16 +122,19 @@ fn bench(c: &mut Criterion) {
     for case in &cases {
         let mut group = c.benchmark_group(case.name);
         group.sample_size(10);
+        let linked: Arc<dyn TransferPlanner> = Arc::new(DefaultPlanner::new(&case.me).unwrap());
+        let load = |planner: &PlannerUnderTest| -> Arc<dyn TransferPlanner> {
+            let bound = planner.bind(case.architecture, case.mapping).unwrap();
+            bound.instantiate(&case.me).unwrap()
+        };
         let mut planners = vec![
-            ("default linked", &linked_default),
-            ("default loaded", &loaded_default),
+            ("default linked", linked),
+            ("default loaded", load(&loaded_default)),
         ];
         if case.architecture == Preset::DeepseekV3.architecture() {
-            planners.push(("mla loaded", &loaded_mla));
+            planners.push(("mla loaded", load(&loaded_mla)));
         }
-        for (label, planner) in planners {
-            let bound = planner.bind(case.architecture, case.mapping).unwrap();
-            let p: Arc<dyn TransferPlanner> = bound.instantiate(&case.me).unwrap();
+        for (label, p) in planners {
             p.check_peer(&case.me, &case.peer).unwrap();
             let plan = p
                 .pair(

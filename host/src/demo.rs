@@ -1,0 +1,592 @@
+//! `kvferry demo`: a context and a generation server as child processes on loopback, a
+//! stream of requests through them, every destination byte checked.
+//!
+//! The controller starts both `kvferry serve` children (the running executable, each on a
+//! free port it reports on stdout), then runs the requests in batches of `in_flight`:
+//!
+//! 1. `Submit` each request to the context server (slots allocated, filled by the oracle:
+//!    the "prefill") and collect the context tables;
+//! 2. `Submit` them all to the generation server at once and wait for every `Done` — the
+//!    transfer phase, timed for the throughput and per request for the latencies;
+//! 3. `Verify` each completed request on the generation server (its slots: covered bytes
+//!    hold their tags, the rest the canary), then `Release` it on both servers.
+//!
+//! At the end the generation server checks that every pool holds only its canary, and both
+//! children are shut down (killed on every error path).
+
+use std::fmt;
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use kvferry_planner_abi::Mapping;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+
+use crate::layout::ModelSpec;
+use crate::transfer::wire::{Message, RankTables, Submit};
+use crate::transfer::{Client, ClientError, Transport, chunk_ranges};
+
+/// How long a child may take to report its control address.
+const STARTUP_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long a control reply (other than `Done`) may take.
+const REPLY_TIMEOUT: Duration = Duration::from_secs(120);
+/// The line a server prints once it listens: `listening on HOST:PORT`.
+pub const LISTENING: &str = "listening on ";
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct DemoConfig {
+    /// The `kvferry` executable to start the servers from.
+    pub exe: PathBuf,
+    /// Config file passed to the servers (`--config`).
+    pub config_file: Option<PathBuf>,
+    /// Model, dtype and block size.
+    pub model: ModelSpec,
+    /// The context deployment spec, as typed (e.g. `dep2`).
+    pub ctx_spec: String,
+    /// The generation deployment spec.
+    pub gen_spec: String,
+    /// The context mapping (parsed `ctx_spec`).
+    pub ctx: Mapping,
+    /// The generation mapping.
+    pub r#gen: Mapping,
+    /// Requests to run.
+    pub requests: u64,
+    /// The longest prompt; lengths are drawn from `1..=max_prompt_len`.
+    pub max_prompt_len: u64,
+    /// UCX transports.
+    pub transport: Transport,
+    /// Planner id for both servers (`None`: their own default selection).
+    pub planner: Option<String>,
+    /// Seed of prompt lengths, slot placement and the oracle.
+    pub seed: u64,
+    /// Send in chunks of this many tokens.
+    pub chunk: Option<u64>,
+    /// Prompt tokens the receiver already caches (clamped to each prompt).
+    pub cached: u64,
+    /// Requests in flight at once.
+    pub in_flight: usize,
+    /// The generation server's per-request timeout.
+    pub timeout: Duration,
+}
+
+/// Why the demo could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum DemoError {
+    /// A child could not be started or did not come up.
+    #[error("{role} server: {message}")]
+    Child {
+        /// `context` or `generation`.
+        role: &'static str,
+        /// What went wrong.
+        message: String,
+    },
+    /// A control call failed.
+    #[error(transparent)]
+    Client(#[from] ClientError),
+    /// A server answered something unexpected.
+    #[error("{0}")]
+    Protocol(String),
+    /// Bad parameters.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Latency percentiles in milliseconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Percentiles {
+    /// Median.
+    pub p50: f64,
+    /// 90th percentile.
+    pub p90: f64,
+    /// 99th percentile.
+    pub p99: f64,
+}
+
+/// What the demo did and found.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct DemoReport {
+    /// The planner both servers bound.
+    pub planner: String,
+    /// Its library version.
+    pub planner_version: String,
+    /// Model, dtype and block size.
+    pub model: String,
+    /// Context deployment.
+    pub ctx: String,
+    /// Generation deployment.
+    pub r#gen: String,
+    /// `shm` or `tcp`.
+    pub transport: String,
+    /// Requests run.
+    pub requests: u64,
+    /// Requests that failed (transfer or verification).
+    pub failed: u64,
+    /// Bytes moved.
+    pub bytes: u64,
+    /// Fragments written.
+    pub fragments: u64,
+    /// Sum of the transfer phases' wall time, seconds.
+    pub transfer_seconds: f64,
+    /// `bytes / transfer_seconds`, in GB/s (10^9 bytes).
+    pub gbps: f64,
+    /// Per-request transfer latency (first `RequestData` to last completion).
+    pub latency_ms: Percentiles,
+    /// Destination bytes the oracle checked over all requests.
+    pub verified_bytes: u64,
+    /// Whether every request completed and every byte matched, idle pools included.
+    pub verified: bool,
+    /// The first errors and mismatches.
+    pub errors: Vec<String>,
+}
+
+impl fmt::Display for DemoReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "kvferry demo: {}, context {} -> generation {} over {}",
+            self.model, self.ctx, self.r#gen, self.transport
+        )?;
+        writeln!(f, "planner    {} {}", self.planner, self.planner_version)?;
+        writeln!(
+            f,
+            "requests   {} ({} ok, {} failed)",
+            self.requests,
+            self.requests - self.failed,
+            self.failed
+        )?;
+        writeln!(
+            f,
+            "bytes      {} ({:.3} GB) in {} fragments",
+            self.bytes,
+            self.bytes as f64 / 1e9,
+            self.fragments
+        )?;
+        writeln!(
+            f,
+            "transfer   {:.4} s, {:.2} GB/s",
+            self.transfer_seconds, self.gbps
+        )?;
+        writeln!(
+            f,
+            "latency    p50 {:.3} ms, p90 {:.3} ms, p99 {:.3} ms",
+            self.latency_ms.p50, self.latency_ms.p90, self.latency_ms.p99
+        )?;
+        write!(
+            f,
+            "verified   {} ({} destination bytes checked)",
+            if self.verified { "yes" } else { "NO" },
+            self.verified_bytes
+        )?;
+        for e in &self.errors {
+            write!(f, "\n  {e}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Child processes killed (and reaped) when dropped. Each child's stdin pipe stays open in
+/// its `Child` until then (the child exits when it closes).
+struct Children(Vec<Child>);
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            if matches!(child.try_wait(), Ok(None)) {
+                let _ = child.kill();
+            }
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Children {
+    /// Waits up to `limit` for every child to exit by itself.
+    fn wait_exit(&mut self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        for child in &mut self.0 {
+            while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
+                thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+}
+
+/// Arguments of `kvferry serve` for one side.
+fn serve_args(config: &DemoConfig, role: &str, spec: &str, slots: u64, state: u64) -> Vec<String> {
+    let mut args = Vec::new();
+    if let Some(file) = &config.config_file {
+        args.extend(["--config".to_string(), file.display().to_string()]);
+    }
+    args.extend(
+        [
+            "serve",
+            "--role",
+            role,
+            "--model",
+            config.model.preset.name(),
+            "--deployment",
+            spec,
+            "--dtype",
+            config.model.dtype.name(),
+        ]
+        .map(String::from),
+    );
+    args.extend([
+        "--tokens-per-block".to_string(),
+        config.model.tokens_per_block.to_string(),
+        "--listen".to_string(),
+        "127.0.0.1:0".to_string(),
+        "--transport".to_string(),
+        config.transport.name().to_string(),
+        "--slots".to_string(),
+        slots.to_string(),
+        "--state-slots".to_string(),
+        state.to_string(),
+        "--seed".to_string(),
+        config.seed.to_string(),
+        "--timeout-ms".to_string(),
+        config.timeout.as_millis().to_string(),
+    ]);
+    if let Some(p) = &config.planner {
+        args.extend(["--planner".to_string(), p.clone()]);
+    }
+    args
+}
+
+/// Starts one server child; returns it and its control address.
+pub fn spawn_server(
+    exe: &PathBuf,
+    args: &[String],
+    role: &'static str,
+) -> Result<(Child, String), DemoError> {
+    let mut cmd = Command::new(exe);
+    // The child exits when this pipe closes, i.e. when the controller ends in any way.
+    cmd.args(args)
+        .arg("--exit-with-stdin")
+        .stdout(Stdio::piped())
+        .stdin(Stdio::piped());
+    if std::env::var_os("RUST_LOG").is_none() {
+        cmd.env("RUST_LOG", "kvferry=warn,warn");
+    }
+    let mut child = cmd.spawn().map_err(|e| DemoError::Child {
+        role,
+        message: format!("cannot start {}: {e}", exe.display()),
+    })?;
+    let Some(stdout) = child.stdout.take() else {
+        let _ = child.kill();
+        return Err(DemoError::Child {
+            role,
+            message: "no stdout".into(),
+        });
+    };
+    let (tx, rx) = mpsc::channel();
+    let _ = thread::Builder::new()
+        .name(format!("{role}-stdout"))
+        .spawn(move || {
+            let mut sent = false;
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if !sent {
+                    if let Some(addr) = line.split(LISTENING).nth(1) {
+                        let _ = tx.send(addr.trim().to_string());
+                        sent = true;
+                    }
+                }
+            }
+        });
+    match rx.recv_timeout(STARTUP_TIMEOUT) {
+        Ok(addr) => Ok((child, addr)),
+        Err(_) => {
+            let _ = child.kill();
+            let status = child.wait().map(|s| s.to_string()).unwrap_or_default();
+            Err(DemoError::Child {
+                role,
+                message: format!("did not report its control address ({status})"),
+            })
+        }
+    }
+}
+
+/// One request of the stream.
+#[derive(Clone, Debug)]
+struct Planned {
+    submit: Submit,
+    context: Vec<RankTables>,
+    sent: Option<Instant>,
+}
+
+/// Runs the demo.
+///
+/// # Errors
+///
+/// A child that does not start, a control connection that fails, or a server that answers
+/// out of protocol. Failed requests and mismatches are in the report.
+pub fn run(config: &DemoConfig) -> Result<DemoReport, DemoError> {
+    if config.requests == 0 || config.max_prompt_len == 0 {
+        return Err(DemoError::Invalid(
+            "--requests and --prompt-len must be positive".into(),
+        ));
+    }
+    let tpb = u64::from(config.model.tokens_per_block);
+    if let Some(chunk) = config.chunk {
+        if chunk == 0 || chunk % tpb != 0 {
+            return Err(DemoError::Invalid(format!(
+                "--chunk {chunk} must be a positive multiple of the block size {tpb}"
+            )));
+        }
+    }
+    let in_flight = config.in_flight.max(1);
+    let slots = in_flight as u64 * config.max_prompt_len.div_ceil(tpb) + 4;
+    let state = in_flight as u64 + 2;
+
+    let mut children = Children(Vec::new());
+    let (ctx_child, ctx_addr) = spawn_server(
+        &config.exe,
+        &serve_args(config, "context", &config.ctx_spec, slots, state),
+        "context",
+    )?;
+    children.0.push(ctx_child);
+    let (gen_child, gen_addr) = spawn_server(
+        &config.exe,
+        &serve_args(config, "generation", &config.gen_spec, slots, state),
+        "generation",
+    )?;
+    children.0.push(gen_child);
+    let ctx = Client::connect(&ctx_addr)?;
+    let r#gen = Client::connect(&gen_addr)?;
+
+    let mut report = DemoReport {
+        model: config.model.to_string(),
+        ctx: config.ctx_spec.clone(),
+        r#gen: config.gen_spec.clone(),
+        transport: config.transport.name().to_string(),
+        requests: config.requests,
+        ..DemoReport::default()
+    };
+    match r#gen.call(Message::InstanceInfoRequest, REPLY_TIMEOUT)? {
+        Message::InstanceInfo(info) => {
+            report.planner = info.planner_id;
+            report.planner_version = info.planner_version;
+        }
+        other => {
+            return Err(DemoError::Protocol(format!(
+                "generation server answered {} to InstanceInfoRequest",
+                other.kind()
+            )));
+        }
+    }
+
+    let groups = |m: &Mapping| if m.attention_dp { m.tp } else { 1 };
+    let (ctx_groups, gen_groups) = (groups(&config.ctx), groups(&config.r#gen));
+    let mut rng = StdRng::seed_from_u64(config.seed);
+    let mut latencies = Vec::new();
+    let mut transfer = Duration::ZERO;
+    let mut all_ok = true;
+    let note = |report: &mut DemoReport, e: String| {
+        if report.errors.len() < 16 {
+            report.errors.push(e);
+        }
+    };
+
+    let mut next = 0u64;
+    while next < config.requests {
+        let batch_len = (config.requests - next).min(in_flight as u64);
+        let mut batch: Vec<Planned> = (next..next + batch_len)
+            .map(|id| {
+                let prompt_len = rng.gen_range(1..=config.max_prompt_len);
+                Planned {
+                    submit: Submit {
+                        request: id,
+                        prompt_len,
+                        ctx_dp_rank: (id % u64::from(ctx_groups)) as u32,
+                        gen_dp_rank: (id % u64::from(gen_groups)) as u32,
+                        chunks: config.chunk.map(|c| chunk_ranges(prompt_len, c)),
+                        cached: config.cached.min(prompt_len),
+                        peer: None,
+                    },
+                    context: Vec::new(),
+                    sent: None,
+                }
+            })
+            .collect();
+        next += batch_len;
+
+        // Prefill on the context side.
+        for p in &batch {
+            ctx.send(Message::Submit(p.submit.clone()))?;
+        }
+        let mut prefilled = 0;
+        while prefilled < batch.len() {
+            match ctx.recv(REPLY_TIMEOUT)? {
+                Message::Submitted { request, result } => {
+                    prefilled += 1;
+                    let Some(p) = batch.iter_mut().find(|p| p.submit.request == request) else {
+                        continue;
+                    };
+                    match result {
+                        Ok(tables) => p.context = tables,
+                        Err(e) => {
+                            all_ok = false;
+                            report.failed += 1;
+                            note(&mut report, format!("request {request}: prefill: {e}"));
+                        }
+                    }
+                }
+                other => {
+                    return Err(DemoError::Protocol(format!(
+                        "context server answered {} to Submit",
+                        other.kind()
+                    )));
+                }
+            }
+        }
+        batch.retain(|p| !p.context.is_empty());
+
+        // Transfer phase: everything in flight at once.
+        let started = Instant::now();
+        for p in &mut batch {
+            let mut submit = p.submit.clone();
+            submit.peer = Some(ctx_addr.clone());
+            p.sent = Some(Instant::now());
+            r#gen.send(Message::Submit(submit))?;
+        }
+        let wait = config.timeout + Duration::from_secs(30);
+        let mut done = Vec::new();
+        let mut pending = batch.len();
+        while pending > 0 {
+            match r#gen.recv(wait)? {
+                Message::Done { request, result } => {
+                    pending -= 1;
+                    match result {
+                        Ok(stats) => {
+                            report.bytes += stats.bytes;
+                            report.fragments += stats.fragments;
+                            latencies.push(stats.latency_us as f64 / 1000.0);
+                            done.push(request);
+                        }
+                        Err(e) => {
+                            all_ok = false;
+                            report.failed += 1;
+                            note(&mut report, e);
+                        }
+                    }
+                }
+                other => {
+                    return Err(DemoError::Protocol(format!(
+                        "generation server sent {} during the transfer phase",
+                        other.kind()
+                    )));
+                }
+            }
+        }
+        transfer += started.elapsed();
+
+        // Verify, then release.
+        for p in &batch {
+            let id = p.submit.request;
+            if done.contains(&id) {
+                let reply = r#gen.call(
+                    Message::Verify {
+                        request: id,
+                        context: p.context.clone(),
+                    },
+                    REPLY_TIMEOUT,
+                )?;
+                match reply {
+                    Message::Verified {
+                        result: Ok(summary),
+                        ..
+                    } => {
+                        report.verified_bytes += summary.bytes_checked;
+                        if !summary.ok {
+                            all_ok = false;
+                            report.failed += 1;
+                            note(&mut report, format!("request {id}: {}", summary.detail));
+                        }
+                    }
+                    Message::Verified { result: Err(e), .. } => {
+                        all_ok = false;
+                        report.failed += 1;
+                        note(&mut report, format!("request {id}: verify: {e}"));
+                    }
+                    other => {
+                        return Err(DemoError::Protocol(format!(
+                            "generation server answered {} to Verify",
+                            other.kind()
+                        )));
+                    }
+                }
+            }
+            expect_released(&r#gen, id)?;
+            expect_released(&ctx, id)?;
+        }
+    }
+
+    match r#gen.call(Message::VerifyIdle, REPLY_TIMEOUT)? {
+        Message::IdleVerified { result: Ok(s) } => {
+            report.verified_bytes += s.bytes_checked;
+            if !s.ok {
+                all_ok = false;
+                note(&mut report, format!("idle pools: {}", s.detail));
+            }
+        }
+        Message::IdleVerified { result: Err(e) } => {
+            all_ok = false;
+            note(&mut report, format!("idle pools: {e}"));
+        }
+        other => {
+            return Err(DemoError::Protocol(format!(
+                "generation server answered {} to VerifyIdle",
+                other.kind()
+            )));
+        }
+    }
+
+    // The generation server first, so it does not watch its context peer go away.
+    let _ = r#gen.send(Message::Shutdown);
+    let _ = ctx.send(Message::Shutdown);
+    children.wait_exit(Duration::from_secs(5));
+
+    report.transfer_seconds = transfer.as_secs_f64();
+    report.gbps = if report.transfer_seconds > 0.0 {
+        report.bytes as f64 / report.transfer_seconds / 1e9
+    } else {
+        0.0
+    };
+    report.latency_ms = percentiles(&mut latencies);
+    report.verified = all_ok;
+    Ok(report)
+}
+
+fn expect_released(client: &Client, request: u64) -> Result<(), DemoError> {
+    match client.call(Message::Release { request }, REPLY_TIMEOUT)? {
+        Message::Released { .. } => Ok(()),
+        other => Err(DemoError::Protocol(format!(
+            "{} answered {} to Release",
+            client.addr(),
+            other.kind()
+        ))),
+    }
+}
+
+/// Nearest-rank percentiles of `values` (sorted in place).
+pub fn percentiles(values: &mut [f64]) -> Percentiles {
+    if values.is_empty() {
+        return Percentiles::default();
+    }
+    values.sort_by(f64::total_cmp);
+    let at = |q: f64| {
+        let rank = (q * values.len() as f64).ceil() as usize;
+        values[rank.clamp(1, values.len()) - 1]
+    };
+    Percentiles {
+        p50: at(0.50),
+        p90: at(0.90),
+        p99: at(0.99),
+    }
+}

@@ -1,0 +1,140 @@
+//! A control client: what the demo controller and the tests use to drive servers.
+
+use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::Duration;
+
+use super::conn::{Outbox, spawn_reader, spawn_writer};
+use super::wire::{Message, WireError};
+
+/// Why a client call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// No connection.
+    #[error("cannot connect to {addr}: {error}")]
+    Connect {
+        /// The server's address.
+        addr: String,
+        /// The OS error.
+        error: std::io::Error,
+    },
+    /// The connection ended.
+    #[error("connection to {addr} closed: {reason}")]
+    Closed {
+        /// The server's address.
+        addr: String,
+        /// Why.
+        reason: String,
+    },
+    /// Nothing arrived in time.
+    #[error("no message from {addr} within {} ms", waited.as_millis())]
+    Timeout {
+        /// The server's address.
+        addr: String,
+        /// How long we waited.
+        waited: Duration,
+    },
+    /// The server refused the connection.
+    #[error("{addr} refused the connection: {message}")]
+    Refused {
+        /// The server's address.
+        addr: String,
+        /// The server's message.
+        message: String,
+    },
+}
+
+/// One control connection, with a reader thread so receiving can time out cleanly.
+#[derive(Debug)]
+pub struct Client {
+    addr: String,
+    outbox: Outbox,
+    inbox: Receiver<Result<Message, WireError>>,
+}
+
+impl Client {
+    /// Connects to `addr` (`host:port`).
+    ///
+    /// # Errors
+    ///
+    /// The address does not resolve or the connection is refused.
+    pub fn connect(addr: &str) -> Result<Client, ClientError> {
+        let connect = |source| ClientError::Connect {
+            addr: addr.to_string(),
+            error: source,
+        };
+        let sock = addr
+            .to_socket_addrs()
+            .map_err(connect)?
+            .next()
+            .ok_or_else(|| {
+                connect(std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "resolves to no address",
+                ))
+            })?;
+        let stream = TcpStream::connect_timeout(&sock, Duration::from_secs(5)).map_err(connect)?;
+        let _ = stream.set_nodelay(true);
+        let reader = stream.try_clone().map_err(connect)?;
+        Ok(Client {
+            addr: addr.to_string(),
+            outbox: spawn_writer(stream, format!("client-{addr}")),
+            inbox: spawn_reader(reader, format!("client-{addr}")),
+        })
+    }
+
+    /// The server's address.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// Queues a message.
+    ///
+    /// # Errors
+    ///
+    /// The connection's writer has stopped.
+    pub fn send(&self, message: Message) -> Result<(), ClientError> {
+        self.outbox.send(message).map_err(|_| ClientError::Closed {
+            addr: self.addr.clone(),
+            reason: "the writer stopped".into(),
+        })
+    }
+
+    /// The next message, waiting at most `timeout`.
+    ///
+    /// # Errors
+    ///
+    /// Nothing arrived in time, the connection ended, or the server sent
+    /// [`Message::Error`].
+    pub fn recv(&self, timeout: Duration) -> Result<Message, ClientError> {
+        match self.inbox.recv_timeout(timeout) {
+            Ok(Ok(Message::Error { message })) => Err(ClientError::Refused {
+                addr: self.addr.clone(),
+                message,
+            }),
+            Ok(Ok(message)) => Ok(message),
+            Ok(Err(e)) => Err(ClientError::Closed {
+                addr: self.addr.clone(),
+                reason: e.to_string(),
+            }),
+            Err(RecvTimeoutError::Timeout) => Err(ClientError::Timeout {
+                addr: self.addr.clone(),
+                waited: timeout,
+            }),
+            Err(RecvTimeoutError::Disconnected) => Err(ClientError::Closed {
+                addr: self.addr.clone(),
+                reason: "the reader stopped".into(),
+            }),
+        }
+    }
+
+    /// Sends `message` and returns the next message received.
+    ///
+    /// # Errors
+    ///
+    /// As [`send`](Self::send) and [`recv`](Self::recv).
+    pub fn call(&self, message: Message, timeout: Duration) -> Result<Message, ClientError> {
+        self.send(message)?;
+        self.recv(timeout)
+    }
+}

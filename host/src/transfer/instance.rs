@@ -1,0 +1,315 @@
+//! One instance (a context or generation server) with all its ranks in one process.
+//!
+//! [`Instance::start`] creates the UCX context for the chosen [`Transport`], lets
+//! [`build_instance`] lay out every rank while allocating each pool through UCX (so every
+//! [`RankInfo`] carries the pools' real addresses), builds the bound planner for every rank
+//! (stamping its `describe` blob), and starts one [`RankThread`] per rank.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use kvferry_planner_abi::ffi::RVec;
+use kvferry_planner_abi::{GroupKind, Mapping, MemoryType, PlanError, RankInfo, TransferPlanner};
+use kvferry_ucx::{Context, Worker};
+
+use super::memory::{MemoryError, PoolAllocator, RankPools};
+use super::rank::{RankThread, SpawnError};
+use super::wire::{InstanceInfo, PoolKey, RankDescriptor, Role};
+use crate::layout::{LayoutError, ModelSpec, PoolOptions, build_instance};
+use crate::registry::BoundPlanner;
+
+/// The UCX transports an instance uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Transport {
+    /// Intra-node shared memory (`UCX_TLS=posix,sysv,cma,self`): one-sided puts into
+    /// UCX-allocated pools.
+    Shm,
+    /// Loopback TCP (`UCX_TLS=tcp`, `UCX_NET_DEVICES=lo`): puts emulated with active messages.
+    Tcp,
+}
+
+impl Transport {
+    /// `shm` or `tcp`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Transport::Shm => "shm",
+            Transport::Tcp => "tcp",
+        }
+    }
+
+    /// A UCX context for this transport.
+    ///
+    /// # Errors
+    ///
+    /// UCX cannot create the context.
+    pub fn context(self) -> Result<Arc<Context>, kvferry_ucx::Error> {
+        let builder = Context::builder();
+        match self {
+            Transport::Shm => builder.tls("posix,sysv,cma,self"),
+            Transport::Tcp => builder.tls("tcp").net_devices("lo"),
+        }
+        .build()
+    }
+}
+
+impl fmt::Display for Transport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Transport {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "shm" => Ok(Transport::Shm),
+            "tcp" => Ok(Transport::Tcp),
+            _ => Err(format!("unknown transport `{s}` (known: shm, tcp)")),
+        }
+    }
+}
+
+/// What an instance is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InstanceConfig {
+    /// Context or generation.
+    pub role: Role,
+    /// The instance name every rank advertises.
+    pub name: String,
+    /// The model.
+    pub model: ModelSpec,
+    /// The parallel mapping.
+    pub mapping: Mapping,
+    /// The UCX transports.
+    pub transport: Transport,
+    /// PAGED slots of every PAGED pool.
+    pub paged_slots: u64,
+    /// STATE slots of every STATE pool.
+    pub state_slots: u64,
+}
+
+/// Why an instance could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum InstanceError {
+    /// No UCX context.
+    #[error("cannot create the UCX context for {transport}: {error}")]
+    Context {
+        /// The transport asked for.
+        transport: Transport,
+        /// UCX's error.
+        error: kvferry_ucx::Error,
+    },
+    /// The layout refused the model or mapping.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    /// Pools could not be allocated or described.
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    /// The planner refused a rank.
+    #[error("planner {planner} refuses rank {rank}: {error}")]
+    Planner {
+        /// The planner id.
+        planner: String,
+        /// The rank.
+        rank: u32,
+        /// The planner's error.
+        error: PlanError,
+    },
+    /// No UCX worker.
+    #[error("rank {rank}: cannot create its UCX worker: {error}")]
+    Worker {
+        /// The rank.
+        rank: u32,
+        /// UCX's error.
+        error: kvferry_ucx::Error,
+    },
+    /// A rank thread could not start.
+    #[error(transparent)]
+    Spawn(#[from] SpawnError),
+}
+
+/// One rank of a running instance.
+pub struct Rank {
+    /// The rank's description, with real pool addresses and the planner's blob.
+    pub info: RankInfo,
+    /// The bound planner, built for this rank.
+    pub planner: Arc<dyn TransferPlanner>,
+    /// The rank's pools.
+    pub pools: Arc<RankPools>,
+    /// The rank's progress thread.
+    pub thread: RankThread,
+    keys: Vec<PoolKey>,
+}
+
+impl fmt::Debug for Rank {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Rank")
+            .field("rank", &self.info.instance_rank)
+            .field("pools", &self.pools)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A running instance: every rank's pools, planner and progress thread.
+#[derive(Debug)]
+pub struct Instance {
+    config: InstanceConfig,
+    bound: BoundPlanner,
+    ranks: Vec<Rank>,
+    _context: Arc<Context>,
+}
+
+impl Instance {
+    /// Allocates, describes and starts every rank (see the module docs).
+    ///
+    /// # Errors
+    ///
+    /// See [`InstanceError`].
+    pub fn start(config: InstanceConfig, bound: BoundPlanner) -> Result<Instance, InstanceError> {
+        let context = config
+            .transport
+            .context()
+            .map_err(|source| InstanceError::Context {
+                transport: config.transport,
+                error: source,
+            })?;
+        let options = PoolOptions {
+            paged_slots: config.paged_slots,
+            state_slots: config.state_slots,
+            slot_padding: 0,
+            memory_type: MemoryType::DRAM,
+        };
+        let mut allocator = PoolAllocator::new(&context);
+        let infos = build_instance(
+            &config.model,
+            &config.mapping,
+            &config.name,
+            bound.id(),
+            &options,
+            &mut |rank, pool, bytes| allocator.alloc(rank, pool, bytes),
+        )?;
+        let pools = allocator.finish(config.mapping.world_size())?;
+        let mut ranks = Vec::with_capacity(infos.len());
+        for (mut info, pools) in infos.into_iter().zip(pools) {
+            let rank = info.instance_rank;
+            let planner_error = |source| InstanceError::Planner {
+                planner: bound.id().to_string(),
+                rank,
+                error: source,
+            };
+            let planner = bound.instantiate(&info).map_err(planner_error)?;
+            info.planner_blob = RVec::from(planner.describe().map_err(planner_error)?);
+            let keys = pools.keys()?;
+            let pools = Arc::new(pools);
+            let worker = Worker::new(&context).map_err(|source| InstanceError::Worker {
+                rank,
+                error: source,
+            })?;
+            let thread = RankThread::spawn(&config.name, rank, worker, Arc::clone(&pools))?;
+            ranks.push(Rank {
+                info,
+                planner,
+                pools,
+                thread,
+                keys,
+            });
+        }
+        let bytes: u64 = ranks.iter().map(|r| r.pools.total_bytes()).sum();
+        tracing::info!(
+            instance = %config.name,
+            role = %config.role,
+            ranks = ranks.len(),
+            pool_bytes = bytes,
+            transport = %config.transport,
+            "instance started"
+        );
+        Ok(Instance {
+            config,
+            bound,
+            ranks,
+            _context: context,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &InstanceConfig {
+        &self.config
+    }
+
+    /// The instance name.
+    pub fn name(&self) -> &str {
+        &self.config.name
+    }
+
+    /// The bound planner.
+    pub fn bound(&self) -> &BoundPlanner {
+        &self.bound
+    }
+
+    /// Every rank, in rank order.
+    pub fn ranks(&self) -> &[Rank] {
+        &self.ranks
+    }
+
+    /// Rank `rank`, if it exists.
+    pub fn rank(&self, rank: u32) -> Option<&Rank> {
+        self.ranks.get(rank as usize)
+    }
+
+    /// DP groups of the instance (its TP width under attention DP, else 1).
+    pub fn dp_groups(&self) -> u32 {
+        if self.config.mapping.attention_dp {
+            self.config.mapping.tp
+        } else {
+            1
+        }
+    }
+
+    /// The ranks of DP group `dp`.
+    pub fn dp_group(&self, dp: u32) -> Vec<u32> {
+        self.ranks
+            .iter()
+            .filter(|r| r.info.dp_rank == dp)
+            .map(|r| r.info.instance_rank)
+            .collect()
+    }
+
+    /// Whether the model has STATE (recurrent) layer groups.
+    pub fn has_state(&self) -> bool {
+        self.ranks.iter().any(|r| {
+            r.info
+                .page_table
+                .groups
+                .iter()
+                .any(|g| g.kind == GroupKind::STATE)
+        })
+    }
+
+    /// `deepseek-v3 fp8 tpb32 dep2`.
+    pub fn label(&self) -> String {
+        format!("{} {}", self.config.model, self.config.mapping)
+    }
+
+    /// What the instance advertises to peers.
+    pub fn describe(&self) -> InstanceInfo {
+        InstanceInfo {
+            instance_name: self.config.name.clone(),
+            role: self.config.role,
+            planner_id: self.bound.id().to_string(),
+            describer_id: self.bound.describer_id().to_string(),
+            planner_version: self.bound.version().to_string(),
+            label: self.label(),
+            ranks: self
+                .ranks
+                .iter()
+                .map(|r| RankDescriptor {
+                    info: r.info.clone(),
+                    worker_address: r.thread.address().to_vec(),
+                    pools: r.keys.clone(),
+                })
+                .collect(),
+        }
+    }
+}

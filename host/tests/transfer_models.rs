@@ -1,0 +1,162 @@
+//! Two real processes on loopback, over shared memory and over TCP: every preset moves its
+//! cache through `kvferry serve` pairs driven by the bound planner, and the oracle checks
+//! every destination byte (each request's slots, then the idle pools).
+
+mod transfer_support;
+
+use transfer_support::{Server, chunked, demo, exchange, submit};
+
+fn demo_ok(args: &[&str], requests: u64) -> serde_json::Value {
+    let v = demo(args);
+    assert_eq!(v["verified"], true, "{v}");
+    assert_eq!(v["requests"], requests, "{v}");
+    assert_eq!(v["failed"], 0, "{v}");
+    assert!(v["bytes"].as_u64().unwrap() > 0, "{v}");
+    assert!(v["fragments"].as_u64().unwrap() > 0, "{v}");
+    for p in ["p50", "p90", "p99"] {
+        assert!(v["latency_ms"][p].as_f64().unwrap() > 0.0, "{v}");
+    }
+    v
+}
+
+fn deepseek_dep2_to_dep4(transport: &str) {
+    let args = [
+        "--model",
+        "deepseek-v3",
+        "--ctx",
+        "dep2",
+        "--gen",
+        "dep4",
+        "--planner",
+        "kvferry.deepseek_mla_latent",
+        "--requests",
+        "8",
+        "--prompt-len",
+        "300",
+        "--in-flight",
+        "4",
+        "--transport",
+        transport,
+        "--seed",
+        "3",
+    ];
+    let v = demo_ok(&args, 8);
+    assert_eq!(v["planner"], "kvferry.deepseek_mla_latent");
+    assert_eq!(v["transport"], transport);
+}
+
+#[test]
+fn deepseek_v3_dep2_to_dep4_mla_planner_shm() {
+    deepseek_dep2_to_dep4("shm");
+}
+
+#[test]
+fn deepseek_v3_dep2_to_dep4_mla_planner_tcp() {
+    deepseek_dep2_to_dep4("tcp");
+}
+
+fn llama(ctx: &str, r#gen: &str, transport: &str) {
+    let _ = demo_ok(
+        &[
+            "--model",
+            "llama-3-70b",
+            "--ctx",
+            ctx,
+            "--gen",
+            r#gen,
+            "--planner",
+            "kvferry.default",
+            "--requests",
+            "4",
+            "--prompt-len",
+            "100",
+            "--in-flight",
+            "2",
+            "--transport",
+            transport,
+        ],
+        4,
+    );
+}
+
+#[test]
+fn llama_3_70b_tp2_to_tp4_default_planner_shm() {
+    llama("tp2", "tp4", "shm");
+}
+
+#[test]
+fn llama_3_70b_tp2_to_tp4_default_planner_tcp() {
+    llama("tp2", "tp4", "tcp");
+}
+
+#[test]
+fn llama_3_70b_tp4_to_tp2_default_planner_shm() {
+    llama("tp4", "tp2", "shm");
+}
+
+#[test]
+fn llama_3_70b_tp4_to_tp2_default_planner_tcp() {
+    llama("tp4", "tp2", "tcp");
+}
+
+/// The hybrid preset: paged attention plus recurrent state (conv sections, ssm heads), with
+/// whole, chunked and cached-prefix requests in flight together.
+fn hybrid(transport: &str) {
+    let model = "qwen3-next-80b-a3b";
+    let ctx = Server::start("context", model, "tp2", transport, &[]);
+    let r#gen = Server::start("generation", model, "tp4", transport, &[]);
+    let whole = submit(1, 100);
+    let pieces = chunked(submit(2, 150), 64);
+    let mut cached = submit(3, 130);
+    cached.cached = 70;
+    let mut both = chunked(submit(4, 200), 32);
+    both.cached = 64;
+    let stats = exchange(&ctx, &r#gen, &[whole, pieces, cached, both]);
+    // tp2 -> tp4: every receiver rank has one writer.
+    assert!(stats.iter().all(|s| s.writers == 4), "{stats:?}");
+    // Chunked requests report one completion per piece per writer.
+    assert_eq!(stats[1].pieces, 4 * 3, "{:?}", stats[1]);
+    assert_eq!(stats[3].pieces, 4 * 7, "{:?}", stats[3]);
+    // A cached prefix is not sent again.
+    assert!(stats[2].bytes < stats[0].bytes * 130 / 100, "{stats:?}");
+}
+
+#[test]
+fn qwen3_next_hybrid_state_chunked_and_cached_shm() {
+    hybrid("shm");
+}
+
+#[test]
+fn qwen3_next_hybrid_state_chunked_and_cached_tcp() {
+    hybrid("tcp");
+}
+
+/// The demo's own chunk and cache options, end to end.
+#[test]
+fn deepseek_demo_chunked_with_cached_prefix_shm() {
+    let _ = demo_ok(
+        &[
+            "--model",
+            "deepseek-v3",
+            "--ctx",
+            "dep2",
+            "--gen",
+            "dep4",
+            "--planner",
+            "kvferry.deepseek_mla_latent",
+            "--requests",
+            "6",
+            "--prompt-len",
+            "256",
+            "--chunk",
+            "64",
+            "--cached",
+            "40",
+            "--in-flight",
+            "3",
+            "--transport",
+            "shm",
+        ],
+        6,
+    );
+}

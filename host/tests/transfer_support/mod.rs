@@ -1,0 +1,233 @@
+//! Helpers of the two-process transfer tests: `kvferry serve` children and a controller.
+//! Each test binary uses a different subset, hence the `dead_code` allowance.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use kvferry::demo::LISTENING;
+use kvferry::transfer::wire::{Message, RankTables, RequestStats, Submit, VerifySummary};
+use kvferry::transfer::{Client, chunk_ranges};
+use serde_json::Value;
+
+/// How long any reply may take before a test fails instead of hanging.
+pub const REPLY: Duration = Duration::from_secs(60);
+
+/// A `kvferry serve` child, killed when dropped.
+pub struct Server {
+    pub child: Child,
+    pub addr: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Server {
+    /// Starts `kvferry serve --role ROLE --model MODEL --deployment SPEC --transport T` plus
+    /// `extra`, with no planner configuration from the environment.
+    pub fn start(role: &str, model: &str, spec: &str, transport: &str, extra: &[&str]) -> Server {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvferry"));
+        cmd.args([
+            "serve",
+            "--role",
+            role,
+            "--model",
+            model,
+            "--deployment",
+            spec,
+            "--transport",
+            transport,
+            "--listen",
+            "127.0.0.1:0",
+            "--slots",
+            "48",
+            "--state-slots",
+            "4",
+        ])
+        .args(extra)
+        // Exits with the test process, whatever ends it.
+        .arg("--exit-with-stdin")
+        .env_remove("KVFERRY_PLUGIN_DIR")
+        .env_remove("KVFERRY_PLANNER")
+        .env_remove("KVFERRY_CONFIG")
+        .env("RUST_LOG", "kvferry=warn,warn")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped());
+        let mut child = cmd.spawn().expect("start kvferry serve");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, rx) = mpsc::channel();
+        thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(addr) = line.split(LISTENING).nth(1) {
+                    let _ = tx.send(addr.trim().to_string());
+                }
+            }
+        });
+        let addr = match rx.recv_timeout(REPLY) {
+            Ok(addr) => addr,
+            Err(_) => {
+                let _ = child.kill();
+                panic!("{role} server did not start: {:?}", child.wait());
+            }
+        };
+        Server { child, addr }
+    }
+
+    pub fn client(&self) -> Client {
+        Client::connect(&self.addr).expect("connect to the server")
+    }
+}
+
+/// A request of `prompt_len` tokens for DP ranks 0.
+pub fn submit(request: u64, prompt_len: u64) -> Submit {
+    Submit {
+        request,
+        prompt_len,
+        ctx_dp_rank: 0,
+        gen_dp_rank: 0,
+        chunks: None,
+        cached: 0,
+        peer: None,
+    }
+}
+
+/// The same request sent in chunks of `chunk` tokens.
+pub fn chunked(mut s: Submit, chunk: u64) -> Submit {
+    s.chunks = Some(chunk_ranges(s.prompt_len, chunk));
+    s
+}
+
+/// Prefills on the context server; returns its tables.
+pub fn prefill(ctx: &Client, s: &Submit) -> Vec<RankTables> {
+    match ctx.call(Message::Submit(s.clone()), REPLY).unwrap() {
+        Message::Submitted {
+            result: Ok(tables), ..
+        } => tables,
+        other => panic!("prefill of request {}: {other:?}", s.request),
+    }
+}
+
+/// Submits on the generation server (the context peer at `ctx_addr`), without waiting.
+pub fn start(r#gen: &Client, s: &Submit, ctx_addr: &str) {
+    let mut s = s.clone();
+    s.peer = Some(ctx_addr.to_string());
+    r#gen.send(Message::Submit(s)).unwrap();
+}
+
+/// Waits for the `Done` of every request in `ids` (in any order).
+pub fn wait_done(r#gen: &Client, ids: &[u64]) -> Vec<(u64, Result<RequestStats, String>)> {
+    let mut out = Vec::new();
+    while out.len() < ids.len() {
+        match r#gen.recv(REPLY).unwrap() {
+            Message::Done { request, result } => {
+                assert!(
+                    ids.contains(&request),
+                    "Done for unexpected request {request}"
+                );
+                out.push((request, result));
+            }
+            other => panic!("expected Done, got {other:?}"),
+        }
+    }
+    out.sort_by_key(|(id, _)| *id);
+    out
+}
+
+/// Verifies a completed request on the generation server.
+pub fn verify(r#gen: &Client, request: u64, context: &[RankTables]) -> VerifySummary {
+    match r#gen
+        .call(
+            Message::Verify {
+                request,
+                context: context.to_vec(),
+            },
+            REPLY,
+        )
+        .unwrap()
+    {
+        Message::Verified {
+            result: Ok(summary),
+            ..
+        } => summary,
+        other => panic!("verify of request {request}: {other:?}"),
+    }
+}
+
+/// Releases a request on one server.
+pub fn release(client: &Client, request: u64) {
+    match client.call(Message::Release { request }, REPLY).unwrap() {
+        Message::Released { .. } => {}
+        other => panic!("release of request {request}: {other:?}"),
+    }
+}
+
+/// Checks that the generation server's pools hold only their canary.
+pub fn verify_idle(r#gen: &Client) -> VerifySummary {
+    match r#gen.call(Message::VerifyIdle, REPLY).unwrap() {
+        Message::IdleVerified { result: Ok(s) } => s,
+        other => panic!("idle verification: {other:?}"),
+    }
+}
+
+/// Runs `submits` through a context and a generation server, all in flight at once, and
+/// checks every byte of every request, then the idle pools. Returns the stats.
+pub fn exchange(ctx: &Server, r#gen: &Server, submits: &[Submit]) -> Vec<RequestStats> {
+    let (c, g) = (ctx.client(), r#gen.client());
+    let tables: Vec<Vec<RankTables>> = submits.iter().map(|s| prefill(&c, s)).collect();
+    for s in submits {
+        start(&g, s, &ctx.addr);
+    }
+    let ids: Vec<u64> = submits.iter().map(|s| s.request).collect();
+    let done = wait_done(&g, &ids);
+    let mut stats = Vec::new();
+    for ((id, result), (s, t)) in done.into_iter().zip(submits.iter().zip(&tables)) {
+        assert_eq!(id, s.request);
+        let st = result.unwrap_or_else(|e| panic!("request {id} failed: {e}"));
+        let summary = verify(&g, id, t);
+        assert!(summary.ok, "request {id}: {}", summary.detail);
+        assert!(summary.bytes_covered > 0 || s.cached >= s.prompt_len);
+        release(&g, id);
+        release(&c, id);
+        stats.push(st);
+    }
+    let idle = verify_idle(&g);
+    assert!(idle.ok, "idle pools: {}", idle.detail);
+    stats
+}
+
+/// `kvferry demo ... --json` with no planner configuration from the environment.
+pub fn demo(args: &[&str]) -> Value {
+    let started = Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .arg("demo")
+        .args(args)
+        .arg("--json")
+        .env_remove("KVFERRY_PLUGIN_DIR")
+        .env_remove("KVFERRY_PLANNER")
+        .env_remove("KVFERRY_CONFIG")
+        .env("RUST_LOG", "kvferry=warn,warn")
+        .output()
+        .expect("run kvferry demo");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "demo {args:?} failed ({:?}):\n{stdout}\n{stderr}",
+        out.status
+    );
+    let v: Value = serde_json::from_str(&stdout).expect("demo --json prints JSON");
+    eprintln!(
+        "demo {args:?}: {} bytes, {:.2} GB/s, {:?}",
+        v["bytes"],
+        v["gbps"].as_f64().unwrap_or(0.0),
+        started.elapsed()
+    );
+    v
+}
