@@ -93,6 +93,57 @@ struct Region {
     data: Option<Vec<u8>>,
 }
 
+/// Memory the oracle fills and checks: pools addressed by their page tables' base addresses.
+///
+/// [`LocalMemory`] implements it for in-process tests; the transfer code implements it over
+/// UCX pools. The oracle only copies whole slots in and out through it, so an
+/// implementation never hands out references into memory a peer may write.
+pub trait PoolMemory {
+    /// Copies `out.len()` bytes at `address` into `out`.
+    ///
+    /// # Errors
+    ///
+    /// The range does not lie inside one accessible pool.
+    fn read(&self, address: u64, out: &mut [u8]) -> Result<(), MemoryError>;
+
+    /// Copies `data` to `address`.
+    ///
+    /// # Errors
+    ///
+    /// As [`read`](Self::read).
+    fn write(&mut self, address: u64, data: &[u8]) -> Result<(), MemoryError>;
+
+    /// Whether the pool starting at `base` is accessible through this memory.
+    fn is_backed(&self, base: u64) -> bool;
+}
+
+impl PoolMemory for LocalMemory {
+    fn read(&self, address: u64, out: &mut [u8]) -> Result<(), MemoryError> {
+        out.copy_from_slice(self.bytes(address, out.len() as u64)?);
+        Ok(())
+    }
+
+    fn write(&mut self, address: u64, data: &[u8]) -> Result<(), MemoryError> {
+        self.bytes_mut(address, data.len() as u64)?
+            .copy_from_slice(data);
+        Ok(())
+    }
+
+    fn is_backed(&self, base: u64) -> bool {
+        LocalMemory::is_backed(self, base)
+    }
+}
+
+/// Which slots of a pool an oracle call touches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Extent {
+    /// Every byte of every pool.
+    WholePools,
+    /// Only the slots the request's slot tables name (the request's own bytes, padding
+    /// included), so requests sharing a pool can be filled and checked independently.
+    RequestSlots,
+}
+
 /// In-process pools in a private address space, and a local plan executor.
 ///
 /// Addresses are synthetic: pools are aligned to 1 MiB and separated by an unmapped gap of
@@ -536,14 +587,29 @@ impl Oracle {
     /// A geometry the oracle cannot model, bad slot tables, or an unbacked pool.
     pub fn fill_source(
         &self,
-        memory: &mut LocalMemory,
+        memory: &mut dyn PoolMemory,
         side: RequestSide<'_>,
+    ) -> Result<u64, OracleError> {
+        self.fill_source_in(memory, side, Extent::WholePools)
+    }
+
+    /// [`fill_source`](Self::fill_source) over `extent`.
+    ///
+    /// # Errors
+    ///
+    /// As [`fill_source`](Self::fill_source).
+    pub fn fill_source_in(
+        &self,
+        memory: &mut dyn PoolMemory,
+        side: RequestSide<'_>,
+        extent: Extent,
     ) -> Result<u64, OracleError> {
         let model = RankModel::new(self.salt, side.info)?;
         let images = model.source_images(self, side)?;
+        let scope = model.scope(extent, side.slot_tables);
         let mut written = 0;
         for image in &images {
-            written += model.fill(memory, image)?;
+            written += model.fill(memory, image, scope.as_deref())?;
         }
         Ok(written)
     }
@@ -555,14 +621,34 @@ impl Oracle {
     /// A geometry the oracle cannot model, or an unbacked pool.
     pub fn prime_destination(
         &self,
-        memory: &mut LocalMemory,
+        memory: &mut dyn PoolMemory,
         info: &RankInfo,
     ) -> Result<u64, OracleError> {
-        let model = RankModel::new(self.salt, info)?;
+        self.prime_destination_in(memory, RequestSide::new(info, &[]), Extent::WholePools)
+    }
+
+    /// Writes the canary over the receiver's pools within `extent` (for
+    /// [`Extent::RequestSlots`], the slots `side`'s tables hold).
+    ///
+    /// # Errors
+    ///
+    /// As [`prime_destination`](Self::prime_destination), or bad slot tables.
+    pub fn prime_destination_in(
+        &self,
+        memory: &mut dyn PoolMemory,
+        side: RequestSide<'_>,
+        extent: Extent,
+    ) -> Result<u64, OracleError> {
+        let model = RankModel::new(self.salt, side.info)?;
+        if extent == Extent::RequestSlots {
+            model.check_tables(side.slot_tables)?;
+        }
+        let scope = model.scope(extent, side.slot_tables);
         let mut written = 0;
-        for (p, pool) in info.page_table.pools.iter().enumerate() {
-            let image = PoolImage::blank(self.background(Background::Canary, info, p), pool, p);
-            written += model.fill(memory, &image)?;
+        for (p, pool) in side.info.page_table.pools.iter().enumerate() {
+            let image =
+                PoolImage::blank(self.background(Background::Canary, side.info, p), pool, p);
+            written += model.fill(memory, &image, scope.as_deref())?;
         }
         Ok(written)
     }
@@ -576,18 +662,41 @@ impl Oracle {
     /// unbacked receiver pool. Mismatches are not errors: they are in the report.
     pub fn verify(
         &self,
-        memory: &LocalMemory,
+        memory: &dyn PoolMemory,
         delivery: &Delivery<'_>,
+    ) -> Result<VerifyReport, OracleError> {
+        self.verify_in(memory, delivery, Extent::WholePools)
+    }
+
+    /// [`verify`](Self::verify) over `extent`: with [`Extent::RequestSlots`], only the
+    /// slots the receivers' tables hold are checked (covered bytes against their tags, the
+    /// rest of those slots against the canary), and likewise the backed senders' slots.
+    ///
+    /// # Errors
+    ///
+    /// As [`verify`](Self::verify).
+    pub fn verify_in(
+        &self,
+        memory: &dyn PoolMemory,
+        delivery: &Delivery<'_>,
+        extent: Extent,
     ) -> Result<VerifyReport, OracleError> {
         let mut report = VerifyReport::default();
         let held = ContextHoldings::new(self.salt, delivery.context)?;
         for receiver in delivery.receivers {
             let model = RankModel::new(self.salt, receiver.info)?;
             let images = model.receiver_images(self, *receiver, &held, delivery.pieces)?;
+            let scope = model.scope(extent, receiver.slot_tables);
             for image in &images {
                 report.bytes_covered += image.covered_bytes();
-                report.bytes_checked +=
-                    model.check(memory, image, Side::Destination, self, &mut report)?;
+                report.bytes_checked += model.check(
+                    memory,
+                    image,
+                    Side::Destination,
+                    self,
+                    &mut report,
+                    scope.as_deref(),
+                )?;
             }
         }
         for sender in delivery.context {
@@ -596,10 +705,17 @@ impl Oracle {
                 continue;
             }
             let model = RankModel::new(self.salt, sender.info)?;
+            let scope = model.scope(extent, sender.slot_tables);
             for image in model.source_images(self, *sender)? {
                 if memory.is_backed(image.pool.base) {
-                    report.source_bytes_checked +=
-                        model.check(memory, &image, Side::Source, self, &mut report)?;
+                    report.source_bytes_checked += model.check(
+                        memory,
+                        &image,
+                        Side::Source,
+                        self,
+                        &mut report,
+                        scope.as_deref(),
+                    )?;
                 }
             }
         }
@@ -1091,40 +1207,92 @@ impl<'a> RankModel<'a> {
         stream(bg, start + cursor as u64, &mut out[cursor..]);
     }
 
-    fn fill(&self, memory: &mut LocalMemory, image: &PoolImage) -> Result<u64, OracleError> {
-        let footprint = image.pool.footprint();
-        if footprint == 0 {
+    /// The slots of each pool an oracle call over `extent` touches: `None` for every slot,
+    /// else per pool the slots `tables` hold.
+    fn scope(&self, extent: Extent, tables: &[SlotTable]) -> Option<Vec<Vec<u64>>> {
+        if extent == Extent::WholePools {
+            return None;
+        }
+        let pt = self.page_table();
+        let mut held = vec![Vec::new(); pt.pools.len()];
+        for (group, table) in pt.groups.iter().zip(tables) {
+            for view in group.views.iter() {
+                let Some(slots) = held.get_mut(view.pool as usize) else {
+                    continue;
+                };
+                slots.extend(table.slots.iter().filter(|&&s| s >= 0).map(|&s| s as u64));
+            }
+        }
+        for slots in &mut held {
+            slots.sort_unstable();
+            slots.dedup();
+        }
+        Some(held)
+    }
+
+    /// The slots of `image`'s pool within `scope`.
+    fn slots_in<'s>(
+        image: &PoolImage,
+        scope: Option<&'s [Vec<u64>]>,
+    ) -> Box<dyn Iterator<Item = u64> + 's> {
+        match scope {
+            None => Box::new(0..image.pool.num_slots),
+            Some(scope) => Box::new(
+                scope
+                    .get(image.index)
+                    .map_or(&[][..], Vec::as_slice)
+                    .iter()
+                    .copied(),
+            ),
+        }
+    }
+
+    fn fill(
+        &self,
+        memory: &mut dyn PoolMemory,
+        image: &PoolImage,
+        scope: Option<&[Vec<u64>]>,
+    ) -> Result<u64, OracleError> {
+        if image.pool.footprint() == 0 {
             return Ok(0);
         }
-        let bytes = memory.bytes_mut(image.pool.base, footprint)?;
-        for s in 0..image.pool.num_slots {
+        let mut scratch = vec![0u8; image.pool.slot_stride as usize];
+        let mut written = 0;
+        for s in Self::slots_in(image, scope) {
             let (start, len) = image.span(s);
-            self.render_slot(image, s, &mut bytes[start as usize..(start + len) as usize]);
+            let out = &mut scratch[..len as usize];
+            self.render_slot(image, s, out);
+            memory.write(image.pool.base + start, out)?;
+            written += len;
         }
-        Ok(footprint)
+        Ok(written)
     }
 
     fn check(
         &self,
-        memory: &LocalMemory,
+        memory: &dyn PoolMemory,
         image: &PoolImage,
         side: Side,
         oracle: &Oracle,
         report: &mut VerifyReport,
+        scope: Option<&[Vec<u64>]>,
     ) -> Result<u64, OracleError> {
-        let footprint = image.pool.footprint();
-        if footprint == 0 {
+        if image.pool.footprint() == 0 {
             return Ok(0);
         }
-        let bytes = memory.bytes(image.pool.base, footprint)?;
-        let mut scratch = vec![0u8; image.pool.slot_stride as usize];
-        for s in 0..image.pool.num_slots {
+        let stride = image.pool.slot_stride as usize;
+        let mut scratch = vec![0u8; 2 * stride];
+        let (expected_buf, found_buf) = scratch.split_at_mut(stride);
+        let mut checked = 0;
+        for s in Self::slots_in(image, scope) {
             let (start, len) = image.span(s);
-            let expected = &mut scratch[..len as usize];
+            let expected = &mut expected_buf[..len as usize];
+            let found = &mut found_buf[..len as usize];
             self.render_slot(image, s, expected);
-            let found = &bytes[start as usize..(start + len) as usize];
+            memory.read(image.pool.base + start, found)?;
+            checked += len;
             if expected != found {
-                for (i, (&e, &f)) in expected.iter().zip(found).enumerate() {
+                for (i, (&e, &f)) in expected.iter().zip(found.iter()).enumerate() {
                     if e == f {
                         continue;
                     }
@@ -1144,7 +1312,7 @@ impl<'a> RankModel<'a> {
                 }
             }
         }
-        Ok(footprint)
+        Ok(checked)
     }
 
     fn describe(&self, image: &PoolImage, s: u64, off: u64) -> Logical {
