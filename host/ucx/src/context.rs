@@ -9,7 +9,7 @@ use ucx_sys as sys;
 
 use crate::ffi::check;
 use crate::status::WithOp;
-use crate::{Error, Op, Status};
+use crate::{Error, MemoryTypes, Op, Status};
 
 /// A UCP context (`ucp_context_h`) with the RMA and active-message features.
 ///
@@ -46,6 +46,31 @@ impl Context {
     /// As [`ContextBuilder::build`].
     pub fn new() -> Result<Arc<Context>, Error> {
         Context::builder().build()
+    }
+
+    /// The memory types this context can map and move: always [`MemoryType::HOST`], plus
+    /// device memory when UCX was built with that device's support and its transports loaded
+    /// (`cuda` needs a UCX configured `--with-cuda`, whose `ucx_info -d` lists `cuda_copy`).
+    ///
+    /// Wraps `ucp_context_query` with `UCP_ATTR_FIELD_MEMORY_TYPES`.
+    ///
+    /// # Errors
+    ///
+    /// [`Op::ContextQuery`] if UCX cannot answer the query.
+    ///
+    /// [`MemoryType::HOST`]: crate::MemoryType::HOST
+    #[doc(alias = "ucp_context_query")]
+    #[doc(alias = "UCP_ATTR_FIELD_MEMORY_TYPES")]
+    pub fn memory_types(&self) -> Result<MemoryTypes, Error> {
+        let mut attr = sys::ucp_context_attr_t {
+            field_mask: sys::UCP_ATTR_FIELD_MEMORY_TYPES as u64,
+            ..Default::default()
+        };
+        // SAFETY: `self.handle` is live for `&self`; `attr` is initialised with a field mask
+        // naming only `memory_types`, which UCX fills in (and the struct is the size the
+        // headers declare, so UCX writes nothing outside it).
+        check(unsafe { sys::ucp_context_query(self.handle, &mut attr) }).op(Op::ContextQuery)?;
+        Ok(MemoryTypes::from_bits(attr.memory_types))
     }
 
     pub(crate) fn as_raw(&self) -> sys::ucp_context_h {
@@ -198,6 +223,26 @@ mod tests {
             (err.op(), err.status()),
             (Op::ConfigModify, Status::INVALID_PARAM)
         );
+    }
+
+    #[test]
+    fn every_context_reports_host_memory() {
+        for ctx in [
+            Context::builder().tls("posix,sysv,self").build().unwrap(),
+            Context::builder()
+                .tls("tcp")
+                .net_devices("lo")
+                .build()
+                .unwrap(),
+            Context::new().unwrap(),
+        ] {
+            let types = ctx.memory_types().unwrap();
+            // Only presence of host memory is asserted: a CUDA-enabled UCX reports more.
+            assert!(
+                types.contains(crate::MemoryType::HOST),
+                "no host memory in {types}"
+            );
+        }
     }
 
     #[test]

@@ -12,6 +12,9 @@ Arc<Context> ─┬─ Worker ── Endpoint<'w> ─┬─ RemoteKey<'ep>
               └─ MemRegion (ucp_mem_map; keeps the context alive)
 ```
 
+Regions map host memory, or device memory of a [`MemoryType`] the context supports
+([`Context::memory_types`], [`MemRegion::register_with_memory_type`]).
+
 # Typical use
 
 ```no_run
@@ -66,6 +69,7 @@ mod context;
 mod endpoint;
 mod ffi;
 mod memory;
+mod memtype;
 mod request;
 mod status;
 mod window;
@@ -76,6 +80,7 @@ use std::ffi::CStr;
 pub use context::{Context, ContextBuilder};
 pub use endpoint::{AmProto, Endpoint, RemoteKey};
 pub use memory::{MemRegion, PackedRkey};
+pub use memtype::{MemoryType, MemoryTypes};
 pub use request::Request;
 pub use status::{Error, Op, Status};
 pub use window::PutWindow;

@@ -1,5 +1,6 @@
 //! Memory regions mapped for RMA, and their packed remote keys.
 
+use std::any::Any;
 use std::fmt;
 use std::os::raw::c_void;
 use std::ptr::{self, NonNull};
@@ -9,7 +10,7 @@ use ucx_sys as sys;
 
 use crate::ffi::{self, check};
 use crate::status::WithOp;
-use crate::{Context, Error, Op, Status};
+use crate::{Context, Error, MemoryType, Op, Status};
 
 /// Memory mapped with a [`Context`] for RMA (`ucp_mem_h`): a put source, or a put target whose
 /// [`pack_rkey`](MemRegion::pack_rkey) bytes let peers write into it.
@@ -22,6 +23,17 @@ use crate::{Context, Error, Op, Status};
 /// * [`register`](MemRegion::register): memory the caller owns. Puts into it from peers are
 ///   emulated by UCX with active messages, so the owner's worker must progress for them to
 ///   complete.
+///   [`register_with_memory_type`](MemRegion::register_with_memory_type) does the same for
+///   memory of a stated [`MemoryType`], e.g. CUDA device memory, which UCX then moves with its
+///   device transports (`cuda_copy`, `cuda_ipc`, GPUDirect RDMA) when it has them.
+///
+/// # Device memory
+///
+/// A region of a non-host [`memory_type`](MemRegion::memory_type) is only a handle for UCX:
+/// its address is a device address the CPU cannot dereference, so the host accessors
+/// ([`read_at`](MemRegion::read_at), [`write_at`](MemRegion::write_at),
+/// [`as_slice`](MemRegion::as_slice), [`as_mut_slice`](MemRegion::as_mut_slice)) panic on it.
+/// Copy through the device API instead (kvferry's `cuda` feature does).
 ///
 /// # Remote access and Rust references
 ///
@@ -41,11 +53,16 @@ pub struct MemRegion {
     ptr: NonNull<u8>,
     len: usize,
     allocated: bool,
+    memory_type: MemoryType,
+    /// Kept alive until after `ucp_mem_unmap` (fields drop after `Drop::drop`); see
+    /// [`MemRegion::keep_alive`].
+    owners: Vec<Arc<dyn Any + Send + Sync>>,
 }
 
 // SAFETY: the handle belongs to a context created with `mt_workers_shared` (see `Context`), so
-// `ucp_rkey_pack` and `ucp_mem_unmap` may be called from any thread; the memory is plain bytes,
-// read through `&self` and written only through `&mut self`.
+// `ucp_rkey_pack` and `ucp_mem_unmap` may be called from any thread; host memory is plain bytes,
+// read through `&self` and written only through `&mut self`, and device memory is never touched
+// by this type at all; the kept-alive owners are `Send + Sync` themselves.
 unsafe impl Send for MemRegion {}
 // SAFETY: as above; shared access only reads the bytes or packs keys (context-locked in UCX).
 unsafe impl Sync for MemRegion {}
@@ -82,6 +99,8 @@ impl MemRegion {
             ptr: NonNull::dangling(),
             len: 0,
             allocated: true,
+            memory_type: MemoryType::HOST,
+            owners: Vec::new(),
         };
 
         let mut attr = sys::ucp_mem_attr_t {
@@ -143,7 +162,97 @@ impl MemRegion {
             ptr,
             len,
             allocated: false,
+            memory_type: MemoryType::HOST,
+            owners: Vec::new(),
         })
+    }
+
+    /// Maps `len` bytes of caller-owned memory of type `memory_type` at `ptr`, e.g. CUDA device
+    /// memory from `cuMemAlloc` ([`MemoryType::CUDA`]), so that peers can put into it and local
+    /// puts can read from it with [`Endpoint::put_region`](crate::Endpoint::put_region).
+    ///
+    /// Stating the type spares UCX its detection (and is how UCX learns it at all when the
+    /// memory-type cache is off). The region's [`remote_addr`](MemRegion::remote_addr) is `ptr`
+    /// as an integer, which for CUDA memory is the `CUdeviceptr`.
+    ///
+    /// The context must support the type ([`Context::memory_types`]); otherwise this refuses
+    /// before UCX sees the pointer. That check matters: UCX 1.13.1 without CUDA maps memory
+    /// typed CUDA "successfully" (measured: `UCS_OK` and a 9-byte remote key naming no memory
+    /// domain), so a peer's put into it would be emulated, ending in a host `memcpy` to a
+    /// device address.
+    ///
+    /// Wraps `ucp_context_query` and `ucp_mem_map` with `UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE`.
+    ///
+    /// # Safety
+    ///
+    /// For as long as the returned region (and any request borrowing it) lives:
+    ///
+    /// 1. `ptr..ptr + len` is one live allocation of type `memory_type` (for CUDA, from one
+    ///    `cuMemAlloc` or a range inside it), and it is not freed. To tie the allocation's life
+    ///    to the region's, hand its owner to [`keep_alive`](MemRegion::keep_alive).
+    /// 2. For [`MemoryType::HOST`]: as [`register`](MemRegion::register), i.e. the bytes are
+    ///    initialised, valid for reads and writes, and not accessed other than through the
+    ///    region.
+    /// 3. For device memory: nothing else writes the range while UCX may read it for a local
+    ///    put, and nothing relies on its contents while peers may write it (the application
+    ///    protocol orders device copies and UCX transfers, as it does for host memory).
+    ///
+    /// # Errors
+    ///
+    /// * [`Op::MemMap`] with [`Status::INVALID_PARAM`] for a null `ptr` or `len == 0`.
+    /// * [`Op::MemMap`] with [`Status::UNSUPPORTED`] if the context does not list
+    ///   `memory_type` (for CUDA: this UCX was built without `--with-cuda`).
+    /// * [`Op::ContextQuery`] if the context cannot be asked; [`Op::MemMap`] if UCX cannot
+    ///   register the memory.
+    #[doc(alias = "ucp_mem_map")]
+    #[doc(alias = "UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE")]
+    pub unsafe fn register_with_memory_type(
+        ctx: &Arc<Context>,
+        ptr: *mut u8,
+        len: usize,
+        memory_type: MemoryType,
+    ) -> Result<MemRegion, Error> {
+        let Some(ptr) = NonNull::new(ptr).filter(|_| len > 0) else {
+            return Err(Error::new(Op::MemMap, Status::INVALID_PARAM));
+        };
+        if !ctx.memory_types()?.contains(memory_type) {
+            return Err(Error::new(Op::MemMap, Status::UNSUPPORTED));
+        }
+        let params = sys::ucp_mem_map_params_t {
+            field_mask: (sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+                | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH
+                | sys::UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE) as u64,
+            address: ptr.as_ptr().cast(),
+            length: len,
+            memory_type: memory_type.as_raw(),
+            ..Default::default()
+        };
+        let memh = map(ctx, &params)?;
+        Ok(MemRegion {
+            ctx: Arc::clone(ctx),
+            memh,
+            ptr,
+            len,
+            allocated: false,
+            memory_type,
+            owners: Vec::new(),
+        })
+    }
+
+    /// Keeps `owner` alive until after the region is unmapped, e.g. the device allocation a
+    /// [`register_with_memory_type`](MemRegion::register_with_memory_type) region maps, so the
+    /// memory cannot be freed while UCX (or a peer holding the key) may still use it. May be
+    /// called more than once; owners are released after the unmap, in the order given.
+    pub fn keep_alive(mut self, owner: Arc<dyn Any + Send + Sync>) -> MemRegion {
+        self.owners.push(owner);
+        self
+    }
+
+    /// The type of the mapped memory: [`MemoryType::HOST`] for
+    /// [`allocate`](MemRegion::allocate) and [`register`](MemRegion::register), the stated
+    /// type for [`register_with_memory_type`](MemRegion::register_with_memory_type).
+    pub fn memory_type(&self) -> MemoryType {
+        self.memory_type
     }
 
     /// The first byte of the region.
@@ -180,7 +289,8 @@ impl MemRegion {
     ///
     /// # Panics
     ///
-    /// If `offset + dst.len()` exceeds the region.
+    /// If `offset + dst.len()` exceeds the region, or the region is not host memory (see
+    /// "Device memory" above).
     pub fn read_at(&self, offset: usize, dst: &mut [u8]) {
         self.check_range(offset, dst.len());
         // SAFETY: the range is inside the region (checked), whose bytes are initialised and
@@ -198,7 +308,7 @@ impl MemRegion {
     ///
     /// # Panics
     ///
-    /// If `offset + src.len()` exceeds the region.
+    /// If `offset + src.len()` exceeds the region, or the region is not host memory.
     pub fn write_at(&mut self, offset: usize, src: &[u8]) {
         self.check_range(offset, src.len());
         // SAFETY: the range is inside the region (checked) and writable; `&mut self` excludes
@@ -212,7 +322,12 @@ impl MemRegion {
     ///
     /// No peer may write the region while the slice lives (see "Remote access and Rust
     /// references" above).
+    ///
+    /// # Panics
+    ///
+    /// If the region is not host memory.
     pub unsafe fn as_slice(&self) -> &[u8] {
+        self.assert_host();
         // SAFETY: `ptr` is valid for `len` initialised bytes while `self` lives; local writes
         // need `&mut self`, and the caller excludes remote writes.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
@@ -224,7 +339,12 @@ impl MemRegion {
     ///
     /// No peer may read or write the region while the slice lives (see "Remote access and Rust
     /// references" above).
+    ///
+    /// # Panics
+    ///
+    /// If the region is not host memory.
     pub unsafe fn as_mut_slice(&mut self) -> &mut [u8] {
+        self.assert_host();
         // SAFETY: `ptr` is valid for `len` initialised bytes while `self` lives; `&mut self`
         // excludes local access, and the caller excludes remote access.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
@@ -257,7 +377,17 @@ impl MemRegion {
         self.memh
     }
 
+    fn assert_host(&self) {
+        assert!(
+            self.memory_type.is_host(),
+            "the {}-byte region holds {} memory, which the host cannot access directly",
+            self.len,
+            self.memory_type
+        );
+    }
+
     fn check_range(&self, offset: usize, len: usize) {
+        self.assert_host();
         let end = offset.checked_add(len);
         assert!(
             end.is_some_and(|end| end <= self.len),
@@ -294,6 +424,7 @@ impl fmt::Debug for MemRegion {
             .field("ptr", &self.ptr)
             .field("len", &self.len)
             .field("allocated", &self.allocated)
+            .field("memory_type", &self.memory_type)
             .finish_non_exhaustive()
     }
 }
@@ -325,5 +456,104 @@ impl From<Vec<u8>> for PackedRkey {
 impl AsRef<[u8]> for PackedRkey {
     fn as_ref(&self) -> &[u8] {
         &self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shm() -> Arc<Context> {
+        Context::builder().tls("posix,sysv,self").build().unwrap()
+    }
+
+    #[test]
+    fn host_memory_type_registration_keeps_host_access() {
+        let ctx = shm();
+        let mut backing = vec![0u8; 256];
+        // SAFETY: `backing` is a live, initialised host allocation of 256 bytes; it is not
+        // touched or freed until the region is dropped at the end of this block.
+        let mut region = unsafe {
+            MemRegion::register_with_memory_type(&ctx, backing.as_mut_ptr(), 256, MemoryType::HOST)
+        }
+        .unwrap();
+        assert_eq!(region.memory_type(), MemoryType::HOST);
+        region.write_at(8, &[1, 2, 3]);
+        let mut got = [0u8; 3];
+        region.read_at(8, &mut got);
+        assert_eq!(got, [1, 2, 3]);
+        assert!(format!("{region:?}").contains("memory_type: MemoryType(host)"));
+        drop(region);
+        assert_eq!(&backing[8..11], &[1, 2, 3]);
+    }
+
+    #[test]
+    fn null_or_empty_is_invalid_param() {
+        let ctx = shm();
+        // SAFETY: refused before UCX sees the pointer (null, or zero length).
+        let null = unsafe {
+            MemRegion::register_with_memory_type(&ctx, ptr::null_mut(), 8, MemoryType::HOST)
+        };
+        assert_eq!(
+            null.unwrap_err(),
+            Error::new(Op::MemMap, Status::INVALID_PARAM)
+        );
+        let mut byte = 0u8;
+        // SAFETY: as above.
+        let empty = unsafe {
+            MemRegion::register_with_memory_type(&ctx, &raw mut byte, 0, MemoryType::HOST)
+        };
+        assert_eq!(
+            empty.unwrap_err(),
+            Error::new(Op::MemMap, Status::INVALID_PARAM)
+        );
+    }
+
+    /// On a UCX without CUDA support (Debian's), registering CUDA memory is refused up front
+    /// instead of producing a region with no memory domain.
+    #[test]
+    fn unsupported_memory_type_is_refused_before_mapping() {
+        let ctx = shm();
+        let types = ctx.memory_types().unwrap();
+        for memory_type in [MemoryType::CUDA, MemoryType::ROCM] {
+            if types.contains(memory_type) {
+                eprintln!("this UCX supports {memory_type} ({types}); refusal not exercised");
+                continue;
+            }
+            let mut host = vec![0u8; 64];
+            // SAFETY: the context does not list `memory_type` (checked just above), so the
+            // call returns before UCX is given the pointer; the pointer is a live allocation
+            // regardless.
+            let refused = unsafe {
+                MemRegion::register_with_memory_type(&ctx, host.as_mut_ptr(), 64, memory_type)
+            };
+            assert_eq!(
+                refused.unwrap_err(),
+                Error::new(Op::MemMap, Status::UNSUPPORTED)
+            );
+        }
+    }
+
+    #[test]
+    fn kept_alive_owner_outlives_the_region() {
+        let ctx = shm();
+        let owner: Arc<dyn Any + Send + Sync> = Arc::new(vec![0u8; 16]);
+        let region = MemRegion::allocate(&ctx, 64)
+            .unwrap()
+            .keep_alive(Arc::clone(&owner));
+        assert_eq!(Arc::strong_count(&owner), 2);
+        drop(region);
+        assert_eq!(Arc::strong_count(&owner), 1);
+    }
+
+    #[test]
+    #[should_panic(expected = "holds cuda memory")]
+    fn host_accessors_refuse_device_regions() {
+        let ctx = shm();
+        let mut region = MemRegion::allocate(&ctx, 64).unwrap();
+        // Pretend; the accessor must refuse before touching the pointer.
+        region.memory_type = MemoryType::CUDA;
+        let mut dst = [0u8; 4];
+        region.read_at(0, &mut dst);
     }
 }

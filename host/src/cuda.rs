@@ -1,0 +1,598 @@
+//! CUDA device memory for KV pools (cargo feature `cuda`).
+//!
+//! ```text
+//!   CudaDevice::open(n) ──► CudaPool::new(&dev, bytes)      one cuMemAlloc per KV pool
+//!                                 │  upload / download       synchronous H2D / D2H copies
+//!                                 ▼
+//!   register_with_ucx(&ctx, &pool) ──► MemRegion (memory type CUDA, keeps the pool alive)
+//!                                         └─ pack_rkey / put_region, as for host pools
+//! ```
+//!
+//! # Design: register device memory directly, or refuse
+//!
+//! A device pool is handed to UCX as what it is, CUDA memory
+//! ([`kvferry_ucx::MemoryType::CUDA`]), so that a CUDA-enabled UCX moves it with its device
+//! transports (`cuda_copy`, `cuda_ipc`, GPUDirect RDMA) and peers put straight into GPU memory.
+//! That needs a UCX built `--with-cuda`: [`register_with_ucx`] first asks the context which
+//! memory types it supports ([`kvferry_ucx::Context::memory_types`]) and, without CUDA, refuses
+//! with [`CudaError::UcxLacksCuda`], which names the UCX version and what to install.
+//!
+//! There is **no silent staging** through host buffers. Staging (a device-to-host copy, a put
+//! of host memory, a host-to-device copy on the far side) would look like it works while
+//! moving every byte three times over PCIe; a deployment that wants it should say so and
+//! measure it, not discover it. Debian's UCX 1.13.1 has no CUDA transports (platform-notes §1),
+//! so on such a machine device pools are refused and host pools are the path.
+//!
+//! # Allocation
+//!
+//! A pool is one plain `cuMemAlloc` allocation in the device's primary context, not cudarc's
+//! stream-ordered `cuMemAllocAsync` (which [`cudarc::driver::CudaStream::alloc`] uses when the
+//! device supports memory pools): UCX's CUDA IPC and GPUDirect registration do not handle
+//! memory-pool allocations in every release, while `cuMemAlloc` memory works with all of them.
+//! The pool sets `CU_POINTER_ATTRIBUTE_SYNC_MEMOPS` on the allocation, as NVIDIA's GPUDirect
+//! RDMA guide asks, so that the driver's synchronous copies into it complete before they
+//! return, instead of racing a NIC that writes the memory next. [`CudaPool::new`] and
+//! [`CudaPool::upload`] also wait for the context (`cuCtxSynchronize`) before returning, and
+//! [`CudaPool::download`] returns once the bytes are in host memory: when any of them returns,
+//! the bytes are in place. (The context wait covers all work in the device's primary context;
+//! cheap for kvferry, which runs no kernels, but worth knowing before sharing the context.)
+//!
+//! # Lifetimes
+//!
+//! A [`CudaPool`] is a handle to a reference-counted allocation. A region from
+//! [`register_with_ucx`] holds that allocation too ([`kvferry_ucx::MemRegion::keep_alive`]),
+//! and UCX unmaps the region before the allocation can be freed, so dropping the pool before
+//! the region is harmless. Peers that hold the region's key may still write it until the
+//! region is dropped, exactly as for host pools.
+//!
+//! # No driver, no panic
+//!
+//! cudarc loads `libcuda` lazily and *panics* when it is missing (platform-notes §6).
+//! [`CudaDevice::open`] and [`device_count`] probe for the library first
+//! ([`CudaError::NoDriver`]), and every driver call runs under `catch_unwind`, so a panic
+//! inside cudarc (a symbol an old driver lacks, say) becomes [`CudaError::Init`]. This relies
+//! on `panic = "unwind"`, the default; do not set `panic = "abort"` in a profile.
+
+use std::any::Any;
+use std::fmt;
+use std::panic::{self, AssertUnwindSafe};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, DriverError, result, sys};
+use kvferry_ucx::{Context, MemRegion, MemoryType, MemoryTypes};
+
+/// Why a CUDA device, pool or registration is not available.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CudaError {
+    /// The CUDA driver library is not installed (or not on the loader's path).
+    #[error(
+        "no CUDA driver: libcuda not found (searched for {}); install the NVIDIA driver or add \
+         its directory to LD_LIBRARY_PATH",
+        searched.join(", ")
+    )]
+    NoDriver {
+        /// The library names that were tried, in order.
+        searched: Vec<String>,
+    },
+    /// The driver library loaded but could not be initialised or used: `cuInit` failed (no
+    /// device visible, driver/kernel-module mismatch, ...) or cudarc panicked.
+    #[error("cuda driver unusable: {message}")]
+    Init {
+        /// What failed, with the driver's or cudarc's message.
+        message: String,
+    },
+    /// No device with this ordinal.
+    #[error("no cuda device {ordinal}: the driver reports {count} device(s)")]
+    NoDevice {
+        /// The ordinal asked for.
+        ordinal: usize,
+        /// Devices the driver reports.
+        count: usize,
+    },
+    /// A driver call failed.
+    #[error("cuda device {ordinal}: {op} failed")]
+    Driver {
+        /// The device.
+        ordinal: usize,
+        /// The driver function (or cudarc call) that failed.
+        op: &'static str,
+        /// The driver's error.
+        #[source]
+        source: DriverError,
+    },
+    /// A pool must have at least one byte.
+    #[error("a cuda pool needs at least one byte")]
+    EmptyPool,
+    /// A copy range leaves the pool.
+    #[error("range {offset}+{len} is outside the {pool_len}-byte cuda pool")]
+    OutOfBounds {
+        /// Start of the range in the pool.
+        offset: usize,
+        /// Length of the range.
+        len: usize,
+        /// The pool's length.
+        pool_len: usize,
+    },
+    /// The loaded UCX cannot move CUDA memory, so device pools cannot be registered.
+    #[error(
+        "UCX {ucx_version} was built without CUDA support (memory types: {memory_types}); build \
+         UCX with --with-cuda so `ucx_info -d` lists cuda_copy and cuda_ipc, or point \
+         LD_LIBRARY_PATH at such a build (if it already does, check that UCX_TLS keeps them)"
+    )]
+    UcxLacksCuda {
+        /// `kvferry_ucx::version()`, e.g. `"1.13.1"`.
+        ucx_version: String,
+        /// What the context reports instead.
+        memory_types: MemoryTypes,
+    },
+    /// UCX refused the query or the registration.
+    #[error("ucx cannot register the cuda pool")]
+    Ucx(#[source] kvferry_ucx::Error),
+}
+
+/// Whether the CUDA driver library can be loaded. Never panics; touches no device.
+///
+/// Wraps cudarc's `is_culib_present` (a `dlopen` of each candidate name, closed again).
+pub fn driver_present() -> bool {
+    // SAFETY: `is_culib_present` only tries `dlopen` on the candidate library names and drops
+    // each handle it gets; it calls no driver function. Loading libcuda runs its initialisers,
+    // which is what every CUDA program does.
+    unsafe { sys::is_culib_present() }
+}
+
+/// How many CUDA devices the driver reports.
+///
+/// Wraps `cuInit` and `cuDeviceGetCount`.
+///
+/// # Errors
+///
+/// [`CudaError::NoDriver`] without the driver library, [`CudaError::Init`] if it cannot be
+/// initialised.
+#[doc(alias = "cuDeviceGetCount")]
+pub fn device_count() -> Result<usize, CudaError> {
+    init()?;
+    let count =
+        guarded("cuDeviceGetCount", result::device::get_count)?.map_err(|e| CudaError::Init {
+            message: format!("cuDeviceGetCount failed: {e}"),
+        })?;
+    Ok(usize::try_from(count).unwrap_or(0))
+}
+
+/// Probes for the driver library, then runs `cuInit`.
+fn init() -> Result<(), CudaError> {
+    if !driver_present() {
+        return Err(CudaError::NoDriver {
+            searched: ["cuda", "nvcuda"]
+                .iter()
+                .flat_map(|name| cudarc::get_lib_name_candidates(name))
+                .collect(),
+        });
+    }
+    guarded("cuInit", result::init)?.map_err(|e| CudaError::Init {
+        message: format!("cuInit failed: {e}"),
+    })
+}
+
+/// Runs a cudarc call, turning a panic (cudarc's answer to a missing library or symbol) into
+/// [`CudaError::Init`].
+fn guarded<T>(op: &str, f: impl FnOnce() -> T) -> Result<T, CudaError> {
+    panic::catch_unwind(AssertUnwindSafe(f)).map_err(|payload| CudaError::Init {
+        message: format!("{op} panicked: {}", panic_message(payload.as_ref())),
+    })
+}
+
+fn panic_message(payload: &(dyn Any + Send)) -> &str {
+    payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("non-string panic payload")
+}
+
+/// One CUDA device, through its primary context.
+///
+/// Cheap to clone; `Send + Sync`. Every operation makes the context current on the calling
+/// thread first, so any thread may use it.
+#[derive(Clone)]
+pub struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    name: String,
+}
+
+impl CudaDevice {
+    /// Opens device `ordinal` (retaining its primary context).
+    ///
+    /// Probes for the driver library before cudarc touches it, so a machine without a GPU
+    /// driver gets [`CudaError::NoDriver`], never a panic.
+    ///
+    /// Wraps `cuInit`, `cuDeviceGetCount`, `cuDevicePrimaryCtxRetain` and `cuDeviceGetName`.
+    ///
+    /// # Errors
+    ///
+    /// * [`CudaError::NoDriver`] without the driver library.
+    /// * [`CudaError::Init`] if the driver cannot be initialised, or cudarc panics.
+    /// * [`CudaError::NoDevice`] if `ordinal` is not below [`device_count`].
+    /// * [`CudaError::Driver`] if the context cannot be created or queried.
+    #[doc(alias = "cuDevicePrimaryCtxRetain")]
+    pub fn open(ordinal: usize) -> Result<CudaDevice, CudaError> {
+        let count = device_count()?;
+        if ordinal >= count {
+            return Err(CudaError::NoDevice { ordinal, count });
+        }
+        let driver = |op| {
+            move |source| CudaError::Driver {
+                ordinal,
+                op,
+                source,
+            }
+        };
+        let ctx = guarded("CudaContext::new", || CudaContext::new(ordinal))?
+            .map_err(driver("cuDevicePrimaryCtxRetain"))?;
+        let name = guarded("cuDeviceGetName", || ctx.name())?.map_err(driver("cuDeviceGetName"))?;
+        Ok(CudaDevice { ctx, name })
+    }
+
+    /// The device's ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
+    /// The device's name, e.g. `"NVIDIA H200"`.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Total device memory in bytes.
+    ///
+    /// # Errors
+    ///
+    /// [`CudaError::Driver`] if the driver cannot say.
+    #[doc(alias = "cuDeviceTotalMem")]
+    pub fn total_memory(&self) -> Result<usize, CudaError> {
+        self.call("cuDeviceTotalMem", || self.ctx.total_mem())
+    }
+
+    /// The cudarc context, for work this module does not wrap (kernels, streams).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Makes the context current on this thread, then runs `f` under `catch_unwind`.
+    fn call<T>(
+        &self,
+        op: &'static str,
+        f: impl FnOnce() -> Result<T, DriverError>,
+    ) -> Result<T, CudaError> {
+        let ordinal = self.ordinal();
+        guarded(op, || {
+            self.ctx.bind_to_thread()?;
+            f()
+        })?
+        .map_err(|source| CudaError::Driver {
+            ordinal,
+            op,
+            source,
+        })
+    }
+}
+
+impl fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaDevice")
+            .field("ordinal", &self.ordinal())
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Device memory for one KV pool: a single `cuMemAlloc` of `len` bytes, zero-filled.
+///
+/// A handle to a reference-counted allocation: the memory is freed when the pool and every
+/// region [`register_with_ucx`] made from it are gone. `Send + Sync`.
+///
+/// The bytes are never reachable as a Rust reference, only through [`upload`](Self::upload)
+/// and [`download`](Self::download) (and UCX), so they may be written concurrently — by a peer
+/// through UCX, say — without undefined behaviour on the host; ordering those writers is the
+/// transfer protocol's job, exactly as for host pools.
+#[derive(Clone)]
+pub struct CudaPool {
+    alloc: Arc<DeviceAlloc>,
+}
+
+/// The allocation behind a [`CudaPool`]; freed on drop.
+struct DeviceAlloc {
+    device: CudaDevice,
+    ptr: sys::CUdeviceptr,
+    len: usize,
+}
+
+impl CudaPool {
+    /// Allocates `len` bytes on `device`, zero-filled, with synchronous memory operations.
+    ///
+    /// Wraps `cuMemAlloc`, `cuPointerSetAttribute(CU_POINTER_ATTRIBUTE_SYNC_MEMOPS)`,
+    /// `cuMemsetD8` and `cuCtxSynchronize`.
+    ///
+    /// # Errors
+    ///
+    /// [`CudaError::EmptyPool`] for `len == 0`, [`CudaError::Driver`] if the allocation (out of
+    /// memory, typically) or its set-up fails.
+    #[doc(alias = "cuMemAlloc")]
+    pub fn new(device: &CudaDevice, len: usize) -> Result<CudaPool, CudaError> {
+        if len == 0 {
+            return Err(CudaError::EmptyPool);
+        }
+        // SAFETY: the context is current on this thread (`call` binds it); the returned
+        // pointer is uninitialised device memory, owned by `DeviceAlloc` from the next line on
+        // and zeroed below before anyone can read it.
+        let ptr = device.call("cuMemAlloc", || unsafe { result::malloc_sync(len) })?;
+        let alloc = Arc::new(DeviceAlloc {
+            device: device.clone(),
+            ptr,
+            len,
+        });
+        let sync_memops: u32 = 1;
+        device.call("cuPointerSetAttribute", || {
+            // SAFETY: `ptr` is a live `cuMemAlloc` allocation; SYNC_MEMOPS takes a pointer to
+            // an `unsigned int`, which `sync_memops` is, valid for the call.
+            unsafe {
+                sys::cuPointerSetAttribute(
+                    (&raw const sync_memops).cast(),
+                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_SYNC_MEMOPS,
+                    ptr,
+                )
+            }
+            .result()
+        })?;
+        // SAFETY: `ptr..ptr + len` is the allocation made above; nothing else knows it yet.
+        device.call("cuMemsetD8", || unsafe {
+            result::memset_d8_sync(ptr, 0, len)
+        })?;
+        // A memset of device memory may return before it has run; make the zeroes visible to
+        // whatever reads the pool next (a download, or UCX once the pool is registered).
+        device.call("cuCtxSynchronize", || device.ctx.synchronize())?;
+        Ok(CudaPool { alloc })
+    }
+
+    /// The pool's device address (`CUdeviceptr`), also what peers use as its remote address.
+    pub fn device_ptr(&self) -> u64 {
+        self.alloc.ptr
+    }
+
+    /// The pool's length in bytes.
+    pub fn len(&self) -> usize {
+        self.alloc.len
+    }
+
+    /// Always `false`: pools have at least one byte.
+    pub fn is_empty(&self) -> bool {
+        self.alloc.len == 0
+    }
+
+    /// The device the pool lives on.
+    pub fn device(&self) -> &CudaDevice {
+        &self.alloc.device
+    }
+
+    /// Copies `src` into the pool at `offset`; the bytes are on the device when this returns.
+    ///
+    /// Wraps `cuMemcpyHtoD` and `cuCtxSynchronize`.
+    ///
+    /// # Errors
+    ///
+    /// [`CudaError::OutOfBounds`] if the range leaves the pool, [`CudaError::Driver`] if the
+    /// copy fails.
+    #[doc(alias = "cuMemcpyHtoD")]
+    pub fn upload(&self, offset: usize, src: &[u8]) -> Result<(), CudaError> {
+        let dst = self.range(offset, src.len())?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        let device = &self.alloc.device;
+        // SAFETY: `dst..dst + src.len()` lies inside the live allocation (checked by `range`);
+        // `src` is a borrowed host slice that outlives this synchronous copy; `u8` is the type
+        // the pool holds.
+        device.call("cuMemcpyHtoD", || unsafe {
+            result::memcpy_htod_sync(dst, src)
+        })?;
+        // A copy from pageable memory may return once the bytes are staged, before the DMA into
+        // the pool lands (SYNC_MEMOPS should prevent that; this does not depend on it): wait, so
+        // that UCX or a NIC reading the pool next sees the bytes.
+        device.call("cuCtxSynchronize", || device.ctx.synchronize())
+    }
+
+    /// Copies `dst.len()` bytes at `offset` out of the pool; they are in `dst` when this
+    /// returns.
+    ///
+    /// Wraps `cuMemcpyDtoH`.
+    ///
+    /// # Errors
+    ///
+    /// [`CudaError::OutOfBounds`] if the range leaves the pool, [`CudaError::Driver`] if the
+    /// copy fails.
+    #[doc(alias = "cuMemcpyDtoH")]
+    pub fn download(&self, offset: usize, dst: &mut [u8]) -> Result<(), CudaError> {
+        let src = self.range(offset, dst.len())?;
+        if dst.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: `src..src + dst.len()` lies inside the live allocation (checked by `range`);
+        // `dst` is an exclusively borrowed host slice the driver fills before this synchronous
+        // copy (device to pageable host memory) returns; `u8` is the type the pool holds.
+        self.alloc.device.call("cuMemcpyDtoH", || unsafe {
+            result::memcpy_dtoh_sync(dst, src)
+        })
+    }
+
+    /// The device address of `offset..offset + len`, if it lies inside the pool.
+    fn range(&self, offset: usize, len: usize) -> Result<sys::CUdeviceptr, CudaError> {
+        let pool_len = self.alloc.len;
+        if offset.checked_add(len).is_none_or(|end| end > pool_len) {
+            return Err(CudaError::OutOfBounds {
+                offset,
+                len,
+                pool_len,
+            });
+        }
+        Ok(self.alloc.ptr + offset as u64)
+    }
+}
+
+impl fmt::Debug for CudaPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaPool")
+            .field("device", &self.alloc.device.ordinal())
+            .field("ptr", &format_args!("{:#x}", self.alloc.ptr))
+            .field("len", &self.alloc.len)
+            .finish()
+    }
+}
+
+impl Drop for DeviceAlloc {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` came from `cuMemAlloc` in this context and is freed once, here: the
+        // last `CudaPool` handle is gone and every UCX region mapping it has been unmapped
+        // (they hold this allocation until after `ucp_mem_unmap`). `cuMemFree` waits for
+        // outstanding device work on the memory.
+        let freed = self
+            .device
+            .call("cuMemFree", || unsafe { result::free_sync(self.ptr) });
+        if let Err(error) = freed {
+            tracing::warn!(%error, ptr = self.ptr, len = self.len, "cannot free cuda pool");
+        }
+    }
+}
+
+/// Checks that `ctx` can register and move CUDA device memory, and returns what it supports.
+///
+/// Wraps `ucp_context_query` (through [`Context::memory_types`]).
+///
+/// # Errors
+///
+/// [`CudaError::UcxLacksCuda`] if the context does not list CUDA memory (the loaded UCX was
+/// built without `--with-cuda`, as Debian's is), [`CudaError::Ucx`] if UCX cannot be queried.
+pub fn ucx_cuda_support(ctx: &Context) -> Result<MemoryTypes, CudaError> {
+    let memory_types = ctx.memory_types().map_err(CudaError::Ucx)?;
+    if memory_types.contains_cuda() {
+        Ok(memory_types)
+    } else {
+        Err(CudaError::UcxLacksCuda {
+            ucx_version: kvferry_ucx::version().to_owned(),
+            memory_types,
+        })
+    }
+}
+
+/// Registers `pool` with UCX as CUDA memory, so peers can put into it (and local puts read it
+/// with `put_region`), or refuses when this UCX cannot move CUDA memory.
+///
+/// The region's `remote_addr()` is the pool's [`device_ptr`](CudaPool::device_ptr) and its
+/// `memory_type()` is [`MemoryType::CUDA`]; its host accessors (`read_at`, `write_at`) panic,
+/// so read and write the pool through [`CudaPool::download`] and [`CudaPool::upload`]. The
+/// region keeps the allocation alive: it may outlive `pool`.
+///
+/// Wraps `ucp_context_query` and `ucp_mem_map` with `UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE`.
+///
+/// # Errors
+///
+/// [`CudaError::UcxLacksCuda`] as [`ucx_cuda_support`] (nothing is registered, nothing is
+/// staged), [`CudaError::Ucx`] if UCX refuses the registration, [`CudaError::Driver`] if the
+/// pool's context cannot be made current.
+#[doc(alias = "ucp_mem_map")]
+pub fn register_with_ucx(ctx: &Arc<Context>, pool: &CudaPool) -> Result<MemRegion, CudaError> {
+    ucx_cuda_support(ctx)?;
+    let alloc = &pool.alloc;
+    // UCX's CUDA memory domains query the pointer with the driver; give them the pool's
+    // context on this thread.
+    alloc.device.call("cuCtxSetCurrent", || Ok(()))?;
+    // SAFETY: `alloc.ptr..alloc.ptr + alloc.len` is one live `cuMemAlloc` allocation of CUDA
+    // device memory (a device address, never dereferenced on the host: the region refuses host
+    // access for non-host types). The region holds `alloc` through `keep_alive`, and
+    // `MemRegion` unmaps before releasing it, so the memory is not freed while mapped. Other
+    // writers of the pool (`upload`, peers) are ordered by the transfer protocol, as this
+    // function's docs and `CudaPool`'s say.
+    let region = unsafe {
+        MemRegion::register_with_memory_type(
+            ctx,
+            alloc.ptr as usize as *mut u8,
+            alloc.len,
+            MemoryType::CUDA,
+        )
+    }
+    .map_err(CudaError::Ucx)?;
+    Ok(region.keep_alive(Arc::clone(alloc) as Arc<dyn Any + Send + Sync>))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refusal_names_the_version_and_the_fix() {
+        let err = CudaError::UcxLacksCuda {
+            ucx_version: "1.13.1".into(),
+            memory_types: MemoryTypes::from_bits(1),
+        };
+        assert_eq!(
+            err.to_string(),
+            "UCX 1.13.1 was built without CUDA support (memory types: host); build UCX with \
+             --with-cuda so `ucx_info -d` lists cuda_copy and cuda_ipc, or point \
+             LD_LIBRARY_PATH at such a build (if it already does, check that UCX_TLS keeps them)"
+        );
+    }
+
+    /// Calls the real check against the loaded UCX and prints the outcome: on Debian's UCX the
+    /// refusal (this is how to read the exact message on a machine without a GPU), on a
+    /// CUDA-enabled UCX the supported types. Either is a pass; a panic or another error is not.
+    #[test]
+    fn ucx_memory_type_check_against_the_loaded_ucx() {
+        let ctx = Context::new().expect("create UCX context");
+        match ucx_cuda_support(&ctx) {
+            Ok(types) => println!(
+                "UCX {} supports CUDA memory ({types})",
+                kvferry_ucx::version()
+            ),
+            Err(err @ CudaError::UcxLacksCuda { .. }) => {
+                let message = err.to_string();
+                println!("refused: {message}");
+                assert!(message.contains(kvferry_ucx::version()), "{message}");
+                assert!(message.contains("--with-cuda"), "{message}");
+            }
+            Err(other) => panic!("unexpected error: {other}"),
+        }
+    }
+
+    #[test]
+    fn no_driver_message_lists_the_search() {
+        let err = CudaError::NoDriver {
+            searched: vec!["libcuda.so".into(), "libcuda.so.1".into()],
+        };
+        assert_eq!(
+            err.to_string(),
+            "no CUDA driver: libcuda not found (searched for libcuda.so, libcuda.so.1); install \
+             the NVIDIA driver or add its directory to LD_LIBRARY_PATH"
+        );
+    }
+
+    #[test]
+    fn caught_panics_become_init_errors() {
+        let err = guarded("cuSomething", || panic!("Missing symbol cuSomething")).unwrap_err();
+        assert!(
+            matches!(&err, CudaError::Init { message }
+                if message == "cuSomething panicked: Missing symbol cuSomething"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn without_a_driver_open_is_a_clean_error() {
+        if driver_present() {
+            eprintln!("skipped: a CUDA driver is present");
+            return;
+        }
+        let err = CudaDevice::open(0).unwrap_err();
+        assert!(matches!(err, CudaError::NoDriver { .. }), "{err}");
+        assert!(err.to_string().contains("libcuda.so.1"), "{err}");
+        assert!(matches!(device_count(), Err(CudaError::NoDriver { .. })));
+    }
+}
