@@ -16,7 +16,7 @@
 
 use std::fmt;
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::thread;
@@ -192,7 +192,7 @@ impl fmt::Display for DemoReport {
 
 /// Child processes killed (and reaped) when dropped. Each child's stdin pipe stays open in
 /// its `Child` until then (the child exits when it closes).
-struct Children(Vec<Child>);
+pub(crate) struct Children(pub(crate) Vec<Child>);
 
 impl Drop for Children {
     fn drop(&mut self) {
@@ -207,7 +207,7 @@ impl Drop for Children {
 
 impl Children {
     /// Waits up to `limit` for every child to exit by itself.
-    fn wait_exit(&mut self, limit: Duration) {
+    pub(crate) fn wait_exit(&mut self, limit: Duration) {
         let deadline = Instant::now() + limit;
         for child in &mut self.0 {
             while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
@@ -217,10 +217,34 @@ impl Children {
     }
 }
 
-/// Arguments of `kvferry serve` for one side.
-fn serve_args(config: &DemoConfig, role: &str, spec: &str, slots: u64, state: u64) -> Vec<String> {
+/// What both `kvferry serve` children of a loopback pair share.
+#[derive(Clone, Copy, Debug)]
+pub struct PairArgs<'a> {
+    /// Config file passed to the servers (`--config`).
+    pub config_file: Option<&'a Path>,
+    /// Model, dtype and block size.
+    pub model: &'a ModelSpec,
+    /// UCX transports.
+    pub transport: Transport,
+    /// Planner id for both servers (`None`: their own default selection).
+    pub planner: Option<&'a str>,
+    /// Salt of the oracle.
+    pub seed: u64,
+    /// Per-request timeout (`--timeout-ms`) of both servers.
+    pub timeout: Duration,
+}
+
+/// Arguments of `kvferry serve` for one side of a loopback pair: `role` with deployment
+/// `spec`, `slots` PAGED and `state` STATE slots per pool, a free port on 127.0.0.1.
+pub fn serve_args(
+    pair: &PairArgs<'_>,
+    role: &str,
+    spec: &str,
+    slots: u64,
+    state: u64,
+) -> Vec<String> {
     let mut args = Vec::new();
-    if let Some(file) = &config.config_file {
+    if let Some(file) = pair.config_file {
         args.extend(["--config".to_string(), file.display().to_string()]);
     }
     args.extend(
@@ -229,34 +253,47 @@ fn serve_args(config: &DemoConfig, role: &str, spec: &str, slots: u64, state: u6
             "--role",
             role,
             "--model",
-            config.model.preset.name(),
+            pair.model.preset.name(),
             "--deployment",
             spec,
             "--dtype",
-            config.model.dtype.name(),
+            pair.model.dtype.name(),
         ]
         .map(String::from),
     );
     args.extend([
         "--tokens-per-block".to_string(),
-        config.model.tokens_per_block.to_string(),
+        pair.model.tokens_per_block.to_string(),
         "--listen".to_string(),
         "127.0.0.1:0".to_string(),
         "--transport".to_string(),
-        config.transport.name().to_string(),
+        pair.transport.name().to_string(),
         "--slots".to_string(),
         slots.to_string(),
         "--state-slots".to_string(),
         state.to_string(),
         "--seed".to_string(),
-        config.seed.to_string(),
+        pair.seed.to_string(),
         "--timeout-ms".to_string(),
-        config.timeout.as_millis().to_string(),
+        pair.timeout.as_millis().to_string(),
     ]);
-    if let Some(p) = &config.planner {
-        args.extend(["--planner".to_string(), p.clone()]);
+    if let Some(p) = pair.planner {
+        args.extend(["--planner".to_string(), p.to_string()]);
     }
     args
+}
+
+impl DemoConfig {
+    fn pair(&self) -> PairArgs<'_> {
+        PairArgs {
+            config_file: self.config_file.as_deref(),
+            model: &self.model,
+            transport: self.transport,
+            planner: self.planner.as_deref(),
+            seed: self.seed,
+            timeout: self.timeout,
+        }
+    }
 }
 
 /// Starts one server child; returns it and its control address.
@@ -347,13 +384,13 @@ pub fn run(config: &DemoConfig) -> Result<DemoReport, DemoError> {
     let mut children = Children(Vec::new());
     let (ctx_child, ctx_addr) = spawn_server(
         &config.exe,
-        &serve_args(config, "context", &config.ctx_spec, slots, state),
+        &serve_args(&config.pair(), "context", &config.ctx_spec, slots, state),
         "context",
     )?;
     children.0.push(ctx_child);
     let (gen_child, gen_addr) = spawn_server(
         &config.exe,
-        &serve_args(config, "generation", &config.gen_spec, slots, state),
+        &serve_args(&config.pair(), "generation", &config.gen_spec, slots, state),
         "generation",
     )?;
     children.0.push(gen_child);
@@ -563,7 +600,7 @@ pub fn run(config: &DemoConfig) -> Result<DemoReport, DemoError> {
     Ok(report)
 }
 
-fn expect_released(client: &Client, request: u64) -> Result<(), DemoError> {
+pub(crate) fn expect_released(client: &Client, request: u64) -> Result<(), DemoError> {
     match client.call(Message::Release { request }, REPLY_TIMEOUT)? {
         Message::Released { .. } => Ok(()),
         other => Err(DemoError::Protocol(format!(

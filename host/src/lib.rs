@@ -10,6 +10,7 @@
 
 #![deny(missing_docs)]
 
+pub mod bench;
 pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -1,5 +1,5 @@
 //! `kvferry`: list planners, check a deployment, dry-run a transfer plan, serve an instance,
-//! run the two-process demo.
+//! run the two-process demo, benchmark the transfer path.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
 use clap::{Parser, Subcommand};
+use kvferry::bench::{self, BenchConfig};
 use kvferry::config::{self, Config};
 use kvferry::demo::{self, DemoConfig};
 use kvferry::layout::{self, Dtype, ModelSpec, PoolOptions, Preset};
@@ -102,6 +103,9 @@ enum Command {
     /// Start a context and a generation server on loopback and stream requests through them,
     /// checking every destination byte.
     Demo(DemoArgs),
+    /// Time kvferry's transfer path against a bare UCX put loop over the same fragments (and
+    /// optionally `ucx_perftest`), with a context and a generation server on loopback.
+    Bench(BenchArgs),
 }
 
 /// Options of `kvferry serve`.
@@ -145,6 +149,10 @@ struct ServeArgs {
     /// Fault injection, context side: sleep this long before every flush.
     #[arg(long, default_value_t = 0, hide = true)]
     debug_stall_ms: u64,
+    /// Context side: keep every queued plan until its request is released, so `kvferry
+    /// bench` can replay it with a bare put loop.
+    #[arg(long, hide = true)]
+    record_plans: bool,
     /// Exit when standard input reaches its end (a parent holding the pipe has gone).
     #[arg(long)]
     exit_with_stdin: bool,
@@ -192,6 +200,51 @@ struct DemoArgs {
     /// Per-request timeout on the generation server.
     #[arg(long, default_value_t = 30_000, value_name = "N")]
     timeout_ms: u64,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Options of `kvferry bench`.
+#[derive(Debug, clap::Args)]
+struct BenchArgs {
+    /// Model preset.
+    #[arg(long, value_name = "PRESET")]
+    model: Preset,
+    /// The context instance's deployment.
+    #[arg(long, value_name = "SPEC")]
+    ctx: String,
+    /// The generation instance's deployment.
+    #[arg(long, value_name = "SPEC")]
+    r#gen: String,
+    #[command(flatten)]
+    shape: Shape,
+    /// Tokens of every request.
+    #[arg(long, value_name = "N")]
+    prompt_len: u64,
+    /// Requests per round, all in flight at once (spread over the DP groups).
+    #[arg(long, default_value_t = 8, value_name = "N")]
+    requests: u64,
+    /// Counted rounds, after two warm-up rounds.
+    #[arg(long, default_value_t = 5, value_name = "N")]
+    rounds: u32,
+    /// UCX transports: shared memory or loopback TCP.
+    #[arg(long, default_value = "shm", value_name = "shm|tcp")]
+    transport: Transport,
+    /// Planner id for both servers (default: $KVFERRY_PLANNER, config `planner`,
+    /// kvferry.default).
+    #[arg(long, value_name = "ID")]
+    planner: Option<String>,
+    /// Seed of slot placement and the oracle.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Per-request timeout of both servers.
+    #[arg(long, default_value_t = 30_000, value_name = "N")]
+    timeout_ms: u64,
+    /// Also run `ucx_perftest -t ucp_put_bw` (package ucx-utils) with the mean fragment size
+    /// and the same UCX transports.
+    #[arg(long)]
+    perftest: bool,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -500,6 +553,7 @@ fn serve(host: &Host, a: ServeArgs) -> Result<ExitCode> {
         timeout: Duration::from_millis(a.timeout_ms),
         seed: a.seed,
         stall: Duration::from_millis(a.debug_stall_ms),
+        record_plans: a.record_plans,
     };
     let running = transfer::start(config, bound, &options)
         .with_context(|| format!("starting {} instance {name}", a.role))?;
@@ -551,15 +605,53 @@ fn run_demo(config_file: Option<PathBuf>, a: DemoArgs) -> Result<ExitCode> {
     })
 }
 
+fn run_bench(config_file: Option<PathBuf>, a: BenchArgs) -> Result<ExitCode> {
+    let ctx = spec::parse(&a.ctx).map_err(|e| anyhow!("--ctx: {e}"))?;
+    let r#gen = spec::parse(&a.r#gen).map_err(|e| anyhow!("--gen: {e}"))?;
+    let config = BenchConfig {
+        exe: std::env::current_exe().context("locating the kvferry executable")?,
+        config_file,
+        model: a.shape.model(a.model),
+        ctx_spec: a.ctx,
+        gen_spec: a.r#gen,
+        ctx,
+        r#gen,
+        prompt_len: a.prompt_len,
+        requests: a.requests,
+        rounds: a.rounds,
+        transport: a.transport,
+        planner: a.planner,
+        seed: a.seed,
+        timeout: Duration::from_millis(a.timeout_ms),
+        perftest: a.perftest,
+    };
+    let report = bench::run(&config)?;
+    if a.json {
+        // One object: ours_gbps, raw_gbps, ratio, perftest_gbps, fragments, bytes,
+        // mean_fragment_bytes, transport, planner, and the per-round details.
+        let out = serde_json::to_value(&report)?;
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        println!("{report}");
+    }
+    Ok(if report.verified {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
 fn run(cli: Cli) -> Result<ExitCode> {
     let command = match cli.command {
         Command::Demo(args) => return run_demo(cli.config, args),
+        Command::Bench(args) => return run_bench(cli.config, args),
         other => other,
     };
     let host = Host::load(cli.config.as_deref())?;
     match command {
         Command::Serve(args) => serve(&host, args),
         Command::Demo(args) => run_demo(cli.config, args),
+        Command::Bench(args) => run_bench(cli.config, args),
         Command::Planners { all, json } => planners(&host, all, json),
         Command::Check {
             model,

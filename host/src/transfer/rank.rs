@@ -14,19 +14,42 @@
 //!   then the job's completion callback. Endpoints and unpacked remote keys are cached per
 //!   (peer instance, peer rank) until [`RankThread::forget`].
 //!
+//! # Dead and hung receivers
+//!
+//! A sender waits on its receiver: over `tcp` (and into registered memory) every put and
+//! flush completes only while the receiver's worker progresses. So every job runs under a
+//! deadline, [`WriteJob::timeout`] after it starts, and its window also gives up within
+//! [`ALIVE_CHECK`] once the receiver's registration ends (its control connection closed). The
+//! job then fails with an error naming the peer rank ([`WriteError::TimedOut`],
+//! [`WriteError::PeerGone`]) and the thread moves on to its other jobs.
+//!
+//! Puts still in flight when a job gives up may be read by UCX at any later progress, so their
+//! window is **quarantined**, never dropped: it is parked together with a handle on the
+//! remote keys it uses (the endpoint lives in an arena for the thread's life, the pools for
+//! longer), polled from the progress loop, and released once UCX has finished every operation
+//! in it. Only then does the job report (its [`JobRelease`], then its [`JobDone`] with the
+//! error): the sender's slots stay held and the receiver hears of the failure only when none
+//! of its bytes can land any more (a receiver that gave up meanwhile keeps the slots
+//! quarantined until that report, as for any late writer). Until then further jobs for that
+//! peer rank fail at once ([`WriteError::Stuck`]) instead of queueing behind the stuck puts,
+//! and are reported after the quarantined job, in order.
+//! When the thread ends, windows still quarantined are abandoned with their keys leaked,
+//! before the endpoints are force-closed and the worker destroyed (see `Executor`'s `Drop`).
+//!
 //! When idle the loop spins on `ucp_worker_progress` for a while, then sleeps in short,
 //! growing steps (at most [`MAX_IDLE_SLEEP`]) waiting for a command, so idle ranks cost little
 //! CPU on small machines while busy ones progress without pause.
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
+use std::rc::Rc;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::thread::{self, JoinHandle};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use kvferry_ucx::{Endpoint, PutWindow, RemoteKey, Worker};
+use kvferry_ucx::{Endpoint, MemRegion, Op, PutWindow, RemoteKey, Status, Worker};
 use typed_arena::Arena;
 
 use super::memory::RankPools;
@@ -41,6 +64,9 @@ pub const MAX_PUT_BYTES: u64 = 1 << 20;
 const SPIN_ROUNDS: u32 = 2000;
 /// The longest an idle rank sleeps between progress rounds.
 pub const MAX_IDLE_SLEEP: Duration = Duration::from_micros(200);
+/// How long a job blocked in its window waits before checking that its receiver is still
+/// registered.
+pub const ALIVE_CHECK: Duration = Duration::from_millis(20);
 
 /// Identifies one registration of a peer instance (a new connection gets a new id).
 pub type PeerId = u64;
@@ -142,7 +168,7 @@ pub enum WriteError {
         len: u64,
     },
     /// A put failed to start or complete.
-    #[error("put to {instance} rank {rank} failed: {source}")]
+    #[error("put to {instance} rank {rank} failed: {source} ({})", source.status())]
     Put {
         /// Peer instance.
         instance: String,
@@ -152,7 +178,7 @@ pub enum WriteError {
         source: kvferry_ucx::Error,
     },
     /// The flush after the puts failed.
-    #[error("flush to {instance} rank {rank} failed: {source}")]
+    #[error("flush to {instance} rank {rank} failed: {source} ({})", source.status())]
     Flush {
         /// Peer instance.
         instance: String,
@@ -160,6 +186,39 @@ pub enum WriteError {
         rank: u32,
         /// UCX's error.
         source: kvferry_ucx::Error,
+    },
+    /// The job's deadline passed while its puts or flush were in flight.
+    #[error(
+        "writing to {instance} rank {rank} timed out after {waited_ms} ms waiting for its \
+         {waiting} ({in_flight} operations still in flight are quarantined)"
+    )]
+    TimedOut {
+        /// Peer instance.
+        instance: String,
+        /// Peer rank.
+        rank: u32,
+        /// What the job was waiting for: `puts` or `flush`.
+        waiting: &'static str,
+        /// How long the job had run.
+        waited_ms: u128,
+        /// Operations (puts, and a flush) left in flight.
+        in_flight: usize,
+    },
+    /// An earlier job to the peer rank gave up with operations in flight that have not
+    /// finished yet.
+    #[error(
+        "{instance} rank {rank} has {in_flight} operations of an earlier job stuck in flight \
+         for {stuck_ms} ms; not writing to it until they finish"
+    )]
+    Stuck {
+        /// Peer instance.
+        instance: String,
+        /// Peer rank.
+        rank: u32,
+        /// Operations still in flight.
+        in_flight: usize,
+        /// Since when (milliseconds ago) they are quarantined.
+        stuck_ms: u128,
     },
     /// The peer's registration ended (its control connection closed).
     #[error("{instance} rank {rank} is gone")]
@@ -177,19 +236,30 @@ pub enum WriteError {
     },
 }
 
-/// Called on the rank thread once a job is done (after its flush) or has failed.
+/// Called on the rank thread once a job is done (after its flush) or has failed — for a job
+/// that gave up with puts in flight, only once those have drained (never, if the thread ends
+/// first), so that a receiver told of the failure knows none of its bytes can still land.
 pub type JobDone = Box<dyn FnOnce(Result<WriteStats, WriteError>) + Send>;
+
+/// Called on the rank thread once UCX no longer reads a job's sources, right before its
+/// [`JobDone`] (for a replay: at once, or once its quarantined operations drained). Until then
+/// the sources' slots must not be reused.
+pub type JobRelease = Box<dyn FnOnce() + Send>;
 
 /// One piece of one request for one receiver rank.
 pub struct WriteJob {
     /// Where to write.
     pub dest: Arc<RemoteRank>,
     /// What to write.
-    pub plan: ValidatedPlan,
+    pub plan: Arc<ValidatedPlan>,
+    /// How long the job may run once started before it gives up (see the module docs).
+    pub timeout: Duration,
     /// Fault injection: sleep this long after issuing the puts, before flushing.
     pub stall: Duration,
     /// The completion callback.
     pub done: JobDone,
+    /// The source-release callback (taken when the job runs).
+    pub release: Option<JobRelease>,
 }
 
 impl std::fmt::Debug for WriteJob {
@@ -198,12 +268,55 @@ impl std::fmt::Debug for WriteJob {
             .field("dest", &(&self.dest.instance, self.dest.rank))
             .field("fragments", &self.plan.len())
             .field("bytes", &self.plan.total_bytes())
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a replay moved, and when it ran on the rank thread.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReplayStats {
+    /// When the first put was issued (after every fragment was resolved).
+    pub started: Instant,
+    /// When the last flush finished.
+    pub finished: Instant,
+    /// Totals over every replayed plan.
+    pub written: WriteStats,
+    /// Plans replayed (one window and one flush each).
+    pub plans: u64,
+}
+
+/// Called on the rank thread once a replay is done or has failed.
+pub type ReplayDone = Box<dyn FnOnce(Result<ReplayStats, WriteError>) + Send>;
+
+/// A benchmark baseline: plans already written by [`WriteJob`]s, written again by a bare
+/// loop — every fragment resolved to (source region, offset, remote key) before the clock
+/// starts, then per plan one [`PutWindow`] of [`PUT_WINDOW`] puts (split at
+/// [`MAX_PUT_BYTES`]) and one flush, on the same endpoints and memory. No liveness checks, no
+/// per-fragment lookups, no callbacks between plans.
+pub struct ReplayJob {
+    /// The plans, with where each goes, in order.
+    pub plans: Vec<(Arc<RemoteRank>, Arc<ValidatedPlan>)>,
+    /// Deadline of the whole replay, from its first put.
+    pub timeout: Duration,
+    /// The completion callback.
+    pub done: ReplayDone,
+    /// The source-release callback, as for [`WriteJob::release`].
+    pub release: Option<JobRelease>,
+}
+
+impl std::fmt::Debug for ReplayJob {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReplayJob")
+            .field("plans", &self.plans.len())
+            .field("timeout", &self.timeout)
             .finish_non_exhaustive()
     }
 }
 
 enum Command {
     Write(WriteJob),
+    Replay(ReplayJob),
     Forget(PeerId),
 }
 
@@ -236,6 +349,8 @@ impl RankThread {
         let (tx, rx) = mpsc::channel();
         let thread = thread::Builder::new()
             .name(format!("{label}-rank{rank}"))
+            // `pools` outlives `run`, and so the worker, which `run` drops: puts abandoned
+            // when the thread ends may read the pools until then.
             .spawn(move || run(rank, worker, &pools, rx))
             .map_err(|source| SpawnError::Thread {
                 rank,
@@ -262,6 +377,19 @@ impl RankThread {
     /// Queues a job; if the thread is gone, fails it at once.
     pub fn write(&self, job: WriteJob) {
         if let Err(mpsc::SendError(Command::Write(job))) = self.tx.send(Command::Write(job)) {
+            if let Some(release) = job.release {
+                release();
+            }
+            (job.done)(Err(WriteError::Stopped { rank: self.rank }));
+        }
+    }
+
+    /// Queues a replay (a benchmark baseline); if the thread is gone, fails it at once.
+    pub fn replay(&self, job: ReplayJob) {
+        if let Err(mpsc::SendError(Command::Replay(job))) = self.tx.send(Command::Replay(job)) {
+            if let Some(release) = job.release {
+                release();
+            }
             (job.done)(Err(WriteError::Stopped { rank: self.rank }));
         }
     }
@@ -293,17 +421,19 @@ pub enum SpawnError {
     },
 }
 
-/// An endpoint to a peer rank and the keys of its pools.
-struct Conn<'a, 'w> {
-    ep: &'a Endpoint<'w>,
-    rkeys: Vec<RemoteKey<'a>>,
-}
-
 fn run(rank: u32, worker: Worker, pools: &RankPools, rx: Receiver<Command>) {
-    // Endpoints live in the arena for the thread's life so remote keys can borrow them; a
-    // forgotten peer's endpoint stays there (closed when the thread ends).
+    // Endpoints live in the arena for the thread's life so remote keys and windows can borrow
+    // them; a forgotten peer's endpoint stays there (closed when the thread ends). Declared
+    // before the executor, so dropped after it: see `Executor`'s `Drop`.
     let arena: Arena<Endpoint<'_>> = Arena::new();
-    let mut conns: HashMap<(PeerId, u32), Conn<'_, '_>> = HashMap::new();
+    let mut exec = Executor {
+        rank,
+        worker: &worker,
+        arena: &arena,
+        pools,
+        conns: HashMap::new(),
+        stuck: Vec::new(),
+    };
     let mut idle = 0u32;
     loop {
         let command = match rx.try_recv() {
@@ -311,6 +441,7 @@ fn run(rank: u32, worker: Worker, pools: &RankPools, rx: Receiver<Command>) {
             Err(TryRecvError::Disconnected) => return,
             Err(TryRecvError::Empty) => {
                 if worker.progress() {
+                    exec.poll_stuck();
                     idle = 0;
                     continue;
                 }
@@ -319,6 +450,7 @@ fn run(rank: u32, worker: Worker, pools: &RankPools, rx: Receiver<Command>) {
                     std::hint::spin_loop();
                     continue;
                 }
+                exec.poll_stuck();
                 let step = (idle - SPIN_ROUNDS).min(16);
                 let sleep = Duration::from_micros(10 * u64::from(step + 1)).min(MAX_IDLE_SLEEP);
                 match rx.recv_timeout(sleep) {
@@ -331,11 +463,12 @@ fn run(rank: u32, worker: Worker, pools: &RankPools, rx: Receiver<Command>) {
         let Some(command) = command else { continue };
         idle = 0;
         match command {
-            Command::Forget(peer) => conns.retain(|(p, _), _| *p != peer),
-            Command::Write(job) => {
-                let result = execute(rank, &worker, &arena, &mut conns, pools, &job);
+            Command::Forget(peer) => exec.conns.retain(|(p, _), _| *p != peer),
+            Command::Write(job) => exec.execute(job),
+            Command::Replay(mut job) => {
+                let result = exec.replay(&mut job);
                 if let Err(e) = &result {
-                    tracing::warn!(rank, error = %e, "write job failed");
+                    tracing::warn!(rank, error = %e, "replay failed");
                 }
                 (job.done)(result);
             }
@@ -343,116 +476,568 @@ fn run(rank: u32, worker: Worker, pools: &RankPools, rx: Receiver<Command>) {
     }
 }
 
-/// Writes one job's plan and flushes.
-fn execute<'a, 'w>(
+/// The remote keys of one peer rank's pools, unpacked on its endpoint, in pool order. Shared
+/// between the connection cache and every window that uses them, so a peer forgotten while
+/// puts to it are quarantined keeps its keys until they drain.
+type Keys<'a> = Rc<[RemoteKey<'a>]>;
+
+/// An endpoint to a peer rank and the keys of its pools.
+struct Conn<'a, 'w> {
+    ep: &'a Endpoint<'w>,
+    keys: Keys<'a>,
+}
+
+/// What runs once a quarantined window has drained.
+type OnDrain = Box<dyn FnOnce()>;
+
+/// A job's outcome, and the window and keys it left in flight, if any.
+type Written<'a> = (
+    Result<WriteStats, WriteError>,
+    Option<(PutWindow<'a>, Keys<'a>)>,
+);
+
+/// A window that gave up with operations in flight, and the keys those use.
+struct Stuck<'a> {
+    /// Declared before `_keys`: dropped first (only ever once idle).
+    window: PutWindow<'a>,
+    _keys: Keys<'a>,
+    /// Called, in order, once the window drains.
+    on_drain: Vec<OnDrain>,
+    peer: PeerId,
+    instance: String,
+    rank: u32,
+    since: Instant,
+}
+
+/// A rank thread's executor state. `'a` is the life of the endpoint arena (and of the pools),
+/// `'w` the worker's.
+struct Executor<'a, 'w> {
     rank: u32,
     worker: &'w Worker,
     arena: &'a Arena<Endpoint<'w>>,
-    conns: &mut HashMap<(PeerId, u32), Conn<'a, 'w>>,
-    pools: &RankPools,
-    job: &WriteJob,
-) -> Result<WriteStats, WriteError> {
-    let dest = &job.dest;
-    let gone = || WriteError::PeerGone {
-        instance: dest.instance.clone(),
-        rank: dest.rank,
-    };
-    if !dest.alive.load(Ordering::Acquire) {
-        return Err(gone());
-    }
-    if job.plan.is_empty() {
-        // Nothing to write, so nothing to flush: earlier pieces were flushed before their
-        // own completions.
-        return Ok(WriteStats::default());
-    }
-    let conn = match conns.entry((dest.peer, dest.rank)) {
-        Entry::Occupied(e) => e.into_mut(),
-        Entry::Vacant(slot) => {
-            let ep =
-                worker
-                    .connect(&dest.worker_address)
-                    .map_err(|source| WriteError::Connect {
-                        instance: dest.instance.clone(),
-                        rank: dest.rank,
-                        source,
-                    })?;
-            let ep: &'a Endpoint<'w> = arena.alloc(ep);
-            let rkeys = dest
-                .pools
-                .iter()
-                .enumerate()
-                .map(|(pool, k)| {
-                    ep.unpack_rkey(&k.rkey)
-                        .map_err(|source| WriteError::UnpackKey {
-                            instance: dest.instance.clone(),
-                            rank: dest.rank,
-                            pool,
-                            source,
-                        })
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            tracing::debug!(rank, peer = %dest.instance, peer_rank = dest.rank, "connected");
-            slot.insert(Conn { ep, rkeys })
-        }
-    };
-    let put_error = |source| WriteError::Put {
-        instance: dest.instance.clone(),
-        rank: dest.rank,
-        source,
-    };
-    let mut stats = WriteStats::default();
-    let mut window = PutWindow::with_capacity(conn.ep, PUT_WINDOW);
-    for (k, (src, dst, len)) in job.plan.fragments().enumerate() {
-        if !dest.alive.load(Ordering::Acquire) {
-            return Err(gone());
-        }
-        let (pool, offset) = pools.locate(src, len).ok_or(WriteError::SourceOutside {
-            fragment: k,
-            rank,
-            address: src,
-            len,
-        })?;
-        let region = pools.region(pool).ok_or(WriteError::SourceOutside {
-            fragment: k,
-            rank,
-            address: src,
-            len,
-        })?;
-        let rkey = dest
-            .pool_of(dst, len)
-            .and_then(|p| conn.rkeys.get(p))
-            .ok_or_else(|| WriteError::DestinationOutside {
-                fragment: k,
-                instance: dest.instance.clone(),
-                rank: dest.rank,
-                address: dst,
-                len,
-            })?;
-        let mut done = 0;
-        while done < len {
-            let n = (len - done).min(MAX_PUT_BYTES);
-            window
-                .put_region(region, offset + done as usize, n as usize, dst + done, rkey)
-                .map_err(put_error)?;
-            done += n;
-            stats.puts += 1;
-        }
-        stats.fragments += 1;
-        stats.bytes += len;
-    }
-    if !job.stall.is_zero() {
-        thread::sleep(job.stall);
-    }
-    window.finish().map_err(|source| {
-        if source.op() == kvferry_ucx::Op::Flush {
-            WriteError::Flush {
+    pools: &'a RankPools,
+    conns: HashMap<(PeerId, u32), Conn<'a, 'w>>,
+    /// Quarantined windows (see the module docs); never dropped while not idle.
+    stuck: Vec<Stuck<'a>>,
+}
+
+/// Borrows the keys behind `keys` for `'a`, beyond the borrow of `keys` itself.
+///
+/// # Safety
+///
+/// Everything that borrows the returned slice (a window and its puts) must be gone, or idle,
+/// before the last clone of the `Rc` is dropped: the caller keeps a clone next to the window
+/// (in the same function, dropped after it, or in the same [`Stuck`] entry) and never drops a
+/// window that is not idle.
+unsafe fn borrow_keys<'a>(keys: &Keys<'a>) -> &'a [RemoteKey<'a>] {
+    // SAFETY: the slice lives in the `Rc`'s heap allocation, which does not move when the
+    // `Rc` does and is freed only with its last clone; by this function's contract a clone
+    // outlives every use of the returned reference.
+    unsafe { &*Rc::as_ptr(keys) }
+}
+
+/// One put of a replay, resolved before the clock starts.
+struct ResolvedPut<'a> {
+    region: &'a MemRegion,
+    offset: usize,
+    len: usize,
+    dst: u64,
+    key: usize,
+}
+
+/// One plan of a replay, resolved.
+struct ResolvedPlan<'a> {
+    dest: Arc<RemoteRank>,
+    ep: &'a Endpoint<'a>,
+    keys: Keys<'a>,
+    puts: Vec<ResolvedPut<'a>>,
+    bytes: u64,
+    fragments: u64,
+}
+
+impl<'a, 'w> Executor<'a, 'w> {
+    /// The cached connection to `dest`, or a new one.
+    fn connect(&mut self, dest: &RemoteRank) -> Result<(&'a Endpoint<'w>, Keys<'a>), WriteError> {
+        let slot = match self.conns.entry((dest.peer, dest.rank)) {
+            Entry::Occupied(e) => {
+                let conn = e.get();
+                return Ok((conn.ep, Rc::clone(&conn.keys)));
+            }
+            Entry::Vacant(slot) => slot,
+        };
+        let ep = self
+            .worker
+            .connect(&dest.worker_address)
+            .map_err(|source| WriteError::Connect {
                 instance: dest.instance.clone(),
                 rank: dest.rank,
                 source,
-            }
-        } else {
-            put_error(source)
+            })?;
+        let ep: &'a Endpoint<'w> = self.arena.alloc(ep);
+        let keys = dest
+            .pools
+            .iter()
+            .enumerate()
+            .map(|(pool, k)| {
+                ep.unpack_rkey(&k.rkey)
+                    .map_err(|source| WriteError::UnpackKey {
+                        instance: dest.instance.clone(),
+                        rank: dest.rank,
+                        pool,
+                        source,
+                    })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let keys: Keys<'a> = Rc::from(keys);
+        tracing::debug!(rank = self.rank, peer = %dest.instance, peer_rank = dest.rank, "connected");
+        slot.insert(Conn {
+            ep,
+            keys: Rc::clone(&keys),
+        });
+        Ok((ep, keys))
+    }
+
+    /// Releases quarantined windows whose operations have all finished.
+    fn poll_stuck(&mut self) {
+        if self.stuck.is_empty() {
+            return;
         }
-    })?;
-    Ok(stats)
+        self.stuck.retain_mut(|s| {
+            if let Err(e) = s.window.poll() {
+                tracing::debug!(peer = %s.instance, peer_rank = s.rank, error = %e, "quarantined operation failed");
+            }
+            if s.window.is_idle() {
+                tracing::info!(
+                    peer = %s.instance,
+                    peer_rank = s.rank,
+                    after_ms = s.since.elapsed().as_millis(),
+                    "quarantined operations finished; released"
+                );
+                for on_drain in s.on_drain.drain(..) {
+                    on_drain();
+                }
+                false
+            } else {
+                true
+            }
+        });
+    }
+
+    /// Fails fast if an earlier job to `dest` is still quarantined.
+    fn check_not_stuck(&mut self, dest: &RemoteRank) -> Result<(), WriteError> {
+        self.poll_stuck();
+        match self.stuck_on(dest) {
+            Some(s) => Err(WriteError::Stuck {
+                instance: dest.instance.clone(),
+                rank: dest.rank,
+                in_flight: s.window.in_flight() + usize::from(s.window.is_flushing()),
+                stuck_ms: s.since.elapsed().as_millis(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Parks `window`, which has operations in flight, in the quarantine; `on_drain` runs
+    /// once they have all finished.
+    fn quarantine(
+        &mut self,
+        window: PutWindow<'a>,
+        keys: Keys<'a>,
+        dest: &RemoteRank,
+        on_drain: OnDrain,
+    ) {
+        tracing::warn!(
+            rank = self.rank,
+            peer = %dest.instance,
+            peer_rank = dest.rank,
+            puts = window.in_flight(),
+            "quarantining a window with operations in flight"
+        );
+        self.stuck.push(Stuck {
+            window,
+            _keys: keys,
+            on_drain: vec![on_drain],
+            peer: dest.peer,
+            instance: dest.instance.clone(),
+            rank: dest.rank,
+            since: Instant::now(),
+        });
+    }
+
+    /// Runs one job and reports it: release (its sources are free) then done, at once; or,
+    /// when it gave up with puts in flight, quarantines them and reports only once they have
+    /// drained, so the receiver hears of the failure only when no more of its bytes can land.
+    fn execute(&mut self, mut job: WriteJob) {
+        let release = job.release.take();
+        let (result, stuck) = self.write(&job);
+        let behind = matches!(result, Err(WriteError::Stuck { .. }));
+        if let Err(e) = &result {
+            let reported = if stuck.is_some() || behind {
+                "once the quarantine drains"
+            } else {
+                "now"
+            };
+            tracing::warn!(rank = self.rank, error = %e, reported, "write job failed");
+        }
+        let done = job.done;
+        let report = move || {
+            if let Some(release) = release {
+                release();
+            }
+            done(result);
+        };
+        match stuck {
+            Some((window, keys)) => self.quarantine(window, keys, &job.dest, Box::new(report)),
+            // Refused behind a quarantined window: reported after it, so the receiver does not
+            // hear of this piece's failure while an earlier piece's bytes may still land.
+            None if behind => match self.stuck_on(&job.dest) {
+                Some(s) => s.on_drain.push(Box::new(report)),
+                None => report(),
+            },
+            None => report(),
+        }
+    }
+
+    /// The quarantined window of `dest`, if any.
+    fn stuck_on(&mut self, dest: &RemoteRank) -> Option<&mut Stuck<'a>> {
+        self.stuck
+            .iter_mut()
+            .find(|s| s.peer == dest.peer && s.rank == dest.rank)
+    }
+
+    /// Writes one job's plan and flushes. Returns the outcome and, if it gave up with
+    /// operations in flight, their window and keys.
+    fn write(&mut self, job: &WriteJob) -> Written<'a> {
+        let (ep, keys) = match self.prepare(job) {
+            Ok(Some(conn)) => conn,
+            Ok(None) => return (Ok(WriteStats::default()), None),
+            Err(e) => return (Err(e), None),
+        };
+        let dest = &*job.dest;
+        let started = Instant::now();
+        let deadline = started + job.timeout;
+        // SAFETY: `keys` is kept until the window is dropped idle, or goes with it into the
+        // quarantine, which never drops a window that is not idle.
+        let key_slice = unsafe { borrow_keys(&keys) };
+        let mut window = PutWindow::with_capacity(ep, PUT_WINDOW)
+            .with_deadline(deadline.min(started + ALIVE_CHECK));
+        let mut waiter = Waiter {
+            dest,
+            started,
+            deadline,
+        };
+        let result = self.write_plan(&mut window, &mut waiter, key_slice, job);
+        if result.is_err() && !window.is_idle() {
+            let hopeless = matches!(
+                result,
+                Err(WriteError::TimedOut { .. } | WriteError::PeerGone { .. })
+            );
+            if !hopeless {
+                // A local refusal mid-plan: let what was issued finish, within the deadline.
+                let _ = waiter.wait(&mut window, PutWindow::flush);
+            }
+        }
+        if window.is_idle() {
+            drop(window);
+            (result, None)
+        } else {
+            (result, Some((window, keys)))
+        }
+    }
+
+    /// The connection a job writes over, `None` for an empty plan (nothing to write, so
+    /// nothing to flush: earlier pieces were flushed before their own completions).
+    fn prepare(
+        &mut self,
+        job: &WriteJob,
+    ) -> Result<Option<(&'a Endpoint<'w>, Keys<'a>)>, WriteError> {
+        let dest = &*job.dest;
+        if !dest.alive.load(Ordering::Acquire) {
+            return Err(gone(dest));
+        }
+        if job.plan.is_empty() {
+            return Ok(None);
+        }
+        self.check_not_stuck(dest)?;
+        self.connect(dest).map(Some)
+    }
+
+    fn write_plan(
+        &self,
+        window: &mut PutWindow<'a>,
+        waiter: &mut Waiter<'_>,
+        keys: &'a [RemoteKey<'a>],
+        job: &WriteJob,
+    ) -> Result<WriteStats, WriteError> {
+        let dest = &*job.dest;
+        let pools: &'a RankPools = self.pools;
+        let mut stats = WriteStats::default();
+        for (k, (src, dst, len)) in job.plan.fragments().enumerate() {
+            if !dest.alive.load(Ordering::Acquire) {
+                return Err(gone(dest));
+            }
+            let outside = || WriteError::SourceOutside {
+                fragment: k,
+                rank: self.rank,
+                address: src,
+                len,
+            };
+            let (pool, offset) = pools.locate(src, len).ok_or_else(outside)?;
+            let region = pools.region(pool).ok_or_else(outside)?;
+            let rkey = dest
+                .pool_of(dst, len)
+                .and_then(|p| keys.get(p))
+                .ok_or_else(|| WriteError::DestinationOutside {
+                    fragment: k,
+                    instance: dest.instance.clone(),
+                    rank: dest.rank,
+                    address: dst,
+                    len,
+                })?;
+            let mut done = 0;
+            while done < len {
+                let n = (len - done).min(MAX_PUT_BYTES);
+                let (at, to) = (offset + done as usize, dst + done);
+                waiter.wait(window, |w| w.put_region(region, at, n as usize, to, rkey))?;
+                done += n;
+                stats.puts += 1;
+            }
+            stats.fragments += 1;
+            stats.bytes += len;
+        }
+        if !job.stall.is_zero() {
+            thread::sleep(job.stall);
+        }
+        waiter.wait(window, PutWindow::flush)?;
+        Ok(stats)
+    }
+
+    /// Writes recorded plans again with a bare loop (see [`ReplayJob`]); runs its release
+    /// callback once its sources are free.
+    fn replay(&mut self, job: &mut ReplayJob) -> Result<ReplayStats, WriteError> {
+        let mut release = job.release.take();
+        let result = self.replay_plans(job, &mut release);
+        if let Some(release) = release {
+            release();
+        }
+        result
+    }
+
+    /// [`replay`](Self::replay); `release` is taken if a window is quarantined.
+    fn replay_plans(
+        &mut self,
+        job: &ReplayJob,
+        release: &mut Option<JobRelease>,
+    ) -> Result<ReplayStats, WriteError> {
+        let pools: &'a RankPools = self.pools;
+        let mut resolved = Vec::with_capacity(job.plans.len());
+        for (dest, plan) in &job.plans {
+            if plan.is_empty() {
+                continue;
+            }
+            self.check_not_stuck(dest)?;
+            let (ep, keys) = self.connect(dest)?;
+            let mut puts = Vec::with_capacity(plan.len());
+            for (k, (src, dst, len)) in plan.fragments().enumerate() {
+                let outside = || WriteError::SourceOutside {
+                    fragment: k,
+                    rank: self.rank,
+                    address: src,
+                    len,
+                };
+                let (pool, offset) = pools.locate(src, len).ok_or_else(outside)?;
+                let region = pools.region(pool).ok_or_else(outside)?;
+                let key = dest
+                    .pool_of(dst, len)
+                    .filter(|&p| p < keys.len())
+                    .ok_or_else(|| WriteError::DestinationOutside {
+                        fragment: k,
+                        instance: dest.instance.clone(),
+                        rank: dest.rank,
+                        address: dst,
+                        len,
+                    })?;
+                let mut done = 0;
+                while done < len {
+                    let n = (len - done).min(MAX_PUT_BYTES);
+                    puts.push(ResolvedPut {
+                        region,
+                        offset: offset + done as usize,
+                        len: n as usize,
+                        dst: dst + done,
+                        key,
+                    });
+                    done += n;
+                }
+            }
+            resolved.push(ResolvedPlan {
+                dest: Arc::clone(dest),
+                ep,
+                keys,
+                puts,
+                bytes: plan.total_bytes(),
+                fragments: plan.len() as u64,
+            });
+        }
+
+        let started = Instant::now();
+        let deadline = started + job.timeout;
+        let mut written = WriteStats::default();
+        for plan in &resolved {
+            // SAFETY: `plan.keys` (in `resolved`, alive until this function returns) outlives
+            // the window unless the window is parked, with its own clone, in the quarantine.
+            let keys = unsafe { borrow_keys(&plan.keys) };
+            let mut window = PutWindow::with_capacity(plan.ep, PUT_WINDOW).with_deadline(deadline);
+            let mut outcome = Ok(());
+            for put in &plan.puts {
+                outcome =
+                    window.put_region(put.region, put.offset, put.len, put.dst, &keys[put.key]);
+                if outcome.is_err() {
+                    break;
+                }
+            }
+            if outcome.is_ok() {
+                outcome = window.flush();
+            }
+            let dest = &*plan.dest;
+            let error = outcome.err().map(|source| {
+                if source.status() == Status::TIMED_OUT {
+                    WriteError::TimedOut {
+                        instance: dest.instance.clone(),
+                        rank: dest.rank,
+                        waiting: waiting_for(&source),
+                        waited_ms: started.elapsed().as_millis(),
+                        in_flight: window.in_flight() + usize::from(window.is_flushing()),
+                    }
+                } else {
+                    ucx_error(dest, source)
+                }
+            });
+            if !window.is_idle() {
+                let release = release.take();
+                let on_drain: OnDrain = Box::new(move || {
+                    if let Some(release) = release {
+                        release();
+                    }
+                });
+                self.quarantine(window, Rc::clone(&plan.keys), dest, on_drain);
+            }
+            if let Some(error) = error {
+                return Err(error);
+            }
+            written.bytes += plan.bytes;
+            written.fragments += plan.fragments;
+            written.puts += plan.puts.len() as u64;
+        }
+        Ok(ReplayStats {
+            started,
+            finished: Instant::now(),
+            written,
+            plans: resolved.len() as u64,
+        })
+    }
+}
+
+impl Drop for Executor<'_, '_> {
+    fn drop(&mut self) {
+        for stuck in self.stuck.drain(..) {
+            let Stuck {
+                mut window,
+                _keys: keys,
+                instance,
+                rank,
+                ..
+            } = stuck;
+            let _ = window.poll();
+            if window.is_idle() {
+                drop(window);
+                continue;
+            }
+            tracing::warn!(
+                peer = %instance,
+                peer_rank = rank,
+                puts = window.in_flight(),
+                "rank thread ending with quarantined puts in flight: abandoning them"
+            );
+            // SAFETY: the abandoned operations read this rank's pools, which the thread's
+            // closure keeps alive until after `run` has dropped the worker; they use the keys
+            // in `keys`, whose `Rc` is leaked just below so they are never destroyed; and the
+            // endpoint, which lives in the arena that `run` declares before the executor, so
+            // it is closed (forced once its flush times out, completing the operations) after
+            // this, and before the worker is destroyed.
+            unsafe { window.abandon() };
+            std::mem::forget(keys);
+        }
+    }
+}
+
+/// Runs window operations under a job's deadline, rechecking the receiver's registration
+/// every [`ALIVE_CHECK`].
+struct Waiter<'d> {
+    dest: &'d RemoteRank,
+    started: Instant,
+    deadline: Instant,
+}
+
+impl Waiter<'_> {
+    /// Runs `op` until it succeeds or fails for another reason than the window's deadline;
+    /// on the window's deadline, fails if the receiver is gone or the job's deadline passed,
+    /// else moves the window's deadline on and runs `op` again (a put refused at a deadline
+    /// was not issued; a flush goes on waiting for the same flush).
+    fn wait<'a>(
+        &mut self,
+        window: &mut PutWindow<'a>,
+        mut op: impl FnMut(&mut PutWindow<'a>) -> Result<(), kvferry_ucx::Error>,
+    ) -> Result<(), WriteError> {
+        loop {
+            match op(window) {
+                Ok(()) => return Ok(()),
+                Err(e) if e.status() == Status::TIMED_OUT => {
+                    if !self.dest.alive.load(Ordering::Acquire) {
+                        return Err(gone(self.dest));
+                    }
+                    let now = Instant::now();
+                    if now >= self.deadline {
+                        return Err(WriteError::TimedOut {
+                            instance: self.dest.instance.clone(),
+                            rank: self.dest.rank,
+                            waiting: waiting_for(&e),
+                            waited_ms: now.duration_since(self.started).as_millis(),
+                            in_flight: window.in_flight() + usize::from(window.is_flushing()),
+                        });
+                    }
+                    window.set_deadline(Some(self.deadline.min(now + ALIVE_CHECK)));
+                }
+                Err(e) => return Err(ucx_error(self.dest, e)),
+            }
+        }
+    }
+}
+
+/// What a window that timed out with `e` was waiting for.
+fn waiting_for(e: &kvferry_ucx::Error) -> &'static str {
+    if e.op() == Op::Flush { "flush" } else { "puts" }
+}
+
+fn gone(dest: &RemoteRank) -> WriteError {
+    WriteError::PeerGone {
+        instance: dest.instance.clone(),
+        rank: dest.rank,
+    }
+}
+
+fn ucx_error(dest: &RemoteRank, source: kvferry_ucx::Error) -> WriteError {
+    if source.op() == Op::Flush {
+        WriteError::Flush {
+            instance: dest.instance.clone(),
+            rank: dest.rank,
+            source,
+        }
+    } else {
+        WriteError::Put {
+            instance: dest.instance.clone(),
+            rank: dest.rank,
+            source,
+        }
+    }
 }

@@ -9,10 +9,16 @@
 //! one pair run in order on one thread, so the `is_last` completion is the last one sent. A
 //! plan that cannot be made is reported as a failed last piece, so the receiver never waits
 //! for it.
+//!
+//! Every write job runs under the server's per-request timeout and gives up early on a
+//! receiver whose registration ended; a job that gave up with puts in flight is reported
+//! (failed, naming the receiver rank) only once those have drained, and holds its request's
+//! slots until then (see [`super::rank`]). With `--record-plans` the queued plans are kept
+//! until release, so [`Message::Bench`] can write them again with a bare put loop.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, mpsc};
 use std::time::{Duration, Instant};
 
 use kvferry_planner_abi::ffi::ROption;
@@ -20,11 +26,15 @@ use kvferry_planner_abi::{PairRequest, PlanError, RankInfo, SlotTable};
 
 use super::conn::Outbox;
 use super::instance::Instance;
-use super::rank::{PeerId, RemoteRank, WriteJob};
+use super::rank::{
+    JobRelease, PeerId, RemoteRank, ReplayDone, ReplayJob, ReplayStats, WriteError, WriteJob,
+};
+use super::server::ServeOptions;
 use super::slots::{Allocation, SlotError, SlotPools};
 use super::verify::{VerifyError, fill_slots};
 use super::wire::{
-    Completion, CompletionStatus, InstanceInfo, Message, RankTables, RequestData, Role, Submit,
+    BenchStats, Completion, CompletionStatus, InstanceInfo, Message, RankTables, RequestData, Role,
+    Submit,
 };
 use super::{Flow, request_pieces};
 use crate::oracle::Oracle;
@@ -33,6 +43,8 @@ use crate::scenario::slot_tables;
 
 /// How long a `RequestData` for a request not yet submitted is kept.
 const ORPHAN_TTL: Duration = Duration::from_secs(120);
+/// How long past its own deadline a replay may take to report before `Bench` gives up on it.
+const REPLAY_GRACE: Duration = Duration::from_secs(30);
 
 /// Why a generation instance's registration is refused.
 #[derive(Debug, thiserror::Error)]
@@ -223,6 +235,14 @@ struct Stashed {
     at: Instant,
 }
 
+/// A plan queued for a request, kept for [`Message::Bench`] when recording.
+#[derive(Debug)]
+struct Recorded {
+    rank: u32,
+    dest: Arc<RemoteRank>,
+    plan: Arc<ValidatedPlan>,
+}
+
 #[derive(Debug)]
 struct CtxRequest {
     prompt_len: u64,
@@ -231,6 +251,7 @@ struct CtxRequest {
     pieces: Vec<PairRequest>,
     jobs_in_flight: usize,
     release_pending: bool,
+    recorded: Vec<Recorded>,
 }
 
 #[derive(Debug)]
@@ -248,6 +269,8 @@ pub struct ContextServer {
     info: InstanceInfo,
     oracle: Oracle,
     stall: Duration,
+    timeout: Duration,
+    record: bool,
     next_peer: AtomicU64,
     state: Mutex<State>,
 }
@@ -259,9 +282,12 @@ pub struct ContextSession {
 }
 
 impl ContextServer {
-    /// A server for `instance`; the oracle fills prefilled requests with tags keyed by
-    /// `seed`; `stall` delays every flush (fault injection).
-    pub fn new(instance: Instance, seed: u64, stall: Duration) -> Self {
+    /// A server for `instance` with the context side of `options`: the oracle fills
+    /// prefilled requests with tags keyed by `options.seed`; every write job gives up after
+    /// `options.timeout`; `options.stall` delays every flush (fault injection);
+    /// `options.record_plans` keeps every queued plan until its request is released, for
+    /// [`Message::Bench`].
+    pub fn new(instance: Instance, options: &ServeOptions) -> Self {
         let config = instance.config();
         let slots = SlotPools::new(
             instance.dp_groups(),
@@ -273,8 +299,10 @@ impl ContextServer {
         Self {
             instance,
             info,
-            oracle: Oracle::new(seed),
-            stall,
+            oracle: Oracle::new(options.seed),
+            stall: options.stall,
+            timeout: options.timeout,
+            record: options.record_plans,
             next_peer: AtomicU64::new(1),
             state: Mutex::new(State {
                 slots,
@@ -355,6 +383,14 @@ impl ContextServer {
             Message::Release { request } => {
                 self.release(request);
                 let _ = outbox.send(Message::Released { request });
+                Flow::Continue
+            }
+            Message::Bench { requests } => {
+                let result = self.bench(&requests).map_err(|e| {
+                    tracing::warn!(error = %e, "bench replay failed");
+                    e
+                });
+                let _ = outbox.send(Message::BenchDone { result });
                 Flow::Continue
             }
             Message::Shutdown => Flow::Exit,
@@ -561,6 +597,7 @@ impl ContextServer {
                     pieces,
                     jobs_in_flight: 0,
                     release_pending: false,
+                    recorded: Vec::new(),
                 },
             );
             state.orphans.remove(&id).unwrap_or_default()
@@ -636,21 +673,30 @@ impl ContextServer {
                 return;
             }
         };
+        let plans: Vec<Arc<ValidatedPlan>> = plans.into_iter().map(Arc::new).collect();
         {
             let mut state = self.lock();
             if let Some(req) = state.requests.get_mut(&data.request) {
                 req.jobs_in_flight += plans.len();
+                if self.record {
+                    req.recorded.extend(plans.iter().map(|plan| Recorded {
+                        rank: c,
+                        dest: Arc::clone(dest),
+                        plan: Arc::clone(plan),
+                    }));
+                }
             }
         }
         let count = plans.len();
         for (k, plan) in plans.into_iter().enumerate() {
-            let server = Arc::clone(self);
+            let releasing = Arc::clone(self);
             let outbox = peer.outbox.clone();
             let request = data.request;
             let is_last = k + 1 == count;
             rank.thread.write(WriteJob {
                 dest: Arc::clone(dest),
                 plan,
+                timeout: self.timeout,
                 stall: self.stall,
                 done: Box::new(move |result| {
                     let (bytes, fragments, status) = match result {
@@ -667,8 +713,10 @@ impl ContextServer {
                         fragments,
                         status,
                     }));
-                    server.job_done(request);
                 }),
+                // Before the completion goes out (so a receiver that saw it sees the job
+                // done here), or once the job's quarantined puts drained.
+                release: Some(Box::new(move || releasing.job_done(request))),
             });
         }
         tracing::debug!(
@@ -748,6 +796,105 @@ impl ContextServer {
                     .map_err(|source| PairError::Plan { piece: k, source })
             })
             .collect()
+    }
+
+    /// Writes the recorded plans of `requests` again with every sender rank's bare replay
+    /// loop (see [`ReplayJob`]), all ranks at once, and times it: from the first rank's first
+    /// put to the last rank's last flush.
+    ///
+    /// The requests are held like write jobs hold them, so a `Release` meanwhile only
+    /// quarantines their slots. The controller must still hold them on the generation side
+    /// (their destination slots are written again) until the answer arrives.
+    fn bench(self: &Arc<Self>, requests: &[u64]) -> Result<BenchStats, String> {
+        if !self.record {
+            return Err(
+                "this context server does not record plans (start it with --record-plans)".into(),
+            );
+        }
+        let ids: BTreeSet<u64> = requests.iter().copied().collect();
+        type Plans = Vec<(Arc<RemoteRank>, Arc<ValidatedPlan>)>;
+        let mut by_rank: BTreeMap<u32, (Plans, BTreeSet<u64>)> = BTreeMap::new();
+        {
+            let mut state = self.lock();
+            for id in &ids {
+                let req = state
+                    .requests
+                    .get(id)
+                    .ok_or_else(|| format!("request {id} is not prefilled"))?;
+                if req.jobs_in_flight > 0 {
+                    return Err(format!(
+                        "request {id} still has {} write jobs in flight",
+                        req.jobs_in_flight
+                    ));
+                }
+            }
+            for id in &ids {
+                let Some(req) = state.requests.get_mut(id) else {
+                    continue;
+                };
+                let mut ranks = BTreeSet::new();
+                for r in &req.recorded {
+                    let entry = by_rank.entry(r.rank).or_default();
+                    entry.0.push((Arc::clone(&r.dest), Arc::clone(&r.plan)));
+                    entry.1.insert(*id);
+                    ranks.insert(r.rank);
+                }
+                // Held once per rank replaying it; each replay lets go when it reports.
+                req.jobs_in_flight += ranks.len();
+            }
+        }
+        let (tx, rx) = mpsc::channel();
+        let mut waiting = 0usize;
+        for (rank, (plans, held)) in by_rank {
+            let tx = tx.clone();
+            let server = Arc::clone(self);
+            let done: ReplayDone = Box::new(move |result: Result<ReplayStats, WriteError>| {
+                let _ = tx.send((rank, result));
+            });
+            let release: JobRelease = Box::new(move || {
+                for id in held {
+                    server.job_done(id);
+                }
+            });
+            match self.instance.rank(rank) {
+                Some(r) => r.thread.replay(ReplayJob {
+                    plans,
+                    timeout: self.timeout,
+                    done,
+                    release: Some(release),
+                }),
+                None => {
+                    release();
+                    done(Err(WriteError::Stopped { rank }));
+                }
+            }
+            waiting += 1;
+        }
+        drop(tx);
+
+        let limit = Instant::now() + self.timeout + REPLAY_GRACE;
+        let mut stats = BenchStats::default();
+        let mut span: Option<(Instant, Instant)> = None;
+        for _ in 0..waiting {
+            let left = limit.saturating_duration_since(Instant::now());
+            let (rank, result) = rx
+                .recv_timeout(left)
+                .map_err(|_| format!("replay did not finish within {} ms", left.as_millis()))?;
+            let replay = result.map_err(|e| format!("context rank {rank}: {e}"))?;
+            stats.bytes += replay.written.bytes;
+            stats.fragments += replay.written.fragments;
+            stats.puts += replay.written.puts;
+            stats.plans += replay.plans;
+            stats.ranks += 1;
+            span = Some(match span {
+                None => (replay.started, replay.finished),
+                Some((a, b)) => (a.min(replay.started), b.max(replay.finished)),
+            });
+        }
+        if let Some((started, finished)) = span {
+            stats.elapsed_ns = finished.duration_since(started).as_nanos() as u64;
+        }
+        Ok(stats)
     }
 
     fn job_done(&self, request: u64) {

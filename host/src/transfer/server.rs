@@ -23,12 +23,17 @@ const DRAIN: Duration = Duration::from_millis(200);
 pub struct ServeOptions {
     /// Control address to listen on (`127.0.0.1:0` picks a free port).
     pub listen: String,
-    /// Generation side: how long a request may wait for its writers.
+    /// How long a request may take: on the generation side, to hear from all its writers;
+    /// on the context side, each write job once it starts (then it fails and its puts are
+    /// quarantined, see [`super::rank`]).
     pub timeout: Duration,
     /// Salt of the oracle's tags and canaries; both servers of a pair must agree.
     pub seed: u64,
     /// Fault injection, context side: sleep this long before every flush.
     pub stall: Duration,
+    /// Context side: keep every queued plan until its request is released, so
+    /// [`Message::Bench`] can replay it (`kvferry bench`).
+    pub record_plans: bool,
 }
 
 /// Why a server could not start.
@@ -85,11 +90,7 @@ pub fn start(
     let role = config.role;
     let instance = Instance::start(config, bound)?;
     let server = match role {
-        Role::Context => Server::Context(Arc::new(ContextServer::new(
-            instance,
-            options.seed,
-            options.stall,
-        ))),
+        Role::Context => Server::Context(Arc::new(ContextServer::new(instance, options))),
         Role::Generation => {
             let server = GenerationServer::new(instance, options.seed, options.timeout);
             for rank in server.instance().ranks() {

@@ -2,7 +2,7 @@
 //! canary, check a request's destination slots, check idle pools.
 //!
 //! Every oracle call of the transfer code goes through this module. The oracle reads and
-//! writes whole slots through [`PoolMemory`]; [`UcxPools`] implements it over a rank's UCX
+//! writes whole slots through [`PoolMemory`]; `UcxPools` implements it over a rank's UCX
 //! regions, and every call here is scoped to the slots its request owns
 //! ([`Extent::RequestSlots`]), so bytes of other requests in flight are never touched or
 //! judged.

@@ -29,6 +29,7 @@
 //! | [`Message::Release`] | controller → either | [`Message::Released`] |
 //! | [`Message::VerifyIdle`] | controller → generation | [`Message::IdleVerified`] |
 //! | [`Message::Shutdown`] | controller → either | the process exits |
+//! | [`Message::Bench`] | controller → context | [`Message::BenchDone`] |
 //! | [`Message::Error`] | server → anyone | the connection closes |
 
 use std::io::{self, Read, Write};
@@ -299,7 +300,27 @@ pub struct VerifySummary {
     pub detail: String,
 }
 
+/// What a context server's bare replay of recorded plans moved, and how long it took
+/// ([`Message::Bench`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BenchStats {
+    /// From the first rank's first put to the last rank's last flush, in nanoseconds.
+    pub elapsed_ns: u64,
+    /// Bytes written.
+    pub bytes: u64,
+    /// Fragments written (after coalescing).
+    pub fragments: u64,
+    /// Puts issued (fragments split at the executor's largest put).
+    pub puts: u64,
+    /// Plans replayed (one window and one flush each).
+    pub plans: u64,
+    /// Context ranks that replayed.
+    pub ranks: u32,
+}
+
 /// One control message.
+///
+/// New messages are appended, so the encoding of the others does not change.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Message {
     /// Asks a context server for its [`InstanceInfo`].
@@ -383,6 +404,18 @@ pub enum Message {
         /// What was wrong.
         message: String,
     },
+    /// Controller (benchmark): write the plans a context server recorded for these requests
+    /// again, with a bare put loop on the same endpoints and memory, and time it. The
+    /// requests must be complete and still held on both sides. Needs `--record-plans`.
+    Bench {
+        /// The requests whose plans are replayed.
+        requests: Vec<u64>,
+    },
+    /// The replay's totals and time, or why it failed.
+    BenchDone {
+        /// The totals, or the reason.
+        result: Result<BenchStats, String>,
+    },
 }
 
 impl Message {
@@ -408,6 +441,8 @@ impl Message {
             Message::IdleVerified { .. } => "IdleVerified",
             Message::Shutdown => "Shutdown",
             Message::Error { .. } => "Error",
+            Message::Bench { .. } => "Bench",
+            Message::BenchDone { .. } => "BenchDone",
         }
     }
 }

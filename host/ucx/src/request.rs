@@ -26,7 +26,9 @@ use crate::{Error, Op, Status, Worker};
 /// The guarantee rests on the destructor running. `std::mem::forget` on an in-flight request
 /// (or on a [`crate::PutWindow`] holding some) ends the borrows without the wait, so the
 /// memory could then be freed while UCX still reads it. The type system cannot prevent this
-/// (the reason `std::thread::scope` replaced guard-based scoped threads); never leak requests.
+/// (the reason `std::thread::scope` replaced guard-based scoped threads); never leak requests,
+/// except through [`crate::PutWindow::abandon`], whose `unsafe` contract says what must stay
+/// alive instead.
 #[must_use = "dropping a request waits for it; call `wait` to learn its outcome"]
 pub struct Request<'a> {
     worker: &'a Worker,
@@ -112,13 +114,40 @@ impl<'a> Request<'a> {
     ///
     /// As [`Request::wait`].
     pub fn wait_timeout(&mut self, timeout: Duration) -> Result<bool, Error> {
-        let deadline = Instant::now() + timeout;
+        self.wait_until(Instant::now() + timeout)
+    }
+
+    /// Progresses the worker until the operation finishes or `deadline` passes.
+    ///
+    /// Returns `Ok(true)` if it finished successfully, `Ok(false)` if it is still in flight (it
+    /// is checked once more after the deadline, so a deadline in the past still polls). A
+    /// request still in flight keeps everything it borrows; see [`crate::PutWindow`] on what
+    /// to do with one that will not finish.
+    ///
+    /// # Errors
+    ///
+    /// The operation's own failure, as for [`Request::wait`] (also on later calls).
+    ///
+    /// # Panics
+    ///
+    /// As [`Request::wait`].
+    pub fn wait_until(&mut self, deadline: Instant) -> Result<bool, Error> {
         loop {
             if let Some(result) = self.poll() {
                 return result.map(|()| true);
             }
             if Instant::now() >= deadline {
                 return Ok(false);
+            }
+            self.worker.progress();
+        }
+    }
+
+    /// Progresses the worker until the operation finishes; `Ok(true)` on success.
+    pub(crate) fn wait_until_done(&mut self) -> Result<bool, Error> {
+        loop {
+            if let Some(result) = self.poll() {
+                return result.map(|()| true);
             }
             self.worker.progress();
         }

@@ -1,8 +1,9 @@
-//! Many puts over one endpoint with a bounded number in flight.
+//! Many puts over one endpoint with a bounded number in flight, optionally by a deadline.
 
 use std::collections::VecDeque;
+use std::time::Instant;
 
-use crate::{Endpoint, Error, MemRegion, RemoteKey, Request};
+use crate::{Endpoint, Error, MemRegion, Op, RemoteKey, Request, Status};
 
 /// The default number of puts [`PutWindow`] keeps in flight.
 const DEFAULT_CAPACITY: usize = 32;
@@ -14,14 +15,72 @@ const DEFAULT_CAPACITY: usize = 32;
 /// emulates puts with active messages: an unbounded queue made the final flush collapse to
 /// about 0.3 GB/s against 1.7 GB/s sustained with a window of 32 (platform-notes §2, §4d).
 ///
-/// The window borrows every source buffer for `'a`, like [`Endpoint::put`]. Dropping it with
-/// puts in flight drops their [`Request`]s, each of which waits for UCX to finish with its
-/// buffer. [`finish`](PutWindow::finish) waits and flushes, for remote completion.
+/// The window borrows every source buffer for `'a`, like [`Endpoint::put`].
+/// [`finish`](PutWindow::finish) (or [`flush`](PutWindow::flush)) waits and flushes, for remote
+/// completion.
+///
+/// # Deadline
+///
+/// Without a deadline every wait lasts until UCX finishes, which is for ever if the peer is
+/// gone or stopped progressing (every put over `tcp`, and every put into registered memory,
+/// needs the target to progress). With one ([`set_deadline`](PutWindow::set_deadline)),
+/// [`put`](PutWindow::put), [`put_region`](PutWindow::put_region),
+/// [`wait_all`](PutWindow::wait_all) and [`flush`](PutWindow::flush) give up once it has passed
+/// and return an [`Error`] with [`Status::TIMED_OUT`] ([`Op::Put`] while waiting for puts,
+/// [`Op::Flush`] while waiting for the flush). A put refused this way was not issued, and no
+/// new put is issued after the deadline.
+///
+/// **Giving up does not release anything.** Puts still in flight may be read by UCX at any
+/// later progress of the worker, so the window keeps their [`Request`]s, and with them its
+/// borrows of the sources, the remote keys and the endpoint: the caller cannot free or reuse
+/// them while the window exists. What the caller can do with a window that timed out:
+///
+/// - **keep it** (the sound default): set a later deadline and call the same method again, or
+///   [`poll`](PutWindow::poll) it from a loop that progresses the worker anyway, and drop it
+///   once `poll` says it is idle. This is what a long-lived executor does: it parks the
+///   window, together with owning handles of whatever it borrows, in a quarantine that
+///   outlives every peer it gives up on;
+/// - **drop it**: dropping a window with work in flight drops the [`Request`]s, each of which
+///   waits, progressing the worker, until UCX is done with it; that is sound but may wait for
+///   ever on a dead peer. [`finish`](PutWindow::finish) is [`flush`](PutWindow::flush)
+///   followed by such a drop, so a caller that must never hang uses `flush` and keeps the
+///   window on error;
+/// - **abandon it** ([`abandon`](PutWindow::abandon), `unsafe`): forget the in-flight
+///   requests, for code that guarantees by other means that everything they use stays valid
+///   for as long as UCX may touch it (for example a thread about to destroy the worker, with
+///   sources and keys kept alive past that).
+///
+/// There is no safe way to hand the borrowed sources back while UCX may still read them; a
+/// window over `'static` (or leaked) sources, keys and endpoint can be abandoned soundly, which
+/// is the "owned sources" variant of the same rule.
+///
+/// ```compile_fail
+/// # use kvferry_ucx::{Endpoint, PutWindow, RemoteKey};
+/// # use std::time::{Duration, Instant};
+/// fn give_up(ep: &Endpoint<'_>, rkey: &RemoteKey<'_>) {
+///     let src = vec![1u8; 64];
+///     let mut window = PutWindow::new(ep);
+///     window.set_deadline(Some(Instant::now() + Duration::from_millis(10)));
+///     window.put(&src, 0, rkey).unwrap();
+///     if window.flush().is_err() {
+///         drop(src); // error: `src` is still borrowed by the window's in-flight put
+///     }
+///     drop(window);
+/// }
+/// ```
 #[derive(Debug)]
 pub struct PutWindow<'a> {
     ep: &'a Endpoint<'a>,
     capacity: usize,
     in_flight: VecDeque<Request<'a>>,
+    /// A flush that was started and not yet seen finished (kept across a timeout).
+    flushing: Option<Request<'a>>,
+    /// Puts were issued since `flushing` (or the last finished flush) started.
+    dirty: bool,
+    deadline: Option<Instant>,
+    /// A wait gave up at the deadline with work in flight (reported if the window is dropped
+    /// with work still in flight).
+    timed_out: bool,
 }
 
 impl<'a> PutWindow<'a> {
@@ -37,7 +96,29 @@ impl<'a> PutWindow<'a> {
             ep,
             capacity,
             in_flight: VecDeque::with_capacity(capacity),
+            flushing: None,
+            dirty: false,
+            deadline: None,
+            timed_out: false,
         }
+    }
+
+    /// The same window with a deadline (see [Deadline](PutWindow#deadline)).
+    #[must_use]
+    pub fn with_deadline(mut self, deadline: Instant) -> PutWindow<'a> {
+        self.deadline = Some(deadline);
+        self
+    }
+
+    /// Sets or clears the deadline; later waits use the new one. Puts already in flight are
+    /// unaffected.
+    pub fn set_deadline(&mut self, deadline: Option<Instant>) {
+        self.deadline = deadline;
+    }
+
+    /// The deadline, if any.
+    pub fn deadline(&self) -> Option<Instant> {
+        self.deadline
     }
 
     /// The most puts kept in flight.
@@ -50,12 +131,25 @@ impl<'a> PutWindow<'a> {
         self.in_flight.len()
     }
 
+    /// Whether a flush is in flight (one that timed out, kept for the next
+    /// [`flush`](PutWindow::flush)).
+    pub fn is_flushing(&self) -> bool {
+        self.flushing.is_some()
+    }
+
+    /// Whether nothing is in flight: no put and no flush.
+    pub fn is_idle(&self) -> bool {
+        self.in_flight.is_empty() && self.flushing.is_none()
+    }
+
     /// Issues [`Endpoint::put`]`(src, remote_addr, rkey)`, first waiting for room.
     ///
     /// # Errors
     ///
     /// The first failure among earlier puts retired while making room, or this put's own
-    /// failure to start. The window stays usable; puts still in flight are unaffected.
+    /// failure to start, or [`Status::TIMED_OUT`] ([`Op::Put`]) if the deadline passed before
+    /// there was room (the put is then not issued). The window stays usable; puts still in
+    /// flight are unaffected.
     ///
     /// # Panics
     ///
@@ -98,7 +192,9 @@ impl<'a> PutWindow<'a> {
     ///
     /// # Errors
     ///
-    /// The first failure among the retired puts; all of them are retired regardless.
+    /// The first failure among the retired puts (all finished puts are retired regardless), or
+    /// [`Status::TIMED_OUT`] ([`Op::Put`]) if the deadline passed with puts still in flight;
+    /// those stay in the window.
     ///
     /// # Panics
     ///
@@ -106,6 +202,9 @@ impl<'a> PutWindow<'a> {
     pub fn wait_all(&mut self) -> Result<(), Error> {
         let mut result = self.retire();
         while !self.in_flight.is_empty() {
+            if self.past_deadline() {
+                return result.and(Err(self.timeout(Op::Put)));
+            }
             self.ep.worker().progress();
             result = result.and(self.retire());
         }
@@ -113,28 +212,138 @@ impl<'a> PutWindow<'a> {
     }
 
     /// Waits for every put, then flushes the endpoint: when this returns `Ok`, all the
-    /// window's puts are visible in the peer's memory.
+    /// window's puts are visible in the peer's memory. The window stays usable.
     ///
     /// Wraps `ucp_ep_flush_nbx`.
     ///
     /// # Errors
     ///
-    /// The first failure among the puts, else the flush's.
+    /// The first failure among the puts, else the flush's; or [`Status::TIMED_OUT`]
+    /// ([`Op::Put`] or [`Op::Flush`]) if the deadline passed first. A flush that timed out
+    /// stays in the window; calling `flush` again (with a later deadline) waits for it, and
+    /// starts a new one if puts were issued since.
+    ///
+    /// # Panics
+    ///
+    /// As [`PutWindow::put`].
+    pub fn flush(&mut self) -> Result<(), Error> {
+        self.wait_all()?;
+        loop {
+            let flushing = match &mut self.flushing {
+                Some(request) => request,
+                None => {
+                    let request = self.ep.flush()?;
+                    self.dirty = false;
+                    self.flushing.insert(request)
+                }
+            };
+            let finished = match self.deadline {
+                Some(deadline) => flushing.wait_until(deadline),
+                None => flushing.wait_until_done(),
+            };
+            match finished {
+                Ok(true) => {
+                    self.flushing = None;
+                    if !self.dirty {
+                        return Ok(());
+                    }
+                }
+                Ok(false) => return Err(self.timeout(Op::Flush)),
+                Err(e) => {
+                    self.flushing = None;
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    /// [`flush`](PutWindow::flush), then drops the window.
+    ///
+    /// If the flush fails with work still in flight (with a deadline, a timeout), the drop
+    /// waits for that work without a deadline; see [Deadline](PutWindow#deadline) for the
+    /// alternatives.
+    ///
+    /// # Errors
+    ///
+    /// As [`PutWindow::flush`].
     ///
     /// # Panics
     ///
     /// As [`PutWindow::put`].
     pub fn finish(mut self) -> Result<(), Error> {
-        self.wait_all()?;
-        self.ep.flush()?.wait()
+        self.flush()
     }
 
-    /// Progresses until fewer than `capacity` puts are in flight.
+    /// Retires the puts (and the flush) that have finished, without progressing the worker;
+    /// returns whether the window is now idle (nothing in flight, so dropping it cannot wait).
+    ///
+    /// For a window parked after a timeout, polled from a loop that progresses the worker
+    /// anyway.
+    ///
+    /// # Errors
+    ///
+    /// The first failure among the retired puts or the flush (they are retired regardless).
+    pub fn poll(&mut self) -> Result<bool, Error> {
+        let mut result = self.retire();
+        if let Some(flushing) = &mut self.flushing {
+            if let Some(outcome) = flushing.poll() {
+                self.flushing = None;
+                result = result.and(outcome);
+            }
+        }
+        result.map(|()| self.is_idle())
+    }
+
+    /// Forgets every put and flush still in flight without waiting for them, and drops the
+    /// window. The UCX requests are never released (their memory returns to UCX when the
+    /// worker is destroyed).
+    ///
+    /// # Safety
+    ///
+    /// UCX may go on reading the sources of the abandoned puts, and using their remote keys and
+    /// endpoint, at any later progress of the worker, at the endpoint's close and at the
+    /// worker's destruction. The caller guarantees that every source buffer, remote key and the
+    /// endpoint of the abandoned operations stay valid (not freed, not unmapped, not destroyed)
+    /// and the source bytes unchanged-or-irrelevant until one of: the worker is destroyed, the
+    /// endpoint has been closed with `UCP_EP_CLOSE_FLAG_FORCE` (which completes the abandoned
+    /// requests), or the operations are known to have completed. Everything borrowed for
+    /// `'static` satisfies this trivially.
+    pub unsafe fn abandon(mut self) {
+        let requests = std::mem::take(&mut self.in_flight);
+        let flushing = self.flushing.take();
+        tracing::warn!(
+            puts = requests.len(),
+            flush = flushing.is_some(),
+            "abandoning a put window with operations in flight"
+        );
+        for request in requests.into_iter().chain(flushing) {
+            std::mem::forget(request);
+        }
+    }
+
+    /// Whether a deadline is set and has passed.
+    fn past_deadline(&self) -> bool {
+        self.deadline.is_some_and(|d| Instant::now() >= d)
+    }
+
+    /// Records a timeout and returns its error.
+    fn timeout(&mut self, op: Op) -> Error {
+        self.timed_out = true;
+        Error::new(op, Status::TIMED_OUT)
+    }
+
+    /// Progresses until fewer than `capacity` puts are in flight; refuses past the deadline.
     fn make_room(&mut self) -> Result<(), Error> {
         let mut result = self.retire();
+        if self.past_deadline() {
+            return result.and(Err(self.timeout(Op::Put)));
+        }
         while self.in_flight.len() >= self.capacity {
             self.ep.worker().progress();
             result = result.and(self.retire());
+            if self.in_flight.len() >= self.capacity && self.past_deadline() {
+                return result.and(Err(self.timeout(Op::Put)));
+            }
         }
         result
     }
@@ -153,6 +362,7 @@ impl<'a> PutWindow<'a> {
     }
 
     fn track(&mut self, mut request: Request<'a>) -> Result<(), Error> {
+        self.dirty = true;
         match request.poll() {
             Some(outcome) => outcome,
             None => {
@@ -160,5 +370,19 @@ impl<'a> PutWindow<'a> {
                 Ok(())
             }
         }
+    }
+}
+
+impl Drop for PutWindow<'_> {
+    fn drop(&mut self) {
+        if self.timed_out && !self.is_idle() {
+            tracing::warn!(
+                puts = self.in_flight.len(),
+                flush = self.flushing.is_some(),
+                "dropping a put window that timed out with operations in flight: waiting for \
+                 them without a deadline"
+            );
+        }
+        // The fields drop next: each in-flight request waits for UCX to finish with it.
     }
 }

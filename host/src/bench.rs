@@ -1,0 +1,783 @@
+//! `kvferry bench`: kvferry's transfer path against a bare UCX put loop over the same
+//! fragments, in the same processes, on the same endpoints and memory; optionally against
+//! `ucx_perftest` too.
+//!
+//! The controller starts a context server (with `--record-plans`) and a generation server
+//! as `kvferry serve` children, like the demo, then runs rounds. Each round prefills a fresh
+//! set of `requests` requests of exactly `prompt_len` tokens, spread over the DP groups, and
+//! takes one sample of each path:
+//!
+//! - **ours**: the requests go through the transceiver, all in flight at once — `Submit` to
+//!   the generation server, `RequestData` to the context server, planning, validation,
+//!   coalescing, windowed puts, flush, `Completion`s, `Done`. Timed by the controller from
+//!   the first `Submit` to the last `Done`.
+//! - **raw**: [`Message::Bench`] makes the context server write the plans it recorded for a
+//!   set again, every rank at once, with a bare loop: fragments resolved before the clock
+//!   starts, then per plan a [`kvferry_ucx::PutWindow`] of the same size, the same splitting
+//!   and one flush — no control plane, no planning, no checks. Timed by the context server
+//!   from the first put to the last flush.
+//!
+//! Rounds alternate the order: even rounds run ours then raw on the new set, odd rounds run
+//! raw on the previous round's set (same shape, still held) then ours on the new one, so
+//! neither path always runs on warm caches. The first [`WARMUP_ROUNDS`] rounds are not
+//! counted: they do the wire-up and the first touch of both sets' slots (over shm the first
+//! round on fresh slots ran about 3x slower, most likely the sender's first-touch page faults
+//! in its mapping of the peer's pool). Round 0's destination bytes are checked by
+//! the oracle after each path. Rates are reported as min / median / max over the counted
+//! rounds; the ratio is ours / raw of the medians.
+//!
+//! With `--perftest`, once the servers are down, `ucx_perftest -t ucp_put_bw` runs between two
+//! processes on a free port with the same `UCX_TLS`, puts of the mean fragment size, at most
+//! [`PUT_WINDOW`] outstanding (`-O`), and an explicit warm-up (`-w`).
+
+use std::fmt;
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use kvferry_planner_abi::Mapping;
+use serde::Serialize;
+
+use crate::demo::{Children, DemoError, PairArgs, expect_released, serve_args, spawn_server};
+use crate::layout::ModelSpec;
+use crate::transfer::rank::PUT_WINDOW;
+use crate::transfer::wire::{BenchStats, Message, RankTables, Submit};
+use crate::transfer::{Client, Transport};
+
+/// Rounds run before the counted ones: one of each order, so both slot sets are touched.
+pub const WARMUP_ROUNDS: u32 = 2;
+/// How long a control reply (other than `Done`) may take.
+const REPLY_TIMEOUT: Duration = Duration::from_secs(120);
+/// The `ucx_perftest` executable (Debian package `ucx-utils`).
+pub const PERFTEST: &str = "ucx_perftest";
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct BenchConfig {
+    /// The `kvferry` executable to start the servers from.
+    pub exe: PathBuf,
+    /// Config file passed to the servers (`--config`).
+    pub config_file: Option<PathBuf>,
+    /// Model, dtype and block size.
+    pub model: ModelSpec,
+    /// The context deployment spec, as typed.
+    pub ctx_spec: String,
+    /// The generation deployment spec.
+    pub gen_spec: String,
+    /// The context mapping (parsed `ctx_spec`).
+    pub ctx: Mapping,
+    /// The generation mapping.
+    pub r#gen: Mapping,
+    /// Tokens of every request.
+    pub prompt_len: u64,
+    /// Requests per round, all in flight at once.
+    pub requests: u64,
+    /// Counted rounds (after [`WARMUP_ROUNDS`] warm-up rounds).
+    pub rounds: u32,
+    /// UCX transports.
+    pub transport: Transport,
+    /// Planner id for both servers (`None`: their own default selection).
+    pub planner: Option<String>,
+    /// Seed of slot placement and the oracle.
+    pub seed: u64,
+    /// Per-request timeout of both servers.
+    pub timeout: Duration,
+    /// Also run `ucx_perftest`.
+    pub perftest: bool,
+}
+
+/// Min, median and max of one path's per-round samples.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Spread {
+    /// The lowest.
+    pub min: f64,
+    /// The median (mean of the middle two for an even count).
+    pub median: f64,
+    /// The highest.
+    pub max: f64,
+}
+
+impl Spread {
+    /// The spread of `values` (all zero when empty).
+    pub fn of(values: &[f64]) -> Spread {
+        if values.is_empty() {
+            return Spread::default();
+        }
+        let mut v = values.to_vec();
+        v.sort_by(f64::total_cmp);
+        let n = v.len();
+        let median = if n % 2 == 1 {
+            v[n / 2]
+        } else {
+            (v[n / 2 - 1] + v[n / 2]) / 2.0
+        };
+        Spread {
+            min: v[0],
+            median,
+            max: v[n - 1],
+        }
+    }
+}
+
+/// One path's samples.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct PathReport {
+    /// GB/s (10^9 bytes) of every counted round, in round order.
+    pub rounds_gbps: Vec<f64>,
+    /// Seconds of every counted round.
+    pub rounds_seconds: Vec<f64>,
+    /// GB/s over the rounds.
+    pub gbps: Spread,
+    /// Fragments per second over the rounds.
+    pub fragments_per_s: Spread,
+}
+
+/// The `ucx_perftest` run.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct PerftestReport {
+    /// The UCX environment it ran with (`UCX_TLS=...`).
+    pub tls: String,
+    /// Bytes per put (`-s`).
+    pub size: u64,
+    /// Measured iterations (`-n`).
+    pub iterations: u64,
+    /// Warm-up iterations (`-w`).
+    pub warmup: u64,
+    /// Outstanding puts allowed (`-O`).
+    pub outstanding: usize,
+    /// The `Final:` overall bandwidth as printed, in MB/s of 2^20 bytes.
+    pub mib_per_s: f64,
+    /// The same in GB/s (10^9 bytes).
+    pub gbps: f64,
+}
+
+/// What the benchmark measured.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct BenchReport {
+    /// The planner both servers bound.
+    pub planner: String,
+    /// Its library version.
+    pub planner_version: String,
+    /// Model, dtype and block size.
+    pub model: String,
+    /// Context deployment.
+    pub ctx: String,
+    /// Generation deployment.
+    pub r#gen: String,
+    /// `shm` or `tcp`.
+    pub transport: String,
+    /// Tokens per request.
+    pub prompt_len: u64,
+    /// Requests per round.
+    pub requests: u64,
+    /// Counted rounds.
+    pub rounds: u32,
+    /// Fragments (after coalescing) of one round's transfer set.
+    pub fragments: u64,
+    /// Puts of one round (fragments split at the executor's largest put).
+    pub puts: u64,
+    /// Bytes of one round.
+    pub bytes: u64,
+    /// `bytes / fragments`.
+    pub mean_fragment_bytes: f64,
+    /// `bytes / puts`.
+    pub mean_put_bytes: f64,
+    /// Median GB/s of kvferry's path.
+    pub ours_gbps: f64,
+    /// Median GB/s of the bare put loop.
+    pub raw_gbps: f64,
+    /// `ours_gbps / raw_gbps`.
+    pub ratio: f64,
+    /// `ucx_perftest`'s GB/s, if it ran.
+    pub perftest_gbps: Option<f64>,
+    /// kvferry's path, every round.
+    pub ours: PathReport,
+    /// The bare loop, every round.
+    pub raw: PathReport,
+    /// The `ucx_perftest` run, if any.
+    pub perftest: Option<PerftestReport>,
+    /// Whether the oracle found every destination byte right after both paths of the first
+    /// warm-up round.
+    pub verified: bool,
+    /// Problems that did not stop the run (a failed verification, perftest errors).
+    pub errors: Vec<String>,
+}
+
+impl fmt::Display for BenchReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "kvferry bench: {}, context {} -> generation {} over {}",
+            self.model, self.ctx, self.r#gen, self.transport
+        )?;
+        writeln!(f, "planner     {} {}", self.planner, self.planner_version)?;
+        writeln!(
+            f,
+            "workload    {} requests x {} tokens per round, {} rounds after {WARMUP_ROUNDS} \
+             warm-up rounds, alternating order",
+            self.requests, self.prompt_len, self.rounds
+        )?;
+        writeln!(
+            f,
+            "transfer    {} bytes ({:.1} MB) in {} fragments / {} puts per round; mean \
+             fragment {:.0} B, mean put {:.0} B",
+            self.bytes,
+            self.bytes as f64 / 1e6,
+            self.fragments,
+            self.puts,
+            self.mean_fragment_bytes,
+            self.mean_put_bytes
+        )?;
+        for (name, path) in [("ours", &self.ours), ("raw ", &self.raw)] {
+            writeln!(
+                f,
+                "{name}        {:.3} GB/s median (min {:.3}, max {:.3}); {:.0} fragments/s \
+                 median (min {:.0})",
+                path.gbps.median,
+                path.gbps.min,
+                path.gbps.max,
+                path.fragments_per_s.median,
+                path.fragments_per_s.min
+            )?;
+        }
+        writeln!(f, "ratio       {:.3} (ours / raw, medians)", self.ratio)?;
+        match &self.perftest {
+            Some(p) => writeln!(
+                f,
+                "perftest    {:.3} GB/s ({:.2} MB/s as printed): ucp_put_bw -s {} -n {} -w {} \
+                 -O {}, {}",
+                p.gbps, p.mib_per_s, p.size, p.iterations, p.warmup, p.outstanding, p.tls
+            )?,
+            None => writeln!(f, "perftest    not run")?,
+        }
+        write!(
+            f,
+            "verified    {} (first warm-up round, after each path)",
+            if self.verified { "yes" } else { "NO" }
+        )?;
+        for e in &self.errors {
+            write!(f, "\n  {e}")?;
+        }
+        Ok(())
+    }
+}
+
+/// One set of prefilled requests.
+struct Set {
+    submits: Vec<Submit>,
+    context: Vec<Vec<RankTables>>,
+}
+
+impl Set {
+    fn ids(&self) -> Vec<u64> {
+        self.submits.iter().map(|s| s.request).collect()
+    }
+}
+
+/// One sample of one path.
+#[derive(Clone, Copy, Debug)]
+struct Sample {
+    seconds: f64,
+    bytes: u64,
+    fragments: u64,
+}
+
+impl Sample {
+    fn gbps(&self) -> f64 {
+        self.bytes as f64 / self.seconds.max(1e-9) / 1e9
+    }
+
+    fn fragments_per_s(&self) -> f64 {
+        self.fragments as f64 / self.seconds.max(1e-9)
+    }
+}
+
+/// The servers and the controller's connections to them.
+struct Pair {
+    ctx: Client,
+    r#gen: Client,
+    ctx_addr: String,
+    wait: Duration,
+    next_id: u64,
+}
+
+impl Pair {
+    /// Prefills `n` new requests on the context side.
+    fn prefill(&mut self, config: &BenchConfig, groups: (u32, u32)) -> Result<Set, DemoError> {
+        let submits: Vec<Submit> = (0..config.requests)
+            .map(|k| {
+                let id = self.next_id + k;
+                Submit {
+                    request: id,
+                    prompt_len: config.prompt_len,
+                    ctx_dp_rank: (k % u64::from(groups.0)) as u32,
+                    gen_dp_rank: (k % u64::from(groups.1)) as u32,
+                    chunks: None,
+                    cached: 0,
+                    peer: None,
+                }
+            })
+            .collect();
+        self.next_id += config.requests;
+        for s in &submits {
+            self.ctx.send(Message::Submit(s.clone()))?;
+        }
+        let mut context = vec![Vec::new(); submits.len()];
+        for _ in 0..submits.len() {
+            match self.ctx.recv(REPLY_TIMEOUT)? {
+                Message::Submitted { request, result } => {
+                    let tables = result.map_err(|e| {
+                        DemoError::Protocol(format!("request {request}: prefill: {e}"))
+                    })?;
+                    let slot = submits
+                        .iter()
+                        .position(|s| s.request == request)
+                        .ok_or_else(|| {
+                            DemoError::Protocol(format!("Submitted for unknown request {request}"))
+                        })?;
+                    context[slot] = tables;
+                }
+                other => {
+                    return Err(DemoError::Protocol(format!(
+                        "context server answered {} to Submit",
+                        other.kind()
+                    )));
+                }
+            }
+        }
+        Ok(Set { submits, context })
+    }
+
+    /// kvferry's path: every request of `set` through the transceiver at once.
+    fn ours(&self, set: &Set) -> Result<Sample, DemoError> {
+        let started = Instant::now();
+        for s in &set.submits {
+            let mut submit = s.clone();
+            submit.peer = Some(self.ctx_addr.clone());
+            self.r#gen.send(Message::Submit(submit))?;
+        }
+        let (mut bytes, mut fragments) = (0, 0);
+        for _ in 0..set.submits.len() {
+            match self.r#gen.recv(self.wait)? {
+                Message::Done {
+                    result: Ok(stats), ..
+                } => {
+                    bytes += stats.bytes;
+                    fragments += stats.fragments;
+                }
+                Message::Done {
+                    request,
+                    result: Err(e),
+                } => {
+                    return Err(DemoError::Protocol(format!(
+                        "request {request} failed: {e}"
+                    )));
+                }
+                other => {
+                    return Err(DemoError::Protocol(format!(
+                        "generation server sent {} during the transfer",
+                        other.kind()
+                    )));
+                }
+            }
+        }
+        Ok(Sample {
+            seconds: started.elapsed().as_secs_f64(),
+            bytes,
+            fragments,
+        })
+    }
+
+    /// The bare loop over the plans recorded for `set`.
+    fn raw(&self, set: &Set) -> Result<(Sample, BenchStats), DemoError> {
+        match self.ctx.call(
+            Message::Bench {
+                requests: set.ids(),
+            },
+            self.wait,
+        )? {
+            Message::BenchDone { result: Ok(stats) } => Ok((
+                Sample {
+                    seconds: stats.elapsed_ns as f64 / 1e9,
+                    bytes: stats.bytes,
+                    fragments: stats.fragments,
+                },
+                stats,
+            )),
+            Message::BenchDone { result: Err(e) } => {
+                Err(DemoError::Protocol(format!("context server replay: {e}")))
+            }
+            other => Err(DemoError::Protocol(format!(
+                "context server answered {} to Bench",
+                other.kind()
+            ))),
+        }
+    }
+
+    /// Checks every request of `set` with the oracle; returns the problems found.
+    fn verify(&self, set: &Set) -> Result<Vec<String>, DemoError> {
+        let mut problems = Vec::new();
+        for (s, context) in set.submits.iter().zip(&set.context) {
+            let reply = self.r#gen.call(
+                Message::Verify {
+                    request: s.request,
+                    context: context.clone(),
+                },
+                REPLY_TIMEOUT,
+            )?;
+            match reply {
+                Message::Verified {
+                    result: Ok(summary),
+                    ..
+                } if summary.ok => {}
+                Message::Verified {
+                    result: Ok(summary),
+                    ..
+                } => problems.push(format!("request {}: {}", s.request, summary.detail)),
+                Message::Verified { result: Err(e), .. } => {
+                    problems.push(format!("request {}: verify: {e}", s.request));
+                }
+                other => {
+                    return Err(DemoError::Protocol(format!(
+                        "generation server answered {} to Verify",
+                        other.kind()
+                    )));
+                }
+            }
+        }
+        Ok(problems)
+    }
+
+    fn release(&self, set: &Set) -> Result<(), DemoError> {
+        for id in set.ids() {
+            expect_released(&self.r#gen, id)?;
+            expect_released(&self.ctx, id)?;
+        }
+        Ok(())
+    }
+}
+
+/// Runs the benchmark.
+///
+/// # Errors
+///
+/// A child that does not start, a control connection that fails, a request that fails, or a
+/// server that answers out of protocol. A failed verification or perftest run is in the
+/// report.
+pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
+    if config.requests == 0 || config.prompt_len == 0 || config.rounds == 0 {
+        return Err(DemoError::Invalid(
+            "--requests, --prompt-len and --rounds must be positive".into(),
+        ));
+    }
+    let tpb = u64::from(config.model.tokens_per_block);
+    let groups = |m: &Mapping| if m.attention_dp { m.tp } else { 1 };
+    let groups = (groups(&config.ctx), groups(&config.r#gen));
+    // Requests go round-robin over each side's DP groups, and two sets are held at once (odd
+    // rounds replay the previous set).
+    let sizing = |dp_groups: u32| {
+        let held = 2 * config.requests.div_ceil(u64::from(dp_groups.max(1)));
+        (held * config.prompt_len.div_ceil(tpb) + 4, held + 2)
+    };
+    let (ctx_slots, ctx_state) = sizing(groups.0);
+    let (gen_slots, gen_state) = sizing(groups.1);
+    let pair_args = PairArgs {
+        config_file: config.config_file.as_deref(),
+        model: &config.model,
+        transport: config.transport,
+        planner: config.planner.as_deref(),
+        seed: config.seed,
+        timeout: config.timeout,
+    };
+    let mut ctx_args = serve_args(
+        &pair_args,
+        "context",
+        &config.ctx_spec,
+        ctx_slots,
+        ctx_state,
+    );
+    ctx_args.push("--record-plans".into());
+    let gen_args = serve_args(
+        &pair_args,
+        "generation",
+        &config.gen_spec,
+        gen_slots,
+        gen_state,
+    );
+
+    let mut children = Children(Vec::new());
+    let (ctx_child, ctx_addr) = spawn_server(&config.exe, &ctx_args, "context")?;
+    children.0.push(ctx_child);
+    let (gen_child, gen_addr) = spawn_server(&config.exe, &gen_args, "generation")?;
+    children.0.push(gen_child);
+    let mut pair = Pair {
+        ctx: Client::connect(&ctx_addr)?,
+        r#gen: Client::connect(&gen_addr)?,
+        ctx_addr,
+        wait: config.timeout + Duration::from_secs(30),
+        next_id: 0,
+    };
+
+    let mut report = BenchReport {
+        model: config.model.to_string(),
+        ctx: config.ctx_spec.clone(),
+        r#gen: config.gen_spec.clone(),
+        transport: config.transport.name().to_string(),
+        prompt_len: config.prompt_len,
+        requests: config.requests,
+        rounds: config.rounds,
+        ..BenchReport::default()
+    };
+    match pair
+        .r#gen
+        .call(Message::InstanceInfoRequest, REPLY_TIMEOUT)?
+    {
+        Message::InstanceInfo(info) => {
+            report.planner = info.planner_id;
+            report.planner_version = info.planner_version;
+        }
+        other => {
+            return Err(DemoError::Protocol(format!(
+                "generation server answered {} to InstanceInfoRequest",
+                other.kind()
+            )));
+        }
+    }
+
+    let mut ours = Vec::new();
+    let mut raw = Vec::new();
+    let mut total_puts = 0;
+    let mut previous: Option<Set> = None;
+    let mut problems = Vec::new();
+    let total = WARMUP_ROUNDS + config.rounds;
+    for round in 0..total {
+        let counted = round >= WARMUP_ROUNDS;
+        let set = pair.prefill(config, groups)?;
+        let (ours_sample, raw_sample) = match previous.take() {
+            // Odd rounds: raw on the previous set first, then ours on the new one.
+            Some(prev) => {
+                let (r, stats) = pair.raw(&prev)?;
+                let o = pair.ours(&set)?;
+                pair.release(&prev)?;
+                pair.release(&set)?;
+                if counted {
+                    total_puts += stats.puts;
+                }
+                (o, r)
+            }
+            // Even rounds: ours on the new set, then raw on the same set, which stays held.
+            None => {
+                let o = pair.ours(&set)?;
+                if round == 0 {
+                    problems.extend(pair.verify(&set)?);
+                }
+                let (r, stats) = pair.raw(&set)?;
+                if round == 0 {
+                    problems.extend(pair.verify(&set)?);
+                }
+                if counted {
+                    total_puts += stats.puts;
+                }
+                if round + 1 < total {
+                    previous = Some(set);
+                } else {
+                    pair.release(&set)?;
+                }
+                (o, r)
+            }
+        };
+        tracing::debug!(
+            round,
+            ours_gbps = ours_sample.gbps(),
+            raw_gbps = raw_sample.gbps(),
+            "bench round"
+        );
+        // Even rounds time both paths on the same set, so they must move the same fragments.
+        let same_set = round % 2 == 0;
+        if same_set
+            && (ours_sample.bytes != raw_sample.bytes
+                || ours_sample.fragments != raw_sample.fragments)
+        {
+            problems.push(format!(
+                "round {round}: ours moved {} bytes in {} fragments, raw {} in {}",
+                ours_sample.bytes, ours_sample.fragments, raw_sample.bytes, raw_sample.fragments
+            ));
+        }
+        if counted {
+            ours.push(ours_sample);
+            raw.push(raw_sample);
+        }
+    }
+    if let Some(prev) = previous.take() {
+        pair.release(&prev)?;
+    }
+
+    let _ = pair.r#gen.send(Message::Shutdown);
+    let _ = pair.ctx.send(Message::Shutdown);
+    children.wait_exit(Duration::from_secs(5));
+    drop(children);
+
+    // Every set has the same shape; fragment counts differ slightly with slot placement
+    // (adjacent slots coalesce), so report the means per round.
+    let counted = ours.len().max(1) as u64;
+    let total_bytes: u64 = ours.iter().map(|s| s.bytes).sum();
+    let total_fragments: u64 = ours.iter().map(|s| s.fragments).sum();
+    report.bytes = total_bytes / counted;
+    report.fragments = total_fragments / counted;
+    report.puts = total_puts / counted;
+    report.mean_fragment_bytes = total_bytes as f64 / total_fragments.max(1) as f64;
+    report.mean_put_bytes = total_bytes as f64 / total_puts.max(1) as f64;
+    report.ours = path_report(&ours);
+    report.raw = path_report(&raw);
+    report.ours_gbps = report.ours.gbps.median;
+    report.raw_gbps = report.raw.gbps.median;
+    report.ratio = if report.raw_gbps > 0.0 {
+        report.ours_gbps / report.raw_gbps
+    } else {
+        0.0
+    };
+    report.verified = problems.is_empty();
+    report.errors = problems;
+
+    if config.perftest {
+        let size = report.mean_fragment_bytes.round().max(1.0) as u64;
+        match perftest(config.transport, size, report.bytes) {
+            Ok(p) => {
+                report.perftest_gbps = Some(p.gbps);
+                report.perftest = Some(p);
+            }
+            Err(e) => report.errors.push(format!("ucx_perftest: {e}")),
+        }
+    }
+    Ok(report)
+}
+
+fn path_report(samples: &[Sample]) -> PathReport {
+    let gbps: Vec<f64> = samples.iter().map(Sample::gbps).collect();
+    let fps: Vec<f64> = samples.iter().map(Sample::fragments_per_s).collect();
+    PathReport {
+        gbps: Spread::of(&gbps),
+        fragments_per_s: Spread::of(&fps),
+        rounds_gbps: gbps,
+        rounds_seconds: samples.iter().map(|s| s.seconds).collect(),
+    }
+}
+
+/// The `UCX_TLS` (and `UCX_NET_DEVICES`) of `transport`, as [`Transport::context`] sets them.
+pub fn ucx_env(transport: Transport) -> Vec<(&'static str, &'static str)> {
+    match transport {
+        Transport::Shm => vec![("UCX_TLS", "posix,sysv,cma,self")],
+        Transport::Tcp => vec![("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo")],
+    }
+}
+
+/// A port that was free a moment ago on 127.0.0.1.
+fn free_port() -> std::io::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// Runs `ucx_perftest -t ucp_put_bw` with puts of `size` bytes, about `bytes` in total (at
+/// least 1000 and at most 200 000 iterations, at most 4 GiB), between a server and a client
+/// process on a fresh free port.
+///
+/// # Errors
+///
+/// The executable is missing, a process fails, or no `Final:` line is printed.
+pub fn perftest(transport: Transport, size: u64, bytes: u64) -> Result<PerftestReport, String> {
+    let size = size.max(1);
+    let iterations = (bytes / size)
+        .clamp(1000, 200_000)
+        .min((4u64 << 30) / size)
+        .max(1);
+    let warmup = (iterations / 10).max(1);
+    let env = ucx_env(transport);
+    let tls = env
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let mut last_error = String::new();
+    // The server may not listen yet when the client connects; retry on a new port.
+    for _ in 0..4 {
+        let port = free_port()
+            .map_err(|e| format!("no free port: {e}"))?
+            .to_string();
+        let mut server = Command::new(PERFTEST);
+        server
+            .args(["-p", &port])
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        let server = server
+            .spawn()
+            .map_err(|e| format!("cannot start {PERFTEST} (package ucx-utils): {e}"))?;
+        let mut server = Children(vec![server]);
+        thread::sleep(Duration::from_millis(500));
+        let out = Command::new(PERFTEST)
+            .args(["127.0.0.1", "-p", &port, "-t", "ucp_put_bw"])
+            .args(["-s", &size.to_string(), "-n", &iterations.to_string()])
+            .args(["-w", &warmup.to_string(), "-O", &PUT_WINDOW.to_string()])
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| format!("cannot start {PERFTEST} (package ucx-utils): {e}"))?;
+        server.wait_exit(Duration::from_secs(5));
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        if let Some(mib) = final_bandwidth(&stdout) {
+            return Ok(PerftestReport {
+                tls,
+                size,
+                iterations,
+                warmup,
+                outstanding: PUT_WINDOW,
+                mib_per_s: mib,
+                gbps: mib * (1u64 << 20) as f64 / 1e9,
+            });
+        }
+        last_error = format!(
+            "client exited with {} and printed no Final line: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Err(last_error)
+}
+
+/// The overall bandwidth (MB/s of 2^20 bytes) of `ucx_perftest`'s `Final:` line:
+/// `Final: iters p50 avg overall bw_avg bw_overall rate_avg rate_overall`.
+pub fn final_bandwidth(stdout: &str) -> Option<f64> {
+    let line = stdout
+        .lines()
+        .find(|l| l.trim_start().starts_with("Final:"))?;
+    line.split_whitespace().nth(6)?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spread_of_odd_and_even_counts() {
+        assert_eq!(
+            Spread::of(&[3.0, 1.0, 2.0]),
+            Spread {
+                min: 1.0,
+                median: 2.0,
+                max: 3.0
+            }
+        );
+        assert_eq!(Spread::of(&[4.0, 1.0, 2.0, 3.0]).median, 2.5);
+        assert_eq!(Spread::of(&[]), Spread::default());
+    }
+
+    #[test]
+    fn parses_the_final_line() {
+        let out = "+---+\nFinal:                 20000      1.182    33.628    33.628     \
+                   1858.56    1858.56       29737       29737\n\n| Data layout: x |";
+        assert_eq!(final_bandwidth(out), Some(1858.56));
+        assert_eq!(final_bandwidth("no final line"), None);
+    }
+}

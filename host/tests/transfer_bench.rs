@@ -1,0 +1,213 @@
+//! `kvferry bench` smoke tests: tiny transfers over both transports, both paths measured, the
+//! JSON fields present. Timings are never asserted on (only that they are positive).
+
+mod transfer_support;
+
+use std::io::Cursor;
+use std::process::Command;
+
+use kvferry::transfer::wire::{BenchStats, Message, encode, read_frame};
+use serde_json::Value;
+use transfer_support::{REPLY, Server, prefill, release, submit};
+
+const MLA: &str = "kvferry.deepseek_mla_latent";
+
+/// `kvferry bench ARGS --json` with no planner configuration from the environment.
+fn bench(args: &[&str]) -> Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .arg("bench")
+        .args(args)
+        .arg("--json")
+        .env_remove("KVFERRY_PLUGIN_DIR")
+        .env_remove("KVFERRY_PLANNER")
+        .env_remove("KVFERRY_CONFIG")
+        .env("RUST_LOG", "kvferry=warn,warn")
+        .output()
+        .expect("run kvferry bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "bench {args:?} failed ({:?}):\n{stdout}\n{stderr}",
+        out.status
+    );
+    let v: Value = serde_json::from_str(&stdout).expect("bench --json prints one JSON object");
+    eprintln!(
+        "bench {args:?}: ours {} GB/s, raw {} GB/s, ratio {}, perftest {}",
+        v["ours_gbps"], v["raw_gbps"], v["ratio"], v["perftest_gbps"]
+    );
+    v
+}
+
+fn positive(v: &Value, key: &str) -> f64 {
+    let x = v[key]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{key} missing or not a number in {v}"));
+    assert!(x > 0.0, "{key} = {x}");
+    x
+}
+
+fn check_common(v: &Value, transport: &str, planner: &str) {
+    for key in ["ours_gbps", "raw_gbps", "ratio", "mean_fragment_bytes"] {
+        positive(v, key);
+    }
+    let fragments = v["fragments"].as_u64().expect("fragments");
+    let bytes = v["bytes"].as_u64().expect("bytes");
+    assert!(fragments > 0 && bytes > 0, "{v}");
+    let mean = positive(v, "mean_fragment_bytes");
+    assert!(
+        (mean - bytes as f64 / fragments as f64).abs() <= mean * 0.01 + 1.0,
+        "{v}"
+    );
+    assert_eq!(v["transport"], transport);
+    assert_eq!(v["planner"], planner);
+    assert!(
+        v.get("perftest_gbps").is_some(),
+        "perftest_gbps is always present: {v}"
+    );
+    assert_eq!(v["verified"], true, "{v}");
+    assert!(v["errors"].as_array().is_some_and(Vec::is_empty), "{v}");
+    for path in ["ours", "raw"] {
+        let rounds = v[path]["rounds_gbps"].as_array().expect("rounds");
+        assert_eq!(rounds.len() as u64, v["rounds"].as_u64().unwrap(), "{v}");
+        assert!(rounds.iter().all(|r| r.as_f64().is_some_and(|x| x > 0.0)));
+    }
+}
+
+#[test]
+fn bench_deepseek_shm_reports_both_paths() {
+    let v = bench(&[
+        "--model",
+        "deepseek-v3",
+        "--ctx",
+        "dep2",
+        "--gen",
+        "dep2",
+        "--prompt-len",
+        "96",
+        "--requests",
+        "2",
+        "--rounds",
+        "2",
+        "--transport",
+        "shm",
+        "--planner",
+        MLA,
+    ]);
+    check_common(&v, "shm", MLA);
+    assert!(v["perftest_gbps"].is_null(), "{v}");
+}
+
+#[test]
+fn bench_llama_tcp_reports_both_paths() {
+    let v = bench(&[
+        "--model",
+        "llama-3-70b",
+        "--ctx",
+        "tp2",
+        "--gen",
+        "tp4",
+        "--prompt-len",
+        "64",
+        "--requests",
+        "1",
+        "--rounds",
+        "1",
+        "--transport",
+        "tcp",
+    ]);
+    check_common(&v, "tcp", "kvferry.default");
+}
+
+/// With `--perftest` the same sitting runs `ucx_perftest` (skipped where ucx-utils is not
+/// installed).
+#[test]
+fn bench_with_perftest_reports_its_bandwidth() {
+    if Command::new(kvferry::bench::PERFTEST)
+        .arg("-h")
+        .output()
+        .is_err()
+    {
+        eprintln!("{} not installed; skipping", kvferry::bench::PERFTEST);
+        return;
+    }
+    let v = bench(&[
+        "--model",
+        "deepseek-v3",
+        "--ctx",
+        "dep2",
+        "--gen",
+        "dep2",
+        "--prompt-len",
+        "64",
+        "--requests",
+        "1",
+        "--rounds",
+        "1",
+        "--transport",
+        "shm",
+        "--planner",
+        MLA,
+        "--perftest",
+    ]);
+    check_common(&v, "shm", MLA);
+    positive(&v, "perftest_gbps");
+    let size = v["perftest"]["size"].as_f64().expect("perftest.size");
+    let mean = positive(&v, "mean_fragment_bytes");
+    assert!(
+        (size - mean).abs() <= 0.5,
+        "perftest size {size} vs mean {mean}"
+    );
+}
+
+/// `Bench` is refused by a context server that does not record plans, and names the flag.
+#[test]
+fn bench_needs_a_recording_context_server() {
+    let ctx = Server::start("context", "deepseek-v3", "dep2", "shm", &["--planner", MLA]);
+    let c = ctx.client();
+    let s = submit(1, 64);
+    let _ = prefill(&c, &s);
+    match c.call(Message::Bench { requests: vec![1] }, REPLY).unwrap() {
+        Message::BenchDone { result: Err(e) } => assert!(e.contains("--record-plans"), "{e}"),
+        other => panic!("{other:?}"),
+    }
+    release(&c, 1);
+
+    let recording = Server::start(
+        "context",
+        "deepseek-v3",
+        "dep2",
+        "shm",
+        &["--planner", MLA, "--record-plans"],
+    );
+    let c = recording.client();
+    match c.call(Message::Bench { requests: vec![9] }, REPLY).unwrap() {
+        Message::BenchDone { result: Err(e) } => assert!(e.contains("request 9"), "{e}"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn bench_messages_round_trip() {
+    for message in [
+        Message::Bench {
+            requests: vec![1, 2, u64::MAX],
+        },
+        Message::BenchDone {
+            result: Ok(BenchStats {
+                elapsed_ns: 12_345,
+                bytes: 1 << 40,
+                fragments: 7,
+                puts: 9,
+                plans: 2,
+                ranks: 2,
+            }),
+        },
+        Message::BenchDone {
+            result: Err("not recording".into()),
+        },
+    ] {
+        let frame = encode(&message).unwrap();
+        assert_eq!(read_frame(&mut Cursor::new(&frame)).unwrap(), message);
+    }
+}

@@ -1,0 +1,220 @@
+//! Receivers that die or hang while a context server writes into them, over tcp (where every
+//! put needs the receiver to progress). The context rank gives up on that job — at its
+//! deadline for a hung receiver, as soon as the registration ends (or UCX fails the
+//! connection) for a killed one — names the receiver, and goes on serving other generation
+//! servers on the same rank thread.
+//!
+//! To hang the writer deterministically the receiver is frozen (SIGSTOP) *before* any UCX
+//! traffic: its `RequestData` reaches the context server ahead of the prefill (and is
+//! stashed), the receiver is stopped, then the prefill makes the context rank connect and
+//! write to a worker that cannot answer.
+
+mod transfer_support;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::mpsc::{self, Receiver};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use kvferry::transfer::Client;
+use kvferry::transfer::wire::Submit;
+use transfer_support::{
+    REPLY, Server, chunked, exchange, prefill, release, start, submit, wait_done,
+};
+
+const DEEPSEEK: &str = "deepseek-v3";
+const MLA: &str = "kvferry.deepseek_mla_latent";
+
+/// A `kvferry serve` child whose log lines (stderr) are readable by the test.
+struct Logged {
+    server: Server,
+    lines: Receiver<String>,
+}
+
+impl Logged {
+    /// Starts a server like [`Server::start`], logging `filter` to a pipe.
+    fn start(role: &str, spec: &str, extra: &[&str], filter: &str) -> Logged {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvferry"));
+        cmd.args([
+            "serve",
+            "--role",
+            role,
+            "--model",
+            DEEPSEEK,
+            "--deployment",
+            spec,
+            "--transport",
+            "tcp",
+            "--listen",
+            "127.0.0.1:0",
+            "--slots",
+            "48",
+            "--state-slots",
+            "4",
+            "--planner",
+            MLA,
+        ])
+        .args(extra)
+        .arg("--exit-with-stdin")
+        .env_remove("KVFERRY_PLUGIN_DIR")
+        .env_remove("KVFERRY_PLANNER")
+        .env_remove("KVFERRY_CONFIG")
+        .env("RUST_LOG", filter)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+        let mut child = cmd.spawn().expect("start kvferry serve");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let stderr = child.stderr.take().expect("piped stderr");
+        let (addr_tx, addr_rx) = mpsc::channel();
+        thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(addr) = line.split(kvferry::demo::LISTENING).nth(1) {
+                    let _ = addr_tx.send(addr.trim().to_string());
+                }
+            }
+        });
+        let (line_tx, lines) = mpsc::channel();
+        let label = format!("{role}-{}", child.id());
+        thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                eprintln!("[{label}] {line}");
+                let _ = line_tx.send(line);
+            }
+        });
+        let addr = match addr_rx.recv_timeout(REPLY) {
+            Ok(addr) => addr,
+            Err(_) => {
+                let _ = child.kill();
+                panic!("{role} server did not start: {:?}", child.wait());
+            }
+        };
+        Logged {
+            server: Server { child, addr },
+            lines,
+        }
+    }
+
+    /// The first log line (from now on) containing every one of `needles`.
+    fn wait_for(&self, needles: &[&str], within: Duration) -> String {
+        let deadline = Instant::now() + within;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) if needles.iter().all(|n| line.contains(n)) => return line,
+                Ok(_) => {}
+                Err(_) => panic!("no log line with {needles:?} within {within:?}"),
+            }
+        }
+    }
+}
+
+fn signal(server: &Server, sig: &str) {
+    let status = Command::new("kill")
+        .args([sig, &server.child.id().to_string()])
+        .status()
+        .expect("run kill");
+    assert!(status.success(), "kill {sig} failed");
+}
+
+/// The instance name a server picks by default.
+fn gen_name(server: &Server) -> String {
+    format!("gen-{}", server.child.id())
+}
+
+/// Request `s`, submitted on `client` (a connection to `r#gen`, which gets its `Done`),
+/// reaches the context server before its prefill; then `r#gen` is frozen, and the prefill
+/// starts the write.
+fn freeze_then_prefill(ctx: &Logged, r#gen: &Server, client: &Client, s: &Submit) -> Instant {
+    start(client, s, &ctx.server.addr);
+    ctx.wait_for(&["stashed"], REPLY);
+    signal(r#gen, "-STOP");
+    let _ = prefill(&ctx.server.client(), s);
+    ctx.wait_for(&["queued"], REPLY);
+    Instant::now()
+}
+
+/// A hung receiver: the write times out at the context's deadline with an error naming the
+/// receiver rank; its puts are quarantined; a second generation server is served meanwhile;
+/// once the receiver runs again the quarantined puts drain, it is told of the failure, and it
+/// is served again.
+#[test]
+fn hung_receiver_times_out_and_the_context_moves_on_tcp() {
+    const TIMEOUT_MS: u64 = 1500;
+    let ctx = Logged::start(
+        "context",
+        "dep2",
+        &["--timeout-ms", &TIMEOUT_MS.to_string()],
+        "kvferry=info,kvferry::transfer::sender=debug",
+    );
+    let hung = Server::start(
+        "generation",
+        DEEPSEEK,
+        "dep4",
+        "tcp",
+        &["--planner", MLA, "--timeout-ms", "60000"],
+    );
+    let g = hung.client();
+    let name = gen_name(&hung);
+
+    // Five pieces: the first times out, the others are refused behind it.
+    let queued = freeze_then_prefill(&ctx, &hung, &g, &chunked(submit(1, 300), 64));
+    let line = ctx.wait_for(&["write job failed", &name, "timed out"], REPLY);
+    let waited = queued.elapsed();
+    assert!(line.contains("once the quarantine drains"), "{line}");
+    assert!(
+        waited >= Duration::from_millis(TIMEOUT_MS / 2) && waited < Duration::from_secs(20),
+        "gave up after {waited:?} with a {TIMEOUT_MS} ms deadline: {line}"
+    );
+
+    // The same context rank serves another generation server while the puts are stuck.
+    let other = Server::start("generation", DEEPSEEK, "dep4", "tcp", &["--planner", MLA]);
+    exchange(&ctx.server, &other, &[submit(2, 200), submit(3, 64)]);
+
+    // The receiver comes back: the quarantined puts drain, and only then is it told.
+    signal(&hung, "-CONT");
+    ctx.wait_for(&["quarantined operations finished", &name], REPLY);
+    let (_, result) = wait_done(&g, &[1]).remove(0);
+    let error = result.expect_err("the timed-out write must fail the request");
+    assert!(error.contains(&ctx.server.addr), "{error}");
+    assert!(error.contains("timed out after"), "{error}");
+    assert!(error.contains(&name), "{error}");
+    // The pieces refused behind the stuck one were reported after it, not before.
+    assert!(error.contains("piece 0 failed"), "{error}");
+    release(&g, 1);
+    release(&ctx.server.client(), 1);
+
+    // And it is served again.
+    exchange(&ctx.server, &hung, &[submit(4, 128)]);
+}
+
+/// A receiver killed while the context writes into it: the job fails long before the
+/// deadline, naming the receiver, and the context keeps serving another generation server.
+#[test]
+fn killed_receiver_fails_its_job_and_the_context_moves_on_tcp() {
+    let ctx = Logged::start(
+        "context",
+        "dep2",
+        &["--timeout-ms", "30000"],
+        "kvferry=info,kvferry::transfer::sender=debug",
+    );
+    let mut doomed = Server::start("generation", DEEPSEEK, "dep4", "tcp", &["--planner", MLA]);
+    let name = gen_name(&doomed);
+
+    freeze_then_prefill(&ctx, &doomed, &doomed.client(), &submit(1, 300));
+    thread::sleep(Duration::from_millis(200));
+    doomed.child.kill().unwrap();
+    let killed = Instant::now();
+    let _ = doomed.child.wait();
+    let line = ctx.wait_for(&["write job failed", &name], REPLY);
+    let waited = killed.elapsed();
+    assert!(
+        waited < Duration::from_secs(15),
+        "failed {waited:?} after the kill (deadline 30 s): {line}"
+    );
+    release(&ctx.server.client(), 1);
+
+    let other = Server::start("generation", DEEPSEEK, "dep4", "tcp", &["--planner", MLA]);
+    exchange(&ctx.server, &other, &[submit(2, 200), submit(3, 77)]);
+}
