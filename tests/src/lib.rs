@@ -2,7 +2,7 @@
 //! layouts and checks every destination byte with the host's oracle.
 //!
 //! A planner under test is a [`PlannerUnderTest`]: a root module, either linked statically
-//! (`my_planner::planner_module()`) or loaded from its `.so` ([`load_planner`]). Cases name
+//! (`my_planner::planner_module()`) or loaded from its `.so` ([`PlannerUnderTest::loaded`]). Cases name
 //! themselves, so a failure in a matrix can be rerun alone with `KVFERRY_CASE=<name>`.
 
 #![deny(missing_docs)]
