@@ -44,7 +44,7 @@ use crate::demo::{Children, DemoError, PairArgs, expect_released, serve_args, sp
 use crate::layout::ModelSpec;
 use crate::transfer::rank::PUT_WINDOW;
 use crate::transfer::wire::{BenchStats, Message, RankTables, Submit};
-use crate::transfer::{Client, Transport};
+use crate::transfer::{Client, MemoryKind, Transport};
 
 /// Rounds run before the counted ones: one of each order, so both slot sets are touched.
 pub const WARMUP_ROUNDS: u32 = 2;
@@ -78,6 +78,10 @@ pub struct BenchConfig {
     pub rounds: u32,
     /// UCX transports.
     pub transport: Transport,
+    /// Where both servers' pools live.
+    pub memory: MemoryKind,
+    /// CUDA pools: the device of every rank (`None`: each server's default).
+    pub cuda_device: Option<usize>,
     /// Planner id for both servers (`None`: their own default selection).
     pub planner: Option<String>,
     /// Seed of slot placement and the oracle.
@@ -168,6 +172,8 @@ pub struct BenchReport {
     pub r#gen: String,
     /// `shm` or `tcp`.
     pub transport: String,
+    /// `host` or `cuda`: where the pools lived.
+    pub memory: String,
     /// Tokens per request.
     pub prompt_len: u64,
     /// Requests per round.
@@ -209,8 +215,8 @@ impl fmt::Display for BenchReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "kvferry bench: {}, context {} -> generation {} over {}",
-            self.model, self.ctx, self.r#gen, self.transport
+            "kvferry bench: {}, context {} -> generation {} over {}, {} memory",
+            self.model, self.ctx, self.r#gen, self.transport, self.memory
         )?;
         writeln!(f, "planner     {} {}", self.planner, self.planner_version)?;
         writeln!(
@@ -487,6 +493,8 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
         config_file: config.config_file.as_deref(),
         model: &config.model,
         transport: config.transport,
+        memory: config.memory,
+        cuda_device: config.cuda_device,
         planner: config.planner.as_deref(),
         seed: config.seed,
         timeout: config.timeout,
@@ -525,6 +533,7 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
         ctx: config.ctx_spec.clone(),
         r#gen: config.gen_spec.clone(),
         transport: config.transport.name().to_string(),
+        memory: config.memory.name().to_string(),
         prompt_len: config.prompt_len,
         requests: config.requests,
         rounds: config.rounds,

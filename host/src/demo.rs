@@ -14,12 +14,14 @@
 //! At the end the generation server checks that every pool holds only its canary, and both
 //! children are shut down (killed on every error path).
 
+use std::collections::VecDeque;
 use std::fmt;
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::thread;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
+use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use kvferry_planner_abi::Mapping;
@@ -29,12 +31,16 @@ use serde::Serialize;
 
 use crate::layout::ModelSpec;
 use crate::transfer::wire::{Message, RankTables, Submit};
-use crate::transfer::{Client, ClientError, Transport, chunk_ranges};
+use crate::transfer::{Client, ClientError, MemoryKind, Transport, chunk_ranges};
 
 /// How long a child may take to report its control address.
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long a control reply (other than `Done`) may take.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long a child that closed its stdout before listening may take to exit.
+const EXIT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Lines of a child's standard error kept to explain why it did not start.
+const STDERR_TAIL: usize = 32;
 /// The line a server prints once it listens: `listening on HOST:PORT`.
 pub const LISTENING: &str = "listening on ";
 
@@ -61,6 +67,10 @@ pub struct DemoConfig {
     pub max_prompt_len: u64,
     /// UCX transports.
     pub transport: Transport,
+    /// Where both servers' pools live.
+    pub memory: MemoryKind,
+    /// CUDA pools: the device of every rank (`None`: each server's default).
+    pub cuda_device: Option<usize>,
     /// Planner id for both servers (`None`: their own default selection).
     pub planner: Option<String>,
     /// Seed of prompt lengths, slot placement and the oracle.
@@ -123,6 +133,8 @@ pub struct DemoReport {
     pub r#gen: String,
     /// `shm` or `tcp`.
     pub transport: String,
+    /// `host` or `cuda`: where the pools lived.
+    pub memory: String,
     /// Requests run.
     pub requests: u64,
     /// Requests that failed (transfer or verification).
@@ -149,8 +161,8 @@ impl fmt::Display for DemoReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "kvferry demo: {}, context {} -> generation {} over {}",
-            self.model, self.ctx, self.r#gen, self.transport
+            "kvferry demo: {}, context {} -> generation {} over {}, {} memory",
+            self.model, self.ctx, self.r#gen, self.transport, self.memory
         )?;
         writeln!(f, "planner    {} {}", self.planner, self.planner_version)?;
         writeln!(
@@ -226,6 +238,10 @@ pub struct PairArgs<'a> {
     pub model: &'a ModelSpec,
     /// UCX transports.
     pub transport: Transport,
+    /// Where the pools live (`--memory`).
+    pub memory: MemoryKind,
+    /// CUDA pools: the device of every rank (`--cuda-device`).
+    pub cuda_device: Option<usize>,
     /// Planner id for both servers (`None`: their own default selection).
     pub planner: Option<&'a str>,
     /// Salt of the oracle.
@@ -268,6 +284,8 @@ pub fn serve_args(
         "127.0.0.1:0".to_string(),
         "--transport".to_string(),
         pair.transport.name().to_string(),
+        "--memory".to_string(),
+        pair.memory.name().to_string(),
         "--slots".to_string(),
         slots.to_string(),
         "--state-slots".to_string(),
@@ -277,6 +295,9 @@ pub fn serve_args(
         "--timeout-ms".to_string(),
         pair.timeout.as_millis().to_string(),
     ]);
+    if let Some(device) = pair.cuda_device {
+        args.extend(["--cuda-device".to_string(), device.to_string()]);
+    }
     if let Some(p) = pair.planner {
         args.extend(["--planner".to_string(), p.to_string()]);
     }
@@ -289,6 +310,8 @@ impl DemoConfig {
             config_file: self.config_file.as_deref(),
             model: &self.model,
             transport: self.transport,
+            memory: self.memory,
+            cuda_device: self.cuda_device,
             planner: self.planner.as_deref(),
             seed: self.seed,
             timeout: self.timeout,
@@ -297,6 +320,15 @@ impl DemoConfig {
 }
 
 /// Starts one server child; returns it and its control address.
+///
+/// The child's standard error is passed through to ours, and its last lines are kept: a child
+/// that exits before it listens (say, `--memory cuda` without a CUDA driver) is reported with
+/// its own error message.
+///
+/// # Errors
+///
+/// [`DemoError::Child`] if the child cannot be started, exits before it listens (with its
+/// exit status and error), or does not report its control address in time.
 pub fn spawn_server(
     exe: &PathBuf,
     args: &[String],
@@ -307,6 +339,7 @@ pub fn spawn_server(
     cmd.args(args)
         .arg("--exit-with-stdin")
         .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
         .stdin(Stdio::piped());
     if std::env::var_os("RUST_LOG").is_none() {
         cmd.env("RUST_LOG", "kvferry=warn,warn");
@@ -315,6 +348,11 @@ pub fn spawn_server(
         role,
         message: format!("cannot start {}: {e}", exe.display()),
     })?;
+    let tail = Arc::new(Mutex::new(VecDeque::new()));
+    let stderr = child
+        .stderr
+        .take()
+        .and_then(|stderr| pass_stderr(stderr, role, Arc::clone(&tail)));
     let Some(stdout) = child.stdout.take() else {
         let _ = child.kill();
         return Err(DemoError::Child {
@@ -336,17 +374,87 @@ pub fn spawn_server(
                 }
             }
         });
-    match rx.recv_timeout(STARTUP_TIMEOUT) {
-        Ok(addr) => Ok((child, addr)),
-        Err(_) => {
+    let message = match rx.recv_timeout(STARTUP_TIMEOUT) {
+        Ok(addr) => return Ok((child, addr)),
+        // Its stdout closed without the address: the child is exiting.
+        Err(RecvTimeoutError::Disconnected) => {
+            let status = wait_exit(&mut child, EXIT_TIMEOUT);
+            format!("exited before it listened ({})", describe(status))
+        }
+        Err(RecvTimeoutError::Timeout) => {
             let _ = child.kill();
-            let status = child.wait().map(|s| s.to_string()).unwrap_or_default();
-            Err(DemoError::Child {
-                role,
-                message: format!("did not report its control address ({status})"),
-            })
+            let status = child.wait().ok();
+            format!(
+                "did not report its control address within {} s ({})",
+                STARTUP_TIMEOUT.as_secs(),
+                describe(status)
+            )
+        }
+    };
+    // The child is gone, so its stderr reaches its end: every line is in the tail.
+    if let Some(stderr) = stderr {
+        let _ = stderr.join();
+    }
+    let lines = tail.lock().map(|t| t.clone()).unwrap_or_default();
+    Err(DemoError::Child {
+        role,
+        message: match child_error(&lines) {
+            Some(error) => format!("{message}: {error}"),
+            None => format!("{message}, with nothing on its standard error"),
+        },
+    })
+}
+
+/// Copies a child's standard error to ours line by line, keeping the last [`STDERR_TAIL`]
+/// lines in `tail`.
+fn pass_stderr(
+    stderr: impl Read + Send + 'static,
+    role: &str,
+    tail: Arc<Mutex<VecDeque<String>>>,
+) -> Option<JoinHandle<()>> {
+    thread::Builder::new()
+        .name(format!("{role}-stderr"))
+        .spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let _ = writeln!(std::io::stderr(), "{line}");
+                if let Ok(mut tail) = tail.lock() {
+                    if tail.len() == STDERR_TAIL {
+                        tail.pop_front();
+                    }
+                    tail.push_back(line);
+                }
+            }
+        })
+        .ok()
+}
+
+/// Waits up to `limit` for `child` to exit, then kills it.
+fn wait_exit(child: &mut Child, limit: Duration) -> Option<ExitStatus> {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        match child.try_wait() {
+            Ok(Some(status)) => return Some(status),
+            Ok(None) => thread::sleep(Duration::from_millis(20)),
+            Err(_) => break,
         }
     }
+    let _ = child.kill();
+    child.wait().ok()
+}
+
+fn describe(status: Option<ExitStatus>) -> String {
+    status.map_or_else(|| "exit status unknown".into(), |s| s.to_string())
+}
+
+/// What a failed `kvferry serve` said: its last `kvferry: ...` line (how `main` reports an
+/// error), else its last non-empty line.
+fn child_error(lines: &VecDeque<String>) -> Option<String> {
+    lines
+        .iter()
+        .rev()
+        .find_map(|l| l.strip_prefix("kvferry: "))
+        .or_else(|| lines.iter().rev().map(|l| l.trim()).find(|l| !l.is_empty()))
+        .map(str::to_string)
 }
 
 /// One request of the stream.
@@ -402,6 +510,7 @@ pub fn run(config: &DemoConfig) -> Result<DemoReport, DemoError> {
         ctx: config.ctx_spec.clone(),
         r#gen: config.gen_spec.clone(),
         transport: config.transport.name().to_string(),
+        memory: config.memory.name().to_string(),
         requests: config.requests,
         ..DemoReport::default()
     };

@@ -16,7 +16,7 @@ use kvferry::layout::{self, Dtype, ModelSpec, PoolOptions, Preset};
 use kvferry::registry::{self, BoundPlanner, Registry};
 use kvferry::scenario::Scenario;
 use kvferry::spec;
-use kvferry::transfer::{self, InstanceConfig, Role, ServeOptions, Transport};
+use kvferry::transfer::{self, InstanceConfig, MemoryKind, Role, ServeOptions, Transport};
 use kvferry_planner_abi::{Deployment, Mapping, PlanError, RankInfo, TokenRange, TransferPlanner};
 use serde_json::json;
 
@@ -131,6 +131,8 @@ struct ServeArgs {
     /// UCX transports: shared memory or loopback TCP.
     #[arg(long, default_value = "shm", value_name = "shm|tcp")]
     transport: Transport,
+    #[command(flatten)]
+    memory: MemoryArgs,
     /// PAGED slots per pool of every rank.
     #[arg(long, default_value_t = 256, value_name = "N")]
     slots: u64,
@@ -181,6 +183,8 @@ struct DemoArgs {
     /// UCX transports: shared memory or loopback TCP.
     #[arg(long, default_value = "shm", value_name = "shm|tcp")]
     transport: Transport,
+    #[command(flatten)]
+    memory: MemoryArgs,
     /// Planner id for both servers (default: $KVFERRY_PLANNER, config `planner`,
     /// kvferry.default).
     #[arg(long, value_name = "ID")]
@@ -231,6 +235,8 @@ struct BenchArgs {
     /// UCX transports: shared memory or loopback TCP.
     #[arg(long, default_value = "shm", value_name = "shm|tcp")]
     transport: Transport,
+    #[command(flatten)]
+    memory: MemoryArgs,
     /// Planner id for both servers (default: $KVFERRY_PLANNER, config `planner`,
     /// kvferry.default).
     #[arg(long, value_name = "ID")]
@@ -248,6 +254,30 @@ struct BenchArgs {
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
+}
+
+/// Where the servers' KV pools live, shared by `serve`, `demo` and `bench`.
+#[derive(Debug, clap::Args)]
+struct MemoryArgs {
+    /// KV pool memory: host DRAM, or CUDA device memory registered with UCX (needs a build
+    /// with `--features cuda`, the CUDA driver, and a UCX built with CUDA support).
+    #[arg(long, default_value = "host", value_name = "host|cuda")]
+    memory: MemoryKind,
+    /// With `--memory cuda`: the device of every rank (default: the rank's index modulo the
+    /// device count).
+    #[arg(long, value_name = "N")]
+    cuda_device: Option<usize>,
+}
+
+impl MemoryArgs {
+    /// Refuses what this build or these flags cannot do, before anything starts.
+    fn check(&self) -> Result<()> {
+        self.memory.check_built()?;
+        if self.cuda_device.is_some() && self.memory != MemoryKind::Cuda {
+            bail!("--cuda-device needs --memory cuda");
+        }
+        Ok(())
+    }
 }
 
 /// Cache shape options shared by `check` and `plan`.
@@ -526,6 +556,7 @@ fn exit_with_stdin() -> Result<()> {
 }
 
 fn serve(host: &Host, a: ServeArgs) -> Result<ExitCode> {
+    a.memory.check()?;
     if a.exit_with_stdin {
         exit_with_stdin()?;
     }
@@ -545,6 +576,8 @@ fn serve(host: &Host, a: ServeArgs) -> Result<ExitCode> {
         model,
         mapping: a.deployment,
         transport: a.transport,
+        memory: a.memory.memory,
+        cuda_device: a.memory.cuda_device,
         paged_slots: a.slots,
         state_slots: a.state_slots,
     };
@@ -560,10 +593,11 @@ fn serve(host: &Host, a: ServeArgs) -> Result<ExitCode> {
     let addr = running.local_addr();
     tracing::info!(instance = %name, role = %a.role, planner = %id, %addr, "serving");
     println!(
-        "kvferry serve: {} instance {name} ({}, planner {id}, {}) {}{addr}",
+        "kvferry serve: {} instance {name} ({}, planner {id}, {}, {} memory) {}{addr}",
         a.role,
         running.instance().label(),
         a.transport,
+        a.memory.memory,
         demo::LISTENING
     );
     std::io::stdout().flush()?;
@@ -572,6 +606,7 @@ fn serve(host: &Host, a: ServeArgs) -> Result<ExitCode> {
 }
 
 fn run_demo(config_file: Option<PathBuf>, a: DemoArgs) -> Result<ExitCode> {
+    a.memory.check()?;
     let ctx = spec::parse(&a.ctx).map_err(|e| anyhow!("--ctx: {e}"))?;
     let r#gen = spec::parse(&a.r#gen).map_err(|e| anyhow!("--gen: {e}"))?;
     let config = DemoConfig {
@@ -585,6 +620,8 @@ fn run_demo(config_file: Option<PathBuf>, a: DemoArgs) -> Result<ExitCode> {
         requests: a.requests,
         max_prompt_len: a.prompt_len,
         transport: a.transport,
+        memory: a.memory.memory,
+        cuda_device: a.memory.cuda_device,
         planner: a.planner,
         seed: a.seed,
         chunk: a.chunk,
@@ -606,6 +643,7 @@ fn run_demo(config_file: Option<PathBuf>, a: DemoArgs) -> Result<ExitCode> {
 }
 
 fn run_bench(config_file: Option<PathBuf>, a: BenchArgs) -> Result<ExitCode> {
+    a.memory.check()?;
     let ctx = spec::parse(&a.ctx).map_err(|e| anyhow!("--ctx: {e}"))?;
     let r#gen = spec::parse(&a.r#gen).map_err(|e| anyhow!("--gen: {e}"))?;
     let config = BenchConfig {
@@ -620,6 +658,8 @@ fn run_bench(config_file: Option<PathBuf>, a: BenchArgs) -> Result<ExitCode> {
         requests: a.requests,
         rounds: a.rounds,
         transport: a.transport,
+        memory: a.memory.memory,
+        cuda_device: a.memory.cuda_device,
         planner: a.planner,
         seed: a.seed,
         timeout: Duration::from_millis(a.timeout_ms),

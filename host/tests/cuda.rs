@@ -8,11 +8,16 @@
 //! Lines starting `kvferry-gpu:` are read by `scripts/gpu-check` for its summary.
 #![cfg(feature = "cuda")]
 
+use std::io::{BufRead, BufReader, Read};
 use std::panic::{self, AssertUnwindSafe};
+use std::process::{Command, Output, Stdio};
 use std::sync::Arc;
+use std::sync::mpsc;
+use std::thread;
 use std::time::{Duration, Instant};
 
 use kvferry::cuda::{self, CudaDevice, CudaError, CudaPool};
+use kvferry::demo::LISTENING;
 use kvferry_ucx::{Context, MemoryType, Request, Worker};
 
 const OPT_IN: &str = "KVFERRY_GPU_TESTS";
@@ -188,4 +193,184 @@ fn pool_registers_with_ucx_or_is_refused_cleanly() {
         LEN >> 20,
         kvferry_ucx::version()
     );
+}
+
+/// `kvferry` (this build, with the `cuda` feature) with no planner configuration from the
+/// environment.
+fn kvferry() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvferry"));
+    cmd.env_remove("KVFERRY_PLUGIN_DIR")
+        .env_remove("KVFERRY_PLANNER")
+        .env_remove("KVFERRY_CONFIG")
+        .env("RUST_LOG", "kvferry=warn,warn");
+    cmd
+}
+
+/// `serve --role generation --memory cuda` of a small instance.
+const SERVE_CUDA: [&str; 13] = [
+    "serve",
+    "--role",
+    "generation",
+    "--memory",
+    "cuda",
+    "--model",
+    "llama-3-70b",
+    "--deployment",
+    "tp1",
+    "--listen",
+    "127.0.0.1:0",
+    "--slots",
+    "8",
+];
+
+/// What `serve --memory cuda` did: listened (and was stopped), or exited with this output.
+enum Served {
+    Listened,
+    Exited(Output),
+}
+
+/// Runs `serve --memory cuda` until it listens (then stops it) or exits.
+fn serve_cuda() -> Served {
+    let mut child = kvferry()
+        .args(SERVE_CUDA)
+        .arg("--exit-with-stdin")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start kvferry serve");
+    let stdout = child.stdout.take().unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let err = thread::spawn(move || {
+        let mut text = String::new();
+        let _ = stderr.read_to_string(&mut text);
+        text
+    });
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        let mut seen = Vec::new();
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if line.contains(LISTENING) {
+                let _ = tx.send(Ok(line));
+                return;
+            }
+            seen.push(line);
+        }
+        let _ = tx.send(Err(seen.join("\n")));
+    });
+    match rx.recv_timeout(Duration::from_secs(120)) {
+        Ok(Ok(line)) => {
+            println!("kvferry-gpu: serve --memory cuda: {line}");
+            let _ = child.kill();
+            let _ = child.wait();
+            Served::Listened
+        }
+        Ok(Err(stdout)) => {
+            let status = child.wait().unwrap();
+            Served::Exited(Output {
+                status,
+                stdout: stdout.into_bytes(),
+                stderr: err.join().unwrap().into_bytes(),
+            })
+        }
+        Err(_) => {
+            let _ = child.kill();
+            panic!("serve --memory cuda neither listened nor exited in 120 s");
+        }
+    }
+}
+
+/// `serve --memory cuda` never silently falls back to host memory: without a driver it exits
+/// 1 with the no-driver error before listening; with one (and `KVFERRY_GPU_TESTS=1`) it either
+/// serves device pools, and then a small `demo --memory cuda` verifies every byte, or refuses a
+/// UCX without CUDA support with the library's message.
+#[test]
+fn serve_memory_cuda_refuses_cleanly_or_serves() {
+    const TEST: &str = "serve_memory_cuda_refuses_cleanly_or_serves";
+    if !cuda::driver_present() {
+        let Served::Exited(out) = serve_cuda() else {
+            panic!("{TEST}: serve --memory cuda listened without a CUDA driver");
+        };
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(
+            stderr.contains("kvferry: starting generation instance gen-"),
+            "{stderr}"
+        );
+        assert!(
+            stderr.contains("no CUDA driver: libcuda not found (searched for "),
+            "{stderr}"
+        );
+        assert!(
+            stderr.contains("install the NVIDIA driver or add its directory to LD_LIBRARY_PATH"),
+            "{stderr}"
+        );
+        println!("{TEST}: no CUDA driver: serve refused: {}", stderr.trim());
+        // demo and bench report their first child's error as their own.
+        for command in ["demo", "bench"] {
+            let out = kvferry()
+                .args([command, "--memory", "cuda", "--model", "llama-3-70b"])
+                .args(["--ctx", "tp1", "--gen", "tp1", "--prompt-len", "64"])
+                .stdin(Stdio::null())
+                .output()
+                .expect("run kvferry");
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(1), "{command}: {stderr}");
+            let last = stderr.lines().last().unwrap_or_default();
+            assert!(
+                last.starts_with(
+                    "kvferry: context server: exited before it listened (exit status: 1): \
+                     starting context instance ctx-"
+                ),
+                "{command}: {stderr}"
+            );
+            assert!(
+                last.contains(": no CUDA driver: libcuda not found"),
+                "{last}"
+            );
+            println!("{TEST}: no CUDA driver: {command} refused: {last}");
+        }
+        return;
+    }
+    if std::env::var_os(OPT_IN).is_none_or(|v| v != "1") {
+        println!("{TEST}: skipped: a CUDA driver is present; set {OPT_IN}=1 to run GPU tests");
+        return;
+    }
+    match serve_cuda() {
+        Served::Exited(out) => {
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(1), "{stderr}");
+            assert!(
+                stderr.contains(&format!(
+                    "UCX {} was built without CUDA support",
+                    kvferry_ucx::version()
+                )),
+                "{stderr}"
+            );
+            assert!(stderr.contains("--with-cuda"), "{stderr}");
+            println!(
+                "kvferry-gpu: serve --memory cuda: refused: {}",
+                stderr.trim()
+            );
+        }
+        Served::Listened => {
+            let out = kvferry()
+                .args(["demo", "--memory", "cuda", "--model", "llama-3-70b"])
+                .args(["--ctx", "tp1", "--gen", "tp1", "--requests", "4"])
+                .args(["--prompt-len", "96", "--in-flight", "2", "--json"])
+                .stdin(Stdio::null())
+                .output()
+                .expect("run kvferry demo");
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "{stdout}\n{stderr}");
+            let report: serde_json::Value = serde_json::from_str(&stdout).expect("demo --json");
+            assert_eq!(report["memory"], "cuda", "{report}");
+            assert_eq!(report["verified"], true, "{report}");
+            println!(
+                "kvferry-gpu: demo --memory cuda: verified ({} bytes moved, {} checked)",
+                report["bytes"], report["verified_bytes"]
+            );
+        }
+    }
 }

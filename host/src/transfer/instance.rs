@@ -1,9 +1,12 @@
 //! One instance (a context or generation server) with all its ranks in one process.
 //!
-//! [`Instance::start`] creates the UCX context for the chosen [`Transport`], lets
-//! [`build_instance`] lay out every rank while allocating each pool through UCX (so every
-//! [`RankInfo`] carries the pools' real addresses), builds the bound planner for every rank
-//! (stamping its `describe` blob), and starts one [`RankThread`] per rank.
+//! [`Instance::prepare`] creates the UCX context for the chosen [`Transport`] and checks that
+//! the pools can live in the chosen [`MemoryKind`] (for CUDA: the feature, the driver, the
+//! device, a UCX that moves CUDA memory) before anything is allocated;
+//! [`PreparedInstance::start`] then lets [`build_instance`] lay out every rank while
+//! allocating each pool (so every [`RankInfo`] carries the pools' real addresses, and their
+//! memory type: DRAM or VRAM), builds the bound planner for every rank (stamping its
+//! `describe` blob), and starts one [`RankThread`] per rank. [`Instance::start`] does both.
 
 use std::fmt;
 use std::str::FromStr;
@@ -13,7 +16,7 @@ use kvferry_planner_abi::ffi::RVec;
 use kvferry_planner_abi::{GroupKind, Mapping, MemoryType, PlanError, RankInfo, TransferPlanner};
 use kvferry_ucx::{Context, Worker};
 
-use super::memory::{MemoryError, PoolAllocator, RankPools};
+use super::memory::{MemoryError, MemoryKind, PoolAllocator, RankPools};
 use super::rank::{RankThread, SpawnError};
 use super::wire::{InstanceInfo, PoolKey, RankDescriptor, Role};
 use crate::layout::{LayoutError, ModelSpec, PoolOptions, build_instance};
@@ -38,16 +41,37 @@ impl Transport {
         }
     }
 
-    /// A UCX context for this transport.
+    /// A UCX context for this transport, for host pools.
     ///
     /// # Errors
     ///
     /// UCX cannot create the context.
     pub fn context(self) -> Result<Arc<Context>, kvferry_ucx::Error> {
-        let builder = Context::builder();
+        self.context_for(MemoryKind::Host)
+    }
+
+    /// The `UCX_TLS` of this transport for pools in `memory`: CUDA pools add UCX's CUDA
+    /// transports (`cuda_copy`, and `cuda_ipc` between processes on one node), without which
+    /// a CUDA-enabled UCX would not report CUDA memory for the context.
+    pub fn tls(self, memory: MemoryKind) -> &'static str {
+        match (self, memory) {
+            (Transport::Shm, MemoryKind::Host) => "posix,sysv,cma,self",
+            (Transport::Shm, MemoryKind::Cuda) => "posix,sysv,cma,self,cuda_copy,cuda_ipc",
+            (Transport::Tcp, MemoryKind::Host) => "tcp",
+            (Transport::Tcp, MemoryKind::Cuda) => "tcp,cuda_copy",
+        }
+    }
+
+    /// A UCX context for this transport and pools in `memory` (see [`tls`](Self::tls)).
+    ///
+    /// # Errors
+    ///
+    /// UCX cannot create the context.
+    pub fn context_for(self, memory: MemoryKind) -> Result<Arc<Context>, kvferry_ucx::Error> {
+        let builder = Context::builder().tls(self.tls(memory));
         match self {
-            Transport::Shm => builder.tls("posix,sysv,cma,self"),
-            Transport::Tcp => builder.tls("tcp").net_devices("lo"),
+            Transport::Shm => builder,
+            Transport::Tcp => builder.net_devices("lo"),
         }
         .build()
     }
@@ -84,6 +108,10 @@ pub struct InstanceConfig {
     pub mapping: Mapping,
     /// The UCX transports.
     pub transport: Transport,
+    /// Where the pools live.
+    pub memory: MemoryKind,
+    /// CUDA pools: the device of every rank (`None`: rank `r` on device `r % device count`).
+    pub cuda_device: Option<usize>,
     /// PAGED slots of every PAGED pool.
     pub paged_slots: u64,
     /// STATE slots of every STATE pool.
@@ -161,6 +189,15 @@ pub struct Instance {
     _context: Arc<Context>,
 }
 
+/// An instance whose UCX context exists and whose pool memory was checked, before any pool
+/// is allocated (see [`Instance::prepare`]).
+#[derive(Debug)]
+pub struct PreparedInstance {
+    config: InstanceConfig,
+    context: Arc<Context>,
+    allocator: PoolAllocator,
+}
+
 impl Instance {
     /// Allocates, describes and starts every rank (see the module docs).
     ///
@@ -168,20 +205,66 @@ impl Instance {
     ///
     /// See [`InstanceError`].
     pub fn start(config: InstanceConfig, bound: BoundPlanner) -> Result<Instance, InstanceError> {
+        Self::prepare(config)?.start(bound)
+    }
+
+    /// Creates the UCX context and checks that the pools can live in `config.memory`, without
+    /// allocating any: a build without the `cuda` feature, a missing CUDA driver or device,
+    /// or a UCX that cannot move CUDA memory fails here with the library's message.
+    ///
+    /// # Errors
+    ///
+    /// [`InstanceError::Memory`] for the checks above, [`InstanceError::Context`] if UCX
+    /// cannot create the context.
+    pub fn prepare(config: InstanceConfig) -> Result<PreparedInstance, InstanceError> {
+        config.memory.check_built()?;
+        // The driver before UCX: without one, no context is worth creating.
+        #[cfg(feature = "cuda")]
+        if config.memory == MemoryKind::Cuda {
+            super::memory::check_cuda_device(config.cuda_device)?;
+        }
         let context = config
             .transport
-            .context()
+            .context_for(config.memory)
             .map_err(|source| InstanceError::Context {
                 transport: config.transport,
                 error: source,
             })?;
+        let allocator = PoolAllocator::for_memory(&context, config.memory, config.cuda_device)?;
+        Ok(PreparedInstance {
+            config,
+            context,
+            allocator,
+        })
+    }
+}
+
+impl PreparedInstance {
+    /// The configuration.
+    pub fn config(&self) -> &InstanceConfig {
+        &self.config
+    }
+
+    /// Allocates, describes and starts every rank (see the module docs).
+    ///
+    /// # Errors
+    ///
+    /// See [`InstanceError`].
+    pub fn start(self, bound: BoundPlanner) -> Result<Instance, InstanceError> {
+        let PreparedInstance {
+            config,
+            context,
+            mut allocator,
+        } = self;
         let options = PoolOptions {
             paged_slots: config.paged_slots,
             state_slots: config.state_slots,
             slot_padding: 0,
-            memory_type: MemoryType::DRAM,
+            memory_type: match config.memory {
+                MemoryKind::Host => MemoryType::DRAM,
+                MemoryKind::Cuda => MemoryType::VRAM,
+            },
         };
-        let mut allocator = PoolAllocator::new(&context);
         let infos = build_instance(
             &config.model,
             &config.mapping,
@@ -223,6 +306,7 @@ impl Instance {
             ranks = ranks.len(),
             pool_bytes = bytes,
             transport = %config.transport,
+            memory = %config.memory,
             "instance started"
         );
         Ok(Instance {
@@ -232,7 +316,9 @@ impl Instance {
             _context: context,
         })
     }
+}
 
+impl Instance {
     /// The configuration.
     pub fn config(&self) -> &InstanceConfig {
         &self.config

@@ -1,9 +1,18 @@
-//! Host pools allocated through UCX, and the raw byte access the oracle glue needs.
+//! Pools registered with UCX, and the raw byte access the oracle glue needs.
 //!
-//! Every pool of a rank is one [`MemRegion::allocate`] region (`UCP_MEM_MAP_ALLOCATE`, the
-//! one-sided shared-memory fast path), sized to the pool's footprint. A [`RankPools`] owns a
-//! rank's regions; peers write them through the packed keys of [`RankPools::keys`], senders
-//! read them with `put_region`.
+//! Every pool of a rank is one UCX region sized to the pool's footprint, in the memory the
+//! instance asks for ([`MemoryKind`], `kvferry serve --memory`):
+//!
+//! - **host**: a [`MemRegion::allocate`] region (`UCP_MEM_MAP_ALLOCATE`, the one-sided
+//!   shared-memory fast path), read and written by the host through the region.
+//! - **cuda** (cargo feature `cuda`): a `CudaPool` on the rank's device (`--cuda-device`, or
+//!   the rank's index modulo the device count) registered with `cuda::register_with_ucx` as
+//!   CUDA memory; the host reads and writes it only through `CudaPool::download` and
+//!   `CudaPool::upload`. A UCX without CUDA support is refused (`CudaError::UcxLacksCuda`)
+//!   before anything is allocated: nothing is staged through host memory.
+//!
+//! A [`RankPools`] owns a rank's regions (and device pools); peers write them through the
+//! packed keys of [`RankPools::keys`], senders read them with `put_region`.
 //!
 //! # Slot ownership
 //!
@@ -16,12 +25,68 @@
 //! last piece. That protocol is what makes [`RankPools::write`] sound; it is `unsafe` because
 //! the type system cannot see it.
 
+use std::fmt;
 use std::ptr;
+use std::str::FromStr;
 use std::sync::Arc;
 
 use kvferry_ucx::{Context, MemRegion};
 
 use super::wire::PoolKey;
+#[cfg(feature = "cuda")]
+use crate::cuda::{self, CudaDevice, CudaError, CudaPool};
+
+/// Where an instance's pools live.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum MemoryKind {
+    /// Host memory (DRAM) allocated through UCX.
+    #[default]
+    Host,
+    /// CUDA device memory registered with UCX (cargo feature `cuda`, and a UCX built with
+    /// CUDA support).
+    Cuda,
+}
+
+impl MemoryKind {
+    /// `host` or `cuda`.
+    pub fn name(self) -> &'static str {
+        match self {
+            MemoryKind::Host => "host",
+            MemoryKind::Cuda => "cuda",
+        }
+    }
+
+    /// Whether this build can place pools in this memory.
+    ///
+    /// # Errors
+    ///
+    /// [`MemoryError::CudaNotBuilt`] for [`MemoryKind::Cuda`] in a build without the `cuda`
+    /// feature.
+    pub fn check_built(self) -> Result<(), MemoryError> {
+        match self {
+            MemoryKind::Cuda if !cfg!(feature = "cuda") => Err(MemoryError::CudaNotBuilt),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl fmt::Display for MemoryKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for MemoryKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "host" => Ok(MemoryKind::Host),
+            "cuda" => Ok(MemoryKind::Cuda),
+            _ => Err(format!("unknown memory `{s}` (known: host, cuda)")),
+        }
+    }
+}
 
 /// Why pools could not be allocated or described.
 #[derive(Debug, thiserror::Error)]
@@ -56,13 +121,77 @@ pub enum MemoryError {
         /// The pool.
         pool: usize,
     },
+    /// Device pools were asked for in a build without them.
+    #[error(
+        "this kvferry was built without the `cuda` feature; rebuild with `cargo build \
+         --features cuda`"
+    )]
+    CudaNotBuilt,
+    /// No usable CUDA driver or device, or a UCX that cannot move CUDA memory.
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    Cuda(#[from] CudaError),
+    /// A device pool could not be allocated or registered with UCX.
+    #[cfg(feature = "cuda")]
+    #[error("rank {rank} pool {pool}: cannot {what} {bytes} bytes on cuda device {device}")]
+    CudaPool {
+        /// The rank.
+        rank: u32,
+        /// The pool.
+        pool: usize,
+        /// The device.
+        device: usize,
+        /// Bytes asked for.
+        bytes: u64,
+        /// `allocate` or `register`.
+        what: &'static str,
+        /// The CUDA or UCX error.
+        #[source]
+        error: CudaError,
+    },
+}
+
+/// A device pool could not be copied to or from (host pools never fail).
+#[derive(Debug, thiserror::Error)]
+#[error("rank {rank} pool {pool}: {op} of {len} bytes at offset {offset} failed: {error}")]
+pub struct CopyError {
+    /// The rank.
+    pub rank: u32,
+    /// The pool.
+    pub pool: usize,
+    /// `download` or `upload`.
+    pub op: &'static str,
+    /// Offset in the pool.
+    pub offset: usize,
+    /// Bytes copied.
+    pub len: usize,
+    /// The device API's error, with its causes.
+    pub error: String,
+}
+
+/// One pool: its UCX region and, for a device pool, the allocation the host copies through.
+#[derive(Debug)]
+struct Pool {
+    region: MemRegion,
+    #[cfg(feature = "cuda")]
+    device: Option<CudaPool>,
+}
+
+impl Pool {
+    fn host(region: MemRegion) -> Pool {
+        Pool {
+            region,
+            #[cfg(feature = "cuda")]
+            device: None,
+        }
+    }
 }
 
 /// The pools of one rank, in page-table order.
 #[derive(Debug)]
 pub struct RankPools {
     rank: u32,
-    regions: Vec<MemRegion>,
+    pools: Vec<Pool>,
 }
 
 impl RankPools {
@@ -73,31 +202,45 @@ impl RankPools {
 
     /// Number of pools.
     pub fn len(&self) -> usize {
-        self.regions.len()
+        self.pools.len()
     }
 
     /// Whether the rank has no pool.
     pub fn is_empty(&self) -> bool {
-        self.regions.is_empty()
+        self.pools.is_empty()
     }
 
     /// The region of pool `pool`.
     pub fn region(&self, pool: usize) -> Option<&MemRegion> {
-        self.regions.get(pool)
+        self.pools.get(pool).map(|p| &p.region)
+    }
+
+    /// Makes the CUDA context of this rank's device pools current on the calling thread, so
+    /// UCX's CUDA transports find it when they move the pools (a no-op for host pools).
+    ///
+    /// # Errors
+    ///
+    /// The driver cannot make the context current.
+    pub fn bind_device_to_thread(&self) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        #[cfg(feature = "cuda")]
+        if let Some(device) = self.pools.iter().find_map(|p| p.device.as_ref()) {
+            device.device().context().bind_to_thread()?;
+        }
+        Ok(())
     }
 
     /// Bytes over all pools.
     pub fn total_bytes(&self) -> u64 {
-        self.regions.iter().map(|r| r.len() as u64).sum()
+        self.pools.iter().map(|p| p.region.len() as u64).sum()
     }
 
     /// The pool holding `[address, address + len)` and the offset of `address` in it.
     pub fn locate(&self, address: u64, len: u64) -> Option<(usize, usize)> {
-        self.regions.iter().enumerate().find_map(|(p, r)| {
-            let base = r.remote_addr();
-            let end = base + r.len() as u64;
+        self.pools.iter().enumerate().find_map(|(i, p)| {
+            let base = p.region.remote_addr();
+            let end = base + p.region.len() as u64;
             let inside = address >= base && address.checked_add(len).is_some_and(|e| e <= end);
-            inside.then(|| (p, (address - base) as usize))
+            inside.then(|| (i, (address - base) as usize))
         })
     }
 
@@ -107,13 +250,14 @@ impl RankPools {
     ///
     /// UCX cannot pack a key.
     pub fn keys(&self) -> Result<Vec<PoolKey>, MemoryError> {
-        self.regions
+        self.pools
             .iter()
             .enumerate()
-            .map(|(p, r)| {
+            .map(|(i, p)| {
+                let r = &p.region;
                 let rkey = r.pack_rkey().map_err(|source| MemoryError::PackKey {
                     rank: self.rank,
-                    pool: p,
+                    pool: i,
                     error: source,
                 })?;
                 Ok(PoolKey {
@@ -125,40 +269,113 @@ impl RankPools {
             .collect()
     }
 
-    /// Copies `dst.len()` bytes at `offset` of pool `pool` out.
+    /// The pool `pool`, after checking that `[offset, offset + len)` lies inside it.
+    fn checked(&self, pool: usize, offset: usize, len: usize) -> &Pool {
+        let p = &self.pools[pool];
+        let end = offset.checked_add(len);
+        assert!(
+            end.is_some_and(|end| end <= p.region.len()),
+            "range {offset}+{len} is outside pool {pool} of {} bytes",
+            p.region.len()
+        );
+        p
+    }
+
+    /// Copies `dst.len()` bytes at `offset` of pool `pool` out: from host memory directly,
+    /// from a device pool with `CudaPool::download`.
+    ///
+    /// # Errors
+    ///
+    /// A device pool's copy failed.
     ///
     /// # Panics
     ///
     /// If the pool does not exist or the range leaves it (callers compute ranges from the
     /// page table the pools were sized from).
-    pub fn read(&self, pool: usize, offset: usize, dst: &mut [u8]) {
-        self.regions[pool].read_at(offset, dst);
+    pub fn read(&self, pool: usize, offset: usize, dst: &mut [u8]) -> Result<(), CopyError> {
+        let p = self.checked(pool, offset, dst.len());
+        #[cfg(feature = "cuda")]
+        if let Some(device) = &p.device {
+            let len = dst.len();
+            return device
+                .download(offset, dst)
+                .map_err(|e| self.copy_error(pool, "download", offset, len, e));
+        }
+        p.region.read_at(offset, dst);
+        Ok(())
     }
 
-    /// Copies `src` into pool `pool` at `offset`.
+    /// Copies `src` into pool `pool` at `offset`: into host memory directly, into a device
+    /// pool with `CudaPool::upload`.
     ///
     /// # Safety
     ///
     /// The caller owns the bytes `[offset, offset + src.len())` of the pool (see the module
     /// docs): no local put reads them and no peer writes them during the call.
     ///
+    /// # Errors
+    ///
+    /// A device pool's copy failed.
+    ///
     /// # Panics
     ///
     /// If the pool does not exist or the range leaves it.
-    pub unsafe fn write(&self, pool: usize, offset: usize, src: &[u8]) {
-        let region = &self.regions[pool];
-        let end = offset.checked_add(src.len());
-        assert!(
-            end.is_some_and(|end| end <= region.len()),
-            "range {offset}+{} is outside pool {pool} of {} bytes",
-            src.len(),
-            region.len()
-        );
+    pub unsafe fn write(&self, pool: usize, offset: usize, src: &[u8]) -> Result<(), CopyError> {
+        let p = self.checked(pool, offset, src.len());
+        #[cfg(feature = "cuda")]
+        if let Some(device) = &p.device {
+            return device
+                .upload(offset, src)
+                .map_err(|e| self.copy_error(pool, "upload", offset, src.len(), e));
+        }
+        let region = &p.region;
         // SAFETY: the range lies inside the region (checked above), whose bytes are valid for
         // writes while `region` lives; by this function's contract nothing else reads or
         // writes them meanwhile, and `src` is a Rust slice distinct from UCX memory.
         unsafe { ptr::copy_nonoverlapping(src.as_ptr(), region.as_ptr().add(offset), src.len()) };
+        Ok(())
     }
+
+    #[cfg(feature = "cuda")]
+    fn copy_error(
+        &self,
+        pool: usize,
+        op: &'static str,
+        offset: usize,
+        len: usize,
+        error: CudaError,
+    ) -> CopyError {
+        // The whole chain: the copy error travels to the controller as text.
+        let mut text = error.to_string();
+        let mut cause = std::error::Error::source(&error);
+        while let Some(c) = cause {
+            text = format!("{text}: {c}");
+            cause = c.source();
+        }
+        CopyError {
+            rank: self.rank,
+            pool,
+            op,
+            offset,
+            len,
+            error: text,
+        }
+    }
+}
+
+/// Where a [`PoolAllocator`] places pools.
+#[derive(Debug)]
+enum Placement {
+    Host,
+    #[cfg(feature = "cuda")]
+    Cuda {
+        /// `--cuda-device`: every rank on this device; `None`: rank `r` on `r % count`.
+        fixed: Option<usize>,
+        /// Devices the driver reports.
+        count: usize,
+        /// Devices opened so far, by ordinal.
+        opened: Vec<Option<CudaDevice>>,
+    },
 }
 
 /// Allocates pools as [`crate::layout::build_instance`] asks for them; use
@@ -166,18 +383,56 @@ impl RankPools {
 #[derive(Debug)]
 pub struct PoolAllocator {
     ctx: Arc<Context>,
-    ranks: Vec<Vec<MemRegion>>,
+    placement: Placement,
+    ranks: Vec<Vec<Pool>>,
     error: Option<MemoryError>,
 }
 
 impl PoolAllocator {
-    /// An allocator on `ctx`.
+    /// An allocator of host pools on `ctx`.
     pub fn new(ctx: &Arc<Context>) -> Self {
         Self {
             ctx: Arc::clone(ctx),
+            placement: Placement::Host,
             ranks: Vec::new(),
             error: None,
         }
+    }
+
+    /// Checks, before anything is allocated, that this build and machine can hold pools of
+    /// `kind`: for [`MemoryKind::Cuda`], the feature, the driver, the device and a context
+    /// whose UCX can move CUDA memory (with the feature, `check_cuda_device` does the driver
+    /// part alone, before a UCX context exists).
+    ///
+    /// `cuda_device`: the device of every rank; `None` puts rank `r` on device
+    /// `r % device_count`. Ignored for host pools.
+    ///
+    /// # Errors
+    ///
+    /// [`MemoryError::CudaNotBuilt`] without the feature; with it, `MemoryError::Cuda`
+    /// holding `CudaError::NoDriver`, `Init`, `NoDevice` or `UcxLacksCuda`.
+    pub fn for_memory(
+        ctx: &Arc<Context>,
+        kind: MemoryKind,
+        cuda_device: Option<usize>,
+    ) -> Result<Self, MemoryError> {
+        kind.check_built()?;
+        #[cfg(feature = "cuda")]
+        if kind == MemoryKind::Cuda {
+            let count = check_cuda_device(cuda_device)?;
+            cuda::ucx_cuda_support(ctx)?;
+            return Ok(Self {
+                placement: Placement::Cuda {
+                    fixed: cuda_device,
+                    count,
+                    opened: vec![None; count],
+                },
+                ..Self::new(ctx)
+            });
+        }
+        #[cfg(not(feature = "cuda"))]
+        let _ = cuda_device;
+        Ok(Self::new(ctx))
     }
 
     /// Allocates `bytes` (at least 1) for pool `pool` of rank `rank`; returns its address, or
@@ -194,20 +449,64 @@ impl PoolAllocator {
             self.error = Some(MemoryError::Order { rank, pool });
             return 0;
         }
-        match MemRegion::allocate(&self.ctx, bytes.max(1) as usize) {
-            Ok(region) => {
-                let base = region.remote_addr();
-                self.ranks[r].push(region);
+        match self.allocate(rank, pool, bytes) {
+            Ok(p) => {
+                let base = p.region.remote_addr();
+                self.ranks[r].push(p);
                 base
             }
-            Err(source) => {
-                self.error = Some(MemoryError::Allocate {
+            Err(e) => {
+                self.error = Some(e);
+                0
+            }
+        }
+    }
+
+    fn allocate(&mut self, rank: u32, pool: usize, bytes: u64) -> Result<Pool, MemoryError> {
+        let len = bytes.max(1) as usize;
+        match &mut self.placement {
+            Placement::Host => {
+                MemRegion::allocate(&self.ctx, len)
+                    .map(Pool::host)
+                    .map_err(|source| MemoryError::Allocate {
+                        rank,
+                        pool,
+                        bytes,
+                        error: source,
+                    })
+            }
+            #[cfg(feature = "cuda")]
+            Placement::Cuda {
+                fixed,
+                count,
+                opened,
+            } => {
+                let ordinal = fixed.unwrap_or(rank as usize % *count);
+                let failed = |what, error| MemoryError::CudaPool {
                     rank,
                     pool,
+                    device: ordinal,
                     bytes,
-                    error: source,
-                });
-                0
+                    what,
+                    error,
+                };
+                let device = match opened.get(ordinal).and_then(Option::as_ref) {
+                    Some(device) => device.clone(),
+                    None => {
+                        let device = CudaDevice::open(ordinal)?;
+                        if let Some(slot) = opened.get_mut(ordinal) {
+                            *slot = Some(device.clone());
+                        }
+                        device
+                    }
+                };
+                let device_pool = CudaPool::new(&device, len).map_err(|e| failed("allocate", e))?;
+                let region = cuda::register_with_ucx(&self.ctx, &device_pool)
+                    .map_err(|e| failed("register", e))?;
+                Ok(Pool {
+                    region,
+                    device: Some(device_pool),
+                })
             }
         }
     }
@@ -228,10 +527,27 @@ impl PoolAllocator {
             .ranks
             .into_iter()
             .enumerate()
-            .map(|(rank, regions)| RankPools {
+            .map(|(rank, pools)| RankPools {
                 rank: rank as u32,
-                regions,
+                pools,
             })
             .collect())
     }
+}
+
+/// Checks that the CUDA driver loads and reports a device (and device `device`, if given);
+/// returns the device count. Touches no UCX.
+///
+/// # Errors
+///
+/// [`MemoryError::Cuda`] with [`CudaError::NoDriver`] or [`CudaError::Init`] (the driver) or
+/// [`CudaError::NoDevice`] (no such device, or none at all).
+#[cfg(feature = "cuda")]
+pub fn check_cuda_device(device: Option<usize>) -> Result<usize, MemoryError> {
+    let count = cuda::device_count()?;
+    let ordinal = device.unwrap_or(0);
+    if ordinal >= count {
+        return Err(CudaError::NoDevice { ordinal, count }.into());
+    }
+    Ok(count)
 }

@@ -11,8 +11,8 @@
 //! ```
 //!
 //! - [`wire`]: the versioned, size-limited frames and every message.
-//! - [`instance`]: one process holding every rank of an instance: UCX context, pools
-//!   ([`memory`]), planners, one progress thread per rank ([`rank`]).
+//! - [`instance`]: one process holding every rank of an instance: UCX context, pools in host
+//!   or CUDA memory ([`memory`]), planners, one progress thread per rank ([`rank`]).
 //! - [`sender`] / [`receiver`]: the two sides of the protocol; [`server`] runs either behind
 //!   a TCP listener; [`client`] drives one.
 //! - [`slots`]: per-DP-group slot allocation; [`verify`]: the oracle on UCX pools.
@@ -35,7 +35,8 @@ use crate::layout::ModelSpec;
 use crate::scenario::Scenario;
 
 pub use client::{Client, ClientError};
-pub use instance::{Instance, InstanceConfig, Transport};
+pub use instance::{Instance, InstanceConfig, PreparedInstance, Transport};
+pub use memory::MemoryKind;
 pub use server::{Running, ServeError, ServeOptions, start};
 pub use wire::{Message, Role};
 

@@ -422,6 +422,10 @@ pub enum SpawnError {
 }
 
 fn run(rank: u32, worker: Worker, pools: &RankPools, rx: Receiver<Command>) {
+    // Device pools: UCX's CUDA transports move them from this thread, in the device's context.
+    if let Err(error) = pools.bind_device_to_thread() {
+        tracing::warn!(rank, %error, "cannot make the pools' cuda context current");
+    }
     // Endpoints live in the arena for the thread's life so remote keys and windows can borrow
     // them; a forgotten peer's endpoint stays there (closed when the thread ends). Declared
     // before the executor, so dropped after it: see `Executor`'s `Drop`.

@@ -72,6 +72,10 @@ pub struct Running {
 /// Starts the instance (allocating, describing and priming every rank) and binds the
 /// control listener.
 ///
+/// Pool memory is checked first ([`Instance::prepare`]): a machine that cannot hold the pools
+/// where `config.memory` asks (no CUDA driver, a UCX without CUDA support) fails before
+/// anything listens.
+///
 /// # Errors
 ///
 /// See [`ServeError`].
@@ -84,11 +88,12 @@ pub fn start(
         addr: options.listen.clone(),
         error: source,
     };
-    // Bound first, so a bad address fails before any memory is allocated.
+    let role = config.role;
+    let prepared = Instance::prepare(config)?;
+    // Bound before the pools are allocated, so a bad address fails before any memory is.
     let listener = TcpListener::bind(&options.listen).map_err(listen_error)?;
     let addr = listener.local_addr().map_err(listen_error)?;
-    let role = config.role;
-    let instance = Instance::start(config, bound)?;
+    let instance = prepared.start(bound)?;
     let server = match role {
         Role::Context => Server::Context(Arc::new(ContextServer::new(instance, options))),
         Role::Generation => {

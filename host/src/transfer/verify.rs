@@ -3,13 +3,16 @@
 //!
 //! Every oracle call of the transfer code goes through this module. The oracle reads and
 //! writes whole slots through [`PoolMemory`]; `UcxPools` implements it over a rank's UCX
-//! regions, and every call here is scoped to the slots its request owns
+//! regions (host pools directly, device pools through their CUDA copies, see
+//! [`RankPools::read`]), and every call here is scoped to the slots its request owns
 //! ([`Extent::RequestSlots`]), so bytes of other requests in flight are never touched or
 //! judged.
 
+use std::cell::RefCell;
+
 use kvferry_planner_abi::{PairRequest, RankInfo, SlotTable, ViewId};
 
-use super::memory::RankPools;
+use super::memory::{CopyError, RankPools};
 use crate::oracle::{Delivery, Extent, MemoryError, Oracle, OracleError, PoolMemory, VerifyReport};
 use crate::plan::RequestSide;
 
@@ -19,6 +22,9 @@ pub enum VerifyError {
     /// The oracle refused the geometry or the slot tables, or a slot lies outside its pool.
     #[error(transparent)]
     Oracle(#[from] OracleError),
+    /// A device pool could not be copied to or from.
+    #[error(transparent)]
+    Copy(#[from] CopyError),
 }
 
 /// One receiver rank of a request, for [`verify_request`].
@@ -39,9 +45,13 @@ pub struct ReceiverPart<'a> {
 /// Reads copy out of the regions; writes copy in. Writes are only sound while the host owns
 /// the slots written (see the memory module's slot ownership): the constructors that allow
 /// writing are `unsafe` for that reason.
+///
+/// A failed device copy stops the oracle (as an unreadable range) and is kept in `failure`;
+/// [`UcxPools::finish`] reports it instead of the oracle's error.
 struct UcxPools<'a> {
     ranks: Vec<&'a RankPools>,
     writable: bool,
+    failure: RefCell<Option<CopyError>>,
 }
 
 impl<'a> UcxPools<'a> {
@@ -50,6 +60,7 @@ impl<'a> UcxPools<'a> {
         Self {
             ranks,
             writable: false,
+            failure: RefCell::new(None),
         }
     }
 
@@ -63,6 +74,7 @@ impl<'a> UcxPools<'a> {
         Self {
             ranks,
             writable: true,
+            failure: RefCell::new(None),
         }
     }
 
@@ -72,13 +84,27 @@ impl<'a> UcxPools<'a> {
             .find_map(|r| r.locate(address, len).map(|(p, off)| (*r, p, off)))
             .ok_or(MemoryError::Unmapped { address, len })
     }
+
+    /// Keeps a failed copy for [`finish`](Self::finish); the oracle sees an unreadable range.
+    fn failed(&self, error: CopyError) -> MemoryError {
+        let pool = format!("rank {} pool {}", error.rank, error.pool);
+        self.failure.borrow_mut().get_or_insert(error);
+        MemoryError::NotBacked { pool }
+    }
+
+    /// The oracle's result, or the device copy that stopped it.
+    fn finish<T>(self, result: Result<T, OracleError>) -> Result<T, VerifyError> {
+        match self.failure.into_inner() {
+            Some(error) => Err(VerifyError::Copy(error)),
+            None => Ok(result?),
+        }
+    }
 }
 
 impl PoolMemory for UcxPools<'_> {
     fn read(&self, address: u64, out: &mut [u8]) -> Result<(), MemoryError> {
         let (rank, pool, offset) = self.locate(address, out.len() as u64)?;
-        rank.read(pool, offset, out);
-        Ok(())
+        rank.read(pool, offset, out).map_err(|e| self.failed(e))
     }
 
     fn write(&mut self, address: u64, data: &[u8]) -> Result<(), MemoryError> {
@@ -90,8 +116,7 @@ impl PoolMemory for UcxPools<'_> {
         // SAFETY: `writable` is only set by `UcxPools::writing`, whose caller guarantees the
         // host owns every slot written while the value lives; `locate` checked the range lies
         // inside the pool.
-        unsafe { rank.write(pool, offset, data) };
-        Ok(())
+        unsafe { rank.write(pool, offset, data) }.map_err(|e| self.failed(e))
     }
 
     fn is_backed(&self, base: u64) -> bool {
@@ -108,8 +133,8 @@ pub fn prime_all(oracle: &Oracle, info: &RankInfo, pools: &RankPools) -> Result<
     // SAFETY: called at start-up, before the rank's keys are published: no request holds a
     // slot, no put reads the pools and no peer can write them.
     let mut memory = unsafe { UcxPools::writing(vec![pools]) };
-    oracle.prime_destination(&mut memory, info)?;
-    Ok(())
+    let result = oracle.prime_destination(&mut memory, info).map(|_| ());
+    memory.finish(result)
 }
 
 /// Writes the canary over a request's slots of a receiver rank.
@@ -127,8 +152,10 @@ pub fn prime_slots(
     // writers have all finished (release): the host owns them (memory module docs).
     let mut memory = unsafe { UcxPools::writing(vec![pools]) };
     let side = RequestSide::new(info, tables);
-    oracle.prime_destination_in(&mut memory, side, Extent::RequestSlots)?;
-    Ok(())
+    let result = oracle
+        .prime_destination_in(&mut memory, side, Extent::RequestSlots)
+        .map(|_| ());
+    memory.finish(result)
 }
 
 /// Writes a request's logical tags into its slots of a sender rank (the demo's "prefill").
@@ -146,8 +173,10 @@ pub fn fill_slots(
     // them and no peer writes a context pool (memory module docs).
     let mut memory = unsafe { UcxPools::writing(vec![pools]) };
     let side = RequestSide::new(info, tables);
-    oracle.fill_source_in(&mut memory, side, Extent::RequestSlots)?;
-    Ok(())
+    let result = oracle
+        .fill_source_in(&mut memory, side, Extent::RequestSlots)
+        .map(|_| ());
+    memory.finish(result)
 }
 
 /// Checks a completed request's slots on every receiver rank: covered bytes hold their tags,
@@ -181,7 +210,7 @@ pub fn verify_request(
         .iter()
         .map(|(info, tables)| RequestSide::new(info, tables))
         .collect();
-    Ok(oracle.verify_in(
+    let result = oracle.verify_in(
         &memory,
         &Delivery {
             context: &context_sides,
@@ -189,7 +218,8 @@ pub fn verify_request(
             pieces,
         },
         Extent::RequestSlots,
-    )?)
+    );
+    memory.finish(result)
 }
 
 /// Checks that every byte of every pool of the ranks holds its canary (no request holds a
@@ -212,12 +242,13 @@ pub fn verify_idle(
         .zip(&empty)
         .map(|((info, _), tables)| RequestSide::new(info, tables))
         .collect();
-    Ok(oracle.verify(
+    let result = oracle.verify(
         &memory,
         &Delivery {
             context: &[],
             receivers: &sides,
             pieces: &[],
         },
-    )?)
+    );
+    memory.finish(result)
 }

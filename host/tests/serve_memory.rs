@@ -1,0 +1,146 @@
+//! `--memory host|cuda` of `kvferry serve`, `demo` and `bench` as a user runs them. In a build
+//! without the `cuda` feature, `--memory cuda` is refused up front with the rebuild
+//! instruction (host/tests/cuda.rs covers the feature build).
+
+use std::process::{Command, Output, Stdio};
+
+use kvferry::demo::LISTENING;
+
+#[cfg(not(feature = "cuda"))]
+const REBUILD: &str = "kvferry: this kvferry was built without the `cuda` feature; rebuild with \
+                       `cargo build --features cuda`";
+
+/// `kvferry ARGS` with no planner configuration from the environment and no stdin.
+fn kvferry(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args(args)
+        .env_remove("KVFERRY_PLUGIN_DIR")
+        .env_remove("KVFERRY_PLANNER")
+        .env_remove("KVFERRY_CONFIG")
+        .env("RUST_LOG", "kvferry=warn,warn")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run kvferry")
+}
+
+fn text(out: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `kvferry serve` of a small generation instance, plus `extra`.
+fn serve(extra: &[&str]) -> Output {
+    let mut args = vec![
+        "serve",
+        "--role",
+        "generation",
+        "--model",
+        "llama-3-70b",
+        "--deployment",
+        "tp1",
+        "--listen",
+        "127.0.0.1:0",
+        "--slots",
+        "4",
+    ];
+    args.extend_from_slice(extra);
+    kvferry(&args)
+}
+
+/// Exit status 1, the message on stderr, and never a listening line.
+fn assert_refused(out: &Output, message: &str) {
+    let (stdout, stderr) = text(out);
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(stderr.contains(message), "{stderr}");
+    assert!(!stdout.contains(LISTENING), "{stdout}");
+}
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn serve_memory_cuda_without_the_feature_asks_for_a_rebuild() {
+    let out = serve(&["--memory", "cuda"]);
+    assert_refused(&out, REBUILD);
+    let (_, stderr) = text(&out);
+    println!("seen: {}", stderr.trim());
+    // Also with a device named; refused before the stdin watcher (stdin is empty) exits 0.
+    let out = serve(&[
+        "--memory",
+        "cuda",
+        "--cuda-device",
+        "0",
+        "--exit-with-stdin",
+    ]);
+    assert_refused(&out, REBUILD);
+}
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn demo_and_bench_memory_cuda_without_the_feature_ask_for_a_rebuild() {
+    let common = [
+        "--memory",
+        "cuda",
+        "--model",
+        "llama-3-70b",
+        "--ctx",
+        "tp1",
+        "--gen",
+        "tp1",
+        "--prompt-len",
+        "64",
+    ];
+    for command in ["demo", "bench"] {
+        let mut args = vec![command];
+        args.extend_from_slice(&common);
+        let out = kvferry(&args);
+        assert_refused(&out, REBUILD);
+        // Refused by the controller itself: no server child was started.
+        let (_, stderr) = text(&out);
+        assert!(!stderr.contains("server:"), "{command}: {stderr}");
+    }
+}
+
+#[test]
+fn cuda_device_without_memory_cuda_is_refused() {
+    let out = serve(&["--cuda-device", "0"]);
+    assert_refused(&out, "kvferry: --cuda-device needs --memory cuda");
+}
+
+#[test]
+fn an_unknown_memory_names_the_known_ones() {
+    let out = serve(&["--memory", "gpu"]);
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("unknown memory `gpu` (known: host, cuda)"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn demo_with_memory_host_verifies_and_reports_it() {
+    let out = kvferry(&[
+        "demo",
+        "--memory",
+        "host",
+        "--model",
+        "llama-3-70b",
+        "--ctx",
+        "tp1",
+        "--gen",
+        "tp1",
+        "--requests",
+        "2",
+        "--prompt-len",
+        "64",
+        "--in-flight",
+        "2",
+        "--json",
+    ]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let report: serde_json::Value = serde_json::from_str(&stdout).expect("demo --json");
+    assert_eq!(report["memory"], "host", "{report}");
+    assert_eq!(report["verified"], true, "{report}");
+}
