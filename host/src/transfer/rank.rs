@@ -607,10 +607,18 @@ impl<'a, 'w> Executor<'a, 'w> {
             return;
         }
         self.stuck.retain_mut(|s| {
-            if let Err(e) = s.window.poll() {
-                tracing::debug!(peer = %s.instance, peer_rank = s.rank, error = %e, "quarantined operation failed");
-            }
-            if s.window.is_idle() {
+            // Settled, not merely idle: a put completes locally, and over tcp its bytes may
+            // still be on the way; reporting the failure before a flush proves they landed
+            // would let the receiver reuse slots those bytes are about to overwrite. A failed
+            // flush means the endpoint is broken and delivers nothing more.
+            let settled = match s.window.settle() {
+                Ok(settled) => settled,
+                Err(e) => {
+                    tracing::debug!(peer = %s.instance, peer_rank = s.rank, error = %e, "quarantined operation failed");
+                    s.window.is_idle()
+                }
+            };
+            if settled {
                 tracing::info!(
                     peer = %s.instance,
                     peer_rank = s.rank,

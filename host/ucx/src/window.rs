@@ -294,6 +294,41 @@ impl<'a> PutWindow<'a> {
         result.map(|()| self.is_idle())
     }
 
+    /// Whether every put issued through the window is known to be **remotely** complete:
+    /// nothing is in flight and a flush finished after the last put.
+    ///
+    /// A put's own completion is local (its source may be reused); over transports that
+    /// emulate RMA (tcp) its bytes may still be on the way. Only a flush that completes after
+    /// it proves they landed.
+    pub fn is_settled(&self) -> bool {
+        self.is_idle() && !self.dirty
+    }
+
+    /// Moves a parked window toward [`is_settled`](Self::is_settled) without blocking:
+    /// retires what finished and, once no put is in flight and puts were issued since the
+    /// last flush, starts a flush. Returns whether the window is settled.
+    ///
+    /// For a window parked after a timeout whose owner must not report "nothing more will
+    /// land" before it is true; polled from a loop that progresses the worker anyway.
+    ///
+    /// # Errors
+    ///
+    /// As [`poll`](Self::poll), or the flush's failure to start. A failed flush leaves the
+    /// window idle and not settled: the endpoint is broken and delivers nothing more.
+    pub fn settle(&mut self) -> Result<bool, Error> {
+        // Even after a failed put, flush: puts that completed before it may still be in
+        // transit, and only a flush says whether they landed.
+        let retired = self.poll();
+        if self.is_idle() && self.dirty {
+            let request = self.ep.flush()?;
+            self.dirty = false;
+            self.flushing = Some(request);
+            self.poll()?;
+        }
+        retired?;
+        Ok(self.is_settled())
+    }
+
     /// Forgets every put and flush still in flight without waiting for them, and drops the
     /// window. The UCX requests are never released (their memory returns to UCX when the
     /// worker is destroyed).
