@@ -32,7 +32,7 @@
 
 use std::fmt;
 use std::net::TcpListener;
-use std::path::PathBuf;
+
 use std::process::{Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -40,11 +40,11 @@ use std::time::{Duration, Instant};
 use kvferry_planner_abi::Mapping;
 use serde::Serialize;
 
-use crate::demo::{Children, DemoError, PairArgs, expect_released, serve_args, spawn_server};
-use crate::layout::ModelSpec;
+use crate::demo::{Children, DemoError, LoopbackPair, expect_released, serve_args, spawn_server};
+
 use crate::transfer::rank::PUT_WINDOW;
 use crate::transfer::wire::{BenchStats, Message, RankTables, Submit};
-use crate::transfer::{Client, MemoryKind, Transport};
+use crate::transfer::{Client, Transport};
 
 /// Rounds run before the counted ones: one of each order, so both slot sets are touched.
 pub const WARMUP_ROUNDS: u32 = 2;
@@ -56,38 +56,14 @@ pub const PERFTEST: &str = "ucx_perftest";
 /// What to run.
 #[derive(Clone, Debug)]
 pub struct BenchConfig {
-    /// The `kvferry` executable to start the servers from.
-    pub exe: PathBuf,
-    /// Config file passed to the servers (`--config`).
-    pub config_file: Option<PathBuf>,
-    /// Model, dtype and block size.
-    pub model: ModelSpec,
-    /// The context deployment spec, as typed.
-    pub ctx_spec: String,
-    /// The generation deployment spec.
-    pub gen_spec: String,
-    /// The context mapping (parsed `ctx_spec`).
-    pub ctx: Mapping,
-    /// The generation mapping.
-    pub r#gen: Mapping,
+    /// The servers.
+    pub pair: LoopbackPair,
     /// Tokens of every request.
     pub prompt_len: u64,
     /// Requests per round, all in flight at once.
     pub requests: u64,
     /// Counted rounds (after [`WARMUP_ROUNDS`] warm-up rounds).
     pub rounds: u32,
-    /// UCX transports.
-    pub transport: Transport,
-    /// Where both servers' pools live.
-    pub memory: MemoryKind,
-    /// CUDA pools: the device of every rank (`None`: each server's default).
-    pub cuda_device: Option<usize>,
-    /// Planner id for both servers (`None`: their own default selection).
-    pub planner: Option<String>,
-    /// Seed of slot placement and the oracle.
-    pub seed: u64,
-    /// Per-request timeout of both servers.
-    pub timeout: Duration,
     /// Also run `ucx_perftest`.
     pub perftest: bool,
 }
@@ -478,9 +454,9 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
             "--requests, --prompt-len and --rounds must be positive".into(),
         ));
     }
-    let tpb = u64::from(config.model.tokens_per_block);
+    let tpb = u64::from(config.pair.model.tokens_per_block);
     let groups = |m: &Mapping| if m.attention_dp { m.tp } else { 1 };
-    let groups = (groups(&config.ctx), groups(&config.r#gen));
+    let groups = (groups(&config.pair.ctx), groups(&config.pair.r#gen));
     // Requests go round-robin over each side's DP groups, and two sets are held at once (odd
     // rounds replay the previous set).
     let sizing = |dp_groups: u32| {
@@ -489,51 +465,41 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
     };
     let (ctx_slots, ctx_state) = sizing(groups.0);
     let (gen_slots, gen_state) = sizing(groups.1);
-    let pair_args = PairArgs {
-        config_file: config.config_file.as_deref(),
-        model: &config.model,
-        transport: config.transport,
-        memory: config.memory,
-        cuda_device: config.cuda_device,
-        planner: config.planner.as_deref(),
-        seed: config.seed,
-        timeout: config.timeout,
-    };
     let mut ctx_args = serve_args(
-        &pair_args,
+        &config.pair,
         "context",
-        &config.ctx_spec,
+        &config.pair.ctx_spec,
         ctx_slots,
         ctx_state,
     );
     ctx_args.push("--record-plans".into());
     let gen_args = serve_args(
-        &pair_args,
+        &config.pair,
         "generation",
-        &config.gen_spec,
+        &config.pair.gen_spec,
         gen_slots,
         gen_state,
     );
 
     let mut children = Children(Vec::new());
-    let (ctx_child, ctx_addr) = spawn_server(&config.exe, &ctx_args, "context")?;
+    let (ctx_child, ctx_addr) = spawn_server(&config.pair.exe, &ctx_args, "context")?;
     children.0.push(ctx_child);
-    let (gen_child, gen_addr) = spawn_server(&config.exe, &gen_args, "generation")?;
+    let (gen_child, gen_addr) = spawn_server(&config.pair.exe, &gen_args, "generation")?;
     children.0.push(gen_child);
     let mut pair = Pair {
         ctx: Client::connect(&ctx_addr)?,
         r#gen: Client::connect(&gen_addr)?,
         ctx_addr,
-        wait: config.timeout + Duration::from_secs(30),
+        wait: config.pair.timeout + Duration::from_secs(30),
         next_id: 0,
     };
 
     let mut report = BenchReport {
-        model: config.model.to_string(),
-        ctx: config.ctx_spec.clone(),
-        r#gen: config.gen_spec.clone(),
-        transport: config.transport.name().to_string(),
-        memory: config.memory.name().to_string(),
+        model: config.pair.model.to_string(),
+        ctx: config.pair.ctx_spec.clone(),
+        r#gen: config.pair.gen_spec.clone(),
+        transport: config.pair.transport.name().to_string(),
+        memory: config.pair.memory.name().to_string(),
         prompt_len: config.prompt_len,
         requests: config.requests,
         rounds: config.rounds,
@@ -652,7 +618,7 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
 
     if config.perftest {
         let size = report.mean_fragment_bytes.round().max(1.0) as u64;
-        match perftest(config.transport, size, report.bytes) {
+        match perftest(config.pair.transport, size, report.bytes) {
             Ok(p) => {
                 report.perftest_gbps = Some(p.gbps);
                 report.perftest = Some(p);

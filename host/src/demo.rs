@@ -17,7 +17,7 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
@@ -44,9 +44,9 @@ const STDERR_TAIL: usize = 32;
 /// The line a server prints once it listens: `listening on HOST:PORT`.
 pub const LISTENING: &str = "listening on ";
 
-/// What to run.
+/// The two `kvferry serve` children of a loopback pair, as `demo` and `bench` start them.
 #[derive(Clone, Debug)]
-pub struct DemoConfig {
+pub struct LoopbackPair {
     /// The `kvferry` executable to start the servers from.
     pub exe: PathBuf,
     /// Config file passed to the servers (`--config`).
@@ -61,10 +61,6 @@ pub struct DemoConfig {
     pub ctx: Mapping,
     /// The generation mapping.
     pub r#gen: Mapping,
-    /// Requests to run.
-    pub requests: u64,
-    /// The longest prompt; lengths are drawn from `1..=max_prompt_len`.
-    pub max_prompt_len: u64,
     /// UCX transports.
     pub transport: Transport,
     /// Where both servers' pools live.
@@ -73,16 +69,27 @@ pub struct DemoConfig {
     pub cuda_device: Option<usize>,
     /// Planner id for both servers (`None`: their own default selection).
     pub planner: Option<String>,
-    /// Seed of prompt lengths, slot placement and the oracle.
+    /// Seed of prompt lengths and slot placement; salt of the oracle.
     pub seed: u64,
+    /// Per-request timeout (`--timeout-ms`) of both servers.
+    pub timeout: Duration,
+}
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct DemoConfig {
+    /// The servers.
+    pub pair: LoopbackPair,
+    /// Requests to run.
+    pub requests: u64,
+    /// The longest prompt; lengths are drawn from `1..=max_prompt_len`.
+    pub max_prompt_len: u64,
     /// Send in chunks of this many tokens.
     pub chunk: Option<u64>,
     /// Prompt tokens the receiver already caches (clamped to each prompt).
     pub cached: u64,
     /// Requests in flight at once.
     pub in_flight: usize,
-    /// The generation server's per-request timeout.
-    pub timeout: Duration,
 }
 
 /// Why the demo could not run.
@@ -229,38 +236,17 @@ impl Children {
     }
 }
 
-/// What both `kvferry serve` children of a loopback pair share.
-#[derive(Clone, Copy, Debug)]
-pub struct PairArgs<'a> {
-    /// Config file passed to the servers (`--config`).
-    pub config_file: Option<&'a Path>,
-    /// Model, dtype and block size.
-    pub model: &'a ModelSpec,
-    /// UCX transports.
-    pub transport: Transport,
-    /// Where the pools live (`--memory`).
-    pub memory: MemoryKind,
-    /// CUDA pools: the device of every rank (`--cuda-device`).
-    pub cuda_device: Option<usize>,
-    /// Planner id for both servers (`None`: their own default selection).
-    pub planner: Option<&'a str>,
-    /// Salt of the oracle.
-    pub seed: u64,
-    /// Per-request timeout (`--timeout-ms`) of both servers.
-    pub timeout: Duration,
-}
-
 /// Arguments of `kvferry serve` for one side of a loopback pair: `role` with deployment
 /// `spec`, `slots` PAGED and `state` STATE slots per pool, a free port on 127.0.0.1.
 pub fn serve_args(
-    pair: &PairArgs<'_>,
+    pair: &LoopbackPair,
     role: &str,
     spec: &str,
     slots: u64,
     state: u64,
 ) -> Vec<String> {
     let mut args = Vec::new();
-    if let Some(file) = pair.config_file {
+    if let Some(file) = &pair.config_file {
         args.extend(["--config".to_string(), file.display().to_string()]);
     }
     args.extend(
@@ -298,25 +284,10 @@ pub fn serve_args(
     if let Some(device) = pair.cuda_device {
         args.extend(["--cuda-device".to_string(), device.to_string()]);
     }
-    if let Some(p) = pair.planner {
+    if let Some(p) = &pair.planner {
         args.extend(["--planner".to_string(), p.to_string()]);
     }
     args
-}
-
-impl DemoConfig {
-    fn pair(&self) -> PairArgs<'_> {
-        PairArgs {
-            config_file: self.config_file.as_deref(),
-            model: &self.model,
-            transport: self.transport,
-            memory: self.memory,
-            cuda_device: self.cuda_device,
-            planner: self.planner.as_deref(),
-            seed: self.seed,
-            timeout: self.timeout,
-        }
-    }
 }
 
 /// Starts one server child; returns it and its control address.
@@ -477,7 +448,7 @@ pub fn run(config: &DemoConfig) -> Result<DemoReport, DemoError> {
             "--requests and --prompt-len must be positive".into(),
         ));
     }
-    let tpb = u64::from(config.model.tokens_per_block);
+    let tpb = u64::from(config.pair.model.tokens_per_block);
     if let Some(chunk) = config.chunk {
         if chunk == 0 || chunk % tpb != 0 {
             return Err(DemoError::Invalid(format!(
@@ -491,14 +462,20 @@ pub fn run(config: &DemoConfig) -> Result<DemoReport, DemoError> {
 
     let mut children = Children(Vec::new());
     let (ctx_child, ctx_addr) = spawn_server(
-        &config.exe,
-        &serve_args(&config.pair(), "context", &config.ctx_spec, slots, state),
+        &config.pair.exe,
+        &serve_args(&config.pair, "context", &config.pair.ctx_spec, slots, state),
         "context",
     )?;
     children.0.push(ctx_child);
     let (gen_child, gen_addr) = spawn_server(
-        &config.exe,
-        &serve_args(&config.pair(), "generation", &config.gen_spec, slots, state),
+        &config.pair.exe,
+        &serve_args(
+            &config.pair,
+            "generation",
+            &config.pair.gen_spec,
+            slots,
+            state,
+        ),
         "generation",
     )?;
     children.0.push(gen_child);
@@ -506,11 +483,11 @@ pub fn run(config: &DemoConfig) -> Result<DemoReport, DemoError> {
     let r#gen = Client::connect(&gen_addr)?;
 
     let mut report = DemoReport {
-        model: config.model.to_string(),
-        ctx: config.ctx_spec.clone(),
-        r#gen: config.gen_spec.clone(),
-        transport: config.transport.name().to_string(),
-        memory: config.memory.name().to_string(),
+        model: config.pair.model.to_string(),
+        ctx: config.pair.ctx_spec.clone(),
+        r#gen: config.pair.gen_spec.clone(),
+        transport: config.pair.transport.name().to_string(),
+        memory: config.pair.memory.name().to_string(),
         requests: config.requests,
         ..DemoReport::default()
     };
@@ -528,8 +505,8 @@ pub fn run(config: &DemoConfig) -> Result<DemoReport, DemoError> {
     }
 
     let groups = |m: &Mapping| if m.attention_dp { m.tp } else { 1 };
-    let (ctx_groups, gen_groups) = (groups(&config.ctx), groups(&config.r#gen));
-    let mut rng = StdRng::seed_from_u64(config.seed);
+    let (ctx_groups, gen_groups) = (groups(&config.pair.ctx), groups(&config.pair.r#gen));
+    let mut rng = StdRng::seed_from_u64(config.pair.seed);
     let mut latencies = Vec::new();
     let mut transfer = Duration::ZERO;
     let mut all_ok = true;
@@ -601,7 +578,7 @@ pub fn run(config: &DemoConfig) -> Result<DemoReport, DemoError> {
             p.sent = Some(Instant::now());
             r#gen.send(Message::Submit(submit))?;
         }
-        let wait = config.timeout + Duration::from_secs(30);
+        let wait = config.pair.timeout + Duration::from_secs(30);
         let mut done = Vec::new();
         let mut pending = batch.len();
         while pending > 0 {

@@ -11,7 +11,7 @@ use anyhow::{Context, Result, anyhow, bail};
 use clap::{Parser, Subcommand};
 use kvferry::bench::{self, BenchConfig};
 use kvferry::config::{self, Config};
-use kvferry::demo::{self, DemoConfig};
+use kvferry::demo::{self, DemoConfig, LoopbackPair};
 use kvferry::layout::{self, Dtype, ModelSpec, PoolOptions, Preset};
 use kvferry::registry::{self, BoundPlanner, Registry};
 use kvferry::scenario::Scenario;
@@ -160,9 +160,9 @@ struct ServeArgs {
     exit_with_stdin: bool,
 }
 
-/// Options of `kvferry demo`.
+/// The loopback server pair `demo` and `bench` start.
 #[derive(Debug, clap::Args)]
-struct DemoArgs {
+struct PairArgs {
     /// Model preset.
     #[arg(long, value_name = "PRESET")]
     model: Preset,
@@ -174,12 +174,6 @@ struct DemoArgs {
     r#gen: String,
     #[command(flatten)]
     shape: Shape,
-    /// Requests to stream.
-    #[arg(long, default_value_t = 32, value_name = "N")]
-    requests: u64,
-    /// Longest prompt; each request's length is drawn from 1..=MAX.
-    #[arg(long, default_value_t = 1024, value_name = "MAX")]
-    prompt_len: u64,
     /// UCX transports: shared memory or loopback TCP.
     #[arg(long, default_value = "shm", value_name = "shm|tcp")]
     transport: Transport,
@@ -189,9 +183,49 @@ struct DemoArgs {
     /// kvferry.default).
     #[arg(long, value_name = "ID")]
     planner: Option<String>,
-    /// Seed of prompt lengths, slot placement and the oracle.
+    /// Seed of prompt lengths and slot placement, and the oracle's salt.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Per-request timeout of both servers.
+    #[arg(long, default_value_t = 30_000, value_name = "N")]
+    timeout_ms: u64,
+}
+
+impl PairArgs {
+    /// Checks the options and resolves the deployments and the executable.
+    fn resolve(self, config_file: Option<PathBuf>) -> Result<LoopbackPair> {
+        self.memory.check()?;
+        let ctx = spec::parse(&self.ctx).map_err(|e| anyhow!("--ctx: {e}"))?;
+        let r#gen = spec::parse(&self.r#gen).map_err(|e| anyhow!("--gen: {e}"))?;
+        Ok(LoopbackPair {
+            exe: std::env::current_exe().context("locating the kvferry executable")?,
+            config_file,
+            model: self.shape.model(self.model),
+            ctx_spec: self.ctx,
+            gen_spec: self.r#gen,
+            ctx,
+            r#gen,
+            transport: self.transport,
+            memory: self.memory.memory,
+            cuda_device: self.memory.cuda_device,
+            planner: self.planner,
+            seed: self.seed,
+            timeout: Duration::from_millis(self.timeout_ms),
+        })
+    }
+}
+
+/// Options of `kvferry demo`.
+#[derive(Debug, clap::Args)]
+struct DemoArgs {
+    #[command(flatten)]
+    pair: PairArgs,
+    /// Requests to stream.
+    #[arg(long, default_value_t = 32, value_name = "N")]
+    requests: u64,
+    /// Longest prompt; each request's length is drawn from 1..=MAX.
+    #[arg(long, default_value_t = 1024, value_name = "MAX")]
+    prompt_len: u64,
     /// Send each request in chunks of this many tokens (a multiple of the block size).
     #[arg(long, value_name = "TOKENS")]
     chunk: Option<u64>,
@@ -201,9 +235,6 @@ struct DemoArgs {
     /// Requests in flight at once.
     #[arg(long, default_value_t = 8, value_name = "N")]
     in_flight: usize,
-    /// Per-request timeout on the generation server.
-    #[arg(long, default_value_t = 30_000, value_name = "N")]
-    timeout_ms: u64,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -212,17 +243,8 @@ struct DemoArgs {
 /// Options of `kvferry bench`.
 #[derive(Debug, clap::Args)]
 struct BenchArgs {
-    /// Model preset.
-    #[arg(long, value_name = "PRESET")]
-    model: Preset,
-    /// The context instance's deployment.
-    #[arg(long, value_name = "SPEC")]
-    ctx: String,
-    /// The generation instance's deployment.
-    #[arg(long, value_name = "SPEC")]
-    r#gen: String,
     #[command(flatten)]
-    shape: Shape,
+    pair: PairArgs,
     /// Tokens of every request.
     #[arg(long, value_name = "N")]
     prompt_len: u64,
@@ -232,21 +254,6 @@ struct BenchArgs {
     /// Counted rounds, after two warm-up rounds.
     #[arg(long, default_value_t = 5, value_name = "N")]
     rounds: u32,
-    /// UCX transports: shared memory or loopback TCP.
-    #[arg(long, default_value = "shm", value_name = "shm|tcp")]
-    transport: Transport,
-    #[command(flatten)]
-    memory: MemoryArgs,
-    /// Planner id for both servers (default: $KVFERRY_PLANNER, config `planner`,
-    /// kvferry.default).
-    #[arg(long, value_name = "ID")]
-    planner: Option<String>,
-    /// Seed of slot placement and the oracle.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
-    /// Per-request timeout of both servers.
-    #[arg(long, default_value_t = 30_000, value_name = "N")]
-    timeout_ms: u64,
     /// Also run `ucx_perftest -t ucp_put_bw` (package ucx-utils) with the mean fragment size
     /// and the same UCX transports.
     #[arg(long)]
@@ -606,28 +613,13 @@ fn serve(host: &Host, a: ServeArgs) -> Result<ExitCode> {
 }
 
 fn run_demo(config_file: Option<PathBuf>, a: DemoArgs) -> Result<ExitCode> {
-    a.memory.check()?;
-    let ctx = spec::parse(&a.ctx).map_err(|e| anyhow!("--ctx: {e}"))?;
-    let r#gen = spec::parse(&a.r#gen).map_err(|e| anyhow!("--gen: {e}"))?;
     let config = DemoConfig {
-        exe: std::env::current_exe().context("locating the kvferry executable")?,
-        config_file,
-        model: a.shape.model(a.model),
-        ctx_spec: a.ctx,
-        gen_spec: a.r#gen,
-        ctx,
-        r#gen,
+        pair: a.pair.resolve(config_file)?,
         requests: a.requests,
         max_prompt_len: a.prompt_len,
-        transport: a.transport,
-        memory: a.memory.memory,
-        cuda_device: a.memory.cuda_device,
-        planner: a.planner,
-        seed: a.seed,
         chunk: a.chunk,
         cached: a.cached,
         in_flight: a.in_flight,
-        timeout: Duration::from_millis(a.timeout_ms),
     };
     let report = demo::run(&config)?;
     if a.json {
@@ -643,26 +635,11 @@ fn run_demo(config_file: Option<PathBuf>, a: DemoArgs) -> Result<ExitCode> {
 }
 
 fn run_bench(config_file: Option<PathBuf>, a: BenchArgs) -> Result<ExitCode> {
-    a.memory.check()?;
-    let ctx = spec::parse(&a.ctx).map_err(|e| anyhow!("--ctx: {e}"))?;
-    let r#gen = spec::parse(&a.r#gen).map_err(|e| anyhow!("--gen: {e}"))?;
     let config = BenchConfig {
-        exe: std::env::current_exe().context("locating the kvferry executable")?,
-        config_file,
-        model: a.shape.model(a.model),
-        ctx_spec: a.ctx,
-        gen_spec: a.r#gen,
-        ctx,
-        r#gen,
+        pair: a.pair.resolve(config_file)?,
         prompt_len: a.prompt_len,
         requests: a.requests,
         rounds: a.rounds,
-        transport: a.transport,
-        memory: a.memory.memory,
-        cuda_device: a.memory.cuda_device,
-        planner: a.planner,
-        seed: a.seed,
-        timeout: Duration::from_millis(a.timeout_ms),
         perftest: a.perftest,
     };
     let report = bench::run(&config)?;
