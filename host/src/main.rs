@@ -13,6 +13,7 @@ use kvferry::bench::{self, BenchConfig};
 use kvferry::config::{self, Config};
 use kvferry::demo::{self, DemoConfig, LoopbackPair};
 use kvferry::layout::{self, Dtype, ModelSpec, PoolOptions, Preset};
+use kvferry::oracle::LocalMemory;
 use kvferry::registry::{self, BoundPlanner, Registry};
 use kvferry::scenario::Scenario;
 use kvferry::spec;
@@ -349,11 +350,10 @@ fn instantiate_all(
     model: &ModelSpec,
     mapping: &Mapping,
 ) -> Result<Vec<RankInfo>> {
-    let mut next = 0x1000_0000_u64;
-    let mut alloc = |_: u32, _: usize, bytes: u64| {
-        let base = next;
-        next += bytes.next_multiple_of(4096) + 4096;
-        base
+    // Addresses only: nothing is allocated.
+    let mut space = LocalMemory::new();
+    let mut alloc = |rank: u32, pool: usize, bytes: u64| {
+        space.reserve(bytes, format!("rank {rank} pool {pool}"))
     };
     let options = PoolOptions::default();
     let ranks = layout::build_instance(model, mapping, "check", bound.id(), &options, &mut alloc)?;

@@ -15,6 +15,7 @@ use std::sync::Arc;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use kvferry::layout::{self, ModelSpec, PoolOptions, Preset};
+use kvferry::oracle::LocalMemory;
 use kvferry::plan::{RequestSide, plan_transfer};
 use kvferry::scenario::{SlotAssignment, slot_tables};
 use kvferry_conformance::{PlannerUnderTest, plugin_dir_with};
@@ -57,12 +58,10 @@ fn case(name: &'static str, preset: Preset, ctx: Mapping, r#gen: Mapping) -> Cas
         paged_slots: blocks * 2,
         ..PoolOptions::default()
     };
-    let mut next = 0x100_0000_0000_u64;
-    let mut alloc = |_: u32, _: usize, bytes: u64| {
-        let base = next;
-        next += bytes.next_multiple_of(1 << 21) + (1 << 21);
-        base
-    };
+    // Addresses only: planning never touches memory.
+    let mut space = LocalMemory::new();
+    let mut alloc =
+        |rank: u32, pool: usize, bytes: u64| space.reserve(bytes, format!("{rank}/{pool}"));
     let ctx_infos = layout::build_instance(&model, &ctx, "ctx", "x", &options, &mut alloc).unwrap();
     let gen_infos =
         layout::build_instance(&model, &r#gen, "gen", "x", &options, &mut alloc).unwrap();

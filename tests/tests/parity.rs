@@ -12,6 +12,7 @@
 use std::sync::Arc;
 
 use kvferry::layout::{self, Dtype, ModelSpec, PoolOptions, Preset};
+use kvferry::oracle::LocalMemory;
 use kvferry::plan::{RequestSide, plan_transfer};
 use kvferry::scenario::{Scenario, SlotAssignment, slot_tables};
 use kvferry_conformance::{PlannerUnderTest, canonical, plugin_dir_with};
@@ -107,12 +108,10 @@ fn mla_and_default_plan_the_same_bytes() {
                 paged_slots: blocks + 8,
                 ..PoolOptions::default()
             };
-            let mut next = 0x10_0000_0000_u64;
-            let mut alloc = |_: u32, _: usize, bytes: u64| {
-                let base = next;
-                next += bytes.next_multiple_of(1 << 20) + (1 << 20);
-                base
-            };
+            // Addresses only: the plans are compared, not executed.
+            let mut space = LocalMemory::new();
+            let mut alloc =
+                |rank: u32, pool: usize, bytes: u64| space.reserve(bytes, format!("{rank}/{pool}"));
             let ctx = layout::build_instance(&model, &dep(ctx_w), "ctx", "x", &options, &mut alloc)
                 .unwrap();
             let r#gen =
