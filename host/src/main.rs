@@ -622,16 +622,7 @@ fn run_demo(config_file: Option<PathBuf>, a: DemoArgs) -> Result<ExitCode> {
         in_flight: a.in_flight,
     };
     let report = demo::run(&config)?;
-    if a.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
-        println!("{report}");
-    }
-    Ok(if report.verified {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    })
+    print_report(&report, a.json, report.verified)
 }
 
 fn run_bench(config_file: Option<PathBuf>, a: BenchArgs) -> Result<ExitCode> {
@@ -643,15 +634,24 @@ fn run_bench(config_file: Option<PathBuf>, a: BenchArgs) -> Result<ExitCode> {
         perftest: a.perftest,
     };
     let report = bench::run(&config)?;
-    if a.json {
-        // One object: ours_gbps, raw_gbps, ratio, perftest_gbps, fragments, bytes,
-        // mean_fragment_bytes, transport, planner, and the per-round details.
-        let out = serde_json::to_value(&report)?;
-        println!("{}", serde_json::to_string_pretty(&out)?);
+    // JSON: ours_gbps, raw_gbps, ratio, perftest_gbps, fragments, bytes, mean_fragment_bytes,
+    // transport, planner, and the per-round details.
+    print_report(&report, a.json, report.verified)
+}
+
+/// Prints a demo or bench report as text or one JSON object; fails the exit code unless every
+/// byte verified.
+fn print_report<R: serde::Serialize + std::fmt::Display>(
+    report: &R,
+    json: bool,
+    verified: bool,
+) -> Result<ExitCode> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(report)?);
     } else {
         println!("{report}");
     }
-    Ok(if report.verified {
+    Ok(if verified {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
@@ -659,23 +659,24 @@ fn run_bench(config_file: Option<PathBuf>, a: BenchArgs) -> Result<ExitCode> {
 }
 
 fn run(cli: Cli) -> Result<ExitCode> {
-    let command = match cli.command {
-        Command::Demo(args) => return run_demo(cli.config, args),
-        Command::Bench(args) => return run_bench(cli.config, args),
-        other => other,
-    };
-    let host = Host::load(cli.config.as_deref())?;
-    match command {
-        Command::Serve(args) => serve(&host, args),
+    // demo and bench only start `kvferry serve` children, which load planners themselves.
+    let load = || Host::load(cli.config.as_deref());
+    match cli.command {
         Command::Demo(args) => run_demo(cli.config, args),
         Command::Bench(args) => run_bench(cli.config, args),
-        Command::Planners { all, json } => planners(&host, all, json),
+        Command::Serve(args) => serve(&load()?, args),
+        Command::Planners { all, json } => planners(&load()?, all, json),
         Command::Check {
             model,
             deployment,
             shape,
             planner,
-        } => check(&host, &shape.model(model), deployment, planner.as_deref()),
+        } => check(
+            &load()?,
+            &shape.model(model),
+            deployment,
+            planner.as_deref(),
+        ),
         Command::Plan {
             model,
             ctx,
@@ -691,7 +692,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             planner,
             json,
         } => plan(
-            &host,
+            &load()?,
             PlanArgs {
                 model: shape.model(model),
                 ctx,
