@@ -7,7 +7,8 @@
 //! the bitwise complement, flushes, and checks that not one byte of the complement reached the
 //! target: every target byte is either the original pattern (the put finished before the drop
 //! returned) or still zero (it was cancelled). The target is progressed by its own thread, as a
-//! real peer would be.
+//! real peer would be, but paused while the puts are posted: a fast peer could otherwise drain
+//! every put before the drop (CI saw exactly that), and the test would prove nothing.
 
 mod common;
 
@@ -55,7 +56,9 @@ fn dropping_a_window_waits_for_every_put() {
     let original = pattern(LEN, 0x6B);
     let mut src = original.clone();
     let mut window = PutWindow::with_capacity(&ep, 4 * LEN / FRAG);
-    // Repeat the whole transfer until puts are queued (the kernel may swallow one pass).
+    // A stalled target stops reading its socket; repeat the whole transfer until puts are
+    // queued (the kernel buffers may swallow a pass).
+    progressor.pause();
     for _ in 0..4 {
         for (i, fragment) in src.chunks(FRAG).enumerate() {
             window
@@ -69,8 +72,11 @@ fn dropping_a_window_waits_for_every_put() {
     let in_flight = window.in_flight();
     assert!(
         in_flight > 0,
-        "every put finished at once; nothing was dropped mid-flight"
+        "every put finished at once although the target was stalled"
     );
+    // Nothing progresses the sender between here and the drop, so the puts stay in flight;
+    // the target must progress again or the drop could never finish waiting.
+    progressor.resume();
     drop(window);
 
     // The window's borrow of `src` has ended, so this compiles; at run time it is safe only
@@ -105,8 +111,9 @@ fn dropping_requests_waits_and_releases_their_region() {
     let original = pattern(LEN, 0x2D);
     let mut source = MemRegion::allocate(&ctx, LEN).unwrap();
     source.write_at(0, &original);
-    // Repeat the put until one is queued (the kernel may take 8 MiB at once); the last
-    // request is then in flight when they are all dropped.
+    // Repeat the put against a stalled target until one is queued (the kernel may take
+    // 8 MiB at once); the last request is then in flight when they are all dropped.
+    progressor.pause();
     let mut requests = Vec::new();
     while requests.len() < 16 {
         let mut request = ep.put_region(&source, 0, LEN, base, &rkey).unwrap();
@@ -118,8 +125,9 @@ fn dropping_requests_waits_and_releases_their_region() {
     }
     assert!(
         !requests.last_mut().unwrap().is_done(),
-        "16 puts of 8 MiB over tcp finished at once; nothing to drop"
+        "16 puts of 8 MiB over tcp finished at once although the target was stalled"
     );
+    progressor.resume();
     drop(requests);
 
     // `write_at` needs `&mut source`, impossible while the request borrowed it; the drop must

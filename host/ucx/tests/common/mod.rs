@@ -82,20 +82,43 @@ pub fn progress_until(workers: &[&Worker], mut done: impl FnMut() -> bool) {
 /// A worker progressed by its own thread, as a target process would.
 pub struct Progressor {
     stop: Arc<AtomicBool>,
+    paused: Arc<AtomicBool>,
     thread: JoinHandle<Worker>,
 }
 
 impl Progressor {
     pub fn spawn(worker: Worker) -> Progressor {
         let stop = Arc::new(AtomicBool::new(false));
-        let flag = Arc::clone(&stop);
+        let paused = Arc::new(AtomicBool::new(false));
+        let (stop_flag, pause_flag) = (Arc::clone(&stop), Arc::clone(&paused));
         let thread = thread::spawn(move || {
-            while !flag.load(Ordering::Acquire) {
-                worker.progress();
+            while !stop_flag.load(Ordering::Acquire) {
+                if pause_flag.load(Ordering::Acquire) {
+                    thread::yield_now();
+                } else {
+                    worker.progress();
+                }
             }
             worker
         });
-        Progressor { stop, thread }
+        Progressor {
+            stop,
+            paused,
+            thread,
+        }
+    }
+
+    /// Stops progressing the worker (a stalled peer) until [`Progressor::resume`]. A tcp
+    /// target that does not progress stops reading its socket, so once the kernel buffers are
+    /// full every further put queues inside the sender's UCX: that makes "in flight" a
+    /// certainty instead of a race against a fast peer.
+    pub fn pause(&self) {
+        self.paused.store(true, Ordering::Release);
+    }
+
+    /// Progresses the worker again after [`Progressor::pause`].
+    pub fn resume(&self) {
+        self.paused.store(false, Ordering::Release);
     }
 
     /// Stops the thread and hands the worker back.
