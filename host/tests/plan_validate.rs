@@ -172,8 +172,10 @@ fn an_empty_plan_is_valid() {
 }
 
 #[test]
-fn large_plans_validate_quickly() {
-    // 100,000 rows of 64 bytes, every other slot, shuffled order on the destination.
+fn large_shuffled_plans_validate() {
+    // 100,000 rows of 64 bytes, every other slot, shuffled order on the destination: nothing
+    // may coalesce, and the overlap check must see every row (its cost is measured by the
+    // `plan_transfer` criterion benchmark, not asserted here).
     let n = 100_000u64;
     let src: Vec<u64> = (0..n).map(|k| SRC + k * 128).collect();
     let dst: Vec<u64> = (0..n).map(|k| DST + ((k * 7919) % n) * 128).collect();
@@ -183,10 +185,9 @@ fn large_plans_validate_quickly() {
     for k in 0..n as usize {
         p.push(src[k], dst[k], 64);
     }
-    let t = std::time::Instant::now();
     let v = validate(&p, &mine, &theirs).unwrap();
     assert_eq!(v.len(), n as usize);
-    assert!(t.elapsed().as_secs() < 5, "took {:?}", t.elapsed());
+    assert_eq!(v.total_bytes(), 64 * n);
 }
 
 /// A planner returning a fixed plan, to drive `plan_transfer`.
