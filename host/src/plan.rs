@@ -9,7 +9,7 @@
 //!
 //! For a plan `(src[k], dst[k], len[k])`:
 //!
-//! 1. the three arrays have the same length;
+//! 1. the three arrays have the same length, below 2^32;
 //! 2. no fragment has length 0, and neither `src + len` nor `dst + len` overflows;
 //! 3. every source range lies inside this rank's rows for the request, every destination range
 //!    inside the peer's rows for the request. The rows of one side are the default
@@ -21,7 +21,9 @@
 //! 4. no two destination ranges overlap (each destination byte has one writer per plan).
 //!
 //! Then adjacent fragments — source and destination both continuing the previous fragment, in
-//! plan order — are merged into one. Checking is `O(n log n)` in the number of fragments.
+//! plan order — are merged into one. Checking is `O(n log b)` for `n` fragments, `b` being the
+//! most fragments that start in one destination row (linear when each row's fragments come
+//! in ascending order, as the shipped planners emit them).
 //!
 //! Rows are whole slots: bytes of an excluded view that share a slot with a described view
 //! are not told apart here (the oracle's canary check catches writes into them).
@@ -112,6 +114,12 @@ pub enum PlanRejected {
         /// Entries of `len`.
         len: usize,
     },
+    /// More fragments than one plan may hold (2^32 - 1, some 100 GB of plan arrays).
+    #[error("plan has {fragments} fragments; one plan holds at most 4,294,967,295")]
+    TooManyFragments {
+        /// Fragments in the plan.
+        fragments: usize,
+    },
     /// A fragment of length 0.
     #[error("fragment {fragment}: zero length")]
     ZeroLength {
@@ -167,7 +175,7 @@ impl PlanRejected {
     /// The (first) fragment the rule names, if any.
     pub fn fragment(&self) -> Option<usize> {
         match *self {
-            PlanRejected::LengthMismatch { .. } => None,
+            PlanRejected::LengthMismatch { .. } | PlanRejected::TooManyFragments { .. } => None,
             PlanRejected::ZeroLength { fragment }
             | PlanRejected::Overflow { fragment, .. }
             | PlanRejected::OutsideRows { fragment, .. } => Some(fragment),
@@ -182,9 +190,8 @@ impl PlanRejected {
 /// destination in the receiver's rows for the request, without overlap.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ValidatedPlan {
-    src: Vec<u64>,
-    dst: Vec<u64>,
-    len: Vec<u64>,
+    /// The planner's plan, coalesced in place (no copy of a large plan).
+    plan: TransferPlan,
     planned: usize,
     total: u64,
 }
@@ -192,17 +199,18 @@ pub struct ValidatedPlan {
 impl ValidatedPlan {
     /// The `(src, dst, len)` fragments after coalescing, in plan order.
     pub fn fragments(&self) -> impl ExactSizeIterator<Item = (u64, u64, u64)> + '_ {
-        (0..self.len.len()).map(|k| (self.src[k], self.dst[k], self.len[k]))
+        let p = &self.plan;
+        (0..p.len.len()).map(|k| (p.src[k], p.dst[k], p.len[k]))
     }
 
     /// Fragments after coalescing.
     pub fn len(&self) -> usize {
-        self.len.len()
+        self.plan.len.len()
     }
 
     /// Whether the plan moves nothing (the sender still reports completion).
     pub fn is_empty(&self) -> bool {
-        self.len.is_empty()
+        self.plan.len.is_empty()
     }
 
     /// Fragments the planner returned, before coalescing.
@@ -217,17 +225,17 @@ impl ValidatedPlan {
 
     /// Source addresses, one per fragment.
     pub fn src(&self) -> &[u64] {
-        &self.src
+        &self.plan.src
     }
 
     /// Destination addresses, one per fragment.
     pub fn dst(&self) -> &[u64] {
-        &self.dst
+        &self.plan.dst
     }
 
     /// Fragment lengths.
     pub fn lens(&self) -> &[u64] {
-        &self.len
+        &self.plan.len
     }
 }
 
@@ -248,7 +256,7 @@ pub fn plan_transfer(
     let plan = planner
         .pair(me.info, peer.info, &my_rows, &peer_rows, request)
         .map_err(PlanFailure::Planner)?;
-    Ok(validate(&plan, &my_rows, &peer_rows)?)
+    Ok(validate(plan, &my_rows, &peer_rows)?)
 }
 
 /// Checks `plan` against the rows of both sides (see the module's rules) and coalesces it.
@@ -259,11 +267,11 @@ pub fn plan_transfer(
 /// length, overflow, source outside `my_rows`, destination outside `peer_rows`; then
 /// overlapping destinations (the pair with the lowest destination address).
 pub fn validate(
-    plan: &TransferPlan,
+    plan: TransferPlan,
     my_rows: &[LayerGroupRows],
     peer_rows: &[LayerGroupRows],
 ) -> Result<ValidatedPlan, PlanRejected> {
-    let (src, dst, len) = (&plan.src, &plan.dst, &plan.len);
+    let (src, dst, len) = (&plan.src[..], &plan.dst[..], &plan.len[..]);
     if src.len() != dst.len() || dst.len() != len.len() {
         return Err(PlanRejected::LengthMismatch {
             src: src.len(),
@@ -271,16 +279,26 @@ pub fn validate(
             len: len.len(),
         });
     }
+    if u32::try_from(len.len()).is_err() {
+        return Err(PlanRejected::TooManyFragments {
+            fragments: len.len(),
+        });
+    }
     let mine = Extents::of(my_rows);
     let theirs = Extents::of(peer_rows);
+    // Planners emit a row's fragments together, so the interval (and the row) that held the
+    // previous fragment almost always holds the next: try it before searching.
+    let (mut src_hint, mut dst_hint, mut row_hint) = (0, 0, 0);
+    // The destination row each fragment starts in, for the overlap check.
+    let mut dst_row: Vec<u32> = Vec::with_capacity(len.len());
     for k in 0..len.len() {
         let n = len[k];
         if n == 0 {
             return Err(PlanRejected::ZeroLength { fragment: k });
         }
-        for (end, address, extents) in [
-            (End::Source, src[k], &mine),
-            (End::Destination, dst[k], &theirs),
+        for (end, address, extents, hint) in [
+            (End::Source, src[k], &mine, &mut src_hint),
+            (End::Destination, dst[k], &theirs, &mut dst_hint),
         ] {
             if address.checked_add(n).is_none() {
                 return Err(PlanRejected::Overflow {
@@ -290,22 +308,34 @@ pub fn validate(
                     len: n,
                 });
             }
-            if !extents.contains(address, n) {
-                return Err(PlanRejected::OutsideRows {
-                    fragment: k,
-                    end,
-                    address,
-                    len: n,
-                });
+            match extents.find(address, n, *hint) {
+                Some(i) => *hint = i,
+                None => {
+                    return Err(PlanRejected::OutsideRows {
+                        fragment: k,
+                        end,
+                        address,
+                        len: n,
+                    });
+                }
             }
         }
+        row_hint = theirs.row_of(dst[k], row_hint);
+        dst_row.push(row_hint);
     }
-    check_overlap(dst, len)?;
+    check_overlap(dst, len, &dst_row, theirs.starts.len())?;
     Ok(coalesce(plan))
 }
 
-/// The bytes one side holds for a request: sorted, merged `[start, end)` intervals.
-struct Extents(Vec<(u64, u64)>);
+/// The bytes one side holds for a request.
+struct Extents {
+    /// Sorted, merged `[start, end)` intervals: the rows' union.
+    merged: Vec<(u64, u64)>,
+    /// The distinct row start addresses, ascending. Row `i` in the sense of
+    /// [`Extents::row_of`] is `[starts[i], starts[i + 1])`: a partition of the rows' span
+    /// into address order, which is all the overlap check needs.
+    starts: Vec<u64>,
+}
 
 impl Extents {
     fn of(rows: &[LayerGroupRows]) -> Self {
@@ -319,6 +349,8 @@ impl Extents {
             .filter(|(a, b)| a < b)
             .collect();
         spans.sort_unstable();
+        let mut starts: Vec<u64> = spans.iter().map(|&(a, _)| a).collect();
+        starts.dedup();
         let mut merged: Vec<(u64, u64)> = Vec::with_capacity(spans.len());
         for (a, b) in spans {
             match merged.last_mut() {
@@ -327,66 +359,124 @@ impl Extents {
                 _ => merged.push((a, b)),
             }
         }
-        Extents(merged)
+        // Both are indexed by u32. Past u32::MAX rows (tens of gigabytes of row addresses)
+        // the rest are dropped: fragments in them are then refused as outside the rows,
+        // never written.
+        merged.truncate(u32::MAX as usize);
+        starts.truncate(u32::MAX as usize);
+        Extents { merged, starts }
     }
 
-    /// Whether `[address, address + len)` lies inside one merged interval.
-    fn contains(&self, address: u64, len: u64) -> bool {
-        let i = self.0.partition_point(|&(a, _)| a <= address);
-        i > 0 && {
-            let (_, b) = self.0[i - 1];
-            address + len <= b
+    /// The merged interval holding `[address, address + len)` (which must not overflow),
+    /// trying interval `hint` first.
+    fn find(&self, address: u64, len: u64, hint: u32) -> Option<u32> {
+        let holds = |&(a, b): &(u64, u64)| a <= address && address + len <= b;
+        if self.merged.get(hint as usize).is_some_and(holds) {
+            return Some(hint);
         }
+        let i = self
+            .merged
+            .partition_point(|&(a, _)| a <= address)
+            .checked_sub(1)?;
+        holds(&self.merged[i]).then_some(i as u32)
+    }
+
+    /// The row `address` falls in (an address inside the rows, so at or past the first
+    /// start), trying row `hint` first.
+    fn row_of(&self, address: u64, hint: u32) -> u32 {
+        let h = hint as usize;
+        let fits = |i: usize| {
+            self.starts.get(i).is_some_and(|&a| a <= address)
+                && self.starts.get(i + 1).is_none_or(|&b| address < b)
+        };
+        if fits(h) {
+            return hint;
+        }
+        let i = self.starts.partition_point(|&a| a <= address);
+        i.saturating_sub(1) as u32
     }
 }
 
-fn check_overlap(dst: &[u64], len: &[u64]) -> Result<(), PlanRejected> {
-    let mut order: Vec<usize> = (0..dst.len()).collect();
-    order.sort_unstable_by_key(|&k| (dst[k], k));
+/// Rule 4, with `row[k]` the destination row fragment `k` starts in (of `rows`, numbered
+/// in address order; see [`Extents::starts`]).
+///
+/// A bucket sort by row: fragments are bucketed by row in linear time, each bucket (a
+/// row's fragments, typically already ascending) is sorted on its own only when it is not
+/// already in order, and the buckets are scanned in address order with the furthest reach
+/// carried from one to the next. That visits the fragments in exactly the order of one
+/// global sort by (address, index), in `O(n log b)` for buckets of at most `b` fragments,
+/// and reports the same pair: the overlap with the lowest destination address.
+fn check_overlap(dst: &[u64], len: &[u64], row: &[u32], rows: usize) -> Result<(), PlanRejected> {
+    // Counting sort by row: bucket `r` is `order[start[r]..start[r + 1]]`.
+    let mut start = vec![0usize; rows + 1];
+    for &r in row {
+        start[r as usize + 1] += 1;
+    }
+    for r in 0..rows {
+        start[r + 1] += start[r];
+    }
+    let mut next = start.clone();
+    // Fragment indices as u32 (`validate` refuses larger plans), which halves the memory the
+    // buckets touch.
+    let mut order = vec![0u32; dst.len()];
+    for (k, &r) in row.iter().enumerate() {
+        order[next[r as usize]] = k as u32;
+        next[r as usize] += 1;
+    }
+    let key = |&k: &u32| (dst[k as usize], k);
     // The fragment reaching furthest so far, and its end.
     let mut reach: Option<(usize, u64)> = None;
-    for k in order {
-        if let Some((j, end)) = reach {
-            if dst[k] < end {
-                let (first, second) = (j.min(k), j.max(k));
-                return Err(PlanRejected::OverlappingDestinations {
-                    first,
-                    first_address: dst[first],
-                    first_len: len[first],
-                    second,
-                    second_address: dst[second],
-                    second_len: len[second],
-                });
-            }
+    for bucket in start.windows(2) {
+        let bucket = &mut order[bucket[0]..bucket[1]];
+        if !bucket.is_sorted_by_key(key) {
+            bucket.sort_unstable_by_key(key);
         }
-        let end = dst[k] + len[k];
-        if reach.is_none_or(|(_, e)| end > e) {
-            reach = Some((k, end));
+        for k in bucket.iter().map(|&k| k as usize) {
+            if let Some((j, end)) = reach {
+                if dst[k] < end {
+                    let (first, second) = (j.min(k), j.max(k));
+                    return Err(PlanRejected::OverlappingDestinations {
+                        first,
+                        first_address: dst[first],
+                        first_len: len[first],
+                        second,
+                        second_address: dst[second],
+                        second_len: len[second],
+                    });
+                }
+            }
+            let end = dst[k] + len[k];
+            if reach.is_none_or(|(_, e)| end > e) {
+                reach = Some((k, end));
+            }
         }
     }
     Ok(())
 }
 
-fn coalesce(plan: &TransferPlan) -> ValidatedPlan {
-    let mut out = ValidatedPlan {
-        src: Vec::new(),
-        dst: Vec::new(),
-        len: Vec::new(),
-        planned: plan.fragments(),
-        total: 0,
-    };
-    for (s, d, n) in plan.iter() {
-        out.total += n;
-        if let (Some(ls), Some(ld), Some(ln)) = (out.src.last(), out.dst.last(), out.len.last_mut())
-        {
-            if *ls + *ln == s && *ld + *ln == d {
-                *ln += n;
-                continue;
-            }
+/// Merges, in place, each fragment that continues the previous one on both sides.
+fn coalesce(mut plan: TransferPlan) -> ValidatedPlan {
+    let planned = plan.fragments();
+    let TransferPlan { src, dst, len } = &mut plan;
+    let mut total = 0;
+    // `w` is the number of fragments kept so far; fragment `w - 1` is the one being grown.
+    let mut w = 0;
+    for r in 0..len.len() {
+        let (s, d, n) = (src[r], dst[r], len[r]);
+        total += n;
+        if w > 0 && src[w - 1] + len[w - 1] == s && dst[w - 1] + len[w - 1] == d {
+            len[w - 1] += n;
+        } else {
+            (src[w], dst[w], len[w]) = (s, d, n);
+            w += 1;
         }
-        out.src.push(s);
-        out.dst.push(d);
-        out.len.push(n);
     }
-    out
+    src.truncate(w);
+    dst.truncate(w);
+    len.truncate(w);
+    ValidatedPlan {
+        plan,
+        planned,
+        total,
+    }
 }

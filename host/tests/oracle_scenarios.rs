@@ -599,7 +599,7 @@ fn corrupted_source_and_unmapped_execution_are_reported() {
     };
     let mut plan = TransferPlan::new();
     plan.push(pool.base, 0x10, 64);
-    let v = validate(&plan, &[rows(pool.base)], &[rows(0x10)]).unwrap();
+    let v = validate(plan, &[rows(pool.base)], &[rows(0x10)]).unwrap();
     let err = memory.execute(&v).unwrap_err();
     assert_eq!(
         err,
@@ -611,7 +611,7 @@ fn corrupted_source_and_unmapped_execution_are_reported() {
     let mut plan = TransferPlan::new();
     plan.push(pool.base + pool.footprint() - 8, pool.base, 64);
     let end = pool.base + pool.footprint() - 8;
-    let v = validate(&plan, &[rows(end)], &[rows(pool.base)]).unwrap();
+    let v = validate(plan, &[rows(end)], &[rows(pool.base)]).unwrap();
     assert!(matches!(
         memory.execute(&v),
         Err(MemoryError::PastEnd { .. })
