@@ -286,9 +286,9 @@ pub fn validate(
     }
     let mine = Extents::of(my_rows);
     let theirs = Extents::of(peer_rows);
-    // Planners emit a row's fragments together, so the interval (and the row) that held the
-    // previous fragment almost always holds the next: try it before searching.
-    let (mut src_hint, mut dst_hint, mut row_hint) = (0, 0, 0);
+    // Planners emit a row's fragments together, so the interval (or the row) that held the
+    // previous fragment almost always holds the next: `find` and `find_row` try it first.
+    let (mut src_hint, mut row_hint) = (0, 0);
     // The destination row each fragment starts in, for the overlap check.
     let mut dst_row: Vec<u32> = Vec::with_capacity(len.len());
     for k in 0..len.len() {
@@ -296,10 +296,7 @@ pub fn validate(
         if n == 0 {
             return Err(PlanRejected::ZeroLength { fragment: k });
         }
-        for (end, address, extents, hint) in [
-            (End::Source, src[k], &mine, &mut src_hint),
-            (End::Destination, dst[k], &theirs, &mut dst_hint),
-        ] {
+        for (end, address) in [(End::Source, src[k]), (End::Destination, dst[k])] {
             if address.checked_add(n).is_none() {
                 return Err(PlanRejected::Overflow {
                     fragment: k,
@@ -308,19 +305,26 @@ pub fn validate(
                     len: n,
                 });
             }
-            match extents.find(address, n, *hint) {
-                Some(i) => *hint = i,
-                None => {
-                    return Err(PlanRejected::OutsideRows {
-                        fragment: k,
-                        end,
-                        address,
-                        len: n,
-                    });
-                }
+        }
+        let (s, d) = (src[k], dst[k]);
+        let found = match mine.find(s, n, src_hint) {
+            Some(i) => {
+                src_hint = i;
+                theirs.find_row(d, n, row_hint).ok_or((End::Destination, d))
+            }
+            None => Err((End::Source, s)),
+        };
+        match found {
+            Ok(row) => row_hint = row,
+            Err((end, address)) => {
+                return Err(PlanRejected::OutsideRows {
+                    fragment: k,
+                    end,
+                    address,
+                    len: n,
+                });
             }
         }
-        row_hint = theirs.row_of(dst[k], row_hint);
         dst_row.push(row_hint);
     }
     check_overlap(dst, len, &dst_row, theirs.starts.len())?;
@@ -332,9 +336,11 @@ struct Extents {
     /// Sorted, merged `[start, end)` intervals: the rows' union.
     merged: Vec<(u64, u64)>,
     /// The distinct row start addresses, ascending. Row `i` in the sense of
-    /// [`Extents::row_of`] is `[starts[i], starts[i + 1])`: a partition of the rows' span
+    /// [`Extents::find_row`] is `[starts[i], starts[i + 1])`: a partition of the rows' span
     /// into address order, which is all the overlap check needs.
     starts: Vec<u64>,
+    /// For each entry of `starts`, the merged interval its row belongs to.
+    interval_of: Vec<u32>,
 }
 
 impl Extents {
@@ -349,22 +355,28 @@ impl Extents {
             .filter(|(a, b)| a < b)
             .collect();
         spans.sort_unstable();
-        let mut starts: Vec<u64> = spans.iter().map(|&(a, _)| a).collect();
-        starts.dedup();
+        // Indexed by u32: past u32::MAX rows (tens of gigabytes of row addresses) the rest
+        // are dropped, so fragments in them are refused as outside the rows, never written.
+        spans.truncate(u32::MAX as usize);
         let mut merged: Vec<(u64, u64)> = Vec::with_capacity(spans.len());
+        let mut starts: Vec<u64> = Vec::with_capacity(spans.len());
+        let mut interval_of: Vec<u32> = Vec::with_capacity(spans.len());
         for (a, b) in spans {
             match merged.last_mut() {
                 // Overlapping (two views of one pool) or byte-adjacent rows join.
                 Some(last) if a <= last.1 => last.1 = last.1.max(b),
                 _ => merged.push((a, b)),
             }
+            if starts.last() != Some(&a) {
+                starts.push(a);
+                interval_of.push((merged.len() - 1) as u32);
+            }
         }
-        // Both are indexed by u32. Past u32::MAX rows (tens of gigabytes of row addresses)
-        // the rest are dropped: fragments in them are then refused as outside the rows,
-        // never written.
-        merged.truncate(u32::MAX as usize);
-        starts.truncate(u32::MAX as usize);
-        Extents { merged, starts }
+        Extents {
+            merged,
+            starts,
+            interval_of,
+        }
     }
 
     /// The merged interval holding `[address, address + len)` (which must not overflow),
@@ -381,19 +393,23 @@ impl Extents {
         holds(&self.merged[i]).then_some(i as u32)
     }
 
-    /// The row `address` falls in (an address inside the rows, so at or past the first
-    /// start), trying row `hint` first.
-    fn row_of(&self, address: u64, hint: u32) -> u32 {
-        let h = hint as usize;
-        let fits = |i: usize| {
+    /// The row `[address, address + len)` starts in, when a merged interval holds it all,
+    /// trying row `hint` first. The interval holding an address can only be that of the last
+    /// row starting at or before it: a later interval begins at a later row start.
+    fn find_row(&self, address: u64, len: u64, hint: u32) -> Option<u32> {
+        let starts_at = |i: usize| {
             self.starts.get(i).is_some_and(|&a| a <= address)
                 && self.starts.get(i + 1).is_none_or(|&b| address < b)
         };
-        if fits(h) {
-            return hint;
-        }
-        let i = self.starts.partition_point(|&a| a <= address);
-        i.saturating_sub(1) as u32
+        let row = if starts_at(hint as usize) {
+            hint as usize
+        } else {
+            self.starts
+                .partition_point(|&a| a <= address)
+                .checked_sub(1)?
+        };
+        let (_, end) = self.merged[self.interval_of[row] as usize];
+        (address + len <= end).then_some(row as u32)
     }
 }
 
