@@ -11,6 +11,7 @@
 #![deny(missing_docs)]
 
 pub mod bench;
+pub mod bounce;
 pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;

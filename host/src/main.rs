@@ -499,7 +499,21 @@ fn plan(host: &Host, a: PlanArgs) -> Result<ExitCode> {
         let receivers: Vec<_> = report
             .receivers
             .iter()
-            .map(|r| json!({ "rank": r.rank, "expected_transfers": r.expected_transfers, "targets": r.targets }))
+            .map(|r| {
+                let (bounce_bytes, bounce_skip) = match &r.bounce {
+                    Ok(b) => (Some(b.total), None),
+                    Err(skip) => (None, Some(skip.to_string())),
+                };
+                json!({
+                    "rank": r.rank,
+                    "expected_transfers": r.expected_transfers,
+                    "targets": r.targets,
+                    "uniform": r.uniform,
+                    "payload_bytes": r.payload_bytes,
+                    "bounce_bytes": bounce_bytes,
+                    "bounce_skip": bounce_skip,
+                })
+            })
             .collect();
         let out = json!({
             "planner": ctx_bound.id(),

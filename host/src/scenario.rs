@@ -31,6 +31,7 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 
+use crate::bounce::{self, BounceLimits, BounceSkip, Reservation};
 use crate::layout::{LayoutError, ModelSpec, PoolOptions, build_instance};
 use crate::oracle::{Delivery, LocalMemory, Oracle, OracleError, VerifyReport};
 use crate::plan::{PlanFailure, RequestSide, plan_transfer};
@@ -283,6 +284,8 @@ impl Scenario {
             gen_planners.ensure(&mut gen_infos, g)?;
         }
         let mut targets: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
+        let mut bounces: BTreeMap<u32, (u64, bool, Result<Reservation, BounceSkip>)> =
+            BTreeMap::new();
         for &g in &receivers {
             let (me, peer) = (&gen_infos[g as usize], &ctx_infos[0]);
             let planner = gen_planners.get(g);
@@ -292,6 +295,20 @@ impl Scenario {
             let t = planner
                 .targets(me, peer, self.ctx_dp_rank)
                 .map_err(|e| gen_planners.error(g, "targets", e))?;
+            // What this receiver would reserve to have the request bounced (§9.2).
+            let extra = planner
+                .receiver_payload_bytes(me, peer, &gen_tables[&g])
+                .map_err(|e| gen_planners.error(g, "receiver_payload_bytes", e))?;
+            let writers = u32::try_from(t.ranks.len()).unwrap_or(u32::MAX);
+            let bounce = bounce::reserve(
+                &me.page_table,
+                &gen_tables[&g],
+                extra,
+                writers,
+                t.uniform,
+                &BounceLimits::default(),
+            );
+            bounces.insert(g, (extra, t.uniform, bounce));
             let t: Vec<u32> = t.ranks.to_vec();
             if let Some(&c) = t.iter().find(|c| !ctx_group.contains(c)) {
                 return Err(ScenarioError::TargetOutsideGroup {
@@ -348,10 +365,14 @@ impl Scenario {
         let mut report = ScenarioReport::default();
         let (mut plan_time, mut execute_time) = (Duration::ZERO, Duration::ZERO);
         for (&g, t) in &targets {
+            let (payload_bytes, uniform, bounce) = bounces[&g].clone();
             report.receivers.push(ReceiverReport {
                 rank: g,
                 expected_transfers: t.len(),
                 targets: t.clone(),
+                uniform,
+                payload_bytes,
+                bounce,
             });
             let receiver = RequestSide::new(&gen_infos[g as usize], &gen_tables[&g]);
             let mut writes: Vec<(u64, u64, u32)> = Vec::new();
@@ -662,7 +683,7 @@ pub struct PairReport {
 }
 
 /// What one receiver waited for.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ReceiverReport {
     /// Generation rank.
     pub rank: u32,
@@ -670,6 +691,12 @@ pub struct ReceiverReport {
     pub expected_transfers: usize,
     /// The context ranks its planner named.
     pub targets: Vec<u32>,
+    /// The targets' `uniform` flag (§9.1).
+    pub uniform: bool,
+    /// Recurrent-state bytes landing in its slots (the planner's `receiver_payload_bytes`).
+    pub payload_bytes: u64,
+    /// The bounce region it would reserve, with default limits, or why it would not.
+    pub bounce: Result<Reservation, BounceSkip>,
 }
 
 /// Two writes into one receiver that cover the same bytes.
@@ -735,8 +762,19 @@ impl fmt::Display for ScenarioReport {
         for r in &self.receivers {
             writeln!(
                 f,
-                "gen rank {}: {} expected transfers from {:?}",
-                r.rank, r.expected_transfers, r.targets
+                "gen rank {}: {} expected transfers from {:?}{}, {} state bytes; bounce: {}",
+                r.rank,
+                r.expected_transfers,
+                r.targets,
+                if r.uniform { " (uniform)" } else { "" },
+                r.payload_bytes,
+                match &r.bounce {
+                    Ok(b) if b.writers > 1 => {
+                        format!("{} bytes ({} per writer)", b.total, b.share())
+                    }
+                    Ok(b) => format!("{} bytes", b.total),
+                    Err(skip) => format!("no ({skip})"),
+                }
             )?;
         }
         for p in &self.pairs {

@@ -187,6 +187,45 @@ fn deepseek_dep4_to_dep8_moves_and_verifies_every_byte() {
     assert_eq!(pairs[0]["src_rank"], 0);
     assert_eq!(pairs[0]["dst_rank"], 0);
     assert_eq!(pairs[0]["bytes"], 287_834_112_u64);
+    // One writer, 256 blocks of 61 × 576 × 32 fp8 bytes, no state: the whole request can be
+    // bounced into one region (semantics §9.2).
+    let receiver = &v["receivers"][0];
+    assert_eq!(receiver["payload_bytes"], 0);
+    assert_eq!(receiver["bounce_bytes"], 287_834_112_u64);
+    assert_eq!(receiver["bounce_skip"], Value::Null);
+}
+
+/// The hybrid preset's receiver reports its recurrent-state payload and a bounce region of
+/// blocks plus state: Qwen3-Next at tp2 holds half of 36 Gated-DeltaNet layers' conv
+/// (49,152 B) and SSM (2,097,152 B) state, and 125 blocks of 12 attention layers × 1 KV head
+/// × 256 × 32 tokens × 2 B × K and V.
+#[test]
+fn a_hybrid_receiver_reports_its_state_payload_and_bounce_region() {
+    let out = kvferry(
+        &[
+            "plan",
+            "--model",
+            "qwen3-next-80b-a3b",
+            "--ctx",
+            "tp2",
+            "--gen",
+            "tp2",
+            "--prompt-len",
+            "4000",
+            "--json",
+        ],
+        &[],
+    );
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let v: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(v["verified"], true, "{v}");
+    let state = 36 * (49_152 + 2_097_152) / 2;
+    let blocks = 125 * 12 * 256 * 32 * 2 * 2;
+    for r in v["receivers"].as_array().unwrap() {
+        assert_eq!(r["payload_bytes"], state, "{r}");
+        assert_eq!(r["bounce_bytes"], state + blocks, "{r}");
+    }
 }
 
 #[test]
@@ -275,6 +314,11 @@ fn llama_tp8_to_tp4_has_two_writers_per_receiver() {
     }
     for r in v["receivers"].as_array().unwrap() {
         assert_eq!(r["expected_transfers"], 2);
+        // Uniform fan-in, but multi-writer bounce is off by default.
+        assert_eq!(r["uniform"], true);
+        assert_eq!(r["bounce_bytes"], Value::Null);
+        let skip = r["bounce_skip"].as_str().unwrap();
+        assert!(skip.contains("multi-writer bounce is off"), "{skip}");
     }
 }
 
