@@ -89,6 +89,9 @@ pub enum BounceSkip {
         /// Its blocks in the request.
         blocks: u64,
     },
+    /// No writer targets the receiver.
+    #[error("no writer targets this receiver")]
+    NoWriters,
     /// Nothing to move.
     #[error("the request holds no bytes to bounce")]
     Empty,
@@ -203,7 +206,9 @@ pub fn reserve(
             groups,
         });
     }
-    let writers = writers.max(1);
+    if writers == 0 {
+        return Err(BounceSkip::NoWriters);
+    }
     if writers > 1 {
         if !limits.fan_in {
             return Err(BounceSkip::FanInDisabled { writers });
