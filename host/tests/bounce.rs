@@ -255,6 +255,10 @@ fn nothing_to_move_and_mismatched_tables_are_named() {
         reserve(&k3(), &tables(0, false), 0, 1, true, &Default::default()),
         Err(BounceSkip::Empty)
     );
+    assert_eq!(
+        reserve(&k3(), &tables(100, false), 0, 0, true, &Default::default()),
+        Err(BounceSkip::NoWriters)
+    );
     let err = reserve(
         &k3(),
         &tables(10, false)[..1],
