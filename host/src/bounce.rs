@@ -153,7 +153,7 @@ pub enum BounceSkip {
         writers: u32,
     },
     /// Larger than the arena.
-    #[error("{total} bytes exceed the {capacity} byte arena (raise the bounce arena size)")]
+    #[error("{total} bytes exceed the {capacity} byte arena; raise the bounce arena size")]
     OverCapacity {
         /// Region bytes.
         total: u64,

@@ -10,6 +10,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, anyhow, bail};
 use clap::{Parser, Subcommand};
 use kvferry::bench::{self, BenchConfig};
+use kvferry::bounce::{self, BounceLimits};
 use kvferry::config::{self, Config};
 use kvferry::demo::{self, DemoConfig, LoopbackPair};
 use kvferry::layout::{self, Dtype, ModelSpec, PoolOptions, Preset};
@@ -92,6 +93,8 @@ enum Command {
         /// Place each side's slots contiguously instead of at random.
         #[arg(long)]
         contiguous: bool,
+        #[command(flatten)]
+        bounce: BounceArgs,
         /// Planner id (default: $KVFERRY_PLANNER, config `planner`, kvferry.default).
         #[arg(long, value_name = "ID")]
         planner: Option<String>,
@@ -309,6 +312,40 @@ impl Shape {
     }
 }
 
+/// Bounce-arena limits `plan` checks each receiver's region against (semantics §9.2).
+#[derive(Debug, clap::Args)]
+struct BounceArgs {
+    /// Bounce arena size in MiB (default: unbounded, report the size a region needs).
+    #[arg(long, value_name = "MIB")]
+    bounce_arena_mb: Option<u64>,
+    /// Fewest paged blocks worth a bounce, for requests without recurrent state.
+    #[arg(long, default_value_t = bounce::DEFAULT_MIN_BLOCKS, value_name = "N")]
+    bounce_min_blocks: u64,
+    /// Fewest bytes worth a bounce, for requests with recurrent state.
+    #[arg(long, default_value_t = 0, value_name = "BYTES")]
+    bounce_min_bytes: u64,
+    /// Let several uniform writers share one region equally.
+    #[arg(long)]
+    bounce_fan_in: bool,
+}
+
+impl BounceArgs {
+    fn limits(&self) -> Result<BounceLimits> {
+        let capacity = match self.bounce_arena_mb {
+            None => u64::MAX,
+            Some(mb) => mb
+                .checked_mul(1 << 20)
+                .ok_or_else(|| anyhow!("--bounce-arena-mb {mb} overflows 2^64 bytes"))?,
+        };
+        Ok(BounceLimits {
+            capacity,
+            min_blocks: self.bounce_min_blocks,
+            min_bytes: self.bounce_min_bytes,
+            fan_in: self.bounce_fan_in,
+        })
+    }
+}
+
 fn parse_spec(s: &str) -> Result<Mapping, String> {
     spec::parse(s).map_err(|e| e.to_string())
 }
@@ -443,6 +480,7 @@ struct PlanArgs {
     cached: u64,
     seed: u64,
     contiguous: bool,
+    bounce: BounceLimits,
     planner: Option<String>,
     json: bool,
 }
@@ -461,6 +499,7 @@ fn plan(host: &Host, a: PlanArgs) -> Result<ExitCode> {
     scenario.cached_tokens = a.cached;
     scenario.seed = a.seed;
     scenario.contiguous_slots = a.contiguous;
+    scenario.bounce_limits = a.bounce;
     scenario.planner_id = id.clone();
     if let Some(chunk) = a.chunk {
         if chunk == 0 {
@@ -703,6 +742,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             cached,
             seed,
             contiguous,
+            bounce,
             planner,
             json,
         } => plan(
@@ -718,6 +758,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 cached,
                 seed,
                 contiguous,
+                bounce: bounce.limits()?,
                 planner,
                 json,
             },

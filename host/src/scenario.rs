@@ -148,6 +148,8 @@ pub struct Scenario {
     pub padded: bool,
     /// The planner id stamped on every rank.
     pub planner_id: String,
+    /// The limits each receiver's bounce region is checked against.
+    pub bounce_limits: BounceLimits,
 }
 
 impl Scenario {
@@ -172,6 +174,7 @@ impl Scenario {
             contiguous_slots: false,
             padded: false,
             planner_id: "kvferry.default".to_string(),
+            bounce_limits: BounceLimits::default(),
         }
     }
 
@@ -306,7 +309,7 @@ impl Scenario {
                 extra,
                 writers,
                 t.uniform,
-                &BounceLimits::default(),
+                &self.bounce_limits,
             );
             bounces.insert(g, (extra, t.uniform, bounce));
             let t: Vec<u32> = t.ranks.to_vec();
@@ -695,7 +698,7 @@ pub struct ReceiverReport {
     pub uniform: bool,
     /// Recurrent-state bytes landing in its slots (the planner's `receiver_payload_bytes`).
     pub payload_bytes: u64,
-    /// The bounce region it would reserve, with default limits, or why it would not.
+    /// The bounce region it would reserve under [`Scenario::bounce_limits`], or why not.
     pub bounce: Result<Reservation, BounceSkip>,
 }
 
@@ -773,7 +776,7 @@ impl fmt::Display for ScenarioReport {
                         format!("{} bytes ({} per writer)", b.total, b.share())
                     }
                     Ok(b) => format!("{} bytes", b.total),
-                    Err(skip) => format!("no ({skip})"),
+                    Err(skip) => format!("no, {skip}"),
                 }
             )?;
         }

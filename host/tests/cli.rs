@@ -257,21 +257,24 @@ fn a_config_file_names_the_planner_and_the_flag_wins() {
 
 /// Runs `kvferry plan --json` for Llama-3-70B and returns the parsed report.
 fn llama_plan(ctx: &str, r#gen: &str, prompt: &str) -> Value {
-    let out = kvferry(
-        &[
-            "plan",
-            "--model",
-            "llama-3-70b",
-            "--ctx",
-            ctx,
-            "--gen",
-            r#gen,
-            "--prompt-len",
-            prompt,
-            "--json",
-        ],
-        &[],
-    );
+    llama_plan_with(ctx, r#gen, prompt, &[])
+}
+
+fn llama_plan_with(ctx: &str, r#gen: &str, prompt: &str, extra: &[&str]) -> Value {
+    let mut args = vec![
+        "plan",
+        "--model",
+        "llama-3-70b",
+        "--ctx",
+        ctx,
+        "--gen",
+        r#gen,
+        "--prompt-len",
+        prompt,
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    let out = kvferry(&args, &[]);
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stdout}\n{stderr}");
     serde_json::from_str(&stdout).unwrap()
@@ -335,4 +338,43 @@ fn llama_tp16_to_tp8_elects_one_writer_per_duplicated_head() {
     for r in v["receivers"].as_array().unwrap() {
         assert_eq!(r["expected_transfers"], 2);
     }
+}
+
+/// The bounce limits on the command line: two uniform writers share a region only with
+/// `--bounce-fan-in`; 16 blocks pass a 16-block threshold; the region (16 blocks of 80 layers
+/// × K and V × 2 heads × 32 tokens × 128 × 2 B = 41,943,040 bytes) does not fit a 32 MiB
+/// arena and fits a 40 MiB one.
+#[test]
+fn plan_checks_bounce_regions_against_the_given_limits() {
+    let region = 16 * 80 * 2 * 2 * 32 * 128 * 2;
+    let skip = |v: &Value| {
+        v["receivers"][0]["bounce_skip"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let v = llama_plan_with("tp8", "tp4", "512", &["--bounce-fan-in"]);
+    assert!(
+        skip(&v).contains("16 blocks is below the 96 block threshold"),
+        "{v}"
+    );
+    let fan_in = ["--bounce-fan-in", "--bounce-min-blocks", "16"];
+    let v = llama_plan_with("tp8", "tp4", "512", &fan_in);
+    for r in v["receivers"].as_array().unwrap() {
+        assert_eq!(r["bounce_bytes"], region, "{r}");
+    }
+    let v = llama_plan_with(
+        "tp8",
+        "tp4",
+        "512",
+        &[&fan_in[..], &["--bounce-arena-mb", "32"]].concat(),
+    );
+    assert!(skip(&v).contains("exceed the 33554432 byte arena"), "{v}");
+    let v = llama_plan_with(
+        "tp8",
+        "tp4",
+        "512",
+        &[&fan_in[..], &["--bounce-arena-mb", "40"]].concat(),
+    );
+    assert_eq!(v["receivers"][0]["bounce_bytes"], region, "{v}");
 }
