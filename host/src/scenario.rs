@@ -286,9 +286,8 @@ impl Scenario {
         for &g in &receivers {
             gen_planners.ensure(&mut gen_infos, g)?;
         }
-        let mut targets: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
-        let mut bounces: BTreeMap<u32, (u64, bool, Result<Reservation, BounceSkip>)> =
-            BTreeMap::new();
+        // Per receiver: its targets, and what it would reserve to have the request bounced.
+        let mut receiving: BTreeMap<u32, ReceiverReport> = BTreeMap::new();
         for &g in &receivers {
             let (me, peer) = (&gen_infos[g as usize], &ctx_infos[0]);
             let planner = gen_planners.get(g);
@@ -298,36 +297,45 @@ impl Scenario {
             let t = planner
                 .targets(me, peer, self.ctx_dp_rank)
                 .map_err(|e| gen_planners.error(g, "targets", e))?;
-            // What this receiver would reserve to have the request bounced (§9.2).
-            let extra = planner
+            let payload_bytes = planner
                 .receiver_payload_bytes(me, peer, &gen_tables[&g])
                 .map_err(|e| gen_planners.error(g, "receiver_payload_bytes", e))?;
-            let writers = u32::try_from(t.ranks.len()).unwrap_or(u32::MAX);
             let bounce = bounce::reserve(
                 &me.page_table,
                 &gen_tables[&g],
-                extra,
-                writers,
+                payload_bytes,
+                u32::try_from(t.ranks.len()).unwrap_or(u32::MAX),
                 t.uniform,
                 &self.bounce_limits,
             );
-            bounces.insert(g, (extra, t.uniform, bounce));
-            let t: Vec<u32> = t.ranks.to_vec();
-            if let Some(&c) = t.iter().find(|c| !ctx_group.contains(c)) {
+            if let Some(&c) = t.ranks.iter().find(|c| !ctx_group.contains(c)) {
                 return Err(ScenarioError::TargetOutsideGroup {
                     gen_rank: g,
                     ctx_rank: c,
                     dp: self.ctx_dp_rank,
                 });
             }
-            targets.insert(g, t);
+            receiving.insert(
+                g,
+                ReceiverReport {
+                    rank: g,
+                    expected_transfers: t.ranks.len(),
+                    targets: t.ranks.to_vec(),
+                    uniform: t.uniform,
+                    payload_bytes,
+                    bounce,
+                },
+            );
         }
-        let senders: BTreeSet<u32> = targets.values().flatten().copied().collect();
+        let senders: BTreeSet<u32> = receiving
+            .values()
+            .flat_map(|r| r.targets.iter().copied())
+            .collect();
         for &c in &senders {
             ctx_planners.ensure(&mut ctx_infos, c)?;
         }
-        for (&g, t) in &targets {
-            for &c in t {
+        for (&g, r) in &receiving {
+            for &c in &r.targets {
                 let (me, peer) = (&ctx_infos[c as usize], &gen_infos[g as usize]);
                 let planner = ctx_planners.get(c);
                 planner.check_peer(me, peer).map_err(|e| {
@@ -367,19 +375,11 @@ impl Scenario {
 
         let mut report = ScenarioReport::default();
         let (mut plan_time, mut execute_time) = (Duration::ZERO, Duration::ZERO);
-        for (&g, t) in &targets {
-            let (payload_bytes, uniform, bounce) = bounces[&g].clone();
-            report.receivers.push(ReceiverReport {
-                rank: g,
-                expected_transfers: t.len(),
-                targets: t.clone(),
-                uniform,
-                payload_bytes,
-                bounce,
-            });
+        for (&g, r) in &receiving {
+            report.receivers.push(r.clone());
             let receiver = RequestSide::new(&gen_infos[g as usize], &gen_tables[&g]);
             let mut writes: Vec<(u64, u64, u32)> = Vec::new();
-            for &c in t {
+            for &c in &r.targets {
                 let sender = RequestSide::new(&ctx_infos[c as usize], &ctx_tables[&c]);
                 let mut pair = PairReport {
                     src_rank: c,
