@@ -286,9 +286,9 @@ pub fn validate(
     }
     let mine = Extents::of(my_rows);
     let theirs = Extents::of(peer_rows);
-    // Planners emit a row's fragments together, so the interval (or the row) that held the
-    // previous fragment almost always holds the next: `find` and `find_row` try it first.
-    let (mut src_hint, mut row_hint) = (0, 0);
+    // Planners emit a row's fragments together, so the row that held the previous fragment
+    // almost always holds the next: `find_row` tries it first.
+    let (mut src_row, mut row_hint) = (0, 0);
     // The destination row each fragment starts in, for the overlap check.
     let mut dst_row: Vec<u32> = Vec::with_capacity(len.len());
     for k in 0..len.len() {
@@ -307,9 +307,9 @@ pub fn validate(
             }
         }
         let (s, d) = (src[k], dst[k]);
-        let found = match mine.find(s, n, src_hint) {
-            Some(i) => {
-                src_hint = i;
+        let found = match mine.find_row(s, n, src_row) {
+            Some(row) => {
+                src_row = row;
                 theirs.find_row(d, n, row_hint).ok_or((End::Destination, d))
             }
             None => Err((End::Source, s)),
@@ -377,20 +377,6 @@ impl Extents {
             starts,
             interval_of,
         }
-    }
-
-    /// The merged interval holding `[address, address + len)` (which must not overflow),
-    /// trying interval `hint` first.
-    fn find(&self, address: u64, len: u64, hint: u32) -> Option<u32> {
-        let holds = |&(a, b): &(u64, u64)| a <= address && address + len <= b;
-        if self.merged.get(hint as usize).is_some_and(holds) {
-            return Some(hint);
-        }
-        let i = self
-            .merged
-            .partition_point(|&(a, _)| a <= address)
-            .checked_sub(1)?;
-        holds(&self.merged[i]).then_some(i as u32)
     }
 
     /// The row `[address, address + len)` starts in, when a merged interval holds it all,

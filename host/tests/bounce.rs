@@ -72,6 +72,15 @@ fn tables(blocks: i64, state: bool) -> Vec<SlotTable> {
     ]
 }
 
+/// One writer, default limits: the common case.
+fn reserve_one(
+    pt: &PageTable,
+    tables: &[SlotTable],
+    extra: u64,
+) -> Result<Reservation, BounceSkip> {
+    reserve(pt, tables, extra, 1, true, &BounceLimits::default())
+}
+
 fn fan_in() -> BounceLimits {
     BounceLimits {
         fan_in: true,
@@ -95,14 +104,7 @@ fn block_bytes_count_distinct_paged_pools_and_skip_state() {
 #[test]
 fn a_k3_request_with_state_bounces_blocks_plus_payload() {
     // Behaviour 27: 67 blocks and the state payload, although 67 < 96 blocks.
-    let got = reserve(
-        &k3(),
-        &tables(67, true),
-        K3_STATE,
-        1,
-        true,
-        &Default::default(),
-    );
+    let got = reserve_one(&k3(), &tables(67, true), K3_STATE);
     assert_eq!(
         got,
         Ok(Reservation {
@@ -113,27 +115,20 @@ fn a_k3_request_with_state_bounces_blocks_plus_payload() {
         })
     );
     // An empty state entry with the extra still given (the reference's test) is the same.
-    let got = reserve(
-        &k3(),
-        &tables(67, false),
-        K3_STATE,
-        1,
-        true,
-        &Default::default(),
-    );
+    let got = reserve_one(&k3(), &tables(67, false), K3_STATE);
     assert_eq!(got.map(|r| r.total), Ok(67 * 884_736 + K3_STATE));
 }
 
 #[test]
 fn state_groups_are_sized_by_the_payload_not_refused() {
     // Behaviour 28: a STATE entry whose block size is unknown is skipped.
-    let got = reserve(&k3(), &tables(100, true), 0, 1, true, &Default::default());
+    let got = reserve_one(&k3(), &tables(100, true), 0);
     assert_eq!(got.map(|r| r.total), Ok(100 * MLA_SLOT));
     // A paged group holding blocks with no pool to size them is a different matter.
     let mut pt = k3();
     pt.groups[0].views = RVec::new();
     assert_eq!(
-        reserve(&pt, &tables(100, false), 0, 1, true, &Default::default()),
+        reserve_one(&pt, &tables(100, false), 0),
         Err(BounceSkip::UnknownBlockSize {
             group: 0,
             blocks: 100
@@ -252,21 +247,13 @@ fn fan_in_splits_evenly_only_without_state_and_only_when_enabled() {
 #[test]
 fn nothing_to_move_and_mismatched_tables_are_named() {
     assert_eq!(
-        reserve(&k3(), &tables(0, false), 0, 1, true, &Default::default()),
+        reserve_one(&k3(), &tables(0, false), 0),
         Err(BounceSkip::Empty)
     );
     assert_eq!(
         reserve(&k3(), &tables(100, false), 0, 0, true, &Default::default()),
         Err(BounceSkip::NoWriters)
     );
-    let err = reserve(
-        &k3(),
-        &tables(10, false)[..1],
-        0,
-        1,
-        true,
-        &Default::default(),
-    )
-    .unwrap_err();
+    let err = reserve_one(&k3(), &tables(10, false)[..1], 0).unwrap_err();
     assert_eq!(err.to_string(), "1 slot tables for 2 layer groups");
 }

@@ -157,28 +157,13 @@ fn a_bad_deployment_spec_names_the_problem() {
 
 #[test]
 fn deepseek_dep4_to_dep8_moves_and_verifies_every_byte() {
-    let out = kvferry(
-        &[
-            "plan",
-            "--model",
-            "deepseek-v3",
-            "--ctx",
-            "dep4",
-            "--gen",
-            "dep8",
-            "--prompt-len",
-            "8192",
-            "--dtype",
-            "fp8",
-            "--planner",
-            "kvferry.deepseek_mla_latent",
-            "--json",
-        ],
-        &[],
+    let v = plan_json(
+        "deepseek-v3",
+        "dep4",
+        "dep8",
+        "8192",
+        &["--dtype", "fp8", "--planner", "kvferry.deepseek_mla_latent"],
     );
-    let (stdout, stderr) = text(&out);
-    assert!(out.status.success(), "{stdout}\n{stderr}");
-    let v: Value = serde_json::from_str(&stdout).unwrap();
     assert_eq!(v["planner"], "kvferry.deepseek_mla_latent");
     assert_eq!(v["total_bytes"], 287_834_112_u64);
     assert_eq!(v["verified"], true);
@@ -201,24 +186,7 @@ fn deepseek_dep4_to_dep8_moves_and_verifies_every_byte() {
 /// × 256 × 32 tokens × 2 B × K and V.
 #[test]
 fn a_hybrid_receiver_reports_its_state_payload_and_bounce_region() {
-    let out = kvferry(
-        &[
-            "plan",
-            "--model",
-            "qwen3-next-80b-a3b",
-            "--ctx",
-            "tp2",
-            "--gen",
-            "tp2",
-            "--prompt-len",
-            "4000",
-            "--json",
-        ],
-        &[],
-    );
-    let (stdout, stderr) = text(&out);
-    assert!(out.status.success(), "{stdout}\n{stderr}");
-    let v: Value = serde_json::from_str(&stdout).unwrap();
+    let v = plan_json("qwen3-next-80b-a3b", "tp2", "tp2", "4000", &[]);
     assert_eq!(v["verified"], true, "{v}");
     let state = 36 * (49_152 + 2_097_152) / 2;
     let blocks = 125 * 12 * 256 * 32 * 2 * 2;
@@ -261,10 +229,15 @@ fn llama_plan(ctx: &str, r#gen: &str, prompt: &str) -> Value {
 }
 
 fn llama_plan_with(ctx: &str, r#gen: &str, prompt: &str, extra: &[&str]) -> Value {
+    plan_json("llama-3-70b", ctx, r#gen, prompt, extra)
+}
+
+/// Runs `kvferry plan --json` (plus `extra`), checks it succeeded and returns the report.
+fn plan_json(model: &str, ctx: &str, r#gen: &str, prompt: &str, extra: &[&str]) -> Value {
     let mut args = vec![
         "plan",
         "--model",
-        "llama-3-70b",
+        model,
         "--ctx",
         ctx,
         "--gen",
