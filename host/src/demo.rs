@@ -29,9 +29,9 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
-use crate::layout::ModelSpec;
 use crate::transfer::wire::{Message, RankTables, Submit};
 use crate::transfer::{Client, ClientError, MemoryKind, Transport, chunk_ranges};
+use kvferry_testkit::layout::ModelSpec;
 
 /// How long a child may take to report its control address.
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(120);

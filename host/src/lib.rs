@@ -11,15 +11,7 @@
 #![deny(missing_docs)]
 
 pub mod bench;
-pub mod bounce;
-pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod demo;
-pub mod layout;
-pub mod oracle;
-pub mod plan;
-pub mod registry;
-pub mod scenario;
-pub mod spec;
 pub mod transfer;

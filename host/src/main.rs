@@ -10,16 +10,15 @@ use std::time::Duration;
 use anyhow::{Context, Result, anyhow, bail};
 use clap::{Parser, Subcommand};
 use kvferry::bench::{self, BenchConfig};
-use kvferry::bounce::{self, BounceLimits};
-use kvferry::config::{self, Config};
 use kvferry::demo::{self, DemoConfig, LoopbackPair};
-use kvferry::layout::{self, Dtype, ModelSpec, PoolOptions, Preset};
-use kvferry::oracle::LocalMemory;
-use kvferry::registry::{self, BoundPlanner, Registry};
-use kvferry::scenario::Scenario;
-use kvferry::spec;
 use kvferry::transfer::{self, InstanceConfig, MemoryKind, Role, ServeOptions, Transport};
+use kvferry_loader::config::{self, Config};
+use kvferry_loader::{BoundPlanner, Registry};
+use kvferry_plan::bounce::{self, BounceLimits};
 use kvferry_planner_abi::{Deployment, Mapping, PlanError, RankInfo, TokenRange, TransferPlanner};
+use kvferry_testkit::layout::{self, Dtype, ModelSpec, PoolOptions, Preset};
+use kvferry_testkit::oracle::LocalMemory;
+use kvferry_testkit::scenario::Scenario;
 use serde_json::json;
 
 /// Moves LLM KV caches from context servers to generation servers, planned by plugins.
@@ -199,8 +198,14 @@ impl PairArgs {
     /// Checks the options and resolves the deployments and the executable.
     fn resolve(self, config_file: Option<PathBuf>) -> Result<LoopbackPair> {
         self.memory.check()?;
-        let ctx = spec::parse(&self.ctx).map_err(|e| anyhow!("--ctx: {e}"))?;
-        let r#gen = spec::parse(&self.r#gen).map_err(|e| anyhow!("--gen: {e}"))?;
+        let ctx = self
+            .ctx
+            .parse::<Mapping>()
+            .map_err(|e| anyhow!("--ctx: {e}"))?;
+        let r#gen = self
+            .r#gen
+            .parse::<Mapping>()
+            .map_err(|e| anyhow!("--gen: {e}"))?;
         Ok(LoopbackPair {
             exe: std::env::current_exe().context("locating the kvferry executable")?,
             config_file,
@@ -347,7 +352,7 @@ impl BounceArgs {
 }
 
 fn parse_spec(s: &str) -> Result<Mapping, String> {
-    spec::parse(s).map_err(|e| e.to_string())
+    s.parse::<Mapping>().map_err(|e| e.to_string())
 }
 
 /// The loaded configuration and plugin registry.
@@ -360,14 +365,14 @@ impl Host {
     fn load(config_flag: Option<&std::path::Path>) -> Result<Self> {
         let env = std::env::var(config::CONFIG_ENV).ok();
         let config = Config::discover(config_flag, env.as_deref())?;
-        let dirs = registry::plugin_dirs(config.plugin_dir.as_deref());
+        let dirs = kvferry_loader::plugin_dirs(config.plugin_dir.as_deref());
         let registry = Registry::scan(&dirs);
         Ok(Self { config, registry })
     }
 
     fn planner_id(&self, flag: Option<&str>) -> String {
-        let env = std::env::var(registry::PLANNER_ENV).ok();
-        registry::select_planner_id(flag, env.as_deref(), self.config.planner.as_deref())
+        let env = std::env::var(kvferry_loader::PLANNER_ENV).ok();
+        kvferry_loader::select_planner_id(flag, env.as_deref(), self.config.planner.as_deref())
             .to_string()
     }
 

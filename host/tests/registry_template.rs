@@ -1,66 +1,28 @@
 //! The out-of-tree planner template (`examples/planner-template`) builds on its own and the
 //! registry loads it like any third-party planner.
 //!
-//! The template is its own cargo workspace; it is built once per test binary into
-//! `examples/planner-template/target` with:
-//!
-//! ```sh
-//! cargo build --manifest-path examples/planner-template/Cargo.toml \
-//!     --target-dir examples/planner-template/target
-//! ```
-//!
-//! which leaves `examples/planner-template/target/debug/libplanner_template.so`. Its
-//! `Cargo.lock` (not committed) is seeded from the main workspace's on first use.
+//! The template is its own cargo workspace (with its own committed `Cargo.lock`); it is built
+//! once per test binary into `target/out-of-tree/examples/planner-template`
+//! ([`build_out_of_tree`]), never into the source tree.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use kvferry::registry::{BindError, Registry};
+use kvferry_loader::{BindError, Registry};
 use kvferry_planner_abi::ffi::RVec;
 use kvferry_planner_abi::{DEFAULT_DESCRIBER_ID, Deployment, Mapping, PageTable, RankInfo};
+use kvferry_testkit::conformance::{build_out_of_tree, repo_root};
 
 /// The template's planner id.
 const TEMPLATE_ID: &str = "example.template";
-
-/// The repository root (`host/..`).
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("host has a parent directory")
-        .to_path_buf()
-}
 
 /// Builds the planner template (debug profile) once per test binary and returns the path of
 /// its shared object.
 pub fn build_template() -> &'static Path {
     static SO: OnceLock<PathBuf> = OnceLock::new();
     SO.get_or_init(|| {
-        let dir = repo_root().join("examples/planner-template");
-        let target = dir.join("target");
-        // The template's lockfile is not committed (a copy starts its own). Seed it from the
-        // main workspace's, so the build uses crate versions already downloaded for kvferry
-        // and needs no registry access; cargo drops the entries the template does not use.
-        let lock = dir.join("Cargo.lock");
-        if !lock.exists() {
-            std::fs::copy(repo_root().join("Cargo.lock"), &lock)
-                .expect("seed the template's Cargo.lock");
-        }
-        let status = Command::new(env!("CARGO"))
-            .arg("build")
-            .arg("--manifest-path")
-            .arg(dir.join("Cargo.toml"))
-            .arg("--target-dir")
-            .arg(&target)
-            .env_remove("CARGO_TARGET_DIR")
-            .env_remove("CARGO_BUILD_TARGET_DIR")
-            .status()
-            .expect("run cargo to build examples/planner-template");
-        assert!(
-            status.success(),
-            "building the planner template failed: {status}"
-        );
-        let so = target.join("debug/libplanner_template.so");
+        let so = build_out_of_tree("examples/planner-template").join("libplanner_template.so");
         assert!(so.is_file(), "{} was not built", so.display());
         so
     })

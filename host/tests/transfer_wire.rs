@@ -8,13 +8,13 @@ use std::io::{Cursor, Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use kvferry::layout::{ModelSpec, PoolOptions, Preset, build_instance};
 use kvferry::transfer::wire::{
     Completion, CompletionStatus, HEADER_LEN, InstanceInfo, MAGIC, MAX_FRAME_BYTES, Message,
     PROTOCOL_VERSION, PoolKey, RankDescriptor, RankTables, RequestData, RequestStats, Role, Submit,
     VerifySummary, WireError, decode_body, encode, header, parse_header, read_frame, write_frame,
 };
 use kvferry_planner_abi::{Mapping, SlotTable, TokenRange, ViewId};
+use kvferry_testkit::layout::{ModelSpec, PoolOptions, Preset, build_instance};
 use transfer_support::{REPLY, Server, exchange, submit};
 
 fn instance_info() -> InstanceInfo {

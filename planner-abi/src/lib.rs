@@ -143,7 +143,7 @@ pub use plan::{PeerTargets, TransferPlan};
 pub use planner::{
     FfiPlanner, FfiPlanner_TO, LoadedPlanner, PlannerBox, PlannerPlugin, TransferPlanner,
 };
-pub use rank::{Deployment, Mapping, RankInfo};
+pub use rank::{Deployment, Mapping, MappingParseError, RankInfo};
 pub use request::{PairRequest, SlotTable, TokenRange, ViewId};
 pub use rows::{DEFAULT_DESCRIBER_ID, LayerGroupRows, rows};
 

@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::ops::Range;
+use std::str::FromStr;
 
 use abi_stable::StableAbi;
 use abi_stable::std_types::{RString, RVec};
@@ -117,6 +118,7 @@ impl Mapping {
 
 impl fmt::Display for Mapping {
     /// The shorthand serving engineers use: `tp4pp2`, `dep8`, `tp2cp4`, `dep8ep8`.
+    /// [`Mapping::from_str`] reads it back (MoE TP is always `tp / ep` in a valid mapping).
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.attention_dp {
             write!(f, "dep{}", self.tp)?;
@@ -133,6 +135,115 @@ impl fmt::Display for Mapping {
             write!(f, "ep{}", self.moe_ep)?;
         }
         Ok(())
+    }
+}
+
+/// Why a deployment shorthand could not be read as a [`Mapping`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MappingParseError {
+    spec: String,
+    reason: String,
+}
+
+impl MappingParseError {
+    /// The text that was parsed.
+    pub fn spec(&self) -> &str {
+        &self.spec
+    }
+
+    /// What is wrong with it.
+    pub fn reason(&self) -> &str {
+        &self.reason
+    }
+}
+
+impl fmt::Display for MappingParseError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "invalid deployment {:?}: {}", self.spec, self.reason)
+    }
+}
+
+impl std::error::Error for MappingParseError {}
+
+impl FromStr for Mapping {
+    type Err = MappingParseError;
+
+    /// Reads the serving shorthand: a sequence of `<axis><size>` terms, `tp` (tensor
+    /// parallel), `dep` (attention data parallel over that many ranks: `tp` with attention
+    /// DP), `pp`, `cp`, `ep` (MoE expert parallel) and `moetp`, case-insensitive. Each axis
+    /// may appear once; `tp` and `dep` exclude each other. Unset axes are 1, except MoE TP,
+    /// which defaults to `tp / ep`. `tp4`, `tp4pp2`, `tp2cp4`, `dep8`, `dep8ep8`.
+    fn from_str(spec: &str) -> Result<Self, MappingParseError> {
+        let fail = |reason: String| MappingParseError {
+            spec: spec.to_string(),
+            reason,
+        };
+        let lower = spec.trim().to_ascii_lowercase();
+        if lower.is_empty() {
+            return Err(fail("empty (try tp4, dep8, tp4pp2, tp2cp4)".into()));
+        }
+        let (mut tp, mut dep, mut pp, mut cp, mut ep, mut moe_tp) =
+            (None, None, None, None, None, None);
+        let mut rest = lower.as_str();
+        while !rest.is_empty() {
+            let name_len = rest
+                .find(|c: char| c.is_ascii_digit())
+                .ok_or_else(|| fail(format!("{rest:?} has no size")))?;
+            let (name, after) = rest.split_at(name_len);
+            let digits = after
+                .find(|c: char| !c.is_ascii_digit())
+                .unwrap_or(after.len());
+            let (number, tail) = after.split_at(digits);
+            let size: u32 = number
+                .parse()
+                .map_err(|_| fail(format!("size {number:?} of {name} is not a number")))?;
+            if size == 0 {
+                return Err(fail(format!("{name} size is 0")));
+            }
+            let slot = match name {
+                "tp" => &mut tp,
+                "dep" => &mut dep,
+                "pp" => &mut pp,
+                "cp" => &mut cp,
+                "ep" => &mut ep,
+                "moetp" => &mut moe_tp,
+                other => {
+                    return Err(fail(format!(
+                        "unknown axis {other:?} (known: tp, dep, pp, cp, ep, moetp)"
+                    )));
+                }
+            };
+            if slot.replace(size).is_some() {
+                return Err(fail(format!("{name} given twice")));
+            }
+            rest = tail;
+        }
+        if tp.is_some() && dep.is_some() {
+            return Err(fail(
+                "tp and dep both given (dep N is tp N with attention DP)".into(),
+            ));
+        }
+        let attention_dp = dep.is_some();
+        let tp = dep.or(tp).unwrap_or(1);
+        let moe_ep = ep.unwrap_or(1);
+        let moe_tp = match moe_tp {
+            Some(m) => m,
+            None if tp % moe_ep == 0 => tp / moe_ep,
+            None => return Err(fail(format!("ep {moe_ep} does not divide tp {tp}"))),
+        };
+        if moe_tp.checked_mul(moe_ep) != Some(tp) {
+            return Err(fail(format!(
+                "moetp {moe_tp} × ep {moe_ep} must equal the tp width {tp}"
+            )));
+        }
+        Ok(Mapping {
+            tp,
+            pp: pp.unwrap_or(1),
+            cp: cp.unwrap_or(1),
+            moe_tp,
+            moe_ep,
+            attention_dp,
+        })
     }
 }
 

@@ -14,15 +14,15 @@
 use std::sync::Arc;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use kvferry::layout::{self, ModelSpec, PoolOptions, Preset};
-use kvferry::oracle::LocalMemory;
-use kvferry::plan::{RequestSide, plan_transfer};
-use kvferry::scenario::{SlotAssignment, slot_tables};
-use kvferry_conformance::{PlannerUnderTest, plugin_dir_with};
+use kvferry_plan::{RequestSide, plan_transfer};
 use kvferry_planner_abi::{
     LayerGroupRows, Mapping, PairRequest, PlannerPlugin, RankInfo, SlotTable, TransferPlanner, rows,
 };
 use kvferry_planner_default::DefaultPlanner;
+use kvferry_testkit::conformance::{PlannerUnderTest, plugin_dir_with};
+use kvferry_testkit::layout::{self, ModelSpec, PoolOptions, Preset};
+use kvferry_testkit::oracle::LocalMemory;
+use kvferry_testkit::scenario::{SlotAssignment, slot_tables};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 

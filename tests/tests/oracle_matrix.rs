@@ -9,10 +9,10 @@
 //!
 //! Each case has a name; rerun one alone with `KVFERRY_CASE='<part of its name>'`.
 
-use kvferry::layout::{ModelSpec, Preset};
-use kvferry::scenario::Scenario;
-use kvferry_conformance::{Case, PlannerUnderTest, selected};
 use kvferry_planner_abi::{Mapping, TokenRange};
+use kvferry_testkit::conformance::{Case, PlannerUnderTest, selected};
+use kvferry_testkit::layout::{ModelSpec, Preset};
+use kvferry_testkit::scenario::Scenario;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 

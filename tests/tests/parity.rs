@@ -11,13 +11,13 @@
 
 use std::sync::Arc;
 
-use kvferry::layout::{self, Dtype, ModelSpec, PoolOptions, Preset};
-use kvferry::oracle::LocalMemory;
-use kvferry::plan::{RequestSide, plan_transfer};
-use kvferry::scenario::{Scenario, SlotAssignment, slot_tables};
-use kvferry_conformance::{PlannerUnderTest, canonical, plugin_dir_with};
+use kvferry_plan::{RequestSide, plan_transfer};
 use kvferry_planner_abi::ffi::ROption;
 use kvferry_planner_abi::{Mapping, PairRequest, TokenRange, TransferPlanner};
+use kvferry_testkit::conformance::{PlannerUnderTest, canonical, plugin_dir_with};
+use kvferry_testkit::layout::{self, Dtype, ModelSpec, PoolOptions, Preset};
+use kvferry_testkit::oracle::LocalMemory;
+use kvferry_testkit::scenario::{Scenario, SlotAssignment, slot_tables};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -58,7 +58,7 @@ fn pieces(prompt_len: u64, tpb: u64, chunk_blocks: Option<u64>) -> Vec<PairReque
 struct Planners {
     mla: PlannerUnderTest,
     default: PlannerUnderTest,
-    _dir: kvferry_conformance::tempdir::TempPlugins,
+    _dir: kvferry_testkit::conformance::tempdir::TempPlugins,
 }
 
 fn planners() -> Planners {

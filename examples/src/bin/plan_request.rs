@@ -3,20 +3,19 @@
 use std::sync::Arc;
 
 use anyhow::{Result, bail};
-use kvferry::layout::{ModelSpec, Preset};
-use kvferry::registry::{self, Registry};
-use kvferry::scenario::Scenario;
-use kvferry::spec;
-use kvferry_planner_abi::{Deployment, PlanError, RankInfo, TransferPlanner};
+use kvferry_loader::Registry;
+use kvferry_planner_abi::{Deployment, Mapping, PlanError, RankInfo, TransferPlanner};
+use kvferry_testkit::layout::{ModelSpec, Preset};
+use kvferry_testkit::scenario::Scenario;
 
 fn main() -> Result<()> {
     let id = std::env::args()
         .nth(1)
         .unwrap_or_else(|| "kvferry.deepseek_mla_latent".to_string());
     // The same rules as the CLI: KVFERRY_PLUGIN_DIR, else the executable's directory.
-    let registry = Registry::scan(&registry::plugin_dirs(None));
+    let registry = Registry::scan(&kvferry_loader::plugin_dirs(None));
     let model = ModelSpec::new(Preset::DeepseekV3);
-    let (ctx, r#gen) = (spec::parse("dep4")?, spec::parse("dep8")?);
+    let (ctx, r#gen) = ("dep4".parse::<Mapping>()?, "dep8".parse::<Mapping>()?);
     let deployment = |mapping| Deployment {
         architecture: model.preset.architecture().into(),
         mapping,

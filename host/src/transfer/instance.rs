@@ -19,8 +19,8 @@ use kvferry_ucx::{Context, Worker};
 use super::memory::{MemoryError, MemoryKind, PoolAllocator, RankPools};
 use super::rank::{RankThread, SpawnError};
 use super::wire::{InstanceInfo, PoolKey, RankDescriptor, Role};
-use crate::layout::{LayoutError, ModelSpec, PoolOptions, build_instance};
-use crate::registry::BoundPlanner;
+use kvferry_loader::BoundPlanner;
+use kvferry_testkit::layout::{LayoutError, ModelSpec, PoolOptions, build_instance};
 
 /// The UCX transports an instance uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

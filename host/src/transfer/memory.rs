@@ -378,7 +378,7 @@ enum Placement {
     },
 }
 
-/// Allocates pools as [`crate::layout::build_instance`] asks for them; use
+/// Allocates pools as [`kvferry_testkit::layout::build_instance`] asks for them; use
 /// [`PoolAllocator::alloc`] as its callback.
 #[derive(Debug)]
 pub struct PoolAllocator {

@@ -31,8 +31,8 @@ pub mod wire;
 
 use kvferry_planner_abi::{Mapping, PairRequest, TokenRange};
 
-use crate::layout::ModelSpec;
-use crate::scenario::Scenario;
+use kvferry_testkit::layout::ModelSpec;
+use kvferry_testkit::scenario::Scenario;
 
 pub use client::{Client, ClientError};
 pub use instance::{Instance, InstanceConfig, PreparedInstance, Transport};

@@ -54,7 +54,7 @@ use typed_arena::Arena;
 
 use super::memory::RankPools;
 use super::wire::PoolKey;
-use crate::plan::ValidatedPlan;
+use kvferry_plan::ValidatedPlan;
 
 /// Puts kept in flight per job (platform-notes §2: bound them, or tcp's final flush collapses).
 pub const PUT_WINDOW: usize = 32;

@@ -41,8 +41,8 @@ use super::wire::{
     Role, Submit, VerifySummary, read_frame, write_frame,
 };
 use super::{Flow, request_pieces};
-use crate::oracle::{Oracle, VerifyReport};
-use crate::scenario::slot_tables;
+use kvferry_testkit::oracle::{Oracle, VerifyReport};
+use kvferry_testkit::scenario::slot_tables;
 
 /// How long connecting to a context server may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);

@@ -37,9 +37,9 @@ use super::wire::{
     Submit,
 };
 use super::{Flow, request_pieces};
-use crate::oracle::Oracle;
-use crate::plan::{PlanFailure, RequestSide, ValidatedPlan, plan_transfer};
-use crate::scenario::slot_tables;
+use kvferry_plan::{PlanFailure, RequestSide, ValidatedPlan, plan_transfer};
+use kvferry_testkit::oracle::Oracle;
+use kvferry_testkit::scenario::slot_tables;
 
 /// How long a `RequestData` for a request not yet submitted is kept.
 const ORPHAN_TTL: Duration = Duration::from_secs(120);

@@ -13,7 +13,7 @@ use super::receiver::{GenerationServer, GenerationSession};
 use super::sender::{ContextServer, ContextSession};
 use super::verify::{VerifyError, prime_all};
 use super::wire::{Message, Role, read_frame};
-use crate::registry::BoundPlanner;
+use kvferry_loader::BoundPlanner;
 
 /// How long a refused connection's remaining input is drained before closing it.
 const DRAIN: Duration = Duration::from_millis(200);

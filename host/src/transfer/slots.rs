@@ -1,7 +1,7 @@
 //! Which slots a request occupies: one free list per DP group.
 //!
 //! Every rank of a DP group uses the same slot indices for a request (one
-//! [`SlotAssignment`], as in [`crate::scenario`]); DP groups are independent. A request takes
+//! [`SlotAssignment`], as in [`kvferry_testkit::scenario`]); DP groups are independent. A request takes
 //! the lowest free PAGED slots (keeping the used part of a pool compact) in a shuffled order,
 //! so ordinals land on scattered, non-adjacent slots as they do in a real cache.
 
@@ -11,7 +11,7 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 
-use crate::scenario::SlotAssignment;
+use kvferry_testkit::scenario::SlotAssignment;
 
 /// Why slots could not be allocated.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

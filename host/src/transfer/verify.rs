@@ -13,8 +13,10 @@ use std::cell::RefCell;
 use kvferry_planner_abi::{PairRequest, RankInfo, SlotTable, ViewId};
 
 use super::memory::{CopyError, RankPools};
-use crate::oracle::{Delivery, Extent, MemoryError, Oracle, OracleError, PoolMemory, VerifyReport};
-use crate::plan::RequestSide;
+use kvferry_plan::RequestSide;
+use kvferry_testkit::oracle::{
+    Delivery, Extent, MemoryError, Oracle, OracleError, PoolMemory, VerifyReport,
+};
 
 /// Why the oracle could not fill or check UCX pools.
 #[derive(Debug, thiserror::Error)]

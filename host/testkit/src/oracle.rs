@@ -47,7 +47,7 @@ use kvferry_planner_abi::{
     GroupKind, LayerRange, LayoutKind, PageTable, PairRequest, PhysicalPool, RankInfo, SlotTable,
 };
 
-use crate::plan::{RequestSide, ValidatedPlan};
+use kvferry_plan::{RequestSide, ValidatedPlan};
 
 /// First address [`LocalMemory`] hands out.
 const ADDRESS_BASE: u64 = 0x7100_0000_0000;

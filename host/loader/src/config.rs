@@ -1,6 +1,6 @@
 //! Configuration: a TOML file (`--config`, else `KVFERRY_CONFIG`), overridden by the
 //! environment (`KVFERRY_PLANNER`, `KVFERRY_PLUGIN_DIR`), overridden by command-line flags
-//! (see [`crate::registry::select_planner_id`] and [`crate::registry::plugin_dirs`]).
+//! (see [`crate::select_planner_id`] and [`crate::plugin_dirs`]).
 //!
 //! ```toml
 //! planner = "kvferry.deepseek_mla_latent"   # default: kvferry.default
@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 /// The environment variable naming the config file. The planner and plugin-directory
-/// variables belong to [`crate::registry`], which reads them.
+/// variables belong to the crate root ([`crate::plugin_dirs`]), which reads them.
 pub const CONFIG_ENV: &str = "KVFERRY_CONFIG";
 
 /// The config file's contents. Unknown keys are refused, so a typo does not silently fall

@@ -9,46 +9,20 @@
 //! unloads): keep it separate from tests that assume a clean process.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::OnceLock;
 
-use kvferry::registry::{BindError, LoadError, Registry, SkippedFile};
+use kvferry_loader::{BindError, LoadError, Registry, SkippedFile};
 use kvferry_planner_abi::ffi::{ROption, RVec};
 use kvferry_planner_abi::{
     Deployment, ErrorKind, Mapping, PageTable, PairRequest, RankInfo, TokenRange,
 };
+use kvferry_testkit::conformance::build_out_of_tree;
 use tempfile::TempDir;
 
-/// The repository root (`host/..`).
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("host has a parent directory")
-        .to_path_buf()
-}
-
 /// Builds the fixture workspace once per test binary; returns its output directory.
-///
-/// Equivalent to `cargo build --manifest-path tests/fixtures/Cargo.toml --target-dir
-/// tests/fixtures/target`, run from the repository root.
 fn fixture_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let root = repo_root();
-        let target = root.join("tests/fixtures/target");
-        let status = Command::new(env!("CARGO"))
-            .arg("build")
-            .arg("--manifest-path")
-            .arg(root.join("tests/fixtures/Cargo.toml"))
-            .arg("--target-dir")
-            .arg(&target)
-            .env_remove("CARGO_TARGET_DIR")
-            .env_remove("CARGO_BUILD_TARGET_DIR")
-            .status()
-            .expect("run cargo to build tests/fixtures");
-        assert!(status.success(), "building tests/fixtures failed: {status}");
-        target.join("debug")
-    })
+    DIR.get_or_init(|| build_out_of_tree("tests/fixtures"))
 }
 
 /// A fixture library by crate name (`not-a-planner` → `libfixture_not_a_planner.so`).

@@ -2,7 +2,7 @@
 //! on a Kimi-K3-shaped page table: 24 MLA layers in one paged pool (latent 576, BF16,
 //! 32 tokens per block: 884,736-byte slots) and 69 KDA layers of recurrent state.
 
-use kvferry::bounce::{BounceLimits, BounceSkip, Reservation, block_bytes_per_group, reserve};
+use kvferry_plan::bounce::{BounceLimits, BounceSkip, Reservation, block_bytes_per_group, reserve};
 use kvferry_planner_abi::{
     GroupKind, LayerGroup, LayoutKind, MemoryType, PageTable, PhysicalPool, PoolView, RoleLayout,
     SlotTable,

@@ -1,10 +1,10 @@
 //! Preset layouts against the published numbers (transfer-semantics §11–§12).
 
-use kvferry::layout::{
+use kvferry_planner_abi::{DEFAULT_DESCRIBER_ID, GroupKind, LayoutKind, Mapping, RankInfo};
+use kvferry_testkit::layout::{
     Dtype, LayoutError, ModelSpec, PoolOptions, Preset, RankCoords, build_instance, build_rank,
     instance_rank, rank_coords,
 };
-use kvferry_planner_abi::{DEFAULT_DESCRIBER_ID, GroupKind, LayoutKind, Mapping, RankInfo};
 
 fn mapping(tp: u32, pp: u32, cp: u32, attention_dp: bool) -> Mapping {
     Mapping {

@@ -1,7 +1,7 @@
-//! The plugin registry: finds planner libraries, loads them, and binds the one a deployment
-//! uses.
+//! kvferry-loader: finds planner libraries, checks them before `dlopen`, loads them, and binds
+//! the one a deployment uses. The only host crate that loads code at run time.
 //!
-//! This is the only module of kvferry that loads code at run time. [`Registry::scan`] walks
+//! This is the only crate of kvferry that loads code at run time. [`Registry::scan`] walks
 //! the plugin directories ([`plugin_dirs`]) and, for every `*.so` file, checks its ELF
 //! structure, `dlopen`s it, reads its root module ([`PlannerModuleRef`]) and records the
 //! planner's id, describer id and version. Files that cannot be used are kept, with the
@@ -26,6 +26,10 @@
 //! loaded and then refused (duplicate ids, unsupported deployments): planner objects, strings
 //! and vtables may point into it, and abi_stable leaks the handle on purpose. Planners must not
 //! rely on destructors of statics or on being unloaded.
+
+#![deny(missing_docs)]
+
+pub mod config;
 
 /*
 Maintainer notes.

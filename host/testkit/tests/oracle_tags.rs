@@ -1,10 +1,10 @@
 //! Tags depend on logical coordinates only: the same cache byte carries the same tag under
 //! every sharding and layout the oracle models.
 
-use kvferry::layout::{ModelSpec, PoolOptions, Preset, build_rank};
-use kvferry::oracle::{LocalMemory, Oracle};
-use kvferry::plan::RequestSide;
+use kvferry_plan::RequestSide;
 use kvferry_planner_abi::{LayoutKind, Mapping, RankInfo, SlotTable};
+use kvferry_testkit::layout::{ModelSpec, PoolOptions, Preset, build_rank};
+use kvferry_testkit::oracle::{LocalMemory, Oracle};
 
 fn mapping(tp: u32, cp: u32) -> Mapping {
     Mapping {

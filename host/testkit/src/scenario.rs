@@ -31,10 +31,10 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 
-use crate::bounce::{self, BounceLimits, BounceSkip, Reservation};
 use crate::layout::{LayoutError, ModelSpec, PoolOptions, build_instance};
 use crate::oracle::{Delivery, LocalMemory, Oracle, OracleError, VerifyReport};
-use crate::plan::{PlanFailure, RequestSide, plan_transfer};
+use kvferry_plan::bounce::{self, BounceLimits, BounceSkip, Reservation};
+use kvferry_plan::{PlanFailure, RequestSide, plan_transfer};
 
 /// Instance name of the context side.
 pub const CONTEXT_INSTANCE: &str = "ctx";

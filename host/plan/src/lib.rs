@@ -1,3 +1,6 @@
+//! kvferry-plan: sans-IO planning — describe both sides, ask the planner, validate, coalesce,
+//! size bounce regions. No sockets, no UCX, no unsafe.
+//!
 //! Planning one piece of a request: describe both sides, ask the planner, validate, coalesce.
 //!
 //! A planner is trusted to compute, never to address memory: every fragment it returns is
@@ -27,6 +30,11 @@
 //!
 //! Rows are whole slots: bytes of an excluded view that share a slot with a described view
 //! are not told apart here (the oracle's canary check catches writes into them).
+
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
+pub mod bounce;
 
 use std::fmt;
 

@@ -2,14 +2,14 @@
 
 use std::sync::Arc;
 
-use kvferry::layout::{Dtype, ModelSpec, PoolOptions, Preset, build_rank};
-use kvferry::oracle::{Delivery, LocalMemory, Logical, MemoryError, Oracle, Side};
-use kvferry::plan::{RequestSide, validate};
-use kvferry::scenario::{Scenario, ScenarioError, ScenarioReport};
+use kvferry_plan::{RequestSide, validate};
 use kvferry_planner_abi::{
     GroupKind, LayerGroupRows, Mapping, PairRequest, PeerTargets, PlanError, RankInfo, SlotTable,
     TokenRange, TransferPlan, TransferPlanner, ViewId, ffi::RVec,
 };
+use kvferry_testkit::layout::{Dtype, ModelSpec, PoolOptions, Preset, build_rank};
+use kvferry_testkit::oracle::{Delivery, LocalMemory, Logical, MemoryError, Oracle, Side};
+use kvferry_testkit::scenario::{Scenario, ScenarioError, ScenarioReport};
 
 type Mutation = Box<dyn Fn(&mut TransferPlan) + Send + Sync>;
 

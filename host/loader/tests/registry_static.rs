@@ -1,7 +1,7 @@
 //! The registry over statically linked planners (`Registry::from_modules`), as tests and
 //! benchmarks use it: duplicate ids, binding, refusals. Loads no library.
 
-use kvferry::registry::{BindError, LoadError, Registry};
+use kvferry_loader::{BindError, LoadError, Registry};
 use kvferry_planner_abi::ffi::RVec;
 use kvferry_planner_abi::{
     DEFAULT_DESCRIBER_ID, Deployment, LayerGroupRows, Mapping, PageTable, PairRequest, PeerTargets,
@@ -253,5 +253,5 @@ fn bind_refuses_unknown_describers_and_ids() {
 fn registry_and_bound_planner_cross_threads() {
     fn send_sync<T: Send + Sync>() {}
     send_sync::<Registry>();
-    send_sync::<kvferry::registry::BoundPlanner>();
+    send_sync::<kvferry_loader::BoundPlanner>();
 }

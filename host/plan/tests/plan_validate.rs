@@ -1,6 +1,6 @@
 //! Plan validation rules and coalescing.
 
-use kvferry::plan::{End, PlanFailure, PlanRejected, RequestSide, plan_transfer, validate};
+use kvferry_plan::{End, PlanFailure, PlanRejected, RequestSide, plan_transfer, validate};
 use kvferry_planner_abi::{
     GroupKind, LayerGroupRows, PairRequest, PeerTargets, PlanError, RankInfo, TransferPlan,
     TransferPlanner, ViewId, ffi::RVec,
@@ -220,8 +220,8 @@ impl TransferPlanner for Fixed {
 
 #[test]
 fn plan_transfer_describes_pairs_and_validates() {
-    use kvferry::layout::{ModelSpec, PoolOptions, Preset, build_rank};
     use kvferry_planner_abi::{Mapping, SlotTable};
+    use kvferry_testkit::layout::{ModelSpec, PoolOptions, Preset, build_rank};
     let m = Mapping {
         tp: 1,
         pp: 1,

@@ -1,0 +1,272 @@
+//! The planner conformance kit: runs any planner through requests between real model
+//! layouts and checks every destination byte with the host's oracle.
+//!
+//! A planner under test is a [`PlannerUnderTest`]: a root module, either linked statically
+//! (`my_planner::planner_module()`) or loaded from its `.so` ([`PlannerUnderTest::loaded`]). Cases name
+//! themselves, so a failure in a matrix can be rerun alone with `KVFERRY_CASE=<name>`.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::scenario::{Scenario, ScenarioReport};
+use kvferry_loader::{BoundPlanner, Registry};
+use kvferry_planner_abi::{
+    Deployment, Mapping, PlanError, PlannerModuleRef, RankInfo, TransferPlanner,
+};
+
+/// The environment variable that restricts a case matrix to the cases whose name contains it.
+pub const CASE_FILTER_ENV: &str = "KVFERRY_CASE";
+
+/// A planner as the tests drive it.
+#[derive(Clone, Debug)]
+pub struct PlannerUnderTest {
+    registry: Arc<Registry>,
+    id: String,
+}
+
+impl PlannerUnderTest {
+    /// A statically linked planner.
+    pub fn linked(module: PlannerModuleRef) -> Self {
+        let id = module.id();
+        let registry = Registry::from_modules([(module, format!("linked {id}"))]);
+        Self {
+            registry: Arc::new(registry),
+            id,
+        }
+    }
+
+    /// The planner `id` from the plugin libraries in `dir`.
+    ///
+    /// # Panics
+    ///
+    /// When `dir` holds no planner with that id (a test set-up error).
+    pub fn loaded(dir: &Path, id: &str) -> Self {
+        let registry = Registry::scan(&[dir.to_path_buf()]);
+        assert!(
+            registry.planner(id).is_some(),
+            "no planner {id} in {} (skipped: {:?})",
+            dir.display(),
+            registry.skipped()
+        );
+        Self {
+            registry: Arc::new(registry),
+            id: id.to_string(),
+        }
+    }
+
+    /// The planner id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Binds the planner for a deployment of `architecture`.
+    ///
+    /// # Errors
+    ///
+    /// The registry's refusal, as text.
+    pub fn bind(&self, architecture: &str, mapping: Mapping) -> Result<BoundPlanner, String> {
+        let deployment = Deployment {
+            architecture: architecture.into(),
+            mapping,
+        };
+        self.registry
+            .bind(&self.id, &deployment)
+            .map_err(|e| e.to_string())
+    }
+
+    /// Runs `scenario` with this planner on both sides.
+    ///
+    /// # Errors
+    ///
+    /// A bind refusal or any scenario error, as text naming the side.
+    pub fn run(&self, scenario: &Scenario) -> Result<ScenarioReport, String> {
+        let arch = scenario.model.preset.architecture();
+        let ctx = self
+            .bind(arch, scenario.ctx_mapping)
+            .map_err(|e| format!("context: {e}"))?;
+        let r#gen = self
+            .bind(arch, scenario.gen_mapping)
+            .map_err(|e| format!("generation: {e}"))?;
+        let ctx_factory =
+            |r: &RankInfo| -> Result<Arc<dyn TransferPlanner>, PlanError> { ctx.instantiate(r) };
+        let gen_factory =
+            |r: &RankInfo| -> Result<Arc<dyn TransferPlanner>, PlanError> { r#gen.instantiate(r) };
+        let mut scenario = scenario.clone();
+        scenario.planner_id = self.id.clone();
+        scenario
+            .run(&ctx_factory, &gen_factory)
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// The directory cargo writes the workspace's `.so` files to, found from the running test
+/// executable (`target/<profile>/deps/<test>` → `target/<profile>`).
+pub fn build_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test executable's path");
+    let deps = exe.parent().expect("the executable's directory");
+    deps.parent().unwrap_or(deps).to_path_buf()
+}
+
+/// The kvferry repository this testkit was built from (`host/testkit/../..`), for tests that
+/// build the out-of-tree workspaces in it.
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .nth(2)
+        .expect("host/testkit sits two levels below the repository root")
+        .to_path_buf()
+}
+
+/// Builds a cargo workspace that is not part of this one (the planner template, the loading
+/// fault fixtures: `dir` relative to [`repo_root`]) in the debug profile and returns the
+/// folder holding its `.so` files.
+///
+/// The build goes to `target/out-of-tree/<dir>` beside this build and uses the workspace's
+/// committed `Cargo.lock` with `--locked`, so nothing is written into the source tree and
+/// no crate version is resolved anew. Call it once per test binary (behind a `OnceLock`):
+/// concurrent callers serialise on cargo's own lock of the target folder.
+///
+/// # Panics
+///
+/// When cargo cannot run or the build fails (a test set-up error).
+pub fn build_out_of_tree(dir: &str) -> PathBuf {
+    let manifest = repo_root().join(dir).join("Cargo.toml");
+    let target = build_dir()
+        .parent()
+        .map_or_else(build_dir, Path::to_path_buf)
+        .join("out-of-tree")
+        .join(dir);
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let status = std::process::Command::new(cargo)
+        .arg("build")
+        .arg("--locked")
+        .arg("--manifest-path")
+        .arg(&manifest)
+        .arg("--target-dir")
+        .arg(&target)
+        .env_remove("CARGO_TARGET_DIR")
+        .env_remove("CARGO_BUILD_TARGET_DIR")
+        .status()
+        .unwrap_or_else(|e| panic!("run cargo to build {}: {e}", manifest.display()));
+    assert!(
+        status.success(),
+        "building {} failed: {status}",
+        manifest.display()
+    );
+    target.join("debug")
+}
+
+/// A temporary plugin directory holding only the named planner libraries from
+/// [`build_dir`], so a scan loads nothing else (cargo's `deps/` also holds proc-macro
+/// libraries).
+///
+/// # Panics
+///
+/// When a library is missing: build the workspace first (`cargo build --workspace`).
+pub fn plugin_dir_with(libraries: &[&str]) -> tempdir::TempPlugins {
+    tempdir::TempPlugins::new(&build_dir(), libraries)
+}
+
+/// A self-deleting plugin directory.
+pub mod tempdir {
+    use std::path::{Path, PathBuf};
+
+    /// A directory under the system temp dir, removed on drop.
+    #[derive(Debug)]
+    pub struct TempPlugins {
+        path: PathBuf,
+    }
+
+    impl TempPlugins {
+        pub(crate) fn new(from: &Path, libraries: &[&str]) -> Self {
+            use std::sync::atomic::{AtomicU64, Ordering};
+            static NEXT: AtomicU64 = AtomicU64::new(0);
+            let path = std::env::temp_dir().join(format!(
+                "kvferry-plugins-{}-{}",
+                std::process::id(),
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            ));
+            std::fs::create_dir_all(&path).expect("create a temporary plugin directory");
+            for lib in libraries {
+                // Cargo uplifts a cdylib next to the binaries when it builds it as a root
+                // unit, and leaves it in `deps/` when it built it only as a dependency.
+                let src = [from.join(lib), from.join("deps").join(lib)]
+                    .into_iter()
+                    .find(|p| p.is_file())
+                    .unwrap_or_else(|| {
+                        panic!(
+                            "{} is missing: run `cargo build --workspace` first",
+                            from.join(lib).display()
+                        )
+                    });
+                std::fs::copy(&src, path.join(lib)).expect("copy a planner library");
+            }
+            Self { path }
+        }
+
+        /// The directory.
+        pub fn path(&self) -> &Path {
+            &self.path
+        }
+    }
+
+    impl Drop for TempPlugins {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
+}
+
+/// One named request of a case matrix.
+#[derive(Clone, Debug)]
+pub struct Case {
+    /// A name that identifies the case (model, topologies, request shape, seed).
+    pub name: String,
+    /// The request.
+    pub scenario: Scenario,
+}
+
+impl fmt::Display for Case {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.name)
+    }
+}
+
+/// Whether `case` passes the [`CASE_FILTER_ENV`] filter.
+pub fn selected(case: &Case) -> bool {
+    std::env::var(CASE_FILTER_ENV).map_or(true, |f| case.name.contains(&f))
+}
+
+/// Canonical form of a set of fragments: sorted by destination, with fragments that continue
+/// each other on both sides merged. Two plans that move exactly the same bytes from exactly
+/// the same places have the same canonical form, however they were cut.
+pub fn canonical(fragments: impl IntoIterator<Item = (u64, u64, u64)>) -> Vec<(u64, u64, u64)> {
+    let mut v: Vec<(u64, u64, u64)> = fragments.into_iter().filter(|f| f.2 > 0).collect();
+    v.sort_by_key(|&(s, d, _)| (d, s));
+    let mut out: Vec<(u64, u64, u64)> = Vec::with_capacity(v.len());
+    for (s, d, l) in v {
+        if let Some(last) = out.last_mut() {
+            if last.1 + last.2 == d && last.0 + last.2 == s {
+                last.2 += l;
+                continue;
+            }
+        }
+        out.push((s, d, l));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::canonical;
+
+    #[test]
+    fn canonical_merges_only_what_continues_on_both_sides() {
+        let a = canonical([(100, 1000, 10), (110, 1010, 5), (200, 1015, 5)]);
+        assert_eq!(a, vec![(100, 1000, 15), (200, 1015, 5)]);
+        let b = canonical([(200, 1015, 5), (100, 1000, 15)]);
+        assert_eq!(a, b);
+        assert_ne!(a, canonical([(100, 1000, 15), (201, 1015, 5)]));
+    }
+}

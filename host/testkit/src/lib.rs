@@ -1,0 +1,20 @@
+//! kvferry-testkit: model presets, the byte oracle, in-process scenarios and the planner
+//! conformance harness — everything a planner team needs to prove its planner, with no UCX.
+//!
+//! - [`layout`]: model presets with real dimensions (DeepSeek-V3, Llama-3-70B, Qwen3-Next,
+//!   gpt-oss) and the per-rank page tables a deployment of them advertises.
+//! - [`oracle`]: tag-filled source pools, canary-primed destinations, every byte checked;
+//!   [`oracle::LocalMemory`] executes validated plans in process.
+//! - [`scenario`]: one request end to end in process (plan every pair, move, verify).
+//! - [`conformance`]: a planner under test, case matrices and the helpers the conformance
+//!   tests share.
+//!
+//! Depends on `kvferry-planner-abi`, `kvferry-plan` and `kvferry-loader` only, never on UCX
+//! or CUDA, so a planner built out of tree can run it in its own tests.
+
+#![deny(missing_docs)]
+
+pub mod conformance;
+pub mod layout;
+pub mod oracle;
+pub mod scenario;
