@@ -13,9 +13,11 @@ use kvferry::bench::{self, BenchConfig};
 use kvferry::demo::{self, DemoConfig, LoopbackPair};
 use kvferry::transfer::{self, InstanceConfig, MemoryKind, Role, ServeOptions, Transport};
 use kvferry_loader::config::{self, Config};
-use kvferry_loader::{BoundPlanner, Registry};
+use kvferry_loader::{BoundPlanner, Candidate, Registry};
 use kvferry_plan::bounce::{self, BounceLimits};
 use kvferry_planner_abi::{Deployment, Mapping, PlanError, RankInfo, TokenRange, TransferPlanner};
+use kvferry_testkit::conform::CaseVerdict;
+use kvferry_testkit::conformance::PlannerUnderTest;
 use kvferry_testkit::layout::{self, Dtype, ModelSpec, PoolOptions, Preset};
 use kvferry_testkit::oracle::LocalMemory;
 use kvferry_testkit::scenario::Scenario;
@@ -53,9 +55,13 @@ enum Command {
         deployment: Mapping,
         #[command(flatten)]
         shape: Shape,
-        /// Planner id (default: $KVFERRY_PLANNER, config `planner`, kvferry.default).
+        /// Planner id, or `auto` for the most specific planner that supports the deployment
+        /// (default: $KVFERRY_PLANNER, config `planner`, kvferry.default).
         #[arg(long, value_name = "ID")]
         planner: Option<String>,
+        /// Print JSON: `deployment`, `selected`, `bound`, `auto`, `candidates`, `error`.
+        #[arg(long)]
+        json: bool,
     },
     /// Dry-run one request: plan every (sender, receiver) pair, execute the plans in
     /// memory and check every destination byte.
@@ -98,6 +104,30 @@ enum Command {
         #[arg(long, value_name = "ID")]
         planner: Option<String>,
         /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Prove a planner: run the oracle matrix (every model preset × context/generation
+    /// topology pair it accepts) in memory and check every destination byte.
+    Conform {
+        /// The planner library (`.so`) to prove; or name one on the plugin path with
+        /// --planner.
+        #[arg(
+            value_name = "LIBRARY",
+            conflicts_with = "planner",
+            required_unless_present = "planner"
+        )]
+        library: Option<PathBuf>,
+        /// A planner id from the plugin path instead of a file.
+        #[arg(long, value_name = "ID")]
+        planner: Option<String>,
+        /// Seed of the matrix (decimal or 0x-hex); the same seed gives the same cases.
+        #[arg(long, value_parser = parse_seed, default_value = "0x7ac1e")]
+        seed: u64,
+        /// Run only the cases whose name contains this text.
+        #[arg(long, value_name = "TEXT")]
+        case: Option<String>,
+        /// Print one JSON object: planner, cases, passed, failed, refused, failures, results.
         #[arg(long)]
         json: bool,
     },
@@ -351,6 +381,14 @@ impl BounceArgs {
     }
 }
 
+fn parse_seed(s: &str) -> Result<u64, String> {
+    let parsed = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        Some(hex) => u64::from_str_radix(hex, 16),
+        None => s.parse(),
+    };
+    parsed.map_err(|e| format!("seed {s:?}: {e}"))
+}
+
 fn parse_spec(s: &str) -> Result<Mapping, String> {
     s.parse::<Mapping>().map_err(|e| e.to_string())
 }
@@ -451,15 +489,77 @@ fn display_dirs(dirs: &[PathBuf]) -> String {
     }
 }
 
+/// What one planner says about the deployment, for `kvferry check`.
+fn candidate_json(c: &Candidate) -> serde_json::Value {
+    let refusal = c.verdict.as_ref().err();
+    json!({
+        "id": c.info.id,
+        "describer_id": c.info.describer_id,
+        "version": c.info.version,
+        "path": c.info.path,
+        "specificity": c.info.specificity.0,
+        "accepted": refusal.is_none(),
+        "reason": refusal.map(|r| r.to_string()),
+        "refusal": refusal.and_then(|r| r.deployment_refusal()).map(|d| json!({
+            "field": d.field.as_str(),
+            "found": d.found.as_str(),
+            "supported": d.supported.as_str(),
+            "reason": d.reason.as_str(),
+        })),
+    })
+}
+
 fn check(
     host: &Host,
     model: &ModelSpec,
     mapping: Mapping,
     planner: Option<&str>,
+    json: bool,
 ) -> Result<ExitCode> {
+    let deployment = Deployment {
+        architecture: model.preset.architecture().into(),
+        mapping,
+    };
     let id = host.planner_id(planner);
-    let bound = host.bind(&id, model, mapping)?;
-    let ranks = instantiate_all(&bound, model, &mapping)?;
+    let candidates = host.registry.candidates(&deployment);
+    let auto = host.registry.bind_auto(&deployment);
+    let bound = host
+        .bind(&id, model, mapping)
+        .and_then(|bound| instantiate_all(&bound, model, &mapping).map(|ranks| (bound, ranks)));
+    if json {
+        let out = json!({
+            "deployment": deployment.to_string(),
+            "selected": id,
+            "bound": bound.as_ref().ok().map(|(b, _)| b.id()),
+            "auto": auto.as_ref().ok().map(|b| b.id()),
+            "auto_error": auto.as_ref().err().map(|e| e.to_string()),
+            "candidates": candidates.iter().map(candidate_json).collect::<Vec<_>>(),
+            "error": bound.as_ref().err().map(|e| format!("{e:#}")),
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(if bound.is_ok() {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        });
+    }
+    println!("{deployment}: {} candidate planner(s)", candidates.len());
+    for c in &candidates {
+        let verdict = match &c.verdict {
+            Ok(()) => "accepts".to_string(),
+            Err(reason) => format!("refuses: {reason}"),
+        };
+        println!(
+            "  {:<32} {:<12} {verdict}",
+            c.info.id,
+            c.info.specificity.name()
+        );
+    }
+    match &auto {
+        Ok(b) => println!("auto binds {}", b.id()),
+        Err(e) => println!("auto binds nothing: {e}"),
+    }
+    let (bound, ranks) = bound?;
     println!(
         "{} {} (version {}, {}) plans {} {mapping} ({} ranks, {} {} tokens per block)",
         bound.id(),
@@ -472,6 +572,97 @@ fn check(
         model.tokens_per_block,
     );
     Ok(ExitCode::SUCCESS)
+}
+
+fn conform(
+    config: Option<&std::path::Path>,
+    library: Option<&std::path::Path>,
+    planner: Option<&str>,
+    seed: u64,
+    case: Option<&str>,
+    json: bool,
+) -> Result<ExitCode> {
+    let under_test = match (library, planner) {
+        (Some(path), _) => PlannerUnderTest::from_file(path).map_err(|e| anyhow!(e))?,
+        (None, Some(id)) => {
+            let host = Host::load(config)?;
+            PlannerUnderTest::from_registry(Arc::new(host.registry), id).map_err(|e| anyhow!(e))?
+        }
+        (None, None) => bail!("name a planner library, or a planner id with --planner"),
+    };
+    if !json {
+        println!(
+            "conform {} ({}), matrix seed {seed:#x}",
+            under_test.id(),
+            under_test.source().display()
+        );
+    }
+    let report = kvferry_testkit::conform::conform(&under_test, seed, case, |outcome| {
+        if !json {
+            println!("{outcome}");
+        }
+    });
+    if json {
+        let results: Vec<serde_json::Value> = report
+            .cases
+            .iter()
+            .map(|c| {
+                let (verdict, reason, first_wrong) = match &c.verdict {
+                    CaseVerdict::Passed => ("passed", None, None),
+                    CaseVerdict::Failed {
+                        reason,
+                        first_wrong,
+                    } => ("failed", Some(reason.clone()), first_wrong.clone()),
+                    CaseVerdict::Refused { reason } => ("refused", Some(reason.clone()), None),
+                    _ => ("unknown", None, None),
+                };
+                json!({
+                    "name": c.name,
+                    "model": c.preset.name(),
+                    "ctx": c.ctx.to_string(),
+                    "gen": c.r#gen.to_string(),
+                    "fragments": c.fragments,
+                    "bytes": c.bytes,
+                    "verdict": verdict,
+                    "reason": reason,
+                    "first_wrong": first_wrong,
+                })
+            })
+            .collect();
+        let out = json!({
+            "planner": report.planner,
+            "source": under_test.source(),
+            "seed": report.seed,
+            "cases": report.ran(),
+            "passed": report.passed(),
+            "failed": report.failed(),
+            "refused": report.refused(),
+            "deployments": report.deployments.len(),
+            "failures": report.failures(),
+            "ok": report.is_ok(),
+            "results": results,
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        println!("{report}");
+        let failures = report.failures();
+        if !failures.is_empty() {
+            println!(
+                "failed ({}), rerun one with --seed {seed:#x} --case '<name>':",
+                failures.len()
+            );
+            for f in &failures {
+                println!("  {f}");
+            }
+        } else if report.ran() == 0 {
+            println!("no case ran: a planner that refuses every case proves nothing");
+        }
+    }
+    Ok(if report.is_ok() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 struct PlanArgs {
@@ -498,6 +689,14 @@ fn plan(host: &Host, a: PlanArgs) -> Result<ExitCode> {
     let gen_bound = host
         .bind(&id, &a.model, a.r#gen)
         .context("generation instance")?;
+    if ctx_bound.id() != gen_bound.id() {
+        bail!(
+            "the context instance binds {} and the generation instance binds {}: two servers \
+             that select different planners refuse each other (name one with --planner)",
+            ctx_bound.id(),
+            gen_bound.id()
+        );
+    }
     let mut scenario = Scenario::new(a.model.clone(), a.ctx, a.r#gen, a.prompt_len);
     scenario.ctx_dp_rank = a.ctx_dp_rank;
     scenario.gen_dp_rank = a.gen_dp_rank;
@@ -729,11 +928,27 @@ fn run(cli: Cli) -> Result<ExitCode> {
             deployment,
             shape,
             planner,
+            json,
         } => check(
             &load()?,
             &shape.model(model),
             deployment,
             planner.as_deref(),
+            json,
+        ),
+        Command::Conform {
+            library,
+            planner,
+            seed,
+            case,
+            json,
+        } => conform(
+            cli.config.as_deref(),
+            library.as_deref(),
+            planner.as_deref(),
+            seed,
+            case.as_deref(),
+            json,
         ),
         Command::Plan {
             model,

@@ -118,7 +118,7 @@ fn an_unsupported_deployment_fails_with_the_planners_reason() {
     assert!(!out.status.success());
     let (_, stderr) = text(&out);
     assert!(
-        stderr.contains("plans DeepseekV3ForCausalLM only, not LlamaForCausalLM"),
+        stderr.contains("architecture = LlamaForCausalLM (supports DeepseekV3ForCausalLM)"),
         "{stderr}"
     );
 }
@@ -204,12 +204,18 @@ fn a_config_file_names_the_planner_and_the_flag_wins() {
     let args = ["check", "--model", "deepseek-v3", "--deployment", "dep2"];
     let out = kvferry(&args, &[("KVFERRY_CONFIG", &config)]);
     assert!(out.status.success(), "{:?}", text(&out));
-    assert!(text(&out).0.starts_with("kvferry.deepseek_mla_latent"));
+    // The last line names the bound planner (candidates and the auto verdict come first).
+    let bound_line = |out: &Output| text(out).0.lines().last().unwrap_or_default().to_string();
+    assert!(
+        bound_line(&out).starts_with("kvferry.deepseek_mla_latent "),
+        "{:?}",
+        text(&out)
+    );
     let mut with_flag = args.to_vec();
     with_flag.extend(["--planner", "kvferry.default"]);
     let out = kvferry(&with_flag, &[("KVFERRY_CONFIG", &config)]);
     assert!(
-        text(&out).0.starts_with("kvferry.default "),
+        bound_line(&out).starts_with("kvferry.default "),
         "{:?}",
         text(&out)
     );
@@ -350,4 +356,126 @@ fn plan_checks_bounce_regions_against_the_given_limits() {
         &[&fan_in[..], &["--bounce-arena-mb", "40"]].concat(),
     );
     assert_eq!(v["receivers"][0]["bounce_bytes"], region, "{v}");
+}
+
+fn check_json(model: &str, deployment: &str, planner_env: &str) -> (Output, Value) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args([
+            "check",
+            "--model",
+            model,
+            "--deployment",
+            deployment,
+            "--json",
+        ])
+        .env_remove("KVFERRY_PLUGIN_DIR")
+        .env_remove("KVFERRY_CONFIG")
+        .env("KVFERRY_PLANNER", planner_env)
+        .output()
+        .expect("run kvferry");
+    let v = serde_json::from_slice(&out.stdout).expect("check --json prints JSON");
+    (out, v)
+}
+
+fn candidate<'a>(v: &'a Value, id: &str) -> &'a Value {
+    v["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["id"] == id)
+        .unwrap_or_else(|| panic!("no candidate {id}: {v}"))
+}
+
+#[test]
+fn auto_binds_the_mla_planner_for_deepseek_under_attention_dp() {
+    let (out, v) = check_json("deepseek-v3", "dep8", "auto");
+    assert!(out.status.success(), "{v}");
+    assert_eq!(v["selected"], "auto");
+    assert_eq!(v["bound"], "kvferry.deepseek_mla_latent");
+    assert_eq!(v["auto"], "kvferry.deepseek_mla_latent");
+    let mla = candidate(&v, "kvferry.deepseek_mla_latent");
+    assert_eq!(mla["accepted"], true);
+    assert_eq!(mla["specificity"], 200);
+    let default = candidate(&v, "kvferry.default");
+    assert_eq!(default["accepted"], true);
+    assert_eq!(default["specificity"], 0);
+}
+
+#[test]
+fn auto_binds_the_default_planner_for_llama_and_says_why_not_the_mla_one() {
+    let (out, v) = check_json("llama-3-70b", "tp4", "auto");
+    assert!(out.status.success(), "{v}");
+    assert_eq!(v["bound"], "kvferry.default");
+    let mla = candidate(&v, "kvferry.deepseek_mla_latent");
+    assert_eq!(mla["accepted"], false);
+    assert_eq!(mla["refusal"]["field"], "architecture");
+    assert_eq!(mla["refusal"]["found"], "LlamaForCausalLM");
+    assert_eq!(mla["refusal"]["supported"], "DeepseekV3ForCausalLM");
+
+    // The same, as text: every candidate with its verdict, and what auto binds.
+    let out = kvferry(
+        &[
+            "check",
+            "--model",
+            "llama-3-70b",
+            "--deployment",
+            "tp4",
+            "--planner",
+            "auto",
+        ],
+        &[],
+    );
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("auto binds kvferry.default"), "{stdout}");
+    let mla_line = stdout
+        .lines()
+        .find(|l| l.contains("kvferry.deepseek_mla_latent"))
+        .unwrap_or_else(|| panic!("no MLA line: {stdout}"));
+    assert!(
+        mla_line.contains("refuses: architecture = LlamaForCausalLM"),
+        "{mla_line}"
+    );
+}
+
+#[test]
+fn a_named_planner_that_refuses_still_lists_the_candidates_in_json() {
+    let (out, v) = check_json("llama-3-70b", "tp4", "kvferry.deepseek_mla_latent");
+    assert!(!out.status.success());
+    assert_eq!(v["bound"], Value::Null);
+    assert_eq!(v["auto"], "kvferry.default");
+    let error = v["error"].as_str().unwrap();
+    assert!(
+        error.contains("does not support LlamaForCausalLM tp4"),
+        "{error}"
+    );
+}
+
+#[test]
+fn sides_that_auto_select_different_planners_are_refused_naming_both() {
+    // dep4 binds the MLA planner, tp4 (no attention DP) only the default one.
+    let out = kvferry(
+        &[
+            "plan",
+            "--model",
+            "deepseek-v3",
+            "--ctx",
+            "dep4",
+            "--gen",
+            "tp4",
+            "--prompt-len",
+            "64",
+            "--planner",
+            "auto",
+        ],
+        &[],
+    );
+    assert!(!out.status.success());
+    let (_, stderr) = text(&out);
+    assert!(
+        stderr.contains(
+            "binds kvferry.deepseek_mla_latent and the generation instance binds kvferry.default"
+        ),
+        "{stderr}"
+    );
 }

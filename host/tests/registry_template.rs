@@ -116,7 +116,7 @@ fn the_template_binds_where_it_supports_the_deployment() {
     let error = registry.bind(TEMPLATE_ID, &deployment(2, 2)).unwrap_err();
     assert!(matches!(error, BindError::Unsupported { .. }), "{error:?}");
     let text = error.to_string();
-    assert!(text.contains("pp = 1 and cp = 1"), "{text}");
+    assert!(text.contains("mapping.pp = 2 (supports 1)"), "{text}");
     assert!(text.contains("libplanner_template.so"), "{text}");
     println!("{text}");
 }

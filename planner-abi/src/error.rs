@@ -71,6 +71,61 @@ impl fmt::Display for PeerRefusal {
     }
 }
 
+/// Why a planner does not support a deployment, down to the field that decides it.
+///
+/// Returned by [`PlannerPlugin::supports_deployment`](crate::PlannerPlugin::supports_deployment)
+/// and carried across the boundary inside a [`PlanError`] of kind
+/// [`ErrorKind::UNSUPPORTED`], so a host can list every planner's verdict field by field
+/// (`kvferry check`) instead of only a sentence.
+#[repr(C)]
+#[derive(StableAbi, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeploymentRefusal {
+    /// The deployment field that decides, e.g. `architecture`, `mapping.pp`,
+    /// `mapping.attention_dp`.
+    pub field: RString,
+    /// The deployment's value of the field.
+    pub found: RString,
+    /// What the planner supports instead, e.g. `DeepseekV3ForCausalLM`, `1`, `true`.
+    pub supported: RString,
+    /// Why the planner cannot plan for the value found.
+    pub reason: RString,
+}
+
+impl DeploymentRefusal {
+    /// A refusal naming the deciding field, the value found, what is supported and why.
+    pub fn new(
+        field: impl Into<String>,
+        found: impl fmt::Display,
+        supported: impl fmt::Display,
+        reason: impl Into<String>,
+    ) -> Self {
+        Self {
+            field: RString::from(field.into()),
+            found: RString::from(found.to_string()),
+            supported: RString::from(supported.to_string()),
+            reason: RString::from(reason.into()),
+        }
+    }
+}
+
+impl fmt::Display for DeploymentRefusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} = {} (supports {}): {}",
+            self.field, self.found, self.supported, self.reason
+        )
+    }
+}
+
+/// The field-level detail of a [`PlanError`], boxed behind one pointer.
+#[repr(C)]
+#[derive(StableAbi, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+enum Detail {
+    Peer(PeerRefusal),
+    Deployment(DeploymentRefusal),
+}
+
 /// The error every planner entry point returns.
 #[repr(C)]
 #[derive(StableAbi, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -78,7 +133,7 @@ pub struct PlanError {
     kind: ErrorKind,
     message: RString,
     // Boxed so the error stays small on the happy path's Result.
-    refusal: ROption<RBox<PeerRefusal>>,
+    detail: ROption<RBox<Detail>>,
 }
 
 impl PlanError {
@@ -87,7 +142,7 @@ impl PlanError {
         Self {
             kind,
             message: RString::from(message.into()),
-            refusal: ROption::RNone,
+            detail: ROption::RNone,
         }
     }
 
@@ -122,7 +177,17 @@ impl PlanError {
         Self {
             kind: ErrorKind::PEER_INCOMPATIBLE,
             message: RString::from(refusal.to_string()),
-            refusal: ROption::RSome(RBox::new(refusal)),
+            detail: ROption::RSome(RBox::new(Detail::Peer(refusal))),
+        }
+    }
+
+    /// The planner does not support a deployment: [`ErrorKind::UNSUPPORTED`] with the
+    /// field-level refusal.
+    pub fn unsupported_deployment(refusal: DeploymentRefusal) -> Self {
+        Self {
+            kind: ErrorKind::UNSUPPORTED,
+            message: RString::from(refusal.to_string()),
+            detail: ROption::RSome(RBox::new(Detail::Deployment(refusal))),
         }
     }
 
@@ -138,7 +203,19 @@ impl PlanError {
 
     /// The field-level reason, for [`ErrorKind::PEER_INCOMPATIBLE`].
     pub fn refusal(&self) -> Option<&PeerRefusal> {
-        self.refusal.as_ref().into_option().map(|r| &**r)
+        match self.detail.as_ref().into_option().map(|d| &**d) {
+            Some(Detail::Peer(r)) => Some(r),
+            _ => None,
+        }
+    }
+
+    /// The field-level reason a deployment is not supported, for errors made by
+    /// [`PlanError::unsupported_deployment`].
+    pub fn deployment_refusal(&self) -> Option<&DeploymentRefusal> {
+        match self.detail.as_ref().into_option().map(|d| &**d) {
+            Some(Detail::Deployment(r)) => Some(r),
+            _ => None,
+        }
     }
 
     /// Prefix the message with context, keeping kind and refusal.
@@ -160,6 +237,7 @@ impl fmt::Debug for PlanError {
             .field("kind", &self.kind)
             .field("message", &self.message.as_str())
             .field("refusal", &self.refusal())
+            .field("deployment", &self.deployment_refusal())
             .finish()
     }
 }

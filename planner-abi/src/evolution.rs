@@ -9,10 +9,10 @@
 //! ## Changes that keep old planners loadable (minor or patch release)
 //!
 //! - **Appending a field to the root module** after `new_planner`, the current
-//!   `#[sabi(last_prefix_field)]`: [`PlannerModule`](crate::PlannerModule) is a prefix type.
+//!   `#[sabi(last_prefix_field)]`: [`PlannerModule`](crate::host::PlannerModule) is a prefix type.
 //!   The new field must be read through its `Option`-returning accessor, and the host must
 //!   keep working when an older library lacks it.
-//! - **Appending a method to [`FfiPlanner`](crate::FfiPlanner)** after `forget_peer`, moving
+//! - **Appending a method to [`FfiPlanner`](crate::host::FfiPlanner)** after `forget_peer`, moving
 //!   `#[sabi(last_prefix_field)]` to it: the vtable is a prefix type too. Give the matching
 //!   [`TransferPlanner`](crate::TransferPlanner) method a default body.
 //! - **New codes** for [`ErrorKind`](crate::ErrorKind), [`LayoutKind`](crate::LayoutKind),
@@ -29,6 +29,17 @@
 //!   [`LayerGroupRows`](crate::LayerGroupRows), [`TransferPlan`](crate::TransferPlan), ...).
 //!   Carry new per-rank facts in `planner_blob` until the next breaking release instead.
 //! - Changing a method's signature or the meaning of a field.
+//!
+//! `PlanError`'s boxed detail is a private `#[repr(C)]` enum (peer refusal or deployment
+//! refusal): a new kind of detail is a breaking change, so the next one should come with the
+//! next `0.y` release or travel in the message.
+//!
+//! ## History
+//!
+//! - **0.2** (breaking): `supports_deployment` returns a [`DeploymentRefusal`](crate::DeploymentRefusal),
+//!   `PlanError` carries it; `specificity` appended to the root module (the first field added
+//!   the compatible way: read through `PlannerModuleRef::specificity_level`, `GENERIC` when
+//!   absent).
 //!
 //! ## Wire compatibility
 //!

@@ -12,9 +12,10 @@
 //!   trait and the root module every planner library exports.
 //! - **implementation crate**: a planner library (`crate-type = ["cdylib", "rlib"]`).
 //! - **user crate**: the host (`kvferry`), which loads implementation crates.
-//! - **root module**: the [`PlannerModule`] a library exports; the host reads the planner's
-//!   id, describer id and version from it, asks [`PlannerModuleRef::check_deployment`], then
-//!   builds one planner per rank with [`PlannerModuleRef::instantiate`].
+//! - **root module**: the [`host::PlannerModule`] a library exports; the host reads the
+//!   planner's id, describer id, version and [`Specificity`] from it, asks
+//!   [`host::PlannerModuleRef::check_deployment`], then builds one planner per rank with
+//!   [`host::PlannerModuleRef::instantiate`].
 //! - **rows**: what one side holds for one request, computed by the default describer
 //!   [`rows`] from a [`PageTable`] and the request's [`SlotTable`]s.
 //!
@@ -24,7 +25,8 @@
 //!    `kvferry-planner-abi` alone (copy `examples/planner-template`).
 //! 2. Implement [`TransferPlanner`]: the peer check, the targets, and `pair`, which turns the
 //!    rows both sides described into `(src, dst, len)` fragments.
-//! 3. Implement [`PlannerPlugin`]: the id, `supports_deployment` and the constructor.
+//! 3. Implement [`PlannerPlugin`]: the id, the [`Specificity`], `supports_deployment` (a
+//!    [`DeploymentRefusal`] naming the field when it says no) and the constructor.
 //! 4. Add one line: `export_planner!(MyPlanner);`.
 //! 5. `cargo build --release`, copy `target/release/lib<name>.so` into a directory on
 //!    `KVFERRY_PLUGIN_DIR`, and set `KVFERRY_PLANNER=<your id>` on both servers.
@@ -34,8 +36,9 @@
 //!
 //! ```
 //! use kvferry_planner_abi::{
-//!     export_planner, Deployment, LayerGroupRows, PairRequest, PeerTargets, PlanError,
-//!     PlannerPlugin, RankInfo, TransferPlan, TransferPlanner,
+//!     export_planner, Deployment, DeploymentRefusal, LayerGroupRows, PairRequest,
+//!     PeerTargets, PlanError, PlannerPlugin, RankInfo, Specificity, TransferPlan,
+//!     TransferPlanner,
 //! };
 //!
 //! pub struct WholeRows;
@@ -85,12 +88,18 @@
 //!
 //! impl PlannerPlugin for WholeRows {
 //!     const PLANNER_ID: &'static str = "example.whole_rows";
+//!     // Any architecture, but only one rank per side.
+//!     const SPECIFICITY: Specificity = Specificity::GENERIC;
 //!
-//!     fn supports_deployment(d: &Deployment) -> Result<(), String> {
-//!         if d.mapping.world_size() == 1 {
-//!             Ok(())
-//!         } else {
-//!             Err(format!("{d}: only single-rank deployments"))
+//!     fn supports_deployment(d: &Deployment) -> Result<(), DeploymentRefusal> {
+//!         match d.mapping.world_size() {
+//!             1 => Ok(()),
+//!             n => Err(DeploymentRefusal::new(
+//!                 "mapping.world_size",
+//!                 n,
+//!                 1,
+//!                 "rows are copied whole, so each side must be one rank",
+//!             )),
 //!         }
 //!     }
 //!
@@ -123,6 +132,10 @@ pub mod evolution;
 
 mod error;
 mod layout;
+// abi_stable's prefix-type derive reads a field after the last prefix field (`specificity`)
+// through a pointer once it has checked the library's field count: generated code we cannot
+// change, so this module alone allows it.
+#[allow(unsafe_code)]
 mod module;
 mod plan;
 // abi_stable's #[sabi_trait] expands to `unsafe impl`s and unsafe vtable calls; the code we
@@ -133,19 +146,24 @@ mod rank;
 mod request;
 mod rows;
 
-pub use error::{ErrorKind, PeerRefusal, PlanError};
+pub use error::{DeploymentRefusal, ErrorKind, PeerRefusal, PlanError};
 pub use layout::{
     BufferEntry, GroupKind, LayerGroup, LayerRange, LayoutKind, LocalLayer, MemoryType, PageTable,
     PhysicalPool, PoolView, RoleLayout,
 };
-pub use module::{PlannerModule, PlannerModuleRef, module_of};
 pub use plan::{PeerTargets, TransferPlan};
-pub use planner::{
-    FfiPlanner, FfiPlanner_TO, LoadedPlanner, PlannerBox, PlannerPlugin, TransferPlanner,
-};
-pub use rank::{Deployment, Mapping, MappingParseError, RankInfo};
+pub use planner::{PlannerPlugin, TransferPlanner};
+pub use rank::{Deployment, Mapping, MappingParseError, RankInfo, Specificity};
 pub use request::{PairRequest, SlotTable, TokenRange, ViewId};
 pub use rows::{DEFAULT_DESCRIBER_ID, LayerGroupRows, rows};
+
+/// Host plumbing: what a host (or a test that drives a planner exactly as the host does)
+/// needs to load and call a planner library. Planner authors do not name these; they write
+/// [`TransferPlanner`] and [`PlannerPlugin`] and one [`export_planner!`] line.
+pub mod host {
+    pub use crate::module::{PlannerModule, PlannerModuleRef, module_of};
+    pub use crate::planner::{FfiPlanner, FfiPlanner_TO, LoadedPlanner, PlannerBox};
+}
 
 /// Re-exported so hosts can spell FFI string and vector types without naming abi_stable.
 pub mod ffi {

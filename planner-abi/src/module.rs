@@ -7,10 +7,11 @@ use abi_stable::std_types::{RBox, RResult, RString};
 use abi_stable::{StableAbi, sabi_trait::TD_Opaque};
 
 use crate::planner::{Exported, FfiPlanner_TO, LoadedPlanner, guard};
-use crate::{Deployment, PlanError, PlannerPlugin, RankInfo};
+use crate::{Deployment, PlanError, PlannerPlugin, RankInfo, Specificity};
 
 /// The root module of a planner library: a prefix type, so later versions of `planner-abi`
-/// may append fields after `new_planner` without breaking libraries built against this one.
+/// may append fields after `new_planner` without breaking libraries built against this one
+/// (`specificity` is the first such field).
 #[repr(C)]
 #[derive(StableAbi)]
 #[sabi(kind(Prefix(prefix_ref = PlannerModuleRef)))]
@@ -22,11 +23,16 @@ pub struct PlannerModule {
     pub describer_id: extern "C" fn() -> RString,
     /// The planner library's own version.
     pub version: extern "C" fn() -> RString,
-    /// Whether the planner supports a deployment; the error carries the reason.
+    /// Whether the planner supports a deployment; the error carries the reason, with a
+    /// [`DeploymentRefusal`](crate::DeploymentRefusal) when the planner refused it.
     pub supports_deployment: extern "C" fn(&Deployment) -> RResult<(), PlanError>,
     /// Builds the planner for one rank.
     #[sabi(last_prefix_field)]
-    pub new_planner: extern "C" fn(&RankInfo) -> RResult<crate::PlannerBox, PlanError>,
+    pub new_planner: extern "C" fn(&RankInfo) -> RResult<crate::host::PlannerBox, PlanError>,
+    /// How specific the planner is ([`Specificity`]), for automatic selection. Appended after
+    /// the last prefix field: a library without it counts as [`Specificity::GENERIC`].
+    #[sabi(missing_field(option))]
+    pub specificity: extern "C" fn() -> u32,
 }
 
 impl std::fmt::Debug for PlannerModule {
@@ -66,11 +72,19 @@ impl PlannerModuleRef {
         (self.version())().into_string()
     }
 
+    /// How specific the planner declares itself ([`Specificity::GENERIC`] for a library
+    /// that predates the declaration).
+    pub fn specificity_level(&self) -> Specificity {
+        self.specificity()
+            .map_or(Specificity::GENERIC, |f| Specificity(f()))
+    }
+
     /// Asks the planner whether it supports `deployment`.
     ///
     /// # Errors
     ///
-    /// `UNSUPPORTED` with the planner's reason, or `PANICKED`.
+    /// `UNSUPPORTED` with the planner's [`DeploymentRefusal`](crate::DeploymentRefusal), or
+    /// `PANICKED`.
     pub fn check_deployment(&self, deployment: &Deployment) -> Result<(), PlanError> {
         (self.supports_deployment())(deployment).into_result()
     }
@@ -106,17 +120,21 @@ extern "C" fn version_of<T: PluginVersion>() -> RString {
     RString::from(T::VERSION)
 }
 
+extern "C" fn specificity_of<T: PlannerPlugin>() -> u32 {
+    T::SPECIFICITY.0
+}
+
 extern "C" fn supports_deployment_of<T: PlannerPlugin>(
     deployment: &Deployment,
 ) -> RResult<(), PlanError> {
     guard("supports_deployment", || {
-        T::supports_deployment(deployment).map_err(PlanError::unsupported)
+        T::supports_deployment(deployment).map_err(PlanError::unsupported_deployment)
     })
 }
 
 extern "C" fn new_planner_of<T: PlannerPlugin>(
     me: &RankInfo,
-) -> RResult<crate::PlannerBox, PlanError> {
+) -> RResult<crate::host::PlannerBox, PlanError> {
     guard("new_planner", || {
         T::new(me).map(|p| FfiPlanner_TO::from_value(Exported(p), TD_Opaque))
     })
@@ -131,6 +149,7 @@ pub fn module_of<T: PlannerPlugin + PluginVersion>() -> PlannerModuleRef {
         version: version_of::<T>,
         supports_deployment: supports_deployment_of::<T>,
         new_planner: new_planner_of::<T>,
+        specificity: specificity_of::<T>,
     }
     .leak_into_prefix()
 }
@@ -163,7 +182,7 @@ macro_rules! export_planner {
         }
 
         /// This library's planner as a root module (for static linking and tests).
-        pub fn planner_module() -> $crate::PlannerModuleRef {
+        pub fn planner_module() -> $crate::host::PlannerModuleRef {
             $crate::__private::module_of::<$planner>()
         }
 
@@ -178,7 +197,7 @@ macro_rules! export_planner {
             // `PlannerModuleRef`, the type named here, as `LibHeader::from_constructor`
             // requires.
             unsafe {
-                $crate::__private::LibHeader::from_constructor::<$crate::PlannerModuleRef>(
+                $crate::__private::LibHeader::from_constructor::<$crate::host::PlannerModuleRef>(
                     __kvferry_root_module,
                     $crate::__private::CheckTypeLayout::Yes,
                 )

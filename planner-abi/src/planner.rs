@@ -7,8 +7,8 @@ use abi_stable::sabi_trait;
 use abi_stable::std_types::{RBox, RResult, RSlice, RVec};
 
 use crate::{
-    Deployment, LayerGroupRows, PairRequest, PeerTargets, PlanError, RankInfo, SlotTable,
-    TransferPlan,
+    Deployment, DeploymentRefusal, LayerGroupRows, PairRequest, PeerTargets, PlanError, RankInfo,
+    SlotTable, Specificity, TransferPlan,
 };
 
 /// The two-sided half of a model's transfer logic: one instance per rank.
@@ -83,8 +83,17 @@ pub trait PlannerPlugin: TransferPlanner + Sized + 'static {
     /// [`DEFAULT_DESCRIBER_ID`](crate::DEFAULT_DESCRIBER_ID) exists today.
     const DESCRIBER_ID: &'static str = crate::DEFAULT_DESCRIBER_ID;
 
-    /// Whether the planner can plan for this deployment; `Err` carries the reason.
-    fn supports_deployment(deployment: &Deployment) -> Result<(), String>;
+    /// How specific the planner is, for automatic selection (`planner = "auto"`): among the
+    /// planners that support a deployment, the host binds the most specific one, and refuses
+    /// to guess between two of equal specificity. See [`Specificity`] for the levels.
+    const SPECIFICITY: Specificity;
+
+    /// Whether the planner can plan for this deployment; `Err` names the deciding field, the
+    /// value found, what is supported and why ([`DeploymentRefusal::new`]).
+    // Four strings: called once per bind, never on a hot path, and a plain struct is what an
+    // author should be able to return.
+    #[allow(clippy::result_large_err)]
+    fn supports_deployment(deployment: &Deployment) -> Result<(), DeploymentRefusal>;
 
     /// Builds the planner for one rank.
     fn new(me: &RankInfo) -> Result<Self, PlanError>;

@@ -262,3 +262,46 @@ impl fmt::Display for Deployment {
         write!(f, "{} {}", self.architecture, self.mapping)
     }
 }
+
+/// How specific a planner is: the rule automatic selection (`planner = "auto"`) orders
+/// planners by. Among the loaded planners whose `supports_deployment` accepts a deployment,
+/// the host binds the one with the highest specificity; two at the same highest value are an
+/// error naming both, never a guess.
+///
+/// Pick the level that says what the planner's `supports_deployment` restricts:
+///
+/// | level | the planner accepts | example |
+/// |---|---|---|
+/// | [`GENERIC`](Self::GENERIC) | any architecture | `kvferry.default` |
+/// | [`ARCHITECTURE`](Self::ARCHITECTURE) | one model family's architecture names, any mapping | a Llama GQA planner |
+/// | [`DEPLOYMENT`](Self::DEPLOYMENT) | one architecture, restricted mappings | `kvferry.deepseek_mla_latent` (attention DP, pp = cp = 1) |
+///
+/// Values between the levels are allowed for a finer order (a planner that narrows another
+/// one's deployments declares a higher value than it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct Specificity(pub u32);
+
+impl Specificity {
+    /// Plans for any architecture.
+    pub const GENERIC: Self = Self(0);
+    /// Plans for one architecture (model family), any mapping.
+    pub const ARCHITECTURE: Self = Self(100);
+    /// Plans for one architecture under restricted mappings.
+    pub const DEPLOYMENT: Self = Self(200);
+
+    /// The level's name (`generic`, `architecture`, `deployment`), or the number between.
+    pub fn name(self) -> String {
+        match self {
+            Self::GENERIC => "generic".into(),
+            Self::ARCHITECTURE => "architecture".into(),
+            Self::DEPLOYMENT => "deployment".into(),
+            Self(n) => n.to_string(),
+        }
+    }
+}
+
+impl fmt::Display for Specificity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.name())
+    }
+}

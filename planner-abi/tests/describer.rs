@@ -353,11 +353,17 @@ impl TransferPlanner for Panicky {
 
 impl PlannerPlugin for Panicky {
     const PLANNER_ID: &'static str = "test.panicky";
-    fn supports_deployment(d: &Deployment) -> Result<(), String> {
+    const SPECIFICITY: Specificity = Specificity(150);
+    fn supports_deployment(d: &Deployment) -> Result<(), DeploymentRefusal> {
         if d.architecture.is_empty() {
             panic!("no architecture")
         }
-        Err(format!("{d} is not for me"))
+        Err(DeploymentRefusal::new(
+            "architecture",
+            &d.architecture,
+            "Y",
+            "X is not for me",
+        ))
     }
     fn new(me: &RankInfo) -> Result<Self, PlanError> {
         if me.instance_name.as_str() == "boom" {
@@ -373,6 +379,7 @@ export_planner!(Panicky);
 fn panics_become_errors_and_the_planner_stays_usable() {
     let module = planner_module();
     assert_eq!(module.id(), "test.panicky");
+    assert_eq!(module.specificity_level(), Specificity(150));
     let mapping = Mapping {
         tp: 2,
         pp: 1,
@@ -387,7 +394,15 @@ fn panics_become_errors_and_the_planner_stays_usable() {
     };
     let err = module.check_deployment(&d).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::UNSUPPORTED);
-    assert_eq!(err.message(), "X tp2 is not for me");
+    assert_eq!(
+        err.message(),
+        "architecture = X (supports Y): X is not for me"
+    );
+    let refusal = err.deployment_refusal().expect("a field-level refusal");
+    assert_eq!(
+        (refusal.field.as_str(), refusal.found.as_str()),
+        ("architecture", "X")
+    );
     let d = Deployment {
         architecture: "".into(),
         mapping,

@@ -7,8 +7,8 @@
 //! - both sides have the same `tokens_per_block`, slot bytes, buffer entries, layout (kind,
 //!   dtype, element bits, shard and replica counts, shard unit, sections), windows and layers;
 //! - both sides have the same TP, PP and CP sizes and attention-DP setting, and the
-//!   deployment has `pp = cp = 1`, so each rank exchanges with exactly one peer rank: the one
-//!   with the same TP rank inside the peer's DP group.
+//!   deployment is one of [`ARCHITECTURES`] with `pp = cp = 1`, so each rank exchanges with
+//!   exactly one peer rank: the one with the same TP rank inside the peer's DP group.
 //!
 //! Under those conditions a row on one side holds exactly the bytes of the matching row on the
 //! other, so `pair` copies whole rows: for every block ordinal of the requested token range
@@ -25,12 +25,18 @@ use std::fmt::Display;
 
 use kvferry_planner_abi::ffi::ROption;
 use kvferry_planner_abi::{
-    Deployment, GroupKind, LayerGroupRows, PageTable, PairRequest, PeerTargets, PlanError,
-    PlannerPlugin, PoolView, RankInfo, TransferPlan, TransferPlanner, ViewId, export_planner,
+    Deployment, DeploymentRefusal, GroupKind, LayerGroupRows, PageTable, PairRequest,
+    PeerTargets, PlanError, PlannerPlugin, PoolView, RankInfo, Specificity, TransferPlan,
+    TransferPlanner, ViewId, export_planner,
 };
 
 /// The id both servers must agree on (`KVFERRY_PLANNER`). Rename it: `<vendor>.<planner>`.
 pub const PLANNER_ID: &str = "example.template";
+
+/// The architectures (as a model's config names them) this planner plans for. Rename them
+/// with the planner: a planner that names its models is preferred by automatic selection
+/// (`KVFERRY_PLANNER=auto`) over the generic `kvferry.default`.
+pub const ARCHITECTURES: &[&str] = &["LlamaForCausalLM"];
 
 /// The planner: stateless, so one instance serves every peer from any thread.
 #[derive(Debug, Default)]
@@ -116,17 +122,38 @@ impl TransferPlanner for SameLayoutPlanner {
 impl PlannerPlugin for SameLayoutPlanner {
     const PLANNER_ID: &'static str = PLANNER_ID;
 
-    fn supports_deployment(deployment: &Deployment) -> Result<(), String> {
+    /// One model family (the Llama architectures the template is written for), any TP width.
+    /// Automatic selection prefers it over `kvferry.default` (generic) for those models.
+    const SPECIFICITY: Specificity = Specificity::ARCHITECTURE;
+
+    fn supports_deployment(deployment: &Deployment) -> Result<(), DeploymentRefusal> {
+        // The host prefixes the planner id and the deployment.
         let mapping = deployment.mapping;
-        if mapping.pp == 1 && mapping.cp == 1 {
-            Ok(())
-        } else {
-            // The host prefixes the planner id and the deployment.
-            Err(format!(
-                "only pp = 1 and cp = 1 are supported (got pp {}, cp {})",
-                mapping.pp, mapping.cp
-            ))
+        if !ARCHITECTURES.contains(&deployment.architecture.as_str()) {
+            return Err(DeploymentRefusal::new(
+                "architecture",
+                &deployment.architecture,
+                ARCHITECTURES.join(" | "),
+                "the template is written for Llama-style GQA caches",
+            ));
         }
+        if mapping.pp != 1 {
+            return Err(DeploymentRefusal::new(
+                "mapping.pp",
+                mapping.pp,
+                1,
+                "every rank must hold every layer",
+            ));
+        }
+        if mapping.cp != 1 {
+            return Err(DeploymentRefusal::new(
+                "mapping.cp",
+                mapping.cp,
+                1,
+                "every rank must hold every token",
+            ));
+        }
+        Ok(())
     }
 
     fn new(me: &RankInfo) -> Result<Self, PlanError> {

@@ -7,7 +7,8 @@
 //! planner's id, describer id and version. Files that cannot be used are kept, with the
 //! reason, in [`Registry::skipped`] (`kvferry planners --all` lists them). [`Registry::bind`]
 //! then picks the planner named by [`select_planner_id`] and asks it whether it supports the
-//! deployment.
+//! deployment — or, for `auto`, asks every planner ([`Registry::candidates`]) and binds the
+//! most specific one that says yes ([`Registry::bind_auto`]).
 //!
 //! # Trust model
 //!
@@ -60,8 +61,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use abi_stable::library::{LibraryError, RootModule, RootModuleError, lib_header_from_path};
+use kvferry_planner_abi::host::PlannerModuleRef;
 use kvferry_planner_abi::{
-    DEFAULT_DESCRIBER_ID, Deployment, PlanError, PlannerModuleRef, RankInfo, TransferPlanner,
+    DEFAULT_DESCRIBER_ID, Deployment, DeploymentRefusal, PlanError, RankInfo, Specificity,
+    TransferPlanner,
 };
 use serde::Serialize;
 
@@ -73,6 +76,9 @@ pub const PLANNER_ENV: &str = "KVFERRY_PLANNER";
 
 /// The planner bound when neither a flag, the environment nor the config names one.
 pub const DEFAULT_PLANNER_ID: &str = "kvferry.default";
+
+/// The planner "id" that asks for automatic selection ([`Registry::bind_auto`]).
+pub const AUTO_PLANNER_ID: &str = "auto";
 
 /// The most `Error:` lines of an abi_stable layout report kept in [`LoadError::AbiMismatch`].
 const MAX_ABI_LINES: usize = 10;
@@ -317,6 +323,47 @@ pub enum BindError {
         /// The planner's answer, with its reason.
         error: Box<PlanError>,
     },
+    /// Automatic selection found no loaded planner that supports the deployment.
+    #[error("no planner supports {deployment}: {}", refusal_list(refusals))]
+    NoCandidate {
+        /// The deployment, as `<architecture> <mapping>`.
+        deployment: String,
+        /// Every loaded planner's id and its reason.
+        refusals: Vec<(String, String)>,
+    },
+    /// Automatic selection found two supporting planners of the same, highest specificity.
+    #[error(
+        "automatic selection for {deployment} is ambiguous: `{first}` ({}) and `{second}` ({}) \
+         both support it at specificity {specificity}; name one with --planner or \
+         KVFERRY_PLANNER, or remove one from the plugin path",
+        first_path.display(),
+        second_path.display()
+    )]
+    Ambiguous {
+        /// The deployment, as `<architecture> <mapping>`.
+        deployment: String,
+        /// The specificity both declare.
+        specificity: Specificity,
+        /// One planner id.
+        first: String,
+        /// Its file.
+        first_path: PathBuf,
+        /// The other planner id.
+        second: String,
+        /// Its file.
+        second_path: PathBuf,
+    },
+}
+
+fn refusal_list(refusals: &[(String, String)]) -> String {
+    if refusals.is_empty() {
+        return "no planner was loaded".to_string();
+    }
+    refusals
+        .iter()
+        .map(|(id, reason)| format!("`{id}` refuses: {reason}"))
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 fn known_list(known: &[String], dirs: &[PathBuf]) -> String {
@@ -354,6 +401,53 @@ pub struct PlannerInfo {
     pub version: String,
     /// The file it was loaded from, or the label given to [`Registry::from_modules`].
     pub path: PathBuf,
+    /// How specific the planner declares itself (automatic selection prefers the highest).
+    #[serde(serialize_with = "specificity_value")]
+    pub specificity: Specificity,
+}
+
+fn specificity_value<S: serde::Serializer>(s: &Specificity, ser: S) -> Result<S::Ok, S::Error> {
+    ser.serialize_u32(s.0)
+}
+
+/// One planner's answer to "do you support this deployment?", as `kvferry check` lists it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Candidate {
+    /// The planner.
+    pub info: PlannerInfo,
+    /// `Ok` if it supports the deployment (and this host has its describer), else why not.
+    pub verdict: Result<(), CandidateRefusal>,
+}
+
+/// Why a candidate cannot be bound.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CandidateRefusal {
+    /// The planner refused the deployment (or its check panicked).
+    Planner(Box<PlanError>),
+    /// The planner needs a describer this host does not implement.
+    UnknownDescriber(String),
+}
+
+impl CandidateRefusal {
+    /// The planner's field-level refusal, when it gave one.
+    pub fn deployment_refusal(&self) -> Option<&DeploymentRefusal> {
+        match self {
+            CandidateRefusal::Planner(e) => e.deployment_refusal(),
+            CandidateRefusal::UnknownDescriber(_) => None,
+        }
+    }
+}
+
+impl fmt::Display for CandidateRefusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CandidateRefusal::Planner(e) => f.write_str(e.message()),
+            CandidateRefusal::UnknownDescriber(d) => write!(
+                f,
+                "needs describer `{d}`, this host has only `{DEFAULT_DESCRIBER_ID}`"
+            ),
+        }
+    }
 }
 
 /// A file the scan did not load, and why.
@@ -424,20 +518,35 @@ impl Registry {
                 }
             };
             for path in files {
-                // The same file reached twice (a directory listed twice, a link) is the same
-                // library: `dlopen` would hand back the same handle. Load it once.
-                let canonical = std::fs::canonicalize(&path).unwrap_or_else(|_| path.clone());
-                if !seen_files.insert(canonical) {
-                    tracing::debug!(file = %path.display(), "plugin file already scanned");
-                    continue;
-                }
-                match load(&path) {
-                    Ok((module, info)) => registry.add(module, info),
-                    Err(reason) => registry.skip(reason),
-                }
+                registry.load_once(&path, &mut seen_files);
             }
         }
         registry
+    }
+
+    /// Loads the given planner library files, in order, with the same checks as
+    /// [`scan`](Self::scan) (`kvferry conform PATH`). [`dirs`](Self::dirs) is empty.
+    pub fn scan_files(files: &[PathBuf]) -> Registry {
+        let mut registry = Registry::empty(Vec::new());
+        let mut seen_files = HashSet::new();
+        for path in files {
+            registry.load_once(path, &mut seen_files);
+        }
+        registry
+    }
+
+    fn load_once(&mut self, path: &Path, seen_files: &mut HashSet<PathBuf>) {
+        // The same file reached twice (a directory listed twice, a link) is the same
+        // library: `dlopen` would hand back the same handle. Load it once.
+        let canonical = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+        if !seen_files.insert(canonical) {
+            tracing::debug!(file = %path.display(), "plugin file already scanned");
+            return;
+        }
+        match load(path) {
+            Ok((module, info)) => self.add(module, info),
+            Err(reason) => self.skip(reason),
+        }
     }
 
     /// A registry of statically linked planners, each with a label shown where a file path
@@ -512,16 +621,86 @@ impl Registry {
         &self.dirs
     }
 
-    /// Binds planner `id` for `deployment`, after asking the planner whether it supports it.
-    /// Logs which planner (id, version, file) is bound.
+    /// Asks every loaded planner whether it supports `deployment`, in scan order.
+    pub fn candidates(&self, deployment: &Deployment) -> Vec<Candidate> {
+        self.planners
+            .iter()
+            .zip(&self.modules)
+            .map(|(info, module)| Candidate {
+                info: info.clone(),
+                verdict: verdict(info, module, deployment),
+            })
+            .collect()
+    }
+
+    /// Automatic selection: among the loaded planners that support `deployment` (and whose
+    /// describer this host implements), the one with the highest declared [`Specificity`].
+    /// A model-specific planner thus wins over `kvferry.default`; two at the same highest
+    /// specificity are refused, naming both files, rather than picked by load order.
+    ///
+    /// # Errors
+    ///
+    /// [`BindError::NoCandidate`] (every planner's reason listed) or
+    /// [`BindError::Ambiguous`].
+    pub fn bind_auto(&self, deployment: &Deployment) -> Result<BoundPlanner, BindError> {
+        let candidates = self.candidates(deployment);
+        let mut accepted: Vec<&Candidate> =
+            candidates.iter().filter(|c| c.verdict.is_ok()).collect();
+        accepted.sort_by_key(|c| std::cmp::Reverse(c.info.specificity));
+        let (best, runner_up) = match accepted.as_slice() {
+            [] => {
+                return Err(BindError::NoCandidate {
+                    deployment: deployment.to_string(),
+                    refusals: candidates
+                        .iter()
+                        .filter_map(|c| {
+                            let reason = c.verdict.as_ref().err()?;
+                            Some((c.info.id.clone(), reason.to_string()))
+                        })
+                        .collect(),
+                });
+            }
+            [best] => (best, None),
+            [best, second, ..] => (best, Some(second)),
+        };
+        if let Some(second) = runner_up.filter(|s| s.info.specificity == best.info.specificity) {
+            return Err(BindError::Ambiguous {
+                deployment: deployment.to_string(),
+                specificity: best.info.specificity,
+                first: best.info.id.clone(),
+                first_path: best.info.path.clone(),
+                second: second.info.id.clone(),
+                second_path: second.info.path.clone(),
+            });
+        }
+        tracing::info!(
+            planner = %best.info.id,
+            specificity = %best.info.specificity,
+            candidates = accepted.len(),
+            "automatic selection"
+        );
+        self.bind_named(&best.info.id, deployment)
+    }
+
+    /// Binds planner `id` for `deployment`, after asking the planner whether it supports it;
+    /// [`AUTO_PLANNER_ID`] (`auto`) binds by [`bind_auto`](Self::bind_auto) instead. Logs
+    /// which planner (id, version, file) is bound.
     ///
     /// # Errors
     ///
     /// - [`BindError::UnknownPlanner`]: no loaded planner has `id` (the error lists the
     ///   known ids, and points at `kvferry planners --all` if files were skipped);
     /// - [`BindError::UnknownDescriber`]: the planner needs a describer this host lacks;
-    /// - [`BindError::Unsupported`]: the planner refused the deployment, with its reason.
+    /// - [`BindError::Unsupported`]: the planner refused the deployment, with its reason;
+    /// - for `auto`, those of [`bind_auto`](Self::bind_auto).
     pub fn bind(&self, id: &str, deployment: &Deployment) -> Result<BoundPlanner, BindError> {
+        if id == AUTO_PLANNER_ID {
+            return self.bind_auto(deployment);
+        }
+        self.bind_named(id, deployment)
+    }
+
+    fn bind_named(&self, id: &str, deployment: &Deployment) -> Result<BoundPlanner, BindError> {
         let Some(index) = self.planners.iter().position(|p| p.id == id) else {
             return Err(BindError::UnknownPlanner {
                 id: id.to_string(),
@@ -559,6 +738,21 @@ impl Registry {
             module,
         })
     }
+}
+
+fn verdict(
+    info: &PlannerInfo,
+    module: &PlannerModuleRef,
+    deployment: &Deployment,
+) -> Result<(), CandidateRefusal> {
+    if info.describer_id != DEFAULT_DESCRIBER_ID {
+        return Err(CandidateRefusal::UnknownDescriber(
+            info.describer_id.clone(),
+        ));
+    }
+    module
+        .check_deployment(deployment)
+        .map_err(|e| CandidateRefusal::Planner(Box::new(e)))
 }
 
 /// A planner bound to a deployment: builds one planner object per rank.
@@ -640,6 +834,7 @@ fn info_of(module: PlannerModuleRef, path: PathBuf) -> PlannerInfo {
         describer_id: module.describer(),
         version: module.library_version(),
         path,
+        specificity: module.specificity_level(),
     }
 }
 
@@ -1046,10 +1241,11 @@ impl fmt::Display for PlannerInfo {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} {} (describer {}) {}",
+            "{} {} (describer {}, specificity {}) {}",
             self.id,
             self.version,
             self.describer_id,
+            self.specificity,
             self.path.display()
         )
     }

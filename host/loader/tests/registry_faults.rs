@@ -314,7 +314,7 @@ fn an_old_interface_version_is_incompatible() {
     let error = only_skipped(&dir);
     assert!(
         matches!(&error, LoadError::IncompatibleVersion { expected, found, .. }
-            if expected.starts_with("0.1.") && found == "0.0.1"),
+            if expected.starts_with("0.2.") && found == "0.0.1"),
         "{error:?}"
     );
     names_file(&error, &dir.path().join("libversion_skew.so"));

@@ -4,8 +4,9 @@
 use kvferry_loader::{BindError, LoadError, Registry};
 use kvferry_planner_abi::ffi::RVec;
 use kvferry_planner_abi::{
-    DEFAULT_DESCRIBER_ID, Deployment, LayerGroupRows, Mapping, PageTable, PairRequest, PeerTargets,
-    PlanError, PlannerPlugin, RankInfo, TransferPlan, TransferPlanner, export_planner,
+    DEFAULT_DESCRIBER_ID, Deployment, DeploymentRefusal, LayerGroupRows, Mapping, PageTable,
+    PairRequest, PeerTargets, PlanError, PlannerPlugin, RankInfo, Specificity, TransferPlan,
+    TransferPlanner, export_planner,
 };
 
 /// Plans nothing; supports single-stage deployments only.
@@ -38,11 +39,18 @@ impl TransferPlanner for SingleStage {
 impl PlannerPlugin for SingleStage {
     const PLANNER_ID: &'static str = "test.single_stage";
 
-    fn supports_deployment(deployment: &Deployment) -> Result<(), String> {
+    const SPECIFICITY: Specificity = Specificity::GENERIC;
+
+    fn supports_deployment(deployment: &Deployment) -> Result<(), DeploymentRefusal> {
         if deployment.mapping.pp == 1 {
             Ok(())
         } else {
-            Err("pipeline parallelism is not supported".to_string())
+            Err(DeploymentRefusal::new(
+                "mapping.pp",
+                deployment.mapping.pp,
+                1,
+                "pipeline parallelism is not supported",
+            ))
         }
     }
 
@@ -85,7 +93,9 @@ impl PlannerPlugin for OddDescriber {
     const PLANNER_ID: &'static str = "test.odd_describer";
     const DESCRIBER_ID: &'static str = "acme.describer";
 
-    fn supports_deployment(_: &Deployment) -> Result<(), String> {
+    const SPECIFICITY: Specificity = Specificity::GENERIC;
+
+    fn supports_deployment(_: &Deployment) -> Result<(), DeploymentRefusal> {
         Ok(())
     }
 
@@ -141,7 +151,7 @@ fn registry() -> Registry {
     Registry::from_modules([
         (planner_module(), "static:test.single_stage"),
         (
-            kvferry_planner_abi::module_of::<OddDescriber>(),
+            kvferry_planner_abi::host::module_of::<OddDescriber>(),
             "static:test.odd_describer",
         ),
         (planner_module(), "static:again"),
@@ -179,6 +189,7 @@ fn static_modules_are_listed_and_repeats_refused() {
             "describer_id": DEFAULT_DESCRIBER_ID,
             "version": env!("CARGO_PKG_VERSION"),
             "path": "static:test.single_stage",
+            "specificity": 0,
         })
     );
     let json = serde_json::to_value(registry.skipped()).unwrap();
@@ -214,7 +225,17 @@ fn bind_checks_the_deployment_and_instantiates() {
     assert_eq!(
         error.to_string(),
         "planner `test.single_stage` (static:test.single_stage) does not support \
-         LlamaForCausalLM tp1pp2: pipeline parallelism is not supported"
+         LlamaForCausalLM tp1pp2: mapping.pp = 2 (supports 1): pipeline parallelism is not \
+         supported"
+    );
+    let field = reason.deployment_refusal().expect("a field-level refusal");
+    assert_eq!(
+        (
+            field.field.as_str(),
+            field.found.as_str(),
+            field.supported.as_str()
+        ),
+        ("mapping.pp", "2", "1")
     );
 }
 
@@ -254,4 +275,168 @@ fn registry_and_bound_planner_cross_threads() {
     fn send_sync<T: Send + Sync>() {}
     send_sync::<Registry>();
     send_sync::<kvferry_loader::BoundPlanner>();
+}
+
+/// A planner for one architecture, declared at a given specificity: `Llama<S>` accepts
+/// `LlamaForCausalLM` only, `Any<S>` every architecture.
+struct ForArch<const S: u32, const ANY: bool>;
+
+impl<const S: u32, const ANY: bool> TransferPlanner for ForArch<S, ANY> {
+    fn check_peer(&self, _: &RankInfo, _: &RankInfo) -> Result<(), PlanError> {
+        Ok(())
+    }
+
+    fn targets(&self, me: &RankInfo, _: &RankInfo, _: u32) -> Result<PeerTargets, PlanError> {
+        Ok(PeerTargets {
+            ranks: vec![me.instance_rank].into(),
+            uniform: true,
+        })
+    }
+
+    fn pair(
+        &self,
+        _: &RankInfo,
+        _: &RankInfo,
+        _: &[LayerGroupRows],
+        _: &[LayerGroupRows],
+        _: &PairRequest,
+    ) -> Result<TransferPlan, PlanError> {
+        Ok(TransferPlan::new())
+    }
+}
+
+impl<const S: u32, const ANY: bool> PlannerPlugin for ForArch<S, ANY> {
+    const PLANNER_ID: &'static str = match (S, ANY) {
+        (0, true) => "test.generic",
+        (100, false) => "test.llama",
+        (100, true) => "test.also_architecture",
+        _ => "test.other",
+    };
+    const SPECIFICITY: Specificity = Specificity(S);
+
+    fn supports_deployment(d: &Deployment) -> Result<(), DeploymentRefusal> {
+        if ANY || d.architecture.as_str() == "LlamaForCausalLM" {
+            Ok(())
+        } else {
+            Err(DeploymentRefusal::new(
+                "architecture",
+                &d.architecture,
+                "LlamaForCausalLM",
+                "written for Llama",
+            ))
+        }
+    }
+
+    fn new(_: &RankInfo) -> Result<Self, PlanError> {
+        Ok(ForArch)
+    }
+}
+
+impl<const S: u32, const ANY: bool> kvferry_planner_abi::__private::PluginVersion
+    for ForArch<S, ANY>
+{
+    const VERSION: &'static str = "1.0.0";
+}
+
+fn module<T: PlannerPlugin + kvferry_planner_abi::__private::PluginVersion>()
+-> kvferry_planner_abi::host::PlannerModuleRef {
+    kvferry_planner_abi::host::module_of::<T>()
+}
+
+fn with_arch(architecture: &str) -> Deployment {
+    Deployment {
+        architecture: architecture.into(),
+        ..deployment(1)
+    }
+}
+
+#[test]
+fn auto_binds_the_most_specific_supporting_planner() {
+    // Registration order must not matter: the generic planner comes first.
+    let registry = Registry::from_modules([
+        (module::<ForArch<0, true>>(), "static:generic"),
+        (module::<ForArch<100, false>>(), "static:llama"),
+        (
+            kvferry_planner_abi::host::module_of::<OddDescriber>(),
+            "static:odd",
+        ),
+    ]);
+    let llama = with_arch("LlamaForCausalLM");
+    let bound = registry.bind("auto", &llama).unwrap();
+    assert_eq!(bound.id(), "test.llama");
+    assert_eq!(registry.bind_auto(&llama).unwrap().id(), "test.llama");
+
+    // Another architecture: the model-specific planner refuses, the generic one binds.
+    let other = with_arch("Qwen3NextForCausalLM");
+    assert_eq!(registry.bind("auto", &other).unwrap().id(), "test.generic");
+
+    let candidates = registry.candidates(&other);
+    let verdicts: Vec<(&str, bool)> = candidates
+        .iter()
+        .map(|c| (c.info.id.as_str(), c.verdict.is_ok()))
+        .collect();
+    assert_eq!(
+        verdicts,
+        [
+            ("test.generic", true),
+            ("test.llama", false),
+            ("test.odd_describer", false)
+        ]
+    );
+    let refusal = candidates[1].verdict.as_ref().unwrap_err();
+    let field = refusal.deployment_refusal().expect("a field-level refusal");
+    assert_eq!(
+        (field.field.as_str(), field.found.as_str()),
+        ("architecture", "Qwen3NextForCausalLM")
+    );
+    // Supports everything, but this host lacks its describer: never a candidate.
+    let odd = candidates[2].verdict.as_ref().unwrap_err().to_string();
+    assert!(odd.contains("needs describer `acme.describer`"), "{odd}");
+}
+
+#[test]
+fn auto_refuses_to_guess_between_equally_specific_planners() {
+    let registry = Registry::from_modules([
+        (module::<ForArch<100, false>>(), "static:llama"),
+        (module::<ForArch<100, true>>(), "static:also"),
+        (module::<ForArch<0, true>>(), "static:generic"),
+    ]);
+    let error = registry
+        .bind("auto", &with_arch("LlamaForCausalLM"))
+        .unwrap_err();
+    let text = error.to_string();
+    assert!(matches!(error, BindError::Ambiguous { .. }), "{error:?}");
+    for needle in [
+        "test.llama",
+        "static:llama",
+        "test.also_architecture",
+        "static:also",
+    ] {
+        assert!(text.contains(needle), "{needle}: {text}");
+    }
+    // Where only one of them supports the deployment, there is nothing to guess.
+    let bound = registry
+        .bind("auto", &with_arch("GptOssForCausalLM"))
+        .unwrap();
+    assert_eq!(bound.id(), "test.also_architecture");
+}
+
+#[test]
+fn auto_with_no_supporting_planner_lists_every_reason() {
+    let registry = Registry::from_modules([(module::<ForArch<100, false>>(), "static:llama")]);
+    let error = registry
+        .bind("auto", &with_arch("DeepseekV3ForCausalLM"))
+        .unwrap_err();
+    assert!(matches!(error, BindError::NoCandidate { .. }), "{error:?}");
+    let text = error.to_string();
+    assert!(
+        text.contains("no planner supports DeepseekV3ForCausalLM tp1"),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "`test.llama` refuses: architecture = DeepseekV3ForCausalLM (supports LlamaForCausalLM)"
+        ),
+        "{text}"
+    );
 }

@@ -10,9 +10,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::scenario::{Scenario, ScenarioReport};
-use kvferry_loader::{BoundPlanner, Registry};
+use kvferry_loader::{BindError, BoundPlanner, Registry};
 use kvferry_planner_abi::{
-    Deployment, Mapping, PlanError, PlannerModuleRef, RankInfo, TransferPlanner,
+    Deployment, ErrorKind, Mapping, PlanError, RankInfo, TransferPlanner, host::PlannerModuleRef,
 };
 
 /// The environment variable that restricts a case matrix to the cases whose name contains it.
@@ -55,6 +55,72 @@ impl PlannerUnderTest {
         }
     }
 
+    /// Planner `id` of an existing registry (`kvferry conform --planner ID`).
+    ///
+    /// # Errors
+    ///
+    /// No loaded planner has that id: the error lists the known ones.
+    pub fn from_registry(registry: Arc<Registry>, id: &str) -> Result<Self, String> {
+        if registry.planner(id).is_none() {
+            let known: Vec<&str> = registry.planners().iter().map(|p| p.id.as_str()).collect();
+            return Err(format!(
+                "no planner `{id}` on the plugin path (known: {})",
+                if known.is_empty() {
+                    "none".to_string()
+                } else {
+                    known.join(", ")
+                }
+            ));
+        }
+        Ok(Self {
+            registry,
+            id: id.to_string(),
+        })
+    }
+
+    /// The planner in one library file (`kvferry conform PATH`), loaded with every check the
+    /// host makes.
+    ///
+    /// # Errors
+    ///
+    /// The file could not be loaded (the loader's reason), or holds no planner.
+    pub fn from_file(path: &Path) -> Result<Self, String> {
+        let registry = Registry::scan_files(&[path.to_path_buf()]);
+        if let Some(skipped) = registry.skipped().first() {
+            return Err(skipped.reason.to_string());
+        }
+        let id = registry
+            .planners()
+            .first()
+            .map(|p| p.id.clone())
+            .ok_or_else(|| format!("{}: no planner loaded", path.display()))?;
+        Ok(Self {
+            registry: Arc::new(registry),
+            id,
+        })
+    }
+
+    /// Where the planner comes from (its file, or the label of a linked one).
+    pub fn source(&self) -> PathBuf {
+        self.registry
+            .planner(&self.id)
+            .map(|p| p.path.clone())
+            .unwrap_or_default()
+    }
+
+    /// Asks the planner whether it supports `deployment`, as a host's bind would.
+    ///
+    /// # Errors
+    ///
+    /// The planner's error: `UNSUPPORTED` with its reason, `PANICKED`, ...
+    pub fn check_deployment(&self, deployment: &Deployment) -> Result<(), PlanError> {
+        match self.registry.bind(&self.id, deployment) {
+            Ok(_) => Ok(()),
+            Err(BindError::Unsupported { error, .. }) => Err(*error),
+            Err(other) => Err(PlanError::unsupported(other.to_string())),
+        }
+    }
+
     /// The planner id.
     pub fn id(&self) -> &str {
         &self.id
@@ -81,22 +147,42 @@ impl PlannerUnderTest {
     ///
     /// A bind refusal or any scenario error, as text naming the side.
     pub fn run(&self, scenario: &Scenario) -> Result<ScenarioReport, String> {
+        self.run_scenario(scenario).0
+    }
+
+    /// [`run`](Self::run), also returning the kind of the planner error that stopped the
+    /// scenario, if one did (a refusal is `UNSUPPORTED` or `PEER_INCOMPATIBLE`).
+    pub fn run_scenario(
+        &self,
+        scenario: &Scenario,
+    ) -> (Result<ScenarioReport, String>, Option<ErrorKind>) {
         let arch = scenario.model.preset.architecture();
-        let ctx = self
-            .bind(arch, scenario.ctx_mapping)
-            .map_err(|e| format!("context: {e}"))?;
-        let r#gen = self
-            .bind(arch, scenario.gen_mapping)
-            .map_err(|e| format!("generation: {e}"))?;
+        let ctx = match self.bind(arch, scenario.ctx_mapping) {
+            Ok(b) => b,
+            Err(e) => return (Err(format!("context: {e}")), Some(ErrorKind::UNSUPPORTED)),
+        };
+        let r#gen = match self.bind(arch, scenario.gen_mapping) {
+            Ok(b) => b,
+            Err(e) => {
+                return (
+                    Err(format!("generation: {e}")),
+                    Some(ErrorKind::UNSUPPORTED),
+                );
+            }
+        };
         let ctx_factory =
             |r: &RankInfo| -> Result<Arc<dyn TransferPlanner>, PlanError> { ctx.instantiate(r) };
         let gen_factory =
             |r: &RankInfo| -> Result<Arc<dyn TransferPlanner>, PlanError> { r#gen.instantiate(r) };
         let mut scenario = scenario.clone();
         scenario.planner_id = self.id.clone();
-        scenario
-            .run(&ctx_factory, &gen_factory)
-            .map_err(|e| e.to_string())
+        match scenario.run(&ctx_factory, &gen_factory) {
+            Ok(report) => (Ok(report), None),
+            Err(e) => {
+                let kind = crate::conform::planner_error_kind(&e);
+                (Err(e.to_string()), kind)
+            }
+        }
     }
 }
 

@@ -6,14 +6,15 @@
 //! - [`oracle`]: tag-filled source pools, canary-primed destinations, every byte checked;
 //!   [`oracle::LocalMemory`] executes validated plans in process.
 //! - [`scenario`]: one request end to end in process (plan every pair, move, verify).
-//! - [`conformance`]: a planner under test, case matrices and the helpers the conformance
-//!   tests share.
+//! - [`conform`]: the oracle matrix every planner is proven against (`kvferry conform`).
+//! - [`conformance`]: a planner under test and the helpers the conformance tests share.
 //!
 //! Depends on `kvferry-planner-abi`, `kvferry-plan` and `kvferry-loader` only, never on UCX
 //! or CUDA, so a planner built out of tree can run it in its own tests.
 
 #![deny(missing_docs)]
 
+pub mod conform;
 pub mod conformance;
 pub mod layout;
 pub mod oracle;

@@ -17,8 +17,8 @@
 #![deny(missing_docs)]
 
 use kvferry_planner_abi::{
-    Deployment, GroupKind, LayerGroupRows, PageTable, PairRequest, PeerTargets, PlanError,
-    PlannerPlugin, RankInfo, TransferPlan, TransferPlanner, export_planner,
+    Deployment, DeploymentRefusal, GroupKind, LayerGroupRows, PageTable, PairRequest, PeerTargets,
+    PlanError, PlannerPlugin, RankInfo, Specificity, TransferPlan, TransferPlanner, export_planner,
 };
 
 /// The architecture this planner serves, as named by the model config.
@@ -328,23 +328,41 @@ impl TransferPlanner for DeepseekMlaLatent {
 impl PlannerPlugin for DeepseekMlaLatent {
     const PLANNER_ID: &'static str = "kvferry.deepseek_mla_latent";
 
-    fn supports_deployment(deployment: &Deployment) -> Result<(), String> {
+    /// One architecture under restricted mappings (attention DP, pp = cp = 1).
+    const SPECIFICITY: Specificity = Specificity::DEPLOYMENT;
+
+    fn supports_deployment(deployment: &Deployment) -> Result<(), DeploymentRefusal> {
         let m = &deployment.mapping;
         if deployment.architecture.as_str() != ARCHITECTURE {
-            return Err(format!(
-                "kvferry.deepseek_mla_latent plans {ARCHITECTURE} only, not {}",
-                deployment.architecture
+            return Err(DeploymentRefusal::new(
+                "architecture",
+                &deployment.architecture,
+                ARCHITECTURE,
+                "the MLA latent layout is DeepSeek-V3's",
             ));
         }
         if !m.attention_dp {
-            return Err(format!(
-                "kvferry.deepseek_mla_latent needs attention DP (depN), not {m}"
+            return Err(DeploymentRefusal::new(
+                "mapping.attention_dp",
+                false,
+                "true (depN)",
+                "each rank must hold whole requests: every rank's latent cache is complete",
             ));
         }
-        if m.pp != 1 || m.cp != 1 {
-            return Err(format!(
-                "kvferry.deepseek_mla_latent needs pp = cp = 1, not {m} (pp {}, cp {})",
-                m.pp, m.cp
+        if m.pp != 1 {
+            return Err(DeploymentRefusal::new(
+                "mapping.pp",
+                m.pp,
+                1,
+                "layers split over pipeline stages need the default planner's PP overlap",
+            ));
+        }
+        if m.cp != 1 {
+            return Err(DeploymentRefusal::new(
+                "mapping.cp",
+                m.cp,
+                1,
+                "tokens split over context-parallel ranks need the default planner's helix CP",
             ));
         }
         Ok(())

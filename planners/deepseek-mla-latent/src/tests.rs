@@ -131,18 +131,33 @@ fn refuses_other_deployments_with_the_reason() {
     let cases = [
         (
             deployment("LlamaForCausalLM", 4, 1, 1, true),
-            "not LlamaForCausalLM",
+            ("architecture", "LlamaForCausalLM", ARCHITECTURE),
         ),
         (
             deployment(ARCHITECTURE, 4, 1, 1, false),
-            "needs attention DP",
+            ("mapping.attention_dp", "false", "true (depN)"),
         ),
-        (deployment(ARCHITECTURE, 4, 2, 1, true), "pp = cp = 1"),
-        (deployment(ARCHITECTURE, 4, 1, 2, true), "pp = cp = 1"),
+        (
+            deployment(ARCHITECTURE, 4, 2, 1, true),
+            ("mapping.pp", "2", "1"),
+        ),
+        (
+            deployment(ARCHITECTURE, 4, 1, 2, true),
+            ("mapping.cp", "2", "1"),
+        ),
     ];
-    for (d, needle) in cases {
+    for (d, (field, found, supported)) in cases {
         let err = DeepseekMlaLatent::supports_deployment(&d).unwrap_err();
-        assert!(err.contains(needle), "{d}: {err}");
+        assert_eq!(
+            (
+                err.field.as_str(),
+                err.found.as_str(),
+                err.supported.as_str()
+            ),
+            (field, found, supported),
+            "{d}: {err}"
+        );
+        assert!(!err.reason.is_empty(), "{d}: {err}");
     }
 }
 

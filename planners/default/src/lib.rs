@@ -73,8 +73,8 @@ mod topology;
 mod view;
 
 use kvferry_planner_abi::{
-    Deployment, LayerGroupRows, PairRequest, PeerTargets, PlanError, PlannerPlugin, RankInfo,
-    SlotTable, TransferPlan, TransferPlanner, export_planner,
+    Deployment, DeploymentRefusal, LayerGroupRows, PairRequest, PeerTargets, PlanError,
+    PlannerPlugin, RankInfo, SlotTable, Specificity, TransferPlan, TransferPlanner, export_planner,
 };
 
 /// The default planner: one instance per rank.
@@ -129,9 +129,13 @@ impl TransferPlanner for DefaultPlanner {
 impl PlannerPlugin for DefaultPlanner {
     const PLANNER_ID: &'static str = "kvferry.default";
 
+    /// Every architecture: the least specific planner, bound by `auto` only when no
+    /// model-specific planner accepts the deployment.
+    const SPECIFICITY: Specificity = Specificity::GENERIC;
+
     /// The default plan holds for every architecture and mapping: what a pair of ranks can
     /// exchange is decided per peer by [`TransferPlanner::check_peer`].
-    fn supports_deployment(_: &Deployment) -> Result<(), String> {
+    fn supports_deployment(_: &Deployment) -> Result<(), DeploymentRefusal> {
         Ok(())
     }
 

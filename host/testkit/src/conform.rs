@@ -1,0 +1,534 @@
+//! `kvferry conform`: a planner team's proof that its planner moves every byte right.
+//!
+//! [`matrix`] is the oracle matrix: every model preset against context × generation topology
+//! pairs — TP 1 to 8 both ways (and 16 where the heads allow), PP 1 ↔ 2 with uneven layer
+//! splits, helix CP on the generation side, attention DP against TP and attention DP widths
+//! that differ — each with a random prompt length that is not a multiple of the block size,
+//! random slot placement, padded slots, and, where the topology allows, chunked sends and a
+//! cached prefix on the receiver. [`conform`] runs every case the planner accepts end to end
+//! in process ([`Scenario`]) and checks every destination byte with the oracle; it also asks
+//! the planner about every deployment the matrix names and checks that a refusal comes back
+//! as a refusal with a reason, not a panic.
+//!
+//! A case is:
+//! - **passed**: every destination byte holds its tag, every other byte is untouched, no
+//!   receiver byte was written twice;
+//! - **failed**: a wrong byte (named by the first one's layer, head and token), an overlap, a
+//!   plan the host's validation refuses, or a planner error that is not a refusal;
+//! - **refused**: the planner does not support one side's deployment, or refuses the pair
+//!   (`check_peer`, or a construction-time `UNSUPPORTED`) — with its reason.
+//!
+//! The matrix is deterministic for a seed, and every case's name carries its parameters, so
+//! a failure is rerun alone with the same seed and a name filter.
+
+use std::collections::BTreeSet;
+use std::fmt;
+
+use kvferry_planner_abi::{Deployment, ErrorKind, Mapping, TokenRange};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::conformance::{Case, PlannerUnderTest};
+use crate::layout::{ModelSpec, Preset};
+use crate::oracle::Logical;
+use crate::scenario::{Scenario, ScenarioError, ScenarioReport};
+
+/// The seed of the matrix when none is given.
+pub const DEFAULT_SEED: u64 = 0x0_7ac1e;
+
+fn m(tp: u32, pp: u32, cp: u32, adp: bool) -> Mapping {
+    Mapping {
+        tp,
+        pp,
+        cp,
+        moe_tp: tp,
+        moe_ep: 1,
+        attention_dp: adp,
+    }
+}
+
+fn tp(n: u32) -> Mapping {
+    m(n, 1, 1, false)
+}
+
+fn dep(n: u32) -> Mapping {
+    m(n, 1, 1, true)
+}
+
+/// The topology pairs of one preset: (context, generation).
+pub fn topologies(preset: Preset) -> Vec<(Mapping, Mapping)> {
+    let mut widths = vec![1, 2, 4, 8];
+    if preset == Preset::Llama3_70b {
+        widths.push(16); // more ranks than KV heads: duplicated heads, one writer elected
+    }
+    let mut pairs = Vec::new();
+    // TP both ways.
+    for &c in &widths {
+        for &g in &widths {
+            pairs.push((tp(c), tp(g)));
+        }
+    }
+    // PP 1 <-> 2 (uneven split, see `model`), with TP changing too.
+    for (c, g) in [
+        (m(2, 2, 1, false), tp(2)),
+        (tp(2), m(2, 2, 1, false)),
+        (m(1, 2, 1, false), tp(4)),
+        (tp(4), m(1, 2, 1, false)),
+        (m(2, 2, 1, false), m(4, 2, 1, false)),
+        (m(4, 2, 1, false), m(1, 2, 1, false)),
+    ] {
+        pairs.push((c, g));
+    }
+    // Helix: generation cp 2 and 4 against a cp 1 context.
+    for c in [1, 2, 4] {
+        for (g, cp) in [(1, 2), (2, 2), (1, 4), (2, 4)] {
+            pairs.push((tp(c), m(g, 1, cp, false)));
+        }
+    }
+    // Attention DP against TP, both ways.
+    for w in [2, 4] {
+        for t in [1, 2, 4] {
+            pairs.push((dep(w), tp(t)));
+            pairs.push((tp(t), dep(w)));
+        }
+    }
+    // Attention DP widths, equal and differing; the narrower ones twice more, so each is
+    // drawn with other prompts, DP ranks, chunks and cached prefixes (the MLA planner's whole
+    // domain).
+    for round in 0..3 {
+        let widths: &[u32] = if round == 0 {
+            &[1, 2, 4, 8]
+        } else {
+            &[1, 2, 4]
+        };
+        for &c in widths {
+            for &g in widths {
+                pairs.push((dep(c), dep(g)));
+            }
+        }
+    }
+    pairs
+}
+
+/// The preset with an uneven PP split and a small block, to keep pools small.
+pub fn model(preset: Preset) -> ModelSpec {
+    let split = match preset {
+        Preset::DeepseekV3 => vec![25, 36],
+        Preset::Llama3_70b => vec![36, 44],
+        Preset::Qwen3Next80bA3b => vec![20, 28],
+        Preset::GptOss120b => vec![16, 20],
+    };
+    ModelSpec::new(preset)
+        .with_tokens_per_block(16)
+        .with_layers_per_pp(split)
+}
+
+/// Every case of the matrix for `seed`, in a fixed order.
+pub fn matrix(seed: u64) -> Vec<Case> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut out = Vec::new();
+    for preset in Preset::ALL {
+        let model = model(preset);
+        let tpb = u64::from(model.tokens_per_block);
+        for (ctx, r#gen) in topologies(preset) {
+            let helix = r#gen.cp > 1;
+            // At least one block per CP rank; not a multiple of the block size.
+            let min_blocks = u64::from(r#gen.cp) + 1;
+            let prompt_len = rng.gen_range(min_blocks * tpb..12 * tpb) | 1;
+            let blocks = prompt_len.div_ceil(tpb);
+            let mut s = Scenario::new(model.clone(), ctx, r#gen, prompt_len);
+            s.seed = rng.r#gen();
+            s.ctx_dp_rank = if ctx.attention_dp {
+                rng.gen_range(0..ctx.tp)
+            } else {
+                0
+            };
+            s.gen_dp_rank = if r#gen.attention_dp {
+                rng.gen_range(0..r#gen.tp)
+            } else {
+                0
+            };
+            s.padded = rng.gen_bool(0.2);
+            // Chunked sends and cached prefixes are refused under helix (semantics §6.2) and
+            // chunks need pp = 1 (§8.3).
+            if !helix && ctx.pp == 1 && r#gen.pp == 1 && rng.gen_bool(0.5) {
+                let step = rng.gen_range(1..=blocks.div_ceil(2)) * tpb;
+                s.chunks = Some(
+                    (0..prompt_len)
+                        .step_by(step as usize)
+                        .map(|start| TokenRange {
+                            start,
+                            end: (start + step).min(prompt_len),
+                        })
+                        .collect(),
+                );
+            }
+            if !helix && rng.gen_bool(0.4) {
+                s.cached_tokens = rng.gen_range(0..prompt_len);
+            }
+            let name = format!(
+                "{preset} {ctx}->{} prompt {prompt_len} dp {}->{} chunks {} cached {} padded {} \
+                 seed {:#x}",
+                r#gen,
+                s.ctx_dp_rank,
+                s.gen_dp_rank,
+                s.chunks.as_ref().map_or(0, Vec::len),
+                s.cached_tokens,
+                s.padded,
+                s.seed,
+            );
+            out.push(Case { name, scenario: s });
+        }
+    }
+    out
+}
+
+/// How one case ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CaseVerdict {
+    /// Every byte right.
+    Passed,
+    /// Something wrong; `first_wrong` names the first wrong destination byte, if any.
+    Failed {
+        /// What went wrong.
+        reason: String,
+        /// `layer L head H token T` (or the oracle's full description) of the first wrong
+        /// byte.
+        first_wrong: Option<String>,
+    },
+    /// The planner does not take this pair, and said why.
+    Refused {
+        /// The planner's reason.
+        reason: String,
+    },
+}
+
+/// One case's outcome.
+#[derive(Clone, Debug)]
+pub struct CaseOutcome {
+    /// The case name (rerun it alone with it).
+    pub name: String,
+    /// The model preset.
+    pub preset: Preset,
+    /// The context deployment.
+    pub ctx: Mapping,
+    /// The generation deployment.
+    pub r#gen: Mapping,
+    /// Fragments written (after coalescing); 0 unless the case ran.
+    pub fragments: usize,
+    /// Bytes written; 0 unless the case ran.
+    pub bytes: u64,
+    /// The verdict.
+    pub verdict: CaseVerdict,
+}
+
+impl fmt::Display for CaseOutcome {
+    /// One line: verdict, topology pair, fragments, bytes, name, and the reason if any.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let tag = match &self.verdict {
+            CaseVerdict::Passed => "pass",
+            CaseVerdict::Failed { .. } => "FAIL",
+            CaseVerdict::Refused { .. } => "refused",
+        };
+        write!(
+            f,
+            "{tag:<7} {:<22} {:>4}->{:<6} {:>8} fragments {:>11} bytes  {}",
+            self.preset.name(),
+            self.ctx.to_string(),
+            self.r#gen.to_string(),
+            self.fragments,
+            self.bytes,
+            self.name
+        )?;
+        match &self.verdict {
+            CaseVerdict::Passed => Ok(()),
+            CaseVerdict::Failed {
+                reason,
+                first_wrong,
+            } => {
+                if let Some(at) = first_wrong {
+                    write!(f, "\n        first wrong byte: {at}")?;
+                }
+                write!(f, "\n        {}", reason.replace('\n', "\n        "))
+            }
+            CaseVerdict::Refused { reason } => write!(f, "\n        {reason}"),
+        }
+    }
+}
+
+/// What the planner said about one deployment of the matrix.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DeploymentVerdict {
+    /// Supported.
+    Accepted,
+    /// Refused, with a reason: as it should be.
+    Refused(String),
+    /// Refused wrongly: a panic, an error of another kind, or no reason.
+    Broken(String),
+}
+
+/// One deployment's check.
+#[derive(Clone, Debug)]
+pub struct DeploymentCheck {
+    /// `<architecture> <mapping>`.
+    pub deployment: String,
+    /// The planner's answer.
+    pub verdict: DeploymentVerdict,
+}
+
+/// Everything one conformance run found.
+#[derive(Clone, Debug)]
+pub struct ConformReport {
+    /// The planner id.
+    pub planner: String,
+    /// The matrix seed.
+    pub seed: u64,
+    /// Every case the filter selected, in matrix order.
+    pub cases: Vec<CaseOutcome>,
+    /// Every distinct deployment of the selected cases.
+    pub deployments: Vec<DeploymentCheck>,
+}
+
+impl ConformReport {
+    fn count(&self, pick: impl Fn(&CaseVerdict) -> bool) -> usize {
+        self.cases.iter().filter(|c| pick(&c.verdict)).count()
+    }
+
+    /// Cases that ran (passed or failed).
+    pub fn ran(&self) -> usize {
+        self.passed() + self.failed()
+    }
+
+    /// Cases that passed.
+    pub fn passed(&self) -> usize {
+        self.count(|v| matches!(v, CaseVerdict::Passed))
+    }
+
+    /// Cases that failed.
+    pub fn failed(&self) -> usize {
+        self.count(|v| matches!(v, CaseVerdict::Failed { .. }))
+    }
+
+    /// Cases the planner refused.
+    pub fn refused(&self) -> usize {
+        self.count(|v| matches!(v, CaseVerdict::Refused { .. }))
+    }
+
+    /// Names of what failed: failed cases, then `refusal of <deployment>` for every
+    /// deployment refused wrongly.
+    pub fn failures(&self) -> Vec<String> {
+        let cases = self
+            .cases
+            .iter()
+            .filter(|c| matches!(c.verdict, CaseVerdict::Failed { .. }))
+            .map(|c| c.name.clone());
+        let refusals = self
+            .deployments
+            .iter()
+            .filter(|d| matches!(d.verdict, DeploymentVerdict::Broken(_)))
+            .map(|d| format!("refusal of {}", d.deployment));
+        cases.chain(refusals).collect()
+    }
+
+    /// Whether the planner conforms: at least one case ran, none failed, and every refusal
+    /// came back as a refusal with a reason. A planner that refuses every case proves
+    /// nothing, so it does not conform.
+    pub fn is_ok(&self) -> bool {
+        self.ran() > 0 && self.failures().is_empty()
+    }
+}
+
+impl fmt::Display for ConformReport {
+    /// The summary line.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let broken = self
+            .deployments
+            .iter()
+            .filter(|d| matches!(d.verdict, DeploymentVerdict::Broken(_)))
+            .count();
+        let refused_deployments = self
+            .deployments
+            .iter()
+            .filter(|d| matches!(d.verdict, DeploymentVerdict::Refused(_)))
+            .count();
+        write!(
+            f,
+            "{}: {} cases ran, {} passed, {} failed; {} refused; {} deployments asked, {} \
+             refused with a reason, {} refused wrongly (seed {:#x})",
+            self.planner,
+            self.ran(),
+            self.passed(),
+            self.failed(),
+            self.refused(),
+            self.deployments.len(),
+            refused_deployments,
+            broken,
+            self.seed
+        )
+    }
+}
+
+/// Where a wrong destination byte is, as a planner author reads it.
+fn first_wrong(report: &ScenarioReport) -> Option<String> {
+    let m = report.verification.mismatches.first()?;
+    let at = format!(
+        "{} rank {} pool {} offset {:#x}: expected {:#04x}, found {:#04x}",
+        m.instance, m.rank, m.pool, m.offset, m.expected, m.found
+    );
+    Some(match &m.logical {
+        Logical::Token {
+            layer,
+            head,
+            token,
+            buffer,
+            roles,
+            byte,
+        } => format!(
+            "layer {layer} head {head} token {token} (buffer {buffer} of {{{roles}}}, byte \
+             {byte}; {at})"
+        ),
+        other => format!("{other} ({at})"),
+    })
+}
+
+fn verdict_of(
+    result: Result<ScenarioReport, String>,
+    error_kind: Option<ErrorKind>,
+) -> (usize, u64, CaseVerdict) {
+    match result {
+        Ok(report) if report.is_ok() => (report.fragments, report.bytes, CaseVerdict::Passed),
+        Ok(report) => {
+            let v = &report.verification;
+            let reason = if v.is_clean() {
+                format!(
+                    "{} receiver writes overlap an earlier one: {:?}",
+                    report.overlapping_writes, report.overlaps
+                )
+            } else {
+                format!(
+                    "{} bytes differ ({} destination bytes checked, {} covered by the request, \
+                     {} source bytes checked)",
+                    v.mismatched_bytes, v.bytes_checked, v.bytes_covered, v.source_bytes_checked
+                )
+            };
+            (
+                report.fragments,
+                report.bytes,
+                CaseVerdict::Failed {
+                    first_wrong: first_wrong(&report),
+                    reason,
+                },
+            )
+        }
+        Err(reason) => {
+            let refusal = matches!(
+                error_kind,
+                Some(ErrorKind::UNSUPPORTED | ErrorKind::PEER_INCOMPATIBLE)
+            );
+            let verdict = if refusal {
+                CaseVerdict::Refused { reason }
+            } else {
+                CaseVerdict::Failed {
+                    reason,
+                    first_wrong: None,
+                }
+            };
+            (0, 0, verdict)
+        }
+    }
+}
+
+/// Asks the planner about one deployment.
+fn ask(planner: &PlannerUnderTest, deployment: &Deployment) -> DeploymentVerdict {
+    match planner.check_deployment(deployment) {
+        Ok(()) => DeploymentVerdict::Accepted,
+        Err(e) if e.kind() == ErrorKind::UNSUPPORTED && !e.message().trim().is_empty() => {
+            DeploymentVerdict::Refused(e.message().to_string())
+        }
+        Err(e) if e.kind() == ErrorKind::UNSUPPORTED => {
+            DeploymentVerdict::Broken("refused without a reason".to_string())
+        }
+        Err(e) => DeploymentVerdict::Broken(e.to_string()),
+    }
+}
+
+/// Runs the matrix of `seed` (the cases whose name contains `filter`, if given) against
+/// `planner`, calling `progress` after each case.
+pub fn conform(
+    planner: &PlannerUnderTest,
+    seed: u64,
+    filter: Option<&str>,
+    mut progress: impl FnMut(&CaseOutcome),
+) -> ConformReport {
+    let cases: Vec<Case> = matrix(seed)
+        .into_iter()
+        .filter(|c| filter.is_none_or(|f| c.name.contains(f)))
+        .collect();
+    let mut asked = BTreeSet::new();
+    let mut deployments = Vec::new();
+    let mut outcomes = Vec::with_capacity(cases.len());
+    for case in &cases {
+        let s = &case.scenario;
+        let architecture = s.model.preset.architecture();
+        let mut refusal = None;
+        for mapping in [s.ctx_mapping, s.gen_mapping] {
+            let deployment = Deployment {
+                architecture: architecture.into(),
+                mapping,
+            };
+            let verdict = ask(planner, &deployment);
+            if refusal.is_none() && verdict != DeploymentVerdict::Accepted {
+                refusal = Some(match &verdict {
+                    DeploymentVerdict::Refused(r) => CaseVerdict::Refused {
+                        reason: format!("{deployment}: {r}"),
+                    },
+                    DeploymentVerdict::Broken(r) => CaseVerdict::Failed {
+                        reason: format!("{deployment}: {r}"),
+                        first_wrong: None,
+                    },
+                    DeploymentVerdict::Accepted => unreachable!("checked above"),
+                });
+            }
+            if asked.insert(deployment.to_string()) {
+                deployments.push(DeploymentCheck {
+                    deployment: deployment.to_string(),
+                    verdict,
+                });
+            }
+        }
+        let (fragments, bytes, verdict) = match refusal {
+            Some(verdict) => (0, 0, verdict),
+            None => {
+                let (result, kind) = planner.run_scenario(s);
+                verdict_of(result, kind)
+            }
+        };
+        let outcome = CaseOutcome {
+            name: case.name.clone(),
+            preset: s.model.preset,
+            ctx: s.ctx_mapping,
+            r#gen: s.gen_mapping,
+            fragments,
+            bytes,
+            verdict,
+        };
+        progress(&outcome);
+        outcomes.push(outcome);
+    }
+    ConformReport {
+        planner: planner.id().to_string(),
+        seed,
+        cases: outcomes,
+        deployments,
+    }
+}
+
+/// The planner error kind behind a scenario error, if a planner call failed.
+pub(crate) fn planner_error_kind(error: &ScenarioError) -> Option<ErrorKind> {
+    match error {
+        ScenarioError::Planner { source, .. } => Some(source.kind()),
+        _ => None,
+    }
+}
