@@ -69,6 +69,10 @@ pub const MAX_IDLE_SLEEP: Duration = Duration::from_micros(200);
 /// How long a job blocked in its window waits before checking that its receiver is still
 /// registered.
 pub const ALIVE_CHECK: Duration = Duration::from_millis(20);
+/// How long closing a forgotten peer's endpoint may flush before it is closed by force: every
+/// job on it was flushed already (or is quarantined, which keeps the endpoint open), so the
+/// flush has nothing to wait for unless the peer is gone.
+const FORGET_CLOSE_TIMEOUT: Duration = Duration::from_millis(100);
 
 /// Identifies one registration of a peer instance (a new connection gets a new id).
 pub type PeerId = u64;
@@ -476,7 +480,7 @@ fn run(rank: u32, worker: Worker, pools: &RankPools, rx: Receiver<Command>) {
         let Some(command) = command else { continue };
         idle = 0;
         match command {
-            Command::Forget(peer) => exec.conns.retain(|(p, _), _| *p != peer),
+            Command::Forget(peer) => exec.forget(peer),
             Command::Write(job) => exec.execute(job),
             Command::Replay(mut job) => {
                 let result = exec.replay(&mut job);
@@ -592,6 +596,42 @@ impl<'a> Executor<'a> {
         let conn = self.connect(dest)?;
         let window = PutWindow::with_capacity(&conn.ep, PUT_WINDOW);
         Ok((window, Rc::clone(&conn.keys)))
+    }
+
+    /// Drops the connections to `peer` (see [`RankThread::forget`]).
+    fn forget(&mut self, peer: PeerId) {
+        let ranks: Vec<(PeerId, u32)> = self
+            .conns
+            .keys()
+            .filter(|(p, _)| *p == peer)
+            .copied()
+            .collect();
+        for key in ranks {
+            let Some(Conn { ep, keys }) = self.conns.remove(&key) else {
+                continue;
+            };
+            // The keys first: while they exist they keep the endpoint open.
+            drop(keys);
+            match ep.close(FORGET_CLOSE_TIMEOUT) {
+                Ok(()) => {
+                    tracing::debug!(rank = self.rank, peer, peer_rank = key.1, "endpoint closed")
+                }
+                Err(e) if e.status() == Status::BUSY => tracing::debug!(
+                    rank = self.rank,
+                    peer,
+                    peer_rank = key.1,
+                    "endpoint closes once its quarantined puts have drained"
+                ),
+                Err(e) => tracing::debug!(
+                    rank = self.rank,
+                    peer,
+                    peer_rank = key.1,
+                    error = %e,
+                    status = %e.status(),
+                    "endpoint closed uncleanly"
+                ),
+            }
+        }
     }
 
     /// Releases quarantined windows whose operations have all finished.

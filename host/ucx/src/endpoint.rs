@@ -411,7 +411,8 @@ impl EndpointInner {
         let flags = match &flushed {
             Ok(()) => 0,
             Err(err) => {
-                tracing::warn!(
+                // Reported by the caller: `close` returns the error, the drop warns.
+                tracing::debug!(
                     status = %err.status(),
                     "endpoint flush did not finish; closing it with UCP_EP_CLOSE_FLAG_FORCE"
                 );
