@@ -1,8 +1,9 @@
 //! One thread per rank, owning that rank's UCX worker: the progress loop and the executor.
 //!
-//! UCX workers run in single-thread mode, so everything a worker does happens on its thread:
-//! endpoints, remote keys and puts never leave it. The rest of the host talks to the thread
-//! through a channel ([`RankThread`]).
+//! UCX workers run in serialized mode (one thread at a time), so everything a worker does
+//! happens on its thread: the worker moves there before it has endpoints, and endpoints, remote
+//! keys and puts never leave it. The rest of the host talks to the thread through a channel
+//! ([`RankThread`]).
 //!
 //! - A **receiver** (generation) rank thread only progresses its worker, always: wire-up,
 //!   `tcp` puts (emulated with active messages) and registered memory all need the target to
@@ -12,7 +13,8 @@
 //!   every fragment of a [`ValidatedPlan`] a `ucp_put_nbx` from its pool into the receiver's
 //!   pool (a [`PutWindow`] bounds the puts in flight), then a flush of the endpoint, and only
 //!   then the job's completion callback. Endpoints and unpacked remote keys are cached per
-//!   (peer instance, peer rank) until [`RankThread::forget`].
+//!   (peer instance, peer rank), owned by that cache entry, until [`RankThread::forget`] drops
+//!   them: the endpoint is closed then, or once no quarantined window uses it any more.
 //!
 //! # Dead and hung receivers
 //!
@@ -24,17 +26,18 @@
 //! [`WriteError::PeerGone`]) and the thread moves on to its other jobs.
 //!
 //! Puts still in flight when a job gives up may be read by UCX at any later progress, so their
-//! window is **quarantined**, never dropped: it is parked together with a handle on the
-//! remote keys it uses (the endpoint lives in an arena for the thread's life, the pools for
-//! longer), polled from the progress loop, and released once UCX has finished every operation
-//! in it. Only then does the job report (its [`JobRelease`], then its [`JobDone`] with the
-//! error): the sender's slots stay held and the receiver hears of the failure only when none
-//! of its bytes can land any more (a receiver that gave up meanwhile keeps the slots
-//! quarantined until that report, as for any late writer). Until then further jobs for that
-//! peer rank fail at once ([`WriteError::Stuck`]) instead of queueing behind the stuck puts,
-//! and are reported after the quarantined job, in order.
-//! When the thread ends, windows still quarantined are abandoned with their keys leaked,
-//! before the endpoints are force-closed and the worker destroyed (see `Executor`'s `Drop`).
+//! window is **quarantined**, never dropped: it is parked (its puts hold handles on the
+//! endpoint and the remote keys they use, so forgetting the peer meanwhile closes nothing under
+//! them; the pools outlive the thread), polled from the progress loop, and released once UCX
+//! has finished every operation in it. Only then does the job report (its [`JobRelease`], then
+//! its [`JobDone`] with the error): the sender's slots stay held and the receiver hears of the
+//! failure only when none of its bytes can land any more (a receiver that gave up meanwhile
+//! keeps the slots quarantined until that report, as for any late writer). Until then further
+//! jobs for that peer rank fail at once ([`WriteError::Stuck`]) instead of queueing behind the
+//! stuck puts, and are reported after the quarantined job, in order.
+//! When the thread ends, windows still quarantined are abandoned (their keys are then never
+//! destroyed), before the endpoints are closed (forced once their flush times out) and the
+//! worker destroyed, all before the pools go (see `Executor`'s `Drop`).
 //!
 //! When idle the loop spins on `ucp_worker_progress` for a while, then sleeps in short,
 //! growing steps (at most [`MAX_IDLE_SLEEP`]) waiting for a command, so idle ranks cost little
@@ -50,7 +53,6 @@ use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use kvferry_ucx::{Endpoint, MemRegion, Op, PutWindow, RemoteKey, Status, Worker};
-use typed_arena::Arena;
 
 use super::memory::RankPools;
 use super::wire::PoolKey;
@@ -67,6 +69,10 @@ pub const MAX_IDLE_SLEEP: Duration = Duration::from_micros(200);
 /// How long a job blocked in its window waits before checking that its receiver is still
 /// registered.
 pub const ALIVE_CHECK: Duration = Duration::from_millis(20);
+/// How long closing a forgotten peer's endpoint may flush before it is closed by force: every
+/// job on it was flushed already (or is quarantined, which keeps the endpoint open), so the
+/// flush has nothing to wait for unless the peer is gone.
+const FORGET_CLOSE_TIMEOUT: Duration = Duration::from_millis(100);
 
 /// Identifies one registration of a peer instance (a new connection gets a new id).
 pub type PeerId = u64;
@@ -346,12 +352,15 @@ impl RankThread {
             rank,
             error: source,
         })?;
+        let worker = worker
+            .into_send()
+            .map_err(|_| SpawnError::Shared { rank })?;
         let (tx, rx) = mpsc::channel();
         let thread = thread::Builder::new()
             .name(format!("{label}-rank{rank}"))
-            // `pools` outlives `run`, and so the worker, which `run` drops: puts abandoned
-            // when the thread ends may read the pools until then.
-            .spawn(move || run(rank, worker, &pools, rx))
+            // `pools` outlives `run`, and so every handle on the worker, which `run` drops:
+            // puts abandoned when the thread ends may read the pools until then.
+            .spawn(move || run(rank, worker.into_worker(), &pools, rx))
             .map_err(|source| SpawnError::Thread {
                 rank,
                 error: source,
@@ -394,7 +403,8 @@ impl RankThread {
         }
     }
 
-    /// Drops the endpoints and keys kept for `peer`.
+    /// Drops the endpoints and keys kept for `peer`: each endpoint is closed then, or, while a
+    /// quarantined window still has puts to it in flight, once that window has drained.
     pub fn forget(&self, peer: PeerId) {
         let _ = self.tx.send(Command::Forget(peer));
     }
@@ -411,6 +421,12 @@ pub enum SpawnError {
         /// UCX's error.
         error: kvferry_ucx::Error,
     },
+    /// The worker already has endpoints (or other handles), so it cannot move to the thread.
+    #[error("rank {rank}: its UCX worker is already in use, so it cannot move to its thread")]
+    Shared {
+        /// The rank.
+        rank: u32,
+    },
     /// The OS refused a thread.
     #[error("rank {rank}: cannot spawn its thread: {error}")]
     Thread {
@@ -426,14 +442,11 @@ fn run(rank: u32, worker: Worker, pools: &RankPools, rx: Receiver<Command>) {
     if let Err(error) = pools.bind_device_to_thread() {
         tracing::warn!(rank, %error, "cannot make the pools' cuda context current");
     }
-    // Endpoints live in the arena for the thread's life so remote keys and windows can borrow
-    // them; a forgotten peer's endpoint stays there (closed when the thread ends). Declared
-    // before the executor, so dropped after it: see `Executor`'s `Drop`.
-    let arena: Arena<Endpoint<'_>> = Arena::new();
+    // Dropped before `worker`: its `Drop` abandons what is still quarantined, then its
+    // connections close their endpoints; the UCX worker goes with the last handle on it.
     let mut exec = Executor {
         rank,
         worker: &worker,
-        arena: &arena,
         pools,
         conns: HashMap::new(),
         stuck: Vec::new(),
@@ -467,7 +480,7 @@ fn run(rank: u32, worker: Worker, pools: &RankPools, rx: Receiver<Command>) {
         let Some(command) = command else { continue };
         idle = 0;
         match command {
-            Command::Forget(peer) => exec.conns.retain(|(p, _), _| *p != peer),
+            Command::Forget(peer) => exec.forget(peer),
             Command::Write(job) => exec.execute(job),
             Command::Replay(mut job) => {
                 let result = exec.replay(&mut job);
@@ -480,31 +493,29 @@ fn run(rank: u32, worker: Worker, pools: &RankPools, rx: Receiver<Command>) {
     }
 }
 
-/// The remote keys of one peer rank's pools, unpacked on its endpoint, in pool order. Shared
-/// between the connection cache and every window that uses them, so a peer forgotten while
-/// puts to it are quarantined keeps its keys until they drain.
-type Keys<'a> = Rc<[RemoteKey<'a>]>;
+/// The remote keys of one peer rank's pools, unpacked on its endpoint, in pool order; shared
+/// with the jobs that use them (each put in flight holds its own handle on its key).
+type Keys = Rc<[RemoteKey]>;
 
-/// An endpoint to a peer rank and the keys of its pools.
-struct Conn<'a, 'w> {
-    ep: &'a Endpoint<'w>,
-    keys: Keys<'a>,
+/// An endpoint to a peer rank and the keys of its pools, owned by the connection cache. When
+/// it is dropped (the peer forgotten), a quarantined window with puts to the peer still holds
+/// the endpoint and the keys those puts use, so the endpoint closes once the window drains.
+struct Conn {
+    ep: Endpoint,
+    keys: Keys,
 }
 
 /// What runs once a quarantined window has drained.
 type OnDrain = Box<dyn FnOnce()>;
 
-/// A job's outcome, and the window and keys it left in flight, if any.
-type Written<'a> = (
-    Result<WriteStats, WriteError>,
-    Option<(PutWindow<'a>, Keys<'a>)>,
-);
+/// A job's outcome, and the window it left in flight, if any.
+type Written<'a> = (Result<WriteStats, WriteError>, Option<PutWindow<'a>>);
 
-/// A window that gave up with operations in flight, and the keys those use.
+/// A window that gave up with operations in flight. It holds the endpoint and the remote keys
+/// those use, and borrows their sources from the pools.
 struct Stuck<'a> {
-    /// Declared before `_keys`: dropped first (only ever once idle).
+    /// Dropped only once idle (and settled, or its endpoint broken).
     window: PutWindow<'a>,
-    _keys: Keys<'a>,
     /// Called, in order, once the window drains.
     on_drain: Vec<OnDrain>,
     peer: PeerId,
@@ -513,31 +524,15 @@ struct Stuck<'a> {
     since: Instant,
 }
 
-/// A rank thread's executor state. `'a` is the life of the endpoint arena (and of the pools),
-/// `'w` the worker's.
-struct Executor<'a, 'w> {
+/// A rank thread's executor state. `'a` is the life of the worker value and of the pools,
+/// which puts borrow their sources from.
+struct Executor<'a> {
     rank: u32,
-    worker: &'w Worker,
-    arena: &'a Arena<Endpoint<'w>>,
+    worker: &'a Worker,
     pools: &'a RankPools,
-    conns: HashMap<(PeerId, u32), Conn<'a, 'w>>,
+    conns: HashMap<(PeerId, u32), Conn>,
     /// Quarantined windows (see the module docs); never dropped while not idle.
     stuck: Vec<Stuck<'a>>,
-}
-
-/// Borrows the keys behind `keys` for `'a`, beyond the borrow of `keys` itself.
-///
-/// # Safety
-///
-/// Everything that borrows the returned slice (a window and its puts) must be gone, or idle,
-/// before the last clone of the `Rc` is dropped: the caller keeps a clone next to the window
-/// (in the same function, dropped after it, or in the same [`Stuck`] entry) and never drops a
-/// window that is not idle.
-unsafe fn borrow_keys<'a>(keys: &Keys<'a>) -> &'a [RemoteKey<'a>] {
-    // SAFETY: the slice lives in the `Rc`'s heap allocation, which does not move when the
-    // `Rc` does and is freed only with its last clone; by this function's contract a clone
-    // outlives every use of the returned reference.
-    unsafe { &*Rc::as_ptr(keys) }
 }
 
 /// One put of a replay, resolved before the clock starts.
@@ -549,24 +544,21 @@ struct ResolvedPut<'a> {
     key: usize,
 }
 
-/// One plan of a replay, resolved.
+/// One plan of a replay, resolved: its window (idle until the clock starts) and keys.
 struct ResolvedPlan<'a> {
     dest: Arc<RemoteRank>,
-    ep: &'a Endpoint<'a>,
-    keys: Keys<'a>,
+    window: PutWindow<'a>,
+    keys: Keys,
     puts: Vec<ResolvedPut<'a>>,
     bytes: u64,
     fragments: u64,
 }
 
-impl<'a, 'w> Executor<'a, 'w> {
+impl<'a> Executor<'a> {
     /// The cached connection to `dest`, or a new one.
-    fn connect(&mut self, dest: &RemoteRank) -> Result<(&'a Endpoint<'w>, Keys<'a>), WriteError> {
+    fn connect(&mut self, dest: &RemoteRank) -> Result<&Conn, WriteError> {
         let slot = match self.conns.entry((dest.peer, dest.rank)) {
-            Entry::Occupied(e) => {
-                let conn = e.get();
-                return Ok((conn.ep, Rc::clone(&conn.keys)));
-            }
+            Entry::Occupied(e) => return Ok(e.into_mut()),
             Entry::Vacant(slot) => slot,
         };
         let ep = self
@@ -577,7 +569,6 @@ impl<'a, 'w> Executor<'a, 'w> {
                 rank: dest.rank,
                 source,
             })?;
-        let ep: &'a Endpoint<'w> = self.arena.alloc(ep);
         let keys = dest
             .pools
             .iter()
@@ -592,13 +583,55 @@ impl<'a, 'w> Executor<'a, 'w> {
                     })
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let keys: Keys<'a> = Rc::from(keys);
         tracing::debug!(rank = self.rank, peer = %dest.instance, peer_rank = dest.rank, "connected");
-        slot.insert(Conn {
+        Ok(slot.insert(Conn {
             ep,
-            keys: Rc::clone(&keys),
-        });
-        Ok((ep, keys))
+            keys: Rc::from(keys),
+        }))
+    }
+
+    /// A window of [`PUT_WINDOW`] puts to `dest` (connecting first if need be), and the keys
+    /// of its pools.
+    fn window(&mut self, dest: &RemoteRank) -> Result<(PutWindow<'a>, Keys), WriteError> {
+        let conn = self.connect(dest)?;
+        let window = PutWindow::with_capacity(&conn.ep, PUT_WINDOW);
+        Ok((window, Rc::clone(&conn.keys)))
+    }
+
+    /// Drops the connections to `peer` (see [`RankThread::forget`]).
+    fn forget(&mut self, peer: PeerId) {
+        let ranks: Vec<(PeerId, u32)> = self
+            .conns
+            .keys()
+            .filter(|(p, _)| *p == peer)
+            .copied()
+            .collect();
+        for key in ranks {
+            let Some(Conn { ep, keys }) = self.conns.remove(&key) else {
+                continue;
+            };
+            // The keys first: while they exist they keep the endpoint open.
+            drop(keys);
+            match ep.close(FORGET_CLOSE_TIMEOUT) {
+                Ok(()) => {
+                    tracing::debug!(rank = self.rank, peer, peer_rank = key.1, "endpoint closed")
+                }
+                Err(e) if e.status() == Status::BUSY => tracing::debug!(
+                    rank = self.rank,
+                    peer,
+                    peer_rank = key.1,
+                    "endpoint closes once its quarantined puts have drained"
+                ),
+                Err(e) => tracing::debug!(
+                    rank = self.rank,
+                    peer,
+                    peer_rank = key.1,
+                    error = %e,
+                    status = %e.status(),
+                    "endpoint closed uncleanly"
+                ),
+            }
+        }
     }
 
     /// Releases quarantined windows whose operations have all finished.
@@ -651,13 +684,7 @@ impl<'a, 'w> Executor<'a, 'w> {
 
     /// Parks `window`, which has operations in flight, in the quarantine; `on_drain` runs
     /// once they have all finished.
-    fn quarantine(
-        &mut self,
-        window: PutWindow<'a>,
-        keys: Keys<'a>,
-        dest: &RemoteRank,
-        on_drain: OnDrain,
-    ) {
+    fn quarantine(&mut self, window: PutWindow<'a>, dest: &RemoteRank, on_drain: OnDrain) {
         tracing::warn!(
             rank = self.rank,
             peer = %dest.instance,
@@ -667,7 +694,6 @@ impl<'a, 'w> Executor<'a, 'w> {
         );
         self.stuck.push(Stuck {
             window,
-            _keys: keys,
             on_drain: vec![on_drain],
             peer: dest.peer,
             instance: dest.instance.clone(),
@@ -699,7 +725,7 @@ impl<'a, 'w> Executor<'a, 'w> {
             done(result);
         };
         match stuck {
-            Some((window, keys)) => self.quarantine(window, keys, &job.dest, Box::new(report)),
+            Some(window) => self.quarantine(window, &job.dest, Box::new(report)),
             // Refused behind a quarantined window: reported after it, so the receiver does not
             // hear of this piece's failure while an earlier piece's bytes may still land.
             None if behind => match self.stuck_on(&job.dest) {
@@ -718,9 +744,9 @@ impl<'a, 'w> Executor<'a, 'w> {
     }
 
     /// Writes one job's plan and flushes. Returns the outcome and, if it gave up with
-    /// operations in flight, their window and keys.
+    /// operations in flight, their window (which holds the endpoint and keys they use).
     fn write(&mut self, job: &WriteJob) -> Written<'a> {
-        let (ep, keys) = match self.prepare(job) {
+        let (window, keys) = match self.prepare(job) {
             Ok(Some(conn)) => conn,
             Ok(None) => return (Ok(WriteStats::default()), None),
             Err(e) => return (Err(e), None),
@@ -728,17 +754,13 @@ impl<'a, 'w> Executor<'a, 'w> {
         let dest = &*job.dest;
         let started = Instant::now();
         let deadline = started + job.timeout;
-        // SAFETY: `keys` is kept until the window is dropped idle, or goes with it into the
-        // quarantine, which never drops a window that is not idle.
-        let key_slice = unsafe { borrow_keys(&keys) };
-        let mut window = PutWindow::with_capacity(ep, PUT_WINDOW)
-            .with_deadline(deadline.min(started + ALIVE_CHECK));
+        let mut window = window.with_deadline(deadline.min(started + ALIVE_CHECK));
         let mut waiter = Waiter {
             dest,
             started,
             deadline,
         };
-        let result = self.write_plan(&mut window, &mut waiter, key_slice, job);
+        let result = self.write_plan(&mut window, &mut waiter, &keys, job);
         if result.is_err() && !window.is_idle() {
             let hopeless = matches!(
                 result,
@@ -753,16 +775,13 @@ impl<'a, 'w> Executor<'a, 'w> {
             drop(window);
             (result, None)
         } else {
-            (result, Some((window, keys)))
+            (result, Some(window))
         }
     }
 
-    /// The connection a job writes over, `None` for an empty plan (nothing to write, so
+    /// The window and keys a job writes with, `None` for an empty plan (nothing to write, so
     /// nothing to flush: earlier pieces were flushed before their own completions).
-    fn prepare(
-        &mut self,
-        job: &WriteJob,
-    ) -> Result<Option<(&'a Endpoint<'w>, Keys<'a>)>, WriteError> {
+    fn prepare(&mut self, job: &WriteJob) -> Result<Option<(PutWindow<'a>, Keys)>, WriteError> {
         let dest = &*job.dest;
         if !dest.alive.load(Ordering::Acquire) {
             return Err(gone(dest));
@@ -771,14 +790,14 @@ impl<'a, 'w> Executor<'a, 'w> {
             return Ok(None);
         }
         self.check_not_stuck(dest)?;
-        self.connect(dest).map(Some)
+        self.window(dest).map(Some)
     }
 
     fn write_plan(
         &self,
         window: &mut PutWindow<'a>,
         waiter: &mut Waiter<'_>,
-        keys: &'a [RemoteKey<'a>],
+        keys: &[RemoteKey],
         job: &WriteJob,
     ) -> Result<WriteStats, WriteError> {
         let dest = &*job.dest;
@@ -848,7 +867,7 @@ impl<'a, 'w> Executor<'a, 'w> {
                 continue;
             }
             self.check_not_stuck(dest)?;
-            let (ep, keys) = self.connect(dest)?;
+            let (window, keys) = self.window(dest)?;
             let mut puts = Vec::with_capacity(plan.len());
             for (k, (src, dst, len)) in plan.fragments().enumerate() {
                 let outside = || WriteError::SourceOutside {
@@ -884,7 +903,7 @@ impl<'a, 'w> Executor<'a, 'w> {
             }
             resolved.push(ResolvedPlan {
                 dest: Arc::clone(dest),
-                ep,
+                window,
                 keys,
                 puts,
                 bytes: plan.total_bytes(),
@@ -895,15 +914,18 @@ impl<'a, 'w> Executor<'a, 'w> {
         let started = Instant::now();
         let deadline = started + job.timeout;
         let mut written = WriteStats::default();
-        for plan in &resolved {
-            // SAFETY: `plan.keys` (in `resolved`, alive until this function returns) outlives
-            // the window unless the window is parked, with its own clone, in the quarantine.
-            let keys = unsafe { borrow_keys(&plan.keys) };
-            let mut window = PutWindow::with_capacity(plan.ep, PUT_WINDOW).with_deadline(deadline);
+        let plans = resolved.len() as u64;
+        for plan in resolved {
+            let mut window = plan.window.with_deadline(deadline);
             let mut outcome = Ok(());
             for put in &plan.puts {
-                outcome =
-                    window.put_region(put.region, put.offset, put.len, put.dst, &keys[put.key]);
+                outcome = window.put_region(
+                    put.region,
+                    put.offset,
+                    put.len,
+                    put.dst,
+                    &plan.keys[put.key],
+                );
                 if outcome.is_err() {
                     break;
                 }
@@ -932,7 +954,7 @@ impl<'a, 'w> Executor<'a, 'w> {
                         release();
                     }
                 });
-                self.quarantine(window, Rc::clone(&plan.keys), dest, on_drain);
+                self.quarantine(window, dest, on_drain);
             }
             if let Some(error) = error {
                 return Err(error);
@@ -945,17 +967,16 @@ impl<'a, 'w> Executor<'a, 'w> {
             started,
             finished: Instant::now(),
             written,
-            plans: resolved.len() as u64,
+            plans,
         })
     }
 }
 
-impl Drop for Executor<'_, '_> {
+impl Drop for Executor<'_> {
     fn drop(&mut self) {
         for stuck in self.stuck.drain(..) {
             let Stuck {
                 mut window,
-                _keys: keys,
                 instance,
                 rank,
                 ..
@@ -971,14 +992,14 @@ impl Drop for Executor<'_, '_> {
                 puts = window.in_flight(),
                 "rank thread ending with quarantined puts in flight: abandoning them"
             );
-            // SAFETY: the abandoned operations read this rank's pools, which the thread's
-            // closure keeps alive until after `run` has dropped the worker; they use the keys
-            // in `keys`, whose `Rc` is leaked just below so they are never destroyed; and the
-            // endpoint, which lives in the arena that `run` declares before the executor, so
-            // it is closed (forced once its flush times out, completing the operations) after
-            // this, and before the worker is destroyed.
+            // SAFETY: the abandoned puts read this rank's pools, which the thread's closure
+            // keeps alive until after `run` has returned. By then every handle on their
+            // endpoint is gone: `abandon` releases the window's, the connection cache's go when
+            // the executor's fields drop right after this, and no other window on it is left
+            // (each was abandoned or dropped idle here). So the endpoint has been closed, which
+            // ends the operations (gracefully only after a flush that completed them, else by
+            // force), and the worker destroyed, before the pools go.
             unsafe { window.abandon() };
-            std::mem::forget(keys);
         }
     }
 }

@@ -1,8 +1,16 @@
 //! Endpoints: one-sided puts, flushes, active messages, and the remote keys they use.
+//!
+//! Ownership, and so the order UCX needs at destruction, is carried by `Rc`s rather than by
+//! lifetimes: an [`Endpoint`] holds a handle on its worker, a [`RemoteKey`] holds its endpoint,
+//! and a [`Request`] (or a [`crate::PutWindow`]) holds its endpoint and the remote key it uses.
+//! So `ucp_rkey_destroy` runs before `ucp_ep_close_nbx`, which runs before
+//! `ucp_worker_destroy`, whatever order the values are dropped in; requests borrow only their
+//! source bytes.
 
+use std::cell::Cell;
 use std::fmt;
-use std::marker::PhantomData;
 use std::ptr;
+use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -18,17 +26,27 @@ const DROP_CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// A connection from a [`Worker`] to one peer worker (`ucp_ep_h`).
 ///
-/// Borrows its worker: it is not `Send` and cannot outlive the worker. Everything issued on it
-/// ([`RemoteKey`]s, [`Request`]s) borrows the endpoint in turn.
+/// Holds a handle on its worker, so it may outlive the `Worker` value that connected it: the
+/// UCX worker is destroyed only after its last endpoint is closed. Like every handle on a
+/// worker it is neither `Send` nor `Sync` (the worker runs in `UCS_THREAD_MODE_SERIALIZED`).
 ///
-/// `Drop` closes it as [`Endpoint::close`] does with a 2 s timeout: flush (progressing the
-/// worker), then a graceful `ucp_ep_close_nbx`; if the flush does not finish in time (the peer
-/// is gone or not progressing), a forced close instead.
+/// The endpoint is closed when the last handle on it goes: this value, the [`RemoteKey`]s
+/// unpacked on it, and the [`Request`]s and [`crate::PutWindow`]s issued on it (each keeps
+/// what its operations use until UCX is done with them). The close is what
+/// [`Endpoint::close`] does with a 2 s timeout: flush (progressing the worker), then a graceful
+/// `ucp_ep_close_nbx`; if the flush does not finish in time (the peer is gone or not
+/// progressing), a forced close instead.
 #[doc(alias = "ucp_ep_h")]
-pub struct Endpoint<'w> {
+pub struct Endpoint {
+    inner: Rc<EndpointInner>,
+}
+
+/// The UCX endpoint, shared by the [`Endpoint`] and what was made from it.
+struct EndpointInner {
     /// Null once closed.
     handle: sys::ucp_ep_h,
-    worker: &'w Worker,
+    /// Dropped after `Drop::drop` has closed the endpoint.
+    worker: Worker,
 }
 
 /// The protocol for an active message's payload.
@@ -47,8 +65,8 @@ pub enum AmProto {
     Auto,
 }
 
-impl<'w> Endpoint<'w> {
-    pub(crate) fn connect(worker: &'w Worker, address: &[u8]) -> Result<Endpoint<'w>, Error> {
+impl Endpoint {
+    pub(crate) fn connect(worker: &Worker, address: &[u8]) -> Result<Endpoint, Error> {
         if address.is_empty() {
             return Err(Error::new(Op::EpCreate, Status::INVALID_PARAM));
         }
@@ -68,16 +86,33 @@ impl<'w> Endpoint<'w> {
         // `handle` is a valid out-pointer.
         check(unsafe { sys::ucp_ep_create(worker.as_raw(), &params, &mut handle) })
             .op(Op::EpCreate)?;
-        Ok(Endpoint { handle, worker })
+        Ok(Endpoint {
+            inner: Rc::new(EndpointInner {
+                handle,
+                worker: worker.share(),
+            }),
+        })
     }
 
-    /// The worker this endpoint belongs to.
-    pub fn worker(&self) -> &'w Worker {
-        self.worker
+    /// The worker this endpoint belongs to (a handle on it that this endpoint keeps).
+    pub fn worker(&self) -> &Worker {
+        &self.inner.worker
+    }
+
+    /// Another handle on the same endpoint, for requests and windows.
+    pub(crate) fn share(&self) -> Endpoint {
+        Endpoint {
+            inner: Rc::clone(&self.inner),
+        }
+    }
+
+    fn handle(&self) -> sys::ucp_ep_h {
+        self.inner.handle
     }
 
     /// Unpacks a peer's packed remote key (from [`MemRegion::pack_rkey`]) for use on this
-    /// endpoint.
+    /// endpoint. The key holds a handle on the endpoint, which stays open until the key is
+    /// destroyed.
     ///
     /// Wraps `ucp_ep_rkey_unpack`.
     ///
@@ -87,28 +122,34 @@ impl<'w> Endpoint<'w> {
     /// or [`Status::INVALID_PARAM`] for empty bytes. Like worker addresses, the bytes are parsed
     /// without a length and must be delivered intact.
     #[doc(alias = "ucp_ep_rkey_unpack")]
-    pub fn unpack_rkey(&self, packed: &[u8]) -> Result<RemoteKey<'_>, Error> {
+    pub fn unpack_rkey(&self, packed: &[u8]) -> Result<RemoteKey, Error> {
         if packed.is_empty() {
             return Err(Error::new(Op::RkeyUnpack, Status::INVALID_PARAM));
         }
         let mut handle = ptr::null_mut();
-        // SAFETY: the endpoint is open (a closed one is consumed); `packed` is readable for the
-        // call and UCX copies what it keeps; `handle` is a valid out-pointer.
-        check(unsafe { sys::ucp_ep_rkey_unpack(self.handle, packed.as_ptr().cast(), &mut handle) })
-            .op(Op::RkeyUnpack)?;
+        // SAFETY: the endpoint is open (it is closed only once its last handle, `self` among
+        // them, is gone) and used on its worker's thread (no handle is `Send`); `packed` is
+        // readable for the call and UCX copies what it keeps; `handle` is a valid out-pointer.
+        check(unsafe {
+            sys::ucp_ep_rkey_unpack(self.handle(), packed.as_ptr().cast(), &mut handle)
+        })
+        .op(Op::RkeyUnpack)?;
         Ok(RemoteKey {
-            handle,
-            ep: self.handle,
-            _ep: PhantomData,
+            inner: Rc::new(RkeyInner {
+                handle,
+                leaked: Cell::new(false),
+                ep: Rc::clone(&self.inner),
+            }),
         })
     }
 
     /// Writes `src` to `remote_addr` in the peer memory described by `rkey`.
     ///
-    /// The returned request borrows `src` (and `rkey`) until it is finished or dropped, and
-    /// dropping it waits for UCX to let go of `src`, so the bytes can neither be freed nor
-    /// changed while UCX may still read them. Completion is local (`src` reusable); call
-    /// [`Endpoint::flush`] for remote completion.
+    /// The returned request borrows `src` until it is finished or dropped, and dropping it
+    /// waits for UCX to let go of `src`, so the bytes can neither be freed nor changed while
+    /// UCX may still read them. It holds handles on this endpoint and on `rkey`, so neither is
+    /// closed or destroyed while the put is in flight. Completion is local (`src` reusable);
+    /// call [`Endpoint::flush`] for remote completion.
     ///
     /// Wraps `ucp_put_nbx`.
     ///
@@ -118,10 +159,10 @@ impl<'w> Endpoint<'w> {
     /// unpacked on another endpoint.
     #[doc(alias = "ucp_put_nbx")]
     pub fn put<'a>(
-        &'a self,
+        &self,
         src: &'a [u8],
         remote_addr: u64,
-        rkey: &'a RemoteKey<'_>,
+        rkey: &RemoteKey,
     ) -> Result<Request<'a>, Error> {
         self.put_raw(src.as_ptr(), src.len(), None, remote_addr, rkey)
     }
@@ -137,15 +178,15 @@ impl<'w> Endpoint<'w> {
     /// inside `src` or `src` belongs to another context than this endpoint's worker.
     #[doc(alias = "ucp_put_nbx")]
     pub fn put_region<'a>(
-        &'a self,
+        &self,
         src: &'a MemRegion,
         offset: usize,
         len: usize,
         remote_addr: u64,
-        rkey: &'a RemoteKey<'_>,
+        rkey: &RemoteKey,
     ) -> Result<Request<'a>, Error> {
         let in_bounds = offset.checked_add(len).is_some_and(|end| end <= src.len());
-        if !in_bounds || !Arc::ptr_eq(src.context(), self.worker.context()) {
+        if !in_bounds || !Arc::ptr_eq(src.context(), self.worker().context()) {
             return Err(Error::new(Op::Put, Status::INVALID_PARAM));
         }
         // `offset <= src.len()`, so this stays inside (or one past) the mapping.
@@ -154,14 +195,14 @@ impl<'w> Endpoint<'w> {
     }
 
     fn put_raw<'a>(
-        &'a self,
+        &self,
         src: *const u8,
         len: usize,
         region: Option<&'a MemRegion>,
         remote_addr: u64,
-        rkey: &'a RemoteKey<'_>,
+        rkey: &RemoteKey,
     ) -> Result<Request<'a>, Error> {
-        if rkey.ep != self.handle {
+        if !Rc::ptr_eq(&rkey.inner.ep, &self.inner) {
             return Err(Error::new(Op::Put, Status::INVALID_PARAM));
         }
         let mut param = sys::ucp_request_param_t::default();
@@ -173,18 +214,19 @@ impl<'w> Endpoint<'w> {
         // `len` bytes for `'a` (a borrowed slice, or a bounds-checked range of a borrowed
         // region whose `memh` is passed alongside), and the returned `Request<'a>` keeps those
         // borrows until UCX has finished with them; `rkey` was unpacked on this endpoint (checked
-        // above) and is borrowed for `'a` too; `param` is initialised.
+        // above) and the request holds a handle on it (and on the endpoint) until then too;
+        // `param` is initialised.
         let ptr = unsafe {
             sys::ucp_put_nbx(
-                self.handle,
+                self.handle(),
                 src.cast(),
                 len,
                 remote_addr,
-                rkey.handle,
+                rkey.inner.handle,
                 &param,
             )
         };
-        Request::new(self.worker, Op::Put, check_ptr(ptr))
+        Request::new(self.share(), Some(rkey.share()), Op::Put, check_ptr(ptr))
     }
 
     /// Completes every operation issued on this endpoint so far, remotely: once the returned
@@ -196,11 +238,11 @@ impl<'w> Endpoint<'w> {
     ///
     /// [`Op::Flush`] if UCX cannot start the flush.
     #[doc(alias = "ucp_ep_flush_nbx")]
-    pub fn flush(&self) -> Result<Request<'_>, Error> {
+    pub fn flush(&self) -> Result<Request<'static>, Error> {
         let param = sys::ucp_request_param_t::default();
         // SAFETY: the endpoint is open and used on its worker's thread; `param` is initialised.
-        let ptr = unsafe { sys::ucp_ep_flush_nbx(self.handle, &param) };
-        Request::new(self.worker, Op::Flush, check_ptr(ptr))
+        let ptr = unsafe { sys::ucp_ep_flush_nbx(self.handle(), &param) };
+        Request::new(self.share(), None, Op::Flush, check_ptr(ptr))
     }
 
     /// Sends an active message: `header` and `data` reach the peer's handler for `id` (see
@@ -218,7 +260,7 @@ impl<'w> Endpoint<'w> {
     /// worker's maximum active-message header).
     #[doc(alias = "ucp_am_send_nbx")]
     pub fn am_send<'a>(
-        &'a self,
+        &self,
         id: u16,
         header: &'a [u8],
         data: &'a [u8],
@@ -235,7 +277,7 @@ impl<'w> Endpoint<'w> {
     /// As [`Endpoint::am_send`].
     #[doc(alias = "ucp_am_send_nbx")]
     pub fn am_send_with<'a>(
-        &'a self,
+        &self,
         id: u16,
         header: &'a [u8],
         data: &'a [u8],
@@ -243,11 +285,11 @@ impl<'w> Endpoint<'w> {
     ) -> Result<Request<'a>, Error> {
         // SAFETY: both slices are borrowed for `'a` by the returned request.
         let ptr = unsafe { self.am_send_raw(id, header, data, proto) };
-        Request::new(self.worker, Op::AmSend, check_ptr(ptr))
+        Request::new(self.share(), None, Op::AmSend, check_ptr(ptr))
     }
 
     /// [`Endpoint::am_send`] for buffers the request should own: it keeps `header` and `data`
-    /// until UCX is done with them, so the request borrows only the endpoint.
+    /// until UCX is done with them, so the request borrows nothing.
     ///
     /// Wraps `ucp_am_send_nbx`.
     ///
@@ -260,11 +302,11 @@ impl<'w> Endpoint<'w> {
         id: u16,
         header: Vec<u8>,
         data: Vec<u8>,
-    ) -> Result<Request<'_>, Error> {
+    ) -> Result<Request<'static>, Error> {
         // SAFETY: the heap buffers of `header` and `data` do not move when the vectors move into
         // the request, which keeps them until UCX has finished with them.
         let ptr = unsafe { self.am_send_raw(id, &header, &data, AmProto::Eager) };
-        Ok(Request::new(self.worker, Op::AmSend, check_ptr(ptr))?.keep(header, data))
+        Ok(Request::new(self.share(), None, Op::AmSend, check_ptr(ptr))?.keep(header, data))
     }
 
     /// # Safety
@@ -299,7 +341,7 @@ impl<'w> Endpoint<'w> {
         // is initialised.
         unsafe {
             sys::ucp_am_send_nbx(
-                self.handle,
+                self.handle(),
                 id.into(),
                 header_ptr.cast(),
                 header.len(),
@@ -314,19 +356,32 @@ impl<'w> Endpoint<'w> {
     /// `timeout`, then closes gracefully; if the flush fails or times out, closes with
     /// `UCP_EP_CLOSE_FLAG_FORCE`, which drops whatever was still queued.
     ///
+    /// Only the last handle on the endpoint can close it: while remote keys unpacked on it, or
+    /// requests or windows issued on it, still exist, this releases `self` only and reports
+    /// [`Status::BUSY`]; the endpoint is then closed as on drop (2 s timeout) when the last of
+    /// them goes.
+    ///
     /// Wraps `ucp_ep_flush_nbx` and `ucp_ep_close_nbx`.
     ///
     /// # Errors
     ///
     /// [`Op::Flush`] if the flush failed or timed out ([`Status::TIMED_OUT`]) and the endpoint was
     /// force-closed; [`Op::EpClose`] if closing failed or did not finish within the timeout
-    /// (UCX then finishes it internally). The endpoint is released in every case.
+    /// (UCX then finishes it internally), or with [`Status::BUSY`] if other handles keep the
+    /// endpoint open. `self` is released in every case.
     #[doc(alias = "ucp_ep_close_nbx")]
-    pub fn close(mut self, timeout: Duration) -> Result<(), Error> {
-        self.close_inner(timeout)
+    pub fn close(self, timeout: Duration) -> Result<(), Error> {
+        match Rc::try_unwrap(self.inner) {
+            // Closed here; its `Drop` then finds it closed.
+            Ok(mut inner) => inner.close(timeout),
+            Err(_shared) => Err(Error::new(Op::EpClose, Status::BUSY)),
+        }
     }
+}
 
-    fn close_inner(&mut self, timeout: Duration) -> Result<(), Error> {
+impl EndpointInner {
+    /// [`Endpoint::close`] for the last handle (or its drop).
+    fn close(&mut self, timeout: Duration) -> Result<(), Error> {
         let handle = std::mem::replace(&mut self.handle, ptr::null_mut());
         if handle.is_null() {
             return Ok(());
@@ -334,8 +389,11 @@ impl<'w> Endpoint<'w> {
         let deadline = Instant::now() + timeout;
 
         let param = sys::ucp_request_param_t::default();
-        // SAFETY: `handle` is open and used on its worker's thread; nothing borrows the endpoint
-        // any more (`close` consumes it, `drop` owns it).
+        // SAFETY: `handle` is open and used on its worker's thread; this is its last handle
+        // (`close` unwrapped the `Rc`, `drop` runs when the last one goes), so no remote key
+        // unpacked on it is left and no request or window on it is in flight (each holds a
+        // handle), except requests abandoned through `PutWindow::abandon`, whose sources their
+        // caller keeps valid until this close is done.
         let flush = check_ptr(unsafe { sys::ucp_ep_flush_nbx(handle, &param) });
         let (flushed, stale_flush) = match flush {
             Ok(None) => (Ok(()), None),
@@ -353,7 +411,8 @@ impl<'w> Endpoint<'w> {
         let flags = match &flushed {
             Ok(()) => 0,
             Err(err) => {
-                tracing::warn!(
+                // Reported by the caller: `close` returns the error, the drop warns.
+                tracing::debug!(
                     status = %err.status(),
                     "endpoint flush did not finish; closing it with UCP_EP_CLOSE_FLAG_FORCE"
                 );
@@ -409,47 +468,82 @@ impl<'w> Endpoint<'w> {
     }
 }
 
-impl Drop for Endpoint<'_> {
+impl Drop for EndpointInner {
     fn drop(&mut self) {
-        if let Err(err) = self.close_inner(DROP_CLOSE_TIMEOUT) {
+        if let Err(err) = self.close(DROP_CLOSE_TIMEOUT) {
             tracing::warn!(error = %err, status = %err.status(), "endpoint closed uncleanly");
         }
+        // `worker` drops next: the UCX worker is destroyed after this endpoint if this was the
+        // last handle on it.
     }
 }
 
-impl fmt::Debug for Endpoint<'_> {
+impl fmt::Debug for Endpoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Endpoint")
-            .field("handle", &self.handle)
+            .field("handle", &self.inner.handle)
+            .field("handles", &Rc::strong_count(&self.inner))
             .finish_non_exhaustive()
     }
 }
 
 /// A peer's remote key unpacked on an [`Endpoint`] (`ucp_rkey_h`): the permission to write the
-/// peer memory it describes. Borrows the endpoint and is used only with it.
+/// peer memory it describes, used only with that endpoint.
 ///
-/// `Drop` wraps `ucp_rkey_destroy`.
+/// Holds a handle on the endpoint, so the endpoint stays open until the key is destroyed, and
+/// puts in flight hold a handle on the key, so it is destroyed only once UCX is done with them.
+/// Neither `Send` nor `Sync`, like every handle on a worker.
+///
+/// `Drop` wraps `ucp_rkey_destroy` (skipped for a key that an abandoned put may still use, see
+/// [`crate::PutWindow::abandon`]).
 #[doc(alias = "ucp_rkey_h")]
-pub struct RemoteKey<'ep> {
-    handle: sys::ucp_rkey_h,
-    /// The endpoint it was unpacked on, to reject use on another.
-    ep: sys::ucp_ep_h,
-    _ep: PhantomData<&'ep Endpoint<'ep>>,
+pub struct RemoteKey {
+    inner: Rc<RkeyInner>,
 }
 
-impl Drop for RemoteKey<'_> {
+struct RkeyInner {
+    handle: sys::ucp_rkey_h,
+    /// Set when a put using the key is abandoned: UCX may use it for ever, so it is never
+    /// destroyed.
+    leaked: Cell<bool>,
+    /// The endpoint it was unpacked on: kept open until after `ucp_rkey_destroy`, and
+    /// compared to reject use on another endpoint.
+    ep: Rc<EndpointInner>,
+}
+
+impl RemoteKey {
+    /// Another handle on the same key, for a request that uses it.
+    pub(crate) fn share(&self) -> RemoteKey {
+        RemoteKey {
+            inner: Rc::clone(&self.inner),
+        }
+    }
+
+    /// Never destroys the key: an abandoned request may go on using it.
+    pub(crate) fn leak(&self) {
+        self.inner.leaked.set(true);
+    }
+}
+
+impl Drop for RkeyInner {
     fn drop(&mut self) {
-        // SAFETY: `handle` came from `ucp_ep_rkey_unpack` and is destroyed once, here, on the
-        // worker's thread (`RemoteKey` is not `Send`); requests that use it borrow it, so none is
-        // in flight, and the endpoint is still open (borrowed).
+        if self.leaked.get() {
+            return;
+        }
+        // SAFETY: `handle` came from `ucp_ep_rkey_unpack` and is destroyed once, here, when the
+        // last handle on it goes, on the worker's thread (no handle is `Send`): puts that use
+        // it hold a handle, so none is in flight (an abandoned one marks the key leaked and
+        // never gets here); and the endpoint it was unpacked on is still open, kept by `ep`,
+        // which drops only after this.
         unsafe { sys::ucp_rkey_destroy(self.handle) };
     }
 }
 
-impl fmt::Debug for RemoteKey<'_> {
+impl fmt::Debug for RemoteKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RemoteKey")
-            .field("handle", &self.handle)
+            .field("handle", &self.inner.handle)
+            .field("leaked", &self.inner.leaked.get())
             .finish_non_exhaustive()
     }
 }

@@ -2,15 +2,24 @@
 Safe UCX (UCP) for kvferry: contexts, workers, endpoints, one-sided puts and active messages.
 
 This is the only crate that calls into `ucx-sys`; nothing else in the workspace names it. Every
-UCX object has one owning type whose `Drop` releases it, and lifetimes encode the destruction
-order UCX needs:
+UCX object has one owning type whose `Drop` releases it, and handles that keep their parent
+alive (`Rc` for the thread-bound ones, `Arc` for the context) encode the destruction order UCX
+needs, whatever order the values are dropped in; only source bytes are borrowed:
 
 ```text
-Arc<Context> ─┬─ Worker ── Endpoint<'w> ─┬─ RemoteKey<'ep>
-              │     │                     └─ Request<'a> ── borrows its source bytes
-              │     └─ progress(), active-message handlers
-              └─ MemRegion (ucp_mem_map; keeps the context alive)
+Arc<Context> ◄─┬─ Worker ◄── Endpoint ◄── RemoteKey
+               │    ▲            ▲            ▲
+               │    │            └─ Request<'a>, PutWindow<'a> ─┘ (a put's key)
+               │    │                 └─ 'a: borrows its source bytes
+               │    └─ progress(), active-message handlers
+               └─ MemRegion (ucp_mem_map)
 ```
+
+An arrow points at what a value keeps alive: a remote key keeps its endpoint open (so
+`ucp_rkey_destroy` runs before `ucp_ep_close_nbx`), an endpoint keeps the UCX worker (so it is
+closed before `ucp_worker_destroy`), and a request or window keeps what its operations use.
+So endpoints and keys may outlive the `Worker` value that made them, and a long-lived owner can
+keep them in plain maps and drop them whenever it is done with a peer.
 
 Regions map host memory, or device memory of a [`MemoryType`] the context supports
 ([`Context::memory_types`], [`MemRegion::register_with_memory_type`]).
@@ -51,9 +60,12 @@ than UCX-allocated) memory and every put over `tcp`, which UCX emulates with act
 
 # Threads
 
-A [`Context`] is `Send + Sync` and shared through `Arc`. A [`Worker`] is `Send` but not `Sync`:
-move it to the thread that progresses it. Endpoints, remote keys and requests borrow their
-worker and stay on that thread.
+A [`Context`] is `Send + Sync` and shared through `Arc`. Workers run in
+`UCS_THREAD_MODE_SERIALIZED` (one thread at a time), so a [`Worker`] and every handle sharing
+its UCX worker (endpoints, remote keys, requests, put windows) are neither `Send` nor `Sync`:
+they stay on one thread. To move a worker to the thread that progresses it, move it before
+connecting anything: [`Worker::into_send`] gives a [`SendWorker`] (`Send`; only the last handle
+on a worker converts), and [`SendWorker::into_worker`] takes it back on the other side.
 
 # Trust
 
@@ -84,7 +96,7 @@ pub use memtype::{MemoryType, MemoryTypes};
 pub use request::Request;
 pub use status::{Error, Op, Status};
 pub use window::PutWindow;
-pub use worker::Worker;
+pub use worker::{SendWorker, Worker};
 
 /// The version of the loaded UCX library, e.g. `"1.13.1"`.
 #[doc(alias = "ucp_get_version_string")]
@@ -104,7 +116,17 @@ pub fn version() -> &'static str {
 ///
 /// ```compile_fail
 /// fn send<T: Send>() {}
-/// send::<kvferry_ucx::Endpoint<'static>>(); // endpoints stay with their worker's thread
+/// send::<kvferry_ucx::Worker>(); // endpoints may share it: move it through `into_send`
+/// ```
+///
+/// ```compile_fail
+/// fn send<T: Send>() {}
+/// send::<kvferry_ucx::Endpoint>(); // endpoints stay with their worker's thread
+/// ```
+///
+/// ```compile_fail
+/// fn send<T: Send>() {}
+/// send::<kvferry_ucx::RemoteKey>();
 /// ```
 ///
 /// ```compile_fail
@@ -113,8 +135,18 @@ pub fn version() -> &'static str {
 /// ```
 ///
 /// ```compile_fail
+/// fn send<T: Send>() {}
+/// send::<kvferry_ucx::PutWindow<'static>>();
+/// ```
+///
+/// ```compile_fail
+/// fn sync<T: Sync>() {}
+/// sync::<kvferry_ucx::SendWorker>(); // movable, never shared
+/// ```
+///
+/// ```compile_fail
 /// # use kvferry_ucx::{Endpoint, RemoteKey};
-/// fn put_then_free(ep: &Endpoint<'_>, rkey: &RemoteKey<'_>) {
+/// fn put_then_free(ep: &Endpoint, rkey: &RemoteKey) {
 ///     let src = vec![1u8; 64];
 ///     let req = ep.put(&src, 0, rkey).unwrap();
 ///     drop(src); // error: `src` is borrowed by the in-flight put
@@ -126,15 +158,22 @@ pub fn version() -> &'static str {
 ///
 /// ```
 /// # use kvferry_ucx::{Endpoint, RemoteKey};
-/// fn put_then_free(ep: &Endpoint<'_>, rkey: &RemoteKey<'_>) {
+/// fn put_then_free(ep: &Endpoint, rkey: &RemoteKey) {
 ///     let src = vec![1u8; 64];
 ///     let req = ep.put(&src, 0, rkey).unwrap();
 ///     req.wait().unwrap();
 ///     drop(src);
 /// }
+/// // Requests and windows borrow only their sources: the endpoint and key may go first.
+/// fn outlive(ep: kvferry_ucx::Endpoint, rkey: kvferry_ucx::RemoteKey, src: &[u8]) {
+///     let req = ep.put(src, 0, &rkey).unwrap();
+///     drop(rkey);
+///     drop(ep);
+///     req.wait().unwrap();
+/// }
 /// fn send<T: Send>() {}
 /// fn sync<T: Send + Sync>() {}
-/// send::<kvferry_ucx::Worker>();
+/// send::<kvferry_ucx::SendWorker>();
 /// sync::<kvferry_ucx::Context>();
 /// sync::<kvferry_ucx::MemRegion>();
 /// ```

@@ -1,19 +1,24 @@
 //! In-flight operations and their completion.
 
 use std::fmt;
+use std::marker::PhantomData;
 use std::time::{Duration, Instant};
 
 use ucx_sys as sys;
 
 use crate::ffi::{RawRequest, check};
 use crate::status::WithOp;
-use crate::{Error, Op, Status, Worker};
+use crate::{Endpoint, Error, Op, RemoteKey, Status, Worker};
 
 /// An operation UCX may still be working on: a put, flush or active-message send.
 ///
-/// The lifetime `'a` covers everything the operation uses (its worker, endpoint, remote key and
-/// source buffers), so none of them can be freed or changed while the request lives. Completion
-/// is observed with `ucp_request_check_status` while progressing the worker ([`Request::wait`]).
+/// The lifetime `'a` covers the source buffers the operation reads, so they can be neither freed
+/// nor changed while the request lives (`'static` for flushes and owning sends). What else the
+/// operation uses, the request owns a handle on: its endpoint (and through it the worker) and,
+/// for a put, the remote key; so those stay open until the request is gone, which makes a
+/// request independent of how long the caller keeps the [`Endpoint`] or [`RemoteKey`] values.
+/// Like them it is neither `Send` nor `Sync`. Completion is observed with
+/// `ucp_request_check_status` while progressing the worker ([`Request::wait`]).
 ///
 /// **Dropping a request that is still in flight cancels it (`ucp_request_cancel`) and then
 /// waits, progressing the worker, until UCX reports it finished**, and only then releases it
@@ -24,18 +29,24 @@ use crate::{Error, Op, Status, Worker};
 /// # Leaking
 ///
 /// The guarantee rests on the destructor running. `std::mem::forget` on an in-flight request
-/// (or on a [`crate::PutWindow`] holding some) ends the borrows without the wait, so the
-/// memory could then be freed while UCX still reads it. The type system cannot prevent this
-/// (the reason `std::thread::scope` replaced guard-based scoped threads); never leak requests,
-/// except through [`crate::PutWindow::abandon`], whose `unsafe` contract says what must stay
-/// alive instead.
+/// (or on a [`crate::PutWindow`] holding some) ends the borrows of the sources without the
+/// wait, so that memory could then be freed while UCX still reads it (the endpoint and remote
+/// key are not at risk: their handles leak with the request, so they are never closed or
+/// destroyed). The type system cannot prevent this (the reason `std::thread::scope` replaced
+/// guard-based scoped threads); never leak requests, except through
+/// [`crate::PutWindow::abandon`], whose `unsafe` contract says what must stay alive instead.
 #[must_use = "dropping a request waits for it; call `wait` to learn its outcome"]
 pub struct Request<'a> {
-    worker: &'a Worker,
     op: Op,
     state: State,
     /// Buffers an owning send keeps alive; dropped after `Drop::drop` has waited.
-    _owned: Option<(Vec<u8>, Vec<u8>)>,
+    owned: Option<(Vec<u8>, Vec<u8>)>,
+    /// The remote key a put uses; released after `Drop::drop` has waited.
+    rkey: Option<RemoteKey>,
+    /// The endpoint the operation was issued on; released last.
+    ep: Endpoint,
+    /// The borrowed source buffers.
+    _sources: PhantomData<&'a [u8]>,
 }
 
 enum State {
@@ -46,9 +57,10 @@ enum State {
 }
 
 impl<'a> Request<'a> {
-    /// Wraps the decoded result of a `*_nbx` call made on `worker`.
+    /// Wraps the decoded result of a `*_nbx` call made on `ep` (with `rkey`, for a put).
     pub(crate) fn new(
-        worker: &'a Worker,
+        ep: Endpoint,
+        rkey: Option<RemoteKey>,
         op: Op,
         started: Result<Option<RawRequest>, Status>,
     ) -> Result<Request<'a>, Error> {
@@ -57,17 +69,39 @@ impl<'a> Request<'a> {
             None => State::Done(Ok(())),
         };
         Ok(Request {
-            worker,
             op,
             state,
-            _owned: None,
+            owned: None,
+            rkey,
+            ep,
+            _sources: PhantomData,
         })
     }
 
     /// Makes the request own the buffers of an owning send.
     pub(crate) fn keep(mut self, header: Vec<u8>, data: Vec<u8>) -> Request<'a> {
-        self._owned = Some((header, data));
+        self.owned = Some((header, data));
         self
+    }
+
+    /// Forgets the operation if it is still in flight, without waiting for it: the UCX request
+    /// is never released, the remote key it uses is never destroyed and buffers it owns are
+    /// leaked, as UCX may go on using all three; its handle on the endpoint is released (the
+    /// endpoint's close ends the operation). See [`crate::PutWindow::abandon`] for what the
+    /// caller must keep alive instead.
+    pub(crate) fn abandon(mut self) {
+        if matches!(self.state, State::Pending(_)) {
+            if let Some(rkey) = &self.rkey {
+                rkey.leak();
+            }
+            std::mem::forget(self.owned.take());
+            // Forgets the `RawRequest` (it has no `Drop`), so `Drop::drop` does not wait.
+            self.state = State::Done(Err(Status::CANCELED));
+        }
+    }
+
+    fn worker(&self) -> &Worker {
+        self.ep.worker()
     }
 
     /// The operation this request tracks.
@@ -98,7 +132,7 @@ impl<'a> Request<'a> {
             if let Some(result) = self.poll() {
                 return result;
             }
-            self.worker.progress();
+            self.worker().progress();
         }
     }
 
@@ -139,7 +173,7 @@ impl<'a> Request<'a> {
             if Instant::now() >= deadline {
                 return Ok(false);
             }
-            self.worker.progress();
+            self.worker().progress();
         }
     }
 
@@ -149,7 +183,7 @@ impl<'a> Request<'a> {
             if let Some(result) = self.poll() {
                 return result.map(|()| true);
             }
-            self.worker.progress();
+            self.worker().progress();
         }
     }
 
@@ -160,16 +194,18 @@ impl<'a> Request<'a> {
     #[doc(alias = "ucp_request_cancel")]
     pub fn cancel(&mut self) {
         if let State::Pending(raw) = &self.state {
-            // SAFETY: `raw` is a live request of `self.worker`, which is used on this thread
-            // only; cancelling leaves it owned by us, to be freed once complete.
-            unsafe { sys::ucp_request_cancel(self.worker.as_raw(), raw.as_ptr()) };
+            // SAFETY: `raw` is a live request of this worker (kept alive by `self.ep`), which is
+            // used on this thread only; cancelling leaves it owned by us, to be freed once
+            // complete.
+            unsafe { sys::ucp_request_cancel(self.worker().as_raw(), raw.as_ptr()) };
         }
     }
 
     /// The outcome if finished, releasing the UCX request the first time it is seen finished.
     pub(crate) fn poll(&mut self) -> Option<Result<(), Error>> {
         if let State::Pending(raw) = &self.state {
-            // SAFETY: `raw` is a live request of `self.worker`, not yet freed.
+            // SAFETY: `raw` is a live request of this worker (kept alive by `self.ep`), not yet
+            // freed.
             let status = unsafe { sys::ucp_request_check_status(raw.as_ptr()) };
             if status == sys::ucs_status_t::UCS_INPROGRESS {
                 return None;
@@ -191,7 +227,7 @@ impl Drop for Request<'_> {
         if matches!(self.state, State::Pending(_)) {
             self.cancel();
             while self.poll().is_none() {
-                self.worker.progress_for_drop();
+                self.worker().progress_for_drop();
             }
         }
     }

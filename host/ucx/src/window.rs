@@ -15,9 +15,11 @@ const DEFAULT_CAPACITY: usize = 32;
 /// emulates puts with active messages: an unbounded queue made the final flush collapse to
 /// about 0.3 GB/s against 1.7 GB/s sustained with a window of 32 (platform-notes §2, §4d).
 ///
-/// The window borrows every source buffer for `'a`, like [`Endpoint::put`].
-/// [`finish`](PutWindow::finish) (or [`flush`](PutWindow::flush)) waits and flushes, for remote
-/// completion.
+/// The window borrows every source buffer for `'a`, like [`Endpoint::put`], and nothing else:
+/// it holds a handle on the endpoint, and each put in flight one on its remote key, so a window
+/// may outlive the caller's [`Endpoint`] and [`RemoteKey`] values (they are closed and
+/// destroyed once the window no longer needs them). [`finish`](PutWindow::finish) (or
+/// [`flush`](PutWindow::flush)) waits and flushes, for remote completion.
 ///
 /// # Deadline
 ///
@@ -32,32 +34,34 @@ const DEFAULT_CAPACITY: usize = 32;
 ///
 /// **Giving up does not release anything.** Puts still in flight may be read by UCX at any
 /// later progress of the worker, so the window keeps their [`Request`]s, and with them its
-/// borrows of the sources, the remote keys and the endpoint: the caller cannot free or reuse
-/// them while the window exists. What the caller can do with a window that timed out:
+/// borrows of the sources and its handles on the remote keys and the endpoint: the caller
+/// cannot free or reuse the sources while the window exists, and the keys and endpoint stay
+/// open whatever the caller does with its own values. What the caller can do with a window
+/// that timed out:
 ///
 /// - **keep it** (the sound default): set a later deadline and call the same method again, or
 ///   [`poll`](PutWindow::poll) it from a loop that progresses the worker anyway, and drop it
 ///   once `poll` says it is idle. This is what a long-lived executor does: it parks the
-///   window, together with owning handles of whatever it borrows, in a quarantine that
-///   outlives every peer it gives up on;
+///   window (which owns what it uses but its sources, which outlive the executor) in a
+///   quarantine, and may forget the peer meanwhile;
 /// - **drop it**: dropping a window with work in flight drops the [`Request`]s, each of which
 ///   waits, progressing the worker, until UCX is done with it; that is sound but may wait for
 ///   ever on a dead peer. [`finish`](PutWindow::finish) is [`flush`](PutWindow::flush)
 ///   followed by such a drop, so a caller that must never hang uses `flush` and keeps the
 ///   window on error;
 /// - **abandon it** ([`abandon`](PutWindow::abandon), `unsafe`): forget the in-flight
-///   requests, for code that guarantees by other means that everything they use stays valid
-///   for as long as UCX may touch it (for example a thread about to destroy the worker, with
-///   sources and keys kept alive past that).
+///   requests, for code that guarantees by other means that their sources stay valid until
+///   the endpoint is closed (for example a thread about to drop every handle on the worker,
+///   with the sources kept alive past that).
 ///
 /// There is no safe way to hand the borrowed sources back while UCX may still read them; a
-/// window over `'static` (or leaked) sources, keys and endpoint can be abandoned soundly, which
-/// is the "owned sources" variant of the same rule.
+/// window over `'static` (or leaked) sources can be abandoned soundly, which is the "owned
+/// sources" variant of the same rule.
 ///
 /// ```compile_fail
 /// # use kvferry_ucx::{Endpoint, PutWindow, RemoteKey};
 /// # use std::time::{Duration, Instant};
-/// fn give_up(ep: &Endpoint<'_>, rkey: &RemoteKey<'_>) {
+/// fn give_up(ep: &Endpoint, rkey: &RemoteKey) {
 ///     let src = vec![1u8; 64];
 ///     let mut window = PutWindow::new(ep);
 ///     window.set_deadline(Some(Instant::now() + Duration::from_millis(10)));
@@ -70,7 +74,7 @@ const DEFAULT_CAPACITY: usize = 32;
 /// ```
 #[derive(Debug)]
 pub struct PutWindow<'a> {
-    ep: &'a Endpoint<'a>,
+    ep: Endpoint,
     capacity: usize,
     in_flight: VecDeque<Request<'a>>,
     /// A flush that was started and not yet seen finished (kept across a timeout).
@@ -84,16 +88,16 @@ pub struct PutWindow<'a> {
 }
 
 impl<'a> PutWindow<'a> {
-    /// A window of 32 puts over `ep`.
-    pub fn new(ep: &'a Endpoint<'_>) -> PutWindow<'a> {
+    /// A window of 32 puts over `ep` (it keeps a handle on `ep`).
+    pub fn new(ep: &Endpoint) -> PutWindow<'a> {
         PutWindow::with_capacity(ep, DEFAULT_CAPACITY)
     }
 
     /// A window of `capacity` puts (at least 1) over `ep`.
-    pub fn with_capacity(ep: &'a Endpoint<'_>, capacity: usize) -> PutWindow<'a> {
+    pub fn with_capacity(ep: &Endpoint, capacity: usize) -> PutWindow<'a> {
         let capacity = capacity.max(1);
         PutWindow {
-            ep,
+            ep: ep.share(),
             capacity,
             in_flight: VecDeque::with_capacity(capacity),
             flushing: None,
@@ -154,12 +158,7 @@ impl<'a> PutWindow<'a> {
     /// # Panics
     ///
     /// Resumes an active-message handler's panic, as [`crate::Worker::progress`] does.
-    pub fn put(
-        &mut self,
-        src: &'a [u8],
-        remote_addr: u64,
-        rkey: &'a RemoteKey<'_>,
-    ) -> Result<(), Error> {
+    pub fn put(&mut self, src: &'a [u8], remote_addr: u64, rkey: &RemoteKey) -> Result<(), Error> {
         self.make_room()?;
         let request = self.ep.put(src, remote_addr, rkey)?;
         self.track(request)
@@ -181,7 +180,7 @@ impl<'a> PutWindow<'a> {
         offset: usize,
         len: usize,
         remote_addr: u64,
-        rkey: &'a RemoteKey<'_>,
+        rkey: &RemoteKey,
     ) -> Result<(), Error> {
         self.make_room()?;
         let request = self.ep.put_region(src, offset, len, remote_addr, rkey)?;
@@ -330,19 +329,25 @@ impl<'a> PutWindow<'a> {
     }
 
     /// Forgets every put and flush still in flight without waiting for them, and drops the
-    /// window. The UCX requests are never released (their memory returns to UCX when the
-    /// worker is destroyed).
+    /// window.
+    ///
+    /// The UCX requests are never released (their memory returns to UCX when the worker is
+    /// destroyed), and the remote keys the abandoned puts use are never destroyed
+    /// (`ucp_rkey_destroy` is skipped when their last handle goes), since UCX may use them for
+    /// as long as it knows the requests. Their handles on the endpoint are released as usual:
+    /// the endpoint is closed once its last handle goes (here, if this window held it), and
+    /// that close ends the abandoned operations: graceful only after a flush that completed
+    /// them, otherwise forced, which discards them.
     ///
     /// # Safety
     ///
-    /// UCX may go on reading the sources of the abandoned puts, and using their remote keys and
-    /// endpoint, at any later progress of the worker, at the endpoint's close and at the
-    /// worker's destruction. The caller guarantees that every source buffer, remote key and the
-    /// endpoint of the abandoned operations stay valid (not freed, not unmapped, not destroyed)
-    /// and the source bytes unchanged-or-irrelevant until one of: the worker is destroyed, the
-    /// endpoint has been closed with `UCP_EP_CLOSE_FLAG_FORCE` (which completes the abandoned
-    /// requests), or the operations are known to have completed. Everything borrowed for
-    /// `'static` satisfies this trivially.
+    /// UCX may go on reading the sources of the abandoned puts at any later progress of the
+    /// worker and during the endpoint's close. The caller guarantees that every source buffer
+    /// of the abandoned puts stays valid (not freed, not unmapped) and its bytes
+    /// unchanged-or-irrelevant until one of: the endpoint has been closed, that is every handle
+    /// on it is gone (the [`Endpoint`], the [`RemoteKey`]s unpacked on it, the requests and
+    /// windows issued on it; the last one's drop closes it), or the operations are known to
+    /// have completed. Sources borrowed for `'static` satisfy this trivially.
     pub unsafe fn abandon(mut self) {
         let requests = std::mem::take(&mut self.in_flight);
         let flushing = self.flushing.take();
@@ -352,8 +357,9 @@ impl<'a> PutWindow<'a> {
             "abandoning a put window with operations in flight"
         );
         for request in requests.into_iter().chain(flushing) {
-            std::mem::forget(request);
+            request.abandon();
         }
+        // The window drops here, with its handle on the endpoint.
     }
 
     /// Whether a deadline is set and has passed.

@@ -16,11 +16,17 @@ Panics: every Rust frame UCX calls into runs under `PanicSlot::wrap`; `progress`
 first payload after UCX has returned. A handler that panicked is poisoned (never called again)
 until it is replaced.
 
+Ownership: `Worker` is an `Rc` handle on `WorkerInner`, which owns the `ucp_worker_h`; every
+endpoint holds another (see endpoint.rs), so the UCX worker is destroyed only after its last
+endpoint is closed, whichever of the `Worker` value and the endpoints goes first. The `Rc`s make
+every handle `!Send + !Sync`, which is exactly the serialized thread mode's "one thread at a
+time"; the one way across threads is `SendWorker`, which can only be made from the last handle.
+
 Reentrancy: UCX forbids calling `ucp_worker_progress` from a callback. Handlers are `'static +
-Send`, so they cannot capture the worker, but a worker parked in a thread-local could still be
-reached; `State::in_progress` turns that into a panic (`progress`) or an error
-(`set_am_handler`), and into an abort where a destructor would have to wait (see
-`progress_for_drop`).
+Send`, so they cannot capture the worker or anything holding it (no handle is `Send`), but a
+handle parked in a thread-local could still be reached; `State::in_progress` turns that into a
+panic (`progress`) or an error (`set_am_handler`, `into_send`), and into an abort where a
+destructor would have to wait (see `progress_for_drop`).
 */
 
 use std::cell::{Cell, RefCell};
@@ -28,6 +34,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::os::raw::c_void;
 use std::ptr;
+use std::rc::Rc;
 use std::sync::Arc;
 
 use ucx_sys as sys;
@@ -41,30 +48,66 @@ use crate::{Context, Error, Op, Status};
 /// A boxed active-message handler: `(header, data)`.
 type AmHandler = Box<dyn FnMut(&[u8], &[u8]) + Send>;
 
-/// A UCP worker (`ucp_worker_h`): the progress engine that owns endpoints and requests.
+/// A UCP worker (`ucp_worker_h`): the progress engine behind endpoints and requests.
 ///
 /// Created in `UCS_THREAD_MODE_SERIALIZED`: UCX does no locking for it, any thread may use it
-/// but never two at once. In Rust terms it is `Send` but not `Sync`; move it to the thread that
-/// progresses it. Endpoints, remote keys and requests borrow it, so they stay on that thread
-/// and are gone before the worker is destroyed.
+/// but never two at once. The UCX worker lives in an inner shared (through `Rc`) with every
+/// [`Endpoint`] made from it (and, through those, with their remote keys, requests and put
+/// windows), so it is destroyed only once the last of them is gone: an endpoint may outlive
+/// the `Worker` value that connected it. All of these handles are neither `Send` nor `Sync`;
+/// they stay on one thread, which is what the serialized mode needs. To move a worker to the
+/// thread that progresses it, move it before connecting anything, through
+/// [`Worker::into_send`].
 ///
-/// `Drop` wraps `ucp_worker_destroy`.
+/// `Drop` releases this handle; the last handle's drop wraps `ucp_worker_destroy`.
 #[doc(alias = "ucp_worker_h")]
 pub struct Worker {
+    inner: Rc<WorkerInner>,
+}
+
+/// The UCX worker and its Rust state, shared by every handle on it.
+struct WorkerInner {
     handle: sys::ucp_worker_h,
-    // Boxed so that `AmSlot::state` pointers stay valid when the `Worker` moves.
+    // Boxed so that `AmSlot::state` pointers stay valid when a `SendWorker` moves the inner
+    // out of its `Rc`.
     state: Box<State>,
     ctx: Arc<Context>,
 }
 
+/// A [`Worker`] on its way to another thread: the only handle on its UCX worker, so it is
+/// `Send`. Made by [`Worker::into_send`], turned back with [`SendWorker::into_worker`].
+#[doc(alias = "ucp_worker_h")]
+pub struct SendWorker {
+    inner: WorkerInner,
+}
+
 // SAFETY: the worker is created in `UCS_THREAD_MODE_SERIALIZED`, whose contract is "multiple
-// threads may access the worker, but only one at a time". `Worker` is not `Sync`, and every type
-// that calls into it (`Endpoint`, `RemoteKey`, `Request`, `PutWindow`) holds a `&Worker` and is
-// therefore not `Send`, so all calls happen on the thread that currently owns the `Worker`, and
-// a move to another thread is ordered by whatever synchronisation performed the move. The Rust
-// state travelling with it is `Send` as well: handlers are `FnMut + Send`, panic payloads are
-// `Send`, and the rendezvous descriptors and buffers belong to this worker alone.
-unsafe impl Send for Worker {}
+// threads may access the worker, but only one at a time". A `SendWorker` is made only from the
+// last handle on its worker (`Worker::into_send` unwraps the `Rc`, which fails while endpoints,
+// remote keys, requests or windows hold it) and outside of its progress, and it offers nothing
+// but `into_worker` and its drop; so every UCX call before the move happened on the old thread,
+// every later one happens on the new thread, and the move itself is ordered by whatever
+// synchronisation performed it. The Rust state travelling with it is `Send` as well: handlers
+// are `FnMut + Send`, panic payloads are `Send`, the rendezvous descriptors and buffers belong to
+// this worker alone, and the context is `Send + Sync`.
+unsafe impl Send for SendWorker {}
+
+impl SendWorker {
+    /// The worker again, on the thread that will progress it.
+    pub fn into_worker(self) -> Worker {
+        Worker {
+            inner: Rc::new(self.inner),
+        }
+    }
+}
+
+impl fmt::Debug for SendWorker {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SendWorker")
+            .field("handle", &self.inner.handle)
+            .finish_non_exhaustive()
+    }
+}
 
 #[derive(Default)]
 struct State {
@@ -124,9 +167,11 @@ impl Worker {
         check(unsafe { sys::ucp_worker_create(ctx.as_raw(), &params, &mut handle) })
             .op(Op::WorkerCreate)?;
         let worker = Worker {
-            handle,
-            state: Box::default(),
-            ctx: Arc::clone(ctx),
+            inner: Rc::new(WorkerInner {
+                handle,
+                state: Box::default(),
+                ctx: Arc::clone(ctx),
+            }),
         };
         // UCX 1.13 segfaults (a null handler table) when an active message reaches a worker that
         // never had a handler installed; once the table exists, unknown ids are dropped with a
@@ -137,7 +182,7 @@ impl Worker {
 
     /// The context this worker belongs to.
     pub fn context(&self) -> &Arc<Context> {
-        &self.ctx
+        &self.inner.ctx
     }
 
     /// This worker's address, to be sent to peers out of band for [`Worker::connect`].
@@ -152,19 +197,21 @@ impl Worker {
         let mut address = ptr::null_mut();
         let mut len = 0;
         // SAFETY: the worker is live and both out-pointers are valid.
-        check(unsafe { sys::ucp_worker_get_address(self.handle, &mut address, &mut len) })
+        check(unsafe { sys::ucp_worker_get_address(self.inner.handle, &mut address, &mut len) })
             .op(Op::WorkerAddress)?;
         // SAFETY: on success UCX returns a buffer of `len` bytes that stays valid until it is
         // released below; it is copied before that.
         let bytes = unsafe { ffi::bytes(address.cast_const().cast(), len) }.to_vec();
         // SAFETY: `address` came from `ucp_worker_get_address` on this worker, released once.
-        unsafe { sys::ucp_worker_release_address(self.handle, address) };
+        unsafe { sys::ucp_worker_release_address(self.inner.handle, address) };
         Ok(bytes)
     }
 
     /// Connects to the peer worker whose [`address`](Worker::address) is `address`.
     ///
-    /// The endpoint is usable at once, but wire-up completes only as both workers progress.
+    /// The endpoint is usable at once, but wire-up completes only as both workers progress. It
+    /// holds a handle on this worker: the UCX worker lives on, after this `Worker` value is
+    /// dropped, until the endpoint (and everything made from it) is gone.
     ///
     /// Wraps `ucp_ep_create`.
     ///
@@ -176,8 +223,34 @@ impl Worker {
     /// The address must be bytes produced by a peer's `address()`, delivered intact: UCX parses
     /// it without a length (see the crate docs on trust).
     #[doc(alias = "ucp_ep_create")]
-    pub fn connect(&self, address: &[u8]) -> Result<Endpoint<'_>, Error> {
+    pub fn connect(&self, address: &[u8]) -> Result<Endpoint, Error> {
         Endpoint::connect(self, address)
+    }
+
+    /// Makes this worker `Send`, to move it to the thread that will progress it.
+    ///
+    /// Only the last handle on a UCX worker may move: endpoints, remote keys, requests and put
+    /// windows made from it share it and stay on this thread, so while any of them exists (or
+    /// from inside one of the worker's active-message handlers) the worker is given back as
+    /// the error. A worker that was never connected always converts.
+    ///
+    /// # Errors
+    ///
+    /// This worker, unchanged, if other handles on it exist.
+    pub fn into_send(self) -> Result<SendWorker, Worker> {
+        if self.inner.state.in_progress.get() {
+            return Err(self);
+        }
+        Rc::try_unwrap(self.inner)
+            .map(|inner| SendWorker { inner })
+            .map_err(|inner| Worker { inner })
+    }
+
+    /// Another handle on the same UCX worker, for the endpoints made from it.
+    pub(crate) fn share(&self) -> Worker {
+        Worker {
+            inner: Rc::clone(&self.inner),
+        }
     }
 
     /// Advances every operation of this worker; returns whether anything happened.
@@ -195,7 +268,7 @@ impl Worker {
         let Some(progressed) = self.progress_guarded() else {
             panic!("Worker::progress called from inside one of its active-message handlers");
         };
-        self.state.panic.resume();
+        self.inner.state.panic.resume();
         progressed
     }
 
@@ -220,14 +293,14 @@ impl Worker {
         self.not_in_progress()?;
         let slot = Box::new(AmSlot {
             id,
-            state: &*self.state,
+            state: &*self.inner.state,
             handler: RefCell::new(Box::new(handler)),
             poisoned: Cell::new(false),
         });
         let arg: *const AmSlot = &*slot;
         self.install_am_handler(id, Some(am_trampoline), arg.cast_mut().cast())?;
         // Only now that UCX points at the new slot may the old one be freed.
-        self.state.handlers.borrow_mut().insert(id, slot);
+        self.inner.state.handlers.borrow_mut().insert(id, slot);
         Ok(())
     }
 
@@ -241,12 +314,12 @@ impl Worker {
     pub fn remove_am_handler(&self, id: u16) -> Result<(), Error> {
         self.not_in_progress()?;
         self.install_am_handler(id, None, ptr::null_mut())?;
-        self.state.handlers.borrow_mut().remove(&id);
+        self.inner.state.handlers.borrow_mut().remove(&id);
         Ok(())
     }
 
     pub(crate) fn as_raw(&self) -> sys::ucp_worker_h {
-        self.handle
+        self.inner.handle
     }
 
     /// Progress for destructors, which must wait but cannot unwind: a handler panic stays
@@ -271,19 +344,20 @@ impl Worker {
 
     /// One round of `ucp_worker_progress` plus the rendezvous pump; `None` if reentrant.
     fn progress_guarded(&self) -> Option<bool> {
-        if self.state.in_progress.replace(true) {
+        if self.inner.state.in_progress.replace(true) {
             return None;
         }
-        let _reset = ResetOnDrop(&self.state.in_progress);
-        // SAFETY: the worker is live and, being `!Sync` and not reentered (checked above), used
-        // by this thread only. Callbacks it runs are `am_trampoline`, which never unwinds.
-        let events = unsafe { sys::ucp_worker_progress(self.handle) };
+        let _reset = ResetOnDrop(&self.inner.state.in_progress);
+        // SAFETY: the worker is live (this handle keeps it) and, every handle on it being
+        // `!Send + !Sync` and this call not reentered (checked above), used by this thread
+        // only. Callbacks it runs are `am_trampoline`, which never unwinds.
+        let events = unsafe { sys::ucp_worker_progress(self.inner.handle) };
         let pumped = self.pump_rndv();
         Some(events != 0 || pumped)
     }
 
     fn not_in_progress(&self) -> Result<(), Error> {
-        if self.state.in_progress.get() {
+        if self.inner.state.in_progress.get() {
             Err(Error::new(Op::SetAmHandler, Status::BUSY))
         } else {
             Ok(())
@@ -309,15 +383,16 @@ impl Worker {
         // SAFETY: the worker is live; `param` is fully initialised. `arg` is null (with a null
         // callback) or an `AmSlot` that the caller keeps alive until the handler is replaced,
         // removed or the worker destroyed, and `am_trampoline` matches the callback type.
-        check(unsafe { sys::ucp_worker_set_am_recv_handler(self.handle, &param) })
+        check(unsafe { sys::ucp_worker_set_am_recv_handler(self.inner.handle, &param) })
             .op(Op::SetAmHandler)
     }
 
     /// Starts receives for queued rendezvous messages and delivers finished ones.
     fn pump_rndv(&self) -> bool {
+        let state = &*self.inner.state;
         let mut progressed = false;
 
-        let arrived = std::mem::take(&mut *self.state.rndv_arrived.borrow_mut());
+        let arrived = std::mem::take(&mut *state.rndv_arrived.borrow_mut());
         for msg in arrived {
             progressed = true;
             let mut buf = Vec::<u8>::with_capacity(msg.len);
@@ -328,7 +403,7 @@ impl Worker {
             // or, if the worker is destroyed first, until after `ucp_worker_destroy`.
             let ptr = unsafe {
                 sys::ucp_am_recv_data_nbx(
-                    self.handle,
+                    self.inner.handle,
                     msg.desc,
                     buf.as_mut_ptr().cast(),
                     msg.len,
@@ -341,7 +416,7 @@ impl Worker {
                     unsafe { buf.set_len(msg.len) };
                     self.dispatch(msg.id, &msg.header, &buf);
                 }
-                Ok(Some(req)) => self.state.rndv_receiving.borrow_mut().push(RndvReceiving {
+                Ok(Some(req)) => state.rndv_receiving.borrow_mut().push(RndvReceiving {
                     id: msg.id,
                     header: msg.header,
                     buf,
@@ -357,7 +432,7 @@ impl Worker {
             }
         }
 
-        self.state.rndv_receiving.borrow_mut().retain_mut(|recv| {
+        state.rndv_receiving.borrow_mut().retain_mut(|recv| {
             // SAFETY: `recv.req` is a live request of this worker, not yet freed.
             let status = unsafe { sys::ucp_request_check_status(recv.req.as_ptr()) };
             if status == sys::ucs_status_t::UCS_INPROGRESS {
@@ -388,14 +463,14 @@ impl Worker {
 
     /// Runs the current handler for `id` on a complete message (outside UCX callbacks).
     fn dispatch(&self, id: u16, header: &[u8], data: &[u8]) {
-        match self.state.handlers.borrow().get(&id) {
-            Some(slot) => slot.invoke(&self.state, header, data),
+        match self.inner.state.handlers.borrow().get(&id) {
+            Some(slot) => slot.invoke(&self.inner.state, header, data),
             None => tracing::warn!(id, "dropping an active message: no handler for its id"),
         }
     }
 }
 
-impl Drop for Worker {
+impl Drop for WorkerInner {
     fn drop(&mut self) {
         for msg in self.state.rndv_arrived.get_mut().drain(..) {
             // SAFETY: a rendezvous descriptor kept with `UCS_INPROGRESS` and never passed to
@@ -409,19 +484,21 @@ impl Drop for Worker {
             // dropped only after this function returns (they live in `self.state`).
             unsafe { sys::ucp_request_free(recv.req.as_ptr()) };
         }
-        // SAFETY: `handle` came from `ucp_worker_create` and is destroyed once, here. Endpoints,
-        // remote keys and requests borrow the worker, so none is left; the handler slots UCX
-        // points at are dropped after this call.
+        // SAFETY: `handle` came from `ucp_worker_create` and is destroyed once, here, when the
+        // last handle on it goes. Endpoints hold one (and remote keys, requests and windows
+        // hold their endpoint's), so every endpoint has been closed and none of those is left;
+        // the handler slots UCX points at are dropped after this call.
         unsafe { sys::ucp_worker_destroy(self.handle) };
     }
 }
 
 impl fmt::Debug for Worker {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut ids: Vec<u16> = self.state.handlers.borrow().keys().copied().collect();
+        let mut ids: Vec<u16> = self.inner.state.handlers.borrow().keys().copied().collect();
         ids.sort_unstable();
         f.debug_struct("Worker")
-            .field("handle", &self.handle)
+            .field("handle", &self.inner.handle)
+            .field("handles", &Rc::strong_count(&self.inner))
             .field("am_handlers", &ids)
             .finish_non_exhaustive()
     }

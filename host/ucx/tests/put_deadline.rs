@@ -104,7 +104,8 @@ fn window_times_out_while_the_target_hangs_then_recovers_tcp() {
 
 /// The target worker is destroyed mid-window (its sockets close): the window gives up within
 /// its deadline, whatever UCX reports, and the initiator abandons the puts it can no longer
-/// wait for while keeping their source, key and endpoint alive until the endpoint is closed.
+/// wait for while keeping their source alive until the endpoint is closed (the abandoned
+/// puts' key is leaked by `abandon` itself).
 #[test]
 fn window_gives_up_when_the_target_is_gone_tcp() {
     let ctx_b = Transport::Tcp.context();
@@ -162,14 +163,14 @@ fn window_gives_up_when_the_target_is_gone_tcp() {
 
     if window.is_idle() {
         drop(window);
-        drop(rkey);
     } else {
-        // SAFETY: the abandoned puts read `src`, use `rkey` and `ep`: `rkey` is leaked below
-        // (never destroyed), `ep` is dropped next (a forced close after its flush times out,
-        // which completes the abandoned requests) and `src` only after that.
+        // SAFETY: the abandoned puts read `src`, which is dropped last: after `rkey` (its
+        // `ucp_rkey_destroy` is skipped, `abandon` marked it used by abandoned puts) and `ep`,
+        // the last handle on the endpoint, whose drop closes it (forced once its flush times
+        // out, which ends the abandoned requests).
         unsafe { window.abandon() };
-        std::mem::forget(rkey);
     }
+    drop(rkey);
     drop(ep);
     drop(src);
 }

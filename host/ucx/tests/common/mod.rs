@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-use kvferry_ucx::{Context, Error, Request, Worker};
+use kvferry_ucx::{Context, Error, Request, SendWorker, Worker};
 
 /// How long any single wait in these tests may take before the test fails instead of hanging.
 pub const DEADLINE: Duration = Duration::from_secs(10);
@@ -83,15 +83,20 @@ pub fn progress_until(workers: &[&Worker], mut done: impl FnMut() -> bool) {
 pub struct Progressor {
     stop: Arc<AtomicBool>,
     paused: Arc<AtomicBool>,
-    thread: JoinHandle<Worker>,
+    thread: JoinHandle<SendWorker>,
 }
 
 impl Progressor {
+    /// Moves `worker` (which must have no endpoints) to a new thread that progresses it.
     pub fn spawn(worker: Worker) -> Progressor {
+        let worker = worker
+            .into_send()
+            .expect("a worker with endpoints cannot move to another thread");
         let stop = Arc::new(AtomicBool::new(false));
         let paused = Arc::new(AtomicBool::new(false));
         let (stop_flag, pause_flag) = (Arc::clone(&stop), Arc::clone(&paused));
         let thread = thread::spawn(move || {
+            let worker = worker.into_worker();
             while !stop_flag.load(Ordering::Acquire) {
                 if pause_flag.load(Ordering::Acquire) {
                     thread::yield_now();
@@ -100,6 +105,8 @@ impl Progressor {
                 }
             }
             worker
+                .into_send()
+                .expect("the progress thread made no endpoints")
         });
         Progressor {
             stop,
@@ -124,6 +131,9 @@ impl Progressor {
     /// Stops the thread and hands the worker back.
     pub fn stop(self) -> Worker {
         self.stop.store(true, Ordering::Release);
-        self.thread.join().expect("progress thread panicked")
+        self.thread
+            .join()
+            .expect("progress thread panicked")
+            .into_worker()
     }
 }
