@@ -41,10 +41,13 @@ Maintainer notes.
   file has no such cache. Loading the same path twice returns the same `dlopen` handle, so the
   scan skips a file it has already seen (same canonical path) before calling it a duplicate.
 - A truncated `.so` kills the process with SIGBUS inside `dlopen` (the loader maps a
-  `PT_LOAD` segment past the end of the file and touches it). `elf::check` reads the headers
-  with plain file I/O first and refuses any file whose tables or loadable segments run past
-  its end. The file could still change between the check and the `dlopen`; the plugin
-  directory is trusted (see the trust model), so that window is accepted.
+  `PT_LOAD` segment past the end of the file and touches it). `elf::check` (src/elf.rs)
+  reads the headers first, with the `object` crate's ELF reader over a `ReadCache` (plain file
+  reads of the header tables only), and refuses any file whose tables or loadable segments
+  run past its end. `object`'s errors are static strings, so `elf.rs` works out which part
+  ran past the end, and where, for `LoadError::Truncated`; keep that when upgrading `object`.
+  The file could still change between the check and the `dlopen`; the plugin directory is
+  trusted (see the trust model), so that window is accepted.
 - A panic that unwinds out of a plugin ends the process (abi_stable's guard exits). The
   export macro in `planner-abi` catches panics in every planner entry point, and abi_stable
   catches a panic in the root module constructor (`InitPanicked`).
@@ -55,8 +58,6 @@ Maintainer notes.
 use std::collections::HashSet;
 use std::ffi::OsStr;
 use std::fmt;
-use std::fs::File;
-use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -149,8 +150,9 @@ pub enum LoadError {
         /// The I/O error.
         message: String,
     },
-    /// The file is not an ELF64 shared object for this machine: wrong magic, class,
-    /// byte order, object type or machine, or a malformed header. Checked before `dlopen`.
+    /// The file is not an ELF64 shared object for this machine: wrong magic, class, byte
+    /// order, ELF version, object type or machine, or a malformed header or header table
+    /// (e.g. entries of the wrong size, no program headers). Checked before `dlopen`.
     #[error("{}: not a loadable ELF shared object: {detail}", path.display())]
     NotElf {
         /// The file.

@@ -319,12 +319,24 @@ fn whole_files_whose_headers_point_past_the_end_are_refused() {
     );
 
     // The section header table moved to the last bytes of the file.
-    let mut bytes = whole;
+    let mut bytes = whole.clone();
     bytes[40..48].copy_from_slice(&(size - 8).to_le_bytes());
     let error = refused("libmoved_shdrs.so", bytes);
     assert!(
         matches!(&error, LoadError::Truncated { part, file_size, end, .. }
             if part == "section header table" && *file_size == size && *end > size),
+        "{error:?}"
+    );
+
+    // The same, with e_phnum = PN_XNUM: the program header count is in section 0, which
+    // is read first.
+    let mut bytes = whole;
+    bytes[40..48].copy_from_slice(&(size - 8).to_le_bytes());
+    bytes[56..58].copy_from_slice(&0xffff_u16.to_le_bytes());
+    let error = refused("libmoved_section0.so", bytes);
+    assert!(
+        matches!(&error, LoadError::Truncated { part, file_size, end, .. }
+            if part == "section header table" && *file_size == size && *end == size - 8 + 64),
         "{error:?}"
     );
 }
@@ -356,10 +368,30 @@ fn malformed_identification_is_not_elf() {
         "little-endian byte order, this host is big-endian"
     };
     assert_eq!(not_elf("other_order.so", &|b| b[5] = 3 - b[5]), other_order);
+    // EI_VERSION = EV_NONE (dlopen refuses it too).
+    assert_eq!(
+        not_elf("version0.so", &|b| b[6] = 0),
+        "ELF version 0, expected 1"
+    );
     // e_phnum = 0.
     assert_eq!(
         not_elf("no_phdrs.so", &|b| b[56..58].fill(0)),
         "no program headers"
+    );
+    // e_phentsize and e_shentsize other than the ELF64 sizes (56 and 64).
+    let detail = not_elf("phentsize.so", &|b| {
+        b[54..56].copy_from_slice(&57u16.to_le_bytes())
+    });
+    assert!(
+        detail.starts_with("program header table:") && detail.ends_with("(entry size 57)"),
+        "{detail}"
+    );
+    let detail = not_elf("shentsize.so", &|b| {
+        b[58..60].copy_from_slice(&40u16.to_le_bytes())
+    });
+    assert!(
+        detail.starts_with("section header table:") && detail.ends_with("(entry size 40)"),
+        "{detail}"
     );
 }
 
