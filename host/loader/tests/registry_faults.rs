@@ -248,6 +248,153 @@ fn truncated_copies_are_refused_naming_what_runs_past_the_end() {
     // Still here: no SIGBUS inside dlopen.
 }
 
+/// The offsets in the file of the `PT_LOAD` program headers, with their index in the table.
+fn load_headers(bytes: &[u8]) -> Vec<(usize, usize)> {
+    let u16_at = |at: usize| usize::from(u16::from_le_bytes([bytes[at], bytes[at + 1]]));
+    let phoff = u64::from_le_bytes(bytes[32..40].try_into().unwrap()) as usize;
+    (0..u16_at(56))
+        .map(|i| (i, phoff + i * u16_at(54)))
+        .filter(|&(_, at)| u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()) == 1)
+        .collect()
+}
+
+/// Scans a directory holding only `bytes` as `name`; returns the reason it was refused,
+/// after checking that the reason names the file.
+fn refused(name: &str, bytes: Vec<u8>) -> LoadError {
+    let dir = plugin_dir(&[(name, bytes)]);
+    let error = only_skipped(&dir);
+    names_file(&error, &dir.path().join(name));
+    error
+}
+
+#[test]
+fn whole_files_whose_headers_point_past_the_end_are_refused() {
+    let whole = read(&fixture("panicky"));
+    let size = whole.len() as u64;
+    let loads = load_headers(&whole);
+    assert!(loads.len() >= 2, "the fixture has several PT_LOAD segments");
+
+    // The first PT_LOAD segment's file size grown past the end of the file; every header
+    // table is intact, so only the segment check can catch it.
+    let (index, at) = loads[0];
+    let offset = u64::from_le_bytes(whole[at + 8..at + 16].try_into().unwrap());
+    let mut bytes = whole.clone();
+    bytes[at + 32..at + 40].copy_from_slice(&(size - offset + 1).to_le_bytes());
+    let error = refused("libgrown_segment.so", bytes);
+    assert_eq!(
+        error,
+        LoadError::Truncated {
+            path: error.path().to_path_buf(),
+            part: format!("PT_LOAD segment {index}"),
+            end: size + 1,
+            file_size: size,
+        }
+    );
+
+    // A segment whose offset + size does not fit in 64 bits (the first segment starts at
+    // offset 0, so take the second).
+    let (index, at) = loads[1];
+    assert_ne!(
+        u64::from_le_bytes(whole[at + 8..at + 16].try_into().unwrap()),
+        0
+    );
+    let mut bytes = whole.clone();
+    bytes[at + 32..at + 40].copy_from_slice(&u64::MAX.to_le_bytes());
+    let error = refused("liboverflowing_segment.so", bytes);
+    assert!(
+        matches!(&error, LoadError::NotElf { detail, .. }
+            if detail.contains(&format!("PT_LOAD segment {index}"))
+                && detail.contains("overflows")),
+        "{error:?}"
+    );
+
+    // The program header table moved to the last bytes of the file.
+    let mut bytes = whole.clone();
+    bytes[32..40].copy_from_slice(&(size - 8).to_le_bytes());
+    let error = refused("libmoved_phdrs.so", bytes);
+    assert!(
+        matches!(&error, LoadError::Truncated { part, file_size, end, .. }
+            if part == "program header table" && *file_size == size && *end > size),
+        "{error:?}"
+    );
+
+    // The section header table moved to the last bytes of the file.
+    let mut bytes = whole.clone();
+    bytes[40..48].copy_from_slice(&(size - 8).to_le_bytes());
+    let error = refused("libmoved_shdrs.so", bytes);
+    assert!(
+        matches!(&error, LoadError::Truncated { part, file_size, end, .. }
+            if part == "section header table" && *file_size == size && *end > size),
+        "{error:?}"
+    );
+
+    // The same, with e_phnum = PN_XNUM: the program header count is in section 0, which
+    // is read first.
+    let mut bytes = whole;
+    bytes[40..48].copy_from_slice(&(size - 8).to_le_bytes());
+    bytes[56..58].copy_from_slice(&0xffff_u16.to_le_bytes());
+    let error = refused("libmoved_section0.so", bytes);
+    assert!(
+        matches!(&error, LoadError::Truncated { part, file_size, end, .. }
+            if part == "section header table" && *file_size == size && *end == size - 8 + 64),
+        "{error:?}"
+    );
+}
+
+#[test]
+fn malformed_identification_is_not_elf() {
+    let whole = read(&fixture("panicky"));
+    let not_elf = |name: &str, edit: &dyn Fn(&mut Vec<u8>)| {
+        let mut bytes = whole.clone();
+        edit(&mut bytes);
+        match refused(name, bytes) {
+            LoadError::NotElf { detail, .. } => detail,
+            other => panic!("{name}: expected NotElf, got {other:?}"),
+        }
+    };
+
+    assert_eq!(not_elf("short.so", &|b| b.truncate(3)), "bad magic");
+    assert_eq!(
+        not_elf("elf32.so", &|b| b[4] = 1),
+        "ELF class 1, expected 64-bit (2)"
+    );
+    assert_eq!(
+        not_elf("no_byte_order.so", &|b| b[5] = 7),
+        "unknown byte order 7"
+    );
+    let other_order = if cfg!(target_endian = "little") {
+        "big-endian byte order, this host is little-endian"
+    } else {
+        "little-endian byte order, this host is big-endian"
+    };
+    assert_eq!(not_elf("other_order.so", &|b| b[5] = 3 - b[5]), other_order);
+    // EI_VERSION = EV_NONE (dlopen refuses it too).
+    assert_eq!(
+        not_elf("version0.so", &|b| b[6] = 0),
+        "ELF version 0, expected 1"
+    );
+    // e_phnum = 0.
+    assert_eq!(
+        not_elf("no_phdrs.so", &|b| b[56..58].fill(0)),
+        "no program headers"
+    );
+    // e_phentsize and e_shentsize other than the ELF64 sizes (56 and 64).
+    let detail = not_elf("phentsize.so", &|b| {
+        b[54..56].copy_from_slice(&57u16.to_le_bytes())
+    });
+    assert!(
+        detail.starts_with("program header table:") && detail.ends_with("(entry size 57)"),
+        "{detail}"
+    );
+    let detail = not_elf("shentsize.so", &|b| {
+        b[58..60].copy_from_slice(&40u16.to_le_bytes())
+    });
+    assert!(
+        detail.starts_with("section header table:") && detail.ends_with("(entry size 40)"),
+        "{detail}"
+    );
+}
+
 #[test]
 fn a_library_with_a_missing_dependency_fails_to_open() {
     // Rename the library's DT_NEEDED `libc.so.6` to a library that does not exist.
