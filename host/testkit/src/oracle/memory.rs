@@ -37,6 +37,16 @@ pub enum MemoryError {
         /// The pool's label.
         pool: String,
     },
+    /// A pool placed at a caller's address would overlap a pool already there.
+    #[error("{address:#x} +{len} overlaps {pool}")]
+    Overlaps {
+        /// Start of the range.
+        address: u64,
+        /// Length of the range.
+        len: u64,
+        /// The label of the pool already there.
+        pool: String,
+    },
     /// No pool starts at the address.
     #[error("no pool starts at {0:#x}")]
     NoPoolAt(u64),
@@ -95,10 +105,11 @@ impl PoolMemory for LocalMemory {
 /// Addresses are synthetic: pools are aligned to 1 MiB and separated by an unmapped gap of
 /// at least 1 MiB, so a fragment that leaves its pool is an error rather than a silent write
 /// into a neighbour. A pool is first *reserved* (it has an address) and may later be
-/// *backed* (it has bytes); only ranks that take part in a request need backing.
+/// *backed* (it has bytes); only ranks that take part in a request need backing. Pools of
+/// hand-built page tables keep their own addresses ([`reserve_at`](Self::reserve_at)).
 #[derive(Default)]
 pub struct LocalMemory {
-    /// Sorted by base (bases grow monotonically).
+    /// Sorted by base, never overlapping.
     regions: Vec<Region>,
 }
 
@@ -131,6 +142,45 @@ impl LocalMemory {
             data: None,
         });
         base
+    }
+
+    /// Reserves `bytes` of address space at `base`, for a page table whose pools already have
+    /// addresses (e.g. [`crate::builder`] ranks). [`reserve`](Self::reserve) still hands out
+    /// addresses past every pool.
+    ///
+    /// # Errors
+    ///
+    /// The range overlaps a pool already reserved.
+    pub fn reserve_at(
+        &mut self,
+        base: u64,
+        bytes: u64,
+        label: impl Into<String>,
+    ) -> Result<(), MemoryError> {
+        let end = |base: u64, size: u64| base.saturating_add(size.max(1));
+        let i = self.regions.partition_point(|r| r.base < base);
+        let clash = [i.checked_sub(1), Some(i)]
+            .into_iter()
+            .flatten()
+            .filter_map(|j| self.regions.get(j))
+            .find(|r| r.base < end(base, bytes) && base < end(r.base, r.size));
+        if let Some(r) = clash {
+            return Err(MemoryError::Overlaps {
+                address: base,
+                len: bytes,
+                pool: r.label.clone(),
+            });
+        }
+        self.regions.insert(
+            i,
+            Region {
+                base,
+                size: bytes,
+                label: label.into(),
+                data: None,
+            },
+        );
+        Ok(())
     }
 
     /// Reserves and backs `bytes` (zeroed); returns the base.
@@ -282,5 +332,36 @@ mod tests {
         assert!(m.is_backed(b));
         assert_eq!(m.backed_bytes(), 150);
         assert_eq!(m.back(b + 1), Err(MemoryError::NoPoolAt(b + 1)));
+    }
+
+    #[test]
+    fn pools_keep_their_own_addresses_and_never_overlap() {
+        let mut m = LocalMemory::new();
+        m.reserve_at(0x3000, 0x100, "high").unwrap();
+        m.reserve_at(0x1000, 0x100, "low").unwrap();
+        m.reserve_at(0x1100, 0x10, "adjacent").unwrap();
+        for (base, len) in [(0x10ff, 1), (0x0f00, 0x101), (0x2fff, 2), (0x3050, 1)] {
+            assert!(
+                matches!(
+                    m.reserve_at(base, len, "x"),
+                    Err(MemoryError::Overlaps { .. })
+                ),
+                "{base:#x} +{len}"
+            );
+        }
+        m.back(0x1000).unwrap();
+        m.back(0x3000).unwrap();
+        m.bytes_mut(0x10f0, 0x10).unwrap().fill(7);
+        assert!(matches!(
+            m.bytes(0x10f0, 0x11),
+            Err(MemoryError::PastEnd { .. })
+        ));
+        assert!(matches!(
+            m.bytes(0x1100, 1),
+            Err(MemoryError::NotBacked { .. })
+        ));
+        assert!(m.bytes(0x30ff, 1).is_ok());
+        // Addresses handed out later lie past every pool.
+        assert!(m.reserve(1, "next") > 0x3100);
     }
 }
