@@ -395,91 +395,44 @@ fn check_view_pair(
 
 #[cfg(test)]
 mod tests {
-    use kvferry_planner_abi::ffi::RVec;
-    use kvferry_planner_abi::{
-        BufferEntry, ErrorKind, LayerGroup, LayoutKind, LocalLayer, Mapping, MemoryType,
-        PhysicalPool, RoleLayout, SlotTable, TokenRange, rows,
-    };
+    use kvferry_planner_abi::{ErrorKind, Mapping, SlotTable, TokenRange};
+    use kvferry_testkit::builder::{Deploy, Model, Transfer, rows_of};
+    use kvferry_testkit::layout::{ModelSpec, Preset};
+    use kvferry_testkit::scenario::Scenario;
 
     use super::*;
 
     const TPB: u32 = 8;
-    const BUFFER: u64 = 256;
 
-    /// Two layers of K and V buffers in one pool of 16 slots at `base`.
-    fn page_table(base: u64, dtype: &str, shard_index: u32, num_shards: u32) -> PageTable {
-        let entries: Vec<BufferEntry> = (0..2u32)
-            .flat_map(|layer| {
-                let at = u64::from(layer) * 2 * BUFFER;
-                [
-                    BufferEntry {
-                        local_layer: layer,
-                        offset: at,
-                        size: BUFFER,
-                    },
-                    BufferEntry {
-                        local_layer: layer,
-                        offset: at + BUFFER,
-                        size: BUFFER,
-                    },
-                ]
-            })
-            .collect();
-        let mut layout = RoleLayout::whole(LayoutKind::HND, dtype, 16);
-        layout.num_shards = num_shards;
-        layout.shard_index = shard_index;
-        PageTable {
-            tokens_per_block: TPB,
-            pools: vec![PhysicalPool {
-                base,
-                slot_bytes: 4 * BUFFER,
-                slot_stride: 4 * BUFFER,
-                num_slots: 16,
-                memory_type: MemoryType::DRAM,
-            }]
-            .into(),
-            groups: vec![LayerGroup {
-                kind: GroupKind::PAGED,
-                window: ROption::RNone,
-                layers: (0..2)
-                    .map(|l| LocalLayer {
-                        local: l,
-                        global: l,
-                    })
-                    .collect(),
-                views: vec![PoolView {
-                    pool: 0,
-                    entries: entries.into(),
-                    roles: vec!["key".into(), "value".into()].into(),
-                    layout,
-                }]
-                .into(),
-            }]
-            .into(),
+    /// Two layers of K and V, 2 KV heads of 8 BF16 elements, 8 tokens per block (256-byte
+    /// buffers at TP 1), 16 slots per pool: page tables from the testkit's builder.
+    fn model() -> Model {
+        Model {
+            slots: 16,
+            ..Model::gqa(2, 2, 8, TPB)
         }
     }
 
-    fn rank(name: &str, tp_size: u32, tp_rank: u32, attention_dp: bool, base: u64) -> RankInfo {
-        RankInfo {
-            instance_name: name.into(),
-            instance_rank: tp_rank,
-            tp_size,
-            tp_rank,
-            pp_size: 1,
-            pp_rank: 0,
-            cp_size: 1,
-            cp_rank: 0,
-            dp_size: if attention_dp { tp_size } else { 1 },
-            dp_rank: if attention_dp { tp_rank } else { 0 },
-            attention_dp,
-            layers_per_pp: RVec::from(vec![2]),
-            page_table: page_table(base, "bf16", if attention_dp { 0 } else { tp_rank }, {
-                if attention_dp { 1 } else { tp_size }
-            }),
-            planner_id: PLANNER_ID.into(),
-            describer_id: kvferry_planner_abi::DEFAULT_DESCRIBER_ID.into(),
-            planner_blob: RVec::new(),
-        }
+    /// An instance of [`model`] under TP `tp`, or attention DP over `tp` ranks.
+    fn instance(context: bool, tp: u32, attention_dp: bool) -> Deploy {
+        let m = model();
+        let d = if context {
+            Deploy::context(tp, &m)
+        } else {
+            Deploy::generation(tp, &m)
+        };
+        let d = d.planner(PLANNER_ID);
+        if attention_dp { d.adp() } else { d }
+    }
+
+    /// Rank `rank` of a context (or generation) instance of [`model`].
+    fn rank(context: bool, tp: u32, rank: u32, attention_dp: bool) -> RankInfo {
+        instance(context, tp, attention_dp).rank(&model(), rank)
+    }
+
+    /// The base address of a rank's one pool.
+    fn base(rank: &RankInfo) -> u64 {
+        rank.page_table.pools[0].base
     }
 
     fn deployment(pp: u32, cp: u32) -> Deployment {
@@ -517,16 +470,24 @@ mod tests {
     fn deployments_with_pp_or_cp_are_unsupported() {
         let module = planner_module();
         module.check_deployment(&deployment(1, 1)).unwrap();
-        for (pp, cp) in [(2, 1), (1, 2)] {
+        for (pp, cp, field) in [(2, 1, "mapping.pp"), (1, 2, "mapping.cp")] {
             let error = module.check_deployment(&deployment(pp, cp)).unwrap_err();
             assert_eq!(error.kind(), ErrorKind::UNSUPPORTED);
-            assert!(error.message().contains("pp = 1 and cp = 1"), "{error}");
+            let refusal = error.deployment_refusal().expect("a field-level refusal");
+            assert_eq!(refusal.field.as_str(), field, "{error}");
+            assert_eq!(refusal.supported.as_str(), "1", "{error}");
         }
+        let mut other = deployment(1, 1);
+        other.architecture = "DeepseekV3ForCausalLM".into();
+        let error = module.check_deployment(&other).unwrap_err();
+        let refusal = error.deployment_refusal().expect("a field-level refusal");
+        assert_eq!(refusal.field.as_str(), "architecture", "{error}");
+        assert_eq!(module.specificity_level(), Specificity::ARCHITECTURE);
     }
 
     #[test]
     fn only_single_view_paged_tables_instantiate() {
-        let mut me = rank("ctx", 1, 0, false, 0x1000);
+        let mut me = rank(true, 1, 0, false);
         SameLayoutPlanner::new(&me).unwrap();
         me.page_table.groups[0].kind = GroupKind::STATE;
         let error = SameLayoutPlanner::new(&me).unwrap_err();
@@ -536,8 +497,8 @@ mod tests {
     #[test]
     fn check_peer_names_the_differing_field() {
         let planner = SameLayoutPlanner;
-        let me = rank("ctx", 2, 0, false, 0x1000);
-        let peer = rank("gen", 2, 0, false, 0x9000);
+        let me = rank(true, 2, 0, false);
+        let peer = rank(false, 2, 0, false);
         planner.check_peer(&me, &peer).unwrap();
 
         let mut other = peer.clone();
@@ -564,30 +525,31 @@ mod tests {
 
         let mut other = peer.clone();
         // Layer 1 first in the slot, then layer 0.
+        let layer = other.page_table.pools[0].slot_bytes / 2;
         for entry in other.page_table.groups[0].views[0].entries.iter_mut() {
-            entry.offset ^= 2 * BUFFER;
+            entry.offset ^= layer;
         }
         assert_eq!(
             refused_field(planner.check_peer(&me, &other)),
             "groups[0].views[0].entries[0]"
         );
 
-        let other = rank("gen", 4, 0, false, 0x9000);
+        let other = rank(false, 4, 0, false);
         assert_eq!(refused_field(planner.check_peer(&me, &other)), "tp_size");
     }
 
     #[test]
     fn targets_are_the_same_tp_rank_in_the_peer_dp_group() {
         let planner = SameLayoutPlanner;
-        let me = rank("gen", 2, 1, false, 0x1000);
-        let peer = rank("ctx", 2, 0, false, 0x9000);
+        let me = rank(false, 2, 1, false);
+        let peer = rank(true, 2, 0, false);
         let targets = planner.targets(&me, &peer, 0).unwrap();
         assert_eq!(targets.ranks.as_slice(), &[1]);
         assert!(targets.uniform);
 
         // Attention DP on both sides: each DP group is one rank.
-        let me = rank("gen", 4, 1, true, 0x1000);
-        let peer = rank("ctx", 4, 0, true, 0x9000);
+        let me = rank(false, 4, 1, true);
+        let peer = rank(true, 4, 0, true);
         assert_eq!(
             planner.targets(&me, &peer, 3).unwrap().ranks.as_slice(),
             &[3]
@@ -597,7 +559,7 @@ mod tests {
             ErrorKind::INVALID_INPUT
         );
 
-        let peer = rank("ctx", 4, 0, false, 0x9000);
+        let peer = rank(true, 4, 0, false);
         assert_eq!(
             refused_field(planner.targets(&me, &peer, 0)),
             "attention_dp"
@@ -605,31 +567,27 @@ mod tests {
     }
 
     /// Rows for one side from a slot table of the single group.
-    fn rows_of(rank: &RankInfo, slots: Vec<i64>) -> Vec<LayerGroupRows> {
-        rows(&rank.page_table, &[SlotTable::from(slots)], &[]).unwrap()
+    fn rows(rank: &RankInfo, slots: Vec<i64>) -> Vec<LayerGroupRows> {
+        rows_of(rank, &[SlotTable::from(slots)])
     }
 
     #[test]
     fn pair_copies_whole_rows_both_sides_hold() {
         let planner = SameLayoutPlanner;
-        let (me, peer) = (
-            rank("ctx", 1, 0, false, 0x1000),
-            rank("gen", 1, 0, false, 0x9000),
-        );
-        let row = 4 * BUFFER;
+        let (me, peer) = (rank(true, 1, 0, false), rank(false, 1, 0, false));
+        let (src, dst) = (base(&me), base(&peer));
+        let row = me.page_table.pools[0].slot_bytes;
+        assert_eq!(row, 2 * 2 * 256, "2 layers of K and V");
         // Prompt of 19 tokens, tpb 8: three ordinals. The receiver already holds ordinal 0.
-        let src = rows_of(&me, vec![7, 1, 5]);
-        let dst = rows_of(&peer, vec![-1, 4, 0]);
+        let mine = rows(&me, vec![7, 1, 5]);
+        let theirs = rows(&peer, vec![-1, 4, 0]);
         let plan = planner
-            .pair(&me, &peer, &src, &dst, &PairRequest::whole(19))
+            .pair(&me, &peer, &mine, &theirs, &PairRequest::whole(19))
             .unwrap();
         let fragments: Vec<_> = plan.iter().collect();
         assert_eq!(
             fragments,
-            [
-                (0x1000 + row, 0x9000 + 4 * row, row),
-                (0x1000 + 5 * row, 0x9000, row),
-            ]
+            [(src + row, dst + 4 * row, row), (src + 5 * row, dst, row),]
         );
 
         // A chunk: tokens [8, 16) is ordinal 1 only.
@@ -639,22 +597,19 @@ mod tests {
             dst_start_token: ROption::RNone,
             is_last: false,
         };
-        let plan = planner.pair(&me, &peer, &src, &dst, &chunk).unwrap();
+        let plan = planner.pair(&me, &peer, &mine, &theirs, &chunk).unwrap();
         assert_eq!(plan.fragments(), 1);
 
         // dst_start_token 16 skips ordinals 0 and 1.
-        let dst_all = rows_of(&peer, vec![2, 4, 0]);
+        let theirs_all = rows(&peer, vec![2, 4, 0]);
         let mut late = PairRequest::whole(19);
         late.dst_start_token = ROption::RSome(16);
-        let plan = planner.pair(&me, &peer, &src, &dst_all, &late).unwrap();
-        assert_eq!(
-            plan.iter().collect::<Vec<_>>(),
-            [(0x1000 + 5 * row, 0x9000, row)]
-        );
+        let plan = planner.pair(&me, &peer, &mine, &theirs_all, &late).unwrap();
+        assert_eq!(plan.iter().collect::<Vec<_>>(), [(src + 5 * row, dst, row)]);
 
         // A view the receiver excluded gets nothing.
         let plan = planner
-            .pair(&me, &peer, &src, &[], &PairRequest::whole(19))
+            .pair(&me, &peer, &mine, &[], &PairRequest::whole(19))
             .unwrap();
         assert!(plan.is_empty());
     }
@@ -662,14 +617,14 @@ mod tests {
     #[test]
     fn pair_refuses_rows_of_different_shards() {
         let planner = SameLayoutPlanner;
-        let me = rank("ctx", 2, 0, false, 0x1000);
-        let peer = rank("gen", 2, 1, false, 0x9000);
+        let me = rank(true, 2, 0, false);
+        let peer = rank(false, 2, 1, false);
         let error = planner
             .pair(
                 &me,
                 &peer,
-                &rows_of(&me, vec![0]),
-                &rows_of(&peer, vec![1]),
+                &rows(&me, vec![0]),
+                &rows(&peer, vec![1]),
                 &PairRequest::whole(8),
             )
             .unwrap_err();
@@ -678,22 +633,76 @@ mod tests {
 
     #[test]
     fn the_exported_module_drives_the_same_planner() {
-        let (me, peer) = (
-            rank("ctx", 1, 0, false, 0x1000),
-            rank("gen", 1, 0, false, 0x9000),
-        );
+        let (me, peer) = (rank(true, 1, 0, false), rank(false, 1, 0, false));
         let planner = planner_module().instantiate(&me).unwrap();
         planner.check_peer(&me, &peer).unwrap();
         let plan = planner
             .pair(
                 &me,
                 &peer,
-                &rows_of(&me, vec![3, 2]),
-                &rows_of(&peer, vec![0, 1]),
+                &rows(&me, vec![3, 2]),
+                &rows(&peer, vec![0, 1]),
                 &PairRequest::whole(16),
             )
             .unwrap();
         assert_eq!(plan.fragments(), 2);
-        assert_eq!(plan.total_bytes(), 2 * 4 * BUFFER);
+        assert_eq!(plan.total_bytes(), 2 * me.page_table.pools[0].slot_bytes);
+    }
+
+    #[test]
+    fn every_byte_of_a_request_lands_once_and_nothing_else_changes() {
+        // The testkit's oracle: tag-filled sources, canary-primed destinations, every byte of
+        // every pool checked after the plans ran. TP 2 and attention DP over 2 ranks, whole
+        // or in chunks, with a lost sender block and a cached receiver prefix.
+        let m = model();
+        for attention_dp in [false, true] {
+            for pieces in [vec![(0, 37)], vec![(0, 16), (16, 37)]] {
+                let mut t = Transfer::new(
+                    &m,
+                    instance(true, 2, attention_dp),
+                    instance(false, 2, attention_dp),
+                    37,
+                );
+                t.ctx_dp_rank = u32::from(attention_dp);
+                t.pieces = pieces;
+                t.ctx_holes = vec![3];
+                t.gen_holes = vec![0];
+                let reports = t.run_every_group(SameLayoutPlanner::new).unwrap();
+                for report in &reports {
+                    assert!(report.is_ok(), "{report}");
+                    // 5 blocks, one lost, one cached: 3 whole rows into every receiver.
+                    let covered: u64 = report
+                        .receivers
+                        .iter()
+                        .map(|r| {
+                            let info = t.generation.rank(&m, r.rank);
+                            3 * info.page_table.pools[0].slot_bytes
+                        })
+                        .sum();
+                    assert_eq!(report.verification.bytes_covered, covered, "{report}");
+                    assert_eq!(report.bytes, covered, "{report}");
+                }
+            }
+        }
+        // A real model: DeepSeek-V3's latent cache from DP rank 0 of dep2 to DP rank 1 of dep2.
+        let mut s = Scenario::new(
+            ModelSpec::new(Preset::DeepseekV3),
+            "dep2".parse().unwrap(),
+            "dep2".parse().unwrap(),
+            100,
+        );
+        s.gen_dp_rank = 1;
+        s.planner_id = PLANNER_ID.to_string();
+        let factory = |info: &RankInfo| -> Result<std::sync::Arc<dyn TransferPlanner>, PlanError> {
+            Ok(std::sync::Arc::new(SameLayoutPlanner::new(info)?))
+        };
+        let report = s.run(&factory, &factory).unwrap();
+        assert!(report.is_ok(), "{report}");
+        assert_eq!(report.pairs.len(), 1);
+        assert_eq!(
+            report.bytes,
+            4 * 1_124_352,
+            "4 blocks of 61 layers × 32 × 576 B"
+        );
     }
 }

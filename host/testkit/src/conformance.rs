@@ -237,7 +237,10 @@ pub fn build_out_of_tree(dir: &str) -> PathBuf {
         .unwrap_or_else(|e| panic!("run cargo to build {}: {e}", manifest.display()));
     assert!(
         status.success(),
-        "building {} failed: {status}",
+        "building {} failed: {status} (if cargo says its Cargo.lock needs updating, a \
+         dependency of the workspace changed: refresh the lock with `cargo metadata \
+         --format-version 1 --manifest-path {} >/dev/null` and commit it)",
+        manifest.display(),
         manifest.display()
     );
     target.join("debug")

@@ -13,17 +13,18 @@
 //! | `gpt-oss-120b` | 36 | PAGED sliding (even layers, window 128) + PAGED full (odd layers), 8 KV heads × 64 |
 //!
 //! Every view gets its own pool; a slot holds the group's layers back to back, each layer's
-//! buffers (K then V) back to back. Layer ids are stage-local (`local`) and model-wide
-//! (`global = first layer of the stage + local`).
+//! buffers (K then V) back to back ([`crate::builder::page_table`]). Layer ids are stage-local
+//! (`local`) and model-wide (`global = first layer of the stage + local`).
 
 use std::fmt;
 use std::str::FromStr;
 
-use kvferry_planner_abi::ffi::{ROption, RString, RVec};
+use kvferry_planner_abi::ffi::{RString, RVec};
 use kvferry_planner_abi::{
-    BufferEntry, DEFAULT_DESCRIBER_ID, GroupKind, LayerGroup, LayoutKind, LocalLayer, Mapping,
-    MemoryType, PageTable, PhysicalPool, PlanError, PoolView, RankInfo, RoleLayout,
+    GroupKind, LayoutKind, LocalLayer, Mapping, MemoryType, PlanError, RankInfo, RoleLayout,
 };
+
+use crate::builder::{GroupSpec, ViewSpec, page_table, rank_info};
 
 /// Why a layout could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -379,6 +380,8 @@ pub fn rank_coords(mapping: &Mapping, rank: u32) -> RankCoords {
 /// `alloc(rank, pool, bytes)` is called once per pool of every rank with the pool's
 /// footprint ([`PhysicalPool::footprint`]) and returns the pool's base address.
 ///
+/// [`PhysicalPool::footprint`]: kvferry_planner_abi::PhysicalPool::footprint
+///
 /// # Errors
 ///
 /// See [`build_rank`].
@@ -462,33 +465,23 @@ pub fn build_rank(
         Preset::Qwen3Next80bA3b => qwen3_next(&geometry, &stage)?,
         Preset::GptOss120b => gpt_oss(&geometry, &stage)?,
     };
-    let page_table = assemble(model.tokens_per_block, groups, options, rank, alloc);
+    let page_table = page_table(
+        model.tokens_per_block,
+        groups,
+        options,
+        &mut |pool, bytes| alloc(rank, pool, bytes),
+    );
     page_table
         .validate()
         .map_err(|source| LayoutError::InvalidPageTable { rank, source })?;
-    let (dp_size, dp_rank) = if mapping.attention_dp {
-        (mapping.tp, coords.tp)
-    } else {
-        (1, 0)
-    };
-    Ok(RankInfo {
-        instance_name: RString::from(instance_name),
-        instance_rank: rank,
-        tp_size: mapping.tp,
-        tp_rank: coords.tp,
-        pp_size: mapping.pp,
-        pp_rank: coords.pp,
-        cp_size: mapping.cp,
-        cp_rank: coords.cp,
-        dp_size,
-        dp_rank,
-        attention_dp: mapping.attention_dp,
-        layers_per_pp: RVec::from(layers_per_pp),
+    Ok(rank_info(
+        instance_name,
+        mapping,
+        rank,
+        layers_per_pp,
         page_table,
-        planner_id: RString::from(planner_id),
-        describer_id: RString::from(DEFAULT_DESCRIBER_ID),
-        planner_blob: RVec::new(),
-    })
+        planner_id,
+    ))
 }
 
 fn check_mapping(mapping: &Mapping) -> Result<(), LayoutError> {
@@ -571,32 +564,11 @@ fn split_heads(
     })
 }
 
-/// A view to build: its own pool, `buffers` buffers of `buffer_bytes` per layer.
-struct ViewSpec {
-    roles: &'static [&'static str],
-    layout: RoleLayout,
-    buffers: u32,
-    buffer_bytes: u64,
-}
-
-/// A layer group to build.
-struct GroupSpec {
-    kind: GroupKind,
-    window: Option<u64>,
-    layers: Vec<LocalLayer>,
-    views: Vec<ViewSpec>,
-}
-
 /// A K/V (or K-only) attention view, HND, sharded by head.
-fn attention_view(
-    roles: &'static [&'static str],
-    split: &HeadSplit,
-    head_dim: u64,
-    g: &Geometry,
-) -> ViewSpec {
+fn attention_view(roles: &[&str], split: &HeadSplit, head_dim: u64, g: &Geometry) -> ViewSpec {
     let unit = g.tpb * head_dim * g.elem.bytes();
     ViewSpec {
-        roles,
+        roles: roles.iter().map(|r| (*r).to_string()).collect(),
         layout: RoleLayout {
             kind: LayoutKind::HND,
             dtype: RString::from(g.elem.layout_name()),
@@ -667,7 +639,7 @@ fn qwen3_next(g: &Geometry, stage: &Stage) -> Result<Vec<GroupSpec>, LayoutError
     ]
     .map(|channels| channels * per_channel);
     let conv = ViewSpec {
-        roles: &["conv"],
+        roles: vec!["conv".to_string()],
         layout: RoleLayout {
             kind: LayoutKind::SECTIONED,
             dtype: RString::from(conv_elem.layout_name()),
@@ -684,7 +656,7 @@ fn qwen3_next(g: &Geometry, stage: &Stage) -> Result<Vec<GroupSpec>, LayoutError
     };
     let ssm_head = 128 * 128 * 4;
     let ssm = ViewSpec {
-        roles: &["ssm"],
+        roles: vec!["ssm".to_string()],
         layout: RoleLayout {
             kind: LayoutKind::HND,
             dtype: RString::from("fp32"),
@@ -731,67 +703,4 @@ fn gpt_oss(g: &Geometry, stage: &Stage) -> Result<Vec<GroupSpec>, LayoutError> {
             views: vec![attention_view(KV, &split, 64, g)],
         },
     ])
-}
-
-/// Lays the groups out in pools (one per view), skipping groups without layers.
-fn assemble(
-    tokens_per_block: u32,
-    specs: Vec<GroupSpec>,
-    options: &PoolOptions,
-    rank: u32,
-    alloc: &mut dyn FnMut(u32, usize, u64) -> u64,
-) -> PageTable {
-    let mut pools = RVec::new();
-    let mut groups = RVec::new();
-    for spec in specs.into_iter().filter(|s| !s.layers.is_empty()) {
-        let num_slots = if spec.kind == GroupKind::STATE {
-            options.state_slots
-        } else {
-            options.paged_slots
-        };
-        let mut views = RVec::new();
-        for view in spec.views {
-            let layer_bytes = u64::from(view.buffers) * view.buffer_bytes;
-            let mut entries = RVec::new();
-            for (k, layer) in spec.layers.iter().enumerate() {
-                for b in 0..u64::from(view.buffers) {
-                    entries.push(BufferEntry {
-                        local_layer: layer.local,
-                        offset: k as u64 * layer_bytes + b * view.buffer_bytes,
-                        size: view.buffer_bytes,
-                    });
-                }
-            }
-            let slot_bytes = spec.layers.len() as u64 * layer_bytes;
-            let mut pool = PhysicalPool {
-                base: 0,
-                slot_bytes,
-                slot_stride: slot_bytes + options.slot_padding,
-                num_slots,
-                memory_type: options.memory_type,
-            };
-            pool.base = alloc(rank, pools.len(), pool.footprint());
-            views.push(PoolView {
-                pool: pools.len() as u32,
-                entries,
-                roles: view.roles.iter().map(|&r| RString::from(r)).collect(),
-                layout: view.layout,
-            });
-            pools.push(pool);
-        }
-        groups.push(LayerGroup {
-            kind: spec.kind,
-            window: match spec.window {
-                Some(w) => ROption::RSome(w),
-                None => ROption::RNone,
-            },
-            layers: RVec::from(spec.layers),
-            views,
-        });
-    }
-    PageTable {
-        tokens_per_block,
-        pools,
-        groups,
-    }
 }

@@ -3,9 +3,12 @@
 //!
 //! - [`layout`]: model presets with real dimensions (DeepSeek-V3, Llama-3-70B, Qwen3-Next,
 //!   gpt-oss) and the per-rank page tables a deployment of them advertises.
+//! - [`builder`]: hand-built page tables and ranks of any shape (synthetic models, any
+//!   mapping), slot tables, rows and pieces, and one request between two such deployments.
 //! - [`oracle`]: tag-filled source pools, canary-primed destinations, every byte checked;
 //!   [`oracle::LocalMemory`] executes validated plans in process.
-//! - [`scenario`]: one request end to end in process (plan every pair, move, verify).
+//! - [`scenario`]: one request end to end in process (plan every pair, move, verify), from a
+//!   preset or from ranks given one by one.
 //! - [`conform`]: the oracle matrix every planner is proven against (`kvferry conform`).
 //! - [`conformance`]: a planner under test and the helpers the conformance tests share.
 //!
@@ -14,6 +17,7 @@
 
 #![deny(missing_docs)]
 
+pub mod builder;
 pub mod conform;
 pub mod conformance;
 pub mod layout;

@@ -4,12 +4,14 @@
 //! A [`Scenario`] names a model, the context and generation mappings, a prompt and the DP
 //! ranks serving it. [`Scenario::run`] then does what the two servers would do:
 //!
-//! 1. builds both instances' [`RankInfo`]s on one [`LocalMemory`] (pools sized to the request:
-//!    `ceil(prompt_len / tpb)` plus slack PAGED slots, 2 STATE slots);
+//! 1. builds both instances' [`RankInfo`]s, their pools at addresses a [`LocalMemory`] hands
+//!    out (pools sized to the request: `ceil(prompt_len / tpb)` plus slack PAGED slots, 2
+//!    STATE slots);
 //! 2. builds slot tables ([`slot_tables`]): PAGED tables are positional, with the stale front
 //!    of windowed groups (`stale_end = max(0, (prompt_len + 1 − window) // tpb)` ordinals) and,
 //!    on the receiver, the cached prefix masked to `-1`; STATE tables hold one slot;
-//! 3. for every receiver rank (the generation ranks of `gen_dp_rank`'s DP group, over PP and
+//! 3. backs the pools of the ranks that take part, fills the senders' with tags and primes the
+//!    receivers' with the canary; for every receiver rank (the generation ranks of `gen_dp_rank`'s DP group, over PP and
 //!    CP): runs the generation planner's `check_peer` and `targets` against context rank 0,
 //!    then for every target context rank its `check_peer` and `targets` back (which must name
 //!    the receiver), and for every piece [`plan_transfer`] and [`LocalMemory::execute`];
@@ -17,6 +19,11 @@
 //!    overlap (each destination byte has one writer over the whole request).
 //!
 //! Only ranks that take part get memory. Everything is deterministic for a seed.
+//!
+//! Steps 3 and 4 are [`Exchange::run`]: both instances' ranks, slot tables and pieces, of any
+//! shape. [`Scenario::exchange`] builds an [`Exchange`] from a preset,
+//! [`crate::builder::Transfer::exchange`] from hand-built deployments, and a test may edit
+//! one before running it.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -26,6 +33,7 @@ use std::time::{Duration, Instant};
 use kvferry_planner_abi::ffi::{ROption, RVec};
 use kvferry_planner_abi::{
     GroupKind, Mapping, PairRequest, PlanError, RankInfo, SlotTable, TokenRange, TransferPlanner,
+    ViewId,
 };
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -185,40 +193,14 @@ impl Scenario {
     /// Chunks that are empty, out of order, overlapping, past the prompt, or not aligned to
     /// blocks (a chunk may end at the prompt's end).
     pub fn pieces(&self) -> Result<Vec<PairRequest>, ScenarioError> {
-        let Some(chunks) = &self.chunks else {
-            return Ok(vec![PairRequest::whole(self.prompt_len)]);
-        };
-        if chunks.is_empty() {
-            return Err(ScenarioError::Invalid("chunks is empty".to_string()));
+        match &self.chunks {
+            None => Ok(vec![PairRequest::whole(self.prompt_len)]),
+            Some(chunks) => check_chunks(
+                chunks,
+                self.prompt_len,
+                u64::from(self.model.tokens_per_block),
+            ),
         }
-        let tpb = u64::from(self.model.tokens_per_block);
-        let mut previous_end = 0;
-        let mut out = Vec::with_capacity(chunks.len());
-        for (k, c) in chunks.iter().enumerate() {
-            let bad = |why: &str| {
-                ScenarioError::Invalid(format!("chunk {k} [{}, {}): {why}", c.start, c.end))
-            };
-            if c.start >= c.end {
-                return Err(bad("empty"));
-            }
-            if c.start < previous_end {
-                return Err(bad("overlaps or precedes the previous chunk"));
-            }
-            if c.end > self.prompt_len {
-                return Err(bad("runs past the prompt"));
-            }
-            if c.start % tpb != 0 || (c.end % tpb != 0 && c.end != self.prompt_len) {
-                return Err(bad("not aligned to blocks"));
-            }
-            previous_end = c.end;
-            out.push(PairRequest {
-                token_range: *c,
-                prompt_len: self.prompt_len,
-                dst_start_token: ROption::RNone,
-                is_last: k + 1 == chunks.len(),
-            });
-        }
-        Ok(out)
     }
 
     /// Runs the request end to end (see the module docs).
@@ -234,6 +216,20 @@ impl Scenario {
         gen_planner: PlannerFactory<'_>,
     ) -> Result<ScenarioReport, ScenarioError> {
         let started = Instant::now();
+        let exchange = self.exchange()?;
+        let layout = started.elapsed();
+        let mut report = exchange.run(ctx_planner, gen_planner)?;
+        report.timings.setup += layout;
+        Ok(report)
+    }
+
+    /// Both instances laid out, the slot tables of the ranks taking part and the pieces: the
+    /// request as an [`Exchange`].
+    ///
+    /// # Errors
+    ///
+    /// Invalid parameters or a layout refusal.
+    pub fn exchange(&self) -> Result<Exchange, ScenarioError> {
         self.check()?;
         let pieces = self.pieces()?;
         let tpb = u64::from(self.model.tokens_per_block);
@@ -244,40 +240,214 @@ impl Scenario {
             slot_padding: if self.padded { PADDING_BYTES } else { 0 },
             ..PoolOptions::default()
         };
-
-        let mut memory = LocalMemory::new();
-        let mut ctx_infos =
-            self.instance(&self.ctx_mapping, CONTEXT_INSTANCE, &options, &mut memory)?;
-        let mut gen_infos = self.instance(
-            &self.gen_mapping,
-            GENERATION_INSTANCE,
-            &options,
-            &mut memory,
-        )?;
-        let ctx_group: Vec<u32> = dp_group(&ctx_infos, self.ctx_dp_rank);
-        let receivers: Vec<u32> = dp_group(&gen_infos, self.gen_dp_rank);
-
+        // Addresses only: the exchange backs the pools of the ranks that take part.
+        let mut space = LocalMemory::new();
+        let ctx = self.instance(&self.ctx_mapping, CONTEXT_INSTANCE, &options, &mut space)?;
+        let generation =
+            self.instance(&self.gen_mapping, GENERATION_INSTANCE, &options, &mut space)?;
         let ctx_slots = SlotAssignment::new(self, 0x00c0_17e7, blocks, &options);
         let gen_slots = SlotAssignment::new(self, 0x0009_e4e7, blocks, &options);
-        let ctx_tables: BTreeMap<u32, Vec<SlotTable>> = ctx_group
-            .iter()
-            .map(|&r| {
-                (
-                    r,
-                    slot_tables(&ctx_infos[r as usize], self.prompt_len, 0, &ctx_slots),
-                )
+        let ctx_tables = dp_group(&ctx, self.ctx_dp_rank)
+            .into_iter()
+            .map(|r| {
+                let info = &ctx[r as usize];
+                (r, slot_tables(info, self.prompt_len, 0, &ctx_slots))
             })
             .collect();
-        let gen_tables: BTreeMap<u32, Vec<SlotTable>> = receivers
-            .iter()
-            .map(|&r| {
-                let info = &gen_infos[r as usize];
+        let gen_tables = dp_group(&generation, self.gen_dp_rank)
+            .into_iter()
+            .map(|r| {
+                let info = &generation[r as usize];
                 (
                     r,
                     slot_tables(info, self.prompt_len, self.cached_tokens, &gen_slots),
                 )
             })
             .collect();
+        Ok(Exchange {
+            ctx,
+            generation,
+            ctx_tables,
+            gen_tables,
+            gen_excluded: BTreeMap::new(),
+            pieces,
+            ctx_dp_rank: self.ctx_dp_rank,
+            gen_dp_rank: self.gen_dp_rank,
+            seed: self.seed,
+            bounce_limits: self.bounce_limits,
+        })
+    }
+
+    fn check(&self) -> Result<(), ScenarioError> {
+        let invalid = |m: String| Err(ScenarioError::Invalid(m));
+        if self.prompt_len == 0 {
+            return invalid("prompt_len is 0".to_string());
+        }
+        if self.model.tokens_per_block == 0 {
+            return invalid("tokens_per_block is 0".to_string());
+        }
+        if self.cached_tokens > self.prompt_len {
+            return invalid(format!(
+                "cached_tokens {} exceeds prompt_len {}",
+                self.cached_tokens, self.prompt_len
+            ));
+        }
+        for (name, mapping, dp) in [
+            ("ctx", &self.ctx_mapping, self.ctx_dp_rank),
+            ("gen", &self.gen_mapping, self.gen_dp_rank),
+        ] {
+            let groups = if mapping.attention_dp { mapping.tp } else { 1 };
+            if dp >= groups {
+                return invalid(format!(
+                    "{name}_dp_rank {dp} but mapping {mapping} has {groups} dp groups"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Lays out one instance, reserving (not backing) its pools.
+    fn instance(
+        &self,
+        mapping: &Mapping,
+        name: &str,
+        options: &PoolOptions,
+        memory: &mut LocalMemory,
+    ) -> Result<Vec<RankInfo>, ScenarioError> {
+        let mut alloc = |rank: u32, pool: usize, bytes: u64| {
+            memory.reserve(bytes, format!("{name} rank {rank} pool {pool}"))
+        };
+        Ok(build_instance(
+            &self.model,
+            mapping,
+            name,
+            &self.planner_id,
+            options,
+            &mut alloc,
+        )?)
+    }
+}
+
+/// The pieces of a request sent in `chunks`, the last with `is_last`.
+///
+/// # Errors
+///
+/// Chunks that are empty, out of order, overlapping, past the prompt, or not aligned to
+/// blocks of `tpb` tokens (a chunk may end at the prompt's end); no chunks at all.
+pub(crate) fn check_chunks(
+    chunks: &[TokenRange],
+    prompt_len: u64,
+    tpb: u64,
+) -> Result<Vec<PairRequest>, ScenarioError> {
+    if chunks.is_empty() {
+        return Err(ScenarioError::Invalid("chunks is empty".to_string()));
+    }
+    let tpb = tpb.max(1);
+    let mut previous_end = 0;
+    let mut out = Vec::with_capacity(chunks.len());
+    for (k, c) in chunks.iter().enumerate() {
+        let bad = |why: &str| {
+            ScenarioError::Invalid(format!("chunk {k} [{}, {}): {why}", c.start, c.end))
+        };
+        if c.start >= c.end {
+            return Err(bad("empty"));
+        }
+        if c.start < previous_end {
+            return Err(bad("overlaps or precedes the previous chunk"));
+        }
+        if c.end > prompt_len {
+            return Err(bad("runs past the prompt"));
+        }
+        if c.start % tpb != 0 || (c.end % tpb != 0 && c.end != prompt_len) {
+            return Err(bad("not aligned to blocks"));
+        }
+        previous_end = c.end;
+        out.push(PairRequest {
+            token_range: *c,
+            prompt_len,
+            dst_start_token: ROption::RNone,
+            is_last: k + 1 == chunks.len(),
+        });
+    }
+    Ok(out)
+}
+
+/// One request between two instances given rank by rank: what [`Scenario::run`] does once
+/// its preset is laid out, for page tables of any shape ([`crate::builder`], or a preset's
+/// tables edited by a test).
+///
+/// [`run`](Self::run) places every pool of the ranks that take part at the address its page
+/// table names (they must not overlap), then plans, moves and verifies as the module docs
+/// describe, from step 3 on.
+#[derive(Clone, Debug)]
+pub struct Exchange {
+    /// Every rank of the context instance, in rank order.
+    pub ctx: Vec<RankInfo>,
+    /// Every rank of the generation instance, in rank order.
+    pub generation: Vec<RankInfo>,
+    /// Slot tables of (at least) every rank of the context DP group, by instance rank.
+    pub ctx_tables: BTreeMap<u32, Vec<SlotTable>>,
+    /// Slot tables of (at least) every receiver, by instance rank.
+    pub gen_tables: BTreeMap<u32, Vec<SlotTable>>,
+    /// Views a receiver neither receives nor expects (bounded replay), by instance rank.
+    pub gen_excluded: BTreeMap<u32, Vec<ViewId>>,
+    /// The pieces every sender plans, in order; the last has `is_last`.
+    pub pieces: Vec<PairRequest>,
+    /// The context DP group serving the request.
+    pub ctx_dp_rank: u32,
+    /// The generation DP group receiving it.
+    pub gen_dp_rank: u32,
+    /// Seed of the oracle's tags.
+    pub seed: u64,
+    /// The limits each receiver's bounce region is checked against.
+    pub bounce_limits: BounceLimits,
+}
+
+impl Exchange {
+    /// Runs the request end to end (module docs, steps 3 and 4).
+    ///
+    /// # Errors
+    ///
+    /// An empty DP group, a rank of one without slot tables, overlapping pools, any planner
+    /// error or refusal, asymmetric targets, a rejected plan, or an oracle failure. Byte
+    /// mismatches are not errors: they are in the report's [`ScenarioReport::verification`].
+    pub fn run(
+        &self,
+        ctx_planner: PlannerFactory<'_>,
+        gen_planner: PlannerFactory<'_>,
+    ) -> Result<ScenarioReport, ScenarioError> {
+        let started = Instant::now();
+        let mut ctx_infos = self.ctx.clone();
+        let mut gen_infos = self.generation.clone();
+        let ctx_group: Vec<u32> = dp_group(&ctx_infos, self.ctx_dp_rank);
+        let receivers: Vec<u32> = dp_group(&gen_infos, self.gen_dp_rank);
+        if ctx_group.is_empty() || receivers.is_empty() {
+            return Err(ScenarioError::Invalid(format!(
+                "ctx dp group {} has {} ranks, gen dp group {} has {}",
+                self.ctx_dp_rank,
+                ctx_group.len(),
+                self.gen_dp_rank,
+                receivers.len()
+            )));
+        }
+        fn table<'t>(
+            tables: &'t BTreeMap<u32, Vec<SlotTable>>,
+            side: &str,
+            rank: u32,
+        ) -> Result<&'t [SlotTable], ScenarioError> {
+            tables.get(&rank).map(Vec::as_slice).ok_or_else(|| {
+                ScenarioError::Invalid(format!("no slot tables for {side} rank {rank}"))
+            })
+        }
+        let ctx_tables: BTreeMap<u32, &[SlotTable]> = ctx_group
+            .iter()
+            .map(|&r| Ok((r, table(&self.ctx_tables, CONTEXT_INSTANCE, r)?)))
+            .collect::<Result<_, ScenarioError>>()?;
+        let gen_tables: BTreeMap<u32, &[SlotTable]> = receivers
+            .iter()
+            .map(|&r| Ok((r, table(&self.gen_tables, GENERATION_INSTANCE, r)?)))
+            .collect::<Result<_, ScenarioError>>()?;
+        let excluded = |g: u32| self.gen_excluded.get(&g).map_or(&[][..], Vec::as_slice);
 
         // Planners: context rank 0 (what a receiver bootstraps from) and every receiver first.
         let mut ctx_planners = Planners::new(CONTEXT_INSTANCE, ctx_planner);
@@ -298,11 +468,11 @@ impl Scenario {
                 .targets(me, peer, self.ctx_dp_rank)
                 .map_err(|e| gen_planners.error(g, "targets", e))?;
             let payload_bytes = planner
-                .receiver_payload_bytes(me, peer, &gen_tables[&g])
+                .receiver_payload_bytes(me, peer, gen_tables[&g])
                 .map_err(|e| gen_planners.error(g, "receiver_payload_bytes", e))?;
             let bounce = bounce::reserve(
                 &me.page_table,
-                &gen_tables[&g],
+                gen_tables[&g],
                 payload_bytes,
                 u32::try_from(t.ranks.len()).unwrap_or(u32::MAX),
                 t.uniform,
@@ -355,17 +525,18 @@ impl Scenario {
         }
 
         // Memory for the ranks that take part, then tags and canaries.
+        let mut memory = LocalMemory::new();
         for &c in &senders {
-            back_pools(&mut memory, &ctx_infos[c as usize])?;
+            map_pools(&mut memory, &ctx_infos[c as usize])?;
         }
         for &g in &receivers {
-            back_pools(&mut memory, &gen_infos[g as usize])?;
+            map_pools(&mut memory, &gen_infos[g as usize])?;
         }
         let setup = started.elapsed();
         let oracle = Oracle::new(self.seed);
         let clock = Instant::now();
         for &c in &senders {
-            let side = RequestSide::new(&ctx_infos[c as usize], &ctx_tables[&c]);
+            let side = RequestSide::new(&ctx_infos[c as usize], ctx_tables[&c]);
             oracle.fill_source(&mut memory, side)?;
         }
         for &g in &receivers {
@@ -377,16 +548,19 @@ impl Scenario {
         let (mut plan_time, mut execute_time) = (Duration::ZERO, Duration::ZERO);
         for (&g, r) in &receiving {
             report.receivers.push(r.clone());
-            let receiver = RequestSide::new(&gen_infos[g as usize], &gen_tables[&g]);
+            let receiver = RequestSide {
+                excluded: excluded(g),
+                ..RequestSide::new(&gen_infos[g as usize], gen_tables[&g])
+            };
             let mut writes: Vec<(u64, u64, u32)> = Vec::new();
             for &c in &r.targets {
-                let sender = RequestSide::new(&ctx_infos[c as usize], &ctx_tables[&c]);
+                let sender = RequestSide::new(&ctx_infos[c as usize], ctx_tables[&c]);
                 let mut pair = PairReport {
                     src_rank: c,
                     dst_rank: g,
                     ..PairReport::default()
                 };
-                for (k, piece) in pieces.iter().enumerate() {
+                for (k, piece) in self.pieces.iter().enumerate() {
                     let clock = Instant::now();
                     let plan = plan_transfer(ctx_planners.get(c).as_ref(), sender, receiver, piece)
                         .map_err(|source| ScenarioError::Plan {
@@ -422,18 +596,21 @@ impl Scenario {
         let clock = Instant::now();
         let context: Vec<RequestSide<'_>> = ctx_group
             .iter()
-            .map(|&c| RequestSide::new(&ctx_infos[c as usize], &ctx_tables[&c]))
+            .map(|&c| RequestSide::new(&ctx_infos[c as usize], ctx_tables[&c]))
             .collect();
         let receiver_sides: Vec<RequestSide<'_>> = receivers
             .iter()
-            .map(|&g| RequestSide::new(&gen_infos[g as usize], &gen_tables[&g]))
+            .map(|&g| RequestSide {
+                excluded: excluded(g),
+                ..RequestSide::new(&gen_infos[g as usize], gen_tables[&g])
+            })
             .collect();
         report.verification = oracle.verify(
             &memory,
             &Delivery {
                 context: &context,
                 receivers: &receiver_sides,
-                pieces: &pieces,
+                pieces: &self.pieces,
             },
         )?;
         report.timings = Timings {
@@ -445,55 +622,6 @@ impl Scenario {
         };
         report.backed_bytes = memory.backed_bytes();
         Ok(report)
-    }
-
-    fn check(&self) -> Result<(), ScenarioError> {
-        let invalid = |m: String| Err(ScenarioError::Invalid(m));
-        if self.prompt_len == 0 {
-            return invalid("prompt_len is 0".to_string());
-        }
-        if self.model.tokens_per_block == 0 {
-            return invalid("tokens_per_block is 0".to_string());
-        }
-        if self.cached_tokens > self.prompt_len {
-            return invalid(format!(
-                "cached_tokens {} exceeds prompt_len {}",
-                self.cached_tokens, self.prompt_len
-            ));
-        }
-        for (name, mapping, dp) in [
-            ("ctx", &self.ctx_mapping, self.ctx_dp_rank),
-            ("gen", &self.gen_mapping, self.gen_dp_rank),
-        ] {
-            let groups = if mapping.attention_dp { mapping.tp } else { 1 };
-            if dp >= groups {
-                return invalid(format!(
-                    "{name}_dp_rank {dp} but mapping {mapping} has {groups} dp groups"
-                ));
-            }
-        }
-        Ok(())
-    }
-
-    /// Lays out one instance, reserving (not backing) its pools.
-    fn instance(
-        &self,
-        mapping: &Mapping,
-        name: &str,
-        options: &PoolOptions,
-        memory: &mut LocalMemory,
-    ) -> Result<Vec<RankInfo>, ScenarioError> {
-        let mut alloc = |rank: u32, pool: usize, bytes: u64| {
-            memory.reserve(bytes, format!("{name} rank {rank} pool {pool}"))
-        };
-        Ok(build_instance(
-            &self.model,
-            mapping,
-            name,
-            &self.planner_id,
-            options,
-            &mut alloc,
-        )?)
     }
 }
 
@@ -593,8 +721,14 @@ fn dp_group(infos: &[RankInfo], dp_rank: u32) -> Vec<u32> {
         .collect()
 }
 
-fn back_pools(memory: &mut LocalMemory, info: &RankInfo) -> Result<(), OracleError> {
-    for pool in info.page_table.pools.iter() {
+/// Places and backs every pool of `info` at the address its page table names.
+fn map_pools(memory: &mut LocalMemory, info: &RankInfo) -> Result<(), OracleError> {
+    for (p, pool) in info.page_table.pools.iter().enumerate() {
+        let label = format!(
+            "{} rank {} pool {p}",
+            info.instance_name, info.instance_rank
+        );
+        memory.reserve_at(pool.base, pool.footprint(), label)?;
         memory.back(pool.base)?;
     }
     Ok(())
@@ -757,6 +891,23 @@ impl ScenarioReport {
     /// Whether every byte matched and no receiver byte was written twice.
     pub fn is_ok(&self) -> bool {
         self.verification.is_clean() && self.overlapping_writes == 0
+    }
+
+    /// Senders whose plans into generation rank `gen_rank` moved at least one byte.
+    pub fn busy_writers(&self, gen_rank: u32) -> usize {
+        self.pairs
+            .iter()
+            .filter(|p| p.dst_rank == gen_rank && p.bytes > 0)
+            .count()
+    }
+
+    /// Bytes moved into generation rank `gen_rank`, all senders.
+    pub fn bytes_into(&self, gen_rank: u32) -> u64 {
+        self.pairs
+            .iter()
+            .filter(|p| p.dst_rank == gen_rank)
+            .map(|p| p.bytes)
+            .sum()
     }
 }
 

@@ -4,12 +4,15 @@ use std::sync::Arc;
 
 use kvferry_plan::{RequestSide, validate};
 use kvferry_planner_abi::{
-    GroupKind, LayerGroupRows, Mapping, PairRequest, PeerTargets, PlanError, RankInfo, SlotTable,
-    TokenRange, TransferPlan, TransferPlanner, ViewId, ffi::RVec,
+    GroupKind, LayerGroupRows, LayoutKind, Mapping, PairRequest, PeerTargets, PlanError, RankInfo,
+    SlotTable, TokenRange, TransferPlan, TransferPlanner, ViewId, ffi::RVec,
 };
+use kvferry_testkit::builder::{Deploy, Model, Transfer};
 use kvferry_testkit::layout::{Dtype, ModelSpec, PoolOptions, Preset, build_rank};
-use kvferry_testkit::oracle::{Delivery, LocalMemory, Logical, MemoryError, Oracle, Side};
-use kvferry_testkit::scenario::{Scenario, ScenarioError, ScenarioReport};
+use kvferry_testkit::oracle::{
+    Delivery, LocalMemory, Logical, MemoryError, Oracle, OracleError, Side,
+};
+use kvferry_testkit::scenario::{Exchange, Scenario, ScenarioError, ScenarioReport};
 
 type Mutation = Box<dyn Fn(&mut TransferPlan) + Send + Sync>;
 
@@ -537,6 +540,116 @@ fn refusal_names_the_field() {
     );
     let err = run_with(&s, Mirror::default()).unwrap_err();
     assert!(err.to_string().contains("tp_size"), "{err}");
+}
+
+/// Runs an exchange with the mirror on both sides.
+fn run_exchange(e: &Exchange) -> Result<ScenarioReport, ScenarioError> {
+    let planner: Arc<dyn TransferPlanner> = Arc::new(Mirror::default());
+    let factory =
+        move |_: &RankInfo| -> Result<Arc<dyn TransferPlanner>, PlanError> { Ok(planner.clone()) };
+    e.run(&factory, &factory)
+}
+
+#[test]
+fn builder_deployments_run_through_the_oracle() {
+    let mut hybrid = Model::hybrid(8, 4);
+    if let Some(state) = hybrid.state.as_mut() {
+        state.replicated_side = Some(24);
+    }
+    let models = [
+        Model::gqa(3, 4, 4, 4),
+        Model {
+            layout: LayoutKind::NHD,
+            ..Model::gqa(3, 4, 4, 4)
+        },
+        Model::mla(3, 9, 4),
+        Model {
+            window: Some(9),
+            slot_padding: 40,
+            ..Model::gqa(2, 2, 8, 4)
+        },
+        hybrid,
+    ];
+    for model in &models {
+        let deploys = |tp: u32| {
+            [
+                (Deploy::context(tp, model), Deploy::generation(tp, model)),
+                (
+                    Deploy::context(tp, model).adp(),
+                    Deploy::generation(tp, model).adp(),
+                ),
+            ]
+        };
+        let mut pairs: Vec<(Deploy, Deploy)> = [1, 2, 4].into_iter().flat_map(deploys).collect();
+        if model.state.is_none() {
+            pairs.push((
+                Deploy::context(2, model),
+                Deploy::generation(2, model).cp(2),
+            ));
+        }
+        for (ctx, generation) in pairs {
+            let mut t = Transfer::new(model, ctx.clone(), generation.clone(), 29);
+            t.ctx_dp_rank = ctx.dp_groups() - 1;
+            t.gen_dp_rank = generation.dp_groups() - 1;
+            if generation.mapping.cp == 1 {
+                t.pieces = vec![(0, 12), (12, 29)];
+            }
+            t.ctx_holes = vec![2];
+            t.gen_holes = vec![0, 5];
+            t.seed = 5;
+            let what = format!("{model:?}: {} -> {}", ctx.mapping, generation.mapping);
+            let report =
+                run_exchange(&t.exchange().unwrap()).unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert!(report.is_ok(), "{what}: {report}");
+            assert!(report.verification.bytes_covered > 0, "{what}: {report}");
+            assert_eq!(report.bytes, report.verification.bytes_covered, "{what}");
+        }
+    }
+}
+
+#[test]
+fn exchanges_refuse_overlapping_pools_and_missing_tables() {
+    let model = Model::gqa(2, 2, 8, 4);
+    let t = Transfer::new(
+        &model,
+        Deploy::context(1, &model),
+        Deploy::generation(1, &model),
+        16,
+    );
+    let mut e = t.exchange().unwrap();
+    // Both instances at the same synthetic addresses.
+    e.generation = Deploy {
+        id: 1,
+        ..t.generation.clone()
+    }
+    .instance(&model);
+    assert!(
+        matches!(
+            run_exchange(&e),
+            Err(ScenarioError::Oracle(OracleError::Memory(
+                MemoryError::Overlaps { .. }
+            )))
+        ),
+        "{:?}",
+        run_exchange(&e)
+    );
+    let mut e = t.exchange().unwrap();
+    e.gen_tables.clear();
+    let err = run_exchange(&e).unwrap_err();
+    assert!(
+        matches!(&err, ScenarioError::Invalid(m) if m.contains("no slot tables for gen rank 0")),
+        "{err}"
+    );
+    let mut e = t.exchange().unwrap();
+    e.gen_dp_rank = 1;
+    assert!(matches!(run_exchange(&e), Err(ScenarioError::Invalid(_))));
+    // An excluded receiver view is neither written nor expected: every byte keeps its canary.
+    let mut e = t.exchange().unwrap();
+    e.gen_excluded.insert(0, vec![ViewId { group: 0, view: 0 }]);
+    let report = run_exchange(&e).unwrap();
+    assert!(report.is_ok(), "{report}");
+    assert_eq!((report.bytes, report.verification.bytes_covered), (0, 0));
+    assert!(report.verification.bytes_checked > 0);
 }
 
 #[test]

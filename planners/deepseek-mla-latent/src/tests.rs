@@ -1,83 +1,32 @@
-use kvferry_planner_abi::{
-    BufferEntry, ErrorKind, LayerGroup, LayoutKind, LocalLayer, Mapping, MemoryType, PoolView,
-    RoleLayout, SlotTable, TokenRange, ViewId, ffi::ROption, rows,
-};
+use kvferry_planner_abi::{ErrorKind, Mapping, SlotTable, TokenRange, ViewId, ffi::ROption};
+use kvferry_testkit::builder::{Deploy, Model, Transfer, rows_excluding, rows_of};
 
 use super::*;
 
-const LATENT: u64 = 576;
+/// DeepSeek-V3's latent cache (semantics §12.1): 61 layers of one 576-element latent per
+/// token, FP8, 32 tokens per block, 64 slots per pool.
+fn v3() -> Model {
+    Model {
+        elem_bytes: 1,
+        dtype: "fp8_e4m3",
+        slots: 64,
+        ..Model::mla(61, 576, 32)
+    }
+}
 
-/// A DeepSeek-V3-shaped latent page table: `layers` back to back, `tpb` tokens per slot.
-fn table(layers: &[u32], tpb: u32, elem: u64, base: u64, slots: u64, pad: u64) -> PageTable {
-    let layer_bytes = u64::from(tpb) * LATENT * elem;
-    let slot_bytes = layer_bytes * layers.len() as u64;
-    let (dtype, bits) = if elem == 1 {
-        ("fp8_e4m3", 8)
+/// `model` under attention DP over `dp` ranks: the context instance, or the generation one.
+fn dep(context: bool, dp: u32, model: &Model) -> Deploy {
+    let d = if context {
+        Deploy::context(dp, model)
     } else {
-        ("bf16", 16)
+        Deploy::generation(dp, model)
     };
-    PageTable {
-        tokens_per_block: tpb,
-        pools: vec![kvferry_planner_abi::PhysicalPool {
-            base,
-            slot_bytes,
-            slot_stride: slot_bytes + pad,
-            num_slots: slots,
-            memory_type: MemoryType::VRAM,
-        }]
-        .into(),
-        groups: vec![LayerGroup {
-            kind: GroupKind::PAGED,
-            window: ROption::RNone,
-            layers: layers
-                .iter()
-                .enumerate()
-                .map(|(i, &g)| LocalLayer {
-                    local: i as u32,
-                    global: g,
-                })
-                .collect(),
-            views: vec![PoolView {
-                pool: 0,
-                entries: (0..layers.len())
-                    .map(|i| BufferEntry {
-                        local_layer: i as u32,
-                        offset: i as u64 * layer_bytes,
-                        size: layer_bytes,
-                    })
-                    .collect(),
-                roles: vec!["key".into()].into(),
-                layout: RoleLayout::whole(LayoutKind::HND, dtype, bits),
-            }]
-            .into(),
-        }]
-        .into(),
-    }
+    d.adp().planner(DeepseekMlaLatent::PLANNER_ID)
 }
 
-fn v3_layers() -> Vec<u32> {
-    (0..61).collect()
-}
-
-fn rank(name: &str, dp_size: u32, dp_rank: u32, page_table: PageTable) -> RankInfo {
-    RankInfo {
-        instance_name: name.into(),
-        instance_rank: dp_rank,
-        tp_size: dp_size,
-        tp_rank: dp_rank,
-        pp_size: 1,
-        pp_rank: 0,
-        cp_size: 1,
-        cp_rank: 0,
-        dp_size,
-        dp_rank,
-        attention_dp: true,
-        layers_per_pp: vec![61].into(),
-        page_table,
-        planner_id: DeepseekMlaLatent::PLANNER_ID.into(),
-        describer_id: kvferry_planner_abi::DEFAULT_DESCRIBER_ID.into(),
-        planner_blob: Default::default(),
-    }
+/// Generation rank `rank` of a dep8 deployment of `model`.
+fn gen8(model: &Model, rank: u32) -> RankInfo {
+    dep(false, 8, model).rank(model, rank)
 }
 
 fn deployment(arch: &str, tp: u32, pp: u32, cp: u32, adp: bool) -> Deployment {
@@ -94,10 +43,15 @@ fn deployment(arch: &str, tp: u32, pp: u32, cp: u32, adp: bool) -> Deployment {
     }
 }
 
+/// Context DP rank 1 of dep4 and generation DP rank 5 of dep8.
 fn ctx_gen() -> (RankInfo, RankInfo) {
-    let ctx = rank("ctx", 4, 1, table(&v3_layers(), 32, 1, 0x1000_0000, 64, 0));
-    let gen_ = rank("gen", 8, 5, table(&v3_layers(), 32, 1, 0x9000_0000, 64, 0));
-    (ctx, gen_)
+    let m = v3();
+    (dep(true, 4, &m).rank(&m, 1), gen8(&m, 5))
+}
+
+/// Base addresses of the latent pools of the context and generation ranks.
+fn bases(ctx: &RankInfo, gen_: &RankInfo) -> (u64, u64) {
+    (ctx.page_table.pools[0].base, gen_.page_table.pools[0].base)
 }
 
 fn plan(
@@ -108,8 +62,8 @@ fn plan(
     request: &PairRequest,
 ) -> TransferPlan {
     let p = DeepseekMlaLatent::new(ctx).unwrap();
-    let mine = rows(&ctx.page_table, &[SlotTable::new(src.to_vec())], &[]).unwrap();
-    let theirs = rows(&gen_.page_table, &[SlotTable::new(dst.to_vec())], &[]).unwrap();
+    let mine = rows_of(ctx, &[SlotTable::new(src.to_vec())]);
+    let theirs = rows_of(gen_, &[SlotTable::new(dst.to_vec())]);
     p.pair(ctx, gen_, &mine, &theirs, request).unwrap()
 }
 
@@ -164,10 +118,14 @@ fn refuses_other_deployments_with_the_reason() {
 #[test]
 fn row_bytes_match_the_real_model() {
     // semantics §12.1: 61 layers × 32 tokens × 576 B at fp8 = 1,124,352 B per slot.
-    let t = table(&v3_layers(), 32, 1, 0, 1, 0);
-    assert_eq!(t.pools[0].slot_bytes, 1_124_352);
-    let t = table(&v3_layers(), 32, 2, 0, 1, 0);
-    assert_eq!(t.pools[0].slot_bytes, 2_248_704);
+    let fp8 = v3();
+    assert_eq!(gen8(&fp8, 0).page_table.pools[0].slot_bytes, 1_124_352);
+    let bf16 = Model {
+        elem_bytes: 2,
+        dtype: "bf16",
+        ..v3()
+    };
+    assert_eq!(gen8(&bf16, 0).page_table.pools[0].slot_bytes, 2_248_704);
 }
 
 #[test]
@@ -185,19 +143,24 @@ fn check_peer_accepts_the_same_latent_at_another_dp_width() {
 fn check_peer_refuses_each_geometry_difference_naming_the_field() {
     let (ctx, _) = ctx_gen();
     let p = DeepseekMlaLatent::new(&ctx).unwrap();
-    let with = |t: PageTable| rank("gen", 8, 0, t);
+    let with = |m: Model| gen8(&m, 0);
     let cases: Vec<(RankInfo, &str)> = vec![
+        (with(Model { tpb: 64, ..v3() }), "tokens_per_block"),
         (
-            with(table(&v3_layers(), 64, 1, 0, 8, 0)),
-            "tokens_per_block",
+            with(Model {
+                elem_bytes: 2,
+                dtype: "bf16",
+                ..v3()
+            }),
+            "dtype",
         ),
-        (with(table(&v3_layers(), 32, 2, 0, 8, 0)), "dtype"),
+        (with(v3().with_layers(62)), "layer count"),
         (
-            with(table(&(0..62).collect::<Vec<_>>(), 32, 1, 0, 8, 0)),
-            "layer count",
-        ),
-        (
-            with(table(&(1..62).collect::<Vec<_>>(), 32, 1, 0, 8, 0)),
+            with(Model {
+                layers: 62,
+                attn: (1..62).collect(),
+                ..v3()
+            }),
             "layer ids",
         ),
     ];
@@ -214,10 +177,10 @@ fn check_peer_refuses_a_different_slot_size() {
     let p = DeepseekMlaLatent::new(&ctx).unwrap();
     // Same layers and tokens, but the latent is stored with a trailing pad inside the slot:
     // the layers no longer tile the slot, so the peer's layout is refused.
-    let mut t = table(&v3_layers(), 32, 1, 0, 8, 0);
-    t.pools[0].slot_bytes += 64;
-    t.pools[0].slot_stride += 64;
-    let err = p.check_peer(&ctx, &rank("gen", 8, 0, t)).unwrap_err();
+    let mut peer = gen8(&v3(), 0);
+    peer.page_table.pools[0].slot_bytes += 64;
+    peer.page_table.pools[0].slot_stride += 64;
+    let err = p.check_peer(&ctx, &peer).unwrap_err();
     assert_eq!(refusal_field(&err), "page table");
     assert!(err.to_string().contains("tile the slot"), "{err}");
 }
@@ -226,11 +189,12 @@ fn check_peer_refuses_a_different_slot_size() {
 fn check_peer_refuses_a_second_view() {
     let (ctx, _) = ctx_gen();
     let p = DeepseekMlaLatent::new(&ctx).unwrap();
-    let mut t = table(&v3_layers(), 32, 1, 0, 8, 0);
-    let mut indexer = t.groups[0].views[0].clone();
+    let mut peer = gen8(&v3(), 0);
+    let views = &mut peer.page_table.groups[0].views;
+    let mut indexer = views[0].clone();
     indexer.roles = vec!["indexer_k".into()].into();
-    t.groups[0].views.push(indexer);
-    let err = p.check_peer(&ctx, &rank("gen", 8, 0, t)).unwrap_err();
+    views.push(indexer);
+    let err = p.check_peer(&ctx, &peer).unwrap_err();
     assert_eq!(refusal_field(&err), "page table");
     assert!(err.to_string().contains("exactly one view"), "{err}");
 }
@@ -281,6 +245,7 @@ fn targets_are_the_peer_rank_of_the_dp_rank() {
 #[test]
 fn consecutive_slots_on_both_sides_merge_into_one_fragment() {
     let (ctx, gen_) = ctx_gen();
+    let (src, dst) = bases(&ctx, &gen_);
     let row = ctx.page_table.pools[0].slot_bytes;
     let p = plan(
         &ctx,
@@ -290,14 +255,15 @@ fn consecutive_slots_on_both_sides_merge_into_one_fragment() {
         &PairRequest::whole(128),
     );
     assert_eq!(p.fragments(), 1);
-    assert_eq!(p.src[0], 0x1000_0000 + 3 * row);
-    assert_eq!(p.dst[0], 0x9000_0000 + 10 * row);
+    assert_eq!(p.src[0], src + 3 * row);
+    assert_eq!(p.dst[0], dst + 10 * row);
     assert_eq!(p.len[0], 4 * row);
 }
 
 #[test]
 fn runs_break_where_either_side_jumps() {
     let (ctx, gen_) = ctx_gen();
+    let (src, dst) = bases(&ctx, &gen_);
     let row = ctx.page_table.pools[0].slot_bytes;
     // Source jumps after ordinal 1, destination after ordinal 2.
     let p = plan(
@@ -311,22 +277,22 @@ fn runs_break_where_either_side_jumps() {
     assert_eq!(
         frags,
         vec![
-            (0x1000_0000, 0x9000_0000 + 20 * row, 2 * row),
-            (0x1000_0000 + 7 * row, 0x9000_0000 + 22 * row, row),
-            (0x1000_0000 + 8 * row, 0x9000_0000 + 30 * row, row),
+            (src, dst + 20 * row, 2 * row),
+            (src + 7 * row, dst + 22 * row, row),
+            (src + 8 * row, dst + 30 * row, row),
         ]
     );
 }
 
 #[test]
 fn a_padded_pool_never_merges() {
-    let ctx = rank(
-        "ctx",
-        4,
-        0,
-        table(&v3_layers(), 32, 1, 0x1000_0000, 16, 4096),
-    );
-    let gen_ = rank("gen", 4, 0, table(&v3_layers(), 32, 1, 0x9000_0000, 16, 0));
+    let m = Model { slots: 16, ..v3() };
+    let padded = Model {
+        slot_padding: 4096,
+        ..m.clone()
+    };
+    let ctx = dep(true, 4, &padded).rank(&padded, 0);
+    let gen_ = dep(false, 4, &m).rank(&m, 0);
     let p = plan(&ctx, &gen_, &[0, 1, 2], &[0, 1, 2], &PairRequest::whole(96));
     assert_eq!(p.fragments(), 3);
     assert!(
@@ -339,6 +305,7 @@ fn a_padded_pool_never_merges() {
 #[test]
 fn holes_on_either_side_are_skipped() {
     let (ctx, gen_) = ctx_gen();
+    let (src, dst) = bases(&ctx, &gen_);
     let row = ctx.page_table.pools[0].slot_bytes;
     // The receiver already caches ordinals 0 and 1; the sender lost ordinal 3.
     let p = plan(
@@ -352,8 +319,8 @@ fn holes_on_either_side_are_skipped() {
     assert_eq!(
         frags,
         vec![
-            (0x1000_0000 + 2 * row, 0x9000_0000 + 7 * row, row),
-            (0x1000_0000 + 4 * row, 0x9000_0000 + 9 * row, row),
+            (src + 2 * row, dst + 7 * row, row),
+            (src + 4 * row, dst + 9 * row, row),
         ]
     );
 }
@@ -401,10 +368,11 @@ fn dst_start_token_skips_the_cached_prefix() {
         &[8, 9, 10, 11, 12, 13, 14, 15],
         &req,
     );
+    let (src, dst) = bases(&ctx, &gen_);
     let row = ctx.page_table.pools[0].slot_bytes;
     assert_eq!(
         p.iter().collect::<Vec<_>>(),
-        vec![(0x1000_0000 + 2 * row, 0x9000_0000 + 10 * row, 6 * row)]
+        vec![(src + 2 * row, dst + 10 * row, 6 * row)]
     );
 }
 
@@ -412,9 +380,9 @@ fn dst_start_token_skips_the_cached_prefix() {
 fn an_excluded_view_gives_an_empty_plan() {
     let (ctx, gen_) = ctx_gen();
     let p = DeepseekMlaLatent::new(&ctx).unwrap();
-    let mine = rows(&ctx.page_table, &[SlotTable::new([0, 1])], &[]).unwrap();
+    let mine = rows_of(&ctx, &[SlotTable::new([0, 1])]);
     let excluded = [ViewId { group: 0, view: 0 }];
-    let theirs = rows(&gen_.page_table, &[SlotTable::new([0, 1])], &excluded).unwrap();
+    let theirs = rows_excluding(&gen_, &[SlotTable::new([0, 1])], &excluded);
     assert!(theirs.is_empty());
     let plan = p
         .pair(&ctx, &gen_, &mine, &theirs, &PairRequest::whole(64))
@@ -440,8 +408,8 @@ fn the_exported_module_drives_the_same_planner() {
     assert_eq!(err.kind(), ErrorKind::UNSUPPORTED);
     let (ctx, gen_) = ctx_gen();
     let loaded = module.instantiate(&ctx).unwrap();
-    let mine = rows(&ctx.page_table, &[SlotTable::new([0, 1, 2])], &[]).unwrap();
-    let theirs = rows(&gen_.page_table, &[SlotTable::new([5, 6, 7])], &[]).unwrap();
+    let mine = rows_of(&ctx, &[SlotTable::new([0, 1, 2])]);
+    let theirs = rows_of(&gen_, &[SlotTable::new([5, 6, 7])]);
     let via_ffi = loaded
         .pair(&ctx, &gen_, &mine, &theirs, &PairRequest::whole(96))
         .unwrap();
@@ -452,4 +420,38 @@ fn the_exported_module_drives_the_same_planner() {
             .unwrap()
             .contains("tpb=32")
     );
+}
+
+#[test]
+fn requests_move_every_latent_byte_once_and_nothing_else() {
+    // Byte level, through the testkit's oracle: a short latent (4 layers × 64 elements,
+    // tpb 4) from context DP rank 1 of dep4 to every DP rank of dep2 and dep8, whole or in
+    // chunks, with a lost sender block and a cached receiver prefix, padded pools or not.
+    for padding in [0, 64] {
+        let m = Model {
+            elem_bytes: 1,
+            dtype: "fp8_e4m3",
+            slots: 16,
+            slot_padding: padding,
+            ..Model::mla(4, 64, 4)
+        };
+        for (dp, pieces) in [(2, vec![(0, 37)]), (8, vec![(0, 16), (16, 32), (32, 37)])] {
+            let mut t = Transfer::new(&m, dep(true, 4, &m), dep(false, dp, &m), 37);
+            t.ctx_dp_rank = 1;
+            t.pieces = pieces;
+            t.ctx_holes = vec![3];
+            t.gen_holes = vec![0, 1];
+            let reports = t
+                .run_every_group(DeepseekMlaLatent::new)
+                .unwrap_or_else(|e| panic!("dep4 -> dep{dp}, padding {padding}: {e}"));
+            assert_eq!(reports.len(), dp as usize);
+            for (d, report) in reports.iter().enumerate() {
+                assert!(report.is_ok(), "dep{dp} rank {d}: {report}");
+                // 10 blocks, one lost, two cached: 7 rows of 4 layers × 4 tokens × 64 B.
+                assert_eq!(report.verification.bytes_covered, 7 * 4 * 4 * 64);
+                assert_eq!(report.bytes_into(d as u32), 7 * 4 * 4 * 64);
+                assert_eq!(report.receivers[0].targets, [1]);
+            }
+        }
+    }
 }

@@ -1,11 +1,9 @@
 //! Mapper vectors (semantics §5.3, §13.16–18) and the worked numbers of §12.
 
-mod common;
-
-use common::{Deploy, Model, frags, piece, rows_of, tables};
 use kvferry_planner_abi::ffi::RString;
 use kvferry_planner_abi::{LayoutKind, PlannerPlugin, RankInfo, TransferPlan, TransferPlanner};
 use kvferry_planner_default::DefaultPlanner;
+use kvferry_testkit::builder::{Deploy, Model, piece, rows_of, tables};
 
 /// The plan `sender` writes into `receiver` for a whole prompt, every ordinal held.
 fn plan(sender: &RankInfo, receiver: &RankInfo, prompt: u64) -> TransferPlan {
@@ -39,8 +37,8 @@ fn hnd_head_mismatch_vector_with_sub_byte_elements() {
     // tp2 rank 1 with 1 head (layer 128 B); rows at 1000 and 2000; 2 layers. The sizes come
     // from the slot bytes, never from the element width (NVFP4: 4 bits).
     let model = Model::gqa(2, 2, 8, 4);
-    let mut ctx = Deploy::ctx(1, &model).rank(&model, 0);
-    let mut generation = Deploy::gen_tp(2, &model).rank(&model, 1);
+    let mut ctx = Deploy::context(1, &model).rank(&model, 0);
+    let mut generation = Deploy::generation(2, &model).rank(&model, 1);
     for (ri, base) in [(&mut ctx, 1000), (&mut generation, 2000)] {
         ri.page_table.pools[0].base = base;
         let layout = &mut ri.page_table.groups[0].views[0].layout;
@@ -51,7 +49,7 @@ fn hnd_head_mismatch_vector_with_sub_byte_elements() {
     assert_eq!(generation.page_table.pools[0].slot_bytes, 256);
     let p = plan(&ctx, &generation, 4);
     assert_eq!(
-        frags(&p),
+        p.iter().collect::<Vec<_>>(),
         vec![
             (1064, 2000, 64),
             (1192, 2064, 64),
@@ -67,8 +65,8 @@ fn hnd_mismatch_emits_one_fragment_per_layer_and_buffer() {
     let model = Model::gqa(4, 8, 16, 8);
     let head = 8 * 16 * 2;
     for (ctx_tp, gen_tp) in [(1, 2), (2, 8), (8, 2), (4, 1)] {
-        let c = Deploy::ctx(ctx_tp, &model).rank(&model, 0);
-        let g = Deploy::gen_tp(gen_tp, &model).rank(&model, 0);
+        let c = Deploy::context(ctx_tp, &model).rank(&model, 0);
+        let g = Deploy::generation(gen_tp, &model).rank(&model, 0);
         let p = plan(&c, &g, 24);
         let heads = (8 / ctx_tp).min(8 / gen_tp);
         assert_eq!(p.fragments(), 3 * 4 * 2, "tp{ctx_tp} -> tp{gen_tp}");
@@ -90,8 +88,8 @@ fn finer_peer_head_offset_follows_the_total_head_formula() {
             let self_heads = 8 / self_tp;
             for peer_rank in 0..peer_tp {
                 let self_rank = peer_rank / (peer_tp / self_tp);
-                let c = Deploy::ctx(self_tp, &model).rank(&model, self_rank);
-                let g = Deploy::gen_tp(peer_tp, &model).rank(&model, peer_rank);
+                let c = Deploy::context(self_tp, &model).rank(&model, self_rank);
+                let g = Deploy::generation(peer_tp, &model).rank(&model, peer_rank);
                 let p = plan(&c, &g, 2);
                 let want = (peer_rank * self_heads * self_tp) / peer_tp % self_heads;
                 let src = c.page_table.pools[0].base;
@@ -117,8 +115,8 @@ fn llama70b_tp4_to_tp8() {
     // §12.2: gen rank g ← ctx rank g / 2; source head offset (g % 2) × 8192 in every K and V
     // buffer; 80 × 2 = 160 fragments of 8192 B per block.
     let model = Model::llama70b();
-    let ctx = Deploy::ctx(4, &model);
-    let generation = Deploy::gen_tp(8, &model);
+    let ctx = Deploy::context(4, &model);
+    let generation = Deploy::generation(8, &model);
     assert_eq!(
         ctx.rank(&model, 0).page_table.pools[0].slot_bytes,
         2_621_440
@@ -155,8 +153,8 @@ fn llama70b_tp8_to_tp4() {
     // §12.2: gen rank g ← ctx ranks 2g, 2g + 1 (2 writers, uniform); ctx rank t writes its
     // head at destination offset (t % 2) × 8192 in each buffer.
     let model = Model::llama70b();
-    let ctx = Deploy::ctx(8, &model);
-    let generation = Deploy::gen_tp(4, &model);
+    let ctx = Deploy::context(8, &model);
+    let generation = Deploy::generation(4, &model);
     for g in 0..4 {
         let gri = generation.rank(&model, g);
         let (ranks, uniform) = targets(&gri, &ctx.rank(&model, 0));
@@ -185,8 +183,8 @@ fn llama70b_tp8_to_tp4() {
 fn llama70b_tp16_to_tp8_elects_one_of_two_duplicated_heads() {
     // §12.2: TP16 holds each of the 8 heads twice; half the ctx ranks send empty plans.
     let model = Model::llama70b();
-    let ctx = Deploy::ctx(16, &model);
-    let generation = Deploy::gen_tp(8, &model);
+    let ctx = Deploy::context(16, &model);
+    let generation = Deploy::generation(8, &model);
     let mut empty = 0;
     for g in 0..8 {
         let gri = generation.rank(&model, g);
@@ -213,14 +211,16 @@ fn llama70b_tp16_to_tp8_elects_one_of_two_duplicated_heads() {
 fn intact_copies_merge_layers_adjacent_on_both_sides() {
     let model = Model::llama70b();
     // Equal TP: the whole slot in one fragment per block.
-    let c = Deploy::ctx(4, &model).rank(&model, 1);
-    let g = Deploy::gen_tp(4, &model).rank(&model, 1);
+    let c = Deploy::context(4, &model).rank(&model, 1);
+    let g = Deploy::generation(4, &model).rank(&model, 1);
     let p = plan(&c, &g, 96);
     assert_eq!(p.fragments(), 3);
     assert!(p.len.iter().all(|&l| l == 2_621_440));
 
     // PP: the receiver's second stage holds layers 40..80, one run from the middle.
-    let g = Deploy::gen_tp(4, &model).pp(vec![40, 40]).rank(&model, 5);
+    let g = Deploy::generation(4, &model)
+        .pp(vec![40, 40])
+        .rank(&model, 5);
     let p = plan(&c, &g, 32);
     let rows = (c.page_table.pools[0].base, g.page_table.pools[0].base);
     assert_eq!(
@@ -230,8 +230,8 @@ fn intact_copies_merge_layers_adjacent_on_both_sides() {
 
     // A receiver that stores layers 2 and 3 in swapped places: three runs.
     let model = Model::gqa(4, 8, 128, 32);
-    let c = Deploy::ctx(8, &model).rank(&model, 0);
-    let mut g = Deploy::gen_tp(8, &model).rank(&model, 0);
+    let c = Deploy::context(8, &model).rank(&model, 0);
+    let mut g = Deploy::generation(8, &model).rank(&model, 0);
     let layer = 16_384;
     for e in g.page_table.groups[0].views[0].entries.iter_mut() {
         match e.local_layer {
@@ -262,8 +262,8 @@ fn deepseek_mla_tp8_to_attention_dp_has_one_owner_per_request() {
         slots: 256,
         ..Model::mla(61, 576, 32)
     };
-    let ctx = Deploy::ctx(8, &model);
-    let generation = Deploy::gen_tp(8, &model).adp();
+    let ctx = Deploy::context(8, &model);
+    let generation = Deploy::generation(8, &model).adp();
     assert_eq!(
         ctx.rank(&model, 0).page_table.pools[0].slot_bytes,
         1_124_352
@@ -292,8 +292,8 @@ fn nhd_resplit_emits_one_fragment_per_layer_buffer_and_token() {
         ..Model::gqa(2, 4, 4, 4)
     };
     // tp1 → tp2 rank 1: each token of each K/V buffer gives its second half of heads.
-    let c = Deploy::ctx(1, &model).rank(&model, 0);
-    let g = Deploy::gen_tp(2, &model).rank(&model, 1);
+    let c = Deploy::context(1, &model).rank(&model, 0);
+    let g = Deploy::generation(2, &model).rank(&model, 1);
     let p = plan(&c, &g, 4);
     let (tok_c, tok_g) = (4 * 8, 2 * 8);
     let want: Vec<(u64, u64, u64)> = (0..2u64)
@@ -318,8 +318,8 @@ fn sectioned_state_resplits_every_section_on_its_own() {
     // Conv state [x | B | C] = [64 | 32 | 32] bytes at grid 1, halves at grid 2: ctx tp1 →
     // gen tp2 rank 1 copies the second half of every section of every layer.
     let model = Model::hybrid(4, 4);
-    let c = Deploy::ctx(1, &model).rank(&model, 0);
-    let g = Deploy::gen_tp(2, &model).rank(&model, 1);
+    let c = Deploy::context(1, &model).rank(&model, 0);
+    let g = Deploy::generation(2, &model).rank(&model, 1);
     let p = plan(&c, &g, 4);
     let conv = |ri: &RankInfo| ri.page_table.pools[1].base;
     let ssm = |ri: &RankInfo| ri.page_table.pools[2].base;

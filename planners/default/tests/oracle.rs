@@ -3,9 +3,14 @@
 
 mod common;
 
-use common::oracle::{Scenario, run};
-use common::{Deploy, Model};
-use kvferry_planner_abi::LayoutKind;
+use common::run;
+use kvferry_planner_abi::{
+    LayerGroupRows, LayoutKind, PairRequest, PeerTargets, PlanError, PlannerPlugin, RankInfo,
+    TransferPlan, TransferPlanner,
+};
+use kvferry_planner_default::DefaultPlanner;
+use kvferry_testkit::builder::{Deploy, Model, Transfer};
+use kvferry_testkit::scenario::ScenarioError;
 
 fn small_gqa(layout: LayoutKind) -> Model {
     Model {
@@ -19,10 +24,10 @@ fn small_gqa(layout: LayoutKind) -> Model {
 fn tp_matrix(model: &Model) {
     for ctx_tp in [1, 2, 4, 8] {
         for gen_tp in [1, 2, 4, 8] {
-            let s = Scenario::new(
+            let s = Transfer::new(
                 model,
-                Deploy::ctx(ctx_tp, model),
-                Deploy::gen_tp(gen_tp, model),
+                Deploy::context(ctx_tp, model),
+                Deploy::generation(gen_tp, model),
                 13,
             );
             let out =
@@ -57,19 +62,19 @@ fn attention_dp_pairs_one_to_one_and_fans_in_from_tp() {
     let shapes = |name_ctx: bool| {
         let base = |tp| {
             if name_ctx {
-                Deploy::ctx(tp, &model)
+                Deploy::context(tp, &model)
             } else {
-                Deploy::gen_tp(tp, &model)
+                Deploy::generation(tp, &model)
             }
         };
         vec![base(1), base(2), base(4), base(2).adp(), base(4).adp()]
     };
     for ctx in shapes(true) {
         for generation in shapes(false) {
-            let groups = if ctx.adp { ctx.tp } else { 1 };
+            let groups = ctx.dp_groups();
             for ctx_dp in 0..groups {
-                let mut s = Scenario::new(&model, ctx.clone(), generation.clone(), 16);
-                s.ctx_dp = ctx_dp;
+                let mut s = Transfer::new(&model, ctx.clone(), generation.clone(), 16);
+                s.ctx_dp_rank = ctx_dp;
                 run(&s).unwrap_or_else(|e| panic!("{ctx:?} -> {generation:?} dp {ctx_dp}: {e}"));
             }
         }
@@ -82,17 +87,17 @@ fn mla_latent_has_one_writer_per_destination() {
     let shapes = |ctx: bool| {
         let base = |tp| {
             if ctx {
-                Deploy::ctx(tp, &model)
+                Deploy::context(tp, &model)
             } else {
-                Deploy::gen_tp(tp, &model)
+                Deploy::generation(tp, &model)
             }
         };
         vec![base(1), base(2), base(4), base(2).adp(), base(4).adp()]
     };
     for ctx in shapes(true) {
         for generation in shapes(false) {
-            let mut s = Scenario::new(&model, ctx.clone(), generation.clone(), 11);
-            s.ctx_dp = if ctx.adp { ctx.tp - 1 } else { 0 };
+            let mut s = Transfer::new(&model, ctx.clone(), generation.clone(), 11);
+            s.ctx_dp_rank = ctx.dp_groups() - 1;
             let out = run(&s).unwrap_or_else(|e| panic!("{ctx:?} -> {generation:?}: {e}"));
             assert!(
                 out.busy_writers.values().all(|&b| b == 1),
@@ -115,9 +120,9 @@ fn pipeline_stages_send_only_their_layers() {
     for ctx_split in &splits {
         for gen_split in &splits {
             for (ctx_tp, gen_tp) in [(1, 1), (2, 1), (1, 2)] {
-                let ctx = Deploy::ctx(ctx_tp, &model).pp(ctx_split.clone());
-                let generation = Deploy::gen_tp(gen_tp, &model).pp(gen_split.clone());
-                let s = Scenario::new(&model, ctx, generation, 13);
+                let ctx = Deploy::context(ctx_tp, &model).pp(ctx_split.clone());
+                let generation = Deploy::generation(gen_tp, &model).pp(gen_split.clone());
+                let s = Transfer::new(&model, ctx, generation, 13);
                 run(&s).unwrap_or_else(|e| {
                     panic!("ctx pp{ctx_split:?} tp{ctx_tp} -> generation pp{gen_split:?} tp{gen_tp}: {e}")
                 });
@@ -129,10 +134,10 @@ fn pipeline_stages_send_only_their_layers() {
 #[test]
 fn chunks_holes_and_cached_prefixes_move_only_held_blocks() {
     let model = small_gqa(LayoutKind::NHD);
-    let mut s = Scenario::new(
+    let mut s = Transfer::new(
         &model,
-        Deploy::ctx(2, &model),
-        Deploy::gen_tp(4, &model),
+        Deploy::context(2, &model),
+        Deploy::generation(4, &model),
         27,
     );
     s.pieces = vec![(0, 8), (8, 20), (20, 27)];
@@ -147,10 +152,10 @@ fn chunks_holes_and_cached_prefixes_move_only_held_blocks() {
 fn helix_generation_ranks_receive_every_cp_th_block() {
     let model = small_gqa(LayoutKind::HND);
     for (ctx_tp, gen_tp, gen_cp) in [(1, 1, 2), (2, 1, 2), (2, 2, 2), (4, 2, 2), (1, 1, 4)] {
-        let s = Scenario::new(
+        let s = Transfer::new(
             &model,
-            Deploy::ctx(ctx_tp, &model),
-            Deploy::gen_tp(gen_tp, &model).cp(gen_cp),
+            Deploy::context(ctx_tp, &model),
+            Deploy::generation(gen_tp, &model).cp(gen_cp),
             29,
         );
         run(&s)
@@ -162,16 +167,21 @@ fn helix_generation_ranks_receive_every_cp_th_block() {
 fn hybrid_state_is_resharded_and_written_once() {
     let model = Model::hybrid(8, 4);
     let gens = [
-        Deploy::gen_tp(1, &model),
-        Deploy::gen_tp(2, &model),
-        Deploy::gen_tp(4, &model),
-        Deploy::gen_tp(1, &model).cp(2),
-        Deploy::gen_tp(2, &model).cp(2),
-        Deploy::gen_tp(2, &model).adp(),
+        Deploy::generation(1, &model),
+        Deploy::generation(2, &model),
+        Deploy::generation(4, &model),
+        Deploy::generation(1, &model).cp(2),
+        Deploy::generation(2, &model).cp(2),
+        Deploy::generation(2, &model).adp(),
     ];
     for ctx_tp in [1, 2, 4] {
         for generation in &gens {
-            let s = Scenario::new(&model, Deploy::ctx(ctx_tp, &model), generation.clone(), 13);
+            let s = Transfer::new(
+                &model,
+                Deploy::context(ctx_tp, &model),
+                generation.clone(),
+                13,
+            );
             run(&s).unwrap_or_else(|e| panic!("ctx tp{ctx_tp} -> {generation:?}: {e}"));
         }
     }
@@ -183,15 +193,15 @@ fn hybrid_state_rides_on_the_last_chunk_only_once() {
     if let Some(state) = model.state.as_mut() {
         state.replicated_side = Some(24);
     }
-    let mut s = Scenario::new(
+    let mut s = Transfer::new(
         &model,
-        Deploy::ctx(2, &model),
-        Deploy::gen_tp(1, &model),
+        Deploy::context(2, &model),
+        Deploy::generation(1, &model),
         13,
     );
     s.pieces = vec![(0, 4), (4, 12), (12, 13)];
     run(&s).expect("chunked hybrid");
-    s.generation = Deploy::gen_tp(4, &model);
+    s.generation = Deploy::generation(4, &model);
     run(&s).expect("chunked hybrid, finer receiver");
     // No state slot on the receiver: the state stays untouched, KV still moves.
     s.gen_state = false;
@@ -203,10 +213,100 @@ fn extra_layers_on_one_side_are_never_matched() {
     // MTP: the context holds a fifth layer the generation side does not (T4), and back.
     let four = small_gqa(LayoutKind::HND);
     let five = small_gqa(LayoutKind::HND).with_layers(5);
-    let mut s = Scenario::new(&five, Deploy::ctx(2, &five), Deploy::gen_tp(2, &four), 9);
+    let mut s = Transfer::new(
+        &five,
+        Deploy::context(2, &five),
+        Deploy::generation(2, &four),
+        9,
+    );
     s.gen_model = four.clone();
     run(&s).expect("extra context layer");
-    let mut s = Scenario::new(&four, Deploy::ctx(2, &four), Deploy::gen_tp(1, &five), 9);
+    let mut s = Transfer::new(
+        &four,
+        Deploy::context(2, &four),
+        Deploy::generation(1, &five),
+        9,
+    );
     s.gen_model = five;
     run(&s).expect("extra generation layer");
+}
+
+/// The default planner with every plan altered after the fact.
+struct Altered {
+    inner: DefaultPlanner,
+    alter: fn(&mut TransferPlan),
+}
+
+impl TransferPlanner for Altered {
+    fn check_peer(&self, me: &RankInfo, peer: &RankInfo) -> Result<(), PlanError> {
+        self.inner.check_peer(me, peer)
+    }
+
+    fn targets(&self, me: &RankInfo, peer: &RankInfo, dp: u32) -> Result<PeerTargets, PlanError> {
+        self.inner.targets(me, peer, dp)
+    }
+
+    fn pair(
+        &self,
+        me: &RankInfo,
+        peer: &RankInfo,
+        my_rows: &[LayerGroupRows],
+        peer_rows: &[LayerGroupRows],
+        request: &PairRequest,
+    ) -> Result<TransferPlan, PlanError> {
+        let mut plan = self.inner.pair(me, peer, my_rows, peer_rows, request)?;
+        (self.alter)(&mut plan);
+        Ok(plan)
+    }
+}
+
+#[test]
+fn the_oracle_catches_missing_misplaced_and_doubled_bytes() {
+    let model = Model::hybrid(8, 4);
+    let t = Transfer::new(
+        &model,
+        Deploy::context(2, &model),
+        Deploy::generation(4, &model),
+        13,
+    );
+    let run_altered = |alter: fn(&mut TransferPlan)| {
+        let mut reports = t.run_every_group(|ri| {
+            Ok(Altered {
+                inner: DefaultPlanner::new(ri)?,
+                alter,
+            })
+        })?;
+        assert_eq!(reports.len(), 1);
+        Ok::<_, ScenarioError>(reports.remove(0))
+    };
+    // Unaltered, the same run is clean.
+    assert!(run_altered(|_| {}).expect("runs").is_ok());
+    // The last fragment of every plan dropped: its destination bytes still hold the canary.
+    let dropped = run_altered(|p| {
+        p.src.pop();
+        p.dst.pop();
+        p.len.pop();
+    })
+    .expect("runs");
+    assert!(dropped.verification.mismatched_bytes > 0, "{dropped}");
+    // The first fragment read one byte late (and one byte shorter): wrong bytes, one missing.
+    let shifted = run_altered(|p| {
+        if p.len.first().is_some_and(|&l| l > 1) {
+            p.src[0] += 1;
+            p.len[0] -= 1;
+        }
+    })
+    .expect("runs");
+    assert!(shifted.verification.mismatched_bytes > 0, "{shifted}");
+    // The first fragment sent twice: refused before anything moves.
+    let doubled = run_altered(|p| {
+        let first = p.iter().next();
+        if let Some((s, d, l)) = first {
+            p.push(s, d, l);
+        }
+    });
+    assert!(
+        matches!(doubled, Err(ScenarioError::Plan { .. })),
+        "{doubled:?}"
+    );
 }

@@ -1,15 +1,13 @@
 //! Ordinal pairing (semantics §8.2), chunks, cache reuse, windows and the helix stride
 //! (§6.2), as §13.39–43, 49, 53, 54 and 60 map onto positional slot tables.
 
-mod common;
-
-use common::{Deploy, Model, local_layers, piece, rows_of};
 use kvferry_planner_abi::ffi::ROption;
 use kvferry_planner_abi::{
     BufferEntry, GroupKind, PairRequest, PlannerPlugin, RankInfo, SlotTable, TransferPlan,
     TransferPlanner,
 };
 use kvferry_planner_default::DefaultPlanner;
+use kvferry_testkit::builder::{Deploy, Model, local_layers, piece, rows_of};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -32,7 +30,7 @@ struct Pair {
 
 impl Pair {
     fn new(model: &Model, generation: Deploy, rank: u32) -> Self {
-        let ctx = Deploy::ctx(1, model).rank(model, 0);
+        let ctx = Deploy::context(1, model).rank(model, 0);
         let generation = generation.rank(model, rank);
         let planner = DefaultPlanner::new(&ctx).expect("planner");
         planner.check_peer(&ctx, &generation).expect("compatible");
@@ -44,7 +42,7 @@ impl Pair {
     }
 
     fn plain(model: &Model) -> Self {
-        Self::new(model, Deploy::gen_tp(1, model), 0)
+        Self::new(model, Deploy::generation(1, model), 0)
     }
 
     /// The plan for one piece with one table per group on each side.
@@ -307,14 +305,14 @@ fn dst_start_token_bounds_the_ordinals() {
 fn helix_receiver_ordinal_j_is_sender_ordinal_j_cp_plus_rank() {
     // §6.2: 5 blocks over 2 CP ranks; rank 1 holds global blocks 1 and 3 locally as 0, 1.
     let m = model(8, 8);
-    let p = Pair::new(&m, Deploy::gen_tp(1, &m).cp(2), 1);
+    let p = Pair::new(&m, Deploy::generation(1, &m).cp(2), 1);
     let src = [0, 1, 2, 3, 4];
     let plan = p.plan(&[&src], &[&[6, 7]], &PairRequest::whole(40));
     assert_eq!(p.slots(&plan), vec![(1, 6), (3, 7)]);
     let plan = p.plan(&[&[0, 1, 2, H, 4]], &[&[6, 7]], &PairRequest::whole(40));
     assert_eq!(p.slots(&plan), vec![(1, 6)]);
     // Rank 0 holds global blocks 0, 2 and 4.
-    let p = Pair::new(&m, Deploy::gen_tp(1, &m).cp(2), 0);
+    let p = Pair::new(&m, Deploy::generation(1, &m).cp(2), 0);
     let plan = p.plan(&[&src], &[&[5, 6, 7]], &PairRequest::whole(40));
     assert_eq!(p.slots(&plan), vec![(0, 5), (2, 6), (4, 7)]);
 }

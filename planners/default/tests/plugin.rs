@@ -1,15 +1,13 @@
 //! The planner as a plugin: its root module, deployment support, construction, and use
 //! through the FFI boundary exactly as the host drives a loaded library.
 
-mod common;
-
-use common::{Deploy, Model, rows_of, tables};
 use kvferry_planner_abi::ffi::RString;
 use kvferry_planner_abi::{
     DEFAULT_DESCRIBER_ID, Deployment, ErrorKind, Mapping, PairRequest, PlannerPlugin,
     TransferPlanner,
 };
 use kvferry_planner_default::{DefaultPlanner, planner_module};
+use kvferry_testkit::builder::{Deploy, Model, rows_of, tables};
 
 #[test]
 fn the_root_module_names_the_default_planner() {
@@ -46,7 +44,7 @@ fn every_deployment_is_supported() {
 #[test]
 fn construction_validates_the_rank() {
     let m = Model::gqa(2, 4, 4, 4);
-    let mut bad = Deploy::ctx(2, &m).rank(&m, 1);
+    let mut bad = Deploy::context(2, &m).rank(&m, 1);
     bad.tp_rank = 2;
     let err = DefaultPlanner::new(&bad).expect_err("rank out of range");
     assert_eq!(err.kind(), ErrorKind::INVALID_INPUT);
@@ -54,7 +52,7 @@ fn construction_validates_the_rank() {
         err.message().contains("tp_rank 2 is not below tp_size 2"),
         "{err}"
     );
-    let mut bad = Deploy::ctx(2, &m).rank(&m, 1);
+    let mut bad = Deploy::context(2, &m).rank(&m, 1);
     bad.page_table.tokens_per_block = 0;
     let err = planner_module()
         .instantiate(&bad)
@@ -68,8 +66,8 @@ fn construction_validates_the_rank() {
 #[test]
 fn the_loaded_planner_plans_like_the_static_one() {
     let m = Model::gqa(4, 4, 4, 4);
-    let ctx = Deploy::ctx(2, &m).rank(&m, 1);
-    let generation = Deploy::gen_tp(4, &m).rank(&m, 3);
+    let ctx = Deploy::context(2, &m).rank(&m, 1);
+    let generation = Deploy::generation(4, &m).rank(&m, 3);
     let loaded = planner_module().instantiate(&ctx).expect("instantiate");
     let direct = DefaultPlanner::new(&ctx).expect("planner");
     assert!(loaded.describe().expect("describe").is_empty());
@@ -103,14 +101,14 @@ fn the_loaded_planner_plans_like_the_static_one() {
 #[test]
 fn one_planner_serves_many_threads() {
     let m = Model::gqa(4, 4, 4, 4);
-    let ctx = Deploy::ctx(1, &m).rank(&m, 0);
+    let ctx = Deploy::context(1, &m).rank(&m, 0);
     let planner = DefaultPlanner::new(&ctx).expect("planner");
     let ours = rows_of(&ctx, &tables(&ctx.page_table, &[0, 1], &[]));
     std::thread::scope(|s| {
         for g in 0..4 {
             let (planner, ctx, ours, m) = (&planner, &ctx, &ours, &m);
             s.spawn(move || {
-                let generation = Deploy::gen_tp(4, m).rank(m, g);
+                let generation = Deploy::generation(4, m).rank(m, g);
                 let theirs = rows_of(&generation, &tables(&generation.page_table, &[2, 3], &[]));
                 for _ in 0..50 {
                     let plan = planner

@@ -1,15 +1,15 @@
 //! One test per refusal of semantics §3: each names the field and both values, and the
 //! check refuses from either side of the pair.
 
-mod common;
-
-use common::{Deploy, Model, piece, role_vec, rows_excluding, rows_of, tables};
 use kvferry_planner_abi::ffi::{RString, RVec};
 use kvferry_planner_abi::{
     BufferEntry, ErrorKind, GroupKind, LayoutKind, PeerRefusal, PlannerPlugin, PoolView, RankInfo,
     RoleLayout, TransferPlanner, ViewId,
 };
 use kvferry_planner_default::DefaultPlanner;
+use kvferry_testkit::builder::{
+    Deploy, Model, local_layers, piece, role_vec, rows_excluding, rows_of, tables,
+};
 
 /// The refusal `me` gives `peer`, after checking the peer gives the mirror image.
 fn refused(me: &RankInfo, peer: &RankInfo) -> PeerRefusal {
@@ -58,8 +58,8 @@ fn view(ri: &mut RankInfo, group: usize, v: usize) -> &mut PoolView {
 fn t1_both_sides_with_context_parallelism() {
     let m = gqa();
     let r = refused(
-        &Deploy::gen_tp(1, &m).cp(2).rank(&m, 0),
-        &Deploy::ctx(1, &m).cp(2).rank(&m, 0),
+        &Deploy::generation(1, &m).cp(2).rank(&m, 0),
+        &Deploy::context(1, &m).cp(2).rank(&m, 0),
     );
     assert_field(&r, "cp_size", "2", "2");
     assert!(r.reason.contains("helix"), "{r}");
@@ -69,8 +69,8 @@ fn t1_both_sides_with_context_parallelism() {
 fn t2_helix_with_different_block_sizes() {
     let (a, b) = (gqa(), Model { tpb: 8, ..gqa() });
     let r = refused(
-        &Deploy::gen_tp(1, &a).cp(2).rank(&a, 0),
-        &Deploy::ctx(1, &b).rank(&b, 0),
+        &Deploy::generation(1, &a).cp(2).rank(&a, 0),
+        &Deploy::context(1, &b).rank(&b, 0),
     );
     assert_field(&r, "tokens_per_block", "4", "8");
     assert!(r.reason.contains("helix"), "{r}");
@@ -81,8 +81,8 @@ fn different_block_sizes_are_refused_without_cp_too() {
     // §3.2 rule 4's HND-only allowance is not supported: rows pair by block ordinal.
     let (a, b) = (gqa(), Model { tpb: 8, ..gqa() });
     let r = refused(
-        &Deploy::gen_tp(1, &a).rank(&a, 0),
-        &Deploy::ctx(1, &b).rank(&b, 0),
+        &Deploy::generation(1, &a).rank(&a, 0),
+        &Deploy::context(1, &b).rank(&b, 0),
     );
     assert_field(&r, "tokens_per_block", "4", "8");
 }
@@ -90,8 +90,8 @@ fn different_block_sizes_are_refused_without_cp_too() {
 #[test]
 fn t3_chunked_transfer_with_helix_is_refused_at_plan_time() {
     let m = gqa();
-    let ctx = Deploy::ctx(1, &m).rank(&m, 0);
-    let generation = Deploy::gen_tp(1, &m).cp(2).rank(&m, 1);
+    let ctx = Deploy::context(1, &m).rank(&m, 0);
+    let generation = Deploy::generation(1, &m).cp(2).rank(&m, 1);
     accepted(&generation, &ctx);
     let planner = DefaultPlanner::new(&ctx).expect("planner");
     let ours = rows_of(&ctx, &tables(&ctx.page_table, &[0, 1, 2, 3], &[]));
@@ -112,8 +112,8 @@ fn t3_chunked_transfer_with_helix_is_refused_at_plan_time() {
 #[test]
 fn a_sender_with_context_parallelism_is_refused_at_plan_time() {
     let m = gqa();
-    let sender = Deploy::ctx(1, &m).cp(2).rank(&m, 0);
-    let receiver = Deploy::gen_tp(1, &m).rank(&m, 0);
+    let sender = Deploy::context(1, &m).cp(2).rank(&m, 0);
+    let receiver = Deploy::generation(1, &m).rank(&m, 0);
     let t = tables(&sender.page_table, &[0], &[]);
     let err = DefaultPlanner::new(&sender)
         .expect("planner")
@@ -132,8 +132,8 @@ fn a_sender_with_context_parallelism_is_refused_at_plan_time() {
 fn t4_layer_counts_may_differ() {
     let (four, five) = (gqa(), gqa().with_layers(5));
     accepted(
-        &Deploy::gen_tp(2, &four).rank(&four, 0),
-        &Deploy::ctx(2, &five).rank(&five, 0),
+        &Deploy::generation(2, &four).rank(&four, 0),
+        &Deploy::context(2, &five).rank(&five, 0),
     );
 }
 
@@ -141,8 +141,8 @@ fn t4_layer_counts_may_differ() {
 fn tp_widths_must_divide() {
     let m = Model::gqa(2, 12, 4, 4);
     let r = refused(
-        &Deploy::gen_tp(2, &m).rank(&m, 0),
-        &Deploy::ctx(3, &m).rank(&m, 0),
+        &Deploy::generation(2, &m).rank(&m, 0),
+        &Deploy::context(3, &m).rank(&m, 0),
     );
     assert_field(&r, "tp_size", "2 per DP group", "3 per DP group");
 }
@@ -157,8 +157,8 @@ fn mapper_kinds_differ() {
         },
     );
     let r = refused(
-        &Deploy::gen_tp(1, &a).rank(&a, 0),
-        &Deploy::ctx(1, &b).rank(&b, 0),
+        &Deploy::generation(1, &a).rank(&a, 0),
+        &Deploy::context(1, &b).rank(&b, 0),
     );
     assert_field(&r, "layout.kind", "hnd", "nhd");
     assert!(r.reason.contains("incompatible mapper kinds"), "{r}");
@@ -174,8 +174,8 @@ fn element_types_differ() {
         },
     );
     let r = refused(
-        &Deploy::gen_tp(1, &a).rank(&a, 0),
-        &Deploy::ctx(1, &b).rank(&b, 0),
+        &Deploy::generation(1, &a).rank(&a, 0),
+        &Deploy::context(1, &b).rank(&b, 0),
     );
     assert_field(&r, "layout.dtype", "bf16", "fp16");
 }
@@ -184,8 +184,8 @@ fn element_types_differ() {
 fn element_widths_differ() {
     let m = gqa();
     let (a, mut b) = (
-        Deploy::gen_tp(1, &m).rank(&m, 0),
-        Deploy::ctx(1, &m).rank(&m, 0),
+        Deploy::generation(1, &m).rank(&m, 0),
+        Deploy::context(1, &m).rank(&m, 0),
     );
     view(&mut b, 0, 0).layout.elem_bits = 8;
     assert_field(&refused(&a, &b), "layout.elem_bits", "16", "8");
@@ -195,8 +195,8 @@ fn element_widths_differ() {
 fn shard_counts_must_divide() {
     let m = Model::gqa(2, 12, 4, 4);
     let (a, mut b) = (
-        Deploy::gen_tp(2, &m).rank(&m, 0),
-        Deploy::ctx(4, &m).rank(&m, 0),
+        Deploy::generation(2, &m).rank(&m, 0),
+        Deploy::context(4, &m).rank(&m, 0),
     );
     // A declaration of 3 shards of 4 heads with the region of 3 heads: inconsistent.
     view(&mut b, 0, 0).layout.num_shards = 3;
@@ -213,8 +213,8 @@ fn aggregated_region_sizes_differ() {
         },
     );
     let r = refused(
-        &Deploy::gen_tp(2, &a).rank(&a, 0),
-        &Deploy::ctx(1, &b).rank(&b, 0),
+        &Deploy::generation(2, &a).rank(&a, 0),
+        &Deploy::context(1, &b).rank(&b, 0),
     );
     assert_field(&r, "bytes_per_layer × num_shards", "128 × 2", "512 × 1");
 }
@@ -226,8 +226,8 @@ fn a_replicated_view_declared_as_sharded() {
         s.replicated_side = Some(32);
     }
     let (a, mut b) = (
-        Deploy::gen_tp(1, &m).rank(&m, 0),
-        Deploy::ctx(1, &m).rank(&m, 0),
+        Deploy::generation(1, &m).rank(&m, 0),
+        Deploy::context(1, &m).rank(&m, 0),
     );
     // Half the bytes declared as one of two shards: the aggregate matches, the copy cannot.
     let side = view(&mut b, 1, 2);
@@ -242,8 +242,8 @@ fn a_replicated_view_declared_as_sharded() {
 fn shard_units_differ() {
     let m = gqa();
     let (a, mut b) = (
-        Deploy::gen_tp(1, &m).rank(&m, 0),
-        Deploy::ctx(1, &m).rank(&m, 0),
+        Deploy::generation(1, &m).rank(&m, 0),
+        Deploy::context(1, &m).rank(&m, 0),
     );
     view(&mut b, 0, 0).layout.shard_unit_bytes = 16;
     assert_field(&refused(&a, &b), "layout.shard_unit_bytes", "32", "16");
@@ -253,8 +253,8 @@ fn shard_units_differ() {
 fn a_resplit_needs_declared_shard_units() {
     let m = gqa();
     let (mut a, mut b) = (
-        Deploy::gen_tp(2, &m).rank(&m, 0),
-        Deploy::ctx(1, &m).rank(&m, 0),
+        Deploy::generation(2, &m).rank(&m, 0),
+        Deploy::context(1, &m).rank(&m, 0),
     );
     view(&mut a, 0, 0).layout.shard_unit_bytes = 0;
     view(&mut b, 0, 0).layout.shard_unit_bytes = 0;
@@ -263,8 +263,8 @@ fn a_resplit_needs_declared_shard_units() {
     assert!(r.reason.contains("sub-byte"), "{r}");
     // Equal shard counts copy intact and need no unit.
     let (mut a, mut b) = (
-        Deploy::gen_tp(2, &m).rank(&m, 0),
-        Deploy::ctx(2, &m).rank(&m, 0),
+        Deploy::generation(2, &m).rank(&m, 0),
+        Deploy::context(2, &m).rank(&m, 0),
     );
     view(&mut a, 0, 0).layout.shard_unit_bytes = 0;
     view(&mut b, 0, 0).layout.shard_unit_bytes = 0;
@@ -275,8 +275,8 @@ fn a_resplit_needs_declared_shard_units() {
 fn a_layer_must_be_whole_shard_units() {
     let m = gqa();
     let (mut a, mut b) = (
-        Deploy::gen_tp(1, &m).rank(&m, 0),
-        Deploy::ctx(1, &m).rank(&m, 0),
+        Deploy::generation(1, &m).rank(&m, 0),
+        Deploy::context(1, &m).rank(&m, 0),
     );
     view(&mut a, 0, 0).layout.shard_unit_bytes = 48;
     view(&mut b, 0, 0).layout.shard_unit_bytes = 48;
@@ -292,8 +292,8 @@ fn a_layer_must_be_whole_shard_units() {
 fn a_resplit_needs_equal_buffer_counts() {
     let m = gqa();
     let (a, mut b) = (
-        Deploy::gen_tp(2, &m).rank(&m, 0),
-        Deploy::ctx(1, &m).rank(&m, 0),
+        Deploy::generation(2, &m).rank(&m, 0),
+        Deploy::context(1, &m).rank(&m, 0),
     );
     // K and V declared as one entry per layer on the context side.
     let v = view(&mut b, 0, 0);
@@ -311,8 +311,8 @@ fn a_resplit_needs_equal_buffer_counts() {
 fn a_resplit_needs_equal_buffers() {
     let m = gqa();
     let (a, mut b) = (
-        Deploy::gen_tp(2, &m).rank(&m, 0),
-        Deploy::ctx(1, &m).rank(&m, 0),
+        Deploy::generation(2, &m).rank(&m, 0),
+        Deploy::context(1, &m).rank(&m, 0),
     );
     for e in view(&mut b, 0, 0).entries.iter_mut() {
         let layer = u64::from(e.local_layer) * 256;
@@ -331,8 +331,8 @@ fn a_resplit_needs_equal_buffers() {
 fn nhd_has_no_place_in_a_state_group() {
     let m = Model::hybrid(8, 4);
     let (mut a, mut b) = (
-        Deploy::gen_tp(1, &m).rank(&m, 0),
-        Deploy::ctx(1, &m).rank(&m, 0),
+        Deploy::generation(1, &m).rank(&m, 0),
+        Deploy::context(1, &m).rank(&m, 0),
     );
     for ri in [&mut a, &mut b] {
         view(ri, 1, 1).layout.kind = LayoutKind::NHD;
@@ -346,8 +346,8 @@ fn nhd_has_no_place_in_a_state_group() {
 fn section_counts_differ() {
     let m = Model::hybrid(8, 4);
     let (a, mut b) = (
-        Deploy::gen_tp(1, &m).rank(&m, 0),
-        Deploy::ctx(1, &m).rank(&m, 0),
+        Deploy::generation(1, &m).rank(&m, 0),
+        Deploy::context(1, &m).rank(&m, 0),
     );
     view(&mut b, 1, 0).layout.section_bytes = RVec::from(vec![64, 64]);
     assert_field(
@@ -362,8 +362,8 @@ fn section_counts_differ() {
 fn aggregated_sections_differ() {
     let m = Model::hybrid(8, 4);
     let (a, mut b) = (
-        Deploy::gen_tp(2, &m).rank(&m, 0),
-        Deploy::ctx(1, &m).rank(&m, 0),
+        Deploy::generation(2, &m).rank(&m, 0),
+        Deploy::context(1, &m).rank(&m, 0),
     );
     view(&mut b, 1, 0).layout.section_bytes = RVec::from(vec![48, 40, 40]);
     assert_field(
@@ -383,8 +383,8 @@ fn recurrent_state_geometry_differs() {
         s.ssm_head_bytes = 32;
     }
     let r = refused(
-        &Deploy::gen_tp(2, &a).rank(&a, 0),
-        &Deploy::ctx(1, &b).rank(&b, 0),
+        &Deploy::generation(2, &a).rank(&a, 0),
+        &Deploy::context(1, &b).rank(&b, 0),
     );
     assert_eq!(r.field.as_str(), "bytes_per_layer × num_shards", "{r}");
     assert_eq!((r.ours.as_str(), r.theirs.as_str()), ("32 × 2", "128 × 1"));
@@ -399,8 +399,8 @@ fn a_replicated_side_state_on_one_side_only() {
         s.replicated_side = Some(8);
     }
     let r = refused(
-        &Deploy::gen_tp(1, &a).rank(&a, 0),
-        &Deploy::ctx(1, &b).rank(&b, 0),
+        &Deploy::generation(1, &a).rank(&a, 0),
+        &Deploy::context(1, &b).rank(&b, 0),
     );
     assert_eq!(r.field.as_str(), "roles", "{r}");
     assert!(r.theirs.contains("{side}"), "{r}");
@@ -414,18 +414,18 @@ fn a_replicated_side_state_on_one_side_only() {
 fn a_view_spanning_two_peer_layer_groups() {
     // §3.5: the generation side groups layers 0-1 and 2-3 apart (e.g. two windows).
     let m = gqa();
-    let ctx = Deploy::ctx(1, &m).rank(&m, 0);
-    let mut generation = Deploy::gen_tp(1, &m).rank(&m, 0);
+    let ctx = Deploy::context(1, &m).rank(&m, 0);
+    let mut generation = Deploy::generation(1, &m).rank(&m, 0);
     let mut second = generation.page_table.groups[0].clone();
     let first = &mut generation.page_table.groups[0];
-    first.layers = common::local_layers(&[0, 1]);
+    first.layers = local_layers(&[0, 1]);
     first.views[0].entries = first.views[0]
         .entries
         .iter()
         .copied()
         .filter(|e| e.local_layer < 2)
         .collect();
-    second.layers = common::local_layers(&[2, 3]);
+    second.layers = local_layers(&[2, 3]);
     second.views[0].entries = second.views[0]
         .entries
         .iter()
@@ -460,8 +460,8 @@ fn mla_against_separate_heads() {
     // §13.13: an MLA peer for a non-MLA rank.
     let (gqa, mla) = (Model::gqa(4, 1, 576, 4), Model::mla(4, 576, 4));
     let r = refused(
-        &Deploy::gen_tp(1, &gqa).rank(&gqa, 0),
-        &Deploy::ctx(1, &mla).rank(&mla, 0),
+        &Deploy::generation(1, &gqa).rank(&gqa, 0),
+        &Deploy::context(1, &mla).rank(&mla, 0),
     );
     assert_field(&r, "roles", "{key,value}", "{key}");
     assert!(r.reason.contains("global layer 0"), "{r}");
@@ -504,8 +504,8 @@ fn with_swa_view(mut ri: RankInfo) -> RankInfo {
 fn bounded_replay_mismatch_unless_the_receiver_excludes_the_view() {
     // §3.6: the sender holds layers 2 and 3 but keeps no `swa` bytes for them.
     let m = gqa();
-    let ctx = Deploy::ctx(1, &m).rank(&m, 0);
-    let generation = with_swa_view(Deploy::gen_tp(1, &m).rank(&m, 0));
+    let ctx = Deploy::context(1, &m).rank(&m, 0);
+    let generation = with_swa_view(Deploy::generation(1, &m).rank(&m, 0));
     accepted(&generation, &ctx);
     let planner = DefaultPlanner::new(&ctx).expect("planner");
     let ours = rows_of(&ctx, &tables(&ctx.page_table, &[0, 1], &[]));
@@ -539,8 +539,8 @@ fn bounded_replay_mismatch_unless_the_receiver_excludes_the_view() {
 #[test]
 fn malformed_peers_are_invalid_input_not_refusals() {
     let m = gqa();
-    let me = Deploy::gen_tp(1, &m).rank(&m, 0);
-    let mut peer = Deploy::ctx(1, &m).rank(&m, 0);
+    let me = Deploy::generation(1, &m).rank(&m, 0);
+    let mut peer = Deploy::context(1, &m).rank(&m, 0);
     peer.layers_per_pp = RVec::from(vec![2, 2]);
     let err = DefaultPlanner::new(&me)
         .expect("planner")
@@ -552,7 +552,7 @@ fn malformed_peers_are_invalid_input_not_refusals() {
             .contains("layers_per_pp has 2 entries for pp_size 1"),
         "{err}"
     );
-    let mut peer = Deploy::ctx(1, &m).rank(&m, 0);
+    let mut peer = Deploy::context(1, &m).rank(&m, 0);
     peer.page_table.groups[0].kind = GroupKind::STATE;
     peer.page_table.groups[0].views[0].entries[1].offset += 1;
     let err = DefaultPlanner::new(&me)

@@ -3,10 +3,10 @@
 
 mod common;
 
-use common::oracle::{Scenario, run};
-use common::{Deploy, Model, StateSpec, piece, rows_of, tables};
+use common::run;
 use kvferry_planner_abi::{PlannerPlugin, RankInfo, SlotTable, TransferPlan, TransferPlanner};
 use kvferry_planner_default::DefaultPlanner;
+use kvferry_testkit::builder::{Deploy, Model, StateSpec, Transfer, piece, rows_of, tables};
 
 /// A hybrid model whose state splits over up to 8 ranks.
 fn wide_hybrid() -> Model {
@@ -45,13 +45,13 @@ fn state_bytes(p: &TransferPlan, receiver: &RankInfo) -> u64 {
 fn state_grid_is_tp_times_cp_cp_minor() {
     // §13.19: (1, 0) at tp = cp = 1; cp 32 rank 5 → (32, 5); tp2 r1 cp4 r3 → (8, 7).
     let m = wide_hybrid();
-    assert_eq!(Deploy::gen_tp(1, &m).state_grid(0, 0), (1, 0));
-    assert_eq!(Deploy::gen_tp(1, &m).cp(32).state_grid(0, 5), (32, 5));
-    assert_eq!(Deploy::gen_tp(2, &m).cp(4).state_grid(1, 3), (8, 7));
+    assert_eq!(Deploy::generation(1, &m).state_grid(0, 0), (1, 0));
+    assert_eq!(Deploy::generation(1, &m).cp(32).state_grid(0, 5), (32, 5));
+    assert_eq!(Deploy::generation(2, &m).cp(4).state_grid(1, 3), (8, 7));
     // Helix generation rank (tp 1, cp 3) of tp2 cp4 is flat rank 7 and holds state shard 7
     // of 8: of its four TP8 context writers only rank 7 sends state.
-    let ctx = Deploy::ctx(8, &m);
-    let generation = Deploy::gen_tp(2, &m).cp(4);
+    let ctx = Deploy::context(8, &m);
+    let generation = Deploy::generation(2, &m).cp(4);
     let g = generation.rank(&m, 7);
     let ssm = &g.page_table.groups[1].views[1].layout;
     assert_eq!((ssm.num_shards, ssm.shard_index), (8, 7));
@@ -64,7 +64,7 @@ fn state_grid_is_tp_times_cp_cp_minor() {
         let sent = state_bytes(&plan(&ctx.rank(&m, c), &g, true), &g);
         assert_eq!(sent > 0, c == 7, "ctx rank {c}");
     }
-    run(&Scenario::new(&m, ctx, generation, 13)).expect("bytes");
+    run(&Transfer::new(&m, ctx, generation, 13)).expect("bytes");
 }
 
 #[test]
@@ -73,8 +73,8 @@ fn equal_state_widths_pair_rank_for_rank() {
     let m = wide_hybrid();
     for t in 0..2 {
         for c in 0..2 {
-            let s = Deploy::ctx(2, &m).rank(&m, t);
-            let r = Deploy::gen_tp(1, &m).cp(2).rank(&m, c);
+            let s = Deploy::context(2, &m).rank(&m, t);
+            let r = Deploy::generation(1, &m).cp(2).rank(&m, c);
             let sent = state_bytes(&plan(&s, &r, true), &r);
             assert_eq!(sent > 0, t == c, "sender {t} receiver cp {c}");
         }
@@ -87,8 +87,8 @@ fn a_finer_receiver_pairs_the_covering_sender_only() {
     let m = wide_hybrid();
     for t in 0..2 {
         for g in 0..4 {
-            let s = Deploy::ctx(2, &m).rank(&m, t);
-            let r = Deploy::gen_tp(4, &m).rank(&m, g);
+            let s = Deploy::context(2, &m).rank(&m, t);
+            let r = Deploy::generation(4, &m).rank(&m, g);
             let sent = state_bytes(&plan(&s, &r, true), &r);
             assert_eq!(sent > 0, t == g / 2, "sender {t} receiver {g}");
         }
@@ -99,8 +99,8 @@ fn a_finer_receiver_pairs_the_covering_sender_only() {
 fn state_rides_on_the_last_piece_only() {
     let m = wide_hybrid();
     let (s, r) = (
-        Deploy::ctx(1, &m).rank(&m, 0),
-        Deploy::gen_tp(1, &m).rank(&m, 0),
+        Deploy::context(1, &m).rank(&m, 0),
+        Deploy::generation(1, &m).rank(&m, 0),
     );
     assert_eq!(state_bytes(&plan(&s, &r, false), &r), 0);
     let last = plan(&s, &r, true);
@@ -136,8 +136,8 @@ fn receiver_payload_is_the_state_landing_in_the_receivers_slot() {
     // §13.26 / 31: MLA row 884,736 B; state payload 69 × (221,184 + 6,291,456) for any slot,
     // 0 with no slot or without a STATE group on either side.
     let m = kimi_k3();
-    let r = Deploy::gen_tp(1, &m).rank(&m, 0);
-    let s = Deploy::ctx(1, &m).rank(&m, 0);
+    let r = Deploy::generation(1, &m).rank(&m, 0);
+    let s = Deploy::context(1, &m).rank(&m, 0);
     assert_eq!(r.page_table.pools[0].slot_bytes, 884_736);
     let planner = DefaultPlanner::new(&r).expect("planner");
     let payload = |sender: &RankInfo, slot: &[i64]| {
@@ -153,13 +153,13 @@ fn receiver_payload_is_the_state_landing_in_the_receivers_slot() {
     let attention_only = Model::mla(24, 576, 32);
     assert_eq!(
         payload(
-            &Deploy::ctx(1, &attention_only).rank(&attention_only, 0),
+            &Deploy::context(1, &attention_only).rank(&attention_only, 0),
             &[1]
         ),
         0
     );
     let planner = DefaultPlanner::new(&s).expect("planner");
-    let mla = Deploy::gen_tp(1, &attention_only).rank(&attention_only, 0);
+    let mla = Deploy::generation(1, &attention_only).rank(&attention_only, 0);
     let tables = tables(&mla.page_table, &[0], &[]);
     assert_eq!(
         planner
@@ -174,16 +174,16 @@ fn receiver_payload_is_receiver_local_and_limited_to_common_layers() {
     let m = wide_hybrid();
     let per_layer_tp1 = 256 + 128;
     // A TP2 receiver gets half of every layer, whatever the sender's width.
-    let r = Deploy::gen_tp(2, &m).rank(&m, 1);
+    let r = Deploy::generation(2, &m).rank(&m, 1);
     let planner = DefaultPlanner::new(&r).expect("planner");
     let t = tables(&r.page_table, &[0, 1], &[4]);
     for sender_tp in [1, 2, 4] {
-        let s = Deploy::ctx(sender_tp, &m).rank(&m, 0);
+        let s = Deploy::context(sender_tp, &m).rank(&m, 0);
         let got = planner.receiver_payload_bytes(&r, &s, &t).expect("payload");
         assert_eq!(got, 6 * per_layer_tp1 / 2, "sender tp{sender_tp}");
     }
     // A sender stage holding layers 0..4 shares state layers 0, 1 and 2 only.
-    let s = Deploy::ctx(1, &m).pp(vec![4, 4]).rank(&m, 0);
+    let s = Deploy::context(1, &m).pp(vec![4, 4]).rank(&m, 0);
     assert_eq!(
         planner.receiver_payload_bytes(&r, &s, &t).expect("payload"),
         3 * per_layer_tp1 / 2

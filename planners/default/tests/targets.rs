@@ -1,10 +1,8 @@
 //! Targets (semantics §5.1, §13.9–14) and the uniform writer flag (§9.1).
 
-mod common;
-
-use common::{Deploy, Model};
 use kvferry_planner_abi::{ErrorKind, PeerTargets, PlannerPlugin, RankInfo, TransferPlanner};
 use kvferry_planner_default::DefaultPlanner;
+use kvferry_testkit::builder::{Deploy, Model};
 
 fn targets(me: &RankInfo, peer: &RankInfo, peer_dp_rank: u32) -> PeerTargets {
     let planner = DefaultPlanner::new(me).expect("planner");
@@ -17,14 +15,16 @@ fn targets(me: &RankInfo, peer: &RankInfo, peer_dp_rank: u32) -> PeerTargets {
 fn pp_fan_in_targets_every_overlapping_stage() {
     // §13.9: self pp1 [2] vs peer pp2 [1, 1] → ranks [0, 1].
     let model = Model::gqa(2, 4, 4, 4);
-    let me = Deploy::gen_tp(1, &model).rank(&model, 0);
-    let peer = Deploy::ctx(1, &model).pp(vec![1, 1]).rank(&model, 0);
+    let me = Deploy::generation(1, &model).rank(&model, 0);
+    let peer = Deploy::context(1, &model).pp(vec![1, 1]).rank(&model, 0);
     let t = targets(&me, &peer, 0);
     assert_eq!(t.ranks.as_slice(), &[0, 1]);
     assert!(!t.uniform, "PP fan-in is not uniform");
     // And back: each context stage serves the single generation rank.
     for stage in 0..2 {
-        let ctx = Deploy::ctx(1, &model).pp(vec![1, 1]).rank(&model, stage);
+        let ctx = Deploy::context(1, &model)
+            .pp(vec![1, 1])
+            .rank(&model, stage);
         assert_eq!(targets(&ctx, &me, 0).ranks.as_slice(), &[0]);
     }
 }
@@ -33,9 +33,9 @@ fn pp_fan_in_targets_every_overlapping_stage() {
 fn a_stage_without_layers_has_no_targets() {
     // §13.10
     let model = Model::gqa(2, 4, 4, 4);
-    let me = Deploy::gen_tp(1, &model).pp(vec![2, 0]).rank(&model, 1);
+    let me = Deploy::generation(1, &model).pp(vec![2, 0]).rank(&model, 1);
     assert!(me.page_table.groups.is_empty());
-    let peer = Deploy::ctx(1, &model).pp(vec![1, 1]).rank(&model, 0);
+    let peer = Deploy::context(1, &model).pp(vec![1, 1]).rank(&model, 0);
     let t = targets(&me, &peer, 0);
     assert!(t.ranks.is_empty());
     assert!(!t.uniform);
@@ -45,8 +45,8 @@ fn a_stage_without_layers_has_no_targets() {
 fn attention_dp_pairs_exactly_the_target_dp_rank() {
     // §13.14: 4×4 attention DP, any source DP rank to any target DP rank.
     let model = Model::mla(2, 8, 4);
-    let ctx = Deploy::ctx(4, &model).adp();
-    let generation = Deploy::gen_tp(4, &model).adp();
+    let ctx = Deploy::context(4, &model).adp();
+    let generation = Deploy::generation(4, &model).adp();
     for s in 0..4 {
         for d in 0..4 {
             let (src, dst) = (ctx.rank(&model, s), generation.rank(&model, d));
@@ -67,8 +67,8 @@ fn attention_dp_pairs_exactly_the_target_dp_rank() {
 #[test]
 fn tp_context_fans_in_to_an_attention_dp_rank() {
     let model = Model::mla(2, 8, 4);
-    let ctx = Deploy::ctx(4, &model);
-    let generation = Deploy::gen_tp(4, &model).adp();
+    let ctx = Deploy::context(4, &model);
+    let generation = Deploy::generation(4, &model).adp();
     for d in 0..4 {
         let gri = generation.rank(&model, d);
         let t = targets(&gri, &ctx.rank(&model, 0), 0);
@@ -84,8 +84,8 @@ fn tp_context_fans_in_to_an_attention_dp_rank() {
 #[test]
 fn helix_context_rank_serves_every_cp_rank() {
     let model = Model::gqa(2, 4, 4, 4);
-    let ctx = Deploy::ctx(2, &model);
-    let generation = Deploy::gen_tp(2, &model).cp(2);
+    let ctx = Deploy::context(2, &model);
+    let generation = Deploy::generation(2, &model).cp(2);
     // Generation rank (tp t, cp c) is flat rank 2t + c and hears from context rank t only.
     for g in 0..4 {
         let gri = generation.rank(&model, g);
@@ -103,22 +103,22 @@ fn helix_context_rank_serves_every_cp_rank() {
 #[test]
 fn uniform_only_when_every_writer_has_an_equal_share() {
     let gqa = Model::gqa(4, 8, 16, 4);
-    let gen_tp2 = Deploy::gen_tp(2, &gqa).rank(&gqa, 1);
+    let gen_tp2 = Deploy::generation(2, &gqa).rank(&gqa, 1);
     // 2 writers of equal head shares.
-    let t = targets(&gen_tp2, &Deploy::ctx(4, &gqa).rank(&gqa, 0), 0);
+    let t = targets(&gen_tp2, &Deploy::context(4, &gqa).rank(&gqa, 0), 0);
     assert_eq!((t.ranks.as_slice(), t.uniform), (&[2, 3][..], true));
     // Recurrent state: writers send unequal shares.
     let hybrid = Model::hybrid(8, 4);
-    let g = Deploy::gen_tp(1, &hybrid).rank(&hybrid, 0);
-    let t = targets(&g, &Deploy::ctx(2, &hybrid).rank(&hybrid, 0), 0);
+    let g = Deploy::generation(1, &hybrid).rank(&hybrid, 0);
+    let t = targets(&g, &Deploy::context(2, &hybrid).rank(&hybrid, 0), 0);
     assert_eq!((t.ranks.len(), t.uniform), (2, false));
 }
 
 #[test]
 fn targets_are_cached_per_peer_dp_rank_and_checked() {
     let model = Model::mla(2, 8, 4);
-    let me = Deploy::ctx(2, &model).rank(&model, 1);
-    let peer = Deploy::gen_tp(4, &model).adp().rank(&model, 0);
+    let me = Deploy::context(2, &model).rank(&model, 1);
+    let peer = Deploy::generation(4, &model).adp().rank(&model, 0);
     let planner = DefaultPlanner::new(&me).expect("planner");
     for d in [3, 0, 3, 2] {
         assert_eq!(
