@@ -10,7 +10,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use kvferry_planner_abi::{PeerTargets, PlanError, RankInfo};
 
-use crate::compat::{self, Link};
+use crate::compat;
+use crate::link::Link;
 use crate::topology;
 
 #[derive(Debug)]

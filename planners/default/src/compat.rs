@@ -1,5 +1,5 @@
-//! The peer check (semantics §3) and the [`Link`] it produces: the matched view pairs with
-//! their mappers and ownership, from which every plan to that peer is made.
+//! The peer check (semantics §3), which builds the [`Link`] to a peer: the matched view
+//! pairs with their mappers and ownership, from which every plan to that peer is made.
 //!
 //! `check_peer` runs in two settings: a generation rank vetting the context instance's rank
 //! 0 (the only context rank it knows), and a context rank vetting each generation rank that
@@ -10,83 +10,14 @@
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::fmt::Display;
 
-use kvferry_planner_abi::{GroupKind, LayoutKind, PageTable, PlanError, RankInfo, ViewId};
+use kvferry_planner_abi::{GroupKind, LayoutKind, PageTable, PlanError, RankInfo};
 
-use crate::mapper::{self, Frag, shard_ratio};
+use crate::link::{Link, Unserved, ViewPair};
+use crate::mapper::{self, shard_ratio};
 use crate::matching::match_views;
+use crate::side::Side;
 use crate::topology;
 use crate::view::{Roles, View, views};
-
-/// Whose view is "mine" in a direction-agnostic check: refusals always report this rank's
-/// value as `ours`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Side {
-    /// "Mine" is this rank's view.
-    Local,
-    /// "Mine" is the peer's view (the reverse matching direction).
-    Peer,
-}
-
-impl Side {
-    /// A refusal of `field`, with `mine` and `theirs` put in this rank's perspective.
-    pub(crate) fn refuse(
-        self,
-        field: &str,
-        mine: impl Display,
-        theirs: impl Display,
-        reason: impl Into<String>,
-    ) -> PlanError {
-        match self {
-            Side::Local => PlanError::refuse(field, mine, theirs, reason),
-            Side::Peer => PlanError::refuse(field, theirs, mine, reason),
-        }
-    }
-
-    /// `ours <a>, theirs <b>` in this rank's perspective.
-    pub(crate) fn between(self, mine: &str, theirs: &str) -> String {
-        match self {
-            Side::Local => format!("ours {mine}, theirs {theirs}"),
-            Side::Peer => format!("ours {theirs}, theirs {mine}"),
-        }
-    }
-}
-
-/// Everything a sender needs to plan for one peer rank, derived once per peer.
-#[derive(Debug)]
-pub(crate) struct Link {
-    /// Matched view pairs in this rank's page-table order.
-    pub(crate) pairs: Vec<ViewPair>,
-    /// Peer views holding layers this rank holds that no pair serves (semantics §3.6).
-    pub(crate) unserved: Vec<Unserved>,
-}
-
-/// One matched (local view, peer view) pair.
-#[derive(Debug)]
-pub(crate) struct ViewPair {
-    /// The local view.
-    pub(crate) mine: ViewId,
-    /// The peer view.
-    pub(crate) theirs: ViewId,
-    /// PAGED or STATE (equal on both sides).
-    pub(crate) class: GroupKind,
-    /// Whether this rank writes the pair into the peer rank (§5.2).
-    pub(crate) owned: bool,
-    /// `(num_replicas local, num_replicas peer)`.
-    pub(crate) replicas: (u32, u32),
-    /// Per-row fragments.
-    pub(crate) frags: Vec<Frag>,
-}
-
-/// A peer view that needs bytes this rank holds but has no view for.
-#[derive(Debug)]
-pub(crate) struct Unserved {
-    /// The peer view.
-    pub(crate) view: ViewId,
-    /// Its name, for the refusal.
-    pub(crate) name: String,
-    /// The first global layer it needs that this rank holds.
-    pub(crate) layer: u32,
-}
 
 /// Vets `peer` for `me` (§3) and builds the link a sender plans from.
 pub(crate) fn check_peer(me: &RankInfo, peer: &RankInfo) -> Result<Link, PlanError> {

@@ -46,26 +46,48 @@
 //! - Recurrent state travels with the piece marked `is_last` only (§7).
 //! - `uniform` (§9.1) is conservative: any PP fan-in, CP, replica election, recurrent
 //!   state, replicated view or uneven block size makes it `false`.
+//!
+//! # Module layers
+//!
+//! A module imports only from the layers below it, so no module imports one that imports
+//! it back. Bottom-up:
+//!
+//! 1. `view` (a page-table view with its layer regions resolved) and `side` (refusals in
+//!    this rank's perspective whichever direction is checked);
+//! 2. `mapper` (§5.2 ownership, §5.3 mappers) and `matching` (§4 pool matching);
+//! 3. `link` (the matched view pairs a peer's plans are made from; data only);
+//! 4. `topology` (§5.1 targets, §9.1 uniform shares);
+//! 5. `compat` (§3 peer check, which builds the link), `pairing` (§8.2 plan emission from
+//!    the link) and `state` (§7 receiver payload);
+//! 6. `cache` (the link and targets per peer), under the crate root.
+//!
+//! A lower module's docs name a higher one in plain text, never as a `crate::` path.
 
 /*
-Module map, for maintainers:
+Module map, for maintainers, bottom-up (see "Module layers" above):
 
 - `view`:     one (layer group, view) of a page table with its layer regions resolved.
-- `matching`: §4 pool matching.
+- `side`:     whose view is "mine" in a check run in both directions; refusals in this
+              rank's perspective.
 - `mapper`:   §5.2 shard pairing and ownership, §5.3 shard arithmetic and the five mappers.
-- `compat`:   §3 peer check; builds the `Link` (matched pairs + mappers + ownership) a peer's
-              plans are made from.
+- `matching`: §4 pool matching.
+- `link`:     the `Link` to a peer (matched pairs + mappers + ownership) its plans are made
+              from; data only.
 - `topology`: §5.1 targets and §9.1 uniform writer shares.
-- `pairing`:  §8.2 ordinal pairing, §6.2 helix stride, and plan emission.
+- `compat`:   §3 peer check; builds the `Link`.
+- `pairing`:  §8.2 ordinal pairing, §6.2 helix stride, and plan emission from the `Link`.
 - `state`:    §7 receiver payload bytes.
 - `cache`:    per-peer caches behind one mutex.
+- `testkit`:  (tests only) tiny page-table builders; imports nothing from the crate.
 */
 
 mod cache;
 mod compat;
+mod link;
 mod mapper;
 mod matching;
 mod pairing;
+mod side;
 mod state;
 #[cfg(test)]
 mod testkit;

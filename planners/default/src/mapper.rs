@@ -87,8 +87,8 @@ pub(crate) struct Mapped {
     pub(crate) frags: Vec<Frag>,
 }
 
-/// Builds the mapper of a matched view pair that passed the layout gate
-/// ([`crate::compat`]); the checks here only guard that contract.
+/// Builds the mapper of a matched view pair that passed the peer check's layout gate (in
+/// `compat`, which calls this); the checks here only guard that contract.
 ///
 /// | view pair                        | fragments per row                                 |
 /// |----------------------------------|---------------------------------------------------|

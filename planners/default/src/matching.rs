@@ -4,7 +4,7 @@ use std::collections::{BTreeSet, HashMap};
 
 use kvferry_planner_abi::{GroupKind, PageTable, PlanError};
 
-use crate::compat::Side;
+use crate::side::Side;
 use crate::view::{Layers, Roles, View};
 
 /// Matches every view of `mine` to the views of `theirs` (the views of `their_table`) it
@@ -94,7 +94,7 @@ mod tests {
     use kvferry_planner_abi::{GroupKind, LayoutKind, PageTable, PlanError, ViewId};
 
     use super::match_views;
-    use crate::compat::Side;
+    use crate::side::Side;
     use crate::testkit::{V, table};
     use crate::view::views;
 

@@ -6,7 +6,7 @@ use kvferry_planner_abi::{
     GroupKind, LayerGroupRows, PageTable, PairRequest, PlanError, RankInfo, TransferPlan, ViewId,
 };
 
-use crate::compat::{Link, ViewPair};
+use crate::link::{Link, ViewPair};
 use crate::topology::who;
 
 /// Request-level rules that hold before any view is looked at.

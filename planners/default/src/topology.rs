@@ -7,7 +7,7 @@ use kvferry_planner_abi::{
     GroupKind, LayoutKind, PageTable, PeerTargets, PlanError, RankInfo, ffi::RVec,
 };
 
-use crate::compat::Link;
+use crate::link::Link;
 
 /// `instance rank N` with the instance name, for messages.
 pub(crate) fn who(ri: &RankInfo) -> String {
