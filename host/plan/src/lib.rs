@@ -490,3 +490,99 @@ fn coalesce(mut plan: TransferPlan) -> ValidatedPlan {
         total,
     }
 }
+
+/// Why a request's pieces are not a valid split of its prompt.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PiecesError {
+    /// The prompt has no tokens.
+    #[error("prompt_len is 0")]
+    EmptyPrompt,
+    /// A block holds no tokens.
+    #[error("tokens_per_block is 0")]
+    NoBlockSize,
+    /// Chunks were given, but none.
+    #[error("chunks is empty")]
+    NoChunks,
+    /// One chunk is wrong.
+    #[error("chunk {index} [{start}, {end}): {problem}")]
+    BadChunk {
+        /// The chunk's index.
+        index: usize,
+        /// Its first token.
+        start: u64,
+        /// One past its last token.
+        end: u64,
+        /// What is wrong: empty, out of order or overlapping, past the prompt, not aligned.
+        problem: &'static str,
+    },
+}
+
+/// The pieces a sender plans for a request of `prompt_len` tokens: the whole prompt, or the
+/// given chunks (chunked prefill), the last one `is_last`. Chunks must be non-empty, in
+/// order, non-overlapping, inside the prompt and start on a block boundary; each ends on one
+/// or at the prompt's end.
+///
+/// # Errors
+///
+/// A [`PiecesError`] naming the chunk and what is wrong with it.
+pub fn pieces(
+    prompt_len: u64,
+    tokens_per_block: u32,
+    chunks: Option<&[kvferry_planner_abi::TokenRange]>,
+) -> Result<Vec<PairRequest>, PiecesError> {
+    if prompt_len == 0 {
+        return Err(PiecesError::EmptyPrompt);
+    }
+    if tokens_per_block == 0 {
+        return Err(PiecesError::NoBlockSize);
+    }
+    let Some(chunks) = chunks else {
+        return Ok(vec![PairRequest::whole(prompt_len)]);
+    };
+    if chunks.is_empty() {
+        return Err(PiecesError::NoChunks);
+    }
+    let tpb = u64::from(tokens_per_block);
+    let mut previous_end = 0;
+    let mut out = Vec::with_capacity(chunks.len());
+    for (index, c) in chunks.iter().enumerate() {
+        let bad = |problem| PiecesError::BadChunk {
+            index,
+            start: c.start,
+            end: c.end,
+            problem,
+        };
+        if c.start >= c.end {
+            return Err(bad("empty"));
+        }
+        if c.start < previous_end {
+            return Err(bad("overlaps or precedes the previous chunk"));
+        }
+        if c.end > prompt_len {
+            return Err(bad("runs past the prompt"));
+        }
+        if c.start % tpb != 0 || (c.end % tpb != 0 && c.end != prompt_len) {
+            return Err(bad("not aligned to blocks"));
+        }
+        previous_end = c.end;
+        out.push(PairRequest {
+            token_range: *c,
+            prompt_len,
+            dst_start_token: kvferry_planner_abi::ffi::ROption::RNone,
+            is_last: index + 1 == chunks.len(),
+        });
+    }
+    Ok(out)
+}
+
+/// Block-aligned chunks of `chunk` tokens covering `prompt_len` tokens.
+pub fn chunk_ranges(prompt_len: u64, chunk: u64) -> Vec<kvferry_planner_abi::TokenRange> {
+    (0..prompt_len)
+        .step_by(chunk.max(1) as usize)
+        .map(|start| kvferry_planner_abi::TokenRange {
+            start,
+            end: (start + chunk).min(prompt_len),
+        })
+        .collect()
+}

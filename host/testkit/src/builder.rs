@@ -14,10 +14,10 @@
 //! - [`Model`] describes a small synthetic model (GQA in HND or NHD, MLA, sliding windows,
 //!   MTP layers, hybrid attention plus recurrent state) and [`Deploy`] an instance of it;
 //!   [`Deploy::rank`] builds any rank's [`RankInfo`] the way the cache managers of semantics
-//!   §2.3 lay it out. [`Transfer`] moves one request between two deployments with any
+//!   §2.3 lay it out. [`crate::request::Transfer`] moves one request between two deployments with any
 //!   planner and checks every byte ([`crate::scenario::Exchange`]).
 //!
-//! Tests that call a planner directly use the small pieces: [`tables`] and [`request_tables`]
+//! Tests that call a planner directly use the small pieces: [`tables`] and [`crate::request::request_tables`]
 //! (slot tables), [`scattered`] (a positional table with holes), [`rows_of`] and
 //! [`rows_excluding`] (the default describer's rows), [`piece`] (a [`PairRequest`]),
 //! [`local_layers`] and [`role_vec`] (page-table fields).
@@ -41,22 +41,69 @@
 //! `id << 44 | r << 36 | p << 30`, so ranks of different deployments never overlap and an
 //! address names its deployment, rank and pool.
 
-use std::collections::BTreeMap;
 use std::ops::Range;
-use std::sync::Arc;
 
 use kvferry_planner_abi::ffi::{ROption, RString, RVec};
 use kvferry_planner_abi::{
     BufferEntry, DEFAULT_DESCRIBER_ID, GroupKind, LayerGroup, LayerGroupRows, LayoutKind,
-    LocalLayer, Mapping, MemoryType, PageTable, PairRequest, PhysicalPool, PlanError, PoolView,
-    RankInfo, RoleLayout, SlotTable, TokenRange, TransferPlanner, ViewId, rows,
+    LocalLayer, Mapping, MemoryType, PageTable, PairRequest, PhysicalPool, PoolView, RankInfo,
+    RoleLayout, SlotTable, TokenRange, ViewId, rows,
 };
 
-use crate::layout::{PoolOptions, rank_coords};
-use crate::scenario::{
-    Exchange, PlannerFactory, ScenarioError, ScenarioReport, SlotAssignment, check_chunks,
-    slot_tables,
-};
+// ---------------------------------------------------------------------------------------------
+// Pool sizing and rank coordinates.
+
+/// How pools are sized and placed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolOptions {
+    /// Slots of every PAGED pool.
+    pub paged_slots: u64,
+    /// Slots of every STATE pool.
+    pub state_slots: u64,
+    /// Bytes added after every slot's payload (`slot_stride = slot_bytes + slot_padding`).
+    pub slot_padding: u64,
+    /// Where the pools live.
+    pub memory_type: MemoryType,
+}
+
+impl Default for PoolOptions {
+    /// 64 PAGED slots, 1 STATE slot, no padding, VRAM.
+    fn default() -> Self {
+        Self {
+            paged_slots: 64,
+            state_slots: 1,
+            slot_padding: 0,
+            memory_type: MemoryType::VRAM,
+        }
+    }
+}
+
+/// A rank's position in a mapping.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RankCoords {
+    /// Pipeline stage.
+    pub pp: u32,
+    /// Tensor-parallel rank.
+    pub tp: u32,
+    /// Context-parallel rank.
+    pub cp: u32,
+}
+
+/// The instance rank of `coords`, CP-minor: `pp × (tp × cp) + tp × cp + cp`.
+pub fn instance_rank(mapping: &Mapping, coords: RankCoords) -> u32 {
+    coords.pp * mapping.tp * mapping.cp + coords.tp * mapping.cp + coords.cp
+}
+
+/// The coordinates of `rank` (inverse of [`instance_rank`]).
+pub fn rank_coords(mapping: &Mapping, rank: u32) -> RankCoords {
+    let per_stage = (mapping.tp * mapping.cp).max(1);
+    let cp = mapping.cp.max(1);
+    RankCoords {
+        pp: rank / per_stage,
+        tp: rank % per_stage / cp,
+        cp: rank % cp,
+    }
+}
 
 // ---------------------------------------------------------------------------------------------
 // Any page table.
@@ -674,51 +721,6 @@ pub fn scattered(n: u64, slots: u64, shift: u64, holes: &[u64]) -> Vec<i64> {
         .collect()
 }
 
-/// The slot tables of `info` for a request of `prompt` tokens in pools of `slots` slots.
-///
-/// PAGED tables are positional over the rank's local ordinals ([`crate::scenario::slot_tables`]:
-/// helix strides, the stale front of windowed groups masked), local ordinal `j` in slot
-/// `(j × 3 + shift) % slots`, and every *global* ordinal in `holes` masked. STATE tables hold
-/// slot `(shift + 2) % slots`, or nothing without `state`.
-pub fn request_tables(
-    info: &RankInfo,
-    prompt: u64,
-    slots: u64,
-    shift: u64,
-    holes: &[u64],
-    state: bool,
-) -> Vec<SlotTable> {
-    let tpb = u64::from(info.page_table.tokens_per_block.max(1));
-    let assignment = SlotAssignment {
-        paged: scattered(prompt.div_ceil(tpb), slots, shift, &[]),
-        state: ((shift + 2) % slots) as i64,
-    };
-    let (cp, cp_rank) = (u64::from(info.cp_size.max(1)), u64::from(info.cp_rank));
-    let mut out = slot_tables(info, prompt, 0, &assignment);
-    for (group, table) in info.page_table.groups.iter().zip(&mut out) {
-        if group.kind == GroupKind::STATE {
-            if !state {
-                *table = SlotTable::new([]);
-            }
-            continue;
-        }
-        let masked: Vec<i64> = table
-            .slots
-            .iter()
-            .enumerate()
-            .map(|(j, &s)| {
-                if holes.contains(&(j as u64 * cp + cp_rank)) {
-                    SlotTable::HOLE
-                } else {
-                    s
-                }
-            })
-            .collect();
-        *table = SlotTable::from(masked);
-    }
-    out
-}
-
 /// The default describer's rows of `ri` for `tables`, no view excluded.
 ///
 /// # Panics
@@ -748,149 +750,5 @@ pub fn piece(start: u64, end: u64, prompt: u64, is_last: bool) -> PairRequest {
         prompt_len: prompt,
         dst_start_token: ROption::RNone,
         is_last,
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// One request between two deployments.
-
-/// One request moved from a context deployment to a generation deployment, checked by the
-/// oracle: the [`Deploy`] counterpart of [`crate::scenario::Scenario`].
-///
-/// Slot tables come from [`request_tables`] (context shift 1, generation shift 2).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Transfer {
-    /// The model on the context side.
-    pub ctx_model: Model,
-    /// The model on the generation side (differs for e.g. MTP layers on one side).
-    pub gen_model: Model,
-    /// The context instance.
-    pub ctx: Deploy,
-    /// The generation instance.
-    pub generation: Deploy,
-    /// Prompt length in tokens.
-    pub prompt: u64,
-    /// The context DP group serving the request.
-    pub ctx_dp_rank: u32,
-    /// The generation DP group receiving it.
-    pub gen_dp_rank: u32,
-    /// Token ranges the context sends, in order (block-aligned); the last one carries the
-    /// state.
-    pub pieces: Vec<(u64, u64)>,
-    /// Global ordinals the context side does not hold.
-    pub ctx_holes: Vec<u64>,
-    /// Global ordinals the generation side masks (cached, out of window).
-    pub gen_holes: Vec<u64>,
-    /// Whether the generation side has a state slot for the request.
-    pub gen_state: bool,
-    /// Views every receiver excludes.
-    pub excluded: Vec<ViewId>,
-    /// Seed of the oracle's tags.
-    pub seed: u64,
-}
-
-impl Transfer {
-    /// The whole prompt in one piece, every block held on both sides, DP groups 0.
-    pub fn new(model: &Model, ctx: Deploy, generation: Deploy, prompt: u64) -> Self {
-        Self {
-            ctx_model: model.clone(),
-            gen_model: model.clone(),
-            ctx,
-            generation,
-            prompt,
-            ctx_dp_rank: 0,
-            gen_dp_rank: 0,
-            pieces: vec![(0, prompt)],
-            ctx_holes: Vec::new(),
-            gen_holes: Vec::new(),
-            gen_state: true,
-            excluded: Vec::new(),
-            seed: 0,
-        }
-    }
-
-    /// Both instances' ranks, slot tables and pieces.
-    ///
-    /// # Errors
-    ///
-    /// Pieces that are empty, out of order, overlapping, past the prompt or not aligned to
-    /// blocks.
-    pub fn exchange(&self) -> Result<Exchange, ScenarioError> {
-        let tpb = u64::from(self.ctx_model.tpb);
-        let chunks: Vec<TokenRange> = self
-            .pieces
-            .iter()
-            .map(|&(start, end)| TokenRange { start, end })
-            .collect();
-        let pieces = check_chunks(&chunks, self.prompt, tpb)?;
-        let ctx = self.ctx.instance(&self.ctx_model);
-        let generation = self.generation.instance(&self.gen_model);
-        let tables = |infos: &[RankInfo], model: &Model, shift, holes: &[u64], state| {
-            infos
-                .iter()
-                .map(|i| {
-                    let t = request_tables(i, self.prompt, model.slots, shift, holes, state);
-                    (i.instance_rank, t)
-                })
-                .collect::<BTreeMap<_, _>>()
-        };
-        Ok(Exchange {
-            ctx_tables: tables(&ctx, &self.ctx_model, 1, &self.ctx_holes, true),
-            gen_tables: tables(
-                &generation,
-                &self.gen_model,
-                2,
-                &self.gen_holes,
-                self.gen_state,
-            ),
-            gen_excluded: generation
-                .iter()
-                .map(|i| (i.instance_rank, self.excluded.clone()))
-                .collect(),
-            ctx,
-            generation,
-            pieces,
-            ctx_dp_rank: self.ctx_dp_rank,
-            gen_dp_rank: self.gen_dp_rank,
-            seed: self.seed,
-            bounce_limits: Default::default(),
-        })
-    }
-
-    /// Runs the request (see [`Exchange::run`]); byte mismatches and overlapping writes are in
-    /// the report ([`ScenarioReport::is_ok`]).
-    ///
-    /// # Errors
-    ///
-    /// As [`exchange`](Self::exchange) and [`Exchange::run`].
-    pub fn run(
-        &self,
-        ctx_planner: PlannerFactory<'_>,
-        gen_planner: PlannerFactory<'_>,
-    ) -> Result<ScenarioReport, ScenarioError> {
-        self.exchange()?.run(ctx_planner, gen_planner)
-    }
-
-    /// Runs the request into every generation DP group in turn (one report each), the same
-    /// planner type on both sides.
-    ///
-    /// # Errors
-    ///
-    /// As [`run`](Self::run).
-    pub fn run_every_group<P, F>(&self, planner: F) -> Result<Vec<ScenarioReport>, ScenarioError>
-    where
-        P: TransferPlanner + 'static,
-        F: Fn(&RankInfo) -> Result<P, PlanError>,
-    {
-        let factory = |info: &RankInfo| -> Result<Arc<dyn TransferPlanner>, PlanError> {
-            Ok(Arc::new(planner(info)?))
-        };
-        (0..self.generation.dp_groups())
-            .map(|dp| {
-                let mut exchange = self.exchange()?;
-                exchange.gen_dp_rank = dp;
-                exchange.run(&factory, &factory)
-            })
-            .collect()
     }
 }

@@ -31,7 +31,7 @@ use rand::{Rng, SeedableRng};
 use crate::conformance::{Case, PlannerUnderTest};
 use crate::layout::{ModelSpec, Preset};
 use crate::oracle::Logical;
-use crate::scenario::{Scenario, ScenarioError, ScenarioReport};
+use crate::scenario::{Scenario, ScenarioReport};
 
 /// The seed of the matrix when none is given.
 pub const DEFAULT_SEED: u64 = 0x0_7ac1e;
@@ -522,13 +522,5 @@ pub fn conform(
         seed,
         cases: outcomes,
         deployments,
-    }
-}
-
-/// The planner error kind behind a scenario error, if a planner call failed.
-pub(crate) fn planner_error_kind(error: &ScenarioError) -> Option<ErrorKind> {
-    match error {
-        ScenarioError::Planner { source, .. } => Some(source.kind()),
-        _ => None,
     }
 }

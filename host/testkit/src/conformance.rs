@@ -179,7 +179,7 @@ impl PlannerUnderTest {
         match scenario.run(&ctx_factory, &gen_factory) {
             Ok(report) => (Ok(report), None),
             Err(e) => {
-                let kind = crate::conform::planner_error_kind(&e);
+                let kind = e.planner_error_kind();
                 (Err(e.to_string()), kind)
             }
         }

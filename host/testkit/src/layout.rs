@@ -21,10 +21,11 @@ use std::str::FromStr;
 
 use kvferry_planner_abi::ffi::{RString, RVec};
 use kvferry_planner_abi::{
-    GroupKind, LayoutKind, LocalLayer, Mapping, MemoryType, PlanError, RankInfo, RoleLayout,
+    GroupKind, LayoutKind, LocalLayer, Mapping, PlanError, RankInfo, RoleLayout,
 };
 
 use crate::builder::{GroupSpec, ViewSpec, page_table, rank_info};
+pub use crate::builder::{PoolOptions, RankCoords, instance_rank, rank_coords};
 
 /// Why a layout could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -320,58 +321,6 @@ impl fmt::Display for ModelSpec {
             "{} {} tpb{}",
             self.preset, self.dtype, self.tokens_per_block
         )
-    }
-}
-
-/// How pools are sized and placed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PoolOptions {
-    /// Slots of every PAGED pool.
-    pub paged_slots: u64,
-    /// Slots of every STATE pool.
-    pub state_slots: u64,
-    /// Bytes added after every slot's payload (`slot_stride = slot_bytes + slot_padding`).
-    pub slot_padding: u64,
-    /// Where the pools live.
-    pub memory_type: MemoryType,
-}
-
-impl Default for PoolOptions {
-    /// 64 PAGED slots, 1 STATE slot, no padding, VRAM.
-    fn default() -> Self {
-        Self {
-            paged_slots: 64,
-            state_slots: 1,
-            slot_padding: 0,
-            memory_type: MemoryType::VRAM,
-        }
-    }
-}
-
-/// A rank's position in a mapping.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct RankCoords {
-    /// Pipeline stage.
-    pub pp: u32,
-    /// Tensor-parallel rank.
-    pub tp: u32,
-    /// Context-parallel rank.
-    pub cp: u32,
-}
-
-/// The instance rank of `coords`, CP-minor: `pp × (tp × cp) + tp × cp + cp`.
-pub fn instance_rank(mapping: &Mapping, coords: RankCoords) -> u32 {
-    coords.pp * mapping.tp * mapping.cp + coords.tp * mapping.cp + coords.cp
-}
-
-/// The coordinates of `rank` (inverse of [`instance_rank`]).
-pub fn rank_coords(mapping: &Mapping, rank: u32) -> RankCoords {
-    let per_stage = (mapping.tp * mapping.cp).max(1);
-    let cp = mapping.cp.max(1);
-    RankCoords {
-        pp: rank / per_stage,
-        tp: rank % per_stage / cp,
-        cp: rank % cp,
     }
 }
 

@@ -4,7 +4,8 @@
 //! - [`layout`]: model presets with real dimensions (DeepSeek-V3, Llama-3-70B, Qwen3-Next,
 //!   gpt-oss) and the per-rank page tables a deployment of them advertises.
 //! - [`builder`]: hand-built page tables and ranks of any shape (synthetic models, any
-//!   mapping), slot tables, rows and pieces, and one request between two such deployments.
+//!   mapping), slot tables, rows and pieces.
+//! - [`request`]: one request between two such deployments, through the oracle.
 //! - [`oracle`]: tag-filled source pools, canary-primed destinations, every byte checked;
 //!   [`oracle::LocalMemory`] executes validated plans in process.
 //! - [`scenario`]: one request end to end in process (plan every pair, move, verify), from a
@@ -22,4 +23,5 @@ pub mod conform;
 pub mod conformance;
 pub mod layout;
 pub mod oracle;
+pub mod request;
 pub mod scenario;

@@ -22,7 +22,7 @@
 //!
 //! Steps 3 and 4 are [`Exchange::run`]: both instances' ranks, slot tables and pieces, of any
 //! shape. [`Scenario::exchange`] builds an [`Exchange`] from a preset,
-//! [`crate::builder::Transfer::exchange`] from hand-built deployments, and a test may edit
+//! [`crate::request::Transfer::exchange`] from hand-built deployments, and a test may edit
 //! one before running it.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -30,7 +30,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvferry_planner_abi::ffi::{ROption, RVec};
+use kvferry_planner_abi::ffi::RVec;
 use kvferry_planner_abi::{
     GroupKind, Mapping, PairRequest, PlanError, RankInfo, SlotTable, TokenRange, TransferPlanner,
     ViewId,
@@ -126,6 +126,17 @@ pub enum ScenarioError {
     /// The oracle could not fill or check.
     #[error(transparent)]
     Oracle(#[from] OracleError),
+}
+
+impl ScenarioError {
+    /// The kind of the planner error behind this one, if a planner call failed (a refusal is
+    /// `UNSUPPORTED` or `PEER_INCOMPATIBLE`).
+    pub fn planner_error_kind(&self) -> Option<kvferry_planner_abi::ErrorKind> {
+        match self {
+            ScenarioError::Planner { source, .. } => Some(source.kind()),
+            _ => None,
+        }
+    }
 }
 
 /// One request between two instances.
@@ -328,48 +339,13 @@ impl Scenario {
     }
 }
 
-/// The pieces of a request sent in `chunks`, the last with `is_last`.
-///
-/// # Errors
-///
-/// Chunks that are empty, out of order, overlapping, past the prompt, or not aligned to
-/// blocks of `tpb` tokens (a chunk may end at the prompt's end); no chunks at all.
 pub(crate) fn check_chunks(
     chunks: &[TokenRange],
     prompt_len: u64,
     tpb: u64,
 ) -> Result<Vec<PairRequest>, ScenarioError> {
-    if chunks.is_empty() {
-        return Err(ScenarioError::Invalid("chunks is empty".to_string()));
-    }
-    let tpb = tpb.max(1);
-    let mut previous_end = 0;
-    let mut out = Vec::with_capacity(chunks.len());
-    for (k, c) in chunks.iter().enumerate() {
-        let bad = |why: &str| {
-            ScenarioError::Invalid(format!("chunk {k} [{}, {}): {why}", c.start, c.end))
-        };
-        if c.start >= c.end {
-            return Err(bad("empty"));
-        }
-        if c.start < previous_end {
-            return Err(bad("overlaps or precedes the previous chunk"));
-        }
-        if c.end > prompt_len {
-            return Err(bad("runs past the prompt"));
-        }
-        if c.start % tpb != 0 || (c.end % tpb != 0 && c.end != prompt_len) {
-            return Err(bad("not aligned to blocks"));
-        }
-        previous_end = c.end;
-        out.push(PairRequest {
-            token_range: *c,
-            prompt_len,
-            dst_start_token: ROption::RNone,
-            is_last: k + 1 == chunks.len(),
-        });
-    }
-    Ok(out)
+    kvferry_plan::pieces(prompt_len, tpb as u32, Some(chunks))
+        .map_err(|e| ScenarioError::Invalid(e.to_string()))
 }
 
 /// One request between two instances given rank by rank: what [`Scenario::run`] does once

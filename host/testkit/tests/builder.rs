@@ -2,10 +2,10 @@
 
 use kvferry_planner_abi::{GroupKind, LayoutKind, Mapping, MemoryType, RoleLayout, SlotTable};
 use kvferry_testkit::builder::{
-    Deploy, GroupSpec, Model, ViewSpec, local_layers, page_table, rank_info, request_tables,
-    scattered, tables,
+    Deploy, GroupSpec, Model, ViewSpec, local_layers, page_table, rank_info, scattered, tables,
 };
 use kvferry_testkit::layout::PoolOptions;
+use kvferry_testkit::request::request_tables;
 
 const H: i64 = SlotTable::HOLE;
 

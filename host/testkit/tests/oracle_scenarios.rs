@@ -7,11 +7,12 @@ use kvferry_planner_abi::{
     GroupKind, LayerGroupRows, LayoutKind, Mapping, PairRequest, PeerTargets, PlanError, RankInfo,
     SlotTable, TokenRange, TransferPlan, TransferPlanner, ViewId, ffi::RVec,
 };
-use kvferry_testkit::builder::{Deploy, Model, Transfer};
+use kvferry_testkit::builder::{Deploy, Model};
 use kvferry_testkit::layout::{Dtype, ModelSpec, PoolOptions, Preset, build_rank};
 use kvferry_testkit::oracle::{
     Delivery, LocalMemory, Logical, MemoryError, Oracle, OracleError, Side,
 };
+use kvferry_testkit::request::Transfer;
 use kvferry_testkit::scenario::{Exchange, Scenario, ScenarioError, ScenarioReport};
 
 type Mutation = Box<dyn Fn(&mut TransferPlan) + Send + Sync>;

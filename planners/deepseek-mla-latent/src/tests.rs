@@ -1,5 +1,6 @@
 use kvferry_planner_abi::{ErrorKind, Mapping, SlotTable, TokenRange, ViewId, ffi::ROption};
-use kvferry_testkit::builder::{Deploy, Model, Transfer, rows_excluding, rows_of};
+use kvferry_testkit::builder::{Deploy, Model, rows_excluding, rows_of};
+use kvferry_testkit::request::Transfer;
 
 use super::*;
 

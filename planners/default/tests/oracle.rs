@@ -9,7 +9,8 @@ use kvferry_planner_abi::{
     TransferPlan, TransferPlanner,
 };
 use kvferry_planner_default::DefaultPlanner;
-use kvferry_testkit::builder::{Deploy, Model, Transfer};
+use kvferry_testkit::builder::{Deploy, Model};
+use kvferry_testkit::request::Transfer;
 use kvferry_testkit::scenario::ScenarioError;
 
 fn small_gqa(layout: LayoutKind) -> Model {

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use kvferry_planner_abi::PlannerPlugin;
 use kvferry_planner_default::DefaultPlanner;
-use kvferry_testkit::builder::Transfer;
+use kvferry_testkit::request::Transfer;
 use kvferry_testkit::scenario::ScenarioError;
 
 /// What happened, per generation rank, over every generation DP group.

@@ -29,9 +29,13 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
-use crate::transfer::wire::{Message, RankTables, Submit};
-use crate::transfer::{Client, ClientError, MemoryKind, Transport, chunk_ranges};
+use kvferry_plan::chunk_ranges;
 use kvferry_testkit::layout::ModelSpec;
+use kvferry_transfer::{MemoryKind, Transport};
+
+use crate::client::{Client, ClientError};
+use crate::control::{ControlMessage as Message, RankTables, Submit};
+use kvferry_protocol::Frame as _;
 
 /// How long a child may take to report its control address.
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(120);
@@ -41,8 +45,44 @@ const REPLY_TIMEOUT: Duration = Duration::from_secs(120);
 const EXIT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Lines of a child's standard error kept to explain why it did not start.
 const STDERR_TAIL: usize = 32;
-/// The line a server prints once it listens: `listening on HOST:PORT`.
+/// In the line a server prints once it listens, before its control address.
+pub const CONTROL_ON: &str = "control on ";
+/// In the line a context server prints once it listens, before its peer address.
 pub const LISTENING: &str = "listening on ";
+
+/// The addresses a `kvferry serve` process listens on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServerAddrs {
+    /// Its control listener (the controller's connection).
+    pub control: String,
+    /// A context server's peer listener (what generation servers connect to).
+    pub peer: Option<String>,
+}
+
+impl ServerAddrs {
+    /// The addresses in the line `kvferry serve` prints once it listens (`... control on
+    /// HOST:PORT listening on HOST:PORT`), if it is that line.
+    pub fn parse(line: &str) -> Option<ServerAddrs> {
+        let after = |marker: &str| {
+            line.split(marker)
+                .nth(1)
+                .and_then(|rest| rest.split_whitespace().next())
+                .map(|a| a.trim_end_matches(',').to_string())
+        };
+        Some(ServerAddrs {
+            control: after(CONTROL_ON)?,
+            peer: after(LISTENING),
+        })
+    }
+
+    /// The peer address, or an error naming the role.
+    pub fn peer(&self) -> Result<&str, DemoError> {
+        self.peer.as_deref().ok_or(DemoError::Child {
+            role: "context",
+            message: "reported no peer address".into(),
+        })
+    }
+}
 
 /// The two `kvferry serve` children of a loopback pair, as `demo` and `bench` start them.
 #[derive(Clone, Debug)]
@@ -237,7 +277,7 @@ impl Children {
 }
 
 /// Arguments of `kvferry serve` for one side of a loopback pair: `role` with deployment
-/// `spec`, `slots` PAGED and `state` STATE slots per pool, a free port on 127.0.0.1.
+/// `spec`, `slots` PAGED and `state` STATE slots per pool, free ports on 127.0.0.1.
 pub fn serve_args(
     pair: &LoopbackPair,
     role: &str,
@@ -268,6 +308,8 @@ pub fn serve_args(
         pair.model.tokens_per_block.to_string(),
         "--listen".to_string(),
         "127.0.0.1:0".to_string(),
+        "--control".to_string(),
+        "127.0.0.1:0".to_string(),
         "--transport".to_string(),
         pair.transport.name().to_string(),
         "--memory".to_string(),
@@ -290,7 +332,7 @@ pub fn serve_args(
     args
 }
 
-/// Starts one server child; returns it and its control address.
+/// Starts one server child; returns it and its addresses.
 ///
 /// The child's standard error is passed through to ours, and its last lines are kept: a child
 /// that exits before it listens (say, `--memory cuda` without a CUDA driver) is reported with
@@ -304,11 +346,24 @@ pub fn spawn_server(
     exe: &PathBuf,
     args: &[String],
     role: &'static str,
-) -> Result<(Child, String), DemoError> {
+) -> Result<(Child, ServerAddrs), DemoError> {
     let mut cmd = Command::new(exe);
+    cmd.args(args);
+    spawn_serve_command(cmd, role)
+}
+
+/// [`spawn_server`] for a `kvferry serve` command the caller built (environment included).
+///
+/// # Errors
+///
+/// As [`spawn_server`].
+pub fn spawn_serve_command(
+    mut cmd: Command,
+    role: &'static str,
+) -> Result<(Child, ServerAddrs), DemoError> {
+    let exe = PathBuf::from(cmd.get_program());
     // The child exits when this pipe closes, i.e. when the controller ends in any way.
-    cmd.args(args)
-        .arg("--exit-with-stdin")
+    cmd.arg("--exit-with-stdin")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .stdin(Stdio::piped());
@@ -338,8 +393,8 @@ pub fn spawn_server(
             let mut sent = false;
             for line in BufReader::new(stdout).lines().map_while(Result::ok) {
                 if !sent {
-                    if let Some(addr) = line.split(LISTENING).nth(1) {
-                        let _ = tx.send(addr.trim().to_string());
+                    if let Some(addrs) = ServerAddrs::parse(&line) {
+                        let _ = tx.send(addrs);
                         sent = true;
                     }
                 }
@@ -479,8 +534,9 @@ pub fn run(config: &DemoConfig) -> Result<DemoReport, DemoError> {
         "generation",
     )?;
     children.0.push(gen_child);
-    let ctx = Client::connect(&ctx_addr)?;
-    let r#gen = Client::connect(&gen_addr)?;
+    let ctx_peer = ctx_addr.peer()?.to_string();
+    let ctx = Client::connect(&ctx_addr.control)?;
+    let r#gen = Client::connect(&gen_addr.control)?;
 
     let mut report = DemoReport {
         model: config.pair.model.to_string(),
@@ -491,15 +547,15 @@ pub fn run(config: &DemoConfig) -> Result<DemoReport, DemoError> {
         requests: config.requests,
         ..DemoReport::default()
     };
-    match r#gen.call(Message::InstanceInfoRequest, REPLY_TIMEOUT)? {
-        Message::InstanceInfo(info) => {
+    match r#gen.call(Message::InfoRequest, REPLY_TIMEOUT)? {
+        Message::Info(info) => {
             report.planner = info.planner_id;
             report.planner_version = info.planner_version;
         }
         other => {
             return Err(DemoError::Protocol(format!(
-                "generation server answered {} to InstanceInfoRequest",
-                other.kind()
+                "generation server answered {} to InfoRequest",
+                kvferry_protocol::Frame::kind(&other)
             )));
         }
     }
@@ -574,7 +630,7 @@ pub fn run(config: &DemoConfig) -> Result<DemoReport, DemoError> {
         let started = Instant::now();
         for p in &mut batch {
             let mut submit = p.submit.clone();
-            submit.peer = Some(ctx_addr.clone());
+            submit.peer = Some(ctx_peer.clone());
             p.sent = Some(Instant::now());
             r#gen.send(Message::Submit(submit))?;
         }

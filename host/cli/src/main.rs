@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
 use clap::{Parser, Subcommand};
-use kvferry::bench::{self, BenchConfig};
-use kvferry::demo::{self, DemoConfig, LoopbackPair};
-use kvferry::transfer::{self, InstanceConfig, MemoryKind, Role, ServeOptions, Transport};
+use kvferry_cli::bench::{self, BenchConfig};
+use kvferry_cli::demo::{self, DemoConfig, LoopbackPair};
+use kvferry_cli::serve::ServeOptions;
 use kvferry_loader::config::{self, Config};
 use kvferry_loader::{BoundPlanner, Candidate, Registry};
 use kvferry_plan::bounce::{self, BounceLimits};
@@ -21,6 +21,7 @@ use kvferry_testkit::conformance::PlannerUnderTest;
 use kvferry_testkit::layout::{self, Dtype, ModelSpec, PoolOptions, Preset};
 use kvferry_testkit::oracle::LocalMemory;
 use kvferry_testkit::scenario::Scenario;
+use kvferry_transfer::{InstanceConfig, MemoryKind, Role, Transport};
 use serde_json::json;
 
 /// Moves LLM KV caches from context servers to generation servers, planned by plugins.
@@ -158,9 +159,14 @@ struct ServeArgs {
     /// Planner id (default: $KVFERRY_PLANNER, config `planner`, kvferry.default).
     #[arg(long, value_name = "ID")]
     planner: Option<String>,
-    /// Control address to listen on (port 0: a free port, printed on stdout).
+    /// Context side: the address generation peers connect to (port 0: a free port, printed
+    /// on stdout as `listening on HOST:PORT`).
     #[arg(long, default_value = "127.0.0.1:0", value_name = "HOST:PORT")]
     listen: String,
+    /// The controller's address (`kvferry demo`, `bench`, tests), printed on stdout as
+    /// `control on HOST:PORT`. Keep it on loopback: it can shut the server down.
+    #[arg(long, default_value = "127.0.0.1:0", value_name = "HOST:PORT")]
+    control: String,
     /// UCX transports: shared memory or loopback TCP.
     #[arg(long, default_value = "shm", value_name = "shm|tcp")]
     transport: Transport,
@@ -837,32 +843,36 @@ fn serve(host: &Host, a: ServeArgs) -> Result<ExitCode> {
     let config = InstanceConfig {
         role: a.role,
         name: name.clone(),
-        model,
-        mapping: a.deployment,
+        label: format!("{model} {}", a.deployment),
         transport: a.transport,
         memory: a.memory.memory,
         cuda_device: a.memory.cuda_device,
-        paged_slots: a.slots,
-        state_slots: a.state_slots,
     };
     let options = ServeOptions {
         listen: a.listen,
+        control: a.control,
         timeout: Duration::from_millis(a.timeout_ms),
         seed: a.seed,
         stall: Duration::from_millis(a.debug_stall_ms),
         record_plans: a.record_plans,
+        paged_slots: a.slots,
+        state_slots: a.state_slots,
     };
-    let running = transfer::start(config, bound, &options)
+    let running = kvferry_cli::serve::start(config, model, a.deployment, bound, &options)
         .with_context(|| format!("starting {} instance {name}", a.role))?;
-    let addr = running.local_addr();
-    tracing::info!(instance = %name, role = %a.role, planner = %id, %addr, "serving");
+    let control = running.control_addr();
+    let peers = running
+        .peer_addr()
+        .map(|p| format!(" {}{p}", demo::LISTENING))
+        .unwrap_or_default();
+    tracing::info!(instance = %name, role = %a.role, planner = %id, %control, "serving");
     println!(
-        "kvferry serve: {} instance {name} ({}, planner {id}, {}, {} memory) {}{addr}",
+        "kvferry serve: {} instance {name} ({}, planner {id}, {}, {} memory) {}{control}{peers}",
         a.role,
         running.instance().label(),
         a.transport,
         a.memory.memory,
-        demo::LISTENING
+        demo::CONTROL_ON
     );
     std::io::stdout().flush()?;
     running.run();

@@ -1,46 +1,52 @@
-//! The control protocol: versioned, size-limited frames carrying bincode-encoded messages.
+//! kvferry-protocol: the control-plane wire format, sans I/O — versioned, size-capped frames
+//! and the peer-to-peer transfer messages.
 //!
 //! Every frame is a 10-byte header followed by the body:
 //!
 //! ```text
-//! offset 0  magic    4 bytes  b"KVFR"
+//! offset 0  magic    4 bytes  one per message family (Frame::MAGIC): b"KVFR" for PeerMessage
 //! offset 4  version  u16 LE   PROTOCOL_VERSION
 //! offset 6  length   u32 LE   body bytes, at most MAX_FRAME_BYTES
-//! offset 10 body     bincode 2 (serde, standard config) of one Message
+//! offset 10 body     bincode 2 (serde, standard config) of one message
 //! ```
 //!
 //! The body is decoded with `bincode::config::standard().with_limit::<MAX_FRAME_BYTES>()`,
 //! so a length claimed inside the body (a vector, a string) can never allocate more than the
 //! frame limit, and a body must be consumed exactly (trailing bytes are refused). A frame
 //! with a wrong magic, another version, an oversized length or an undecodable body is an
-//! error naming what is wrong; servers answer it with [`Message::Error`] and close only that
-//! connection.
+//! error naming what is wrong; servers answer it with an error message and close only that
+//! connection. Each message family has its own magic, so a client of one family that
+//! connects to the listener of another is refused at its first frame, by name.
 //!
-//! # Messages
+//! bincode is flagged unmaintained (RUSTSEC-2025-0141, every version; its authors call it
+//! complete). It stays the body codec this project was specified with, confined to
+//! [`encode`] and [`decode_body`], so swapping it touches this module alone.
+//!
+//! # Peer messages ([`PeerMessage`])
 //!
 //! | message | direction | answer |
 //! |---|---|---|
-//! | [`Message::InstanceInfoRequest`] | generation → context | [`Message::InstanceInfo`] |
-//! | [`Message::Register`] | generation → context | [`Message::Registered`] or [`Message::Refused`] |
-//! | [`Message::RequestData`] | generation → context, per (receiver, sender) rank pair | [`Message::Completion`], per piece, after the flush |
-//! | [`Message::Cancel`] | either way | none |
-//! | [`Message::Submit`] | controller → context, then generation | [`Message::Submitted`] (context) or [`Message::Done`] (generation) |
-//! | [`Message::Verify`] | controller → generation | [`Message::Verified`] |
-//! | [`Message::Release`] | controller → either | [`Message::Released`] |
-//! | [`Message::VerifyIdle`] | controller → generation | [`Message::IdleVerified`] |
-//! | [`Message::Shutdown`] | controller → either | the process exits |
-//! | [`Message::Bench`] | controller → context | [`Message::BenchDone`] |
-//! | [`Message::Error`] | server → anyone | the connection closes |
+//! | [`PeerMessage::InstanceInfoRequest`] | generation → context | [`PeerMessage::InstanceInfo`] |
+//! | [`PeerMessage::Register`] | generation → context | [`PeerMessage::Registered`] or [`PeerMessage::Refused`] |
+//! | [`PeerMessage::RequestData`] | generation → context, per (receiver, sender) rank pair | [`PeerMessage::Completion`], per piece, after the flush |
+//! | [`PeerMessage::Cancel`] | either way | none |
+//! | [`PeerMessage::Error`] | either side | the connection closes |
+//!
+//! Test and benchmark controllers speak their own message family on their own listener (the
+//! `kvferry` CLI's control protocol), never this one.
+
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
 
 use std::io::{self, Read, Write};
 
 use kvferry_planner_abi::{RankInfo, SlotTable, TokenRange, ViewId};
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-/// The first four bytes of every frame.
-pub const MAGIC: [u8; 4] = *b"KVFR";
 /// The protocol version this build speaks; a frame of any other version is refused.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// 2: the peer and control message families were split (each with its own magic).
+pub const PROTOCOL_VERSION: u16 = 2;
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 10;
 /// The largest frame body accepted or sent: 64 MiB.
@@ -48,18 +54,23 @@ pub const MAX_FRAME_BYTES: usize = 64 << 20;
 
 /// Why a frame could not be read, decoded or written.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum WireError {
     /// The peer closed the connection between frames.
     #[error("connection closed")]
     Closed,
     /// Reading or writing the socket failed (a frame cut short included).
-    #[error("i/o: {0}")]
+    #[error("i/o")]
     Io(#[from] io::Error),
-    /// The frame does not start with [`MAGIC`].
-    #[error("bad magic {found:02x?}: not a kvferry control frame (expected {MAGIC:02x?})")]
+    /// The frame does not start with the magic of the message family expected.
+    #[error("bad magic {found:02x?}: not a kvferry {family} frame (expected {expected:02x?})")]
     BadMagic {
         /// The four bytes found.
         found: [u8; 4],
+        /// The magic expected.
+        expected: [u8; 4],
+        /// The message family expected, e.g. `peer`.
+        family: &'static str,
     },
     /// The frame's protocol version is not [`PROTOCOL_VERSION`].
     #[error("protocol version {found} is not supported (this build speaks {PROTOCOL_VERSION})")]
@@ -76,12 +87,13 @@ pub enum WireError {
         max: usize,
     },
     /// The body is not a message of this protocol version.
-    #[error("undecodable frame body of {len} bytes: {reason}")]
+    #[error("undecodable frame body of {len} bytes")]
     Decode {
         /// Body length.
         len: usize,
         /// bincode's reason.
-        reason: String,
+        #[source]
+        source: bincode::error::DecodeError,
     },
     /// The body holds bytes after the message.
     #[error("frame body has {extra} trailing bytes after its message")]
@@ -90,8 +102,8 @@ pub enum WireError {
         extra: usize,
     },
     /// The message could not be encoded.
-    #[error("cannot encode message: {0}")]
-    Encode(String),
+    #[error("cannot encode message")]
+    Encode(#[source] bincode::error::EncodeError),
 }
 
 impl WireError {
@@ -242,87 +254,26 @@ pub struct Completion {
     pub status: CompletionStatus,
 }
 
-/// A demo request, as the controller submits it to both servers.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Submit {
-    /// Request id, unique per controller run.
-    pub request: u64,
-    /// Prompt length in tokens.
-    pub prompt_len: u64,
-    /// The context DP group serving it.
-    pub ctx_dp_rank: u32,
-    /// The generation DP group receiving it.
-    pub gen_dp_rank: u32,
-    /// Sender-side chunks (block-aligned); `None` sends the prompt in one piece.
-    pub chunks: Option<Vec<TokenRange>>,
-    /// Prompt tokens the receiver already holds.
-    pub cached: u64,
-    /// Generation side only: the context server's control address (`host:port`).
-    pub peer: Option<String>,
+/// A family of messages with its own frame magic.
+pub trait Frame: Serialize + DeserializeOwned {
+    /// The first four bytes of every frame of this family.
+    const MAGIC: [u8; 4];
+    /// The family's name, for errors (`peer`, `control`).
+    const FAMILY: &'static str;
+    /// The message's name, for logs.
+    fn kind(&self) -> &'static str;
+    /// The refusal text, if this is the family's "error, closing" message.
+    fn error_text(&self) -> Option<&str> {
+        None
+    }
 }
 
-/// The slot tables of one rank for one request.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RankTables {
-    /// The rank.
-    pub rank: u32,
-    /// One table per layer group.
-    pub tables: Vec<SlotTable>,
-}
-
-/// What a completed request moved.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RequestStats {
-    /// Bytes written into the receiver ranks.
-    pub bytes: u64,
-    /// Fragments written.
-    pub fragments: u64,
-    /// (sender, receiver) rank pairs that reported.
-    pub writers: u32,
-    /// Pieces reported over all writers.
-    pub pieces: u32,
-    /// From the generation server's first `RequestData` to the last completion.
-    pub latency_us: u64,
-}
-
-/// The oracle's verdict, as it travels.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct VerifySummary {
-    /// Whether every checked byte matched.
-    pub ok: bool,
-    /// Destination bytes checked.
-    pub bytes_checked: u64,
-    /// Of those, bytes the request covers.
-    pub bytes_covered: u64,
-    /// Bytes that differ.
-    pub mismatched_bytes: u64,
-    /// The oracle's report text.
-    pub detail: String,
-}
-
-/// What a context server's bare replay of recorded plans moved, and how long it took
-/// ([`Message::Bench`]).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct BenchStats {
-    /// From the first rank's first put to the last rank's last flush, in nanoseconds.
-    pub elapsed_ns: u64,
-    /// Bytes written.
-    pub bytes: u64,
-    /// Fragments written (after coalescing).
-    pub fragments: u64,
-    /// Puts issued (fragments split at the executor's largest put).
-    pub puts: u64,
-    /// Plans replayed (one window and one flush each).
-    pub plans: u64,
-    /// Context ranks that replayed.
-    pub ranks: u32,
-}
-
-/// One control message.
+/// One message between a context and a generation instance.
 ///
 /// New messages are appended, so the encoding of the others does not change.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Message {
+#[non_exhaustive]
+pub enum PeerMessage {
     /// Asks a context server for its [`InstanceInfo`].
     InstanceInfoRequest,
     /// A context server's description.
@@ -350,99 +301,35 @@ pub enum Message {
         /// Why.
         reason: String,
     },
-    /// Controller: run a request.
-    Submit(Submit),
-    /// Context server: the request is prefilled (slots allocated and filled), or why not.
-    Submitted {
-        /// The request.
-        request: u64,
-        /// The context DP group's slot tables.
-        result: Result<Vec<RankTables>, String>,
-    },
-    /// Generation server: the request completed, or why it failed.
-    Done {
-        /// The request.
-        request: u64,
-        /// What it moved.
-        result: Result<RequestStats, String>,
-    },
-    /// Controller: check a completed request's destination bytes with the oracle.
-    Verify {
-        /// The request.
-        request: u64,
-        /// The context DP group's slot tables (from [`Message::Submitted`]).
-        context: Vec<RankTables>,
-    },
-    /// The oracle's verdict on a request.
-    Verified {
-        /// The request.
-        request: u64,
-        /// The verdict, or why it could not be reached.
-        result: Result<VerifySummary, String>,
-    },
-    /// Controller: free a request's slots.
-    Release {
-        /// The request.
-        request: u64,
-    },
-    /// The request's slots are free (or quarantined until its writers are done).
-    Released {
-        /// The request.
-        request: u64,
-    },
-    /// Controller: check that every pool holds only its canary (no request in flight).
-    VerifyIdle,
-    /// The verdict on the idle pools.
-    IdleVerified {
-        /// The verdict, or why it could not be reached.
-        result: Result<VerifySummary, String>,
-    },
-    /// Controller: exit the server process.
-    Shutdown,
     /// The sender of this message refuses the connection; it closes it next.
     Error {
         /// What was wrong.
         message: String,
     },
-    /// Controller (benchmark): write the plans a context server recorded for these requests
-    /// again, with a bare put loop on the same endpoints and memory, and time it. The
-    /// requests must be complete and still held on both sides. Needs `--record-plans`.
-    Bench {
-        /// The requests whose plans are replayed.
-        requests: Vec<u64>,
-    },
-    /// The replay's totals and time, or why it failed.
-    BenchDone {
-        /// The totals, or the reason.
-        result: Result<BenchStats, String>,
-    },
 }
 
-impl Message {
-    /// The message's name, for logs.
-    pub fn kind(&self) -> &'static str {
+impl Frame for PeerMessage {
+    const MAGIC: [u8; 4] = *b"KVFR";
+    const FAMILY: &'static str = "peer";
+
+    fn kind(&self) -> &'static str {
         match self {
-            Message::InstanceInfoRequest => "InstanceInfoRequest",
-            Message::InstanceInfo(_) => "InstanceInfo",
-            Message::Register(_) => "Register",
-            Message::Registered { .. } => "Registered",
-            Message::Refused { .. } => "Refused",
-            Message::RequestData(_) => "RequestData",
-            Message::Completion(_) => "Completion",
-            Message::Cancel { .. } => "Cancel",
-            Message::Submit(_) => "Submit",
-            Message::Submitted { .. } => "Submitted",
-            Message::Done { .. } => "Done",
-            Message::Verify { .. } => "Verify",
-            Message::Verified { .. } => "Verified",
-            Message::Release { .. } => "Release",
-            Message::Released { .. } => "Released",
-            Message::VerifyIdle => "VerifyIdle",
-            Message::IdleVerified { .. } => "IdleVerified",
-            Message::Shutdown => "Shutdown",
-            Message::Error { .. } => "Error",
-            Message::Bench { .. } => "Bench",
-            Message::BenchDone { .. } => "BenchDone",
+            PeerMessage::InstanceInfoRequest => "InstanceInfoRequest",
+            PeerMessage::InstanceInfo(_) => "InstanceInfo",
+            PeerMessage::Register(_) => "Register",
+            PeerMessage::Registered { .. } => "Registered",
+            PeerMessage::Refused { .. } => "Refused",
+            PeerMessage::RequestData(_) => "RequestData",
+            PeerMessage::Completion(_) => "Completion",
+            PeerMessage::Cancel { .. } => "Cancel",
+            PeerMessage::Error { .. } => "Error",
+        }
+    }
+
+    fn error_text(&self) -> Option<&str> {
+        match self {
+            PeerMessage::Error { message } => Some(message),
+            _ => None,
         }
     }
 }
@@ -451,8 +338,8 @@ fn config() -> impl bincode::config::Config {
     bincode::config::standard().with_limit::<MAX_FRAME_BYTES>()
 }
 
-/// A header for a body of `len` bytes.
-pub fn header(len: usize) -> Result<[u8; HEADER_LEN], WireError> {
+/// A header of family `M` for a body of `len` bytes.
+pub fn header<M: Frame>(len: usize) -> Result<[u8; HEADER_LEN], WireError> {
     let len32 = u32::try_from(len)
         .ok()
         .filter(|&n| n as usize <= MAX_FRAME_BYTES)
@@ -461,7 +348,7 @@ pub fn header(len: usize) -> Result<[u8; HEADER_LEN], WireError> {
             max: MAX_FRAME_BYTES,
         })?;
     let mut h = [0u8; HEADER_LEN];
-    h[..4].copy_from_slice(&MAGIC);
+    h[..4].copy_from_slice(&M::MAGIC);
     h[4..6].copy_from_slice(&PROTOCOL_VERSION.to_le_bytes());
     h[6..].copy_from_slice(&len32.to_le_bytes());
     Ok(h)
@@ -472,11 +359,15 @@ pub fn header(len: usize) -> Result<[u8; HEADER_LEN], WireError> {
 /// # Errors
 ///
 /// A wrong magic, another version, or a length above [`MAX_FRAME_BYTES`].
-pub fn parse_header(h: &[u8; HEADER_LEN]) -> Result<usize, WireError> {
+pub fn parse_header<M: Frame>(h: &[u8; HEADER_LEN]) -> Result<usize, WireError> {
     let mut magic = [0u8; 4];
     magic.copy_from_slice(&h[..4]);
-    if magic != MAGIC {
-        return Err(WireError::BadMagic { found: magic });
+    if magic != M::MAGIC {
+        return Err(WireError::BadMagic {
+            found: magic,
+            expected: M::MAGIC,
+            family: M::FAMILY,
+        });
     }
     let version = u16::from_le_bytes([h[4], h[5]]);
     if version != PROTOCOL_VERSION {
@@ -497,11 +388,10 @@ pub fn parse_header(h: &[u8; HEADER_LEN]) -> Result<usize, WireError> {
 /// # Errors
 ///
 /// The message cannot be encoded, or its body exceeds [`MAX_FRAME_BYTES`].
-pub fn encode(message: &Message) -> Result<Vec<u8>, WireError> {
-    let body = bincode::serde::encode_to_vec(message, config())
-        .map_err(|e| WireError::Encode(e.to_string()))?;
+pub fn encode<M: Frame>(message: &M) -> Result<Vec<u8>, WireError> {
+    let body = bincode::serde::encode_to_vec(message, config()).map_err(WireError::Encode)?;
     let mut frame = Vec::with_capacity(HEADER_LEN + body.len());
-    frame.extend_from_slice(&header(body.len())?);
+    frame.extend_from_slice(&header::<M>(body.len())?);
     frame.extend_from_slice(&body);
     Ok(frame)
 }
@@ -512,11 +402,11 @@ pub fn encode(message: &Message) -> Result<Vec<u8>, WireError> {
 ///
 /// [`WireError::Decode`] for bytes that are not a message, [`WireError::Trailing`] for bytes
 /// after it.
-pub fn decode_body(body: &[u8]) -> Result<Message, WireError> {
-    let (message, used): (Message, usize) = bincode::serde::decode_from_slice(body, config())
-        .map_err(|e| WireError::Decode {
+pub fn decode_body<M: Frame>(body: &[u8]) -> Result<M, WireError> {
+    let (message, used): (M, usize) =
+        bincode::serde::decode_from_slice(body, config()).map_err(|source| WireError::Decode {
             len: body.len(),
-            reason: e.to_string(),
+            source,
         })?;
     if used != body.len() {
         return Err(WireError::Trailing {
@@ -531,7 +421,7 @@ pub fn decode_body(body: &[u8]) -> Result<Message, WireError> {
 /// # Errors
 ///
 /// As [`encode`], or the write failing.
-pub fn write_frame(w: &mut impl Write, message: &Message) -> Result<(), WireError> {
+pub fn write_frame<M: Frame>(w: &mut impl Write, message: &M) -> Result<(), WireError> {
     let frame = encode(message)?;
     w.write_all(&frame)?;
     w.flush()?;
@@ -544,7 +434,7 @@ pub fn write_frame(w: &mut impl Write, message: &Message) -> Result<(), WireErro
 ///
 /// [`WireError::Closed`] at a clean end of stream before a header, any header or body error,
 /// or the read failing (a frame cut short is [`io::ErrorKind::UnexpectedEof`]).
-pub fn read_frame(r: &mut impl Read) -> Result<Message, WireError> {
+pub fn read_frame<M: Frame>(r: &mut impl Read) -> Result<M, WireError> {
     let mut h = [0u8; HEADER_LEN];
     let mut got = 0;
     while got < HEADER_LEN {
@@ -561,7 +451,7 @@ pub fn read_frame(r: &mut impl Read) -> Result<Message, WireError> {
             Err(e) => return Err(WireError::Io(e)),
         }
     }
-    let len = parse_header(&h)?;
+    let len = parse_header::<M>(&h)?;
     let mut body = vec![0u8; len];
     r.read_exact(&mut body)?;
     decode_body(&body)
@@ -573,10 +463,10 @@ mod tests {
 
     #[test]
     fn header_round_trips() {
-        let h = header(1234).unwrap();
-        assert_eq!(parse_header(&h).unwrap(), 1234);
+        let h = header::<PeerMessage>(1234).unwrap();
+        assert_eq!(parse_header::<PeerMessage>(&h).unwrap(), 1234);
         assert!(matches!(
-            header(MAX_FRAME_BYTES + 1),
+            header::<PeerMessage>(MAX_FRAME_BYTES + 1),
             Err(WireError::Oversized { .. })
         ));
     }

@@ -3,24 +3,24 @@
 //! [`Instance::prepare`] creates the UCX context for the chosen [`Transport`] and checks that
 //! the pools can live in the chosen [`MemoryKind`] (for CUDA: the feature, the driver, the
 //! device, a UCX that moves CUDA memory) before anything is allocated;
-//! [`PreparedInstance::start`] then lets [`build_instance`] lay out every rank while
-//! allocating each pool (so every [`RankInfo`] carries the pools' real addresses, and their
-//! memory type: DRAM or VRAM), builds the bound planner for every rank (stamping its
-//! `describe` blob), and starts one [`RankThread`] per rank. [`Instance::start`] does both.
+//! [`PreparedInstance::start`] then lets the caller's layout describe every rank while
+//! allocating each pool through the [`PoolAllocator`] (so every [`RankInfo`] carries the
+//! pools' real addresses, and their memory type: DRAM or VRAM), builds the bound planner for
+//! every rank (stamping its `describe` blob), and starts one [`RankThread`] per rank. No
+//! model is named here: any cache a [`kvferry_planner_abi::PageTable`] describes works.
 
 use std::fmt;
 use std::str::FromStr;
 use std::sync::Arc;
 
+use kvferry_loader::BoundPlanner;
 use kvferry_planner_abi::ffi::RVec;
-use kvferry_planner_abi::{GroupKind, Mapping, MemoryType, PlanError, RankInfo, TransferPlanner};
+use kvferry_planner_abi::{GroupKind, PlanError, RankInfo, TransferPlanner};
+use kvferry_protocol::{InstanceInfo, PoolKey, RankDescriptor, Role};
 use kvferry_ucx::{Context, Worker};
 
-use super::memory::{MemoryError, MemoryKind, PoolAllocator, RankPools};
-use super::rank::{RankThread, SpawnError};
-use super::wire::{InstanceInfo, PoolKey, RankDescriptor, Role};
-use kvferry_loader::BoundPlanner;
-use kvferry_testkit::layout::{LayoutError, ModelSpec, PoolOptions, build_instance};
+use crate::memory::{MemoryError, MemoryKind, PoolAllocator, RankPools};
+use crate::rank::{RankThread, SpawnError};
 
 /// The UCX transports an instance uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -102,21 +102,21 @@ pub struct InstanceConfig {
     pub role: Role,
     /// The instance name every rank advertises.
     pub name: String,
-    /// The model.
-    pub model: ModelSpec,
-    /// The parallel mapping.
-    pub mapping: Mapping,
+    /// What the instance holds, for messages and logs (e.g. `deepseek-v3 fp8 tpb32 dep2`).
+    pub label: String,
     /// The UCX transports.
     pub transport: Transport,
     /// Where the pools live.
     pub memory: MemoryKind,
     /// CUDA pools: the device of every rank (`None`: rank `r` on device `r % device count`).
     pub cuda_device: Option<usize>,
-    /// PAGED slots of every PAGED pool.
-    pub paged_slots: u64,
-    /// STATE slots of every STATE pool.
-    pub state_slots: u64,
 }
+
+/// Describes every rank of an instance, allocating each pool through the allocator and
+/// writing the addresses it returns into the page tables; returns the ranks in rank order.
+/// The pools' `memory_type` must be [`PoolAllocator::memory_type`].
+pub type Layout<'a> = dyn FnOnce(&mut PoolAllocator) -> Result<Vec<RankInfo>, Box<dyn std::error::Error + Send + Sync>>
+    + 'a;
 
 /// Why an instance could not start.
 #[derive(Debug, thiserror::Error)]
@@ -129,9 +129,15 @@ pub enum InstanceError {
         /// UCX's error.
         error: kvferry_ucx::Error,
     },
-    /// The layout refused the model or mapping.
-    #[error(transparent)]
-    Layout(#[from] LayoutError),
+    /// The caller's layout failed.
+    #[error("laying out the instance's ranks")]
+    Layout(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The layout described no rank, or ranks out of order.
+    #[error("the layout described {problem}")]
+    BadLayout {
+        /// What is wrong.
+        problem: String,
+    },
     /// Pools could not be allocated or described.
     #[error(transparent)]
     Memory(#[from] MemoryError),
@@ -204,8 +210,12 @@ impl Instance {
     /// # Errors
     ///
     /// See [`InstanceError`].
-    pub fn start(config: InstanceConfig, bound: BoundPlanner) -> Result<Instance, InstanceError> {
-        Self::prepare(config)?.start(bound)
+    pub fn start(
+        config: InstanceConfig,
+        bound: BoundPlanner,
+        layout: Box<Layout<'_>>,
+    ) -> Result<Instance, InstanceError> {
+        Self::prepare(config)?.start(bound, layout)
     }
 
     /// Creates the UCX context and checks that the pools can live in `config.memory`, without
@@ -250,30 +260,30 @@ impl PreparedInstance {
     /// # Errors
     ///
     /// See [`InstanceError`].
-    pub fn start(self, bound: BoundPlanner) -> Result<Instance, InstanceError> {
+    pub fn start(
+        self,
+        bound: BoundPlanner,
+        layout: Box<Layout<'_>>,
+    ) -> Result<Instance, InstanceError> {
         let PreparedInstance {
             config,
             context,
             mut allocator,
         } = self;
-        let options = PoolOptions {
-            paged_slots: config.paged_slots,
-            state_slots: config.state_slots,
-            slot_padding: 0,
-            memory_type: match config.memory {
-                MemoryKind::Host => MemoryType::DRAM,
-                MemoryKind::Cuda => MemoryType::VRAM,
-            },
-        };
-        let infos = build_instance(
-            &config.model,
-            &config.mapping,
-            &config.name,
-            bound.id(),
-            &options,
-            &mut |rank, pool, bytes| allocator.alloc(rank, pool, bytes),
-        )?;
-        let pools = allocator.finish(config.mapping.world_size())?;
+        let infos = layout(&mut allocator).map_err(InstanceError::Layout)?;
+        if infos.is_empty() {
+            return Err(InstanceError::BadLayout {
+                problem: "no rank".into(),
+            });
+        }
+        for (r, info) in infos.iter().enumerate() {
+            if info.instance_rank as usize != r {
+                return Err(InstanceError::BadLayout {
+                    problem: format!("rank {r} as rank {}", info.instance_rank),
+                });
+            }
+        }
+        let pools = allocator.finish(infos.len() as u32)?;
         let mut ranks = Vec::with_capacity(infos.len());
         for (mut info, pools) in infos.into_iter().zip(pools) {
             let rank = info.instance_rank;
@@ -346,11 +356,13 @@ impl Instance {
 
     /// DP groups of the instance (its TP width under attention DP, else 1).
     pub fn dp_groups(&self) -> u32 {
-        if self.config.mapping.attention_dp {
-            self.config.mapping.tp
-        } else {
-            1
-        }
+        self.ranks.first().map_or(1, |r| {
+            if r.info.attention_dp {
+                r.info.dp_size.max(1)
+            } else {
+                1
+            }
+        })
     }
 
     /// The ranks of DP group `dp`.
@@ -373,9 +385,9 @@ impl Instance {
         })
     }
 
-    /// `deepseek-v3 fp8 tpb32 dep2`.
+    /// What the instance holds, as its configuration names it (`deepseek-v3 fp8 tpb32 dep2`).
     pub fn label(&self) -> String {
-        format!("{} {}", self.config.model, self.config.mapping)
+        self.config.label.clone()
     }
 
     /// What the instance advertises to peers.

@@ -6,7 +6,9 @@ mod transfer_support;
 use std::io::Cursor;
 use std::process::Command;
 
-use kvferry::transfer::wire::{BenchStats, Message, encode, read_frame};
+use kvferry_cli::control::ControlMessage as Message;
+use kvferry_protocol::{encode, read_frame};
+use kvferry_transfer::BenchStats;
 use serde_json::Value;
 use transfer_support::{REPLY, Server, prefill, release, submit};
 
@@ -123,12 +125,12 @@ fn bench_llama_tcp_reports_both_paths() {
 /// installed).
 #[test]
 fn bench_with_perftest_reports_its_bandwidth() {
-    if Command::new(kvferry::bench::PERFTEST)
+    if Command::new(kvferry_cli::bench::PERFTEST)
         .arg("-h")
         .output()
         .is_err()
     {
-        eprintln!("{} not installed; skipping", kvferry::bench::PERFTEST);
+        eprintln!("{} not installed; skipping", kvferry_cli::bench::PERFTEST);
         return;
     }
     let v = bench(&[
@@ -208,6 +210,9 @@ fn bench_messages_round_trip() {
         },
     ] {
         let frame = encode(&message).unwrap();
-        assert_eq!(read_frame(&mut Cursor::new(&frame)).unwrap(), message);
+        assert_eq!(
+            read_frame::<Message>(&mut Cursor::new(&frame)).unwrap(),
+            message
+        );
     }
 }

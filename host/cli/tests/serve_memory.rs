@@ -4,7 +4,7 @@
 
 use std::process::{Command, Output, Stdio};
 
-use kvferry::demo::LISTENING;
+use kvferry_cli::demo::CONTROL_ON;
 
 #[cfg(not(feature = "cuda"))]
 const REBUILD: &str = "kvferry: this kvferry was built without the `cuda` feature; rebuild with \
@@ -54,7 +54,7 @@ fn assert_refused(out: &Output, message: &str) {
     let (stdout, stderr) = text(out);
     assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
     assert!(stderr.contains(message), "{stderr}");
-    assert!(!stdout.contains(LISTENING), "{stdout}");
+    assert!(!stdout.contains(CONTROL_ON), "{stdout}");
 }
 
 #[cfg(not(feature = "cuda"))]

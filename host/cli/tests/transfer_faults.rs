@@ -8,7 +8,9 @@ mod transfer_support;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use kvferry::transfer::wire::{InstanceInfo, Message, Role};
+use kvferry_cli::Client;
+use kvferry_cli::control::ControlMessage as Message;
+use kvferry_protocol::{InstanceInfo, PeerMessage, Role};
 use transfer_support::{
     REPLY, Server, exchange, prefill, release, start, submit, verify, verify_idle, wait_done,
 };
@@ -212,15 +214,19 @@ fn request_data_before_prefill_is_served_after_it_tcp() {
     assert!(summary.bytes_covered > 0);
 }
 
+/// What a context server advertises to its peers, asked on its peer listener.
 fn instance_info(server: &Server) -> InstanceInfo {
-    match server
-        .client()
-        .call(Message::InstanceInfoRequest, REPLY)
+    match peer_client(server)
+        .call(PeerMessage::InstanceInfoRequest, REPLY)
         .unwrap()
     {
-        Message::InstanceInfo(info) => info,
+        PeerMessage::InstanceInfo(info) => info,
         other => panic!("{other:?}"),
     }
+}
+
+fn peer_client(server: &Server) -> Client<PeerMessage> {
+    Client::connect(&server.addr).expect("connect to the peer listener")
 }
 
 /// The context side runs its own `check_peer` per generation rank and refuses with the
@@ -237,11 +243,10 @@ fn context_refuses_a_forged_registration_with_the_planners_reason() {
         d.info.instance_name = "forged".into();
         d.info.page_table.tokens_per_block = 64;
     }
-    let reply = ctx
-        .client()
-        .call(Message::Register(forged.clone()), REPLY)
+    let reply = peer_client(&ctx)
+        .call(PeerMessage::Register(forged.clone()), REPLY)
         .unwrap();
-    let Message::Refused { reason } = reply else {
+    let PeerMessage::Refused { reason } = reply else {
         panic!("expected Refused, got {reply:?}");
     };
     assert!(
@@ -252,8 +257,10 @@ fn context_refuses_a_forged_registration_with_the_planners_reason() {
 
     let mut other = forged;
     other.planner_id = "acme.other".into();
-    let reply = ctx.client().call(Message::Register(other), REPLY).unwrap();
-    let Message::Refused { reason } = reply else {
+    let reply = peer_client(&ctx)
+        .call(PeerMessage::Register(other), REPLY)
+        .unwrap();
+    let PeerMessage::Refused { reason } = reply else {
         panic!("expected Refused, got {reply:?}");
     };
     assert!(reason.contains("acme.other"), "{reason}");

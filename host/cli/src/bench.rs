@@ -13,7 +13,7 @@
 //!   the first `Submit` to the last `Done`.
 //! - **raw**: [`Message::Bench`] makes the context server write the plans it recorded for a
 //!   set again, every rank at once, with a bare loop: fragments resolved before the clock
-//!   starts, then per plan a [`kvferry_ucx::PutWindow`] of the same size, the same splitting
+//!   starts, then per plan a `kvferry_ucx::PutWindow` of the same size, the same splitting
 //!   and one flush — no control plane, no planning, no checks. Timed by the context server
 //!   from the first put to the last flush.
 //!
@@ -42,9 +42,12 @@ use serde::Serialize;
 
 use crate::demo::{Children, DemoError, LoopbackPair, expect_released, serve_args, spawn_server};
 
-use crate::transfer::rank::PUT_WINDOW;
-use crate::transfer::wire::{BenchStats, Message, RankTables, Submit};
-use crate::transfer::{Client, Transport};
+use kvferry_protocol::Frame as _;
+use kvferry_transfer::rank::PUT_WINDOW;
+use kvferry_transfer::{BenchStats, Transport};
+
+use crate::client::Client;
+use crate::control::{ControlMessage as Message, RankTables, Submit};
 
 /// Rounds run before the counted ones: one of each order, so both slot sets are touched.
 pub const WARMUP_ROUNDS: u32 = 2;
@@ -487,9 +490,9 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
     let (gen_child, gen_addr) = spawn_server(&config.pair.exe, &gen_args, "generation")?;
     children.0.push(gen_child);
     let mut pair = Pair {
-        ctx: Client::connect(&ctx_addr)?,
-        r#gen: Client::connect(&gen_addr)?,
-        ctx_addr,
+        ctx: Client::connect(&ctx_addr.control)?,
+        r#gen: Client::connect(&gen_addr.control)?,
+        ctx_addr: ctx_addr.peer()?.to_string(),
         wait: config.pair.timeout + Duration::from_secs(30),
         next_id: 0,
     };
@@ -505,17 +508,14 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
         rounds: config.rounds,
         ..BenchReport::default()
     };
-    match pair
-        .r#gen
-        .call(Message::InstanceInfoRequest, REPLY_TIMEOUT)?
-    {
-        Message::InstanceInfo(info) => {
+    match pair.r#gen.call(Message::InfoRequest, REPLY_TIMEOUT)? {
+        Message::Info(info) => {
             report.planner = info.planner_id;
             report.planner_version = info.planner_version;
         }
         other => {
             return Err(DemoError::Protocol(format!(
-                "generation server answered {} to InstanceInfoRequest",
+                "generation server answered {} to InfoRequest",
                 other.kind()
             )));
         }

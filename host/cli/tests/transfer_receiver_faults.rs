@@ -17,8 +17,9 @@ use std::sync::mpsc::{self, Receiver};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use kvferry::transfer::Client;
-use kvferry::transfer::wire::Submit;
+use kvferry_cli::Client;
+use kvferry_cli::control::Submit;
+use kvferry_cli::demo::ServerAddrs;
 use transfer_support::{
     REPLY, Server, chunked, exchange, prefill, release, start, submit, wait_done,
 };
@@ -70,8 +71,8 @@ impl Logged {
         let (addr_tx, addr_rx) = mpsc::channel();
         thread::spawn(move || {
             for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some(addr) = line.split(kvferry::demo::LISTENING).nth(1) {
-                    let _ = addr_tx.send(addr.trim().to_string());
+                if let Some(addrs) = ServerAddrs::parse(&line) {
+                    let _ = addr_tx.send(addrs);
                 }
             }
         });
@@ -83,15 +84,19 @@ impl Logged {
                 let _ = line_tx.send(line);
             }
         });
-        let addr = match addr_rx.recv_timeout(REPLY) {
-            Ok(addr) => addr,
+        let addrs = match addr_rx.recv_timeout(REPLY) {
+            Ok(addrs) => addrs,
             Err(_) => {
                 let _ = child.kill();
                 panic!("{role} server did not start: {:?}", child.wait());
             }
         };
         Logged {
-            server: Server { child, addr },
+            server: Server {
+                child,
+                addr: addrs.peer.unwrap_or_else(|| addrs.control.clone()),
+                control: addrs.control,
+            },
             lines,
         }
     }
@@ -146,7 +151,7 @@ fn hung_receiver_times_out_and_the_context_moves_on_tcp() {
         "context",
         "dep2",
         &["--timeout-ms", &TIMEOUT_MS.to_string()],
-        "kvferry=info,kvferry::transfer::sender=debug",
+        "kvferry=info,kvferry_transfer::sender=debug",
     );
     let hung = Server::start(
         "generation",
@@ -197,7 +202,7 @@ fn killed_receiver_fails_its_job_and_the_context_moves_on_tcp() {
         "context",
         "dep2",
         &["--timeout-ms", "30000"],
-        "kvferry=info,kvferry::transfer::sender=debug",
+        "kvferry=info,kvferry_transfer::sender=debug",
     );
     let mut doomed = Server::start("generation", DEEPSEEK, "dep4", "tcp", &["--planner", MLA]);
     let name = gen_name(&doomed);

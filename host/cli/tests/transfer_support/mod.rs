@@ -2,15 +2,14 @@
 //! Each test binary uses a different subset, hence the `dead_code` allowance.
 #![allow(dead_code)]
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::thread;
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use kvferry::demo::LISTENING;
-use kvferry::transfer::wire::{Message, RankTables, RequestStats, Submit, VerifySummary};
-use kvferry::transfer::{Client, chunk_ranges};
+use kvferry_cli::Client;
+use kvferry_cli::control::{ControlMessage as Message, RankTables, Submit, VerifySummary};
+use kvferry_cli::demo::spawn_serve_command;
+use kvferry_plan::chunk_ranges;
+use kvferry_transfer::RequestStats;
 use serde_json::Value;
 
 /// How long any reply may take before a test fails instead of hanging.
@@ -19,7 +18,10 @@ pub const REPLY: Duration = Duration::from_secs(60);
 /// A `kvferry serve` child, killed when dropped.
 pub struct Server {
     pub child: Child,
+    /// A context server's peer address (a generation server's control address otherwise).
     pub addr: String,
+    /// The control address.
+    pub control: String,
 }
 
 impl Drop for Server {
@@ -52,36 +54,26 @@ impl Server {
             "4",
         ])
         .args(extra)
-        // Exits with the test process, whatever ends it.
-        .arg("--exit-with-stdin")
         .env_remove("KVFERRY_PLUGIN_DIR")
         .env_remove("KVFERRY_PLANNER")
         .env_remove("KVFERRY_CONFIG")
-        .env("RUST_LOG", "kvferry=warn,warn")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped());
-        let mut child = cmd.spawn().expect("start kvferry serve");
-        let stdout = child.stdout.take().expect("piped stdout");
-        let (tx, rx) = mpsc::channel();
-        thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some(addr) = line.split(LISTENING).nth(1) {
-                    let _ = tx.send(addr.trim().to_string());
-                }
-            }
-        });
-        let addr = match rx.recv_timeout(REPLY) {
-            Ok(addr) => addr,
-            Err(_) => {
-                let _ = child.kill();
-                panic!("{role} server did not start: {:?}", child.wait());
-            }
+        .env("RUST_LOG", "kvferry=warn,warn");
+        let role: &'static str = if role == "context" {
+            "context"
+        } else {
+            "generation"
         };
-        Server { child, addr }
+        let (child, addrs) =
+            spawn_serve_command(cmd, role).unwrap_or_else(|e| panic!("{role} server: {e}"));
+        Server {
+            child,
+            addr: addrs.peer.unwrap_or_else(|| addrs.control.clone()),
+            control: addrs.control,
+        }
     }
 
     pub fn client(&self) -> Client {
-        Client::connect(&self.addr).expect("connect to the server")
+        Client::connect(&self.control).expect("connect to the server")
     }
 }
 

@@ -12,11 +12,11 @@ use std::cell::RefCell;
 
 use kvferry_planner_abi::{PairRequest, RankInfo, SlotTable, ViewId};
 
-use super::memory::{CopyError, RankPools};
 use kvferry_plan::RequestSide;
 use kvferry_testkit::oracle::{
     Delivery, Extent, MemoryError, Oracle, OracleError, PoolMemory, VerifyReport,
 };
+use kvferry_transfer::memory::{CopyError, RankPools};
 
 /// Why the oracle could not fill or check UCX pools.
 #[derive(Debug, thiserror::Error)]

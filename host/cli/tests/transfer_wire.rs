@@ -1,6 +1,6 @@
-//! The control protocol's framing (round trips, limits, corrupt input), and a server facing
-//! bad input on its control port: each bad connection is refused with an error naming what
-//! is wrong, and the server keeps serving.
+//! The wire framing of both message families (peer and control: round trips, limits, corrupt
+//! input), and servers facing bad input on their peer and control ports: each bad connection
+//! is refused with an error naming what is wrong, and the server keeps serving.
 
 mod transfer_support;
 
@@ -8,13 +8,15 @@ use std::io::{Cursor, Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use kvferry::transfer::wire::{
-    Completion, CompletionStatus, HEADER_LEN, InstanceInfo, MAGIC, MAX_FRAME_BYTES, Message,
-    PROTOCOL_VERSION, PoolKey, RankDescriptor, RankTables, RequestData, RequestStats, Role, Submit,
-    VerifySummary, WireError, decode_body, encode, header, parse_header, read_frame, write_frame,
-};
+use kvferry_cli::control::{ControlMessage, RankTables, Submit, VerifySummary};
 use kvferry_planner_abi::{Mapping, SlotTable, TokenRange, ViewId};
+use kvferry_protocol::{
+    Completion, CompletionStatus, Frame, HEADER_LEN, InstanceInfo, MAX_FRAME_BYTES,
+    PROTOCOL_VERSION, PeerMessage, PoolKey, RankDescriptor, RequestData, Role, WireError,
+    decode_body, encode, header, parse_header, read_frame, write_frame,
+};
 use kvferry_testkit::layout::{ModelSpec, PoolOptions, Preset, build_instance};
+use kvferry_transfer::RequestStats;
 use transfer_support::{REPLY, Server, exchange, submit};
 
 fn instance_info() -> InstanceInfo {
@@ -66,20 +68,20 @@ fn instance_info() -> InstanceInfo {
     }
 }
 
-fn every_message() -> Vec<Message> {
+fn every_peer_message() -> Vec<PeerMessage> {
     let info = instance_info();
     let tables = vec![SlotTable::new([3, -1, 7]), SlotTable::new([1])];
     vec![
-        Message::InstanceInfoRequest,
-        Message::InstanceInfo(info.clone()),
-        Message::Register(info),
-        Message::Registered {
+        PeerMessage::InstanceInfoRequest,
+        PeerMessage::InstanceInfo(info.clone()),
+        PeerMessage::Register(info),
+        PeerMessage::Registered {
             instance: "ctx-1".into(),
         },
-        Message::Refused {
+        PeerMessage::Refused {
             reason: "tokens_per_block: ours 32, theirs 64".into(),
         },
-        Message::RequestData(RequestData {
+        PeerMessage::RequestData(RequestData {
             request: 7,
             receiver_instance: "gen-1".into(),
             receiver_rank: 3,
@@ -90,7 +92,7 @@ fn every_message() -> Vec<Message> {
             dst_start_token: Some(64),
             excluded_views: vec![ViewId { group: 1, view: 0 }],
         }),
-        Message::Completion(Completion {
+        PeerMessage::Completion(Completion {
             request: 7,
             sender_rank: 1,
             receiver_rank: 3,
@@ -100,11 +102,22 @@ fn every_message() -> Vec<Message> {
             fragments: 12,
             status: CompletionStatus::Failed("flush failed".into()),
         }),
-        Message::Cancel {
+        PeerMessage::Cancel {
             request: 7,
             reason: "timed out".into(),
         },
-        Message::Submit(Submit {
+        PeerMessage::Error {
+            message: "bad magic".into(),
+        },
+    ]
+}
+
+fn every_control_message() -> Vec<ControlMessage> {
+    let tables = vec![SlotTable::new([3, -1, 7]), SlotTable::new([1])];
+    vec![
+        ControlMessage::InfoRequest,
+        ControlMessage::Info(instance_info()),
+        ControlMessage::Submit(Submit {
             request: 7,
             prompt_len: 90,
             ctx_dp_rank: 1,
@@ -113,11 +126,11 @@ fn every_message() -> Vec<Message> {
             cached: 40,
             peer: Some("127.0.0.1:1".into()),
         }),
-        Message::Submitted {
+        ControlMessage::Submitted {
             request: 7,
             result: Ok(vec![RankTables { rank: 1, tables }]),
         },
-        Message::Done {
+        ControlMessage::Done {
             request: 7,
             result: Ok(RequestStats {
                 bytes: 5,
@@ -127,69 +140,92 @@ fn every_message() -> Vec<Message> {
                 latency_us: 3,
             }),
         },
-        Message::Done {
+        ControlMessage::Done {
             request: 8,
             result: Err("peer gone".into()),
         },
-        Message::Verify {
+        ControlMessage::Verify {
             request: 7,
             context: vec![],
         },
-        Message::Verified {
+        ControlMessage::Verified {
             request: 7,
             result: Ok(VerifySummary {
                 ok: true,
                 ..VerifySummary::default()
             }),
         },
-        Message::Release { request: 7 },
-        Message::Released { request: 7 },
-        Message::VerifyIdle,
-        Message::IdleVerified {
+        ControlMessage::Release { request: 7 },
+        ControlMessage::Released { request: 7 },
+        ControlMessage::VerifyIdle,
+        ControlMessage::IdleVerified {
             result: Err("busy".into()),
         },
-        Message::Shutdown,
-        Message::Error {
+        ControlMessage::Cancel {
+            request: 7,
+            reason: "client went away".into(),
+        },
+        ControlMessage::Shutdown,
+        ControlMessage::Error {
             message: "bad magic".into(),
         },
     ]
 }
 
-#[test]
-fn every_message_round_trips_through_a_frame() {
-    for message in every_message() {
+fn round_trips<M: Frame + PartialEq + std::fmt::Debug>(messages: impl Fn() -> Vec<M>) {
+    for message in messages() {
         let frame = encode(&message).unwrap();
-        assert_eq!(&frame[..4], &MAGIC);
+        assert_eq!(&frame[..4], &M::MAGIC);
         let mut h = [0u8; HEADER_LEN];
         h.copy_from_slice(&frame[..HEADER_LEN]);
-        assert_eq!(parse_header(&h).unwrap(), frame.len() - HEADER_LEN);
-        let back = read_frame(&mut Cursor::new(&frame)).unwrap();
+        assert_eq!(parse_header::<M>(&h).unwrap(), frame.len() - HEADER_LEN);
+        let back: M = read_frame(&mut Cursor::new(&frame)).unwrap();
         assert_eq!(back, message, "{}", message.kind());
     }
     // Several frames back to back, then a clean end.
     let mut stream = Vec::new();
-    for m in every_message() {
+    for m in messages() {
         write_frame(&mut stream, &m).unwrap();
     }
     let mut cursor = Cursor::new(stream);
-    for m in every_message() {
-        assert_eq!(read_frame(&mut cursor).unwrap(), m);
+    for m in messages() {
+        assert_eq!(read_frame::<M>(&mut cursor).unwrap(), m);
     }
-    assert!(matches!(read_frame(&mut cursor), Err(WireError::Closed)));
+    assert!(matches!(
+        read_frame::<M>(&mut cursor),
+        Err(WireError::Closed)
+    ));
+}
+
+#[test]
+fn every_message_round_trips_through_a_frame() {
+    round_trips(every_peer_message);
+    round_trips(every_control_message);
+}
+
+#[test]
+fn a_frame_of_one_family_is_refused_by_the_other_naming_both() {
+    let frame = encode(&ControlMessage::Shutdown).unwrap();
+    let e = read_frame::<PeerMessage>(&mut Cursor::new(&frame)).unwrap_err();
+    assert!(matches!(e, WireError::BadMagic { .. }), "{e}");
+    assert!(e.to_string().contains("not a kvferry peer frame"), "{e}");
+    let frame = encode(&PeerMessage::InstanceInfoRequest).unwrap();
+    let e = read_frame::<ControlMessage>(&mut Cursor::new(&frame)).unwrap_err();
+    assert!(e.to_string().contains("not a kvferry control frame"), "{e}");
 }
 
 #[test]
 fn headers_are_checked_before_the_body_is_read() {
-    let good = header(10).unwrap();
+    let good = header::<PeerMessage>(10).unwrap();
     let mut bad = good;
     bad[0] = b'X';
-    let e = parse_header(&bad).unwrap_err();
+    let e = parse_header::<PeerMessage>(&bad).unwrap_err();
     assert!(matches!(e, WireError::BadMagic { .. }));
     assert!(e.to_string().contains("bad magic"), "{e}");
 
     let mut version = good;
     version[4..6].copy_from_slice(&(PROTOCOL_VERSION + 1).to_le_bytes());
-    let e = parse_header(&version).unwrap_err();
+    let e = parse_header::<PeerMessage>(&version).unwrap_err();
     assert!(
         matches!(e, WireError::Version { found } if found == PROTOCOL_VERSION + 1),
         "{e}"
@@ -197,16 +233,16 @@ fn headers_are_checked_before_the_body_is_read() {
 
     let mut big = good;
     big[6..].copy_from_slice(&(MAX_FRAME_BYTES as u32 + 1).to_le_bytes());
-    let e = parse_header(&big).unwrap_err();
+    let e = parse_header::<PeerMessage>(&big).unwrap_err();
     assert!(matches!(e, WireError::Oversized { .. }), "{e}");
     // An oversized frame is refused from its header alone: no body follows.
     assert!(matches!(
-        read_frame(&mut Cursor::new(big.to_vec())),
+        read_frame::<PeerMessage>(&mut Cursor::new(big.to_vec())),
         Err(WireError::Oversized { .. })
     ));
-    assert!(header(MAX_FRAME_BYTES).is_ok());
+    assert!(header::<PeerMessage>(MAX_FRAME_BYTES).is_ok());
     assert!(matches!(
-        header(MAX_FRAME_BYTES + 1),
+        header::<PeerMessage>(MAX_FRAME_BYTES + 1),
         Err(WireError::Oversized { .. })
     ));
 }
@@ -214,55 +250,62 @@ fn headers_are_checked_before_the_body_is_read() {
 #[test]
 fn corrupt_bodies_are_refused_without_panicking() {
     // Cut short: in the header, in the body.
-    let frame = encode(&Message::Release { request: 1 }).unwrap();
+    let frame = encode(&PeerMessage::Cancel {
+        request: 1,
+        reason: "x".into(),
+    })
+    .unwrap();
     for cut in [3, HEADER_LEN + 1] {
-        let e = read_frame(&mut Cursor::new(frame[..cut].to_vec())).unwrap_err();
+        let e = read_frame::<PeerMessage>(&mut Cursor::new(frame[..cut].to_vec())).unwrap_err();
         assert!(matches!(e, WireError::Io(_)), "cut at {cut}: {e}");
         assert!(e.is_disconnect());
     }
     // An unknown variant.
-    let e = decode_body(&[200]).unwrap_err();
+    let e = decode_body::<PeerMessage>(&[200]).unwrap_err();
     assert!(matches!(e, WireError::Decode { .. }), "{e}");
     // Trailing bytes.
     let mut body = frame[HEADER_LEN..].to_vec();
     body.push(0);
     assert!(matches!(
-        decode_body(&body),
+        decode_body::<PeerMessage>(&body),
         Err(WireError::Trailing { extra: 1 })
     ));
     // A vector claiming 2^40 elements inside a tiny body: bounded by the decode limit, no
     // huge allocation.
-    let mut claim = vec![5u8]; // Refused { reason: String }
+    let mut claim = vec![4u8]; // Refused { reason: String }
     claim.push(253); // varint u64 marker
     claim.extend_from_slice(&(1u64 << 40).to_le_bytes());
-    let e = decode_body(&claim).unwrap_err();
+    let e = decode_body::<PeerMessage>(&claim).unwrap_err();
     assert!(matches!(e, WireError::Decode { .. }), "{e}");
     // Every prefix of every message, and random noise, decodes to an error or a message.
     let mut seed = 0x1234_5678_u64;
-    for m in every_message() {
+    for m in every_peer_message() {
         let frame = encode(&m).unwrap();
         let body = &frame[HEADER_LEN..];
         for cut in 0..body.len().min(300) {
-            let _ = decode_body(&body[..cut]);
+            let _ = decode_body::<PeerMessage>(&body[..cut]);
+            let _ = decode_body::<ControlMessage>(&body[..cut]);
         }
         let mut noisy = body.to_vec();
         for b in noisy.iter_mut().take(64) {
             seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
             *b ^= (seed >> 56) as u8;
         }
-        let _ = decode_body(&noisy);
+        let _ = decode_body::<PeerMessage>(&noisy);
     }
 }
 
-/// Sends raw bytes on a fresh connection and returns the server's error message.
-fn refused(addr: &str, bytes: &[u8]) -> String {
+/// Sends raw bytes on a fresh connection and returns the server's error message, read as a
+/// frame of family `M`.
+fn refused<M: Frame + std::fmt::Debug>(addr: &str, bytes: &[u8]) -> String {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(REPLY)).unwrap();
     s.write_all(bytes).unwrap();
-    let reply = read_frame(&mut s);
-    let Ok(Message::Error { message }) = reply else {
+    let reply = read_frame::<M>(&mut s);
+    let Some(message) = reply.as_ref().ok().and_then(|m| m.error_text()) else {
         panic!("expected an Error frame, got {reply:?}");
     };
+    let message = message.to_string();
     // Then the server closes the connection.
     let mut rest = Vec::new();
     let _ = s.read_to_end(&mut rest);
@@ -290,26 +333,31 @@ fn bad_control_input_closes_only_that_connection() {
     let healthy = ctx.client();
 
     let garbage: Vec<u8> = (0..4096u32).map(|i| (i * 7 + 3) as u8).collect();
-    let m = refused(&ctx.addr, &garbage);
+    let m = refused::<PeerMessage>(&ctx.addr, &garbage);
     assert!(m.contains("bad magic"), "{m}");
+    let m = refused::<ControlMessage>(&r#gen.control, &garbage);
+    assert!(m.contains("bad magic"), "{m}");
+    // A controller that dials the peer port is told so.
+    let m = refused::<PeerMessage>(&ctx.addr, &encode(&ControlMessage::VerifyIdle).unwrap());
+    assert!(m.contains("not a kvferry peer frame"), "{m}");
 
-    let mut wrong_version = header(1).unwrap();
+    let mut wrong_version = header::<ControlMessage>(1).unwrap();
     wrong_version[4..6].copy_from_slice(&7u16.to_le_bytes());
-    let m = refused(&r#gen.addr, &wrong_version);
+    let m = refused::<ControlMessage>(&r#gen.control, &wrong_version);
     assert!(m.contains("protocol version 7"), "{m}");
 
-    let mut oversized = header(0).unwrap();
+    let mut oversized = header::<PeerMessage>(0).unwrap();
     oversized[6..].copy_from_slice(&u32::MAX.to_le_bytes());
-    let m = refused(&ctx.addr, &oversized);
+    let m = refused::<PeerMessage>(&ctx.addr, &oversized);
     assert!(m.contains("exceeds") && m.contains("limit"), "{m}");
 
-    let mut undecodable = header(3).unwrap().to_vec();
+    let mut undecodable = header::<PeerMessage>(3).unwrap().to_vec();
     undecodable.extend_from_slice(&[250, 1, 2]);
-    let m = refused(&ctx.addr, &undecodable);
+    let m = refused::<PeerMessage>(&ctx.addr, &undecodable);
     assert!(m.contains("undecodable"), "{m}");
 
     // Well-formed, but not for this server / not before registering.
-    let m = refused(&ctx.addr, &encode(&Message::VerifyIdle).unwrap());
+    let m = refused::<ControlMessage>(&ctx.control, &encode(&ControlMessage::VerifyIdle).unwrap());
     assert!(
         m.contains("VerifyIdle is not a message a context server accepts"),
         "{m}"
@@ -325,13 +373,16 @@ fn bad_control_input_closes_only_that_connection() {
         dst_start_token: None,
         excluded_views: vec![],
     };
-    let m = refused(&ctx.addr, &encode(&Message::RequestData(orphan)).unwrap());
+    let m = refused::<PeerMessage>(
+        &ctx.addr,
+        &encode(&PeerMessage::RequestData(orphan)).unwrap(),
+    );
     assert!(m.contains("before Register"), "{m}");
 
     // Both servers still serve: the old connection, new ones, and a whole transfer.
     assert!(matches!(
-        healthy.call(Message::InstanceInfoRequest, REPLY).unwrap(),
-        Message::InstanceInfo(_)
+        healthy.call(ControlMessage::InfoRequest, REPLY).unwrap(),
+        ControlMessage::Info(_)
     ));
     std::thread::sleep(Duration::from_millis(50));
     exchange(&ctx, &r#gen, &[submit(1, 64), submit(2, 200)]);

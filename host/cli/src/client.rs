@@ -1,22 +1,28 @@
-//! A control client: what the demo controller and the tests use to drive servers.
+//! A client of one connection: what the demo controller and the tests use to drive servers
+//! ([`ControlMessage`] on their control listener) or to speak the peer protocol to a context
+//! server ([`kvferry_protocol::PeerMessage`]).
 
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::Duration;
 
-use super::conn::{Outbox, spawn_reader, spawn_writer};
-use super::wire::{Message, WireError};
+use kvferry_protocol::{Frame, WireError};
+use kvferry_transfer::conn::{Outbox, spawn_reader, spawn_writer};
+
+use crate::control::ControlMessage;
 
 /// Why a client call failed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ClientError {
     /// No connection.
-    #[error("cannot connect to {addr}: {error}")]
+    #[error("cannot connect to {addr}")]
     Connect {
         /// The server's address.
         addr: String,
         /// The OS error.
-        error: std::io::Error,
+        #[source]
+        source: std::io::Error,
     },
     /// The connection ended.
     #[error("connection to {addr} closed: {reason}")]
@@ -44,24 +50,24 @@ pub enum ClientError {
     },
 }
 
-/// One control connection, with a reader thread so receiving can time out cleanly.
+/// One connection, with a reader thread so receiving can time out cleanly.
 #[derive(Debug)]
-pub struct Client {
+pub struct Client<M: Frame = ControlMessage> {
     addr: String,
-    outbox: Outbox,
-    inbox: Receiver<Result<Message, WireError>>,
+    outbox: Outbox<M>,
+    inbox: Receiver<Result<M, WireError>>,
 }
 
-impl Client {
+impl<M: Frame + Send + 'static> Client<M> {
     /// Connects to `addr` (`host:port`).
     ///
     /// # Errors
     ///
     /// The address does not resolve or the connection is refused.
-    pub fn connect(addr: &str) -> Result<Client, ClientError> {
+    pub fn connect(addr: &str) -> Result<Client<M>, ClientError> {
         let connect = |source| ClientError::Connect {
             addr: addr.to_string(),
-            error: source,
+            source,
         };
         let sock = addr
             .to_socket_addrs()
@@ -93,7 +99,7 @@ impl Client {
     /// # Errors
     ///
     /// The connection's writer has stopped.
-    pub fn send(&self, message: Message) -> Result<(), ClientError> {
+    pub fn send(&self, message: M) -> Result<(), ClientError> {
         self.outbox.send(message).map_err(|_| ClientError::Closed {
             addr: self.addr.clone(),
             reason: "the writer stopped".into(),
@@ -104,18 +110,20 @@ impl Client {
     ///
     /// # Errors
     ///
-    /// Nothing arrived in time, the connection ended, or the server sent
-    /// [`Message::Error`].
-    pub fn recv(&self, timeout: Duration) -> Result<Message, ClientError> {
+    /// Nothing arrived in time, the connection ended, or the server sent its family's error
+    /// message.
+    pub fn recv(&self, timeout: Duration) -> Result<M, ClientError> {
         match self.inbox.recv_timeout(timeout) {
-            Ok(Ok(Message::Error { message })) => Err(ClientError::Refused {
-                addr: self.addr.clone(),
-                message,
-            }),
-            Ok(Ok(message)) => Ok(message),
+            Ok(Ok(message)) => match message.error_text() {
+                Some(text) => Err(ClientError::Refused {
+                    addr: self.addr.clone(),
+                    message: text.to_string(),
+                }),
+                None => Ok(message),
+            },
             Ok(Err(e)) => Err(ClientError::Closed {
                 addr: self.addr.clone(),
-                reason: e.to_string(),
+                reason: kvferry_transfer::server::error_chain(&e),
             }),
             Err(RecvTimeoutError::Timeout) => Err(ClientError::Timeout {
                 addr: self.addr.clone(),
@@ -133,7 +141,7 @@ impl Client {
     /// # Errors
     ///
     /// As [`send`](Self::send) and [`recv`](Self::recv).
-    pub fn call(&self, message: Message, timeout: Duration) -> Result<Message, ClientError> {
+    pub fn call(&self, message: M, timeout: Duration) -> Result<M, ClientError> {
         self.send(message)?;
         self.recv(timeout)
     }

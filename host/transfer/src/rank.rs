@@ -54,9 +54,10 @@ use std::time::{Duration, Instant};
 
 use kvferry_ucx::{Endpoint, MemRegion, Op, PutWindow, RemoteKey, Status, Worker};
 
-use super::memory::RankPools;
-use super::wire::PoolKey;
 use kvferry_plan::ValidatedPlan;
+use kvferry_protocol::PoolKey;
+
+use crate::memory::RankPools;
 
 /// Puts kept in flight per job (platform-notes §2: bound them, or tcp's final flush collapses).
 pub const PUT_WINDOW: usize = 32;
@@ -252,6 +253,14 @@ pub type JobDone = Box<dyn FnOnce(Result<WriteStats, WriteError>) + Send>;
 /// the sources' slots must not be reused.
 pub type JobRelease = Box<dyn FnOnce() + Send>;
 
+/// Observes a sender rank's write jobs at fixed points, on the rank thread. Production code
+/// installs none; tests and the CLI's fault-injection flag use it to delay a job (a hung
+/// receiver, a slow network) without any fault field in the executor's own types.
+pub trait WriteHook: Send + Sync + std::fmt::Debug {
+    /// After a job issued every put and before it flushes.
+    fn before_flush(&self, dest: &RemoteRank, plan: &ValidatedPlan);
+}
+
 /// One piece of one request for one receiver rank.
 pub struct WriteJob {
     /// Where to write.
@@ -260,8 +269,8 @@ pub struct WriteJob {
     pub plan: Arc<ValidatedPlan>,
     /// How long the job may run once started before it gives up (see the module docs).
     pub timeout: Duration,
-    /// Fault injection: sleep this long after issuing the puts, before flushing.
-    pub stall: Duration,
+    /// Called before the flush, if installed.
+    pub hook: Option<Arc<dyn WriteHook>>,
     /// The completion callback.
     pub done: JobDone,
     /// The source-release callback (taken when the job runs).
@@ -836,8 +845,8 @@ impl<'a> Executor<'a> {
             stats.fragments += 1;
             stats.bytes += len;
         }
-        if !job.stall.is_zero() {
-            thread::sleep(job.stall);
+        if let Some(hook) = &job.hook {
+            hook.before_flush(&job.dest, &job.plan);
         }
         waiter.wait(window, PutWindow::flush)?;
         Ok(stats)

@@ -1,5 +1,6 @@
-//! Control connections: a writer thread per connection, so no protocol thread ever blocks on
-//! a slow peer's socket, and a reader helper for clients.
+//! Connections: a writer thread per connection, so no protocol thread ever blocks on a slow
+//! peer's socket, and a reader helper for clients. Generic over the message family
+//! ([`Frame`]), so the CLI's control connections use the same machinery.
 
 use std::io::{BufReader, Read};
 use std::net::{Shutdown, TcpStream};
@@ -7,16 +8,16 @@ use std::sync::mpsc::{self, Receiver, Sender};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use super::wire::{Message, WireError, read_frame, write_frame};
+use kvferry_protocol::{Frame, PeerMessage, WireError, read_frame, write_frame};
 
 /// Queue of messages to one connection; dropping every clone closes the sending half.
-pub type Outbox = Sender<Message>;
+pub type Outbox<M = PeerMessage> = Sender<M>;
 
 /// Starts the thread that writes every message queued on the returned [`Outbox`] to
 /// `stream`, in order. When every sender is dropped (or a write fails) it shuts the sending
 /// half of the socket down.
-pub fn spawn_writer(stream: TcpStream, label: String) -> Outbox {
-    let (tx, rx) = mpsc::channel::<Message>();
+pub fn spawn_writer<M: Frame + Send + 'static>(stream: TcpStream, label: String) -> Outbox<M> {
+    let (tx, rx) = mpsc::channel::<M>();
     let spawned = thread::Builder::new()
         .name(format!("w-{label}"))
         .spawn(move || {
@@ -37,7 +38,10 @@ pub fn spawn_writer(stream: TcpStream, label: String) -> Outbox {
 
 /// Starts a thread that reads frames from `stream` into the returned channel until the first
 /// error (which it passes on, then stops).
-pub fn spawn_reader(stream: TcpStream, label: String) -> Receiver<Result<Message, WireError>> {
+pub fn spawn_reader<M: Frame + Send + 'static>(
+    stream: TcpStream,
+    label: String,
+) -> Receiver<Result<M, WireError>> {
     let (tx, rx) = mpsc::channel();
     let spawned = thread::Builder::new()
         .name(format!("r-{label}"))
@@ -69,4 +73,15 @@ pub fn drain(stream: &mut impl Read, limit: Duration) {
             Ok(n) => total += n,
         }
     }
+}
+
+/// What a connection handler does after a message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Flow {
+    /// Read the next message.
+    Continue,
+    /// Close the connection quietly.
+    Close,
+    /// Send an error message with this reason, then close.
+    Refuse(String),
 }

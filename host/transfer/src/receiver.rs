@@ -1,27 +1,28 @@
-//! The generation (receiver) side: peers, requests, completions, timeouts, verification.
+//! The generation (receiver) side: peers, requests, completions, timeouts.
 //!
 //! # Peers
 //!
 //! The first request naming a context server's control address bootstraps it: fetch its
 //! [`InstanceInfo`], compare `planner_id` and `describer_id` before anything else, run this
 //! instance's `check_peer` (me = each of its ranks, peer = context rank 0), and only then
-//! [`Message::Register`] this instance's ranks. The verdict is cached per address: a refused
+//! [`PeerMessage::Register`] this instance's ranks. The verdict is cached per address: a refused
 //! peer fails every later request addressed to it at once, with the reason, and nothing else.
 //! A compatible peer keeps one control connection; when it closes, every request still
 //! waiting on that peer fails at once, naming it, and the next request reconnects.
 //!
 //! # Requests
 //!
-//! A request takes slots in its DP group (free slots always hold the canary: primed at start,
-//! re-primed on release), asks every receiver
-//! rank's planner for its targets (`targets(me, context rank 0, ctx_dp_rank)`) and sends one
-//! [`Message::RequestData`] per (receiver, target) pair. It completes when every pair has
-//! reported a successful last piece (each report is sent after the sender's flush); any
-//! failed piece, the deadline, a cancel or the peer's connection closing fails it. Slots of a
-//! failed request stay quarantined until every writer reported its last piece or the peer is
+//! A request ([`GenerationServer::expect`]) names its DP group's destination slot tables (the
+//! caller's slots), asks every receiver rank's planner for its targets (`targets(me, context
+//! rank 0, ctx_dp_rank)`) and sends one [`PeerMessage::RequestData`] per (receiver, target)
+//! pair. It completes when every pair has reported a successful last piece (each report is
+//! sent after the sender's flush); any failed piece, the deadline, a cancel or the peer's
+//! connection closing fails it. Exactly one `on_done` call reports the outcome. A released
+//! request's `on_free` runs only once every writer reported its last piece or the peer is
 //! gone, since a late write could otherwise land in a reused slot.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fmt;
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -31,18 +32,15 @@ use std::time::{Duration, Instant};
 use kvferry_planner_abi::ffi::ROption;
 use kvferry_planner_abi::{PairRequest, PlanError, SlotTable, TokenRange};
 
-use super::conn::{Outbox, spawn_writer};
-use super::instance::Instance;
-use super::rank::PeerId;
-use super::slots::{Allocation, SlotError, SlotPools};
-use super::verify::{ReceiverPart, VerifyError, prime_slots, verify_idle, verify_request};
-use super::wire::{
-    Completion, CompletionStatus, InstanceInfo, Message, RankTables, RequestData, RequestStats,
-    Role, Submit, VerifySummary, read_frame, write_frame,
+use kvferry_protocol::{
+    Completion, CompletionStatus, Frame, InstanceInfo, PeerMessage, RequestData, Role, read_frame,
+    write_frame,
 };
-use super::{Flow, request_pieces};
-use kvferry_testkit::oracle::{Oracle, VerifyReport};
-use kvferry_testkit::scenario::slot_tables;
+
+use crate::conn::{Outbox, spawn_writer};
+use crate::instance::Instance;
+use crate::outcome::{OnFree, RequestStats};
+use crate::rank::PeerId;
 
 /// How long connecting to a context server may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -74,8 +72,9 @@ pub enum PeerError {
     },
 }
 
-/// Why a request failed on the generation side (sent to the controller in `Done`).
+/// Why a request failed on the generation side.
 #[derive(Clone, Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum RequestError {
     /// The request's parameters are invalid.
     #[error("request {request}: {reason}")]
@@ -124,14 +123,6 @@ pub enum RequestError {
         /// The request's context DP group.
         dp: u32,
     },
-    /// No slots.
-    #[error("request {request}: {source}")]
-    Slots {
-        /// The request.
-        request: u64,
-        /// The allocator's error.
-        source: SlotError,
-    },
     /// A writer reported a failed piece.
     #[error(
         "request {request}: {peer}: ctx rank {sender} -> gen rank {receiver} piece {piece} \
@@ -171,7 +162,7 @@ pub enum RequestError {
         /// How, naming the peer.
         reason: String,
     },
-    /// The controller cancelled it.
+    /// The caller cancelled it.
     #[error("request {request}: cancelled: {reason}")]
     Cancelled {
         /// The request.
@@ -179,7 +170,7 @@ pub enum RequestError {
         /// The controller's reason.
         reason: String,
     },
-    /// The controller released it before it finished.
+    /// The caller released it before it finished.
     #[error("request {request}: released while in flight")]
     Released {
         /// The request.
@@ -187,21 +178,23 @@ pub enum RequestError {
     },
 }
 
-/// Why a verification could not be made.
+/// Why a request's outcome cannot be read ([`GenerationServer::completed`]).
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum CheckError {
-    /// No such request (never submitted, or released).
+    /// No such request (never expected, or released).
     #[error("request {request} is unknown (or released)")]
     Unknown {
         /// The request.
         request: u64,
     },
     /// The request failed; there is nothing to check.
-    #[error("request {request} failed: {source}")]
+    #[error("request {request} failed")]
     Failed {
         /// The request.
         request: u64,
         /// Why it failed.
+        #[source]
         source: RequestError,
     },
     /// The request has not finished.
@@ -210,28 +203,44 @@ pub enum CheckError {
         /// The request.
         request: u64,
     },
-    /// The controller named a context rank the peer does not have.
-    #[error("{peer} has no rank {rank}")]
-    NoPeerRank {
-        /// The context peer.
-        peer: String,
-        /// The rank.
-        rank: u32,
-    },
-    /// Requests still hold slots, so the pools are not idle.
-    #[error("{count} requests still hold slots")]
-    Busy {
-        /// Requests holding slots.
-        count: usize,
-    },
-    /// The oracle could not check.
-    #[error("request {request}: {source}")]
-    Oracle {
-        /// The request (0 for the idle check).
-        request: u64,
-        /// The oracle's error.
-        source: VerifyError,
-    },
+}
+
+/// A completed request, as [`GenerationServer::completed`] reports it.
+#[derive(Clone, Debug)]
+pub struct Completed {
+    /// The context peer that wrote it.
+    pub peer: InstanceInfo,
+    /// The destination slot tables, per receiver rank.
+    pub tables: BTreeMap<u32, Vec<SlotTable>>,
+    /// The pieces it was sent in.
+    pub pieces: Vec<PairRequest>,
+    /// What it moved.
+    pub stats: RequestStats,
+}
+
+/// Reports a request's outcome, once. Called on a kvferry thread with internal locks held:
+/// it must not call back into the server; hand the news to a channel.
+pub type OnDone = Box<dyn FnOnce(u64, Result<RequestStats, RequestError>) + Send>;
+
+/// A request a generation instance expects ([`GenerationServer::expect`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Expect {
+    /// The request id both sides know.
+    pub request: u64,
+    /// The context server's peer address (`host:port`).
+    pub peer: String,
+    /// The context DP group that holds it.
+    pub ctx_dp_rank: u32,
+    /// This instance's DP group receiving it.
+    pub gen_dp_rank: u32,
+    /// Prompt tokens.
+    pub prompt_len: u64,
+    /// The pieces the sender sends (one, or block-aligned chunks).
+    pub pieces: Vec<PairRequest>,
+    /// Block-aligned token where the destination tables start to matter (a cached prefix).
+    pub dst_start_token: Option<u64>,
+    /// The destination slot tables of every rank of the DP group, one per layer group.
+    pub tables: BTreeMap<u32, Vec<SlotTable>>,
 }
 
 /// A context server this instance registered with.
@@ -256,10 +265,8 @@ enum Verdict {
     Refused(PeerError),
 }
 
-#[derive(Debug)]
 struct GenRequest {
     peer: Arc<CtxPeer>,
-    allocation: Allocation,
     tables: BTreeMap<u32, Vec<SlotTable>>,
     pieces: Vec<PairRequest>,
     expected: BTreeSet<(u32, u32)>,
@@ -269,8 +276,20 @@ struct GenRequest {
     started: Instant,
     deadline: Instant,
     outcome: Option<Result<RequestStats, RequestError>>,
-    reply: Outbox,
-    release_pending: bool,
+    on_done: Option<OnDone>,
+    on_free: Option<OnFree>,
+}
+
+impl fmt::Debug for GenRequest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GenRequest")
+            .field("peer", &self.peer.addr)
+            .field("expected", &self.expected)
+            .field("finished", &self.finished)
+            .field("outcome", &self.outcome)
+            .field("released", &self.on_free.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl GenRequest {
@@ -289,7 +308,6 @@ impl GenRequest {
 
 #[derive(Debug)]
 struct State {
-    slots: SlotPools,
     requests: HashMap<u64, GenRequest>,
 }
 
@@ -298,38 +316,24 @@ struct State {
 pub struct GenerationServer {
     instance: Instance,
     info: InstanceInfo,
-    oracle: Oracle,
     timeout: Duration,
     next_peer: AtomicU64,
     peers: Mutex<HashMap<String, Arc<Mutex<Option<Verdict>>>>>,
     state: Mutex<State>,
 }
 
-/// A controller connection to a generation server (no per-connection state).
-#[derive(Debug, Default)]
-pub struct GenerationSession;
-
 impl GenerationServer {
-    /// A server for `instance`: requests time out after `timeout`; the oracle's canary and
-    /// tags are keyed by `seed`. Starts the deadline thread.
-    pub fn new(instance: Instance, seed: u64, timeout: Duration) -> Arc<Self> {
-        let config = instance.config();
-        let slots = SlotPools::new(
-            instance.dp_groups(),
-            config.paged_slots,
-            config.state_slots,
-            instance.has_state(),
-        );
+    /// A server for `instance`: requests time out after `timeout`. Starts the deadline
+    /// thread.
+    pub fn new(instance: Instance, timeout: Duration) -> Arc<Self> {
         let info = instance.describe();
         let server = Arc::new(Self {
             instance,
             info,
-            oracle: Oracle::new(seed),
             timeout,
             next_peer: AtomicU64::new(1),
             peers: Mutex::new(HashMap::new()),
             state: Mutex::new(State {
-                slots,
                 requests: HashMap::new(),
             }),
         });
@@ -352,105 +356,64 @@ impl GenerationServer {
         &self.instance
     }
 
-    /// The oracle keyed by the server's seed.
-    pub fn oracle(&self) -> &Oracle {
-        &self.oracle
+    /// What this instance advertises.
+    pub fn info(&self) -> &InstanceInfo {
+        &self.info
+    }
+
+    /// Requests held (in flight, or finished and not yet freed).
+    pub fn requests_held(&self) -> usize {
+        self.lock().requests.len()
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Handles one message of a controller connection.
-    pub fn handle(
-        self: &Arc<Self>,
-        _session: &mut GenerationSession,
-        outbox: &Outbox,
-        message: Message,
-    ) -> Flow {
-        match message {
-            Message::Submit(submit) => {
-                let request = submit.request;
-                if let Err(e) = self.submit(submit, outbox) {
-                    tracing::warn!(request, error = %e, "request failed");
-                    let _ = outbox.send(Message::Done {
-                        request,
-                        result: Err(e.to_string()),
-                    });
-                }
-                Flow::Continue
-            }
-            Message::Verify { request, context } => {
-                let result = self.verify(request, &context).map_err(|e| e.to_string());
-                let _ = outbox.send(Message::Verified { request, result });
-                Flow::Continue
-            }
-            Message::Release { request } => {
-                self.release(request);
-                let _ = outbox.send(Message::Released { request });
-                Flow::Continue
-            }
-            Message::Cancel { request, reason } => {
-                self.cancel(request, &reason);
-                Flow::Continue
-            }
-            Message::VerifyIdle => {
-                let result = self.verify_idle().map_err(|e| e.to_string());
-                let _ = outbox.send(Message::IdleVerified { result });
-                Flow::Continue
-            }
-            Message::InstanceInfoRequest => {
-                let _ = outbox.send(Message::InstanceInfo(self.info.clone()));
-                Flow::Continue
-            }
-            Message::Shutdown => Flow::Exit,
-            other => Flow::Refuse(format!(
-                "{} is not a message a generation server accepts",
-                other.kind()
-            )),
-        }
-    }
-
-    /// Starts a request; `Err` fails it at once (the caller sends `Done`).
-    fn submit(self: &Arc<Self>, submit: Submit, reply: &Outbox) -> Result<(), RequestError> {
-        let id = submit.request;
+    /// Expects a request: bootstraps the context peer at `expect.peer` if needed (planner
+    /// and describer ids, then `check_peer`, verdict cached per address), asks every receiver
+    /// rank of the DP group for its targets, and asks each target for its part. `on_done`
+    /// reports the outcome exactly once (possibly before this returns); the slots in
+    /// `expect.tables` are kvferry's to write until then, and — for a request that failed
+    /// with writes possibly still in flight — until [`release`](Self::release)'s `on_free`.
+    ///
+    /// # Errors
+    ///
+    /// Invalid parameters, a duplicate id, an unusable peer or a planner refusal: the request
+    /// is not taken (and `on_done` is not called).
+    pub fn expect(self: &Arc<Self>, expect: Expect, on_done: OnDone) -> Result<(), RequestError> {
+        let id = expect.request;
         let invalid = |reason: String| RequestError::Invalid {
             request: id,
             reason,
         };
-        let addr = submit
-            .peer
-            .clone()
-            .ok_or_else(|| invalid("no context peer address".into()))?;
-        let model = &self.instance.config().model;
-        if submit.cached > submit.prompt_len {
-            return Err(invalid(format!(
-                "cached {} exceeds prompt_len {}",
-                submit.cached, submit.prompt_len
-            )));
+        let addr = expect.peer.clone();
+        if expect.pieces.is_empty() {
+            return Err(invalid("no pieces".into()));
         }
-        let mut pieces =
-            request_pieces(model, submit.prompt_len, submit.chunks.clone()).map_err(invalid)?;
-        let tpb = u64::from(model.tokens_per_block);
-        let cached = submit.cached / tpb * tpb;
-        let dst_start_token = (cached > 0).then_some(cached);
+        let mut pieces = expect.pieces.clone();
+        let dst_start_token = expect.dst_start_token;
         for p in &mut pieces {
             p.dst_start_token = match dst_start_token {
                 Some(t) => ROption::RSome(t),
                 None => ROption::RNone,
             };
         }
-        let group = self.instance.dp_group(submit.gen_dp_rank);
+        let group = self.instance.dp_group(expect.gen_dp_rank);
         if group.is_empty() {
             return Err(invalid(format!(
                 "gen_dp_rank {} does not exist ({} dp groups)",
-                submit.gen_dp_rank,
+                expect.gen_dp_rank,
                 self.instance.dp_groups()
             )));
+        }
+        if let Some(g) = group.iter().find(|g| !expect.tables.contains_key(g)) {
+            return Err(invalid(format!("no slot tables for gen rank {g}")));
         }
         if self.lock().requests.contains_key(&id) {
             return Err(RequestError::Duplicate { request: id });
         }
+        let submit = &expect;
 
         let peer = self.peer(&addr).map_err(|source| RequestError::Peer {
             request: id,
@@ -503,28 +466,9 @@ impl GenerationServer {
             }
         }
 
-        let blocks = submit.prompt_len.div_ceil(tpb);
-        let allocation = self
-            .lock()
-            .slots
-            .allocate(submit.gen_dp_rank, blocks, id ^ 0x0009_e4e7)
-            .map_err(|source| RequestError::Slots {
-                request: id,
-                source,
-            })?;
-        // Free slots hold the canary already (primed at start, re-primed on release).
         let tables: BTreeMap<u32, Vec<SlotTable>> = group
             .iter()
-            .filter_map(|&g| self.instance.rank(g))
-            .map(|rank| {
-                let t = slot_tables(
-                    &rank.info,
-                    submit.prompt_len,
-                    submit.cached,
-                    &allocation.assignment,
-                );
-                (rank.info.instance_rank, t)
-            })
+            .filter_map(|g| Some((*g, expect.tables.get(g)?.clone())))
             .collect();
 
         let started = Instant::now();
@@ -553,7 +497,6 @@ impl GenerationServer {
                 id,
                 GenRequest {
                     peer: Arc::clone(&peer),
-                    allocation,
                     tables,
                     pieces,
                     expected,
@@ -563,8 +506,8 @@ impl GenerationServer {
                     started,
                     deadline: started + self.timeout,
                     outcome: None,
-                    reply: reply.clone(),
-                    release_pending: false,
+                    on_done: Some(on_done),
+                    on_free: None,
                 },
             );
             if writers == 0 {
@@ -577,7 +520,7 @@ impl GenerationServer {
         }
         tracing::debug!(request = id, peer = %peer.info.instance_name, writers, "requesting data");
         for data in messages {
-            if peer.outbox.send(Message::RequestData(data)).is_err() {
+            if peer.outbox.send(PeerMessage::RequestData(data)).is_err() {
                 self.fail(
                     id,
                     RequestError::PeerLost {
@@ -636,10 +579,10 @@ impl GenerationServer {
         stream
             .set_read_timeout(Some(BOOTSTRAP_TIMEOUT))
             .map_err(|e| failed(e.to_string()))?;
-        write_frame(&mut stream, &Message::InstanceInfoRequest)
+        write_frame(&mut stream, &PeerMessage::InstanceInfoRequest)
             .map_err(|e| failed(format!("sending InstanceInfoRequest: {e}")))?;
         let info = match read_frame(&mut stream) {
-            Ok(Message::InstanceInfo(info)) => info,
+            Ok(PeerMessage::InstanceInfo(info)) => info,
             Ok(other) => {
                 return Err(failed(format!(
                     "answered {} to InstanceInfoRequest",
@@ -694,11 +637,11 @@ impl GenerationServer {
                     ))
                 })?;
         }
-        write_frame(&mut stream, &Message::Register(self.info.clone()))
+        write_frame(&mut stream, &PeerMessage::Register(self.info.clone()))
             .map_err(|e| failed(format!("sending Register: {e}")))?;
         match read_frame(&mut stream) {
-            Ok(Message::Registered { .. }) => {}
-            Ok(Message::Refused { reason }) => return Err(refuse(reason)),
+            Ok(PeerMessage::Registered { .. }) => {}
+            Ok(PeerMessage::Refused { reason }) => return Err(refuse(reason)),
             Ok(other) => return Err(failed(format!("answered {} to Register", other.kind()))),
             Err(e) => return Err(failed(format!("reading the registration verdict: {e}"))),
         }
@@ -730,8 +673,8 @@ impl GenerationServer {
         let mut reader = std::io::BufReader::new(stream);
         let why = loop {
             match read_frame(&mut reader) {
-                Ok(Message::Completion(c)) => self.completion(peer, c),
-                Ok(Message::Error { message }) => {
+                Ok(PeerMessage::Completion(c)) => self.completion(peer, c),
+                Ok(PeerMessage::Error { message }) => {
                     break format!("{} reported an error and closed: {message}", peer.name());
                 }
                 Ok(other) => {
@@ -800,7 +743,7 @@ impl GenerationServer {
                     }
                 }
             }
-            if req.release_pending && req.quiescent() {
+            if req.on_free.is_some() && req.quiescent() {
                 release = state.requests.remove(&c.request);
             }
         }
@@ -833,7 +776,7 @@ impl GenerationServer {
                     fail_request(id, req, error);
                     failed += 1;
                 }
-                if req.release_pending {
+                if req.on_free.is_some() {
                     released.extend(state.requests.remove(&id));
                 }
             }
@@ -864,7 +807,7 @@ impl GenerationServer {
             }
         }
         for (peer, request) in cancels {
-            let _ = peer.outbox.send(Message::Cancel {
+            let _ = peer.outbox.send(PeerMessage::Cancel {
                 request,
                 reason: "receiver timed out".into(),
             });
@@ -880,7 +823,10 @@ impl GenerationServer {
         }
     }
 
-    fn cancel(&self, id: u64, reason: &str) {
+    /// Cancels a request still in flight: it fails ([`RequestError::Cancelled`]) and its
+    /// writers are told. Its slots stay kvferry's until [`release`](Self::release)'s
+    /// `on_free`, as for any failed request.
+    pub fn cancel(&self, id: u64, reason: &str) {
         let peer = {
             let mut state = self.lock();
             match state.requests.get_mut(&id) {
@@ -896,19 +842,25 @@ impl GenerationServer {
             }
         };
         if let Some(peer) = peer {
-            let _ = peer.outbox.send(Message::Cancel {
+            let _ = peer.outbox.send(PeerMessage::Cancel {
                 request: id,
                 reason: reason.to_string(),
             });
         }
     }
 
-    /// Frees a request's slots now if no write can still land, else once none can.
-    fn release(&self, id: u64) {
-        let req = {
+    /// Lets go of a request: a request still in flight fails ([`RequestError::Released`]);
+    /// `on_free` runs now if no write can still land in its slots, else once none can (every
+    /// writer reported its last piece, or the peer is gone). Returns whether the request was
+    /// known (`on_free` is dropped uncalled otherwise).
+    pub fn release(&self, id: u64, on_free: OnFree) -> bool {
+        let (known, req) = {
             let mut state = self.lock();
             match state.requests.get_mut(&id) {
-                Some(req) if req.outcome.is_some() && req.quiescent() => state.requests.remove(&id),
+                Some(req) if req.outcome.is_some() && req.quiescent() => {
+                    req.on_free = Some(on_free);
+                    (true, state.requests.remove(&id))
+                }
                 Some(req) => {
                     if req.outcome.is_none() {
                         fail_request(id, req, RequestError::Released { request: id });
@@ -917,100 +869,50 @@ impl GenerationServer {
                         request = id,
                         "slots quarantined until every writer reported"
                     );
-                    req.release_pending = true;
-                    None
+                    req.on_free = Some(on_free);
+                    (true, None)
                 }
-                None => None,
+                None => (false, None),
             }
         };
         if let Some(req) = req {
             self.free(req);
         }
+        known
     }
 
-    /// Re-primes a request's slots with the canary and returns them.
-    fn free(&self, req: GenRequest) {
-        for (&g, tables) in &req.tables {
-            if let Some(rank) = self.instance.rank(g) {
-                if let Err(e) = prime_slots(&self.oracle, &rank.info, &rank.pools, tables) {
-                    tracing::warn!(rank = g, error = %e, "cannot re-prime released slots");
-                }
-            }
+    /// Hands a released, quiescent request's slots back to the caller.
+    fn free(&self, mut req: GenRequest) {
+        if let Some(on_free) = req.on_free.take() {
+            on_free();
         }
-        self.lock().slots.free(&req.allocation);
     }
 
-    /// Checks a completed request's destination slots with the oracle.
-    fn verify(&self, id: u64, context: &[RankTables]) -> Result<VerifySummary, CheckError> {
-        let (peer, tables, pieces) = {
-            let state = self.lock();
-            let req = state
-                .requests
-                .get(&id)
-                .ok_or(CheckError::Unknown { request: id })?;
-            match &req.outcome {
-                Some(Ok(_)) => {}
-                Some(Err(e)) => {
-                    return Err(CheckError::Failed {
-                        request: id,
-                        source: e.clone(),
-                    });
-                }
-                None => return Err(CheckError::InFlight { request: id }),
-            }
-            (
-                Arc::clone(&req.peer),
-                req.tables.clone(),
-                req.pieces.clone(),
-            )
-        };
-        let parts: Vec<ReceiverPart<'_>> = tables
-            .iter()
-            .filter_map(|(&g, t)| {
-                let rank = self.instance.rank(g)?;
-                Some(ReceiverPart {
-                    info: &rank.info,
-                    pools: &rank.pools,
-                    tables: t,
-                    excluded: &[],
-                })
-            })
-            .collect();
-        let mut ctx = Vec::with_capacity(context.len());
-        for t in context {
-            let d = peer
-                .info
-                .ranks
-                .get(t.rank as usize)
-                .ok_or_else(|| CheckError::NoPeerRank {
-                    peer: peer.name(),
-                    rank: t.rank,
-                })?;
-            ctx.push((&d.info, t.tables.as_slice()));
-        }
-        let report = verify_request(&self.oracle, &parts, &ctx, &pieces).map_err(|source| {
-            CheckError::Oracle {
+    /// A completed request: its peer, destination tables, pieces and stats (to check its
+    /// bytes, for instance).
+    ///
+    /// # Errors
+    ///
+    /// The request is unknown (or released), failed, or still in flight.
+    pub fn completed(&self, id: u64) -> Result<Completed, CheckError> {
+        let state = self.lock();
+        let req = state
+            .requests
+            .get(&id)
+            .ok_or(CheckError::Unknown { request: id })?;
+        match &req.outcome {
+            Some(Ok(stats)) => Ok(Completed {
+                peer: req.peer.info.clone(),
+                tables: req.tables.clone(),
+                pieces: req.pieces.clone(),
+                stats: stats.clone(),
+            }),
+            Some(Err(e)) => Err(CheckError::Failed {
                 request: id,
-                source,
-            }
-        })?;
-        Ok(summary(&report))
-    }
-
-    fn verify_idle(&self) -> Result<VerifySummary, CheckError> {
-        let count = self.lock().requests.len();
-        if count > 0 {
-            return Err(CheckError::Busy { count });
+                source: e.clone(),
+            }),
+            None => Err(CheckError::InFlight { request: id }),
         }
-        let ranks: Vec<_> = self
-            .instance
-            .ranks()
-            .iter()
-            .map(|r| (&r.info, r.pools.as_ref()))
-            .collect();
-        let report = verify_idle(&self.oracle, &ranks)
-            .map_err(|source| CheckError::Oracle { request: 0, source })?;
-        Ok(summary(&report))
     }
 }
 
@@ -1024,29 +926,15 @@ fn complete(id: u64, req: &mut GenRequest) {
         "complete"
     );
     req.outcome = Some(Ok(stats.clone()));
-    let _ = req.reply.send(Message::Done {
-        request: id,
-        result: Ok(stats),
-    });
+    if let Some(on_done) = req.on_done.take() {
+        on_done(id, Ok(stats));
+    }
 }
 
 fn fail_request(id: u64, req: &mut GenRequest, error: RequestError) {
     tracing::warn!(request = id, %error, "request failed");
-    let message = error.to_string();
-    req.outcome = Some(Err(error));
-    let _ = req.reply.send(Message::Done {
-        request: id,
-        result: Err(message),
-    });
-}
-
-/// The wire form of a report.
-pub fn summary(report: &VerifyReport) -> VerifySummary {
-    VerifySummary {
-        ok: report.is_clean(),
-        bytes_checked: report.bytes_checked,
-        bytes_covered: report.bytes_covered,
-        mismatched_bytes: report.mismatched_bytes,
-        detail: report.to_string(),
+    req.outcome = Some(Err(error.clone()));
+    if let Some(on_done) = req.on_done.take() {
+        on_done(id, Err(error));
     }
 }

@@ -32,9 +32,9 @@ use std::sync::Arc;
 
 use kvferry_ucx::{Context, MemRegion};
 
-use super::wire::PoolKey;
 #[cfg(feature = "cuda")]
 use crate::cuda::{self, CudaDevice, CudaError, CudaPool};
+use kvferry_protocol::PoolKey;
 
 /// Where an instance's pools live.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -378,8 +378,9 @@ enum Placement {
     },
 }
 
-/// Allocates pools as [`kvferry_testkit::layout::build_instance`] asks for them; use
-/// [`PoolAllocator::alloc`] as its callback.
+/// Allocates pools as the caller's layout asks for them ([`crate::PreparedInstance::start`]):
+/// every pool the page tables name is allocated here first, and the page tables carry the
+/// addresses [`PoolAllocator::alloc`] returns.
 #[derive(Debug)]
 pub struct PoolAllocator {
     ctx: Arc<Context>,
@@ -389,6 +390,16 @@ pub struct PoolAllocator {
 }
 
 impl PoolAllocator {
+    /// The memory type the page tables must name for the pools this allocator hands out:
+    /// DRAM for host pools, VRAM for CUDA pools.
+    pub fn memory_type(&self) -> kvferry_planner_abi::MemoryType {
+        if matches!(self.placement, Placement::Host) {
+            kvferry_planner_abi::MemoryType::DRAM
+        } else {
+            kvferry_planner_abi::MemoryType::VRAM
+        }
+    }
+
     /// An allocator of host pools on `ctx`.
     pub fn new(ctx: &Arc<Context>) -> Self {
         Self {

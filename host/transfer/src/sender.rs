@@ -1,11 +1,11 @@
-//! The context (sender) side: registrations, prefilled requests, planning, writing, notifying.
+//! The context (sender) side: registrations, source requests, planning, writing, notifying.
 //!
-//! A request becomes writable once two things happened, in either order: the controller's
-//! [`Message::Submit`] ("prefill": the DP group's slots allocated and filled by the oracle)
-//! and a receiver rank's [`Message::RequestData`]. Then, for that (sender, receiver) pair,
+//! A request becomes writable once two things happened, in either order: the caller's
+//! [`ContextServer::add_request`] (the DP group's slot tables, whose slots hold the request's
+//! KV cache) and a receiver rank's [`PeerMessage::RequestData`]. Then, for that (sender, receiver) pair,
 //! every piece is planned with [`plan_transfer`] (describe both sides, the bound planner's
 //! `pair`, validation against both sides' rows, coalescing) and queued on the sender rank's
-//! thread, which writes, flushes and only then lets [`Message::Completion`] go out. Pieces of
+//! thread, which writes, flushes and only then lets [`PeerMessage::Completion`] go out. Pieces of
 //! one pair run in order on one thread, so the `is_last` completion is the last one sent. A
 //! plan that cannot be made is reported as a failed last piece, so the receiver never waits
 //! for it.
@@ -13,8 +13,10 @@
 //! Every write job runs under the server's per-request timeout and gives up early on a
 //! receiver whose registration ended; a job that gave up with puts in flight is reported
 //! (failed, naming the receiver rank) only once those have drained, and holds its request's
-//! slots until then (see [`super::rank`]). With `--record-plans` the queued plans are kept
-//! until release, so [`Message::Bench`] can write them again with a bare put loop.
+//! slots until then (see [`crate::rank`]): [`ContextServer::release`] calls the request's
+//! `on_free` only once no job reads its slots. With [`ContextOptions::record_plans`] the queued
+//! plans are kept until release, so [`ContextServer::replay`] can write them again with a bare
+//! put loop (the benchmark's baseline).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -24,22 +26,19 @@ use std::time::{Duration, Instant};
 use kvferry_planner_abi::ffi::ROption;
 use kvferry_planner_abi::{PairRequest, PlanError, RankInfo, SlotTable};
 
-use super::conn::Outbox;
-use super::instance::Instance;
-use super::rank::{
-    JobRelease, PeerId, RemoteRank, ReplayDone, ReplayJob, ReplayStats, WriteError, WriteJob,
-};
-use super::server::ServeOptions;
-use super::slots::{Allocation, SlotError, SlotPools};
-use super::verify::{VerifyError, fill_slots};
-use super::wire::{
-    BenchStats, Completion, CompletionStatus, InstanceInfo, Message, RankTables, RequestData, Role,
-    Submit,
-};
-use super::{Flow, request_pieces};
 use kvferry_plan::{PlanFailure, RequestSide, ValidatedPlan, plan_transfer};
-use kvferry_testkit::oracle::Oracle;
-use kvferry_testkit::scenario::slot_tables;
+use kvferry_protocol::{
+    Completion, CompletionStatus, InstanceInfo, PeerMessage, RequestData, Role,
+};
+
+use crate::conn::Flow;
+use crate::conn::Outbox;
+use crate::instance::Instance;
+use crate::outcome::{BenchStats, OnFree};
+use crate::rank::{
+    JobRelease, PeerId, RemoteRank, ReplayDone, ReplayJob, ReplayStats, WriteError, WriteHook,
+    WriteJob,
+};
 
 /// How long a `RequestData` for a request not yet submitted is kept.
 const ORPHAN_TTL: Duration = Duration::from_secs(120);
@@ -102,9 +101,10 @@ pub enum RegisterError {
     },
 }
 
-/// Why a request could not be prefilled.
+/// Why a source request could not be added.
 #[derive(Debug, thiserror::Error)]
-pub enum PrefillError {
+#[non_exhaustive]
+pub enum AddError {
     /// The request's parameters are invalid.
     #[error("request {request}: {reason}")]
     Invalid {
@@ -119,24 +119,35 @@ pub enum PrefillError {
         /// The request.
         request: u64,
     },
-    /// No slots.
-    #[error("request {request}: {source}")]
-    Slots {
-        /// The request.
-        request: u64,
-        /// The allocator's error.
-        source: SlotError,
-    },
-    /// The oracle could not fill a rank's slots.
-    #[error("request {request}: filling rank {rank}: {source}")]
-    Fill {
-        /// The request.
-        request: u64,
-        /// The rank.
-        rank: u32,
-        /// The oracle's error.
-        source: VerifyError,
-    },
+}
+
+/// A request whose KV cache sits in this instance's slots, ready to be written to whoever
+/// asks for it ([`ContextServer::add_request`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SourceRequest {
+    /// The request id both sides know.
+    pub request: u64,
+    /// Prompt tokens.
+    pub prompt_len: u64,
+    /// The pieces it is sent in (one, or block-aligned chunks: [`kvferry_plan::pieces`]).
+    pub pieces: Vec<PairRequest>,
+    /// The DP group serving it: slot tables per rank, one table per layer group.
+    pub tables: BTreeMap<u32, Vec<SlotTable>>,
+    /// The DP rank of that group (for messages).
+    pub dp_rank: u32,
+}
+
+/// Options of a context server beyond its instance.
+#[derive(Clone, Debug, Default)]
+pub struct ContextOptions {
+    /// How long each write job may run once it starts before it fails and its puts are
+    /// quarantined (see [`crate::rank`]).
+    pub timeout: Duration,
+    /// Keep every queued plan until its request is released, so [`ContextServer::replay`] can
+    /// write it again (`kvferry bench`).
+    pub record_plans: bool,
+    /// Observes every write job (fault injection in tests); `None` in production.
+    pub hook: Option<Arc<dyn WriteHook>>,
 }
 
 /// Why a (sender, receiver) pair of a request cannot be served; reported to the receiver as
@@ -235,7 +246,7 @@ struct Stashed {
     at: Instant,
 }
 
-/// A plan queued for a request, kept for [`Message::Bench`] when recording.
+/// A plan queued for a request, kept for [`ContextServer::replay`] when recording.
 #[derive(Debug)]
 struct Recorded {
     rank: u32,
@@ -243,10 +254,10 @@ struct Recorded {
     plan: Arc<ValidatedPlan>,
 }
 
-#[derive(Debug)]
 struct CtxRequest {
     prompt_len: u64,
-    allocation: Allocation,
+    dp_rank: u32,
+    on_free: Option<OnFree>,
     tables: BTreeMap<u32, Vec<SlotTable>>,
     pieces: Vec<PairRequest>,
     jobs_in_flight: usize,
@@ -254,9 +265,19 @@ struct CtxRequest {
     recorded: Vec<Recorded>,
 }
 
+impl std::fmt::Debug for CtxRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CtxRequest")
+            .field("prompt_len", &self.prompt_len)
+            .field("dp_rank", &self.dp_rank)
+            .field("jobs_in_flight", &self.jobs_in_flight)
+            .field("release_pending", &self.release_pending)
+            .finish_non_exhaustive()
+    }
+}
+
 #[derive(Debug)]
 struct State {
-    slots: SlotPools,
     requests: HashMap<u64, CtxRequest>,
     orphans: HashMap<u64, Vec<Stashed>>,
     peers: HashMap<PeerId, Arc<GenPeer>>,
@@ -267,8 +288,7 @@ struct State {
 pub struct ContextServer {
     instance: Instance,
     info: InstanceInfo,
-    oracle: Oracle,
-    stall: Duration,
+    hook: Option<Arc<dyn WriteHook>>,
     timeout: Duration,
     record: bool,
     next_peer: AtomicU64,
@@ -282,30 +302,19 @@ pub struct ContextSession {
 }
 
 impl ContextServer {
-    /// A server for `instance` with the context side of `options`: the oracle fills
-    /// prefilled requests with tags keyed by `options.seed`; every write job gives up after
-    /// `options.timeout`; `options.stall` delays every flush (fault injection);
+    /// A server for `instance`: every write job gives up after `options.timeout`;
     /// `options.record_plans` keeps every queued plan until its request is released, for
-    /// [`Message::Bench`].
-    pub fn new(instance: Instance, options: &ServeOptions) -> Self {
-        let config = instance.config();
-        let slots = SlotPools::new(
-            instance.dp_groups(),
-            config.paged_slots,
-            config.state_slots,
-            instance.has_state(),
-        );
+    /// [`ContextServer::replay`].
+    pub fn new(instance: Instance, options: &ContextOptions) -> Self {
         let info = instance.describe();
         Self {
             instance,
             info,
-            oracle: Oracle::new(options.seed),
-            stall: options.stall,
+            hook: options.hook.clone(),
             timeout: options.timeout,
             record: options.record_plans,
             next_peer: AtomicU64::new(1),
             state: Mutex::new(State {
-                slots,
                 requests: HashMap::new(),
                 orphans: HashMap::new(),
                 peers: HashMap::new(),
@@ -322,40 +331,45 @@ impl ContextServer {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Handles one message of a connection.
+    /// What this instance advertises to its peers.
+    pub fn info(&self) -> &InstanceInfo {
+        &self.info
+    }
+
+    /// Handles one message of a peer connection.
     pub fn handle(
         self: &Arc<Self>,
         session: &mut ContextSession,
         outbox: &Outbox,
-        message: Message,
+        message: PeerMessage,
     ) -> Flow {
         match message {
-            Message::InstanceInfoRequest => {
-                let _ = outbox.send(Message::InstanceInfo(self.info.clone()));
+            PeerMessage::InstanceInfoRequest => {
+                let _ = outbox.send(PeerMessage::InstanceInfo(self.info.clone()));
                 Flow::Continue
             }
-            Message::Register(info) => {
+            PeerMessage::Register(info) => {
                 let reply = match self.register(info, outbox) {
                     Ok(peer) => {
                         if let Some(old) = session.peer.replace(Arc::clone(&peer)) {
                             self.unregister(&old);
                         }
-                        Message::Registered {
+                        PeerMessage::Registered {
                             instance: self.instance.name().to_string(),
                         }
                     }
                     Err(e) => {
                         tracing::info!(reason = %e, "refused a generation peer");
-                        Message::Refused {
+                        PeerMessage::Refused {
                             reason: e.to_string(),
                         }
                     }
                 };
-                let refused = matches!(reply, Message::Refused { .. });
+                let refused = matches!(reply, PeerMessage::Refused { .. });
                 let _ = outbox.send(reply);
                 if refused { Flow::Close } else { Flow::Continue }
             }
-            Message::RequestData(data) => match &session.peer {
+            PeerMessage::RequestData(data) => match &session.peer {
                 Some(peer) => {
                     self.request_data(peer, data);
                     Flow::Continue
@@ -365,38 +379,15 @@ impl ContextServer {
                     data.request
                 )),
             },
-            Message::Cancel { request, reason } => {
+            PeerMessage::Cancel { request, reason } => {
                 if let Some(peer) = &session.peer {
                     self.cancel(peer, request, &reason);
                 }
                 Flow::Continue
             }
-            Message::Submit(submit) => {
-                let request = submit.request;
-                let result = self.submit(submit).map_err(|e| {
-                    tracing::warn!(request, error = %e, "prefill refused");
-                    e.to_string()
-                });
-                let _ = outbox.send(Message::Submitted { request, result });
-                Flow::Continue
-            }
-            Message::Release { request } => {
-                self.release(request);
-                let _ = outbox.send(Message::Released { request });
-                Flow::Continue
-            }
-            Message::Bench { requests } => {
-                let result = self.bench(&requests).map_err(|e| {
-                    tracing::warn!(error = %e, "bench replay failed");
-                    e
-                });
-                let _ = outbox.send(Message::BenchDone { result });
-                Flow::Continue
-            }
-            Message::Shutdown => Flow::Exit,
             other => Flow::Refuse(format!(
                 "{} is not a message a context server accepts",
-                other.kind()
+                kvferry_protocol::Frame::kind(&other)
             )),
         }
     }
@@ -529,72 +520,53 @@ impl ContextServer {
         Ok(peer)
     }
 
-    /// Prefills a request: slots for the DP group's ranks, tags from the oracle.
-    fn submit(self: &Arc<Self>, submit: Submit) -> Result<Vec<RankTables>, PrefillError> {
-        let id = submit.request;
-        let invalid = |reason: String| PrefillError::Invalid {
+    /// Adds a request whose KV cache sits in `request.tables`' slots: from now on, receiver
+    /// ranks that ask for it (a [`PeerMessage::RequestData`], before or after this call) get
+    /// it written. The slots stay the caller's to keep intact until [`release`](Self::release)
+    /// has been called and `on_free` has run.
+    ///
+    /// # Errors
+    ///
+    /// No pieces, no tables, a table for a rank this instance does not have, or an id in use.
+    pub fn add_request(
+        self: &Arc<Self>,
+        request: SourceRequest,
+        on_free: OnFree,
+    ) -> Result<(), AddError> {
+        let id = request.request;
+        let invalid = |reason: String| AddError::Invalid {
             request: id,
             reason,
         };
-        let model = &self.instance.config().model;
-        let pieces =
-            request_pieces(model, submit.prompt_len, submit.chunks.clone()).map_err(invalid)?;
-        let group = self.instance.dp_group(submit.ctx_dp_rank);
-        if group.is_empty() {
+        if request.pieces.is_empty() {
+            return Err(invalid("no pieces".into()));
+        }
+        if request.tables.is_empty() {
+            return Err(invalid("no slot tables".into()));
+        }
+        if let Some(r) = request
+            .tables
+            .keys()
+            .find(|&&r| self.instance.rank(r).is_none())
+        {
             return Err(invalid(format!(
-                "ctx_dp_rank {} does not exist ({} dp groups)",
-                submit.ctx_dp_rank,
-                self.instance.dp_groups()
+                "slot tables for rank {r}, which does not exist"
             )));
         }
-        let blocks = submit
-            .prompt_len
-            .div_ceil(u64::from(model.tokens_per_block));
-        let allocation = {
-            let mut state = self.lock();
-            if state.requests.contains_key(&id) {
-                return Err(PrefillError::Duplicate { request: id });
-            }
-            state
-                .slots
-                .allocate(submit.ctx_dp_rank, blocks, id ^ 0x00c0_17e7)
-                .map_err(|source| PrefillError::Slots {
-                    request: id,
-                    source,
-                })?
-        };
-        let mut tables = BTreeMap::new();
-        for &r in &group {
-            let Some(rank) = self.instance.rank(r) else {
-                continue;
-            };
-            let t = slot_tables(&rank.info, submit.prompt_len, 0, &allocation.assignment);
-            if let Err(source) = fill_slots(&self.oracle, &rank.info, &rank.pools, &t) {
-                self.lock().slots.free(&allocation);
-                return Err(PrefillError::Fill {
-                    request: id,
-                    rank: r,
-                    source,
-                });
-            }
-            tables.insert(r, t);
-        }
-        let reply: Vec<RankTables> = tables
-            .iter()
-            .map(|(&rank, t)| RankTables {
-                rank,
-                tables: t.clone(),
-            })
-            .collect();
+        let prompt_len = request.prompt_len;
         let orphans = {
             let mut state = self.lock();
+            if state.requests.contains_key(&id) {
+                return Err(AddError::Duplicate { request: id });
+            }
             state.requests.insert(
                 id,
                 CtxRequest {
-                    prompt_len: submit.prompt_len,
-                    allocation,
-                    tables,
-                    pieces,
+                    prompt_len,
+                    dp_rank: request.dp_rank,
+                    on_free: Some(on_free),
+                    tables: request.tables,
+                    pieces: request.pieces,
                     jobs_in_flight: 0,
                     release_pending: false,
                     recorded: Vec::new(),
@@ -604,14 +576,14 @@ impl ContextServer {
         };
         tracing::debug!(
             request = id,
-            prompt_len = submit.prompt_len,
+            prompt_len,
             waiting = orphans.len(),
-            "prefilled"
+            "source request added"
         );
         for stash in orphans {
             self.serve(&stash.peer, stash.data);
         }
-        Ok(reply)
+        Ok(())
     }
 
     fn request_data(self: &Arc<Self>, peer: &Arc<GenPeer>, data: RequestData) {
@@ -660,7 +632,7 @@ impl ContextServer {
             Ok(p) => p,
             Err(e) => {
                 tracing::warn!(request = data.request, sender = c, receiver = g, error = %e, "cannot serve");
-                let _ = peer.outbox.send(Message::Completion(Completion {
+                let _ = peer.outbox.send(PeerMessage::Completion(Completion {
                     request: data.request,
                     sender_rank: c,
                     receiver_rank: g,
@@ -697,13 +669,13 @@ impl ContextServer {
                 dest: Arc::clone(dest),
                 plan,
                 timeout: self.timeout,
-                stall: self.stall,
+                hook: self.hook.clone(),
                 done: Box::new(move |result| {
                     let (bytes, fragments, status) = match result {
                         Ok(s) => (s.bytes, s.fragments, CompletionStatus::Ok),
                         Err(e) => (0, 0, CompletionStatus::Failed(e.to_string())),
                     };
-                    let _ = outbox.send(Message::Completion(Completion {
+                    let _ = outbox.send(PeerMessage::Completion(Completion {
                         request,
                         sender_rank: c,
                         receiver_rank: g,
@@ -754,7 +726,7 @@ impl ContextServer {
             let tables = req.tables.get(&c).cloned().ok_or(PairError::NotServing {
                 rank: c,
                 request: data.request,
-                dp: req.allocation.dp,
+                dp: req.dp_rank,
             })?;
             (tables, req.pieces.clone(), req.prompt_len)
         };
@@ -802,14 +774,17 @@ impl ContextServer {
     /// loop (see [`ReplayJob`]), all ranks at once, and times it: from the first rank's first
     /// put to the last rank's last flush.
     ///
-    /// The requests are held like write jobs hold them, so a `Release` meanwhile only
-    /// quarantines their slots. The controller must still hold them on the generation side
-    /// (their destination slots are written again) until the answer arrives.
-    fn bench(self: &Arc<Self>, requests: &[u64]) -> Result<BenchStats, String> {
+    /// The requests are held like write jobs hold them, so a [`release`](Self::release)
+    /// meanwhile only quarantines their slots. The caller must still hold them on the
+    /// generation side (their destination slots are written again) until this returns.
+    ///
+    /// # Errors
+    ///
+    /// Plans are not recorded ([`ContextOptions::record_plans`]), a request is unknown or has
+    /// jobs in flight, a rank failed, or the replay did not finish in time.
+    pub fn replay(self: &Arc<Self>, requests: &[u64]) -> Result<BenchStats, String> {
         if !self.record {
-            return Err(
-                "this context server does not record plans (start it with --record-plans)".into(),
-            );
+            return Err("this context server does not record plans".into());
         }
         let ids: BTreeSet<u64> = requests.iter().copied().collect();
         type Plans = Vec<(Arc<RemoteRank>, Arc<ValidatedPlan>)>;
@@ -898,18 +873,23 @@ impl ContextServer {
     }
 
     fn job_done(&self, request: u64) {
-        let mut state = self.lock();
-        let free = match state.requests.get_mut(&request) {
-            Some(req) => {
-                req.jobs_in_flight = req.jobs_in_flight.saturating_sub(1);
-                req.release_pending && req.jobs_in_flight == 0
+        let freed = {
+            let mut state = self.lock();
+            let free = match state.requests.get_mut(&request) {
+                Some(req) => {
+                    req.jobs_in_flight = req.jobs_in_flight.saturating_sub(1);
+                    req.release_pending && req.jobs_in_flight == 0
+                }
+                None => false,
+            };
+            if free {
+                state.requests.remove(&request)
+            } else {
+                None
             }
-            None => false,
         };
-        if free {
-            if let Some(req) = state.requests.remove(&request) {
-                state.slots.free(&req.allocation);
-            }
+        if let Some(on_free) = freed.and_then(|mut req| req.on_free.take()) {
+            on_free();
         }
     }
 
@@ -921,22 +901,25 @@ impl ContextServer {
         }
     }
 
-    /// Frees a request's slots once no write reads them.
-    fn release(&self, request: u64) {
-        let mut state = self.lock();
-        let free = match state.requests.get_mut(&request) {
-            Some(req) if req.jobs_in_flight == 0 => true,
-            Some(req) => {
-                req.release_pending = true;
-                false
+    /// Lets go of a request: its `on_free` runs now if no write reads its slots, else once
+    /// the last one stopped (a quarantined job's puts drained). Returns whether the request
+    /// was known. Receiver ranks that ask for it later are not served.
+    pub fn release(&self, request: u64) -> bool {
+        let (known, freed) = {
+            let mut state = self.lock();
+            state.orphans.remove(&request);
+            match state.requests.get_mut(&request) {
+                Some(req) if req.jobs_in_flight == 0 => (true, state.requests.remove(&request)),
+                Some(req) => {
+                    req.release_pending = true;
+                    (true, None)
+                }
+                None => (false, None),
             }
-            None => false,
         };
-        if free {
-            if let Some(req) = state.requests.remove(&request) {
-                state.slots.free(&req.allocation);
-            }
+        if let Some(on_free) = freed.and_then(|mut req| req.on_free.take()) {
+            on_free();
         }
-        state.orphans.remove(&request);
+        known
     }
 }

@@ -16,8 +16,8 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use kvferry::cuda::{self, CudaDevice, CudaError, CudaPool};
-use kvferry::demo::LISTENING;
+use kvferry_cli::demo::CONTROL_ON;
+use kvferry_transfer::cuda::{self, CudaDevice, CudaError, CudaPool};
 use kvferry_ucx::{Context, MemoryType, Request, Worker};
 
 const OPT_IN: &str = "KVFERRY_GPU_TESTS";
@@ -250,7 +250,7 @@ fn serve_cuda() -> Served {
     thread::spawn(move || {
         let mut seen = Vec::new();
         for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if line.contains(LISTENING) {
+            if line.contains(CONTROL_ON) {
                 let _ = tx.send(Ok(line));
                 return;
             }

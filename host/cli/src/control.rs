@@ -1,0 +1,184 @@
+//! The control protocol between a test or benchmark controller (`kvferry demo`, `kvferry
+//! bench`, the tests) and a `kvferry serve` process: its own message family
+//! ([`ControlMessage`], magic `KVFC`) on its own listener, bound to loopback unless told
+//! otherwise. It drives what an engine would do — allocate slots, prefill, expect, release —
+//! plus what only a test does: fill and check bytes with the oracle, replay plans for the
+//! bench, shut the server down. None of it reaches the transfer library's peer protocol.
+//!
+//! | message | to | answer |
+//! |---|---|---|
+//! | [`ControlMessage::InfoRequest`] | either | [`ControlMessage::Info`] |
+//! | [`ControlMessage::Submit`] | context, then generation | [`ControlMessage::Submitted`] (context) or [`ControlMessage::Done`] (generation) |
+//! | [`ControlMessage::Verify`] | generation | [`ControlMessage::Verified`] |
+//! | [`ControlMessage::Release`] | either | [`ControlMessage::Released`] |
+//! | [`ControlMessage::Cancel`] | generation | none (the request's `Done` reports it) |
+//! | [`ControlMessage::VerifyIdle`] | generation | [`ControlMessage::IdleVerified`] |
+//! | [`ControlMessage::Bench`] | context | [`ControlMessage::BenchDone`] |
+//! | [`ControlMessage::Shutdown`] | either | the server process exits |
+//! | [`ControlMessage::Error`] | server → controller | the connection closes |
+
+use kvferry_planner_abi::{SlotTable, TokenRange};
+use kvferry_protocol::{Frame, InstanceInfo};
+use kvferry_transfer::{BenchStats, RequestStats};
+use serde::{Deserialize, Serialize};
+
+/// A request, as the controller submits it to both servers.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Submit {
+    /// Request id, unique per controller run.
+    pub request: u64,
+    /// Prompt length in tokens.
+    pub prompt_len: u64,
+    /// The context DP group serving it.
+    pub ctx_dp_rank: u32,
+    /// The generation DP group receiving it.
+    pub gen_dp_rank: u32,
+    /// Sender-side chunks (block-aligned); `None` sends the prompt in one piece.
+    pub chunks: Option<Vec<TokenRange>>,
+    /// Prompt tokens the receiver already holds.
+    pub cached: u64,
+    /// Generation side only: the context server's peer address (`host:port`).
+    pub peer: Option<String>,
+}
+
+/// The slot tables of one rank for one request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankTables {
+    /// The rank.
+    pub rank: u32,
+    /// One table per layer group.
+    pub tables: Vec<SlotTable>,
+}
+
+/// The oracle's verdict, as it travels.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VerifySummary {
+    /// Whether every checked byte matched.
+    pub ok: bool,
+    /// Destination bytes checked.
+    pub bytes_checked: u64,
+    /// Of those, bytes the request covers.
+    pub bytes_covered: u64,
+    /// Bytes that differ.
+    pub mismatched_bytes: u64,
+    /// The oracle's report text.
+    pub detail: String,
+}
+
+/// One control message.
+///
+/// New messages are appended, so the encoding of the others does not change.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum ControlMessage {
+    /// Asks a server what it holds.
+    InfoRequest,
+    /// What the server's instance advertises.
+    Info(InstanceInfo),
+    /// Run a request.
+    Submit(Submit),
+    /// Context server: the request is prefilled (slots allocated and filled), or why not.
+    Submitted {
+        /// The request.
+        request: u64,
+        /// The context DP group's slot tables.
+        result: Result<Vec<RankTables>, String>,
+    },
+    /// Generation server: the request completed, or why it failed.
+    Done {
+        /// The request.
+        request: u64,
+        /// What it moved.
+        result: Result<RequestStats, String>,
+    },
+    /// Check a completed request's destination bytes with the oracle.
+    Verify {
+        /// The request.
+        request: u64,
+        /// The context DP group's slot tables (from [`ControlMessage::Submitted`]).
+        context: Vec<RankTables>,
+    },
+    /// The oracle's verdict on a request.
+    Verified {
+        /// The request.
+        request: u64,
+        /// The verdict, or why it could not be reached.
+        result: Result<VerifySummary, String>,
+    },
+    /// Free a request's slots (once kvferry lets go of them).
+    Release {
+        /// The request.
+        request: u64,
+    },
+    /// The request's slots are free (or quarantined until its writers are done).
+    Released {
+        /// The request.
+        request: u64,
+    },
+    /// Abandon a request in flight.
+    Cancel {
+        /// The request.
+        request: u64,
+        /// Why.
+        reason: String,
+    },
+    /// Check that every pool holds only its canary (no request in flight).
+    VerifyIdle,
+    /// The verdict on the idle pools.
+    IdleVerified {
+        /// The verdict, or why it could not be reached.
+        result: Result<VerifySummary, String>,
+    },
+    /// Exit the server process.
+    Shutdown,
+    /// Write the plans a context server recorded for these requests again with a bare put
+    /// loop on the same endpoints and memory, and time it. The requests must be complete and
+    /// still held on both sides. Needs `--record-plans`.
+    Bench {
+        /// The requests whose plans are replayed.
+        requests: Vec<u64>,
+    },
+    /// The replay's totals and time, or why it failed.
+    BenchDone {
+        /// The totals, or the reason.
+        result: Result<BenchStats, String>,
+    },
+    /// The server refuses the connection; it closes it next.
+    Error {
+        /// What was wrong.
+        message: String,
+    },
+}
+
+impl Frame for ControlMessage {
+    const MAGIC: [u8; 4] = *b"KVFC";
+    const FAMILY: &'static str = "control";
+
+    fn kind(&self) -> &'static str {
+        match self {
+            ControlMessage::InfoRequest => "InfoRequest",
+            ControlMessage::Info(_) => "Info",
+            ControlMessage::Submit(_) => "Submit",
+            ControlMessage::Submitted { .. } => "Submitted",
+            ControlMessage::Done { .. } => "Done",
+            ControlMessage::Verify { .. } => "Verify",
+            ControlMessage::Verified { .. } => "Verified",
+            ControlMessage::Release { .. } => "Release",
+            ControlMessage::Released { .. } => "Released",
+            ControlMessage::Cancel { .. } => "Cancel",
+            ControlMessage::VerifyIdle => "VerifyIdle",
+            ControlMessage::IdleVerified { .. } => "IdleVerified",
+            ControlMessage::Shutdown => "Shutdown",
+            ControlMessage::Bench { .. } => "Bench",
+            ControlMessage::BenchDone { .. } => "BenchDone",
+            ControlMessage::Error { .. } => "Error",
+        }
+    }
+
+    fn error_text(&self) -> Option<&str> {
+        match self {
+            ControlMessage::Error { message } => Some(message),
+            _ => None,
+        }
+    }
+}
