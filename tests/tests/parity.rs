@@ -15,6 +15,7 @@ use kvferry_plan::{RequestSide, plan_transfer};
 use kvferry_planner_abi::ffi::ROption;
 use kvferry_planner_abi::{Mapping, PairRequest, TokenRange, TransferPlanner};
 use kvferry_testkit::conformance::{PlannerUnderTest, canonical, plugin_dir_with};
+use kvferry_testkit::error_chain;
 use kvferry_testkit::layout::{self, Dtype, ModelSpec, PoolOptions, Preset};
 use kvferry_testkit::oracle::LocalMemory;
 use kvferry_testkit::scenario::{Scenario, SlotAssignment, slot_tables};
@@ -151,7 +152,7 @@ fn mla_and_default_plan_the_same_bytes() {
                         RequestSide::new(peer, &peer_tables),
                         &piece,
                     )
-                    .unwrap_or_else(|e| panic!("{name}: {}: {e}", planner.id()));
+                    .unwrap_or_else(|e| panic!("{name}: {}: {}", planner.id(), error_chain(&e)));
                     fragments.extend(plan.fragments());
                 }
                 plans.push(canonical(fragments));

@@ -123,7 +123,7 @@ impl<M: Frame + Send + 'static> Client<M> {
             },
             Ok(Err(e)) => Err(ClientError::Closed {
                 addr: self.addr.clone(),
-                reason: kvferry_transfer::server::error_chain(&e),
+                reason: kvferry_plan::error_chain(&e),
             }),
             Err(RecvTimeoutError::Timeout) => Err(ClientError::Timeout {
                 addr: self.addr.clone(),

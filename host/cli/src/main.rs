@@ -538,7 +538,7 @@ fn check(
             "selected": id,
             "bound": bound.as_ref().ok().map(|(b, _)| b.id()),
             "auto": auto.as_ref().ok().map(|b| b.id()),
-            "auto_error": auto.as_ref().err().map(|e| e.to_string()),
+            "auto_error": auto.as_ref().err().map(|e| kvferry_plan::error_chain(e)),
             "candidates": candidates.iter().map(candidate_json).collect::<Vec<_>>(),
             "error": bound.as_ref().err().map(|e| format!("{e:#}")),
         });
@@ -563,7 +563,7 @@ fn check(
     }
     match &auto {
         Ok(b) => println!("auto binds {}", b.id()),
-        Err(e) => println!("auto binds nothing: {e}"),
+        Err(e) => println!("auto binds nothing: {}", kvferry_plan::error_chain(e)),
     }
     let (bound, ranks) = bound?;
     println!(

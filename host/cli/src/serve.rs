@@ -19,6 +19,7 @@ use std::thread;
 use std::time::Duration;
 
 use kvferry_loader::BoundPlanner;
+use kvferry_plan::error_chain;
 use kvferry_planner_abi::{Mapping, RankInfo, SlotTable};
 use kvferry_protocol::{Frame, read_frame};
 use kvferry_testkit::layout::{ModelSpec, PoolOptions, build_instance};
@@ -29,7 +30,6 @@ use kvferry_transfer::instance::InstanceError;
 use kvferry_transfer::rank::{RemoteRank, WriteHook};
 use kvferry_transfer::receiver::Completed;
 use kvferry_transfer::sender::ContextOptions;
-use kvferry_transfer::server::error_chain;
 use kvferry_transfer::{
     ContextServer, Expect, GenerationServer, Instance, InstanceConfig, PeerListener, Role,
     SourceRequest,
@@ -457,7 +457,7 @@ impl Shared {
             )
             .map_err(|e| {
                 lock(&self.slots).free(&allocation);
-                e.to_string()
+                error_chain(&e)
             })?;
         Ok(reply)
     }
@@ -542,14 +542,14 @@ impl Shared {
             Box::new(move |request, result| {
                 let _ = reply.send(ControlMessage::Done {
                     request,
-                    result: result.map_err(|e| e.to_string()),
+                    result: result.map_err(|e| error_chain(&e)),
                 });
             }),
         );
         if let Err(e) = accepted {
             lock(&self.held).remove(&id);
             lock(&self.slots).free(&allocation);
-            return Err(e.to_string());
+            return Err(error_chain(&e));
         }
         Ok(())
     }

@@ -32,7 +32,12 @@ fn gpu(test: &str) -> Option<CudaDevice> {
         println!("{test}: skipped: a CUDA driver is present; set {OPT_IN}=1 to run GPU tests");
         return None;
     }
-    let device = CudaDevice::open(0).unwrap_or_else(|e| panic!("{test}: open device 0: {e}"));
+    let device = CudaDevice::open(0).unwrap_or_else(|e| {
+        panic!(
+            "{test}: open device 0: {}",
+            kvferry_testkit::error_chain(&e)
+        )
+    });
     Some(device)
 }
 

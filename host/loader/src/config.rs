@@ -40,12 +40,13 @@ pub enum ConfigError {
         source: std::io::Error,
     },
     /// The file is not valid TOML for [`Config`].
-    #[error("invalid config file {path}: {message}")]
+    #[error("invalid config file {path}")]
     Parse {
         /// The file.
         path: PathBuf,
         /// What the parser said, with line and column.
-        message: String,
+        #[source]
+        source: toml::de::Error,
     },
 }
 
@@ -61,9 +62,9 @@ impl Config {
             path: path.to_path_buf(),
             source,
         })?;
-        let mut config = Self::parse(&text).map_err(|message| ConfigError::Parse {
+        let mut config = toml::from_str::<Self>(&text).map_err(|source| ConfigError::Parse {
             path: path.to_path_buf(),
-            message,
+            source,
         })?;
         if let Some(dir) = &config.plugin_dir {
             if dir.is_relative() {
@@ -124,6 +125,23 @@ mod tests {
         std::fs::write(&path, "plugin_dir = \"plugins\"").unwrap();
         let c = Config::load(&path).unwrap();
         assert_eq!(c.plugin_dir.unwrap(), dir.path().join("plugins"));
+    }
+
+    #[test]
+    fn a_parse_error_names_the_file_and_keeps_the_parser_error_as_source() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("kvferry.toml");
+        std::fs::write(&path, "planer = \"x\"").unwrap();
+        let err = Config::load(&path).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!("invalid config file {}", path.display())
+        );
+        let source = std::error::Error::source(&err).expect("the parser's error");
+        assert!(
+            source.to_string().contains("unknown field `planer`"),
+            "{source}"
+        );
     }
 
     #[test]

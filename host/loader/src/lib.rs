@@ -310,12 +310,9 @@ pub enum BindError {
         /// Where the planner was loaded from.
         path: PathBuf,
     },
-    /// The planner does not support the deployment (or its check panicked).
-    #[error(
-        "planner `{id}` ({}) does not support {deployment}: {}",
-        path.display(),
-        error.message()
-    )]
+    /// The planner does not support the deployment (or its check panicked); its answer, with
+    /// the reason, is the `source()`.
+    #[error("planner `{id}` ({}) does not support {deployment}", path.display())]
     Unsupported {
         /// The planner id.
         id: String,
@@ -324,6 +321,7 @@ pub enum BindError {
         /// The deployment it was asked about, as `<architecture> <mapping>`.
         deployment: String,
         /// The planner's answer, with its reason.
+        #[source]
         error: Box<PlanError>,
     },
     /// Automatic selection found no loaded planner that supports the deployment.

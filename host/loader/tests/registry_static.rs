@@ -8,6 +8,7 @@ use kvferry_planner_abi::{
     PairRequest, PeerTargets, PlanError, PlannerPlugin, RankInfo, Specificity, TransferPlan,
     TransferPlanner, export_planner,
 };
+use kvferry_testkit::error_chain;
 
 /// Plans nothing; supports single-stage deployments only.
 struct SingleStage;
@@ -222,11 +223,17 @@ fn bind_checks_the_deployment_and_instantiates() {
         panic!("expected Unsupported, got {error:?}");
     };
     assert_eq!(reason.kind(), kvferry_planner_abi::ErrorKind::UNSUPPORTED);
+    // The message names planner and deployment; the planner's reason is the source, once.
     assert_eq!(
         error.to_string(),
         "planner `test.single_stage` (static:test.single_stage) does not support \
-         LlamaForCausalLM tp1pp2: mapping.pp = 2 (supports 1): pipeline parallelism is not \
-         supported"
+         LlamaForCausalLM tp1pp2"
+    );
+    assert_eq!(
+        error_chain(&error),
+        "planner `test.single_stage` (static:test.single_stage) does not support \
+         LlamaForCausalLM tp1pp2: unsupported: mapping.pp = 2 (supports 1): pipeline \
+         parallelism is not supported"
     );
     let field = reason.deployment_refusal().expect("a field-level refusal");
     assert_eq!(

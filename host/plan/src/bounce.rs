@@ -72,6 +72,7 @@ impl Reservation {
 /// Why a request goes per fragment instead of bouncing. Each is a normal outcome, not an
 /// error: the transfer proceeds, only without the bounce.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum BounceSkip {
     /// The slot tables do not line up with the page table.
     #[error("{tables} slot tables for {groups} layer groups")]

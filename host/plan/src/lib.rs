@@ -75,19 +75,23 @@ impl<'a> RequestSide<'a> {
 }
 
 /// Why no validated plan came out of [`plan_transfer`].
+///
+/// The message says which step failed; the describer's or planner's error, or the broken
+/// rule, is the `source()`.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum PlanFailure {
     /// The describer refused this rank's slot tables.
-    #[error("describing this rank's rows: {0}")]
-    DescribeLocal(PlanError),
+    #[error("cannot describe this rank's rows")]
+    DescribeLocal(#[source] PlanError),
     /// The describer refused the peer's slot tables.
-    #[error("describing the peer's rows: {0}")]
-    DescribePeer(PlanError),
+    #[error("cannot describe the peer's rows")]
+    DescribePeer(#[source] PlanError),
     /// The planner returned an error.
-    #[error("planner: {0}")]
-    Planner(PlanError),
+    #[error("the planner failed")]
+    Planner(#[source] PlanError),
     /// The planner's plan broke a rule.
-    #[error("plan rejected: {0}")]
+    #[error("plan rejected")]
     Rejected(#[from] PlanRejected),
 }
 
@@ -111,6 +115,7 @@ impl fmt::Display for End {
 
 /// A plan that broke a validation rule, naming the fragment.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum PlanRejected {
     /// The structure-of-arrays lengths differ.
     #[error("plan arrays differ in length: {src} sources, {dst} destinations, {len} lengths")]
@@ -585,4 +590,19 @@ pub fn chunk_ranges(prompt_len: u64, chunk: u64) -> Vec<kvferry_planner_abi::Tok
             end: (start + chunk).min(prompt_len),
         })
         .collect()
+}
+
+/// `error` and each of its `source()`s, joined by `": "`: what `anyhow` prints for `{:#}`.
+///
+/// Errors name what failed and keep the cause in `source()`, so their `Display` alone omits
+/// it; use this where an error becomes text (a report, a refusal string, a test assertion).
+pub fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(c) = cause {
+        text.push_str(": ");
+        text.push_str(&c.to_string());
+        cause = c.source();
+    }
+    text
 }

@@ -5,6 +5,7 @@ use kvferry_planner_abi::{
     GroupKind, LayerGroupRows, PairRequest, PeerTargets, PlanError, RankInfo, TransferPlan,
     TransferPlanner, ViewId, ffi::RVec,
 };
+use kvferry_testkit::error_chain;
 
 /// Rows of one view at `addresses`, `row_bytes` each, with stride `stride`.
 fn rows(addresses: &[u64], row_bytes: u64, stride: u64) -> LayerGroupRows {
@@ -267,14 +268,17 @@ fn plan_transfer_describes_pairs_and_validates() {
             ..
         })
     ));
+    // The message names the step, the rule is the source, and the chain says each once.
+    let chain = error_chain(&err);
     assert!(
-        err.to_string()
-            .starts_with("plan rejected: fragment 0: source"),
-        "{err}"
+        chain.starts_with("plan rejected: fragment 0: source"),
+        "{chain}"
     );
+    assert_eq!(chain.matches("fragment 0").count(), 1, "{chain}");
 
     let err = plan_transfer(&Fixed(plan(&[(0, 0, 1)])), me, peer, &request).unwrap_err();
     assert!(matches!(err, PlanFailure::Planner(_)), "{err}");
+    assert_eq!(error_chain(&err), "the planner failed: unsupported: no");
 
     let too_many = [SlotTable::new([0]), SlotTable::new([1])];
     let err = plan_transfer(
@@ -285,6 +289,11 @@ fn plan_transfer_describes_pairs_and_validates() {
     )
     .unwrap_err();
     assert!(matches!(err, PlanFailure::DescribePeer(_)), "{err}");
+    let chain = error_chain(&err);
+    assert!(
+        chain.starts_with("cannot describe the peer's rows: invalid input: "),
+        "{chain}"
+    );
 }
 
 /// Overlap detection agrees with a brute-force pairwise check on plans shaped like planner

@@ -9,6 +9,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use crate::error_chain;
 use crate::scenario::{Scenario, ScenarioReport};
 use kvferry_loader::{BindError, BoundPlanner, Registry};
 use kvferry_planner_abi::{
@@ -87,7 +88,7 @@ impl PlannerUnderTest {
     pub fn from_file(path: &Path) -> Result<Self, String> {
         let registry = Registry::scan_files(&[path.to_path_buf()]);
         if let Some(skipped) = registry.skipped().first() {
-            return Err(skipped.reason.to_string());
+            return Err(error_chain(&skipped.reason));
         }
         let id = registry
             .planners()
@@ -117,7 +118,7 @@ impl PlannerUnderTest {
         match self.registry.bind(&self.id, deployment) {
             Ok(_) => Ok(()),
             Err(BindError::Unsupported { error, .. }) => Err(*error),
-            Err(other) => Err(PlanError::unsupported(other.to_string())),
+            Err(other) => Err(PlanError::unsupported(error_chain(&other))),
         }
     }
 
@@ -130,7 +131,7 @@ impl PlannerUnderTest {
     ///
     /// # Errors
     ///
-    /// The registry's refusal, as text.
+    /// The registry's refusal with its causes, as text.
     pub fn bind(&self, architecture: &str, mapping: Mapping) -> Result<BoundPlanner, String> {
         let deployment = Deployment {
             architecture: architecture.into(),
@@ -138,7 +139,7 @@ impl PlannerUnderTest {
         };
         self.registry
             .bind(&self.id, &deployment)
-            .map_err(|e| e.to_string())
+            .map_err(|e| error_chain(&e))
     }
 
     /// Runs `scenario` with this planner on both sides.
@@ -180,7 +181,7 @@ impl PlannerUnderTest {
             Ok(report) => (Ok(report), None),
             Err(e) => {
                 let kind = e.planner_error_kind();
-                (Err(e.to_string()), kind)
+                (Err(error_chain(&e)), kind)
             }
         }
     }

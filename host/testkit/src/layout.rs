@@ -29,6 +29,7 @@ pub use crate::builder::{PoolOptions, RankCoords, instance_rank, rank_coords};
 
 /// Why a layout could not be built.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum LayoutError {
     /// A preset name no preset answers to.
     #[error(
@@ -83,7 +84,7 @@ pub enum LayoutError {
         world: u32,
     },
     /// The built page table failed its structural check (a bug in this module).
-    #[error("page table of rank {rank} is invalid: {source}")]
+    #[error("page table of rank {rank} is invalid")]
     InvalidPageTable {
         /// The rank.
         rank: u32,

@@ -12,6 +12,7 @@
 //!   preset or from ranks given one by one.
 //! - [`conform`]: the oracle matrix every planner is proven against (`kvferry conform`).
 //! - [`conformance`]: a planner under test and the helpers the conformance tests share.
+//! - [`error_chain`]: an error and its causes on one line, for messages and assertions.
 //!
 //! Depends on `kvferry-planner-abi`, `kvferry-plan` and `kvferry-loader` only, never on UCX
 //! or CUDA, so a planner built out of tree can run it in its own tests.
@@ -25,3 +26,5 @@ pub mod layout;
 pub mod oracle;
 pub mod request;
 pub mod scenario;
+
+pub use kvferry_plan::error_chain;

@@ -59,7 +59,11 @@ const MAX_OVERLAPS_KEPT: usize = 8;
 pub type PlannerFactory<'a> = &'a dyn Fn(&RankInfo) -> Result<Arc<dyn TransferPlanner>, PlanError>;
 
 /// Why a scenario could not run to verification.
+///
+/// Each message names where it failed; the planner's, planning's or memory's error is the
+/// `source()`.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ScenarioError {
     /// The scenario's parameters contradict each other.
     #[error("scenario: {0}")]
@@ -68,7 +72,7 @@ pub enum ScenarioError {
     #[error(transparent)]
     Layout(#[from] LayoutError),
     /// A planner call (construction, describe, check_peer, targets) failed.
-    #[error("{instance} rank {rank}: {what}: {source}")]
+    #[error("{instance} rank {rank}: {what} failed")]
     Planner {
         /// The rank's instance.
         instance: &'static str,
@@ -102,7 +106,7 @@ pub enum ScenarioError {
         targets: Vec<u32>,
     },
     /// Planning one piece failed.
-    #[error("ctx rank {ctx_rank} -> gen rank {gen_rank}, piece {piece}: {source}")]
+    #[error("ctx rank {ctx_rank} -> gen rank {gen_rank}, piece {piece}")]
     Plan {
         /// The sender.
         ctx_rank: u32,
@@ -114,7 +118,7 @@ pub enum ScenarioError {
         source: PlanFailure,
     },
     /// Executing a plan failed.
-    #[error("ctx rank {ctx_rank} -> gen rank {gen_rank}: {source}")]
+    #[error("ctx rank {ctx_rank} -> gen rank {gen_rank}: executing the plan failed")]
     Execute {
         /// The sender.
         ctx_rank: u32,

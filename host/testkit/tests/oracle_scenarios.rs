@@ -8,6 +8,7 @@ use kvferry_planner_abi::{
     SlotTable, TokenRange, TransferPlan, TransferPlanner, ViewId, ffi::RVec,
 };
 use kvferry_testkit::builder::{Deploy, Model};
+use kvferry_testkit::error_chain;
 use kvferry_testkit::layout::{Dtype, ModelSpec, PoolOptions, Preset, build_rank};
 use kvferry_testkit::oracle::{
     Delivery, LocalMemory, Logical, MemoryError, Oracle, OracleError, Side,
@@ -540,7 +541,9 @@ fn refusal_names_the_field() {
         64,
     );
     let err = run_with(&s, Mirror::default()).unwrap_err();
-    assert!(err.to_string().contains("tp_size"), "{err}");
+    // The planner's refusal is the source: the chain names the field once.
+    let chain = error_chain(&err);
+    assert_eq!(chain.matches("tp_size").count(), 1, "{chain}");
 }
 
 /// Runs an exchange with the mirror on both sides.
@@ -599,8 +602,8 @@ fn builder_deployments_run_through_the_oracle() {
             t.gen_holes = vec![0, 5];
             t.seed = 5;
             let what = format!("{model:?}: {} -> {}", ctx.mapping, generation.mapping);
-            let report =
-                run_exchange(&t.exchange().unwrap()).unwrap_or_else(|e| panic!("{what}: {e}"));
+            let report = run_exchange(&t.exchange().unwrap())
+                .unwrap_or_else(|e| panic!("{what}: {}", error_chain(&e)));
             assert!(report.is_ok(), "{what}: {report}");
             assert!(report.verification.bytes_covered > 0, "{what}: {report}");
             assert_eq!(report.bytes, report.verification.bytes_covered, "{what}");
@@ -746,4 +749,31 @@ fn deepseek_8k_timing() {
     let report = run(&s);
     assert_eq!(report.fragments, 1);
     println!("contiguous: {:#?}", report.timings);
+}
+
+#[test]
+fn a_view_whose_layers_cannot_be_derived_keeps_the_reason_as_source() {
+    let model = Model::gqa(2, 2, 8, 4);
+    let mut info = Deploy::generation(1, &model).rank(&model, 0);
+    info.page_table.groups[0].views[0].entries[0].local_layer = 99;
+    let err = Oracle::new(1)
+        .prime_destination(&mut LocalMemory::new(), &info)
+        .unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            OracleError::ViewLayers {
+                group: 0,
+                view: 0,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert_eq!(
+        err.to_string(),
+        "gen rank 0: group 0 view 0: cannot derive its layers"
+    );
+    let chain = error_chain(&err);
+    assert_eq!(chain.matches("local layer 99").count(), 1, "{chain}");
 }

@@ -79,8 +79,11 @@ pub enum CudaError {
     /// device visible, driver/kernel-module mismatch, ...) or cudarc panicked.
     #[error("cuda driver unusable: {message}")]
     Init {
-        /// What failed, with the driver's or cudarc's message.
+        /// What failed: `cuInit failed`, or the call that panicked with cudarc's message.
         message: String,
+        /// The driver's error, when a driver call returned one.
+        #[source]
+        source: Option<DriverError>,
     },
     /// No device with this ordinal.
     #[error("no cuda device {ordinal}: the driver reports {count} device(s)")]
@@ -154,7 +157,8 @@ pub fn device_count() -> Result<usize, CudaError> {
     init()?;
     let count =
         guarded("cuDeviceGetCount", result::device::get_count)?.map_err(|e| CudaError::Init {
-            message: format!("cuDeviceGetCount failed: {e}"),
+            message: "cuDeviceGetCount failed".to_string(),
+            source: Some(e),
         })?;
     Ok(usize::try_from(count).unwrap_or(0))
 }
@@ -170,7 +174,8 @@ fn init() -> Result<(), CudaError> {
         });
     }
     guarded("cuInit", result::init)?.map_err(|e| CudaError::Init {
-        message: format!("cuInit failed: {e}"),
+        message: "cuInit failed".to_string(),
+        source: Some(e),
     })
 }
 
@@ -179,6 +184,7 @@ fn init() -> Result<(), CudaError> {
 fn guarded<T>(op: &str, f: impl FnOnce() -> T) -> Result<T, CudaError> {
     panic::catch_unwind(AssertUnwindSafe(f)).map_err(|payload| CudaError::Init {
         message: format!("{op} panicked: {}", panic_message(payload.as_ref())),
+        source: None,
     })
 }
 
@@ -578,7 +584,7 @@ mod tests {
     fn caught_panics_become_init_errors() {
         let err = guarded("cuSomething", || panic!("Missing symbol cuSomething")).unwrap_err();
         assert!(
-            matches!(&err, CudaError::Init { message }
+            matches!(&err, CudaError::Init { message, source: None }
                 if message == "cuSomething panicked: Missing symbol cuSomething"),
             "{err}"
         );

@@ -122,12 +122,12 @@ pub type Layout<'a> = dyn FnOnce(&mut PoolAllocator) -> Result<Vec<RankInfo>, Bo
 #[derive(Debug, thiserror::Error)]
 pub enum InstanceError {
     /// No UCX context.
-    #[error("cannot create the UCX context for {transport}: {error}")]
+    #[error("cannot create the UCX context for {transport}")]
     Context {
         /// The transport asked for.
         transport: Transport,
         /// UCX's error.
-        error: kvferry_ucx::Error,
+        source: kvferry_ucx::Error,
     },
     /// The caller's layout failed.
     #[error("laying out the instance's ranks")]
@@ -142,22 +142,22 @@ pub enum InstanceError {
     #[error(transparent)]
     Memory(#[from] MemoryError),
     /// The planner refused a rank.
-    #[error("planner {planner} refuses rank {rank}: {error}")]
+    #[error("planner {planner} refuses rank {rank}")]
     Planner {
         /// The planner id.
         planner: String,
         /// The rank.
         rank: u32,
         /// The planner's error.
-        error: PlanError,
+        source: PlanError,
     },
     /// No UCX worker.
-    #[error("rank {rank}: cannot create its UCX worker: {error}")]
+    #[error("rank {rank}: cannot create its UCX worker")]
     Worker {
         /// The rank.
         rank: u32,
         /// UCX's error.
-        error: kvferry_ucx::Error,
+        source: kvferry_ucx::Error,
     },
     /// A rank thread could not start.
     #[error(transparent)]
@@ -238,7 +238,7 @@ impl Instance {
             .context_for(config.memory)
             .map_err(|source| InstanceError::Context {
                 transport: config.transport,
-                error: source,
+                source,
             })?;
         let allocator = PoolAllocator::for_memory(&context, config.memory, config.cuda_device)?;
         Ok(PreparedInstance {
@@ -290,16 +290,14 @@ impl PreparedInstance {
             let planner_error = |source| InstanceError::Planner {
                 planner: bound.id().to_string(),
                 rank,
-                error: source,
+                source,
             };
             let planner = bound.instantiate(&info).map_err(planner_error)?;
             info.planner_blob = RVec::from(planner.describe().map_err(planner_error)?);
             let keys = pools.keys()?;
             let pools = Arc::new(pools);
-            let worker = Worker::new(&context).map_err(|source| InstanceError::Worker {
-                rank,
-                error: source,
-            })?;
+            let worker =
+                Worker::new(&context).map_err(|source| InstanceError::Worker { rank, source })?;
             let thread = RankThread::spawn(&config.name, rank, worker, Arc::clone(&pools))?;
             ranks.push(Rank {
                 info,

@@ -92,7 +92,7 @@ impl FromStr for MemoryKind {
 #[derive(Debug, thiserror::Error)]
 pub enum MemoryError {
     /// UCX refused an allocation.
-    #[error("rank {rank} pool {pool}: cannot allocate {bytes} bytes through UCX: {error}")]
+    #[error("rank {rank} pool {pool}: cannot allocate {bytes} bytes through UCX")]
     Allocate {
         /// The rank.
         rank: u32,
@@ -101,17 +101,17 @@ pub enum MemoryError {
         /// Bytes asked for.
         bytes: u64,
         /// UCX's error.
-        error: kvferry_ucx::Error,
+        source: kvferry_ucx::Error,
     },
     /// A pool's remote key could not be packed.
-    #[error("rank {rank} pool {pool}: cannot pack its remote key: {error}")]
+    #[error("rank {rank} pool {pool}: cannot pack its remote key")]
     PackKey {
         /// The rank.
         rank: u32,
         /// The pool.
         pool: usize,
         /// UCX's error.
-        error: kvferry_ucx::Error,
+        source: kvferry_ucx::Error,
     },
     /// The callback was asked for pools out of order.
     #[error("rank {rank} pool {pool} asked for out of order")]
@@ -258,7 +258,7 @@ impl RankPools {
                 let rkey = r.pack_rkey().map_err(|source| MemoryError::PackKey {
                     rank: self.rank,
                     pool: i,
-                    error: source,
+                    source,
                 })?;
                 Ok(PoolKey {
                     base: r.remote_addr(),
@@ -483,7 +483,7 @@ impl PoolAllocator {
                         rank,
                         pool,
                         bytes,
-                        error: source,
+                        source,
                     })
             }
             #[cfg(feature = "cuda")]

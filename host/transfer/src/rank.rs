@@ -122,7 +122,7 @@ pub struct WriteStats {
 #[derive(Debug, thiserror::Error)]
 pub enum WriteError {
     /// No endpoint to the peer rank.
-    #[error("cannot connect to {instance} rank {rank}: {source}")]
+    #[error("cannot connect to {instance} rank {rank}")]
     Connect {
         /// Peer instance.
         instance: String,
@@ -132,7 +132,7 @@ pub enum WriteError {
         source: kvferry_ucx::Error,
     },
     /// A peer pool's remote key could not be unpacked.
-    #[error("cannot unpack the remote key of {instance} rank {rank} pool {pool}: {source}")]
+    #[error("cannot unpack the remote key of {instance} rank {rank} pool {pool}")]
     UnpackKey {
         /// Peer instance.
         instance: String,
@@ -175,7 +175,7 @@ pub enum WriteError {
         len: u64,
     },
     /// A put failed to start or complete.
-    #[error("put to {instance} rank {rank} failed: {source} ({})", source.status())]
+    #[error("put to {instance} rank {rank} failed")]
     Put {
         /// Peer instance.
         instance: String,
@@ -185,7 +185,7 @@ pub enum WriteError {
         source: kvferry_ucx::Error,
     },
     /// The flush after the puts failed.
-    #[error("flush to {instance} rank {rank} failed: {source} ({})", source.status())]
+    #[error("flush to {instance} rank {rank} failed")]
     Flush {
         /// Peer instance.
         instance: String,
@@ -357,10 +357,9 @@ impl RankThread {
         worker: Worker,
         pools: Arc<RankPools>,
     ) -> Result<RankThread, SpawnError> {
-        let address = worker.address().map_err(|source| SpawnError::Address {
-            rank,
-            error: source,
-        })?;
+        let address = worker
+            .address()
+            .map_err(|source| SpawnError::Address { rank, source })?;
         let worker = worker
             .into_send()
             .map_err(|_| SpawnError::Shared { rank })?;
@@ -370,10 +369,7 @@ impl RankThread {
             // `pools` outlives `run`, and so every handle on the worker, which `run` drops:
             // puts abandoned when the thread ends may read the pools until then.
             .spawn(move || run(rank, worker.into_worker(), &pools, rx))
-            .map_err(|source| SpawnError::Thread {
-                rank,
-                error: source,
-            })?;
+            .map_err(|source| SpawnError::Thread { rank, source })?;
         Ok(RankThread {
             rank,
             address,
@@ -423,12 +419,12 @@ impl RankThread {
 #[derive(Debug, thiserror::Error)]
 pub enum SpawnError {
     /// The worker address could not be read.
-    #[error("rank {rank}: cannot read the worker address: {error}")]
+    #[error("rank {rank}: cannot read the worker address")]
     Address {
         /// The rank.
         rank: u32,
         /// UCX's error.
-        error: kvferry_ucx::Error,
+        source: kvferry_ucx::Error,
     },
     /// The worker already has endpoints (or other handles), so it cannot move to the thread.
     #[error("rank {rank}: its UCX worker is already in use, so it cannot move to its thread")]
@@ -437,12 +433,12 @@ pub enum SpawnError {
         rank: u32,
     },
     /// The OS refused a thread.
-    #[error("rank {rank}: cannot spawn its thread: {error}")]
+    #[error("rank {rank}: cannot spawn its thread")]
     Thread {
         /// The rank.
         rank: u32,
         /// The OS error.
-        error: std::io::Error,
+        source: std::io::Error,
     },
 }
 
@@ -494,7 +490,7 @@ fn run(rank: u32, worker: Worker, pools: &RankPools, rx: Receiver<Command>) {
             Command::Replay(mut job) => {
                 let result = exec.replay(&mut job);
                 if let Err(e) = &result {
-                    tracing::warn!(rank, error = %e, "replay failed");
+                    tracing::warn!(rank, error = %kvferry_plan::error_chain(&e), "replay failed");
                 }
                 (job.done)(result);
             }
@@ -724,7 +720,7 @@ impl<'a> Executor<'a> {
             } else {
                 "now"
             };
-            tracing::warn!(rank = self.rank, error = %e, reported, "write job failed");
+            tracing::warn!(rank = self.rank, error = %kvferry_plan::error_chain(&e), reported, "write job failed");
         }
         let done = job.done;
         let report = move || {

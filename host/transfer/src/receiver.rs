@@ -91,7 +91,7 @@ pub enum RequestError {
         request: u64,
     },
     /// The context peer cannot be used.
-    #[error("request {request}: {source}")]
+    #[error("request {request}: context peer unusable")]
     Peer {
         /// The request.
         request: u64,
@@ -99,7 +99,7 @@ pub enum RequestError {
         source: PeerError,
     },
     /// A receiver rank's planner could not compute its targets.
-    #[error("request {request}: gen rank {rank}: targets: {source}")]
+    #[error("request {request}: gen rank {rank}: targets failed")]
     Targets {
         /// The request.
         request: u64,
@@ -554,7 +554,7 @@ impl GenerationServer {
                 Ok(peer)
             }
             Err(e @ PeerError::Refused { .. }) => {
-                tracing::info!(peer = %addr, reason = %e, "context peer refused; verdict cached");
+                tracing::info!(peer = %addr, reason = %kvferry_plan::error_chain(&e), "context peer refused; verdict cached");
                 *verdict = Some(Verdict::Refused(e.clone()));
                 Err(e)
             }
@@ -932,7 +932,7 @@ fn complete(id: u64, req: &mut GenRequest) {
 }
 
 fn fail_request(id: u64, req: &mut GenRequest, error: RequestError) {
-    tracing::warn!(request = id, %error, "request failed");
+    tracing::warn!(request = id, error = %kvferry_plan::error_chain(&error), "request failed");
     req.outcome = Some(Err(error.clone()));
     if let Some(on_done) = req.on_done.take() {
         on_done(id, Err(error));

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use kvferry_planner_abi::ffi::ROption;
 use kvferry_planner_abi::{PairRequest, PlanError, RankInfo, SlotTable};
 
-use kvferry_plan::{PlanFailure, RequestSide, ValidatedPlan, plan_transfer};
+use kvferry_plan::{PlanFailure, RequestSide, ValidatedPlan, error_chain, plan_transfer};
 use kvferry_protocol::{
     Completion, CompletionStatus, InstanceInfo, PeerMessage, RequestData, Role,
 };
@@ -85,7 +85,7 @@ pub enum RegisterError {
     /// A context rank's planner refuses a generation rank.
     #[error(
         "context instance {ours} rank {rank} refuses generation instance {instance} rank \
-         {peer_rank}: {source}"
+         {peer_rank}"
     )]
     Refused {
         /// This instance.
@@ -193,7 +193,7 @@ pub enum PairError {
         ours: u64,
     },
     /// The sender's planner could not compute its targets.
-    #[error("targets of generation rank {peer_rank}: {source}")]
+    #[error("targets of generation rank {peer_rank} failed")]
     Targets {
         /// The receiver.
         peer_rank: u32,
@@ -209,7 +209,7 @@ pub enum PairError {
         targets: Vec<u32>,
     },
     /// Planning a piece failed (describe, pair, validation).
-    #[error("piece {piece}: {source}")]
+    #[error("piece {piece}")]
     Plan {
         /// The piece.
         piece: usize,
@@ -359,9 +359,9 @@ impl ContextServer {
                         }
                     }
                     Err(e) => {
-                        tracing::info!(reason = %e, "refused a generation peer");
+                        tracing::info!(reason = %error_chain(&e), "refused a generation peer");
                         PeerMessage::Refused {
-                            reason: e.to_string(),
+                            reason: error_chain(&e),
                         }
                     }
                 };
@@ -631,7 +631,7 @@ impl ContextServer {
         let (plans, rank, dest) = match plans {
             Ok(p) => p,
             Err(e) => {
-                tracing::warn!(request = data.request, sender = c, receiver = g, error = %e, "cannot serve");
+                tracing::warn!(request = data.request, sender = c, receiver = g, error = %error_chain(&e), "cannot serve");
                 let _ = peer.outbox.send(PeerMessage::Completion(Completion {
                     request: data.request,
                     sender_rank: c,
@@ -640,7 +640,7 @@ impl ContextServer {
                     is_last: true,
                     bytes: 0,
                     fragments: 0,
-                    status: CompletionStatus::Failed(e.to_string()),
+                    status: CompletionStatus::Failed(error_chain(&e)),
                 }));
                 return;
             }
@@ -673,7 +673,7 @@ impl ContextServer {
                 done: Box::new(move |result| {
                     let (bytes, fragments, status) = match result {
                         Ok(s) => (s.bytes, s.fragments, CompletionStatus::Ok),
-                        Err(e) => (0, 0, CompletionStatus::Failed(e.to_string())),
+                        Err(e) => (0, 0, CompletionStatus::Failed(error_chain(&e))),
                     };
                     let _ = outbox.send(PeerMessage::Completion(Completion {
                         request,

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
+use kvferry_plan::error_chain;
 use kvferry_protocol::{Frame, PeerMessage, read_frame};
 
 use crate::conn::{Flow, drain, spawn_writer};
@@ -140,16 +141,4 @@ fn connection(server: &Arc<ContextServer>, stream: TcpStream) {
         drain(stream, DRAIN);
     }
     server.closed(&mut session);
-}
-
-/// An error and its causes, `: `-separated, for a message to a peer.
-pub fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut cause = error.source();
-    while let Some(c) = cause {
-        text.push_str(": ");
-        text.push_str(&c.to_string());
-        cause = c.source();
-    }
-    text
 }

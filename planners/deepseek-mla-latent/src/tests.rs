@@ -1,5 +1,6 @@
 use kvferry_planner_abi::{ErrorKind, Mapping, SlotTable, TokenRange, ViewId, ffi::ROption};
 use kvferry_testkit::builder::{Deploy, Model, rows_excluding, rows_of};
+use kvferry_testkit::error_chain;
 use kvferry_testkit::request::Transfer;
 
 use super::*;
@@ -444,7 +445,9 @@ fn requests_move_every_latent_byte_once_and_nothing_else() {
             t.gen_holes = vec![0, 1];
             let reports = t
                 .run_every_group(DeepseekMlaLatent::new)
-                .unwrap_or_else(|e| panic!("dep4 -> dep{dp}, padding {padding}: {e}"));
+                .unwrap_or_else(|e| {
+                    panic!("dep4 -> dep{dp}, padding {padding}: {}", error_chain(&e))
+                });
             assert_eq!(reports.len(), dp as usize);
             for (d, report) in reports.iter().enumerate() {
                 assert!(report.is_ok(), "dep{dp} rank {d}: {report}");

@@ -10,6 +10,7 @@ use kvferry_planner_abi::{
 };
 use kvferry_planner_default::DefaultPlanner;
 use kvferry_testkit::builder::{Deploy, Model};
+use kvferry_testkit::error_chain;
 use kvferry_testkit::request::Transfer;
 use kvferry_testkit::scenario::ScenarioError;
 
@@ -31,8 +32,9 @@ fn tp_matrix(model: &Model) {
                 Deploy::generation(gen_tp, model),
                 13,
             );
-            let out =
-                run(&s).unwrap_or_else(|e| panic!("ctx tp{ctx_tp} generation tp{gen_tp}: {e}"));
+            let out = run(&s).unwrap_or_else(|e| {
+                panic!("ctx tp{ctx_tp} generation tp{gen_tp}: {}", error_chain(&e))
+            });
             for (g, &busy) in &out.busy_writers {
                 // Distinct shards each generation rank needs, one writer each.
                 let gen_shards = gen_tp.min(4);
@@ -76,7 +78,9 @@ fn attention_dp_pairs_one_to_one_and_fans_in_from_tp() {
             for ctx_dp in 0..groups {
                 let mut s = Transfer::new(&model, ctx.clone(), generation.clone(), 16);
                 s.ctx_dp_rank = ctx_dp;
-                run(&s).unwrap_or_else(|e| panic!("{ctx:?} -> {generation:?} dp {ctx_dp}: {e}"));
+                run(&s).unwrap_or_else(|e| {
+                    panic!("{ctx:?} -> {generation:?} dp {ctx_dp}: {}", error_chain(&e))
+                });
             }
         }
     }
@@ -99,7 +103,8 @@ fn mla_latent_has_one_writer_per_destination() {
         for generation in shapes(false) {
             let mut s = Transfer::new(&model, ctx.clone(), generation.clone(), 11);
             s.ctx_dp_rank = ctx.dp_groups() - 1;
-            let out = run(&s).unwrap_or_else(|e| panic!("{ctx:?} -> {generation:?}: {e}"));
+            let out = run(&s)
+                .unwrap_or_else(|e| panic!("{ctx:?} -> {generation:?}: {}", error_chain(&e)));
             assert!(
                 out.busy_writers.values().all(|&b| b == 1),
                 "{ctx:?} -> {generation:?}: {out:?}"
@@ -125,7 +130,7 @@ fn pipeline_stages_send_only_their_layers() {
                 let generation = Deploy::generation(gen_tp, &model).pp(gen_split.clone());
                 let s = Transfer::new(&model, ctx, generation, 13);
                 run(&s).unwrap_or_else(|e| {
-                    panic!("ctx pp{ctx_split:?} tp{ctx_tp} -> generation pp{gen_split:?} tp{gen_tp}: {e}")
+                    panic!("ctx pp{ctx_split:?} tp{ctx_tp} -> generation pp{gen_split:?} tp{gen_tp}: {}", error_chain(&e))
                 });
             }
         }
@@ -159,8 +164,12 @@ fn helix_generation_ranks_receive_every_cp_th_block() {
             Deploy::generation(gen_tp, &model).cp(gen_cp),
             29,
         );
-        run(&s)
-            .unwrap_or_else(|e| panic!("ctx tp{ctx_tp} -> generation tp{gen_tp} cp{gen_cp}: {e}"));
+        run(&s).unwrap_or_else(|e| {
+            panic!(
+                "ctx tp{ctx_tp} -> generation tp{gen_tp} cp{gen_cp}: {}",
+                error_chain(&e)
+            )
+        });
     }
 }
 
@@ -183,7 +192,9 @@ fn hybrid_state_is_resharded_and_written_once() {
                 generation.clone(),
                 13,
             );
-            run(&s).unwrap_or_else(|e| panic!("ctx tp{ctx_tp} -> {generation:?}: {e}"));
+            run(&s).unwrap_or_else(|e| {
+                panic!("ctx tp{ctx_tp} -> {generation:?}: {}", error_chain(&e))
+            });
         }
     }
 }

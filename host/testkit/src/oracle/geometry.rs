@@ -171,7 +171,13 @@ pub(super) fn model_views(salt: u64, info: &RankInfo) -> Result<Vec<ViewGeom>, O
             let at = |m: String| input_error(info, format!("group {g} view {v}: {m}"));
             let layers = view
                 .layer_ranges(group)
-                .map_err(|e| at(e.message().to_string()))?;
+                .map_err(|source| OracleError::ViewLayers {
+                    instance: info.instance_name.to_string(),
+                    rank: info.instance_rank,
+                    group: g,
+                    view: v,
+                    source,
+                })?;
             let Some(first) = layers.first() else {
                 continue;
             };

@@ -12,6 +12,7 @@ const POOL_ALIGN: u64 = 1 << 20;
 
 /// A pool address or range that does not resolve.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum MemoryError {
     /// The range starts outside every pool.
     #[error("{address:#x} +{len} lies outside every pool")]

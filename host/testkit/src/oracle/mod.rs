@@ -56,7 +56,7 @@ mod memory;
 mod report;
 mod tags;
 
-use kvferry_planner_abi::{PairRequest, RankInfo};
+use kvferry_planner_abi::{PairRequest, PlanError, RankInfo};
 
 use kvferry_plan::RequestSide;
 
@@ -79,6 +79,7 @@ pub enum Extent {
 
 /// Why the oracle could not fill or check.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum OracleError {
     /// A pool could not be read or written.
     #[error(transparent)]
@@ -92,6 +93,22 @@ pub enum OracleError {
         rank: u32,
         /// What is wrong.
         message: String,
+    },
+    /// A view's layers cannot be derived from its group; the page table's check is the
+    /// `source()`.
+    #[error("{instance} rank {rank}: group {group} view {view}: cannot derive its layers")]
+    ViewLayers {
+        /// The rank's instance.
+        instance: String,
+        /// The rank.
+        rank: u32,
+        /// The layer group.
+        group: usize,
+        /// The view in the group.
+        view: usize,
+        /// Why not.
+        #[source]
+        source: PlanError,
     },
 }
 
