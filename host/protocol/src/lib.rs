@@ -1,5 +1,6 @@
-//! kvferry-protocol: the control-plane wire format, sans I/O — versioned, size-capped frames
-//! and the peer-to-peer transfer messages.
+//! kvferry-protocol: the control-plane wire format, sans I/O — versioned, size-capped frames,
+//! the peer-to-peer transfer messages, and the state machines that say which message may come
+//! when ([`session`]) and what a request's completions add up to ([`tracker`]).
 //!
 //! Every frame is a 10-byte header followed by the body:
 //!
@@ -37,6 +38,12 @@
 
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
+
+pub mod session;
+pub mod tracker;
+
+pub use session::{AcceptEvent, AcceptState, Acceptor, DialEvent, DialState, Dialer, SessionError};
+pub use tracker::{Pair, Phase, PieceFailure, RequestTracker, Totals, Tracked, Violation};
 
 use std::io::{self, Read, Write};
 

@@ -32,9 +32,10 @@ use std::time::{Duration, Instant};
 use kvferry_planner_abi::ffi::ROption;
 use kvferry_planner_abi::{PairRequest, PlanError, SlotTable, TokenRange};
 
+use kvferry_plan::error_chain;
 use kvferry_protocol::{
-    Completion, CompletionStatus, Frame, InstanceInfo, PeerMessage, RequestData, Role, read_frame,
-    write_frame,
+    Completion, DialEvent, Dialer, InstanceInfo, PeerMessage, RequestData, RequestTracker,
+    SessionError, Tracked, Violation, read_frame, write_frame,
 };
 
 use crate::conn::{Outbox, spawn_writer};
@@ -141,6 +142,17 @@ pub enum RequestError {
         piece: u32,
         /// The writer's reason.
         reason: String,
+    },
+    /// A writer's completion broke the protocol (a piece out of order or range, repeated, or
+    /// after its last): the request's bytes cannot be vouched for.
+    #[error("request {request}: {peer} broke the protocol")]
+    Protocol {
+        /// The request.
+        request: u64,
+        /// The context peer.
+        peer: String,
+        /// What it did.
+        source: Violation,
     },
     /// Not every writer reported its last piece in time.
     #[error("request {request}: timed out after {timeout_ms} ms waiting on {peer} for {missing}")]
@@ -269,10 +281,8 @@ struct GenRequest {
     peer: Arc<CtxPeer>,
     tables: BTreeMap<u32, Vec<SlotTable>>,
     pieces: Vec<PairRequest>,
-    expected: BTreeSet<(u32, u32)>,
-    finished: BTreeSet<(u32, u32)>,
-    terminal: BTreeSet<(u32, u32)>,
-    stats: RequestStats,
+    /// Which writers the request waits on and what they reported.
+    tracker: RequestTracker,
     started: Instant,
     deadline: Instant,
     outcome: Option<Result<RequestStats, RequestError>>,
@@ -284,8 +294,7 @@ impl fmt::Debug for GenRequest {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("GenRequest")
             .field("peer", &self.peer.addr)
-            .field("expected", &self.expected)
-            .field("finished", &self.finished)
+            .field("tracker", &self.tracker)
             .field("outcome", &self.outcome)
             .field("released", &self.on_free.is_some())
             .finish_non_exhaustive()
@@ -295,12 +304,12 @@ impl fmt::Debug for GenRequest {
 impl GenRequest {
     /// Whether no write of the request can still land.
     fn quiescent(&self) -> bool {
-        self.terminal.len() == self.expected.len() || !self.peer.alive.load(Ordering::Acquire)
+        self.tracker.quiescent() || !self.peer.alive.load(Ordering::Acquire)
     }
 
     fn missing(&self) -> Vec<String> {
-        self.expected
-            .difference(&self.finished)
+        self.tracker
+            .missing()
             .map(|(c, g)| format!("ctx rank {c} -> gen rank {g}"))
             .collect()
     }
@@ -491,6 +500,7 @@ impl GenerationServer {
             })
             .collect();
         let writers = expected.len();
+        let piece_count = u32::try_from(pieces.len()).unwrap_or(u32::MAX);
         {
             let mut state = self.lock();
             state.requests.insert(
@@ -499,10 +509,7 @@ impl GenerationServer {
                     peer: Arc::clone(&peer),
                     tables,
                     pieces,
-                    expected,
-                    finished: BTreeSet::new(),
-                    terminal: BTreeSet::new(),
-                    stats: RequestStats::default(),
+                    tracker: RequestTracker::new(id, piece_count, expected),
                     started,
                     deadline: started + self.timeout,
                     outcome: None,
@@ -579,17 +586,24 @@ impl GenerationServer {
         stream
             .set_read_timeout(Some(BOOTSTRAP_TIMEOUT))
             .map_err(|e| failed(e.to_string()))?;
-        write_frame(&mut stream, &PeerMessage::InstanceInfoRequest)
+        let (mut session, hello) = Dialer::new();
+        write_frame(&mut stream, &hello)
             .map_err(|e| failed(format!("sending InstanceInfoRequest: {e}")))?;
-        let info = match read_frame(&mut stream) {
-            Ok(PeerMessage::InstanceInfo(info)) => info,
-            Ok(other) => {
-                return Err(failed(format!(
-                    "answered {} to InstanceInfoRequest",
-                    other.kind()
-                )));
+        let answer = read_frame(&mut stream)
+            .map_err(|e| failed(format!("reading InstanceInfo: {}", error_chain(&e))))?;
+        let info = match session.receive(answer) {
+            Ok(DialEvent::Info(info)) => *info,
+            Ok(other) => return Err(failed(format!("answered {other:?} to InstanceInfoRequest"))),
+            Err(SessionError::Role {
+                instance, found, ..
+            }) => {
+                return Err(PeerError::Refused {
+                    addr: addr.to_string(),
+                    instance,
+                    reason: format!("it is a {found} instance"),
+                });
             }
-            Err(e) => return Err(failed(format!("reading InstanceInfo: {e}"))),
+            Err(e) => return Err(failed(e.to_string())),
         };
         let refuse = |reason: String| PeerError::Refused {
             addr: addr.to_string(),
@@ -606,9 +620,6 @@ impl GenerationServer {
                 bound.id(),
                 bound.describer_id()
             )));
-        }
-        if info.role != Role::Context {
-            return Err(refuse(format!("it is a {} instance", info.role)));
         }
         let ctx0 = info
             .ranks
@@ -637,13 +648,22 @@ impl GenerationServer {
                     ))
                 })?;
         }
-        write_frame(&mut stream, &PeerMessage::Register(self.info.clone()))
-            .map_err(|e| failed(format!("sending Register: {e}")))?;
-        match read_frame(&mut stream) {
-            Ok(PeerMessage::Registered { .. }) => {}
-            Ok(PeerMessage::Refused { reason }) => return Err(refuse(reason)),
-            Ok(other) => return Err(failed(format!("answered {} to Register", other.kind()))),
-            Err(e) => return Err(failed(format!("reading the registration verdict: {e}"))),
+        let register = session
+            .register(self.info.clone())
+            .map_err(|e| failed(e.to_string()))?;
+        write_frame(&mut stream, &register)
+            .map_err(|e| failed(format!("sending Register: {}", error_chain(&e))))?;
+        let verdict = read_frame(&mut stream).map_err(|e| {
+            failed(format!(
+                "reading the registration verdict: {}",
+                error_chain(&e)
+            ))
+        })?;
+        match session.receive(verdict) {
+            Ok(DialEvent::Registered { .. }) => {}
+            Ok(DialEvent::Refused { reason }) => return Err(refuse(reason)),
+            Ok(other) => return Err(failed(format!("answered {other:?} to Register"))),
+            Err(e) => return Err(failed(e.to_string())),
         }
         stream
             .set_read_timeout(None)
@@ -662,28 +682,42 @@ impl GenerationServer {
         let reading = Arc::clone(&peer);
         thread::Builder::new()
             .name(format!("peer-{addr}"))
-            .spawn(move || server.read_peer(&reading, reader))
+            .spawn(move || server.read_peer(&reading, session, reader))
             .map_err(|e| failed(format!("cannot spawn its reader: {e}")))?;
         tracing::info!(peer = %peer.info.instance_name, %addr, label = %peer.info.label, "registered with context peer");
         Ok(peer)
     }
 
     /// Reads a peer's completions until its connection ends, then fails what waits on it.
-    fn read_peer(&self, peer: &Arc<CtxPeer>, stream: TcpStream) {
+    fn read_peer(&self, peer: &Arc<CtxPeer>, mut session: Dialer, stream: TcpStream) {
         let mut reader = std::io::BufReader::new(stream);
         let why = loop {
-            match read_frame(&mut reader) {
-                Ok(PeerMessage::Completion(c)) => self.completion(peer, c),
-                Ok(PeerMessage::Error { message }) => {
-                    break format!("{} reported an error and closed: {message}", peer.name());
-                }
-                Ok(other) => {
-                    tracing::warn!(peer = %peer.name(), kind = other.kind(), "ignoring an unexpected message")
-                }
+            let message = match read_frame(&mut reader) {
+                Ok(message) => message,
                 Err(e) if e.is_disconnect() => {
                     break format!("{} closed its control connection", peer.name());
                 }
-                Err(e) => break format!("{} sent a bad frame: {e}", peer.name()),
+                Err(e) => break format!("{} sent a bad frame: {}", peer.name(), error_chain(&e)),
+            };
+            match session.receive(message) {
+                Ok(DialEvent::Completion(c)) => self.completion(peer, c),
+                Ok(DialEvent::Cancel { request, reason }) => self.fail(
+                    request,
+                    RequestError::Cancelled {
+                        request,
+                        reason: format!("{} cancelled it: {reason}", peer.name()),
+                    },
+                ),
+                Ok(other) => break format!("{} sent {other:?} after registering", peer.name()),
+                Err(SessionError::PeerError { message }) => {
+                    break format!("{} reported an error and closed: {message}", peer.name());
+                }
+                Err(e) => {
+                    let _ = peer.outbox.send(PeerMessage::Error {
+                        message: e.to_string(),
+                    });
+                    break format!("{} broke the protocol: {e}", peer.name());
+                }
             }
         };
         peer.alive.store(false, Ordering::Release);
@@ -703,43 +737,46 @@ impl GenerationServer {
                 tracing::debug!(request = c.request, "completion for an unknown request");
                 return;
             };
-            let pair = (c.sender_rank, c.receiver_rank);
-            if req.peer.id != peer.id || !req.expected.contains(&pair) {
+            if req.peer.id != peer.id {
                 tracing::warn!(
                     request = c.request,
-                    sender = c.sender_rank,
-                    receiver = c.receiver_rank,
-                    "unexpected completion ignored"
+                    "completion from a peer that does not serve this request ignored"
                 );
                 return;
             }
-            if c.is_last {
-                req.terminal.insert(pair);
-            }
-            match &c.status {
-                CompletionStatus::Ok => {
-                    req.stats.bytes += c.bytes;
-                    req.stats.fragments += c.fragments;
-                    req.stats.pieces += 1;
-                    if c.is_last {
-                        req.finished.insert(pair);
-                        req.stats.writers += 1;
-                    }
-                    if req.outcome.is_none() && req.finished.len() == req.expected.len() {
-                        complete(c.request, req);
-                    }
+            match req.tracker.on_completion(&c) {
+                Ok(Tracked::Progress | Tracked::Late) => {}
+                Ok(Tracked::Completed(_)) => complete(c.request, req),
+                Ok(Tracked::Failed(f)) => {
+                    let error = RequestError::Piece {
+                        request: c.request,
+                        peer: peer.name(),
+                        sender: f.sender,
+                        receiver: f.receiver,
+                        piece: f.piece,
+                        reason: f.reason,
+                    };
+                    fail_request(c.request, req, error);
                 }
-                CompletionStatus::Failed(reason) => {
+                Err(
+                    violation @ (Violation::UnknownPair { .. } | Violation::OtherRequest { .. }),
+                ) => {
+                    tracing::warn!(
+                        peer = %peer.name(),
+                        error = %violation,
+                        "unexpected completion ignored"
+                    );
+                }
+                Err(violation) => {
                     if req.outcome.is_none() {
-                        let error = RequestError::Piece {
+                        let error = RequestError::Protocol {
                             request: c.request,
                             peer: peer.name(),
-                            sender: c.sender_rank,
-                            receiver: c.receiver_rank,
-                            piece: c.piece,
-                            reason: reason.clone(),
+                            source: violation,
                         };
                         fail_request(c.request, req, error);
+                    } else {
+                        tracing::warn!(peer = %peer.name(), error = %violation, "protocol violation after the request ended");
                     }
                 }
             }
@@ -917,8 +954,14 @@ impl GenerationServer {
 }
 
 fn complete(id: u64, req: &mut GenRequest) {
-    req.stats.latency_us = req.started.elapsed().as_micros() as u64;
-    let stats = req.stats.clone();
+    let totals = req.tracker.totals();
+    let stats = RequestStats {
+        bytes: totals.bytes,
+        fragments: totals.fragments,
+        writers: totals.writers,
+        pieces: totals.pieces,
+        latency_us: req.started.elapsed().as_micros() as u64,
+    };
     tracing::debug!(
         request = id,
         bytes = stats.bytes,
@@ -932,6 +975,7 @@ fn complete(id: u64, req: &mut GenRequest) {
 }
 
 fn fail_request(id: u64, req: &mut GenRequest, error: RequestError) {
+    req.tracker.fail();
     tracing::warn!(request = id, error = %kvferry_plan::error_chain(&error), "request failed");
     req.outcome = Some(Err(error.clone()));
     if let Some(on_done) = req.on_done.take() {

@@ -28,7 +28,8 @@ use kvferry_planner_abi::{PairRequest, PlanError, RankInfo, SlotTable};
 
 use kvferry_plan::{PlanFailure, RequestSide, ValidatedPlan, error_chain, plan_transfer};
 use kvferry_protocol::{
-    Completion, CompletionStatus, InstanceInfo, PeerMessage, RequestData, Role,
+    AcceptEvent, Acceptor, Completion, CompletionStatus, InstanceInfo, PeerMessage, RequestData,
+    Role, SessionError,
 };
 
 use crate::conn::Flow;
@@ -295,9 +296,10 @@ pub struct ContextServer {
     state: Mutex<State>,
 }
 
-/// What one connection to a context server has registered.
+/// One connection to a context server: where its protocol stands and what it registered.
 #[derive(Debug, Default)]
 pub struct ContextSession {
+    protocol: Acceptor,
     peer: Option<Arc<GenPeer>>,
 }
 
@@ -343,35 +345,43 @@ impl ContextServer {
         outbox: &Outbox,
         message: PeerMessage,
     ) -> Flow {
-        match message {
-            PeerMessage::InstanceInfoRequest => {
+        let event = match session.protocol.receive(message) {
+            Ok(Some(event)) => event,
+            Ok(None) => return Flow::Continue,
+            Err(SessionError::PeerError { message }) => {
+                tracing::info!(%message, "generation peer reported an error and closed");
+                return Flow::Close;
+            }
+            Err(e) => return Flow::Refuse(e.to_string()),
+        };
+        match event {
+            AcceptEvent::InfoRequested => {
                 let _ = outbox.send(PeerMessage::InstanceInfo(self.info.clone()));
                 Flow::Continue
             }
-            PeerMessage::Register(info) => {
-                let reply = match self.register(info, outbox) {
-                    Ok(peer) => {
-                        if let Some(old) = session.peer.replace(Arc::clone(&peer)) {
-                            self.unregister(&old);
+            AcceptEvent::Register(info) => {
+                let reply = match self.register(*info, outbox) {
+                    Ok(peer) => match session.protocol.accept(self.instance.name()) {
+                        Ok(reply) => {
+                            if let Some(old) = session.peer.replace(Arc::clone(&peer)) {
+                                self.unregister(&old);
+                            }
+                            reply
                         }
-                        PeerMessage::Registered {
-                            instance: self.instance.name().to_string(),
-                        }
-                    }
+                        Err(e) => return Flow::Refuse(e.to_string()),
+                    },
                     Err(e) => {
                         tracing::info!(reason = %error_chain(&e), "refused a generation peer");
-                        PeerMessage::Refused {
-                            reason: error_chain(&e),
-                        }
+                        session.protocol.refuse(error_chain(&e))
                     }
                 };
                 let refused = matches!(reply, PeerMessage::Refused { .. });
                 let _ = outbox.send(reply);
                 if refused { Flow::Close } else { Flow::Continue }
             }
-            PeerMessage::RequestData(data) => match &session.peer {
+            AcceptEvent::RequestData(data) => match &session.peer {
                 Some(peer) => {
-                    self.request_data(peer, data);
+                    self.request_data(peer, *data);
                     Flow::Continue
                 }
                 None => Flow::Refuse(format!(
@@ -379,16 +389,12 @@ impl ContextServer {
                     data.request
                 )),
             },
-            PeerMessage::Cancel { request, reason } => {
+            AcceptEvent::Cancel { request, reason } => {
                 if let Some(peer) = &session.peer {
                     self.cancel(peer, request, &reason);
                 }
                 Flow::Continue
             }
-            other => Flow::Refuse(format!(
-                "{} is not a message a context server accepts",
-                kvferry_protocol::Frame::kind(&other)
-            )),
         }
     }
 

@@ -1,0 +1,535 @@
+//! The peer protocol run between a simulated generation instance and a simulated context
+//! server, with no sockets: every message goes through the frame codec as bytes, each side
+//! drives its state machine, and the generation side tracks each request's completions.
+
+use kvferry_planner_abi::{Mapping, TokenRange};
+use kvferry_protocol::{
+    AcceptEvent, AcceptState, Acceptor, Completion, CompletionStatus, DialEvent, DialState, Dialer,
+    Frame, HEADER_LEN, InstanceInfo, PeerMessage, Phase, RankDescriptor, RequestData,
+    RequestTracker, Role, SessionError, Totals, Tracked, Violation, decode_body, encode,
+    parse_header,
+};
+use kvferry_testkit::builder::{Deploy, Model};
+
+/// One message across the "wire": encoded, header checked, body decoded.
+fn wire(message: &PeerMessage) -> PeerMessage {
+    let frame = encode(message).expect("encodes");
+    let header: [u8; HEADER_LEN] = frame[..HEADER_LEN].try_into().unwrap();
+    let len = parse_header::<PeerMessage>(&header).expect("header");
+    assert_eq!(len, frame.len() - HEADER_LEN);
+    decode_body(&frame[HEADER_LEN..]).expect("body")
+}
+
+fn instance(name: &str, role: Role, ranks: u32) -> InstanceInfo {
+    let model = Model::gqa(2, 8, 64, 16);
+    let mapping: Mapping = format!("tp{ranks}").parse().unwrap();
+    let deploy = Deploy::new(name, 1, mapping, &model);
+    InstanceInfo {
+        instance_name: name.into(),
+        role,
+        planner_id: "kvferry.default".into(),
+        describer_id: "kvferry.default.describer".into(),
+        planner_version: "0.1.0".into(),
+        label: format!("test tp{ranks}"),
+        ranks: (0..ranks)
+            .map(|r| RankDescriptor {
+                info: deploy.rank(&model, r),
+                worker_address: vec![r as u8; 8],
+                pools: Vec::new(),
+            })
+            .collect(),
+    }
+}
+
+fn request_data(request: u64, receiver: &str, receiver_rank: u32, sender_rank: u32) -> RequestData {
+    RequestData {
+        request,
+        receiver_instance: receiver.into(),
+        receiver_rank,
+        sender_rank,
+        slot_tables: Vec::new(),
+        token_range: TokenRange { start: 0, end: 100 },
+        prompt_len: 100,
+        dst_start_token: None,
+        excluded_views: Vec::new(),
+    }
+}
+
+fn ok(request: u64, pair: (u32, u32), piece: u32, is_last: bool, bytes: u64) -> Completion {
+    Completion {
+        request,
+        sender_rank: pair.0,
+        receiver_rank: pair.1,
+        piece,
+        is_last,
+        bytes,
+        fragments: 1,
+        status: CompletionStatus::Ok,
+    }
+}
+
+fn failed(request: u64, pair: (u32, u32), piece: u32, is_last: bool) -> Completion {
+    Completion {
+        status: CompletionStatus::Failed("flush failed".into()),
+        bytes: 0,
+        fragments: 0,
+        ..ok(request, pair, piece, is_last, 0)
+    }
+}
+
+/// Runs the handshake; returns both sides registered.
+fn handshake(ctx: &InstanceInfo, gen_info: &InstanceInfo) -> (Dialer, Acceptor) {
+    let (mut dialer, first) = Dialer::new();
+    let mut acceptor = Acceptor::new();
+    assert_eq!(
+        acceptor.receive(wire(&first)).unwrap(),
+        Some(AcceptEvent::InfoRequested)
+    );
+    let answer = PeerMessage::InstanceInfo(ctx.clone());
+    match dialer.receive(wire(&answer)).unwrap() {
+        DialEvent::Info(info) => assert_eq!(*info, *ctx),
+        other => panic!("expected Info, got {other:?}"),
+    }
+    assert_eq!(dialer.state(), &DialState::Vetting);
+    let register = dialer.register(gen_info.clone()).unwrap();
+    match acceptor.receive(wire(&register)).unwrap() {
+        Some(AcceptEvent::Register(info)) => assert_eq!(*info, *gen_info),
+        other => panic!("expected Register, got {other:?}"),
+    }
+    let verdict = acceptor.accept(&ctx.instance_name).unwrap();
+    assert_eq!(
+        dialer.receive(wire(&verdict)).unwrap(),
+        DialEvent::Registered {
+            instance: ctx.instance_name.clone()
+        }
+    );
+    assert_eq!(dialer.state(), &DialState::Ready);
+    assert_eq!(acceptor.registered(), Some(gen_info.instance_name.as_str()));
+    (dialer, acceptor)
+}
+
+#[test]
+fn a_chunked_request_between_two_tp2_instances_completes_once() {
+    let ctx = instance("ctx", Role::Context, 2);
+    let gen_info = instance("gen", Role::Generation, 2);
+    let (mut dialer, mut acceptor) = handshake(&ctx, &gen_info);
+
+    // The generation side asks both context ranks for both of its ranks' bytes, in 3 pieces.
+    let pairs = [(0, 0), (1, 0), (0, 1), (1, 1)];
+    let mut tracker = RequestTracker::new(7, 3, pairs);
+    for &(c, g) in &pairs {
+        let msg = PeerMessage::RequestData(request_data(7, "gen", g, c));
+        match acceptor.receive(wire(&msg)).unwrap() {
+            Some(AcceptEvent::RequestData(d)) => {
+                assert_eq!((d.sender_rank, d.receiver_rank), (c, g));
+            }
+            other => panic!("expected RequestData, got {other:?}"),
+        }
+    }
+
+    // The context side answers each pair in piece order; pairs interleave.
+    let mut events = Vec::new();
+    for piece in 0..3 {
+        for &pair in pairs.iter().rev() {
+            let msg = PeerMessage::Completion(ok(7, pair, piece, piece == 2, 1000));
+            let DialEvent::Completion(c) = dialer.receive(wire(&msg)).unwrap() else {
+                panic!("expected a completion");
+            };
+            events.push(tracker.on_completion(&c).unwrap());
+        }
+    }
+    let completed: Vec<usize> = events
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| matches!(e, Tracked::Completed(_)))
+        .map(|(i, _)| i)
+        .collect();
+    assert_eq!(
+        completed,
+        vec![11],
+        "completes exactly at the last completion"
+    );
+    assert_eq!(
+        events[11],
+        Tracked::Completed(Totals {
+            bytes: 12_000,
+            fragments: 12,
+            pieces: 12,
+            writers: 4
+        })
+    );
+    assert_eq!(tracker.phase(), &Phase::Completed);
+    assert!(tracker.quiescent());
+    assert_eq!(tracker.missing().count(), 0);
+}
+
+#[test]
+fn every_interleaving_of_ordered_pieces_completes_at_the_last_one() {
+    // A small xorshift: shuffles of 3 pairs x 4 pieces that keep each pair's order.
+    let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    let pairs = [(0, 0), (1, 0), (2, 0)];
+    for _ in 0..200 {
+        let mut cursors = [0u32; 3];
+        let mut tracker = RequestTracker::new(1, 4, pairs);
+        for step in 0..12 {
+            let open: Vec<usize> = (0..3).filter(|&i| cursors[i] < 4).collect();
+            let i = open[(next() % open.len() as u64) as usize];
+            let piece = cursors[i];
+            cursors[i] += 1;
+            let event = tracker
+                .on_completion(&ok(1, pairs[i], piece, piece == 3, 10))
+                .unwrap();
+            if step == 11 {
+                assert!(matches!(event, Tracked::Completed(t) if t.bytes == 120));
+            } else {
+                assert_eq!(event, Tracked::Progress);
+                assert!(!tracker.quiescent());
+            }
+        }
+    }
+}
+
+#[test]
+fn a_refused_registration_closes_both_sessions() {
+    let ctx = instance("ctx", Role::Context, 1);
+    let gen_info = instance("gen", Role::Generation, 1);
+    let (mut dialer, first) = Dialer::new();
+    let mut acceptor = Acceptor::new();
+    acceptor.receive(wire(&first)).unwrap();
+    dialer
+        .receive(wire(&PeerMessage::InstanceInfo(ctx)))
+        .unwrap();
+    let register = dialer.register(gen_info).unwrap();
+    acceptor.receive(wire(&register)).unwrap();
+    let verdict = acceptor.refuse("planner ids differ".into());
+    assert_eq!(acceptor.state(), &AcceptState::Closed);
+    assert_eq!(
+        dialer.receive(wire(&verdict)).unwrap(),
+        DialEvent::Refused {
+            reason: "planner ids differ".into()
+        }
+    );
+    assert_eq!(dialer.state(), &DialState::Closed);
+    // Nothing more is accepted on either side.
+    let late = PeerMessage::Completion(ok(1, (0, 0), 0, true, 1));
+    assert!(dialer.receive(wire(&late)).is_err());
+    let data = PeerMessage::RequestData(request_data(1, "gen", 0, 0));
+    assert!(acceptor.receive(wire(&data)).is_err());
+}
+
+#[test]
+fn request_data_before_register_is_refused_by_name() {
+    let mut acceptor = Acceptor::new();
+    let data = PeerMessage::RequestData(request_data(3, "gen", 0, 0));
+    let err = acceptor.receive(wire(&data)).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "RequestData is not expected by a context session before Register"
+    );
+    assert_eq!(acceptor.state(), &AcceptState::Closed);
+}
+
+#[test]
+fn a_cancel_before_register_is_ignored_and_after_is_delivered() {
+    let ctx = instance("ctx", Role::Context, 1);
+    let gen_info = instance("gen", Role::Generation, 1);
+    let mut early = Acceptor::new();
+    let cancel = PeerMessage::Cancel {
+        request: 5,
+        reason: "timed out".into(),
+    };
+    assert_eq!(early.receive(wire(&cancel)).unwrap(), None);
+    assert_eq!(early.state(), &AcceptState::Open);
+
+    let (_dialer, mut acceptor) = handshake(&ctx, &gen_info);
+    assert_eq!(
+        acceptor.receive(wire(&cancel)).unwrap(),
+        Some(AcceptEvent::Cancel {
+            request: 5,
+            reason: "timed out".into()
+        })
+    );
+}
+
+#[test]
+fn request_data_for_another_receiver_or_a_missing_rank_is_refused() {
+    let ctx = instance("ctx", Role::Context, 1);
+    let gen_info = instance("gen", Role::Generation, 2);
+    let (_d, mut acceptor) = handshake(&ctx, &gen_info);
+    let other = PeerMessage::RequestData(request_data(4, "someone-else", 0, 0));
+    let err = acceptor.receive(wire(&other)).unwrap_err();
+    assert!(
+        matches!(err, SessionError::WrongReceiver { request: 4, .. }),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("instance someone-else rank 0"),
+        "{err}"
+    );
+
+    let (_d, mut acceptor) = handshake(&ctx, &gen_info);
+    let missing = PeerMessage::RequestData(request_data(4, "gen", 2, 0));
+    let err = acceptor.receive(wire(&missing)).unwrap_err();
+    assert!(
+        err.to_string().contains("instance gen with 2 rank(s)"),
+        "{err}"
+    );
+}
+
+#[test]
+fn re_registering_on_one_connection_replaces_the_first() {
+    let ctx = instance("ctx", Role::Context, 1);
+    let gen_info = instance("gen", Role::Generation, 1);
+    let (_d, mut acceptor) = handshake(&ctx, &gen_info);
+    let again = instance("gen-2", Role::Generation, 1);
+    acceptor
+        .receive(wire(&PeerMessage::Register(again)))
+        .unwrap();
+    acceptor.accept("ctx").unwrap();
+    assert_eq!(acceptor.registered(), Some("gen-2"));
+}
+
+#[test]
+fn messages_out_of_order_on_the_generation_side_close_it() {
+    // A completion before the registration verdict.
+    let ctx = instance("ctx", Role::Context, 1);
+    let (mut dialer, _) = Dialer::new();
+    let early = PeerMessage::Completion(ok(1, (0, 0), 0, true, 1));
+    let err = dialer.receive(wire(&early)).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "Completion is not expected by a generation session waiting for InstanceInfo"
+    );
+    assert_eq!(dialer.state(), &DialState::Closed);
+
+    // Register before the peer was described.
+    let (mut dialer, _) = Dialer::new();
+    assert!(
+        dialer
+            .register(instance("gen", Role::Generation, 1))
+            .is_err()
+    );
+
+    // A peer that says it is a generation instance.
+    let (mut dialer, _) = Dialer::new();
+    let wrong = PeerMessage::InstanceInfo(instance("gen-too", Role::Generation, 1));
+    let err = dialer.receive(wire(&wrong)).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "the peer gen-too is a generation instance; a context instance was expected"
+    );
+
+    // A message only a generation instance sends.
+    let (mut dialer, _) = Dialer::new();
+    dialer
+        .receive(wire(&PeerMessage::InstanceInfo(ctx)))
+        .unwrap();
+    dialer
+        .register(instance("gen", Role::Generation, 1))
+        .unwrap();
+    let err = dialer
+        .receive(wire(&PeerMessage::InstanceInfoRequest))
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("waiting for the registration verdict"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_peer_error_ends_the_session_with_its_text() {
+    let (mut dialer, _) = Dialer::new();
+    let err = dialer
+        .receive(wire(&PeerMessage::Error {
+            message: "bad frame".into(),
+        }))
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "the peer reported an error and closed: bad frame"
+    );
+    let mut acceptor = Acceptor::new();
+    let register_ctx = PeerMessage::Register(instance("ctx", Role::Context, 1));
+    let err = acceptor.receive(wire(&register_ctx)).unwrap_err();
+    assert!(matches!(err, SessionError::Role { .. }), "{err}");
+}
+
+#[test]
+fn a_failed_piece_fails_the_request_but_its_slots_wait_for_every_last_piece() {
+    let pairs = [(0, 0), (1, 0)];
+    let mut t = RequestTracker::new(9, 2, pairs);
+    assert_eq!(
+        t.on_completion(&ok(9, (0, 0), 0, false, 5)).unwrap(),
+        Tracked::Progress
+    );
+    match t.on_completion(&failed(9, (1, 0), 0, false)).unwrap() {
+        Tracked::Failed(f) => {
+            assert_eq!((f.sender, f.receiver, f.piece), (1, 0, 0));
+            assert_eq!(f.reason, "flush failed");
+        }
+        other => panic!("expected Failed, got {other:?}"),
+    }
+    assert_eq!(t.phase(), &Phase::Failed);
+    assert!(!t.quiescent(), "both writers still have a piece to report");
+    assert_eq!(
+        t.on_completion(&ok(9, (0, 0), 1, true, 5)).unwrap(),
+        Tracked::Late
+    );
+    assert!(!t.quiescent());
+    assert_eq!(
+        t.on_completion(&ok(9, (1, 0), 1, true, 5)).unwrap(),
+        Tracked::Late
+    );
+    assert!(t.quiescent());
+    assert_eq!(
+        t.totals().bytes,
+        5,
+        "bytes after the failure are not counted"
+    );
+}
+
+#[test]
+fn a_plan_failure_may_report_at_a_later_piece_as_the_last() {
+    let mut t = RequestTracker::new(2, 4, [(0, 0)]);
+    assert!(matches!(
+        t.on_completion(&failed(2, (0, 0), 2, true)).unwrap(),
+        Tracked::Failed(_)
+    ));
+    assert!(t.quiescent());
+}
+
+#[test]
+fn failing_from_outside_keeps_the_slots_until_every_writer_is_done() {
+    let mut t = RequestTracker::new(3, 1, [(0, 0), (0, 1)]);
+    assert!(t.fail());
+    assert!(!t.fail(), "failing twice reports nothing new");
+    assert_eq!(t.phase(), &Phase::Failed);
+    assert_eq!(
+        t.on_completion(&ok(3, (0, 0), 0, true, 8)).unwrap(),
+        Tracked::Late
+    );
+    assert!(!t.quiescent());
+    assert_eq!(t.missing().collect::<Vec<_>>(), vec![(0, 1)]);
+    assert_eq!(
+        t.on_completion(&ok(3, (0, 1), 0, true, 8)).unwrap(),
+        Tracked::Late
+    );
+    assert!(t.quiescent());
+}
+
+#[test]
+fn a_request_nobody_writes_is_complete_and_quiescent_at_once() {
+    let t = RequestTracker::new(4, 1, []);
+    assert_eq!(t.phase(), &Phase::Completed);
+    assert!(t.quiescent());
+}
+
+#[test]
+fn hostile_completions_are_violations_named_by_request_pair_and_piece() {
+    let fresh = || RequestTracker::new(11, 2, [(0, 0), (1, 0)]);
+    let cases: Vec<(Vec<Completion>, &str)> = vec![
+        (
+            vec![ok(12, (0, 0), 0, false, 1)],
+            "completion for request 12 fed to request 11",
+        ),
+        (
+            vec![ok(11, (5, 0), 0, false, 1)],
+            "ctx rank 5 -> gen rank 0 was not asked to write request 11",
+        ),
+        (
+            vec![ok(11, (0, 0), 2, true, 1)],
+            "request 11: ctx rank 0 -> gen rank 0 reports piece 2, but the request has 2 piece(s)",
+        ),
+        (
+            vec![ok(11, (0, 0), 1, true, 1)],
+            "request 11: ctx rank 0 -> gen rank 0 reports piece 1 where piece 0 is next",
+        ),
+        (
+            vec![ok(11, (0, 0), 0, false, 1), ok(11, (0, 0), 0, false, 1)],
+            "request 11: ctx rank 0 -> gen rank 0 reports piece 0 where piece 1 is next",
+        ),
+        (
+            vec![ok(11, (0, 0), 0, true, 1)],
+            "request 11: ctx rank 0 -> gen rank 0 piece 0 of 2 is marked last",
+        ),
+        (
+            vec![ok(11, (0, 0), 0, false, 1), ok(11, (0, 0), 1, false, 1)],
+            "request 11: ctx rank 0 -> gen rank 0 piece 1 of 2 is not marked last",
+        ),
+        (
+            vec![
+                ok(11, (0, 0), 0, false, 1),
+                ok(11, (0, 0), 1, true, 1),
+                ok(11, (0, 0), 1, true, 1),
+            ],
+            "request 11: ctx rank 0 -> gen rank 0 reports piece 1 after its last",
+        ),
+    ];
+    for (completions, expected) in cases {
+        let mut t = fresh();
+        let (last, before) = completions.split_last().unwrap();
+        for c in before {
+            t.on_completion(c).unwrap();
+        }
+        let v: Violation = t.on_completion(last).unwrap_err();
+        assert_eq!(v.to_string(), expected);
+        if !matches!(
+            v,
+            Violation::OtherRequest { .. } | Violation::UnknownPair { .. }
+        ) {
+            assert_eq!(t.phase(), &Phase::Failed, "{expected}: the request fails");
+        }
+        assert!(
+            !t.quiescent(),
+            "{expected}: a broken writer does not free the slots"
+        );
+    }
+}
+
+#[test]
+fn hostile_byte_flips_never_panic_either_side() {
+    let ctx = instance("ctx", Role::Context, 1);
+    let gen_info = instance("gen", Role::Generation, 1);
+    let messages = [
+        PeerMessage::InstanceInfoRequest,
+        PeerMessage::Register(gen_info.clone()),
+        PeerMessage::RequestData(request_data(1, "gen", 0, 0)),
+        PeerMessage::InstanceInfo(ctx.clone()),
+        PeerMessage::Completion(ok(1, (0, 0), 0, true, 3)),
+    ];
+    let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    for message in &messages {
+        let frame = encode(message).unwrap();
+        for _ in 0..300 {
+            let mut body = frame[HEADER_LEN..].to_vec();
+            for _ in 0..1 + next() % 4 {
+                let at = (next() % body.len() as u64) as usize;
+                body[at] ^= 1 << (next() % 8);
+            }
+            // Either an error naming the problem, or some well-formed message, which each
+            // state machine then accepts or refuses without panicking.
+            if let Ok(m) = decode_body::<PeerMessage>(&body) {
+                let _ = m.kind();
+                let (_, mut acceptor) = handshake(&ctx, &gen_info);
+                let _ = acceptor.receive(m.clone());
+                let (mut dialer, _) = handshake(&ctx, &gen_info);
+                if let Ok(DialEvent::Completion(c)) = dialer.receive(m) {
+                    let _ = RequestTracker::new(1, 1, [(0, 0)]).on_completion(&c);
+                }
+            }
+        }
+    }
+}
