@@ -263,6 +263,8 @@ pub trait WriteHook: Send + Sync + std::fmt::Debug {
 
 /// One piece of one request for one receiver rank.
 pub struct WriteJob {
+    /// The request the plan belongs to (for logs).
+    pub request: u64,
     /// Where to write.
     pub dest: Arc<RemoteRank>,
     /// What to write.
@@ -443,9 +445,11 @@ pub enum SpawnError {
 }
 
 fn run(rank: u32, worker: Worker, pools: &RankPools, rx: Receiver<Command>) {
+    // Every event of this thread carries its rank.
+    let _span = tracing::info_span!("rank", rank).entered();
     // Device pools: UCX's CUDA transports move them from this thread, in the device's context.
     if let Err(error) = pools.bind_device_to_thread() {
-        tracing::warn!(rank, %error, "cannot make the pools' cuda context current");
+        tracing::warn!(%error, "cannot make the pools' cuda context current");
     }
     // Dropped before `worker`: its `Drop` abandons what is still quarantined, then its
     // connections close their endpoints; the UCX worker goes with the last handle on it.
@@ -490,7 +494,7 @@ fn run(rank: u32, worker: Worker, pools: &RankPools, rx: Receiver<Command>) {
             Command::Replay(mut job) => {
                 let result = exec.replay(&mut job);
                 if let Err(e) = &result {
-                    tracing::warn!(rank, error = %kvferry_plan::error_chain(&e), "replay failed");
+                    tracing::warn!(error = %kvferry_plan::error_chain(&e), "replay failed");
                 }
                 (job.done)(result);
             }
@@ -588,7 +592,7 @@ impl<'a> Executor<'a> {
                     })
             })
             .collect::<Result<Vec<_>, _>>()?;
-        tracing::debug!(rank = self.rank, peer = %dest.instance, peer_rank = dest.rank, "connected");
+        tracing::debug!(peer = %dest.instance, peer_rank = dest.rank, "connected");
         Ok(slot.insert(Conn {
             ep,
             keys: Rc::from(keys),
@@ -619,17 +623,15 @@ impl<'a> Executor<'a> {
             drop(keys);
             match ep.close(FORGET_CLOSE_TIMEOUT) {
                 Ok(()) => {
-                    tracing::debug!(rank = self.rank, peer, peer_rank = key.1, "endpoint closed")
+                    tracing::debug!(peer, peer_rank = key.1, "endpoint closed")
                 }
                 Err(e) if e.status() == Status::BUSY => tracing::debug!(
-                    rank = self.rank,
                     peer,
                     peer_rank = key.1,
                     "endpoint closes once its quarantined puts have drained"
                 ),
                 Err(e) => tracing::debug!(
-                    rank = self.rank,
-                    peer,
+                                        peer,
                     peer_rank = key.1,
                     error = %e,
                     status = %e.status(),
@@ -691,8 +693,7 @@ impl<'a> Executor<'a> {
     /// once they have all finished.
     fn quarantine(&mut self, window: PutWindow<'a>, dest: &RemoteRank, on_drain: OnDrain) {
         tracing::warn!(
-            rank = self.rank,
-            peer = %dest.instance,
+                        peer = %dest.instance,
             peer_rank = dest.rank,
             puts = window.in_flight(),
             "quarantining a window with operations in flight"
@@ -711,6 +712,13 @@ impl<'a> Executor<'a> {
     /// when it gave up with puts in flight, quarantines them and reports only once they have
     /// drained, so the receiver hears of the failure only when no more of its bytes can land.
     fn execute(&mut self, mut job: WriteJob) {
+        let _span = tracing::debug_span!(
+            "write",
+            request = job.request,
+            peer = %job.dest.instance,
+            peer_rank = job.dest.rank
+        )
+        .entered();
         let release = job.release.take();
         let (result, stuck) = self.write(&job);
         let behind = matches!(result, Err(WriteError::Stuck { .. }));
@@ -720,7 +728,7 @@ impl<'a> Executor<'a> {
             } else {
                 "now"
             };
-            tracing::warn!(rank = self.rank, error = %kvferry_plan::error_chain(&e), reported, "write job failed");
+            tracing::warn!(error = %kvferry_plan::error_chain(&e), reported, "write job failed");
         }
         let done = job.done;
         let report = move || {

@@ -392,6 +392,7 @@ impl GenerationServer {
     /// is not taken (and `on_done` is not called).
     pub fn expect(self: &Arc<Self>, expect: Expect, on_done: OnDone) -> Result<(), RequestError> {
         let id = expect.request;
+        let _span = tracing::debug_span!("expect", request = id, peer = %expect.peer).entered();
         let invalid = |reason: String| RequestError::Invalid {
             request: id,
             reason,
@@ -525,7 +526,7 @@ impl GenerationServer {
                 return Ok(());
             }
         }
-        tracing::debug!(request = id, peer = %peer.info.instance_name, writers, "requesting data");
+        tracing::debug!(writers, "requesting data");
         for data in messages {
             if peer.outbox.send(PeerMessage::RequestData(data)).is_err() {
                 self.fail(
@@ -690,6 +691,9 @@ impl GenerationServer {
 
     /// Reads a peer's completions until its connection ends, then fails what waits on it.
     fn read_peer(&self, peer: &Arc<CtxPeer>, mut session: Dialer, stream: TcpStream) {
+        let _span =
+            tracing::info_span!("ctx_peer", peer = %peer.info.instance_name, addr = %peer.addr)
+                .entered();
         let mut reader = std::io::BufReader::new(stream);
         let why = loop {
             let message = match read_frame(&mut reader) {
@@ -723,25 +727,30 @@ impl GenerationServer {
         peer.alive.store(false, Ordering::Release);
         let failed = self.peer_lost(peer, &why);
         if failed > 0 {
-            tracing::warn!(peer = %peer.info.instance_name, reason = %why, failed, "context peer lost");
+            tracing::warn!(reason = %why, failed, "context peer lost");
         } else {
-            tracing::info!(peer = %peer.info.instance_name, reason = %why, "context peer gone");
+            tracing::info!(reason = %why, "context peer gone");
         }
     }
 
     fn completion(&self, peer: &CtxPeer, c: Completion) {
+        let _span = tracing::debug_span!(
+            "completion",
+            request = c.request,
+            sender = c.sender_rank,
+            receiver = c.receiver_rank,
+            piece = c.piece
+        )
+        .entered();
         let mut release = None;
         {
             let mut state = self.lock();
             let Some(req) = state.requests.get_mut(&c.request) else {
-                tracing::debug!(request = c.request, "completion for an unknown request");
+                tracing::debug!("completion for an unknown request");
                 return;
             };
             if req.peer.id != peer.id {
-                tracing::warn!(
-                    request = c.request,
-                    "completion from a peer that does not serve this request ignored"
-                );
+                tracing::warn!("completion from a peer that does not serve this request ignored");
                 return;
             }
             match req.tracker.on_completion(&c) {
@@ -761,11 +770,7 @@ impl GenerationServer {
                 Err(
                     violation @ (Violation::UnknownPair { .. } | Violation::OtherRequest { .. }),
                 ) => {
-                    tracing::warn!(
-                        peer = %peer.name(),
-                        error = %violation,
-                        "unexpected completion ignored"
-                    );
+                    tracing::warn!(error = %violation, "unexpected completion ignored");
                 }
                 Err(violation) => {
                     if req.outcome.is_none() {
@@ -776,7 +781,7 @@ impl GenerationServer {
                         };
                         fail_request(c.request, req, error);
                     } else {
-                        tracing::warn!(peer = %peer.name(), error = %violation, "protocol violation after the request ended");
+                        tracing::warn!(error = %violation, "protocol violation after the request ended");
                     }
                 }
             }

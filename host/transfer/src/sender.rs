@@ -624,6 +624,14 @@ impl ContextServer {
     /// the writes; any failure is reported to the receiver as a failed last piece.
     fn serve(self: &Arc<Self>, peer: &Arc<GenPeer>, data: RequestData) {
         let (c, g) = (data.sender_rank, data.receiver_rank);
+        let _span = tracing::debug_span!(
+            "serve",
+            request = data.request,
+            peer = %peer.instance,
+            sender = c,
+            receiver = g
+        )
+        .entered();
         let plans = self.plan_pair(peer, &data).and_then(|plans| {
             match (self.instance.rank(c), peer.ranks.get(g as usize)) {
                 (Some(rank), Some(dest)) => Ok((plans, rank, dest)),
@@ -637,7 +645,7 @@ impl ContextServer {
         let (plans, rank, dest) = match plans {
             Ok(p) => p,
             Err(e) => {
-                tracing::warn!(request = data.request, sender = c, receiver = g, error = %error_chain(&e), "cannot serve");
+                tracing::warn!(error = %error_chain(&e), "cannot serve");
                 let _ = peer.outbox.send(PeerMessage::Completion(Completion {
                     request: data.request,
                     sender_rank: c,
@@ -672,6 +680,7 @@ impl ContextServer {
             let request = data.request;
             let is_last = k + 1 == count;
             rank.thread.write(WriteJob {
+                request,
                 dest: Arc::clone(dest),
                 plan,
                 timeout: self.timeout,
@@ -697,13 +706,7 @@ impl ContextServer {
                 release: Some(Box::new(move || releasing.job_done(request))),
             });
         }
-        tracing::debug!(
-            request = data.request,
-            sender = c,
-            receiver = g,
-            pieces = count,
-            "queued"
-        );
+        tracing::debug!(pieces = count, "queued");
     }
 
     /// The validated plans of every piece for one pair.
