@@ -295,11 +295,11 @@ pub fn serve_args(
             "--role",
             role,
             "--model",
-            pair.model.preset.name(),
+            pair.model.preset.as_ref(),
             "--deployment",
             spec,
             "--dtype",
-            pair.model.dtype.name(),
+            pair.model.dtype.as_ref(),
         ]
         .map(String::from),
     );
@@ -311,9 +311,9 @@ pub fn serve_args(
         "--control".to_string(),
         "127.0.0.1:0".to_string(),
         "--transport".to_string(),
-        pair.transport.name().to_string(),
+        pair.transport.to_string(),
         "--memory".to_string(),
-        pair.memory.name().to_string(),
+        pair.memory.to_string(),
         "--slots".to_string(),
         slots.to_string(),
         "--state-slots".to_string(),
@@ -542,8 +542,8 @@ pub fn run(config: &DemoConfig) -> Result<DemoReport, DemoError> {
         model: config.pair.model.to_string(),
         ctx: config.pair.ctx_spec.clone(),
         r#gen: config.pair.gen_spec.clone(),
-        transport: config.pair.transport.name().to_string(),
-        memory: config.pair.memory.name().to_string(),
+        transport: config.pair.transport.to_string(),
+        memory: config.pair.memory.to_string(),
         requests: config.requests,
         ..DemoReport::default()
     };

@@ -624,7 +624,7 @@ fn conform(
                 };
                 json!({
                     "name": c.name,
-                    "model": c.preset.name(),
+                    "model": c.preset.as_ref(),
                     "ctx": c.ctx.to_string(),
                     "gen": c.r#gen.to_string(),
                     "fragments": c.fragments,
@@ -768,8 +768,8 @@ fn plan(host: &Host, a: PlanArgs) -> Result<ExitCode> {
             "planner": ctx_bound.id(),
             "planner_version": ctx_bound.version(),
             "planner_path": ctx_bound.path(),
-            "model": a.model.preset.name(),
-            "dtype": a.model.dtype.name(),
+            "model": a.model.preset.as_ref(),
+            "dtype": a.model.dtype.as_ref(),
             "tokens_per_block": a.model.tokens_per_block,
             "ctx": a.ctx.to_string(),
             "gen": a.r#gen.to_string(),

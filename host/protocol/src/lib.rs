@@ -130,41 +130,46 @@ impl WireError {
     }
 }
 
-/// Which side of a transfer an instance is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+/// Which side of a transfer an instance is: `context` (alias `ctx`) or `generation` (alias
+/// `gen`) on the command line.
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    Hash,
+    Serialize,
+    Deserialize,
+    strum::AsRefStr,
+    strum::Display,
+    strum::EnumString,
+    strum::VariantNames,
+)]
+#[strum(parse_err_ty = String, parse_err_fn = unknown_role)]
 pub enum Role {
     /// The prefill server: it owns the source cache and writes.
+    #[strum(to_string = "context", serialize = "ctx")]
     Context,
     /// The decode server: it owns the destination cache and receives.
+    #[strum(to_string = "generation", serialize = "gen")]
     Generation,
 }
 
-impl Role {
-    /// `context` or `generation`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Role::Context => "context",
-            Role::Generation => "generation",
-        }
-    }
+fn unknown_role(name: &str) -> String {
+    unknown_name::<Role>("role", name)
 }
 
-impl std::fmt::Display for Role {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl std::str::FromStr for Role {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "context" | "ctx" => Ok(Role::Context),
-            "generation" | "gen" => Ok(Role::Generation),
-            _ => Err(format!("unknown role `{s}` (known: context, generation)")),
-        }
-    }
+/// The error of parsing a name none of `T`'s variants answers to, listing those that do:
+/// ``unknown role `x` (known: context, generation)`` for `what` = `role`. The `FromStr` of
+/// [`Role`] and of `kvferry-transfer`'s `Transport` and `MemoryKind` report it (through
+/// `#[strum(parse_err_fn = ...)]`); the testkit, which does not depend on this crate, words
+/// its `LayoutError` for unknown presets and dtypes the same way.
+pub fn unknown_name<T: strum::VariantNames>(what: &str, name: &str) -> String {
+    format!(
+        "unknown {what} `{name}` (known: {})",
+        T::VARIANTS.join(", ")
+    )
 }
 
 /// One remotely writable pool of a rank: where it is and the key to write it.
@@ -476,5 +481,23 @@ mod tests {
             header::<PeerMessage>(MAX_FRAME_BYTES + 1),
             Err(WireError::Oversized { .. })
         ));
+    }
+
+    #[test]
+    fn roles_parse_by_name_and_alias_and_print_their_name() {
+        for (name, role) in [
+            ("context", Role::Context),
+            ("ctx", Role::Context),
+            ("generation", Role::Generation),
+            ("gen", Role::Generation),
+        ] {
+            assert_eq!(name.parse::<Role>(), Ok(role), "{name}");
+        }
+        assert_eq!(Role::Context.to_string(), "context");
+        assert_eq!(Role::Generation.as_ref(), "generation");
+        assert_eq!(
+            "Context".parse::<Role>(),
+            Err("unknown role `Context` (known: context, generation)".to_string())
+        );
     }
 }

@@ -27,6 +27,7 @@ use std::fmt;
 use kvferry_planner_abi::{Deployment, ErrorKind, Mapping, TokenRange};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use strum::IntoEnumIterator;
 
 use crate::conformance::{Case, PlannerUnderTest};
 use crate::layout::{ModelSpec, Preset};
@@ -127,7 +128,7 @@ pub fn model(preset: Preset) -> ModelSpec {
 pub fn matrix(seed: u64) -> Vec<Case> {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut out = Vec::new();
-    for preset in Preset::ALL {
+    for preset in Preset::iter() {
         let model = model(preset);
         let tpb = u64::from(model.tokens_per_block);
         for (ctx, r#gen) in topologies(preset) {
@@ -234,7 +235,7 @@ impl fmt::Display for CaseOutcome {
         write!(
             f,
             "{tag:<7} {:<22} {:>4}->{:<6} {:>8} fragments {:>11} bytes  {}",
-            self.preset.name(),
+            self.preset,
             self.ctx.to_string(),
             self.r#gen.to_string(),
             self.fragments,

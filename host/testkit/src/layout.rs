@@ -17,12 +17,12 @@
 //! (`local`) and model-wide (`global = first layer of the stage + local`).
 
 use std::fmt;
-use std::str::FromStr;
 
 use kvferry_planner_abi::ffi::{RString, RVec};
 use kvferry_planner_abi::{
     GroupKind, LayoutKind, LocalLayer, Mapping, PlanError, RankInfo, RoleLayout,
 };
+use strum::VariantNames;
 
 use crate::builder::{GroupSpec, ViewSpec, page_table, rank_info};
 pub use crate::builder::{PoolOptions, RankCoords, instance_rank, rank_coords};
@@ -32,12 +32,10 @@ pub use crate::builder::{PoolOptions, RankCoords, instance_rank, rank_coords};
 #[non_exhaustive]
 pub enum LayoutError {
     /// A preset name no preset answers to.
-    #[error(
-        "unknown model preset `{0}` (known: deepseek-v3, llama-3-70b, qwen3-next-80b-a3b, gpt-oss-120b)"
-    )]
+    #[error("unknown model preset `{0}` (known: {known})", known = Preset::VARIANTS.join(", "))]
     UnknownPreset(String),
     /// A dtype name other than `fp8` or `bf16`.
-    #[error("unknown kv dtype `{0}` (known: fp8, bf16)")]
+    #[error("unknown kv dtype `{0}` (known: {known})", known = Dtype::VARIANTS.join(", "))]
     UnknownDtype(String),
     /// A mapping with a zero size.
     #[error("mapping {mapping}: {what} must be at least 1")]
@@ -93,38 +91,42 @@ pub enum LayoutError {
     },
 }
 
-/// A model whose cache layout kvferry knows.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// A model whose cache layout kvferry knows, by its command-line name (e.g. `deepseek-v3`).
+/// `Preset::iter()` ([`strum::IntoEnumIterator`]) yields every preset in documentation order.
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    Hash,
+    strum::AsRefStr,
+    strum::Display,
+    strum::EnumIter,
+    strum::EnumString,
+    strum::VariantNames,
+)]
+#[strum(parse_err_ty = LayoutError, parse_err_fn = unknown_preset)]
 pub enum Preset {
     /// DeepSeek-V3 / R1: MLA latent cache, 61 layers.
+    #[strum(serialize = "deepseek-v3")]
     DeepseekV3,
     /// Llama-3-70B: GQA, 80 layers, 8 KV heads of 128.
+    #[strum(serialize = "llama-3-70b")]
     Llama3_70b,
     /// Qwen3-Next-80B-A3B: 12 full-attention layers and 36 Gated DeltaNet layers.
+    #[strum(serialize = "qwen3-next-80b-a3b")]
     Qwen3Next80bA3b,
     /// gpt-oss-120b: 36 layers alternating sliding-window (128) and full attention.
+    #[strum(serialize = "gpt-oss-120b")]
     GptOss120b,
 }
 
+fn unknown_preset(name: &str) -> LayoutError {
+    LayoutError::UnknownPreset(name.to_string())
+}
+
 impl Preset {
-    /// Every preset, in documentation order.
-    pub const ALL: [Preset; 4] = [
-        Preset::DeepseekV3,
-        Preset::Llama3_70b,
-        Preset::Qwen3Next80bA3b,
-        Preset::GptOss120b,
-    ];
-
-    /// The preset's command-line name, e.g. `deepseek-v3`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Preset::DeepseekV3 => "deepseek-v3",
-            Preset::Llama3_70b => "llama-3-70b",
-            Preset::Qwen3Next80bA3b => "qwen3-next-80b-a3b",
-            Preset::GptOss120b => "gpt-oss-120b",
-        }
-    }
-
     /// The architecture name of the model's config, as a [`kvferry_planner_abi::Deployment`]
     /// carries it.
     pub fn architecture(self) -> &'static str {
@@ -155,25 +157,24 @@ impl Preset {
     }
 }
 
-impl fmt::Display for Preset {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for Preset {
-    type Err = LayoutError;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Preset::ALL
-            .into_iter()
-            .find(|p| p.name() == s)
-            .ok_or_else(|| LayoutError::UnknownPreset(s.to_string()))
-    }
-}
-
-/// Element type of the attention KV cache.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// Element type of the attention KV cache: `fp8` or `bf16` on the command line.
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    Hash,
+    strum::AsRefStr,
+    strum::Display,
+    strum::EnumString,
+    strum::VariantNames,
+)]
+#[strum(
+    serialize_all = "lowercase",
+    parse_err_ty = LayoutError,
+    parse_err_fn = unknown_dtype
+)]
 pub enum Dtype {
     /// FP8 E4M3, one byte.
     Fp8,
@@ -181,15 +182,11 @@ pub enum Dtype {
     Bf16,
 }
 
-impl Dtype {
-    /// The command-line name: `fp8` or `bf16`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Dtype::Fp8 => "fp8",
-            Dtype::Bf16 => "bf16",
-        }
-    }
+fn unknown_dtype(name: &str) -> LayoutError {
+    LayoutError::UnknownDtype(name.to_string())
+}
 
+impl Dtype {
     /// The name a [`RoleLayout`] carries: `fp8_e4m3` or `bf16`.
     pub fn layout_name(self) -> &'static str {
         match self {
@@ -209,24 +206,6 @@ impl Dtype {
     /// Bytes per element.
     pub fn bytes(self) -> u64 {
         u64::from(self.bits() / 8)
-    }
-}
-
-impl fmt::Display for Dtype {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for Dtype {
-    type Err = LayoutError;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "fp8" => Ok(Dtype::Fp8),
-            "bf16" => Ok(Dtype::Bf16),
-            _ => Err(LayoutError::UnknownDtype(s.to_string())),
-        }
     }
 }
 

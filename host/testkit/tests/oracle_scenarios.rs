@@ -15,6 +15,7 @@ use kvferry_testkit::oracle::{
 };
 use kvferry_testkit::request::Transfer;
 use kvferry_testkit::scenario::{Exchange, Scenario, ScenarioError, ScenarioReport};
+use strum::IntoEnumIterator;
 
 type Mutation = Box<dyn Fn(&mut TransferPlan) + Send + Sync>;
 
@@ -194,7 +195,7 @@ fn slot_bytes(preset: Preset) -> u64 {
 
 #[test]
 fn every_preset_single_rank() {
-    for preset in Preset::ALL {
+    for preset in Preset::iter() {
         let s = Scenario::new(ModelSpec::new(preset), tp1(), tp1(), 100);
         let report = run(&s);
         assert_eq!(report.receivers.len(), 1);

@@ -10,20 +10,35 @@
 //! model is named here: any cache a [`kvferry_planner_abi::PageTable`] describes works.
 
 use std::fmt;
-use std::str::FromStr;
 use std::sync::Arc;
 
 use kvferry_loader::BoundPlanner;
 use kvferry_planner_abi::ffi::RVec;
 use kvferry_planner_abi::{GroupKind, PlanError, RankInfo, TransferPlanner};
-use kvferry_protocol::{InstanceInfo, PoolKey, RankDescriptor, Role};
+use kvferry_protocol::{InstanceInfo, PoolKey, RankDescriptor, Role, unknown_name};
 use kvferry_ucx::{Context, Worker};
 
 use crate::memory::{MemoryError, MemoryKind, PoolAllocator, RankPools};
 use crate::rank::{RankThread, SpawnError};
 
-/// The UCX transports an instance uses.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// The UCX transports an instance uses: `shm` or `tcp` on the command line.
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    Hash,
+    strum::AsRefStr,
+    strum::Display,
+    strum::EnumString,
+    strum::VariantNames,
+)]
+#[strum(
+    serialize_all = "lowercase",
+    parse_err_ty = String,
+    parse_err_fn = unknown_transport
+)]
 pub enum Transport {
     /// Intra-node shared memory (`UCX_TLS=posix,sysv,cma,self`): one-sided puts into
     /// UCX-allocated pools.
@@ -32,15 +47,11 @@ pub enum Transport {
     Tcp,
 }
 
-impl Transport {
-    /// `shm` or `tcp`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Transport::Shm => "shm",
-            Transport::Tcp => "tcp",
-        }
-    }
+fn unknown_transport(name: &str) -> String {
+    unknown_name::<Transport>("transport", name)
+}
 
+impl Transport {
     /// A UCX context for this transport, for host pools.
     ///
     /// # Errors
@@ -74,24 +85,6 @@ impl Transport {
             Transport::Tcp => builder.net_devices("lo"),
         }
         .build()
-    }
-}
-
-impl fmt::Display for Transport {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for Transport {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "shm" => Ok(Transport::Shm),
-            "tcp" => Ok(Transport::Tcp),
-            _ => Err(format!("unknown transport `{s}` (known: shm, tcp)")),
-        }
     }
 }
 
@@ -407,5 +400,32 @@ impl Instance {
                 })
                 .collect(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transports_and_memory_kinds_parse_and_print_their_names() {
+        for (name, transport) in [("shm", Transport::Shm), ("tcp", Transport::Tcp)] {
+            assert_eq!(name.parse::<Transport>(), Ok(transport));
+            assert_eq!(transport.to_string(), name);
+            assert_eq!(transport.as_ref(), name);
+        }
+        assert_eq!(
+            "rdma".parse::<Transport>(),
+            Err("unknown transport `rdma` (known: shm, tcp)".to_string())
+        );
+        for (name, memory) in [("host", MemoryKind::Host), ("cuda", MemoryKind::Cuda)] {
+            assert_eq!(name.parse::<MemoryKind>(), Ok(memory));
+            assert_eq!(memory.to_string(), name);
+            assert_eq!(memory.as_ref(), name);
+        }
+        assert_eq!(
+            "gpu".parse::<MemoryKind>(),
+            Err("unknown memory `gpu` (known: host, cuda)".to_string())
+        );
     }
 }

@@ -25,19 +25,34 @@
 //! last piece. That protocol is what makes [`RankPools::write`] sound; it is `unsafe` because
 //! the type system cannot see it.
 
-use std::fmt;
 use std::ptr;
-use std::str::FromStr;
 use std::sync::Arc;
 
 use kvferry_ucx::{Context, MemRegion};
 
 #[cfg(feature = "cuda")]
 use crate::cuda::{self, CudaDevice, CudaError, CudaPool};
-use kvferry_protocol::PoolKey;
+use kvferry_protocol::{PoolKey, unknown_name};
 
-/// Where an instance's pools live.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+/// Where an instance's pools live: `host` or `cuda` on the command line.
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    Hash,
+    strum::AsRefStr,
+    strum::Display,
+    strum::EnumString,
+    strum::VariantNames,
+)]
+#[strum(
+    serialize_all = "lowercase",
+    parse_err_ty = String,
+    parse_err_fn = unknown_memory
+)]
 pub enum MemoryKind {
     /// Host memory (DRAM) allocated through UCX.
     #[default]
@@ -47,15 +62,11 @@ pub enum MemoryKind {
     Cuda,
 }
 
-impl MemoryKind {
-    /// `host` or `cuda`.
-    pub fn name(self) -> &'static str {
-        match self {
-            MemoryKind::Host => "host",
-            MemoryKind::Cuda => "cuda",
-        }
-    }
+fn unknown_memory(name: &str) -> String {
+    unknown_name::<MemoryKind>("memory", name)
+}
 
+impl MemoryKind {
     /// Whether this build can place pools in this memory.
     ///
     /// # Errors
@@ -66,24 +77,6 @@ impl MemoryKind {
         match self {
             MemoryKind::Cuda if !cfg!(feature = "cuda") => Err(MemoryError::CudaNotBuilt),
             _ => Ok(()),
-        }
-    }
-}
-
-impl fmt::Display for MemoryKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for MemoryKind {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "host" => Ok(MemoryKind::Host),
-            "cuda" => Ok(MemoryKind::Cuda),
-            _ => Err(format!("unknown memory `{s}` (known: host, cuda)")),
         }
     }
 }
