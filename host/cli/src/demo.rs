@@ -352,14 +352,33 @@ pub fn spawn_server(
     spawn_serve_command(cmd, role)
 }
 
-/// [`spawn_server`] for a `kvferry serve` command the caller built (environment included).
+/// [`spawn_server`] for a `kvferry serve` command the caller built (environment included:
+/// a `RUST_LOG` the caller set is kept; otherwise the child inherits ours, or logs warnings
+/// only).
 ///
 /// # Errors
 ///
 /// As [`spawn_server`].
 pub fn spawn_serve_command(
+    cmd: Command,
+    role: &'static str,
+) -> Result<(Child, ServerAddrs), DemoError> {
+    spawn_serve_logged(cmd, role, |line| {
+        let _ = writeln!(std::io::stderr(), "{line}");
+    })
+}
+
+/// [`spawn_serve_command`], handing every line of the child's standard error to `log` (on a
+/// thread of its own, until the child closes it) instead of passing it through to ours. The
+/// lines that explain a child that did not start are kept all the same.
+///
+/// # Errors
+///
+/// As [`spawn_server`].
+pub fn spawn_serve_logged(
     mut cmd: Command,
     role: &'static str,
+    log: impl FnMut(&str) + Send + 'static,
 ) -> Result<(Child, ServerAddrs), DemoError> {
     let exe = PathBuf::from(cmd.get_program());
     // The child exits when this pipe closes, i.e. when the controller ends in any way.
@@ -367,7 +386,8 @@ pub fn spawn_serve_command(
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .stdin(Stdio::piped());
-    if std::env::var_os("RUST_LOG").is_none() {
+    let log_chosen = cmd.get_envs().any(|(key, _)| key == "RUST_LOG");
+    if !log_chosen && std::env::var_os("RUST_LOG").is_none() {
         cmd.env("RUST_LOG", "kvferry=warn,warn");
     }
     let mut child = cmd.spawn().map_err(|e| DemoError::Child {
@@ -378,7 +398,7 @@ pub fn spawn_serve_command(
     let stderr = child
         .stderr
         .take()
-        .and_then(|stderr| pass_stderr(stderr, role, Arc::clone(&tail)));
+        .and_then(|stderr| pass_stderr(stderr, role, Arc::clone(&tail), log));
     let Some(stdout) = child.stdout.take() else {
         let _ = child.kill();
         return Err(DemoError::Child {
@@ -431,18 +451,19 @@ pub fn spawn_serve_command(
     })
 }
 
-/// Copies a child's standard error to ours line by line, keeping the last [`STDERR_TAIL`]
+/// Hands a child's standard error to `log` line by line, keeping the last [`STDERR_TAIL`]
 /// lines in `tail`.
 fn pass_stderr(
     stderr: impl Read + Send + 'static,
     role: &str,
     tail: Arc<Mutex<VecDeque<String>>>,
+    mut log: impl FnMut(&str) + Send + 'static,
 ) -> Option<JoinHandle<()>> {
     thread::Builder::new()
         .name(format!("{role}-stderr"))
         .spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                let _ = writeln!(std::io::stderr(), "{line}");
+                log(&line);
                 if let Ok(mut tail) = tail.lock() {
                     if tail.len() == STDERR_TAIL {
                         tail.pop_front();

@@ -1,38 +1,12 @@
 //! The `kvferry` command line as a user runs it: planners found next to the binary, selection
 //! by environment, refusals with reasons, and the dry-run plan with its oracle.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod support;
+
+use std::process::Output;
 
 use serde_json::Value;
-
-/// The directory cargo put the binary and the planner `.so` files in.
-fn build_dir() -> PathBuf {
-    Path::new(env!("CARGO_BIN_EXE_kvferry"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
-
-/// `kvferry` with no planner configuration at all, plus `env`.
-fn kvferry(args: &[&str], env: &[(&str, &Path)]) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvferry"));
-    cmd.args(args)
-        .env_remove("KVFERRY_PLUGIN_DIR")
-        .env_remove("KVFERRY_PLANNER")
-        .env_remove("KVFERRY_CONFIG");
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.output().expect("run kvferry")
-}
-
-fn text(out: &Output) -> (String, String) {
-    (
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+use support::{Kvferry, build_dir, text};
 
 fn listed_ids(out: &Output) -> Vec<String> {
     let v: Value = serde_json::from_slice(&out.stdout).expect("planners --json prints JSON");
@@ -46,7 +20,7 @@ fn listed_ids(out: &Output) -> Vec<String> {
 
 #[test]
 fn both_planners_are_found_next_to_the_binary_with_no_configuration() {
-    let out = kvferry(&["planners", "--json"], &[]);
+    let out = Kvferry::new().args(["planners", "--json"]).output();
     assert!(out.status.success(), "{:?}", text(&out));
     let ids = listed_ids(&out);
     assert!(ids.contains(&"kvferry.default".to_string()), "{ids:?}");
@@ -54,7 +28,7 @@ fn both_planners_are_found_next_to_the_binary_with_no_configuration() {
         ids.contains(&"kvferry.deepseek_mla_latent".to_string()),
         "{ids:?}"
     );
-    let out = kvferry(&["planners"], &[]);
+    let out = Kvferry::new().args(["planners"]).output();
     let (stdout, _) = text(&out);
     assert!(stdout.contains("kvferry.default_describer"), "{stdout}");
 }
@@ -64,10 +38,10 @@ fn a_plugin_dir_with_one_planner_lists_only_that_one() {
     let dir = tempfile::tempdir().unwrap();
     let so = "libkvferry_planner_deepseek_mla_latent.so";
     std::fs::copy(build_dir().join(so), dir.path().join(so)).unwrap();
-    let out = kvferry(
-        &["planners", "--json"],
-        &[("KVFERRY_PLUGIN_DIR", dir.path())],
-    );
+    let out = Kvferry::new()
+        .plugin_dir(dir.path())
+        .args(["planners", "--json"])
+        .output();
     assert!(out.status.success(), "{:?}", text(&out));
     assert_eq!(listed_ids(&out), vec!["kvferry.deepseek_mla_latent"]);
 }
@@ -76,10 +50,10 @@ fn a_plugin_dir_with_one_planner_lists_only_that_one() {
 fn planners_all_shows_skipped_files_with_their_reason() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("libgarbage.so"), b"not an elf file at all").unwrap();
-    let out = kvferry(
-        &["planners", "--all"],
-        &[("KVFERRY_PLUGIN_DIR", dir.path())],
-    );
+    let out = Kvferry::new()
+        .plugin_dir(dir.path())
+        .args(["planners", "--all"])
+        .output();
     assert!(out.status.success(), "{:?}", text(&out));
     let (stdout, _) = text(&out);
     assert!(stdout.contains("no planners found"), "{stdout}");
@@ -92,13 +66,10 @@ fn planners_all_shows_skipped_files_with_their_reason() {
 
 #[test]
 fn an_unknown_planner_fails_listing_the_known_ids() {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+    let out = Kvferry::new()
+        .planner("nope")
         .args(["check", "--model", "deepseek-v3", "--deployment", "dep4"])
-        .env_remove("KVFERRY_PLUGIN_DIR")
-        .env_remove("KVFERRY_CONFIG")
-        .env("KVFERRY_PLANNER", "nope")
-        .output()
-        .unwrap();
+        .output();
     assert!(!out.status.success());
     let (_, stderr) = text(&out);
     assert!(stderr.contains("nope"), "{stderr}");
@@ -108,13 +79,10 @@ fn an_unknown_planner_fails_listing_the_known_ids() {
 
 #[test]
 fn an_unsupported_deployment_fails_with_the_planners_reason() {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+    let out = Kvferry::new()
+        .planner("kvferry.deepseek_mla_latent")
         .args(["check", "--model", "llama-3-70b", "--deployment", "tp4"])
-        .env_remove("KVFERRY_PLUGIN_DIR")
-        .env_remove("KVFERRY_CONFIG")
-        .env("KVFERRY_PLANNER", "kvferry.deepseek_mla_latent")
-        .output()
-        .unwrap();
+        .output();
     assert!(!out.status.success());
     let (_, stderr) = text(&out);
     assert!(
@@ -125,8 +93,8 @@ fn an_unsupported_deployment_fails_with_the_planners_reason() {
 
 #[test]
 fn check_binds_and_builds_every_rank() {
-    let out = kvferry(
-        &[
+    let out = Kvferry::new()
+        .args([
             "check",
             "--model",
             "deepseek-v3",
@@ -134,9 +102,8 @@ fn check_binds_and_builds_every_rank() {
             "dep8",
             "--planner",
             "kvferry.deepseek_mla_latent",
-        ],
-        &[],
-    );
+        ])
+        .output();
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stderr}");
     assert!(stdout.contains("kvferry.deepseek_mla_latent"), "{stdout}");
@@ -146,10 +113,9 @@ fn check_binds_and_builds_every_rank() {
 
 #[test]
 fn a_bad_deployment_spec_names_the_problem() {
-    let out = kvferry(
-        &["check", "--model", "deepseek-v3", "--deployment", "tp4xx2"],
-        &[],
-    );
+    let out = Kvferry::new()
+        .args(["check", "--model", "deepseek-v3", "--deployment", "tp4xx2"])
+        .output();
     assert!(!out.status.success());
     let (_, stderr) = text(&out);
     assert!(stderr.contains("unknown axis \"xx\""), "{stderr}");
@@ -202,7 +168,7 @@ fn a_config_file_names_the_planner_and_the_flag_wins() {
     let config = dir.path().join("kvferry.toml");
     std::fs::write(&config, "planner = \"kvferry.deepseek_mla_latent\"\n").unwrap();
     let args = ["check", "--model", "deepseek-v3", "--deployment", "dep2"];
-    let out = kvferry(&args, &[("KVFERRY_CONFIG", &config)]);
+    let out = Kvferry::new().config(&config).args(args).output();
     assert!(out.status.success(), "{:?}", text(&out));
     // The last line names the bound planner (candidates and the auto verdict come first).
     let bound_line = |out: &Output| text(out).0.lines().last().unwrap_or_default().to_string();
@@ -213,14 +179,14 @@ fn a_config_file_names_the_planner_and_the_flag_wins() {
     );
     let mut with_flag = args.to_vec();
     with_flag.extend(["--planner", "kvferry.default"]);
-    let out = kvferry(&with_flag, &[("KVFERRY_CONFIG", &config)]);
+    let out = Kvferry::new().config(&config).args(&with_flag).output();
     assert!(
         bound_line(&out).starts_with("kvferry.default "),
         "{:?}",
         text(&out)
     );
     std::fs::write(&config, "planer = \"typo\"\n").unwrap();
-    let out = kvferry(&args, &[("KVFERRY_CONFIG", &config)]);
+    let out = Kvferry::new().config(&config).args(args).output();
     assert!(!out.status.success());
     assert!(
         text(&out).1.contains("unknown field `planer`"),
@@ -253,10 +219,7 @@ fn plan_json(model: &str, ctx: &str, r#gen: &str, prompt: &str, extra: &[&str]) 
         "--json",
     ];
     args.extend_from_slice(extra);
-    let out = kvferry(&args, &[]);
-    let (stdout, stderr) = text(&out);
-    assert!(out.status.success(), "{stdout}\n{stderr}");
-    serde_json::from_str(&stdout).unwrap()
+    Kvferry::new().args(args).json()
 }
 
 /// Semantics §12.2 at 512 tokens (16 blocks of 32): ctx tp4 -> gen tp8, generation rank g is
@@ -359,7 +322,8 @@ fn plan_checks_bounce_regions_against_the_given_limits() {
 }
 
 fn check_json(model: &str, deployment: &str, planner_env: &str) -> (Output, Value) {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+    let out = Kvferry::new()
+        .planner(planner_env)
         .args([
             "check",
             "--model",
@@ -368,11 +332,7 @@ fn check_json(model: &str, deployment: &str, planner_env: &str) -> (Output, Valu
             deployment,
             "--json",
         ])
-        .env_remove("KVFERRY_PLUGIN_DIR")
-        .env_remove("KVFERRY_CONFIG")
-        .env("KVFERRY_PLANNER", planner_env)
-        .output()
-        .expect("run kvferry");
+        .output();
     let v = serde_json::from_slice(&out.stdout).expect("check --json prints JSON");
     (out, v)
 }
@@ -413,8 +373,8 @@ fn auto_binds_the_default_planner_for_llama_and_says_why_not_the_mla_one() {
     assert_eq!(mla["refusal"]["supported"], "DeepseekV3ForCausalLM");
 
     // The same, as text: every candidate with its verdict, and what auto binds.
-    let out = kvferry(
-        &[
+    let out = Kvferry::new()
+        .args([
             "check",
             "--model",
             "llama-3-70b",
@@ -422,9 +382,8 @@ fn auto_binds_the_default_planner_for_llama_and_says_why_not_the_mla_one() {
             "tp4",
             "--planner",
             "auto",
-        ],
-        &[],
-    );
+        ])
+        .output();
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stderr}");
     assert!(stdout.contains("auto binds kvferry.default"), "{stdout}");
@@ -454,8 +413,8 @@ fn a_named_planner_that_refuses_still_lists_the_candidates_in_json() {
 #[test]
 fn sides_that_auto_select_different_planners_are_refused_naming_both() {
     // dep4 binds the MLA planner, tp4 (no attention DP) only the default one.
-    let out = kvferry(
-        &[
+    let out = Kvferry::new()
+        .args([
             "plan",
             "--model",
             "deepseek-v3",
@@ -467,9 +426,8 @@ fn sides_that_auto_select_different_planners_are_refused_naming_both() {
             "64",
             "--planner",
             "auto",
-        ],
-        &[],
-    );
+        ])
+        .output();
     assert!(!out.status.success());
     let (_, stderr) = text(&out);
     assert!(

@@ -2,27 +2,20 @@
 //! per case, a summary, and `--json`; a wrong byte fails the run naming the case and where
 //! the first wrong byte is.
 
+mod support;
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 use std::sync::OnceLock;
 
 use kvferry_testkit::conformance::build_out_of_tree;
 use serde_json::Value;
-
-fn kvferry(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kvferry"))
-        .args(args)
-        .env_remove("KVFERRY_PLUGIN_DIR")
-        .env_remove("KVFERRY_PLANNER")
-        .env_remove("KVFERRY_CONFIG")
-        .output()
-        .expect("run kvferry")
-}
+use support::{Kvferry, build_dir};
 
 fn conform_json(library: &Path, extra: &[&str]) -> (Output, Value) {
     let mut args = vec!["conform", library.to_str().unwrap(), "--json"];
     args.extend_from_slice(extra);
-    let out = kvferry(&args);
+    let out = Kvferry::new().args(args).output();
     let v = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
         panic!(
             "conform --json prints JSON ({e}): {}\n{}",
@@ -31,14 +24,6 @@ fn conform_json(library: &Path, extra: &[&str]) -> (Output, Value) {
         )
     });
     (out, v)
-}
-
-/// The directory of the `kvferry` binary, where cargo puts the in-tree planners.
-fn build_dir() -> PathBuf {
-    Path::new(env!("CARGO_BIN_EXE_kvferry"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
 }
 
 fn template() -> &'static Path {
@@ -113,7 +98,9 @@ fn a_one_head_offset_fails_naming_the_case_and_the_first_wrong_byte() {
 
     // The named case alone, as text: it fails again, with the same first wrong byte.
     let name = failures[0];
-    let out = kvferry(&["conform", library.to_str().unwrap(), "--case", name]);
+    let out = Kvferry::new()
+        .args(["conform", library.to_str().unwrap(), "--case", name])
+        .output();
     assert!(!out.status.success());
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("FAIL"), "{stdout}");
@@ -166,7 +153,9 @@ fn conform_refuses_a_file_that_is_not_a_planner() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("libnothing.so");
     std::fs::write(&path, b"not an elf").unwrap();
-    let out = kvferry(&["conform", path.to_str().unwrap()]);
+    let out = Kvferry::new()
+        .args(["conform", path.to_str().unwrap()])
+        .output();
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("libnothing.so"), "{stderr}");

@@ -8,17 +8,17 @@
 //! Lines starting `kvferry-gpu:` are read by `scripts/gpu-check` for its summary.
 #![cfg(feature = "cuda")]
 
-use std::io::{BufRead, BufReader, Read};
+mod support;
+
 use std::panic::{self, AssertUnwindSafe};
-use std::process::{Command, Output, Stdio};
 use std::sync::Arc;
 use std::sync::mpsc;
-use std::thread;
 use std::time::{Duration, Instant};
 
-use kvferry_cli::demo::CONTROL_ON;
+use kvferry_cli::demo::spawn_serve_logged;
 use kvferry_transfer::cuda::{self, CudaDevice, CudaError, CudaPool};
 use kvferry_ucx::{Context, MemoryType, Request, Worker};
+use support::Kvferry;
 
 const OPT_IN: &str = "KVFERRY_GPU_TESTS";
 
@@ -200,17 +200,6 @@ fn pool_registers_with_ucx_or_is_refused_cleanly() {
     );
 }
 
-/// `kvferry` (this build, with the `cuda` feature) with no planner configuration from the
-/// environment.
-fn kvferry() -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvferry"));
-    cmd.env_remove("KVFERRY_PLUGIN_DIR")
-        .env_remove("KVFERRY_PLANNER")
-        .env_remove("KVFERRY_CONFIG")
-        .env("RUST_LOG", "kvferry=warn,warn");
-    cmd
-}
-
 /// `serve --role generation --memory cuda` of a small instance.
 const SERVE_CUDA: [&str; 13] = [
     "serve",
@@ -228,62 +217,48 @@ const SERVE_CUDA: [&str; 13] = [
     "8",
 ];
 
-/// What `serve --memory cuda` did: listened (and was stopped), or exited with this output.
+/// What `serve --memory cuda` did: listened (and was stopped), or exited before it listened.
 enum Served {
     Listened,
-    Exited(Output),
+    Exited {
+        /// Why it did not start, as `kvferry demo` reports it: `generation server: exited
+        /// before it listened (exit status: N): ...`.
+        error: String,
+        /// Its whole standard error.
+        stderr: String,
+    },
 }
 
 /// Runs `serve --memory cuda` until it listens (then stops it) or exits.
 fn serve_cuda() -> Served {
-    let mut child = kvferry()
-        .args(SERVE_CUDA)
-        .arg("--exit-with-stdin")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start kvferry serve");
-    let stdout = child.stdout.take().unwrap();
-    let mut stderr = child.stderr.take().unwrap();
-    let err = thread::spawn(move || {
-        let mut text = String::new();
-        let _ = stderr.read_to_string(&mut text);
-        text
-    });
     let (tx, rx) = mpsc::channel();
-    thread::spawn(move || {
-        let mut seen = Vec::new();
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if line.contains(CONTROL_ON) {
-                let _ = tx.send(Ok(line));
-                return;
-            }
-            seen.push(line);
-        }
-        let _ = tx.send(Err(seen.join("\n")));
-    });
-    match rx.recv_timeout(Duration::from_secs(120)) {
-        Ok(Ok(line)) => {
-            println!("kvferry-gpu: serve --memory cuda: {line}");
+    let spawned = spawn_serve_logged(
+        Kvferry::new().quiet().args(SERVE_CUDA).command(),
+        "generation",
+        move |line| {
+            let _ = tx.send(line.to_string());
+        },
+    );
+    match spawned {
+        Ok((mut child, addrs)) => {
+            println!(
+                "kvferry-gpu: serve --memory cuda: control on {}",
+                addrs.control
+            );
             let _ = child.kill();
             let _ = child.wait();
             Served::Listened
         }
-        Ok(Err(stdout)) => {
-            let status = child.wait().unwrap();
-            Served::Exited(Output {
-                status,
-                stdout: stdout.into_bytes(),
-                stderr: err.join().unwrap().into_bytes(),
-            })
-        }
-        Err(_) => {
-            let _ = child.kill();
-            panic!("serve --memory cuda neither listened nor exited in 120 s");
-        }
+        // Every line of its standard error was handed over before the error returned.
+        Err(e) => Served::Exited {
+            error: e.to_string(),
+            stderr: rx.try_iter().collect::<Vec<_>>().join("\n"),
+        },
     }
 }
+
+/// The error of a `kvferry serve` child that exited with status 1 before it listened.
+const EXITED_1: &str = "exited before it listened (exit status: 1)";
 
 /// `serve --memory cuda` never silently falls back to host memory: without a driver it exits
 /// 1 with the no-driver error before listening; with one (and `KVFERRY_GPU_TESTS=1`) it either
@@ -293,11 +268,10 @@ fn serve_cuda() -> Served {
 fn serve_memory_cuda_refuses_cleanly_or_serves() {
     const TEST: &str = "serve_memory_cuda_refuses_cleanly_or_serves";
     if !cuda::driver_present() {
-        let Served::Exited(out) = serve_cuda() else {
+        let Served::Exited { error, stderr } = serve_cuda() else {
             panic!("{TEST}: serve --memory cuda listened without a CUDA driver");
         };
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(error.contains(EXITED_1), "{error}\n{stderr}");
         assert!(
             stderr.contains("kvferry: starting generation instance gen-"),
             "{stderr}"
@@ -313,12 +287,11 @@ fn serve_memory_cuda_refuses_cleanly_or_serves() {
         println!("{TEST}: no CUDA driver: serve refused: {}", stderr.trim());
         // demo and bench report their first child's error as their own.
         for command in ["demo", "bench"] {
-            let out = kvferry()
+            let out = Kvferry::new()
+                .quiet()
                 .args([command, "--memory", "cuda", "--model", "llama-3-70b"])
                 .args(["--ctx", "tp1", "--gen", "tp1", "--prompt-len", "64"])
-                .stdin(Stdio::null())
-                .output()
-                .expect("run kvferry");
+                .output();
             let stderr = String::from_utf8_lossy(&out.stderr);
             assert_eq!(out.status.code(), Some(1), "{command}: {stderr}");
             let last = stderr.lines().last().unwrap_or_default();
@@ -342,9 +315,8 @@ fn serve_memory_cuda_refuses_cleanly_or_serves() {
         return;
     }
     match serve_cuda() {
-        Served::Exited(out) => {
-            let stderr = String::from_utf8_lossy(&out.stderr);
-            assert_eq!(out.status.code(), Some(1), "{stderr}");
+        Served::Exited { error, stderr } => {
+            assert!(error.contains(EXITED_1), "{error}\n{stderr}");
             assert!(
                 stderr.contains(&format!(
                     "UCX {} was built without CUDA support",
@@ -359,17 +331,12 @@ fn serve_memory_cuda_refuses_cleanly_or_serves() {
             );
         }
         Served::Listened => {
-            let out = kvferry()
+            let report = Kvferry::new()
+                .quiet()
                 .args(["demo", "--memory", "cuda", "--model", "llama-3-70b"])
                 .args(["--ctx", "tp1", "--gen", "tp1", "--requests", "4"])
                 .args(["--prompt-len", "96", "--in-flight", "2", "--json"])
-                .stdin(Stdio::null())
-                .output()
-                .expect("run kvferry demo");
-            let stdout = String::from_utf8_lossy(&out.stdout);
-            let stderr = String::from_utf8_lossy(&out.stderr);
-            assert!(out.status.success(), "{stdout}\n{stderr}");
-            let report: serde_json::Value = serde_json::from_str(&stdout).expect("demo --json");
+                .json();
             assert_eq!(report["memory"], "cuda", "{report}");
             assert_eq!(report["verified"], true, "{report}");
             println!(

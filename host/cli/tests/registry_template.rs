@@ -5,14 +5,16 @@
 //! once per test binary into `target/out-of-tree/examples/planner-template`
 //! ([`build_out_of_tree`]), never into the source tree.
 
+mod support;
+
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::OnceLock;
 
 use kvferry_loader::{BindError, Registry};
 use kvferry_planner_abi::ffi::RVec;
 use kvferry_planner_abi::{DEFAULT_DESCRIBER_ID, Deployment, Mapping, PageTable, RankInfo};
 use kvferry_testkit::conformance::{build_out_of_tree, repo_root};
+use support::Kvferry;
 
 /// The template's planner id.
 const TEMPLATE_ID: &str = "example.template";
@@ -125,21 +127,13 @@ fn the_template_binds_where_it_supports_the_deployment() {
     println!("{text}");
 }
 
-/// Runs the `kvferry` binary with a clean planner environment and `KVFERRY_PLUGIN_DIR` set.
-fn kvferry(plugin_dir: &Path, args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_kvferry"))
-        .args(args)
-        .env("KVFERRY_PLUGIN_DIR", plugin_dir)
-        .env_remove("KVFERRY_PLANNER")
-        .env_remove("KVFERRY_CONFIG")
-        .output()
-        .expect("run kvferry")
-}
-
 #[test]
 fn the_cli_lists_the_template_and_plans_with_it() {
     let dir = plugin_dir();
-    let out = kvferry(dir.path(), &["planners", "--json"]);
+    let out = Kvferry::new()
+        .plugin_dir(dir.path())
+        .args(["planners", "--json"])
+        .output();
     assert!(
         out.status.success(),
         "{}",
@@ -155,7 +149,9 @@ fn the_cli_lists_the_template_and_plans_with_it() {
     assert_eq!(ids, vec![TEMPLATE_ID]);
 
     // Bound through KVFERRY_PLANNER, exactly as a third party would run it.
-    let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+    let out = Kvferry::new()
+        .plugin_dir(dir.path())
+        .planner(TEMPLATE_ID)
         .args([
             "plan",
             "--model",
@@ -168,11 +164,7 @@ fn the_cli_lists_the_template_and_plans_with_it() {
             "100",
             "--json",
         ])
-        .env("KVFERRY_PLUGIN_DIR", dir.path())
-        .env("KVFERRY_PLANNER", TEMPLATE_ID)
-        .env_remove("KVFERRY_CONFIG")
-        .output()
-        .expect("run kvferry plan");
+        .output();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();

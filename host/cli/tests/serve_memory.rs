@@ -2,33 +2,16 @@
 //! without the `cuda` feature, `--memory cuda` is refused up front with the rebuild
 //! instruction (host/tests/cuda.rs covers the feature build).
 
-use std::process::{Command, Output, Stdio};
+mod support;
+
+use std::process::Output;
 
 use kvferry_cli::demo::CONTROL_ON;
+use support::{Kvferry, text};
 
 #[cfg(not(feature = "cuda"))]
 const REBUILD: &str = "kvferry: this kvferry was built without the `cuda` feature; rebuild with \
                        `cargo build --features cuda`";
-
-/// `kvferry ARGS` with no planner configuration from the environment and no stdin.
-fn kvferry(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kvferry"))
-        .args(args)
-        .env_remove("KVFERRY_PLUGIN_DIR")
-        .env_remove("KVFERRY_PLANNER")
-        .env_remove("KVFERRY_CONFIG")
-        .env("RUST_LOG", "kvferry=warn,warn")
-        .stdin(Stdio::null())
-        .output()
-        .expect("run kvferry")
-}
-
-fn text(out: &Output) -> (String, String) {
-    (
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
 
 /// `kvferry serve` of a small generation instance, plus `extra`.
 fn serve(extra: &[&str]) -> Output {
@@ -46,7 +29,7 @@ fn serve(extra: &[&str]) -> Output {
         "4",
     ];
     args.extend_from_slice(extra);
-    kvferry(&args)
+    Kvferry::new().quiet().args(args).output()
 }
 
 /// Exit status 1, the message on stderr, and never a listening line.
@@ -93,7 +76,7 @@ fn demo_and_bench_memory_cuda_without_the_feature_ask_for_a_rebuild() {
     for command in ["demo", "bench"] {
         let mut args = vec![command];
         args.extend_from_slice(&common);
-        let out = kvferry(&args);
+        let out = Kvferry::new().quiet().args(args).output();
         assert_refused(&out, REBUILD);
         // Refused by the controller itself: no server child was started.
         let (_, stderr) = text(&out);
@@ -120,27 +103,27 @@ fn an_unknown_memory_names_the_known_ones() {
 
 #[test]
 fn demo_with_memory_host_verifies_and_reports_it() {
-    let out = kvferry(&[
-        "demo",
-        "--memory",
-        "host",
-        "--model",
-        "llama-3-70b",
-        "--ctx",
-        "tp1",
-        "--gen",
-        "tp1",
-        "--requests",
-        "2",
-        "--prompt-len",
-        "64",
-        "--in-flight",
-        "2",
-        "--json",
-    ]);
-    let (stdout, stderr) = text(&out);
-    assert!(out.status.success(), "{stdout}\n{stderr}");
-    let report: serde_json::Value = serde_json::from_str(&stdout).expect("demo --json");
+    let report = Kvferry::new()
+        .quiet()
+        .args([
+            "demo",
+            "--memory",
+            "host",
+            "--model",
+            "llama-3-70b",
+            "--ctx",
+            "tp1",
+            "--gen",
+            "tp1",
+            "--requests",
+            "2",
+            "--prompt-len",
+            "64",
+            "--in-flight",
+            "2",
+            "--json",
+        ])
+        .json();
     assert_eq!(report["memory"], "host", "{report}");
     assert_eq!(report["verified"], true, "{report}");
 }

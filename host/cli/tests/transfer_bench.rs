@@ -1,7 +1,7 @@
 //! `kvferry bench` smoke tests: tiny transfers over both transports, both paths measured, the
 //! JSON fields present. Timings are never asserted on (only that they are positive).
 
-mod transfer_support;
+mod support;
 
 use std::io::Cursor;
 use std::process::Command;
@@ -10,30 +10,19 @@ use kvferry_cli::control::ControlMessage as Message;
 use kvferry_protocol::{encode, read_frame};
 use kvferry_transfer::BenchStats;
 use serde_json::Value;
-use transfer_support::{REPLY, Server, prefill, release, submit};
+use support::Kvferry;
+use support::transfer::{REPLY, Server, prefill, release, submit};
 
 const MLA: &str = "kvferry.deepseek_mla_latent";
 
 /// `kvferry bench ARGS --json` with no planner configuration from the environment.
 fn bench(args: &[&str]) -> Value {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+    let v = Kvferry::new()
+        .quiet()
         .arg("bench")
         .args(args)
         .arg("--json")
-        .env_remove("KVFERRY_PLUGIN_DIR")
-        .env_remove("KVFERRY_PLANNER")
-        .env_remove("KVFERRY_CONFIG")
-        .env("RUST_LOG", "kvferry=warn,warn")
-        .output()
-        .expect("run kvferry bench");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "bench {args:?} failed ({:?}):\n{stdout}\n{stderr}",
-        out.status
-    );
-    let v: Value = serde_json::from_str(&stdout).expect("bench --json prints one JSON object");
+        .json();
     eprintln!(
         "bench {args:?}: ours {} GB/s, raw {} GB/s, ratio {}, perftest {}",
         v["ours_gbps"], v["raw_gbps"], v["ratio"], v["perftest_gbps"]

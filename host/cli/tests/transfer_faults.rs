@@ -3,7 +3,7 @@
 //! only the requests addressed to the bad peer fail, with an error naming it, and the
 //! servers keep serving.
 
-mod transfer_support;
+mod support;
 
 use std::thread;
 use std::time::{Duration, Instant};
@@ -11,14 +11,14 @@ use std::time::{Duration, Instant};
 use kvferry_cli::Client;
 use kvferry_cli::control::ControlMessage as Message;
 use kvferry_protocol::{InstanceInfo, PeerMessage, Role};
-use transfer_support::{
+use support::transfer::{
     REPLY, Server, exchange, prefill, release, start, submit, verify, verify_idle, wait_done,
 };
 
 const DEEPSEEK: &str = "deepseek-v3";
 const MLA: &str = "kvferry.deepseek_mla_latent";
 
-fn deepseek(role: &str, spec: &str, transport: &str, extra: &[&str]) -> Server {
+fn deepseek(role: &'static str, spec: &str, transport: &str, extra: &[&str]) -> Server {
     let mut args = vec!["--planner", MLA];
     args.extend_from_slice(extra);
     Server::start(role, DEEPSEEK, spec, transport, &args)

@@ -2,9 +2,9 @@
 //! cache through `kvferry serve` pairs driven by the bound planner, and the oracle checks
 //! every destination byte (each request's slots, then the idle pools).
 
-mod transfer_support;
+mod support;
 
-use transfer_support::{Server, chunked, demo, exchange, submit};
+use support::transfer::{Server, chunked, demo, exchange, submit};
 
 fn demo_ok(args: &[&str], requests: u64) -> serde_json::Value {
     let v = demo(args);

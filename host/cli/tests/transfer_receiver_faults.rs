@@ -9,19 +9,17 @@
 //! stashed), the receiver is stopped, then the prefill makes the context rank connect and
 //! write to a worker that cannot answer.
 
-mod transfer_support;
+mod support;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::mpsc::{self, Receiver};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use kvferry_cli::Client;
 use kvferry_cli::control::Submit;
-use kvferry_cli::demo::ServerAddrs;
-use transfer_support::{
-    REPLY, Server, chunked, exchange, prefill, release, start, submit, wait_done,
+use support::transfer::{
+    REPLY, Server, chunked, exchange, prefill, release, serve, start, submit, wait_done,
 };
 
 const DEEPSEEK: &str = "deepseek-v3";
@@ -34,71 +32,19 @@ struct Logged {
 }
 
 impl Logged {
-    /// Starts a server like [`Server::start`], logging `filter` to a pipe.
-    fn start(role: &str, spec: &str, extra: &[&str], filter: &str) -> Logged {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvferry"));
-        cmd.args([
-            "serve",
-            "--role",
+    /// Starts a server like [`Server::start`], logging `filter` to the test.
+    fn start(role: &'static str, spec: &str, extra: &[&str], filter: &str) -> Logged {
+        let args = [&["--planner", MLA][..], extra].concat();
+        let (tx, lines) = mpsc::channel();
+        let server = Server::start_logged(
             role,
-            "--model",
-            DEEPSEEK,
-            "--deployment",
-            spec,
-            "--transport",
-            "tcp",
-            "--listen",
-            "127.0.0.1:0",
-            "--slots",
-            "48",
-            "--state-slots",
-            "4",
-            "--planner",
-            MLA,
-        ])
-        .args(extra)
-        .arg("--exit-with-stdin")
-        .env_remove("KVFERRY_PLUGIN_DIR")
-        .env_remove("KVFERRY_PLANNER")
-        .env_remove("KVFERRY_CONFIG")
-        .env("RUST_LOG", filter)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-        let mut child = cmd.spawn().expect("start kvferry serve");
-        let stdout = child.stdout.take().expect("piped stdout");
-        let stderr = child.stderr.take().expect("piped stderr");
-        let (addr_tx, addr_rx) = mpsc::channel();
-        thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some(addrs) = ServerAddrs::parse(&line) {
-                    let _ = addr_tx.send(addrs);
-                }
-            }
-        });
-        let (line_tx, lines) = mpsc::channel();
-        let label = format!("{role}-{}", child.id());
-        thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                eprintln!("[{label}] {line}");
-                let _ = line_tx.send(line);
-            }
-        });
-        let addrs = match addr_rx.recv_timeout(REPLY) {
-            Ok(addrs) => addrs,
-            Err(_) => {
-                let _ = child.kill();
-                panic!("{role} server did not start: {:?}", child.wait());
-            }
-        };
-        Logged {
-            server: Server {
-                child,
-                addr: addrs.peer.unwrap_or_else(|| addrs.control.clone()),
-                control: addrs.control,
+            serve(role, DEEPSEEK, spec, "tcp", &args).log(filter),
+            move |line| {
+                eprintln!("[{role}] {line}");
+                let _ = tx.send(line.to_string());
             },
-            lines,
-        }
+        );
+        Logged { server, lines }
     }
 
     /// The first log line (from now on) containing every one of `needles`.

@@ -2,7 +2,7 @@
 //! input), and servers facing bad input on their peer and control ports: each bad connection
 //! is refused with an error naming what is wrong, and the server keeps serving.
 
-mod transfer_support;
+mod support;
 
 use std::io::{Cursor, Read, Write};
 use std::net::TcpStream;
@@ -17,7 +17,7 @@ use kvferry_protocol::{
 };
 use kvferry_testkit::layout::{ModelSpec, PoolOptions, Preset, build_instance};
 use kvferry_transfer::RequestStats;
-use transfer_support::{REPLY, Server, exchange, submit};
+use support::transfer::{REPLY, Server, exchange, submit};
 
 fn instance_info() -> InstanceInfo {
     let mapping = Mapping {

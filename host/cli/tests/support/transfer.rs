@@ -1,16 +1,16 @@
 //! Helpers of the two-process transfer tests: `kvferry serve` children and a controller.
-//! Each test binary uses a different subset, hence the `dead_code` allowance.
-#![allow(dead_code)]
 
-use std::process::{Child, Command};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use kvferry_cli::Client;
 use kvferry_cli::control::{ControlMessage as Message, RankTables, Submit, VerifySummary};
-use kvferry_cli::demo::spawn_serve_command;
+use kvferry_cli::demo::{DemoError, ServerAddrs, spawn_serve_command, spawn_serve_logged};
 use kvferry_plan::chunk_ranges;
 use kvferry_transfer::RequestStats;
 use serde_json::Value;
+
+use super::Kvferry;
 
 /// How long any reply may take before a test fails instead of hanging.
 pub const REPLY: Duration = Duration::from_secs(60);
@@ -33,10 +33,47 @@ impl Drop for Server {
 
 impl Server {
     /// Starts `kvferry serve --role ROLE --model MODEL --deployment SPEC --transport T` plus
-    /// `extra`, with no planner configuration from the environment.
-    pub fn start(role: &str, model: &str, spec: &str, transport: &str, extra: &[&str]) -> Server {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvferry"));
-        cmd.args([
+    /// `extra` ([`serve`]), logging warnings only.
+    pub fn start(
+        role: &'static str,
+        model: &str,
+        spec: &str,
+        transport: &str,
+        extra: &[&str],
+    ) -> Server {
+        let cmd = serve(role, model, spec, transport, extra).quiet().command();
+        Server::started(spawn_serve_command(cmd, role))
+    }
+
+    /// Starts `command` (a [`serve`] command) as the `role` server, handing each line of
+    /// its log to `log`.
+    pub fn start_logged(
+        role: &'static str,
+        command: Kvferry,
+        log: impl FnMut(&str) + Send + 'static,
+    ) -> Server {
+        Server::started(spawn_serve_logged(command.command(), role, log))
+    }
+
+    fn started(spawned: Result<(Child, ServerAddrs), DemoError>) -> Server {
+        let (child, addrs) = spawned.unwrap_or_else(|e| panic!("{e}"));
+        Server {
+            child,
+            addr: addrs.peer.unwrap_or_else(|| addrs.control.clone()),
+            control: addrs.control,
+        }
+    }
+
+    pub fn client(&self) -> Client {
+        Client::connect(&self.control).expect("connect to the server")
+    }
+}
+
+/// `kvferry serve --role ROLE --model MODEL --deployment SPEC --transport T` on free ports,
+/// with 48 PAGED and 4 STATE slots per pool, plus `extra`.
+pub fn serve(role: &str, model: &str, spec: &str, transport: &str, extra: &[&str]) -> Kvferry {
+    Kvferry::new()
+        .args([
             "serve",
             "--role",
             role,
@@ -54,27 +91,6 @@ impl Server {
             "4",
         ])
         .args(extra)
-        .env_remove("KVFERRY_PLUGIN_DIR")
-        .env_remove("KVFERRY_PLANNER")
-        .env_remove("KVFERRY_CONFIG")
-        .env("RUST_LOG", "kvferry=warn,warn");
-        let role: &'static str = if role == "context" {
-            "context"
-        } else {
-            "generation"
-        };
-        let (child, addrs) =
-            spawn_serve_command(cmd, role).unwrap_or_else(|e| panic!("{role} server: {e}"));
-        Server {
-            child,
-            addr: addrs.peer.unwrap_or_else(|| addrs.control.clone()),
-            control: addrs.control,
-        }
-    }
-
-    pub fn client(&self) -> Client {
-        Client::connect(&self.control).expect("connect to the server")
-    }
 }
 
 /// A request of `prompt_len` tokens for DP ranks 0.
@@ -197,24 +213,12 @@ pub fn exchange(ctx: &Server, r#gen: &Server, submits: &[Submit]) -> Vec<Request
 /// `kvferry demo ... --json` with no planner configuration from the environment.
 pub fn demo(args: &[&str]) -> Value {
     let started = Instant::now();
-    let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+    let v = Kvferry::new()
+        .quiet()
         .arg("demo")
         .args(args)
         .arg("--json")
-        .env_remove("KVFERRY_PLUGIN_DIR")
-        .env_remove("KVFERRY_PLANNER")
-        .env_remove("KVFERRY_CONFIG")
-        .env("RUST_LOG", "kvferry=warn,warn")
-        .output()
-        .expect("run kvferry demo");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "demo {args:?} failed ({:?}):\n{stdout}\n{stderr}",
-        out.status
-    );
-    let v: Value = serde_json::from_str(&stdout).expect("demo --json prints JSON");
+        .json();
     eprintln!(
         "demo {args:?}: {} bytes, {:.2} GB/s, {:?}",
         v["bytes"],
