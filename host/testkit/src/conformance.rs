@@ -5,9 +5,10 @@
 //! (`my_planner::planner_module()`) or loaded from its `.so` ([`PlannerUnderTest::loaded`]). Cases name
 //! themselves, so a failure in a matrix can be rerun alone with `KVFERRY_CASE=<name>`.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use crate::error_chain;
 use crate::scenario::{Scenario, ScenarioReport};
@@ -24,17 +25,25 @@ pub const CASE_FILTER_ENV: &str = "KVFERRY_CASE";
 pub struct PlannerUnderTest {
     registry: Arc<Registry>,
     id: String,
+    /// One bind per deployment: a matrix asks about the same few dozen deployments hundreds
+    /// of times, and each bind crosses the plugin boundary and logs which planner it bound.
+    bindings: Arc<Mutex<HashMap<String, Result<BoundPlanner, String>>>>,
 }
 
 impl PlannerUnderTest {
+    fn new(registry: Arc<Registry>, id: String) -> Self {
+        Self {
+            registry,
+            id,
+            bindings: Arc::default(),
+        }
+    }
+
     /// A statically linked planner.
     pub fn linked(module: PlannerModuleRef) -> Self {
         let id = module.id();
         let registry = Registry::from_modules([(module, format!("linked {id}"))]);
-        Self {
-            registry: Arc::new(registry),
-            id,
-        }
+        Self::new(Arc::new(registry), id)
     }
 
     /// The planner `id` from the plugin libraries in `dir`.
@@ -50,10 +59,7 @@ impl PlannerUnderTest {
             dir.display(),
             registry.skipped()
         );
-        Self {
-            registry: Arc::new(registry),
-            id: id.to_string(),
-        }
+        Self::new(Arc::new(registry), id.to_string())
     }
 
     /// Planner `id` of an existing registry (`kvferry conform --planner ID`).
@@ -73,10 +79,7 @@ impl PlannerUnderTest {
                 }
             ));
         }
-        Ok(Self {
-            registry,
-            id: id.to_string(),
-        })
+        Ok(Self::new(registry, id.to_string()))
     }
 
     /// The planner in one library file (`kvferry conform PATH`), loaded with every check the
@@ -95,10 +98,7 @@ impl PlannerUnderTest {
             .first()
             .map(|p| p.id.clone())
             .ok_or_else(|| format!("{}: no planner loaded", path.display()))?;
-        Ok(Self {
-            registry: Arc::new(registry),
-            id,
-        })
+        Ok(Self::new(Arc::new(registry), id))
     }
 
     /// Where the planner comes from (its file, or the label of a linked one).
@@ -137,9 +137,18 @@ impl PlannerUnderTest {
             architecture: architecture.into(),
             mapping,
         };
-        self.registry
-            .bind(&self.id, &deployment)
-            .map_err(|e| error_chain(&e))
+        let mut bindings = self
+            .bindings
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        bindings
+            .entry(deployment.to_string())
+            .or_insert_with(|| {
+                self.registry
+                    .bind(&self.id, &deployment)
+                    .map_err(|e| error_chain(&e))
+            })
+            .clone()
     }
 
     /// Runs `scenario` with this planner on both sides.
