@@ -53,8 +53,28 @@ use crate::control::{ControlMessage as Message, RankTables, Submit};
 pub const WARMUP_ROUNDS: u32 = 2;
 /// How long a control reply (other than `Done`) may take.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(120);
-/// The `ucx_perftest` executable (Debian package `ucx-utils`).
+/// The `ucx_perftest` executable on `PATH` (Debian package `ucx-utils`), used when the UCX
+/// this binary links against ships none of its own.
 pub const PERFTEST: &str = "ucx_perftest";
+
+/// The `ucx_perftest` of the UCX this binary links against (`bin/` beside its `lib/`, as the
+/// wheel in `.ucx/` and most prefixes have it), with the `LD_LIBRARY_PATH` it needs; else
+/// [`PERFTEST`] from `PATH`. Measuring our puts against another UCX build's perftest would
+/// compare two libraries, not two callers.
+pub fn perftest_command() -> Command {
+    let lib_dir = std::path::Path::new(kvferry_ucx::library::linked().lib_dir);
+    let own = lib_dir
+        .parent()
+        .map(|prefix| prefix.join("bin").join(PERFTEST));
+    match own.filter(|p| p.is_file()) {
+        Some(program) => {
+            let mut cmd = Command::new(program);
+            cmd.env("LD_LIBRARY_PATH", lib_dir);
+            cmd
+        }
+        None => Command::new(PERFTEST),
+    }
+}
 
 /// What to run.
 #[derive(Clone, Debug)]
@@ -122,6 +142,8 @@ pub struct PathReport {
 pub struct PerftestReport {
     /// The UCX environment it ran with (`UCX_TLS=...`).
     pub tls: String,
+    /// The executable that ran.
+    pub program: String,
     /// Bytes per put (`-s`).
     pub size: u64,
     /// Measured iterations (`-n`).
@@ -679,7 +701,7 @@ pub fn perftest(transport: Transport, size: u64, bytes: u64) -> Result<PerftestR
         let port = free_port()
             .map_err(|e| format!("no free port: {e}"))?
             .to_string();
-        let mut server = Command::new(PERFTEST);
+        let mut server = perftest_command();
         server
             .args(["-p", &port])
             .envs(env.iter().copied())
@@ -691,7 +713,7 @@ pub fn perftest(transport: Transport, size: u64, bytes: u64) -> Result<PerftestR
             .map_err(|e| format!("cannot start {PERFTEST} (package ucx-utils): {e}"))?;
         let mut server = Children(vec![server]);
         thread::sleep(Duration::from_millis(500));
-        let out = Command::new(PERFTEST)
+        let out = perftest_command()
             .args(["127.0.0.1", "-p", &port, "-t", "ucp_put_bw"])
             .args(["-s", &size.to_string(), "-n", &iterations.to_string()])
             .args(["-w", &warmup.to_string(), "-O", &PUT_WINDOW.to_string()])
@@ -704,6 +726,10 @@ pub fn perftest(transport: Transport, size: u64, bytes: u64) -> Result<PerftestR
         if let Some(mib) = final_bandwidth(&stdout) {
             return Ok(PerftestReport {
                 tls,
+                program: perftest_command()
+                    .get_program()
+                    .to_string_lossy()
+                    .into_owned(),
                 size,
                 iterations,
                 warmup,

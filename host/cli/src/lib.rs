@@ -15,6 +15,7 @@ pub mod bench;
 pub mod client;
 pub mod control;
 pub mod demo;
+pub mod doctor;
 pub mod serve;
 pub mod slots;
 pub mod verify;

@@ -46,6 +46,21 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Which UCX this binary loads and what it can do here: version and files, transports
+    /// and devices each --transport selects, memory types it can register, CUDA driver and
+    /// GPUs. Exits 1 when it finds a problem.
+    Doctor {
+        /// Devices for the tcp transport instead of `lo` (UCX_NET_DEVICES syntax: `eth0`,
+        /// `mlx5_0:1`, `all`).
+        #[arg(long, value_name = "DEVICES")]
+        net_devices: Option<String>,
+        /// Also fail (exit 1) unless UCX can register CUDA device memory.
+        #[arg(long)]
+        require_cuda: bool,
+        /// Print one JSON object: ucx, cuda, transports, ucx_env, problems.
+        #[arg(long)]
+        json: bool,
+    },
     /// Bind a planner for a model and deployment, or say why it cannot be bound.
     Check {
         /// Model preset.
@@ -933,6 +948,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Bench(args) => run_bench(cli.config, args),
         Command::Serve(args) => serve(&load()?, args),
         Command::Planners { all, json } => planners(&load()?, all, json),
+        Command::Doctor {
+            net_devices,
+            require_cuda,
+            json,
+        } => doctor(net_devices.as_deref(), require_cuda, json),
         Command::Check {
             model,
             deployment,
@@ -994,6 +1014,25 @@ fn run(cli: Cli) -> Result<ExitCode> {
             },
         ),
     }
+}
+
+fn doctor(net_devices: Option<&str>, require_cuda: bool, json: bool) -> Result<ExitCode> {
+    let mut report = kvferry_cli::doctor::diagnose(net_devices);
+    if require_cuda && !report.cuda_registrable() {
+        report
+            .problems
+            .push("--require-cuda: no context can register CUDA device memory".into());
+    }
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.render());
+    }
+    Ok(if report.problems.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 fn main() -> ExitCode {

@@ -167,6 +167,14 @@ impl ContextBuilder {
         if attr.thread_mode != sys::UCS_THREAD_MODE_MULTI {
             return Err(Error::new(Op::Init, Status::UNSUPPORTED));
         }
+        let copies = crate::library::loaded_copies();
+        if copies.len() > 1 {
+            tracing::warn!(
+                copies = ?copies,
+                "more than one UCX is loaded in this process; two copies deadlock or corrupt \
+                 each other (kvferry doctor; README \"Which UCX\")"
+            );
+        }
         Ok(Arc::new(context))
     }
 }

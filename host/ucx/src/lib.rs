@@ -80,6 +80,7 @@ mod callback;
 mod context;
 mod endpoint;
 mod ffi;
+pub mod library;
 mod memory;
 mod memtype;
 mod request;
@@ -98,7 +99,7 @@ pub use status::{Error, Op, Status};
 pub use window::PutWindow;
 pub use worker::{SendWorker, Worker};
 
-/// The version of the loaded UCX library, e.g. `"1.13.1"`.
+/// The version of the loaded UCX library, e.g. `"1.22.0"` ([`library`] says which file).
 #[doc(alias = "ucp_get_version_string")]
 pub fn version() -> &'static str {
     // SAFETY: `ucp_get_version_string` takes no arguments and returns a pointer to a static,

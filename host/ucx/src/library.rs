@@ -1,0 +1,230 @@
+//! Which UCX this process runs: the build it was linked against, the copies actually mapped,
+//! and the transports and devices a context selects (what `kvferry doctor` prints).
+
+use std::ffi::CStr;
+use std::fs;
+use std::os::raw::{c_char, c_int};
+use std::path::{Path, PathBuf};
+use std::ptr;
+
+use ucx_sys as sys;
+
+use crate::{Context, Error, Op, Status};
+
+/// The UCX this crate was built against (`ucx-sys`'s build-time choice).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Linked {
+    /// The library directory linked against, which is also the binaries' rpath.
+    pub lib_dir: &'static str,
+    /// Which rule chose it: `KVFERRY_UCX_DIR`, the workspace's wheel, or pkg-config.
+    pub source: &'static str,
+    /// The headers' UCP API version, `major.minor`.
+    pub api_version: &'static str,
+}
+
+/// The UCX this crate was built against.
+pub fn linked() -> Linked {
+    Linked {
+        lib_dir: sys::linked::LIB_DIR,
+        source: sys::linked::SOURCE,
+        api_version: sys::linked::API_VERSION,
+    }
+}
+
+/// The loaded library's `(major, minor, release)`.
+#[doc(alias = "ucp_get_version")]
+pub fn release() -> (u32, u32, u32) {
+    let (mut major, mut minor, mut release) = (0, 0, 0);
+    // SAFETY: the three out-pointers are valid for writes of one `c_uint` each.
+    unsafe { sys::ucp_get_version(&mut major, &mut minor, &mut release) };
+    (major, minor, release)
+}
+
+/// The UCX core libraries (`libucp`, `libuct`, `libucs`, `libucm`, under any soname a
+/// repackager gave them, e.g. `libucp-1a2b3c4d.so.0`) mapped into this process, sorted, from
+/// `/proc/self/maps`. Empty where that file cannot be read.
+pub fn loaded_libraries() -> Vec<PathBuf> {
+    let maps = fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    let mut found: Vec<PathBuf> = maps
+        .lines()
+        .filter_map(|line| line.split_whitespace().nth(5))
+        .map(PathBuf::from)
+        .filter(|path| is_core_library(path))
+        .collect();
+    found.sort();
+    found.dedup();
+    found
+}
+
+/// Every distinct `libucp` mapped into this process. More than one means two UCX copies are
+/// live in one process — typically an engine's (or NIXL's bundled) UCX beside the one kvferry
+/// was linked against — which deadlocks or corrupts memory; one copy must go (README "Which
+/// UCX").
+pub fn loaded_copies() -> Vec<PathBuf> {
+    loaded_libraries()
+        .into_iter()
+        .filter(|p| file_name(p).starts_with("libucp"))
+        .collect()
+}
+
+fn file_name(path: &Path) -> &str {
+    path.file_name().and_then(|n| n.to_str()).unwrap_or("")
+}
+
+fn is_core_library(path: &Path) -> bool {
+    let name = file_name(path);
+    ["libucp", "libuct", "libucs", "libucm"].iter().any(|core| {
+        name.strip_prefix(core)
+            .is_some_and(|rest| rest.starts_with(".so") || rest.starts_with('-'))
+    })
+}
+
+/// The directory UCX loads its transport modules from: `ucx/` next to the `libucs` that is
+/// mapped (UCX's own rule, `UCX_MODULE_DIR` aside).
+pub fn module_dir() -> Option<PathBuf> {
+    loaded_libraries()
+        .into_iter()
+        .find(|p| file_name(p).starts_with("libucs"))
+        .and_then(|p| p.parent().map(|dir| dir.join("ucx")))
+}
+
+/// One transport resource a context selected: a transport on a device (`tcp` on `eth0`,
+/// `posix` on `memory`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Resource {
+    /// The transport (`tcp`, `posix`, `sysv`, `cma`, `self`, `cuda_copy`, `cuda_ipc`, `rc`...).
+    pub transport: String,
+    /// The device (`lo`, `eth0`, `memory`, `mlx5_0:1`, `cuda`...).
+    pub device: String,
+}
+
+unsafe extern "C" {
+    fn open_memstream(buffer: *mut *mut c_char, size: *mut usize) -> *mut sys::FILE;
+    fn fclose(stream: *mut sys::FILE) -> c_int;
+    fn free(ptr: *mut std::os::raw::c_void);
+}
+
+impl Context {
+    /// The transport resources (transport, device) this context selected, in UCX's order,
+    /// after `UCX_TLS` and `UCX_NET_DEVICES` (or their builder overrides) filtered them.
+    ///
+    /// Wraps `ucp_context_print_info`, read back through an in-memory `FILE`.
+    ///
+    /// # Errors
+    ///
+    /// [`Op::ContextQuery`] with [`Status::NO_MEMORY`] if the in-memory stream cannot be
+    /// opened.
+    #[doc(alias = "ucp_context_print_info")]
+    pub fn resources(&self) -> Result<Vec<Resource>, Error> {
+        Ok(parse_resources(&self.print_info()?))
+    }
+
+    /// What `ucp_context_print_info` prints for this context: components, memory domains
+    /// and resources.
+    ///
+    /// # Errors
+    ///
+    /// As [`resources`](Self::resources).
+    pub fn print_info(&self) -> Result<String, Error> {
+        let mut buffer: *mut c_char = ptr::null_mut();
+        let mut size = 0usize;
+        // SAFETY: both out-pointers are valid for writes; glibc owns the buffer until `fclose`,
+        // after which it is ours to read and `free`.
+        let stream = unsafe { open_memstream(&mut buffer, &mut size) };
+        if stream.is_null() {
+            return Err(Error::new(Op::ContextQuery, Status::NO_MEMORY));
+        }
+        // SAFETY: `self` is a live context and `stream` an open, writable stream.
+        unsafe { sys::ucp_context_print_info(self.as_raw(), stream) };
+        // SAFETY: `stream` is open and closed exactly once; closing flushes into `buffer`.
+        unsafe { fclose(stream) };
+        if buffer.is_null() {
+            return Ok(String::new());
+        }
+        // SAFETY: after `fclose`, `buffer` is a NUL-terminated heap string of `size` bytes
+        // that nothing else references.
+        let text = unsafe { CStr::from_ptr(buffer) }
+            .to_string_lossy()
+            .into_owned();
+        // SAFETY: `buffer` was allocated by `open_memstream` (malloc) and is freed once.
+        unsafe { free(buffer.cast()) };
+        Ok(text)
+    }
+}
+
+/// The `resource N : md M dev D flags -- transport/device` lines of
+/// `ucp_context_print_info`.
+fn parse_resources(info: &str) -> Vec<Resource> {
+    info.lines()
+        .filter(|line| line.trim_start_matches(['#', ' ']).starts_with("resource"))
+        .filter_map(|line| line.rsplit_once("-- "))
+        .filter_map(|(_, name)| name.trim().split_once('/'))
+        .map(|(transport, device)| Resource {
+            transport: transport.to_string(),
+            device: device.to_string(),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_resource_lines() {
+        let info = "#\n# UCP context\n#\n#     component 0  :  self\n#            md 1  :  \
+                    component 1  tcp \n#\n#      resource 0  :  md 0  dev 0  flags -- \
+                    self/memory\n#      resource 2  :  md 1  dev 2  flags -- tcp/lo\n#\n";
+        assert_eq!(
+            parse_resources(info),
+            [
+                Resource {
+                    transport: "self".into(),
+                    device: "memory".into()
+                },
+                Resource {
+                    transport: "tcp".into(),
+                    device: "lo".into()
+                }
+            ]
+        );
+    }
+
+    #[test]
+    fn core_libraries_by_name() {
+        for yes in [
+            "/usr/lib/x86_64-linux-gnu/libucp.so.0.0.0",
+            "/opt/nixl.libs/libucp-1a2b3c.so.0.0.0",
+            "/x/libucm.so.0",
+        ] {
+            assert!(is_core_library(Path::new(yes)), "{yes}");
+        }
+        for no in [
+            "/x/libucs_signal.so.0",
+            "/x/ucx/libuct_cma.so.0",
+            "/x/libucpx.so",
+            "/x/libucp.a",
+        ] {
+            assert!(!is_core_library(Path::new(no)), "{no}");
+        }
+    }
+
+    #[test]
+    fn this_process_maps_the_linked_ucx_once() {
+        let ctx = Context::builder().tls("self").build().unwrap();
+        let copies = loaded_copies();
+        assert_eq!(copies.len(), 1, "{copies:?}");
+        let linked_dir = fs::canonicalize(linked().lib_dir).unwrap();
+        let loaded = fs::canonicalize(copies[0].parent().unwrap()).unwrap();
+        assert_eq!(loaded, linked_dir, "the rpath should pick the linked UCX");
+        let (major, minor, _) = release();
+        assert_eq!(format!("{major}.{minor}"), linked().api_version);
+        assert!(
+            ctx.resources()
+                .unwrap()
+                .iter()
+                .any(|r| r.transport == "self")
+        );
+        assert!(module_dir().unwrap().ends_with("ucx"));
+    }
+}
