@@ -80,6 +80,7 @@ fn main() {
     let mut builder = bindgen::Builder::default()
         .header("wrapper.h")
         .parse_callbacks(Box::new(bindgen::CargoCallbacks::new()))
+        .parse_callbacks(Box::new(CommentsAsText))
         .allowlist_function("ucp_.*")
         .allowlist_function("ucs_status_string")
         .allowlist_type("ucp_.*")
@@ -107,6 +108,17 @@ fn main() {
     bindings
         .write_to_file(out.join("bindings.rs"))
         .expect("ucx-sys: could not write bindings.rs to OUT_DIR");
+}
+
+/// Keeps UCX's Doxygen comments as documentation but never as doctests: newer headers (1.22)
+/// indent code examples, which rustdoc would compile as Rust.
+#[derive(Debug)]
+struct CommentsAsText;
+
+impl bindgen::callbacks::ParseCallbacks for CommentsAsText {
+    fn process_comment(&self, comment: &str) -> Option<String> {
+        Some(format!("~~~~text\n{comment}\n~~~~"))
+    }
 }
 
 fn choose() -> Ucx {

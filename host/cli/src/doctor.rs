@@ -90,12 +90,40 @@ pub fn diagnose(net_devices: Option<&str>) -> Report {
     let mut problems = Vec::new();
     let mut transports = Vec::new();
     let mut multi_threaded = true;
+    // UCX warns on stdout about every transport `UCX_TLS` names that it lacks; without a
+    // loaded CUDA component the CUDA rows are answered without asking it.
+    let cuda_components = Context::builder()
+        .tls("self")
+        .build()
+        .and_then(|ctx| ctx.components())
+        .map(|c| {
+            c.into_iter()
+                .filter(|c| c.starts_with("cuda"))
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_default();
     for transport in [Transport::Shm, Transport::Tcp] {
         for memory in [MemoryKind::Host, MemoryKind::Cuda] {
             let devices = match transport {
                 Transport::Shm => None,
                 Transport::Tcp => Some(net_devices.unwrap_or("lo").to_string()),
             };
+            if memory == MemoryKind::Cuda && cuda_components.is_empty() {
+                transports.push(TransportReport {
+                    transport: transport.to_string(),
+                    memory: memory.to_string(),
+                    ucx_tls: transport.tls(memory).to_string(),
+                    ucx_net_devices: devices,
+                    resources: Vec::new(),
+                    memory_types: Vec::new(),
+                    error: Some(
+                        "UCX loaded no CUDA component (no libuct_cuda module, or libcuda.so.1 \
+                         did not load)"
+                            .into(),
+                    ),
+                });
+                continue;
+            }
             let (report, single_threaded) = probe(transport, memory, devices);
             multi_threaded &= !single_threaded;
             transports.push(report);

@@ -119,6 +119,17 @@ impl Context {
         Ok(parse_resources(&self.print_info()?))
     }
 
+    /// The UCT components UCX loaded for this context (`self`, `tcp`, `posix`, `cuda_cpy`,
+    /// `cuda_ipc`, `ib`...): a component whose module or driver library did not load is
+    /// absent, whatever `UCX_TLS` asks for.
+    ///
+    /// # Errors
+    ///
+    /// As [`resources`](Self::resources).
+    pub fn components(&self) -> Result<Vec<String>, Error> {
+        Ok(parse_components(&self.print_info()?))
+    }
+
     /// What `ucp_context_print_info` prints for this context: components, memory domains
     /// and resources.
     ///
@@ -166,6 +177,16 @@ fn parse_resources(info: &str) -> Vec<Resource> {
         .collect()
 }
 
+/// The `component N : name` lines of `ucp_context_print_info`.
+fn parse_components(info: &str) -> Vec<String> {
+    info.lines()
+        .map(|line| line.trim_start_matches(['#', ' ']))
+        .filter(|line| line.starts_with("component"))
+        .filter_map(|line| line.split_once(':'))
+        .map(|(_, name)| name.trim().to_string())
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -188,6 +209,13 @@ mod tests {
                 }
             ]
         );
+    }
+
+    #[test]
+    fn reads_component_lines() {
+        let info = "#     component 0  :  self\n#     component 1  :  cuda_cpy\n#            md 0  :  \
+                    component 0  self \n";
+        assert_eq!(parse_components(info), ["self", "cuda_cpy"]);
     }
 
     #[test]
