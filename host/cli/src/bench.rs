@@ -44,7 +44,7 @@ use crate::demo::{Children, DemoError, LoopbackPair, expect_released, serve_args
 
 use kvferry_protocol::Frame as _;
 use kvferry_transfer::rank::PUT_WINDOW;
-use kvferry_transfer::{BenchStats, Transport};
+use kvferry_transfer::{BenchStats, MemoryKind, Transport};
 
 use crate::client::Client;
 use crate::control::{ControlMessage as Message, RankTables, Submit};
@@ -664,10 +664,9 @@ fn path_report(samples: &[Sample]) -> PathReport {
 
 /// The `UCX_TLS` (and `UCX_NET_DEVICES`) of `transport`, as [`Transport::context`] sets them.
 pub fn ucx_env(transport: Transport) -> Vec<(&'static str, &'static str)> {
-    match transport {
-        Transport::Shm => vec![("UCX_TLS", "posix,sysv,cma,self")],
-        Transport::Tcp => vec![("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo")],
-    }
+    let mut env = vec![("UCX_TLS", transport.tls(MemoryKind::Host))];
+    env.extend(transport.net_devices().map(|d| ("UCX_NET_DEVICES", d)));
+    env
 }
 
 /// A port that was free a moment ago on 127.0.0.1.

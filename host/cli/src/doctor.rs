@@ -104,10 +104,10 @@ pub fn diagnose(net_devices: Option<&str>) -> Report {
         .unwrap_or_default();
     for transport in [Transport::Shm, Transport::Tcp] {
         for memory in [MemoryKind::Host, MemoryKind::Cuda] {
-            let devices = match transport {
-                Transport::Shm => None,
-                Transport::Tcp => Some(net_devices.unwrap_or("lo").to_string()),
-            };
+            // `--net-devices` replaces the devices of transports that name any.
+            let devices = transport
+                .net_devices()
+                .map(|d| net_devices.unwrap_or(d).to_string());
             if memory == MemoryKind::Cuda && cuda_components.is_empty() {
                 transports.push(TransportReport {
                     transport: transport.to_string(),
