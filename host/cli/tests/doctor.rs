@@ -4,7 +4,26 @@ mod support;
 
 use std::path::Path;
 
+use serde_json::Value;
 use support::Kvferry;
+
+/// A JSON array of strings.
+fn strings(value: &Value) -> Vec<&str> {
+    let array = value
+        .as_array()
+        .unwrap_or_else(|| panic!("not an array: {value}"));
+    array.iter().map(|v| v.as_str().unwrap()).collect()
+}
+
+/// The report's row for `transport` pools in `memory`.
+fn row<'a>(report: &'a Value, transport: &str, memory: &str) -> &'a Value {
+    report["transports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["transport"] == transport && t["memory"] == memory)
+        .unwrap_or_else(|| panic!("no {transport} {memory} row: {report:#}"))
+}
 
 #[test]
 fn doctor_reports_the_linked_ucx_and_the_devices_each_transport_selects() {
@@ -13,17 +32,12 @@ fn doctor_reports_the_linked_ucx_and_the_devices_each_transport_selects() {
     // The loaded library is the one the build linked against (the rpath works without
     // LD_LIBRARY_PATH), and its version matches the headers the bindings came from.
     let linked = std::fs::canonicalize(ucx["linked_dir"].as_str().unwrap()).unwrap();
-    let loaded: Vec<&str> = ucx["loaded"]
-        .as_array()
-        .unwrap()
+    let loaded = strings(&ucx["loaded"]);
+    let libucp: Vec<&Path> = loaded
         .iter()
-        .map(|p| p.as_str().unwrap())
-        .collect();
-    let libucp: Vec<_> = loaded
-        .iter()
+        .map(Path::new)
         .filter(|p| {
-            Path::new(p)
-                .file_name()
+            p.file_name()
                 .unwrap()
                 .to_str()
                 .unwrap()
@@ -31,7 +45,7 @@ fn doctor_reports_the_linked_ucx_and_the_devices_each_transport_selects() {
         })
         .collect();
     assert_eq!(libucp.len(), 1, "{loaded:?}");
-    let libucp_dir = std::fs::canonicalize(Path::new(libucp[0]).parent().unwrap()).unwrap();
+    let libucp_dir = std::fs::canonicalize(libucp[0].parent().unwrap()).unwrap();
     assert_eq!(libucp_dir, linked);
     let version = ucx["version"].as_str().unwrap();
     let api = ucx["linked_api"].as_str().unwrap();
@@ -41,38 +55,21 @@ fn doctor_reports_the_linked_ucx_and_the_devices_each_transport_selects() {
     );
     assert_eq!(ucx["multi_threaded"], true);
     assert_eq!(
-        report["problems"].as_array().unwrap().len(),
-        0,
+        strings(&report["problems"]),
+        Vec::<&str>::new(),
         "{report:#}"
     );
 
-    let row = |transport: &str, memory: &str| {
-        report["transports"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|t| t["transport"] == transport && t["memory"] == memory)
-            .unwrap_or_else(|| panic!("no {transport} {memory} row: {report:#}"))
-            .clone()
-    };
-    let tcp = row("tcp", "host");
+    let tcp = row(&report, "tcp", "host");
     assert_eq!(tcp["ucx_tls"], "tcp");
     assert_eq!(tcp["ucx_net_devices"], "lo");
-    assert_eq!(tcp["resources"], serde_json::json!(["tcp/lo"]));
-    let shm = row("shm", "host");
-    let shm_resources: Vec<&str> = shm["resources"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| r.as_str().unwrap())
-        .collect();
-    assert!(shm_resources.contains(&"posix/memory"), "{shm:#}");
+    assert_eq!(strings(&tcp["resources"]), ["tcp/lo"]);
+    let shm = row(&report, "shm", "host");
     assert!(
-        shm["memory_types"]
-            .as_array()
-            .unwrap()
-            .contains(&"host".into())
+        strings(&shm["resources"]).contains(&"posix/memory"),
+        "{shm:#}"
     );
+    assert!(strings(&shm["memory_types"]).contains(&"host"), "{shm:#}");
 }
 
 #[test]
@@ -81,13 +78,10 @@ fn doctor_require_cuda_fails_without_registrable_device_memory() {
         .args(["doctor", "--require-cuda", "--json"])
         .quiet()
         .output();
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let registrable = report["transports"].as_array().unwrap().iter().any(|t| {
-        t["memory_types"]
-            .as_array()
-            .unwrap()
-            .contains(&"cuda".into())
-    });
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let registrable = ["shm", "tcp"]
+        .iter()
+        .any(|t| strings(&row(&report, t, "cuda")["memory_types"]).contains(&"cuda"));
     // Without a GPU (CI) nothing can register device memory and the flag fails the run,
     // naming why; on a GPU machine with a CUDA-enabled UCX it passes.
     assert_eq!(out.status.success(), registrable, "{report:#}");
@@ -105,16 +99,14 @@ fn doctor_tcp_devices_follow_net_devices() {
         .env("UCX_LOG_LEVEL", "fatal")
         .quiet()
         .output();
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let tcp = report["transports"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|t| t["transport"] == "tcp" && t["memory"] == "host")
-        .unwrap()
-        .clone();
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let tcp = row(&report, "tcp", "host");
     assert_eq!(tcp["ucx_net_devices"], "no_such_nic0");
-    // A device UCX does not have selects nothing: the context fails or lists no tcp resource.
-    let resources = tcp["resources"].as_array().unwrap();
-    assert!(!tcp["error"].is_null() || resources.is_empty(), "{tcp:#}");
+    // A device UCX does not have selects nothing: the context fails or lists no tcp
+    // resource, and doctor says the transport cannot start.
+    assert!(
+        !tcp["error"].is_null() || strings(&tcp["resources"]).is_empty(),
+        "{tcp:#}"
+    );
+    assert!(!out.status.success());
 }
