@@ -149,6 +149,12 @@ fn choose() -> Ucx {
             });
         }
     }
+    if dot_ucx.is_dir() {
+        println!(
+            "cargo:warning=ucx-sys: .ucx/libucx is missing, building against the system UCX \
+             (pkg-config); run scripts/setup for UCX 1.22"
+        );
+    }
     let found = pkg_config::Config::new()
         .cargo_metadata(false)
         .probe("ucx")
