@@ -58,6 +58,8 @@ pub const PROTOCOL_VERSION: u16 = 2;
 pub const HEADER_LEN: usize = 10;
 /// The largest frame body accepted or sent: 64 MiB.
 pub const MAX_FRAME_BYTES: usize = 64 << 20;
+/// What [`read_frame`] reserves for a body before its bytes arrive.
+const BODY_CHUNK: usize = 64 << 10;
 
 /// Why a frame could not be read, decoded or written.
 #[derive(Debug, thiserror::Error)]
@@ -464,8 +466,16 @@ pub fn read_frame<M: Frame>(r: &mut impl Read) -> Result<M, WireError> {
         }
     }
     let len = parse_header::<M>(&h)?;
-    let mut body = vec![0u8; len];
-    r.read_exact(&mut body)?;
+    // The body buffer grows with the bytes that actually arrive: a header claiming 64 MiB
+    // followed by nothing must not cost 64 MiB (one per connection adds up).
+    let mut body = Vec::with_capacity(len.min(BODY_CHUNK));
+    r.take(len as u64).read_to_end(&mut body)?;
+    if body.len() < len {
+        return Err(WireError::Io(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            format!("frame body cut short: {} of {len} bytes", body.len()),
+        )));
+    }
     decode_body(&body)
 }
 
