@@ -15,10 +15,15 @@ NixlConnector uses it:
   the fragment indices of each transfer unit (one per recorded plan, i.e. per request and
   pair, as vLLM makes one per request and remote rank; or one per pair), with a
   notification;
-- a round posts every unit of every pair at once, polls them until done, and ends when the
-  last one is done and the target has seen every notification: timed from the first post to
-  whichever comes last (CLOCK_MONOTONIC, comparable across the two processes).
-  `make_prepped_xfer` runs before the clock and is reported separately.
+- a round posts every unit of every pair at once — one thread per context rank posts its
+  units and polls them, like kvferry's rank threads (NIXL's bindings release the GIL) — and
+  ends when the last one is done and the target has seen every notification: timed from the
+  first post to whichever comes last (CLOCK_MONOTONIC, comparable across the two
+  processes). `make_prepped_xfer` runs before the clock and is reported separately.
+- by default no NIXL progress thread runs: the polling above (`check_xfer_state`) and the
+  target's `get_new_notifs` progress the workers. NIXL's progress thread (`--progress
+  thread`) polls without pause, one per agent, which on a 2-core machine starves the
+  transfers. The target pauses `--target-sleep-us` between polls.
 
 The source pools are filled with a deterministic pattern (64-bit words that encode rank,
 pool and offset), the destination with a sentinel; after the first warm-up round the target
@@ -29,7 +34,8 @@ NIXL's UCX backend is created with `ucx_error_handling_mode=none`, like kvferry'
 (UCX's shared-memory transports cannot serve endpoints that ask for peer failure handling).
 
 Usage: nixl_bench.py FRAGMENTS.json [--warmup N] [--rounds N] [--unit plan|pair]
-       [--progress poll|thread] [--json]
+       [--progress poll|thread] [--threads rank|one] [--target-sleep-us US] [--no-verify]
+       [--json]
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ import statistics
 import struct
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -174,7 +181,7 @@ def register(agent, buf: np.ndarray):
 # ---------------------------------------------------------------- target
 
 
-def run_target(doc: dict, port: int, progress: str) -> None:
+def run_target(doc: dict, port: int, progress: str, sleep_s: float) -> None:
     pairs = doc["pairs"]
     sock = socket.create_connection(("127.0.0.1", port))
     agents = {}
@@ -207,6 +214,8 @@ def run_target(doc: dict, port: int, progress: str) -> None:
             last = 0
             deadline = time.monotonic() + NOTIF_TIMEOUT_S
             while left:
+                if sleep_s:
+                    time.sleep(sleep_s)
                 for g, want in wanted.items():
                     for sender, notes in agents[g].get_new_notifs().items():
                         for note in notes:
@@ -256,6 +265,38 @@ class Unit:
         self.handle = None
 
 
+def post_and_poll(agents, group, gate, results, k) -> None:
+    """Posts every unit of `group` (after all posting threads are ready), then polls them
+    until done; leaves (first post, last completion) in `results[k]`, or an error text.
+    NIXL's bindings release the GIL while posting and checking, so one such thread per
+    context rank posts and progresses like one rank thread each."""
+    try:
+        gate.wait()
+        started = now_ns()
+        for u in group:
+            if agents[u.c].transfer(u.handle, u.note) == "ERR":
+                results[k] = f"NIXL refused to post ctx{u.c} -> gen{u.g}"
+                return
+        pending = list(group)
+        deadline = time.monotonic() + NOTIF_TIMEOUT_S
+        while pending:
+            still = []
+            for u in pending:
+                state = agents[u.c].check_xfer_state(u.handle)
+                if state == "ERR":
+                    results[k] = f"NIXL transfer ctx{u.c} -> gen{u.g} failed"
+                    return
+                if state != "DONE":
+                    still.append(u)
+            pending = still
+            if time.monotonic() > deadline:
+                results[k] = f"{len(pending)} NIXL transfers not done in {NOTIF_TIMEOUT_S} s"
+                return
+        results[k] = (started, now_ns())
+    except Exception as e:  # reported by the main thread
+        results[k] = f"posting thread {k}: {e!r}"
+
+
 def run_initiator(doc: dict, args) -> dict:
     pairs = doc["pairs"]
     script = os.path.abspath(__file__)
@@ -264,7 +305,8 @@ def run_initiator(doc: dict, args) -> dict:
     listener.listen(1)
     port = listener.getsockname()[1]
     child = subprocess.Popen(
-        [sys.executable, script, args.fragments, "--target", str(port), "--progress", args.progress]
+        [sys.executable, script, args.fragments, "--target", str(port),
+         "--progress", args.progress, "--target-sleep-us", str(args.target_sleep_us)]
     )
     listener.settimeout(120)
     sock, _ = listener.accept()
@@ -368,25 +410,25 @@ def drive(doc: dict, pairs: list[dict], sock: socket.socket, args) -> dict:
         reply = recv_msg(sock)
         assert reply == ("ready",), reply
 
-        started = now_ns()
-        for u in units:
-            state = agents[u.c].transfer(u.handle, u.note)
-            if state == "ERR":
-                raise SystemExit(f"NIXL refused to post ctx{u.c} -> gen{u.g}")
-        pending = list(units)
-        deadline = time.monotonic() + NOTIF_TIMEOUT_S
-        while pending:
-            still = []
-            for u in pending:
-                state = agents[u.c].check_xfer_state(u.handle)
-                if state == "ERR":
-                    raise SystemExit(f"NIXL transfer ctx{u.c} -> gen{u.g} failed")
-                if state != "DONE":
-                    still.append(u)
-            pending = still
-            if time.monotonic() > deadline:
-                raise SystemExit(f"{len(pending)} NIXL transfers not done in {NOTIF_TIMEOUT_S} s")
-        done = now_ns()
+        if args.threads == "rank":
+            groups = [[u for u in units if u.c == c] for c in sorted(agents)]
+        else:
+            groups = [units]
+        results: list = [None] * len(groups)
+        gate = threading.Barrier(len(groups))
+        workers = [
+            threading.Thread(target=post_and_poll, args=(agents, group, gate, results, k))
+            for k, group in enumerate(groups)
+        ]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+        for r in results:
+            if isinstance(r, str):
+                raise SystemExit(r)
+        started = min(r[0] for r in results)
+        done = max(r[1] for r in results)
         reply = recv_msg(sock)
         if reply[0] != "notified":
             raise SystemExit(f"target: {reply[1]}")
@@ -419,6 +461,8 @@ def drive(doc: dict, pairs: list[dict], sock: socket.socket, args) -> dict:
         "ucx_env": {k: os.environ[k] for k in ("UCX_TLS", "UCX_NET_DEVICES") if k in os.environ},
         "progress": args.progress,
         "unit": args.unit,
+        "threads": args.threads,
+        "target_sleep_us": args.target_sleep_us,
         "model": doc["model"],
         "ctx": doc["ctx"],
         "gen": doc["gen"],
@@ -457,6 +501,13 @@ def main() -> int:
     ap.add_argument("--progress", choices=["poll", "thread"], default="poll",
                     help="poll: no NIXL progress thread, the runner's polling progresses "
                          "(default); thread: one NIXL progress thread per agent")
+    ap.add_argument("--threads", choices=["rank", "one"], default="rank",
+                    help="rank: one posting and polling thread per context rank, like "
+                         "kvferry's rank threads (default); one: a single thread for all")
+    ap.add_argument("--target-sleep-us", type=float, default=100.0, metavar="US",
+                    help="the target's pause between notification polls (default 100; "
+                         "kvferry's idle ranks sleep up to 200 us), so that on a small machine "
+                         "it leaves the cores to the transfer")
     ap.add_argument("--no-verify", action="store_true", help="skip the byte check")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--target", type=int, metavar="PORT", help=argparse.SUPPRESS)
@@ -477,15 +528,16 @@ def main() -> int:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
     if args.target is not None:
-        run_target(doc, args.target, args.progress)
+        run_target(doc, args.target, args.progress, args.target_sleep_us / 1e6)
         return 0
     report = run_initiator(doc, args)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print(
-            f"NIXL ({report['nixl']}, UCX {report['ucx']}, {report['progress']} progress, one "
-            f"request per {report['unit']}): {report['model']} {report['ctx']} -> "
+            f"NIXL ({report['nixl']}, UCX {report['ucx']}, {report['progress']} progress, "
+            f"posting threads: {report['threads']}, one request per {report['unit']}): "
+            f"{report['model']} {report['ctx']} -> "
             f"{report['gen']} over {report['transport']}\n"
             f"  {report['fragments']} fragments, {report['bytes']} bytes per round in "
             f"{report['units']} requests over {report['pairs']} pairs\n"
