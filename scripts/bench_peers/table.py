@@ -30,6 +30,10 @@ def main():
     run_dir = sys.argv[1]
     as_json = "--json" in sys.argv[2:]
     meta = load(os.path.join(run_dir, "meta.json"))
+    end = os.path.join(run_dir, "loadavg_end")
+    if os.path.exists(end):
+        with open(end) as f:
+            meta["loadavg_end"] = f.read().strip()
     rows = []
     with open(os.path.join(run_dir, "runs.jsonl")) as f:
         runs = [json.loads(line) for line in f if line.strip()]
@@ -70,8 +74,9 @@ def main():
 
     print(
         f"kvferry {meta['kvferry_commit']} (UCX {meta['kvferry_ucx']}) against "
-        f"{meta.get('nixl', 'NIXL')} (its own UCX {meta.get('nixl_ucx', '?')}); "
-        f"{meta['started']}, {meta['host']}"
+        f"{meta.get('nixl', 'NIXL')} (its own UCX {meta.get('nixl_ucx', '?')})\n"
+        f"{meta['started']}, {meta['host']}, load average {meta.get('loadavg_start', '?')} "
+        f"at the start, {meta.get('loadavg_end', '?')} at the end"
     )
     head = (
         "workload", "transport", "frags/round", "frag size", "kvferry GB/s",
