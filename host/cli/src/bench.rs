@@ -26,12 +26,24 @@
 //! the oracle after each path. Rates are reported as min / median / max over the counted
 //! rounds; the ratio is ours / raw of the medians.
 //!
+//! With `--export-fragments FILE`, the fragments of round 0's set (the one the oracle checks)
+//! are written to `FILE` as JSON ([`FRAGMENTS_FORMAT`]), so that another transfer library can
+//! move exactly the same bytes (`scripts/bench-peers` runs NIXL on them). They are what the
+//! context server recorded and the raw loop puts — validated, coalesced, relative to the
+//! pools — fetched from it with [`Message::Fragments`] rather than planned again in the
+//! controller, so they cannot drift from what was measured; the export's fragment and byte
+//! counts are checked against that round's raw replay.
+//!
 //! With `--perftest`, once the servers are down, `ucx_perftest -t ucp_put_bw` runs between two
 //! processes on a free port with the same `UCX_TLS`, puts of the mean fragment size, at most
 //! [`PUT_WINDOW`] outstanding (`-O`), and an explicit warm-up (`-w`).
 
+use std::collections::BTreeMap;
 use std::fmt;
+use std::fs::File;
+use std::io::{BufWriter, Write as _};
 use std::net::TcpListener;
+use std::path::PathBuf;
 
 use std::process::{Command, Stdio};
 use std::thread;
@@ -44,7 +56,7 @@ use crate::demo::{Children, DemoError, LoopbackPair, expect_released, serve_args
 
 use kvferry_protocol::Frame as _;
 use kvferry_transfer::rank::PUT_WINDOW;
-use kvferry_transfer::{BenchStats, MemoryKind, Transport};
+use kvferry_transfer::{BenchStats, MemoryKind, PairFragments, Transport};
 
 use crate::client::Client;
 use crate::control::{ControlMessage as Message, RankTables, Submit};
@@ -56,6 +68,8 @@ const REPLY_TIMEOUT: Duration = Duration::from_secs(120);
 /// The `ucx_perftest` executable on `PATH` (Debian package `ucx-utils`), used when the UCX
 /// this binary links against ships none of its own.
 pub const PERFTEST: &str = "ucx_perftest";
+/// The `format` field of a `--export-fragments` file.
+pub const FRAGMENTS_FORMAT: &str = "kvferry-fragments/1";
 
 /// The `ucx_perftest` of the UCX this binary links against (`bin/` beside its `lib/`, as the
 /// wheel in `.ucx/` and most prefixes have it), with the `LD_LIBRARY_PATH` it needs; else
@@ -89,6 +103,8 @@ pub struct BenchConfig {
     pub rounds: u32,
     /// Also run `ucx_perftest`.
     pub perftest: bool,
+    /// Write round 0's fragments here (see the module docs).
+    pub export_fragments: Option<PathBuf>,
 }
 
 /// Min, median and max of one path's per-round samples.
@@ -158,6 +174,49 @@ pub struct PerftestReport {
     pub gbps: f64,
 }
 
+/// What `--export-fragments` wrote.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct ExportReport {
+    /// The file.
+    pub path: String,
+    /// The round whose set it holds.
+    pub round: u32,
+    /// (context rank, generation rank) pairs.
+    pub pairs: usize,
+    /// Fragments over all pairs.
+    pub fragments: u64,
+    /// Bytes over all pairs.
+    pub bytes: u64,
+    /// Fragments the raw replay of the same set put (equal to `fragments`, else the run
+    /// reports an error).
+    pub replay_fragments: u64,
+    /// Bytes the raw replay of the same set put.
+    pub replay_bytes: u64,
+}
+
+/// A `--export-fragments` file: one round's set of every (context rank, generation rank)
+/// pair, each fragment `[src_pool, src_offset, dst_pool, dst_offset, len]` relative to the
+/// pools of its pair's ranks (`src_pools` and `dst_pools` give their sizes).
+#[derive(Debug, Serialize)]
+struct FragmentFile<'a> {
+    format: &'static str,
+    model: &'a str,
+    planner: &'a str,
+    planner_version: &'a str,
+    ctx: &'a str,
+    r#gen: &'a str,
+    /// `shm` or `tcp`, and the UCX environment it stands for.
+    transport: &'a str,
+    ucx_env: BTreeMap<&'static str, &'static str>,
+    memory: &'a str,
+    prompt_len: u64,
+    requests: Vec<u64>,
+    round: u32,
+    fragments: u64,
+    bytes: u64,
+    pairs: &'a [PairFragments],
+}
+
 /// What the benchmark measured.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct BenchReport {
@@ -205,6 +264,8 @@ pub struct BenchReport {
     pub raw: PathReport,
     /// The `ucx_perftest` run, if any.
     pub perftest: Option<PerftestReport>,
+    /// The `--export-fragments` file, if one was written.
+    pub export: Option<ExportReport>,
     /// Whether the oracle found every destination byte right after both paths of the first
     /// warm-up round.
     pub verified: bool,
@@ -258,6 +319,13 @@ impl fmt::Display for BenchReport {
                 p.gbps, p.mib_per_s, p.size, p.iterations, p.warmup, p.outstanding, p.tls
             )?,
             None => writeln!(f, "perftest    not run")?,
+        }
+        if let Some(e) = &self.export {
+            writeln!(
+                f,
+                "exported    {} fragments, {} bytes in {} pairs (round {}) to {}",
+                e.fragments, e.bytes, e.pairs, e.round, e.path
+            )?;
         }
         write!(
             f,
@@ -423,6 +491,25 @@ impl Pair {
         }
     }
 
+    /// The recorded fragments of `set`, per pair.
+    fn fragments(&self, set: &Set) -> Result<Vec<PairFragments>, DemoError> {
+        match self.ctx.call(
+            Message::Fragments {
+                requests: set.ids(),
+            },
+            REPLY_TIMEOUT,
+        )? {
+            Message::FragmentsDone { result: Ok(pairs) } => Ok(pairs),
+            Message::FragmentsDone { result: Err(e) } => Err(DemoError::Protocol(format!(
+                "context server fragment export: {e}"
+            ))),
+            other => Err(DemoError::Protocol(format!(
+                "context server answered {} to Fragments",
+                other.kind()
+            ))),
+        }
+    }
+
     /// Checks every request of `set` with the oracle; returns the problems found.
     fn verify(&self, set: &Set) -> Result<Vec<String>, DemoError> {
         let mut problems = Vec::new();
@@ -573,6 +660,20 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
                 let (r, stats) = pair.raw(&set)?;
                 if round == 0 {
                     problems.extend(pair.verify(&set)?);
+                    if let Some(path) = &config.export_fragments {
+                        let pairs = pair.fragments(&set)?;
+                        let mut export = write_fragments(path, config, &report, &set, &pairs)?;
+                        export.replay_fragments = stats.fragments;
+                        export.replay_bytes = stats.bytes;
+                        if export.fragments != stats.fragments || export.bytes != stats.bytes {
+                            problems.push(format!(
+                                "exported {} fragments and {} bytes, the raw replay of the \
+                                 same set put {} and {}",
+                                export.fragments, export.bytes, stats.fragments, stats.bytes
+                            ));
+                        }
+                        report.export = Some(export);
+                    }
                 }
                 if counted {
                     total_puts += stats.puts;
@@ -649,6 +750,49 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
         }
     }
     Ok(report)
+}
+
+/// Writes the `--export-fragments` file of round 0's `set`.
+fn write_fragments(
+    path: &std::path::Path,
+    config: &BenchConfig,
+    report: &BenchReport,
+    set: &Set,
+    pairs: &[PairFragments],
+) -> Result<ExportReport, DemoError> {
+    let fragments = pairs.iter().map(|p| p.fragments.len() as u64).sum();
+    let bytes = pairs.iter().map(|p| p.bytes).sum();
+    let file = FragmentFile {
+        format: FRAGMENTS_FORMAT,
+        model: &report.model,
+        planner: &report.planner,
+        planner_version: &report.planner_version,
+        ctx: &report.ctx,
+        r#gen: &report.r#gen,
+        transport: &report.transport,
+        ucx_env: ucx_env(config.pair.transport).into_iter().collect(),
+        memory: &report.memory,
+        prompt_len: config.prompt_len,
+        requests: set.ids(),
+        round: 0,
+        fragments,
+        bytes,
+        pairs,
+    };
+    let failed =
+        |e: &dyn fmt::Display| DemoError::Invalid(format!("cannot write {}: {e}", path.display()));
+    let mut out = BufWriter::new(File::create(path).map_err(|e| failed(&e))?);
+    serde_json::to_writer(&mut out, &file).map_err(|e| failed(&e))?;
+    out.write_all(b"\n").map_err(|e| failed(&e))?;
+    out.flush().map_err(|e| failed(&e))?;
+    Ok(ExportReport {
+        path: path.display().to_string(),
+        round: 0,
+        pairs: pairs.len(),
+        fragments,
+        bytes,
+        ..ExportReport::default()
+    })
 }
 
 fn path_report(samples: &[Sample]) -> PathReport {

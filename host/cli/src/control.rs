@@ -14,12 +14,13 @@
 //! | [`ControlMessage::Cancel`] | generation | none (the request's `Done` reports it) |
 //! | [`ControlMessage::VerifyIdle`] | generation | [`ControlMessage::IdleVerified`] |
 //! | [`ControlMessage::Bench`] | context | [`ControlMessage::BenchDone`] |
+//! | [`ControlMessage::Fragments`] | context | [`ControlMessage::FragmentsDone`] |
 //! | [`ControlMessage::Shutdown`] | either | the server process exits |
 //! | [`ControlMessage::Error`] | server → controller | the connection closes |
 
 use kvferry_planner_abi::{SlotTable, TokenRange};
 use kvferry_protocol::{Frame, InstanceInfo};
-use kvferry_transfer::{BenchStats, RequestStats};
+use kvferry_transfer::{BenchStats, PairFragments, RequestStats};
 use serde::{Deserialize, Serialize};
 
 /// A request, as the controller submits it to both servers.
@@ -148,6 +149,19 @@ pub enum ControlMessage {
         /// What was wrong.
         message: String,
     },
+    /// Send the fragments of the plans a context server recorded for these requests, per
+    /// (context rank, generation rank) pair and relative to each side's pools: what
+    /// [`ControlMessage::Bench`] would put (`kvferry bench --export-fragments`). Needs
+    /// `--record-plans`.
+    Fragments {
+        /// The requests whose plans are exported.
+        requests: Vec<u64>,
+    },
+    /// The recorded fragments, or why not (also when they would not fit one frame).
+    FragmentsDone {
+        /// The pairs, or the reason.
+        result: Result<Vec<PairFragments>, String>,
+    },
 }
 
 impl Frame for ControlMessage {
@@ -172,6 +186,8 @@ impl Frame for ControlMessage {
             ControlMessage::Bench { .. } => "Bench",
             ControlMessage::BenchDone { .. } => "BenchDone",
             ControlMessage::Error { .. } => "Error",
+            ControlMessage::Fragments { .. } => "Fragments",
+            ControlMessage::FragmentsDone { .. } => "FragmentsDone",
         }
     }
 

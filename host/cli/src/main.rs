@@ -318,6 +318,12 @@ struct BenchArgs {
     /// and the same UCX transports.
     #[arg(long)]
     perftest: bool,
+    /// Write the fragments of round 0's set (the one the oracle checks), exactly as the
+    /// context server recorded them and the raw loop puts, to FILE as JSON: per (context
+    /// rank, generation rank) pair its pools' sizes and `[src_pool, src_offset, dst_pool,
+    /// dst_offset, len]` per fragment (format `kvferry-fragments/1`; `scripts/bench-peers`).
+    #[arg(long, value_name = "FILE")]
+    export_fragments: Option<PathBuf>,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -914,6 +920,7 @@ fn run_bench(config_file: Option<PathBuf>, a: BenchArgs) -> Result<ExitCode> {
         requests: a.requests,
         rounds: a.rounds,
         perftest: a.perftest,
+        export_fragments: a.export_fragments,
     };
     let report = bench::run(&config)?;
     // JSON: ours_gbps, raw_gbps, ratio, perftest_gbps, fragments, bytes, mean_fragment_bytes,

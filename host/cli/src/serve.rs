@@ -21,7 +21,7 @@ use std::time::Duration;
 use kvferry_loader::BoundPlanner;
 use kvferry_plan::error_chain;
 use kvferry_planner_abi::{Mapping, RankInfo, SlotTable};
-use kvferry_protocol::{Frame, read_frame};
+use kvferry_protocol::{Frame, MAX_FRAME_BYTES, read_frame};
 use kvferry_testkit::layout::{ModelSpec, PoolOptions, build_instance};
 use kvferry_testkit::oracle::{Oracle, VerifyReport};
 use kvferry_testkit::scenario::slot_tables;
@@ -31,8 +31,8 @@ use kvferry_transfer::rank::{RemoteRank, WriteHook};
 use kvferry_transfer::receiver::Completed;
 use kvferry_transfer::sender::ContextOptions;
 use kvferry_transfer::{
-    ContextServer, Expect, GenerationServer, Instance, InstanceConfig, PeerListener, Role,
-    SourceRequest,
+    ContextServer, Expect, GenerationServer, Instance, InstanceConfig, PairFragments, PeerListener,
+    Role, SourceRequest,
 };
 
 use crate::control::{ControlMessage, RankTables, Submit, VerifySummary};
@@ -371,6 +371,20 @@ impl Shared {
                         .into()),
                 }
             }
+            (ControlMessage::Fragments { .. }, Side::Context(_)) if !self.record_plans => {
+                ControlMessage::FragmentsDone {
+                    result: Err("this context server does not record plans (start it with \
+                                 --record-plans)"
+                        .into()),
+                }
+            }
+            (ControlMessage::Fragments { requests }, Side::Context(server)) => {
+                ControlMessage::FragmentsDone {
+                    result: server
+                        .recorded_fragments(&requests)
+                        .and_then(fits_one_frame),
+                }
+            }
             (ControlMessage::Bench { requests }, Side::Context(server)) => {
                 let result = server.replay(&requests).map_err(|e| {
                     tracing::warn!(error = %e, "bench replay failed");
@@ -690,4 +704,23 @@ fn connection(shared: &Arc<Shared>, stream: TcpStream) {
         let _ = stream.set_read_timeout(Some(DRAIN));
         drain(stream, DRAIN);
     }
+}
+
+/// `pairs`, unless their [`ControlMessage::FragmentsDone`] could exceed one control frame
+/// (bounded from above: at most 29 bytes per fragment and 64 per pair and pool list entry).
+fn fits_one_frame(pairs: Vec<PairFragments>) -> Result<Vec<PairFragments>, String> {
+    let fragments: usize = pairs.iter().map(|p| p.fragments.len()).sum();
+    let entries: usize = pairs
+        .iter()
+        .map(|p| 1 + p.src_pools.len() + p.dst_pools.len() + p.plans.len())
+        .sum();
+    let bound = fragments * 29 + entries * 64 + 64;
+    if bound > MAX_FRAME_BYTES {
+        return Err(format!(
+            "{fragments} fragments in {} pairs may not fit one {MAX_FRAME_BYTES}-byte control \
+             frame; export fewer requests",
+            pairs.len()
+        ));
+    }
+    Ok(pairs)
 }

@@ -8,12 +8,129 @@ use std::process::Command;
 
 use kvferry_cli::control::ControlMessage as Message;
 use kvferry_protocol::{encode, read_frame};
-use kvferry_transfer::BenchStats;
+use kvferry_transfer::{BenchStats, PairFragments, PoolFragment};
 use serde_json::Value;
 use support::Kvferry;
 use support::transfer::{REPLY, Server, prefill, release, submit};
 
 const MLA: &str = "kvferry.deepseek_mla_latent";
+
+/// `--export-fragments` writes round 0's set: every fragment inside its pair's pools, and the
+/// totals those of the bench (the bench itself fails the run when they differ from the raw
+/// replay of the same set).
+#[test]
+fn bench_exports_the_fragments_it_moves() {
+    let dir = tempfile::tempdir().unwrap();
+    for (model, ctx, r#gen, planner, transport) in [
+        ("deepseek-v3", "dep2", "dep2", MLA, "shm"),
+        ("llama-3-70b", "tp2", "tp4", "kvferry.default", "tcp"),
+    ] {
+        let file = dir.path().join(format!("{model}-{transport}.json"));
+        let v = bench(&[
+            "--model",
+            model,
+            "--ctx",
+            ctx,
+            "--gen",
+            r#gen,
+            "--prompt-len",
+            "96",
+            "--requests",
+            "2",
+            "--rounds",
+            "1",
+            "--transport",
+            transport,
+            "--planner",
+            planner,
+            "--export-fragments",
+            file.to_str().unwrap(),
+        ]);
+        check_common(&v, transport, planner);
+        let export = &v["export"];
+        assert_eq!(export["path"], file.to_str().unwrap(), "{v}");
+        assert_eq!(export["round"], 0, "{v}");
+
+        let f: Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+        assert_eq!(f["format"], kvferry_cli::bench::FRAGMENTS_FORMAT);
+        assert_eq!(f["transport"], transport);
+        assert_eq!(f["planner"], planner);
+        assert_eq!(f["ctx"], ctx);
+        assert_eq!(f["gen"], r#gen);
+        let tls = if transport == "shm" {
+            "posix,sysv,cma,self"
+        } else {
+            "tcp"
+        };
+        assert_eq!(f["ucx_env"]["UCX_TLS"], tls);
+        let pairs: Vec<PairFragments> = serde_json::from_value(f["pairs"].clone()).unwrap();
+        assert_eq!(pairs.len() as u64, export["pairs"].as_u64().unwrap());
+        let (mut fragments, mut bytes) = (0u64, 0u64);
+        for p in &pairs {
+            assert_eq!(
+                p.plans.iter().sum::<u64>(),
+                p.fragments.len() as u64,
+                "{p:?}"
+            );
+            let moved: u64 = p.fragments.iter().map(PoolFragment::len).sum();
+            assert_eq!(moved, p.bytes);
+            for &PoolFragment(sp, so, dp, d, len) in &p.fragments {
+                assert!(len > 0);
+                assert!(so + len <= p.src_pools[sp as usize], "{p:?}");
+                assert!(d + len <= p.dst_pools[dp as usize], "{p:?}");
+            }
+            fragments += p.fragments.len() as u64;
+            bytes += moved;
+        }
+        assert_eq!(fragments, f["fragments"].as_u64().unwrap());
+        assert_eq!(fragments, export["fragments"].as_u64().unwrap());
+        assert_eq!(bytes, f["bytes"].as_u64().unwrap());
+        assert_eq!(bytes, export["bytes"].as_u64().unwrap());
+        // What the raw loop put for that set, and what the bench reports per round.
+        assert_eq!(
+            fragments,
+            export["replay_fragments"].as_u64().unwrap(),
+            "{v}"
+        );
+        assert_eq!(bytes, export["replay_bytes"].as_u64().unwrap(), "{v}");
+        // Every round moves the same bytes; with one counted round its fragments are the
+        // report's only if placement coalesces alike, so only bytes are compared here.
+        assert_eq!(bytes, v["bytes"].as_u64().unwrap(), "{v}");
+        assert_eq!(
+            f["requests"].as_array().unwrap().len() as u64,
+            v["requests"].as_u64().unwrap()
+        );
+    }
+}
+
+/// `Fragments` needs a recording context server, like `Bench`.
+#[test]
+fn fragments_need_a_recording_context_server() {
+    let ctx = Server::start("context", "deepseek-v3", "dep2", "shm", &["--planner", MLA]);
+    let c = ctx.client();
+    match c
+        .call(Message::Fragments { requests: vec![1] }, REPLY)
+        .unwrap()
+    {
+        Message::FragmentsDone { result: Err(e) } => assert!(e.contains("--record-plans"), "{e}"),
+        other => panic!("{other:?}"),
+    }
+    let recording = Server::start(
+        "context",
+        "deepseek-v3",
+        "dep2",
+        "shm",
+        &["--planner", MLA, "--record-plans"],
+    );
+    let c = recording.client();
+    match c
+        .call(Message::Fragments { requests: vec![9] }, REPLY)
+        .unwrap()
+    {
+        Message::FragmentsDone { result: Err(e) } => assert!(e.contains("request 9"), "{e}"),
+        other => panic!("{other:?}"),
+    }
+}
 
 /// `kvferry bench ARGS --json` with no planner configuration from the environment.
 fn bench(args: &[&str]) -> Value {
@@ -195,6 +312,26 @@ fn bench_messages_round_trip() {
             }),
         },
         Message::BenchDone {
+            result: Err("not recording".into()),
+        },
+        Message::Fragments {
+            requests: vec![3, u64::MAX],
+        },
+        Message::FragmentsDone {
+            result: Ok(vec![PairFragments {
+                ctx_rank: 1,
+                gen_rank: 7,
+                src_pools: vec![1 << 30, 4096],
+                dst_pools: vec![1 << 29],
+                plans: vec![1, 1],
+                bytes: 8192 + 1,
+                fragments: vec![
+                    PoolFragment(0, 0, 0, u64::MAX - 8192, 8192),
+                    PoolFragment(1, 4095, 0, 0, 1),
+                ],
+            }]),
+        },
+        Message::FragmentsDone {
             result: Err("not recording".into()),
         },
     ] {

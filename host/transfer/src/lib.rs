@@ -42,4 +42,4 @@ pub use receiver::{Expect, GenerationServer, RequestError};
 pub use sender::{ContextServer, SourceRequest};
 pub use server::{PeerListener, ServeError};
 
-pub use outcome::{BenchStats, OnFree, RequestStats};
+pub use outcome::{BenchStats, OnFree, PairFragments, PoolFragment, RequestStats};

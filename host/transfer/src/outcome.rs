@@ -39,3 +39,43 @@ pub struct BenchStats {
 /// them any more): the caller may reuse them. It may run on a kvferry thread with internal
 /// locks held: it must not call back into the server; hand the news to a channel.
 pub type OnFree = Box<dyn FnOnce() + Send>;
+
+/// One fragment of a recorded plan, relative to the pools it reads and writes: `(source
+/// pool, offset in it, destination pool, offset in it, bytes)`. A tuple so that it is one
+/// small array in JSON.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolFragment(pub u32, pub u64, pub u32, pub u64, pub u64);
+
+impl PoolFragment {
+    /// Bytes the fragment moves.
+    pub fn len(&self) -> u64 {
+        self.4
+    }
+
+    /// Whether it moves nothing (validated plans have no such fragment).
+    pub fn is_empty(&self) -> bool {
+        self.4 == 0
+    }
+}
+
+/// What a context server's recorded plans of some requests write from one of its ranks to
+/// one generation rank, exactly the coalesced fragments [`crate::ContextServer::replay`] puts,
+/// in its order ([`crate::ContextServer::recorded_fragments`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PairFragments {
+    /// The context (sender) rank.
+    pub ctx_rank: u32,
+    /// The generation (receiver) rank.
+    pub gen_rank: u32,
+    /// Bytes of each of the context rank's pools, in page-table order.
+    pub src_pools: Vec<u64>,
+    /// Bytes of each of the generation rank's pools, in page-table order.
+    pub dst_pools: Vec<u64>,
+    /// Fragments of each plan, in order (the replay gives each plan one window and one
+    /// flush); they sum to `fragments.len()`.
+    pub plans: Vec<u64>,
+    /// Bytes of all fragments.
+    pub bytes: u64,
+    /// The fragments, plan after plan.
+    pub fragments: Vec<PoolFragment>,
+}

@@ -97,7 +97,7 @@ pub struct RemoteRank {
 
 impl RemoteRank {
     /// The pool holding `[address, address + len)` entirely.
-    fn pool_of(&self, address: u64, len: u64) -> Option<usize> {
+    pub(crate) fn pool_of(&self, address: u64, len: u64) -> Option<usize> {
         self.pools.iter().position(|p| {
             address >= p.base
                 && address

@@ -35,7 +35,7 @@ use kvferry_protocol::{
 use crate::conn::Flow;
 use crate::conn::Outbox;
 use crate::instance::Instance;
-use crate::outcome::{BenchStats, OnFree};
+use crate::outcome::{BenchStats, OnFree, PairFragments, PoolFragment};
 use crate::rank::{
     JobRelease, PeerId, RemoteRank, ReplayDone, ReplayJob, ReplayStats, WriteError, WriteHook,
     WriteJob,
@@ -879,6 +879,94 @@ impl ContextServer {
             stats.elapsed_ns = finished.duration_since(started).as_nanos() as u64;
         }
         Ok(stats)
+    }
+
+    /// The recorded plans of `requests` as fragment lists per (context rank, generation
+    /// rank) pair, relative to the pools each side holds: exactly the coalesced fragments
+    /// [`replay`](Self::replay) puts, in its order (requests in ascending id, each request's
+    /// plans as queued). For benchmarks that move the same bytes with another library.
+    ///
+    /// Pairs come in order of context rank, then of first appearance. A fragment that does
+    /// not lie inside one pool of each side (which validation rules out) is an error.
+    ///
+    /// # Errors
+    ///
+    /// Plans are not recorded ([`ContextOptions::record_plans`]), or a request is unknown.
+    pub fn recorded_fragments(&self, requests: &[u64]) -> Result<Vec<PairFragments>, String> {
+        if !self.record {
+            return Err("this context server does not record plans".into());
+        }
+        let ids: BTreeSet<u64> = requests.iter().copied().collect();
+        // Copy the plan handles out so the lock is not held while resolving fragments.
+        let mut recorded: Vec<(u32, Arc<RemoteRank>, Arc<ValidatedPlan>)> = Vec::new();
+        {
+            let state = self.lock();
+            for id in &ids {
+                let req = state
+                    .requests
+                    .get(id)
+                    .ok_or_else(|| format!("request {id} is not prefilled"))?;
+                recorded.extend(
+                    req.recorded
+                        .iter()
+                        .map(|r| (r.rank, Arc::clone(&r.dest), Arc::clone(&r.plan))),
+                );
+            }
+        }
+        // Per context rank, its pairs keyed by (registration, generation rank).
+        type Keyed = Vec<((PeerId, u32), PairFragments)>;
+        let mut pairs: BTreeMap<u32, Keyed> = BTreeMap::new();
+        for (c, dest, plan) in recorded {
+            let rank = self
+                .instance
+                .rank(c)
+                .ok_or_else(|| format!("context rank {c} does not exist"))?;
+            let pools = &rank.pools;
+            let of_rank = pairs.entry(c).or_default();
+            let key = (dest.peer, dest.rank);
+            let k = match of_rank.iter().position(|(k, _)| *k == key) {
+                Some(k) => k,
+                None => {
+                    of_rank.push((
+                        key,
+                        PairFragments {
+                            ctx_rank: c,
+                            gen_rank: dest.rank,
+                            src_pools: (0..pools.len())
+                                .filter_map(|p| pools.region(p).map(|r| r.len() as u64))
+                                .collect(),
+                            dst_pools: dest.pools.iter().map(|p| p.len).collect(),
+                            ..PairFragments::default()
+                        },
+                    ));
+                    of_rank.len() - 1
+                }
+            };
+            let pair = &mut of_rank[k].1;
+            pair.plans.push(plan.len() as u64);
+            pair.bytes += plan.total_bytes();
+            pair.fragments.reserve(plan.len());
+            for (src, dst, len) in plan.fragments() {
+                let (sp, so) = pools.locate(src, len).ok_or_else(|| {
+                    format!("context rank {c}: source {src:#x}+{len} lies outside its pools")
+                })?;
+                let dp = dest.pool_of(dst, len).ok_or_else(|| {
+                    format!(
+                        "generation rank {}: destination {dst:#x}+{len} lies outside its pools",
+                        dest.rank
+                    )
+                })?;
+                let d = &dest.pools[dp];
+                pair.fragments.push(PoolFragment(
+                    sp as u32,
+                    so as u64,
+                    dp as u32,
+                    dst - d.base,
+                    len,
+                ));
+            }
+        }
+        Ok(pairs.into_values().flatten().map(|(_, p)| p).collect())
     }
 
     fn job_done(&self, request: u64) {
