@@ -24,7 +24,7 @@ fn gpu_here() -> bool {
                 .any(|e| e.file_name().to_string_lossy().starts_with(prefix))
         })
     };
-    any("/proc/driver/nvidia/gpus", "") || any("/dev", "nvidia")
+    Path::new("/proc/driver/nvidia").exists() || any("/dev", "nvidia")
 }
 
 /// Whether kvferry could load libcuda here (a build without the `cuda` feature cannot tell).
@@ -60,7 +60,7 @@ fn without_a_gpu_the_run_exits_77_and_says_no_gpu() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(77), "{stdout}");
     assert!(
-        stdout.starts_with("gpu-check: SKIP (no GPU on this machine: no /dev/nvidia[0-9]*"),
+        stdout.starts_with("gpu-check: SKIP (no GPU on this machine: no /dev/nvidia*,"),
         "{stdout}"
     );
     assert_eq!(stdout.lines().count(), 1, "{stdout}");
