@@ -345,10 +345,19 @@ fn serve_cuda() -> Served {
             Served::Listened
         }
         // Every line of its standard error was handed over before the error returned.
-        Err(e) => Served::Exited {
-            error: e.to_string(),
-            stderr: rx.try_iter().collect::<Vec<_>>().join("\n"),
-        },
+        Err(e) => {
+            let stderr = rx.try_iter().collect::<Vec<_>>().join("\n");
+            assert!(
+                !stderr.contains("no planner was loaded"),
+                "serve found no planner next to {}: build them first (`cargo build --workspace`, \
+                 as scripts/test does; scripts/gpu-check builds them itself)\n{stderr}",
+                support::kvferry_exe().display()
+            );
+            Served::Exited {
+                error: e.to_string(),
+                stderr,
+            }
+        }
     }
 }
 
