@@ -16,6 +16,11 @@ use kvferry_transfer::{MemoryKind, Transport};
 use kvferry_ucx::{Context, Op, Status, library};
 use serde::Serialize;
 
+/// Names the UCX library directory this process is meant to load when it is not the one the
+/// build linked against: a bundle from `scripts/gpu-check --bundle` runs with its own copy of
+/// UCX on `LD_LIBRARY_PATH`, away from this checkout.
+pub const EXPECTED_UCX_DIR_ENV: &str = "KVFERRY_UCX_EXPECTED_DIR";
+
 /// Everything doctor found.
 #[derive(Clone, Debug, Serialize)]
 pub struct Report {
@@ -63,6 +68,9 @@ pub struct CudaReport {
     pub gpus: usize,
     /// The `libcuda` mapped into this process after UCX loaded its CUDA module, if any.
     pub libcuda: Option<PathBuf>,
+    /// Whether kvferry itself can load `libcuda` (as `--memory cuda` does); `None` in a build
+    /// without the `cuda` feature.
+    pub libcuda_loadable: Option<bool>,
 }
 
 /// What one transport selects.
@@ -153,6 +161,7 @@ pub fn diagnose(net_devices: Option<&str>) -> Report {
             .and_then(|v| v.lines().next().map(str::to_string)),
         gpus: fs::read_dir("/proc/driver/nvidia/gpus").map_or(0, |d| d.count()),
         libcuda: mapped("libcuda.so"),
+        libcuda_loadable: libcuda_loadable(),
     };
 
     let copies = library::loaded_copies();
@@ -166,7 +175,17 @@ pub fn diagnose(net_devices: Option<&str>) -> Report {
     }
     if let Some(first) = copies.first() {
         let loaded_dir = first.parent().map(canonical);
-        if loaded_dir != Some(canonical(Path::new(linked.lib_dir))) {
+        let expected = std::env::var_os(EXPECTED_UCX_DIR_ENV).filter(|d| !d.is_empty());
+        if let Some(expected) = expected {
+            let expected = PathBuf::from(expected);
+            if loaded_dir != Some(canonical(&expected)) {
+                problems.push(format!(
+                    "the loaded UCX ({}) is not the one {EXPECTED_UCX_DIR_ENV} names ({})",
+                    first.display(),
+                    expected.display()
+                ));
+            }
+        } else if loaded_dir != Some(canonical(Path::new(linked.lib_dir))) {
             problems.push(format!(
                 "the loaded UCX ({}) is not the one this build linked against ({}): \
                  LD_LIBRARY_PATH or an earlier-loaded libucp.so.0 won",
@@ -192,6 +211,13 @@ pub fn diagnose(net_devices: Option<&str>) -> Report {
              --enable-mt); kvferry needs it"
                 .into(),
         );
+    }
+    if cuda.gpus > 0 && cuda.libcuda_loadable == Some(false) {
+        problems.push(format!(
+            "{} GPU(s) present but kvferry cannot load libcuda (no user-space CUDA driver on \
+             the library path?): --memory cuda will refuse to start",
+            cuda.gpus
+        ));
     }
     let cuda_usable = transports
         .iter()
@@ -230,6 +256,14 @@ pub fn diagnose(net_devices: Option<&str>) -> Report {
         ucx_env,
         problems,
     }
+}
+
+/// Whether kvferry can load `libcuda` (cudarc's probe, which `--memory cuda` runs first).
+fn libcuda_loadable() -> Option<bool> {
+    #[cfg(feature = "cuda")]
+    return Some(kvferry_transfer::cuda::driver_present());
+    #[cfg(not(feature = "cuda"))]
+    None
 }
 
 /// The context `serve` would create for `transport` and `memory`, and whether UCX refused it

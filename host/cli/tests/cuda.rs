@@ -2,8 +2,10 @@
 //!
 //! Without the CUDA driver every test prints `skipped: no CUDA driver (libcuda not found)` and
 //! passes, which is what CI (no GPU) sees. With a driver the tests run only when
-//! `KVFERRY_GPU_TESTS=1` is set, as `scripts/gpu-check` does; then a failure to open device 0
-//! is a failure, not a skip.
+//! `KVFERRY_GPU_TESTS=1` is set, as `scripts/gpu-check` (and its bundle's `run`) does on a
+//! machine whose GPUs it has seen. That setting means "this machine must move device memory":
+//! then a missing libcuda, a device that does not open, and a UCX that refuses device memory
+//! are failures, never skips.
 //!
 //! Lines starting `kvferry-gpu:` are read by `scripts/gpu-check` for its summary.
 #![cfg(feature = "cuda")]
@@ -17,18 +19,35 @@ use std::time::{Duration, Instant};
 
 use kvferry_cli::demo::spawn_serve_logged;
 use kvferry_transfer::cuda::{self, CudaDevice, CudaError, CudaPool};
-use kvferry_ucx::{Context, MemoryType, Request, Worker};
+use kvferry_transfer::{MemoryKind, Transport};
+use kvferry_ucx::{MemRegion, MemoryType, Request, Worker};
 use support::Kvferry;
 
 const OPT_IN: &str = "KVFERRY_GPU_TESTS";
 
+/// Whether `KVFERRY_GPU_TESTS=1`: GPU tests must run, not skip.
+fn opted_in() -> bool {
+    std::env::var_os(OPT_IN).is_some_and(|v| v == "1")
+}
+
+/// Fails `test` when GPU tests are required but libcuda cannot be loaded.
+fn require_driver_if_opted_in(test: &str) {
+    if opted_in() && !cuda::driver_present() {
+        panic!(
+            "{test}: {OPT_IN}=1 but libcuda cannot be loaded: {}",
+            CudaDevice::open(0).map_or_else(|e| e.to_string(), |_| "?".into())
+        );
+    }
+}
+
 /// Device 0, or `None` after printing why `test` is skipped.
 fn gpu(test: &str) -> Option<CudaDevice> {
+    require_driver_if_opted_in(test);
     if !cuda::driver_present() {
         println!("{test}: skipped: no CUDA driver (libcuda not found)");
         return None;
     }
-    if std::env::var_os(OPT_IN).is_none_or(|v| v != "1") {
+    if !opted_in() {
         println!("{test}: skipped: a CUDA driver is present; set {OPT_IN}=1 to run GPU tests");
         return None;
     }
@@ -132,30 +151,30 @@ fn drive(mut request: Request<'_>, workers: &[&Worker]) -> Result<(), kvferry_uc
     request.wait()
 }
 
-/// Either outcome of registration is a pass, as long as it is clean: with a CUDA-enabled UCX
-/// the pool is registered and a put from host memory lands in it; without one (Debian's UCX)
-/// the refusal names the UCX version. A panic or any other error fails.
+/// Registers `pool` on `ctx`; with GPU tests required, a UCX that refuses device memory fails.
+fn register(ctx: &Arc<kvferry_ucx::Context>, pool: &CudaPool, what: &str) -> MemRegion {
+    match panic::catch_unwind(AssertUnwindSafe(|| cuda::register_with_ucx(ctx, pool))) {
+        Err(_) => panic!("register_with_ucx panicked ({what})"),
+        Ok(Err(err)) => panic!(
+            "kvferry-gpu: ucx: refused: UCX {} cannot register device memory ({what}): {}",
+            kvferry_ucx::version(),
+            kvferry_testkit::error_chain(&err)
+        ),
+        Ok(Ok(region)) => region,
+    }
+}
+
+/// The pool registers as CUDA memory, its region refuses host access, and a put of host bytes
+/// lands in it (through two workers of this process, on the product's shm context).
 #[test]
-fn pool_registers_with_ucx_or_is_refused_cleanly() {
-    let Some(device) = gpu("pool_registers_with_ucx_or_is_refused_cleanly") else {
+fn pool_registers_with_ucx_and_takes_host_puts() {
+    let Some(device) = gpu("pool_registers_with_ucx_and_takes_host_puts") else {
         return;
     };
     const LEN: usize = 4 << 20;
     let pool = CudaPool::new(&device, LEN).unwrap();
-    let ctx_b = Context::new().expect("create UCX context");
-    let outcome = panic::catch_unwind(AssertUnwindSafe(|| cuda::register_with_ucx(&ctx_b, &pool)));
-    let registered = match outcome {
-        Err(_) => panic!("register_with_ucx panicked"),
-        Ok(Err(err @ CudaError::UcxLacksCuda { .. })) => {
-            let message = err.to_string();
-            println!("kvferry-gpu: ucx: refused: {message}");
-            assert!(message.contains(kvferry_ucx::version()), "{message}");
-            assert!(message.contains("--with-cuda"), "{message}");
-            return;
-        }
-        Ok(Err(err)) => panic!("register_with_ucx failed: {err} ({err:?})"),
-        Ok(Ok(region)) => region,
-    };
+    let ctx_b = Transport::Shm.context_for(MemoryKind::Cuda).unwrap();
+    let registered = register(&ctx_b, &pool, "shm target");
     assert_eq!(registered.memory_type(), MemoryType::CUDA);
     assert_eq!(registered.remote_addr(), pool.device_ptr());
     assert_eq!(registered.len(), LEN);
@@ -167,9 +186,8 @@ fn pool_registers_with_ucx_or_is_refused_cleanly() {
         "host read of a device region must panic"
     );
 
-    // Put host bytes into the device pool through a second worker in this process.
     let b = Worker::new(&ctx_b).unwrap();
-    let ctx_a: Arc<Context> = Context::new().unwrap();
+    let ctx_a = Transport::Shm.context_for(MemoryKind::Cuda).unwrap();
     let a = Worker::new(&ctx_a).unwrap();
     let ep = a.connect(&b.address().unwrap()).unwrap();
     let rkey = ep
@@ -198,6 +216,83 @@ fn pool_registers_with_ucx_or_is_refused_cleanly() {
         LEN >> 20,
         kvferry_ucx::version()
     );
+}
+
+/// What the product does, in one process: UCX contexts made as `serve --memory cuda
+/// --transport T` makes them ([`Transport::context_for`]), a device pool registered as the
+/// source, and `put_region` (the rank thread's put, with the source's memory handle) in 1 MiB
+/// pieces into a device pool and into a host region of the peer; every byte is checked by
+/// downloading the device target and reading the host one.
+fn puts_from_device_memory(transport: Transport) {
+    let test = format!("ucx_puts_from_device_memory_{transport}");
+    let Some(device) = gpu(&test) else {
+        return;
+    };
+    const LEN: usize = 16 << 20;
+    const PIECE: usize = 1 << 20;
+    let ctx_a = transport.context_for(MemoryKind::Cuda).unwrap();
+    let ctx_b = transport.context_for(MemoryKind::Cuda).unwrap();
+    let source_pool = CudaPool::new(&device, LEN).unwrap();
+    let expected = tags(LEN, 0x5E);
+    source_pool.upload(0, &expected).unwrap();
+    let source = register(&ctx_a, &source_pool, &format!("{transport} source"));
+    let target_pool = CudaPool::new(&device, LEN).unwrap();
+    let device_target = register(&ctx_b, &target_pool, &format!("{transport} target"));
+    let host_target = MemRegion::allocate(&ctx_b, LEN).unwrap();
+
+    let a = Worker::new(&ctx_a).unwrap();
+    let b = Worker::new(&ctx_b).unwrap();
+    let ep = a.connect(&b.address().unwrap()).unwrap();
+    let mut rates = Vec::new();
+    for (name, target) in [("device", &device_target), ("host", &host_target)] {
+        let rkey = ep
+            .unpack_rkey(target.pack_rkey().unwrap().as_bytes())
+            .unwrap();
+        let started = Instant::now();
+        for offset in (0..LEN).step_by(PIECE) {
+            let remote = target.remote_addr() + offset as u64;
+            let put = ep
+                .put_region(&source, offset, PIECE, remote, &rkey)
+                .unwrap_or_else(|e| panic!("{test}: start put device->{name}: {e}"));
+            drive(put, &[&a, &b]).unwrap_or_else(|e| panic!("{test}: put device->{name}: {e}"));
+        }
+        drive(ep.flush().unwrap(), &[&a, &b])
+            .unwrap_or_else(|e| panic!("{test}: flush puts device->{name}: {e}"));
+        let seconds = started.elapsed().as_secs_f64();
+        rates.push(format!(
+            "device->{name} {:.2} GB/s",
+            LEN as f64 / seconds / 1e9
+        ));
+        let mut got = vec![0u8; LEN];
+        if name == "device" {
+            target_pool.download(0, &mut got).unwrap();
+        } else {
+            host_target.read_at(0, &mut got);
+        }
+        assert!(
+            got == expected,
+            "{test}: the {name} target differs from the device source"
+        );
+    }
+    drop(ep);
+    println!(
+        "kvferry-gpu: ucx {transport}: puts from device memory verified ({} MiB each, \
+         UCX_TLS={}, UCX {}): {}",
+        LEN >> 20,
+        transport.tls(MemoryKind::Cuda),
+        kvferry_ucx::version(),
+        rates.join(", ")
+    );
+}
+
+#[test]
+fn ucx_puts_from_device_memory_shm() {
+    puts_from_device_memory(Transport::Shm);
+}
+
+#[test]
+fn ucx_puts_from_device_memory_tcp() {
+    puts_from_device_memory(Transport::Tcp);
 }
 
 /// `serve --role generation --memory cuda` of a small instance.
@@ -250,10 +345,19 @@ fn serve_cuda() -> Served {
             Served::Listened
         }
         // Every line of its standard error was handed over before the error returned.
-        Err(e) => Served::Exited {
-            error: e.to_string(),
-            stderr: rx.try_iter().collect::<Vec<_>>().join("\n"),
-        },
+        Err(e) => {
+            let stderr = rx.try_iter().collect::<Vec<_>>().join("\n");
+            assert!(
+                !stderr.contains("no planner was loaded"),
+                "serve found no planner next to {}: build them first (`cargo build --workspace`, \
+                 as scripts/test does; scripts/gpu-check builds them itself)\n{stderr}",
+                support::kvferry_exe().display()
+            );
+            Served::Exited {
+                error: e.to_string(),
+                stderr,
+            }
+        }
     }
 }
 
@@ -261,12 +365,13 @@ fn serve_cuda() -> Served {
 const EXITED_1: &str = "exited before it listened (exit status: 1)";
 
 /// `serve --memory cuda` never silently falls back to host memory: without a driver it exits
-/// 1 with the no-driver error before listening; with one (and `KVFERRY_GPU_TESTS=1`) it either
-/// serves device pools, and then a small `demo --memory cuda` verifies every byte, or refuses a
-/// UCX without CUDA support with the library's message.
+/// 1 with the no-driver error before listening; with one (and `KVFERRY_GPU_TESTS=1`) it serves
+/// device pools, and then a small `demo --memory cuda` verifies every byte. A UCX that refuses
+/// device memory fails the test then (its refusal message is checked, and shown).
 #[test]
 fn serve_memory_cuda_refuses_cleanly_or_serves() {
     const TEST: &str = "serve_memory_cuda_refuses_cleanly_or_serves";
+    require_driver_if_opted_in(TEST);
     if !cuda::driver_present() {
         let Served::Exited { error, stderr } = serve_cuda() else {
             panic!("{TEST}: serve --memory cuda listened without a CUDA driver");
@@ -310,26 +415,15 @@ fn serve_memory_cuda_refuses_cleanly_or_serves() {
         }
         return;
     }
-    if std::env::var_os(OPT_IN).is_none_or(|v| v != "1") {
+    if !opted_in() {
         println!("{TEST}: skipped: a CUDA driver is present; set {OPT_IN}=1 to run GPU tests");
         return;
     }
     match serve_cuda() {
-        Served::Exited { error, stderr } => {
-            assert!(error.contains(EXITED_1), "{error}\n{stderr}");
-            assert!(
-                stderr.contains(&format!(
-                    "UCX {} was built without CUDA support",
-                    kvferry_ucx::version()
-                )),
-                "{stderr}"
-            );
-            assert!(stderr.contains("--with-cuda"), "{stderr}");
-            println!(
-                "kvferry-gpu: serve --memory cuda: refused: {}",
-                stderr.trim()
-            );
-        }
+        Served::Exited { error, stderr } => panic!(
+            "kvferry-gpu: serve --memory cuda: did not start (UCX {}): {error}\n{stderr}",
+            kvferry_ucx::version()
+        ),
         Served::Listened => {
             let report = Kvferry::new()
                 .quiet()

@@ -1,8 +1,8 @@
 //! CUDA device memory for KV pools (cargo feature `cuda`).
 //!
 //! ```text
-//!   CudaDevice::open(n) ──► CudaPool::new(&dev, bytes)      one cuMemAlloc per KV pool
-//!                                 │  upload / download       synchronous H2D / D2H copies
+//!   CudaDevice::open(n) ──► CudaPool::new(&dev, bytes)      one cuMemAlloc and one stream per pool
+//!                                 │  upload / download       H2D / D2H copies on the pool's stream
 //!                                 ▼
 //!   register_with_ucx(&ctx, &pool) ──► MemRegion (memory type CUDA, keeps the pool alive)
 //!                                         └─ pack_rkey / put_region, as for host pools
@@ -31,11 +31,20 @@
 //! memory-pool allocations in every release, while `cuMemAlloc` memory works with all of them.
 //! The pool sets `CU_POINTER_ATTRIBUTE_SYNC_MEMOPS` on the allocation, as NVIDIA's GPUDirect
 //! RDMA guide asks, so that the driver's synchronous copies into it complete before they
-//! return, instead of racing a NIC that writes the memory next. [`CudaPool::new`] and
-//! [`CudaPool::upload`] also wait for the context (`cuCtxSynchronize`) before returning, and
-//! [`CudaPool::download`] returns once the bytes are in host memory: when any of them returns,
-//! the bytes are in place. (The context wait covers all work in the device's primary context;
-//! cheap for kvferry, which runs no kernels, but worth knowing before sharing the context.)
+//! return, instead of racing a NIC that writes the memory next.
+//!
+//! # Copies: one private stream per pool
+//!
+//! Every pool owns a non-blocking CUDA stream (`cuStreamCreate(CU_STREAM_NON_BLOCKING)`).
+//! [`CudaPool::new`] zeroes the pool, and [`CudaPool::upload`] and [`CudaPool::download`] copy,
+//! on that stream, and each waits for that stream alone (`cuStreamSynchronize`) before it
+//! returns: when any of them returns, the bytes are in place. Nothing waits for the whole
+//! context (`cuCtxSynchronize`), so a copy into one pool never waits for UCX's own CUDA copies
+//! (`cuda_copy` runs them on streams of its own in the same primary context), for another
+//! pool's copies, or for an engine's kernels sharing the context. A non-blocking stream does
+//! not synchronise with the legacy default stream either; ordering a pool's copies against
+//! UCX's moves of it is the transfer protocol's job (slot ownership, see
+//! `crate::memory`), exactly as for host pools.
 //!
 //! # Lifetimes
 //!
@@ -58,7 +67,7 @@ use std::fmt;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, DriverError, result, sys};
+use cudarc::driver::{CudaContext, CudaStream, DriverError, result, sys};
 use kvferry_ucx::{Context, MemRegion, MemoryType, MemoryTypes};
 
 /// Why a CUDA device, pool or registration is not available.
@@ -259,6 +268,20 @@ impl CudaDevice {
         self.call("cuDeviceTotalMem", || self.ctx.total_mem())
     }
 
+    /// Makes the device's primary context current on the calling thread (as every operation
+    /// here does first), for work on this thread that is not a call of this module: UCX's
+    /// CUDA transports moving a pool, say.
+    ///
+    /// Wraps `cuCtxSetCurrent`.
+    ///
+    /// # Errors
+    ///
+    /// [`CudaError::Driver`] if the driver refuses, [`CudaError::Init`] if cudarc panics.
+    #[doc(alias = "cuCtxSetCurrent")]
+    pub fn bind_to_thread(&self) -> Result<(), CudaError> {
+        self.call("cuCtxSetCurrent", || Ok(()))
+    }
+
     /// The cudarc context, for work this module does not wrap (kernels, streams).
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
@@ -306,18 +329,23 @@ pub struct CudaPool {
     alloc: Arc<DeviceAlloc>,
 }
 
-/// The allocation behind a [`CudaPool`]; freed on drop.
+/// The allocation behind a [`CudaPool`], and the pool's private stream; freed on drop (the
+/// memory first, then the stream).
 struct DeviceAlloc {
     device: CudaDevice,
     ptr: sys::CUdeviceptr,
     len: usize,
+    /// The pool's own non-blocking stream: every host copy into or out of the pool runs on it.
+    stream: Arc<CudaStream>,
 }
 
 impl CudaPool {
-    /// Allocates `len` bytes on `device`, zero-filled, with synchronous memory operations.
+    /// Allocates `len` bytes on `device`, zero-filled, with synchronous memory operations and
+    /// a private stream for its copies.
     ///
-    /// Wraps `cuMemAlloc`, `cuPointerSetAttribute(CU_POINTER_ATTRIBUTE_SYNC_MEMOPS)`,
-    /// `cuMemsetD8` and `cuCtxSynchronize`.
+    /// Wraps `cuStreamCreate(CU_STREAM_NON_BLOCKING)`, `cuMemAlloc`,
+    /// `cuPointerSetAttribute(CU_POINTER_ATTRIBUTE_SYNC_MEMOPS)`, `cuMemsetD8Async` and
+    /// `cuStreamSynchronize`.
     ///
     /// # Errors
     ///
@@ -328,6 +356,7 @@ impl CudaPool {
         if len == 0 {
             return Err(CudaError::EmptyPool);
         }
+        let stream = device.call("cuStreamCreate", || device.ctx.new_stream())?;
         // SAFETY: the context is current on this thread (`call` binds it); the returned
         // pointer is uninitialised device memory, owned by `DeviceAlloc` from the next line on
         // and zeroed below before anyone can read it.
@@ -336,6 +365,7 @@ impl CudaPool {
             device: device.clone(),
             ptr,
             len,
+            stream,
         });
         let sync_memops: u32 = 1;
         device.call("cuPointerSetAttribute", || {
@@ -350,13 +380,14 @@ impl CudaPool {
             }
             .result()
         })?;
-        // SAFETY: `ptr..ptr + len` is the allocation made above; nothing else knows it yet.
-        device.call("cuMemsetD8", || unsafe {
-            result::memset_d8_sync(ptr, 0, len)
+        // SAFETY: `ptr..ptr + len` is the allocation made above; nothing else knows it yet; the
+        // stream is the pool's own, live while `alloc` is.
+        device.call("cuMemsetD8Async", || unsafe {
+            result::memset_d8_async(ptr, 0, len, alloc.stream.cu_stream())
         })?;
-        // A memset of device memory may return before it has run; make the zeroes visible to
-        // whatever reads the pool next (a download, or UCX once the pool is registered).
-        device.call("cuCtxSynchronize", || device.ctx.synchronize())?;
+        // The memset is queued, not done: make the zeroes visible to whatever reads the pool
+        // next (a download, or UCX once the pool is registered).
+        alloc.synchronize()?;
         Ok(CudaPool { alloc })
     }
 
@@ -380,54 +411,73 @@ impl CudaPool {
         &self.alloc.device
     }
 
+    /// The pool's private stream, on which [`upload`](Self::upload) and
+    /// [`download`](Self::download) copy (work queued on it by others is waited for by them).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.alloc.stream
+    }
+
     /// Copies `src` into the pool at `offset`; the bytes are on the device when this returns.
     ///
-    /// Wraps `cuMemcpyHtoD` and `cuCtxSynchronize`.
+    /// The copy runs on the pool's stream and waits for that stream only, not for other work
+    /// in the device's context (UCX's copies, other pools).
+    ///
+    /// Wraps `cuMemcpyHtoDAsync` and `cuStreamSynchronize`.
     ///
     /// # Errors
     ///
     /// [`CudaError::OutOfBounds`] if the range leaves the pool, [`CudaError::Driver`] if the
     /// copy fails.
     #[doc(alias = "cuMemcpyHtoD")]
+    #[doc(alias = "cuMemcpyHtoDAsync")]
     pub fn upload(&self, offset: usize, src: &[u8]) -> Result<(), CudaError> {
         let dst = self.range(offset, src.len())?;
         if src.is_empty() {
             return Ok(());
         }
-        let device = &self.alloc.device;
+        let alloc = &self.alloc;
         // SAFETY: `dst..dst + src.len()` lies inside the live allocation (checked by `range`);
-        // `src` is a borrowed host slice that outlives this synchronous copy; `u8` is the type
-        // the pool holds.
-        device.call("cuMemcpyHtoD", || unsafe {
-            result::memcpy_htod_sync(dst, src)
+        // `u8` is the type the pool holds; the stream is the pool's own. `src` is borrowed for
+        // the whole call and the stream is synchronised below before it returns; even if that
+        // wait fails, a copy from pageable host memory has read `src` into the driver's
+        // staging buffers before `cuMemcpyHtoDAsync` returns, so the driver never reads `src`
+        // after the borrow ends.
+        alloc.device.call("cuMemcpyHtoDAsync", || unsafe {
+            result::memcpy_htod_async(dst, src, alloc.stream.cu_stream())
         })?;
-        // A copy from pageable memory may return once the bytes are staged, before the DMA into
-        // the pool lands (SYNC_MEMOPS should prevent that; this does not depend on it): wait, so
-        // that UCX or a NIC reading the pool next sees the bytes.
-        device.call("cuCtxSynchronize", || device.ctx.synchronize())
+        // The copy is queued, or staged and still landing: wait for the pool's stream, so that
+        // UCX or a NIC reading the pool next sees the bytes.
+        alloc.synchronize()
     }
 
     /// Copies `dst.len()` bytes at `offset` out of the pool; they are in `dst` when this
     /// returns.
     ///
-    /// Wraps `cuMemcpyDtoH`.
+    /// The copy runs on the pool's stream and waits for that stream only.
+    ///
+    /// Wraps `cuMemcpyDtoHAsync` and `cuStreamSynchronize`.
     ///
     /// # Errors
     ///
     /// [`CudaError::OutOfBounds`] if the range leaves the pool, [`CudaError::Driver`] if the
     /// copy fails.
     #[doc(alias = "cuMemcpyDtoH")]
+    #[doc(alias = "cuMemcpyDtoHAsync")]
     pub fn download(&self, offset: usize, dst: &mut [u8]) -> Result<(), CudaError> {
         let src = self.range(offset, dst.len())?;
         if dst.is_empty() {
             return Ok(());
         }
+        let alloc = &self.alloc;
         // SAFETY: `src..src + dst.len()` lies inside the live allocation (checked by `range`);
-        // `dst` is an exclusively borrowed host slice the driver fills before this synchronous
-        // copy (device to pageable host memory) returns; `u8` is the type the pool holds.
-        self.alloc.device.call("cuMemcpyDtoH", || unsafe {
-            result::memcpy_dtoh_sync(dst, src)
-        })
+        // `u8` is the type the pool holds; the stream is the pool's own. `dst` is exclusively
+        // borrowed for the whole call, and the driver is done writing it when this returns: a
+        // copy from device to pageable host memory returns only once it has completed, and the
+        // stream is synchronised below in any case.
+        alloc.device.call("cuMemcpyDtoHAsync", || unsafe {
+            result::memcpy_dtoh_async(dst, src, alloc.stream.cu_stream())
+        })?;
+        alloc.synchronize()
     }
 
     /// The device address of `offset..offset + len`, if it lies inside the pool.
@@ -454,12 +504,22 @@ impl fmt::Debug for CudaPool {
     }
 }
 
+impl DeviceAlloc {
+    /// Waits for the work queued on the pool's stream, and nothing else.
+    fn synchronize(&self) -> Result<(), CudaError> {
+        self.device
+            .call("cuStreamSynchronize", || self.stream.synchronize())
+    }
+}
+
 impl Drop for DeviceAlloc {
     fn drop(&mut self) {
         // SAFETY: `ptr` came from `cuMemAlloc` in this context and is freed once, here: the
         // last `CudaPool` handle is gone and every UCX region mapping it has been unmapped
-        // (they hold this allocation until after `ucp_mem_unmap`). `cuMemFree` waits for
-        // outstanding device work on the memory.
+        // (they hold this allocation until after `ucp_mem_unmap`). Every copy on the pool's
+        // stream was waited for before its call returned, and `cuMemFree` waits for outstanding
+        // device work on the memory; the stream itself is destroyed after this, when the field
+        // drops.
         let freed = self
             .device
             .call("cuMemFree", || unsafe { result::free_sync(self.ptr) });
@@ -510,7 +570,7 @@ pub fn register_with_ucx(ctx: &Arc<Context>, pool: &CudaPool) -> Result<MemRegio
     let alloc = &pool.alloc;
     // UCX's CUDA memory domains query the pointer with the driver; give them the pool's
     // context on this thread.
-    alloc.device.call("cuCtxSetCurrent", || Ok(()))?;
+    alloc.device.bind_to_thread()?;
     // SAFETY: `alloc.ptr..alloc.ptr + alloc.len` is one live `cuMemAlloc` allocation of CUDA
     // device memory (a device address, never dereferenced on the host: the region refuses host
     // access for non-host types). The region holds `alloc` through `keep_alive`, and
@@ -547,19 +607,31 @@ mod tests {
         );
     }
 
-    /// Calls the real check against the loaded UCX and prints the outcome: on Debian's UCX the
-    /// refusal (this is how to read the exact message on a machine without a GPU), on a
-    /// CUDA-enabled UCX the supported types. Either is a pass; a panic or another error is not.
+    /// Calls the real check against the loaded UCX, on a context made as `serve --memory cuda`
+    /// makes it (where a driver is present), and prints the outcome: on a UCX without CUDA
+    /// support (or without libcuda) the refusal (this is how to read the exact message on a
+    /// machine without a GPU), on a CUDA-enabled UCX the supported types. Either is a pass, unless `KVFERRY_GPU_TESTS=1`
+    /// (as `scripts/gpu-check` sets on a GPU machine): then a refusal fails. A panic or another
+    /// error always fails.
     #[test]
     fn ucx_memory_type_check_against_the_loaded_ucx() {
-        let ctx = Context::new().expect("create UCX context");
+        let opted_in = std::env::var_os("KVFERRY_GPU_TESTS").is_some_and(|v| v == "1");
+        // Without a driver UCX has no CUDA component, and a context naming `cuda_copy` would
+        // only add a UCX warning: ask a default one then.
+        let ctx = if opted_in || driver_present() {
+            crate::Transport::Shm.context_for(crate::MemoryKind::Cuda)
+        } else {
+            Context::new()
+        }
+        .expect("create UCX context");
         match ucx_cuda_support(&ctx) {
             Ok(types) => println!(
-                "UCX {} supports CUDA memory ({types})",
+                "kvferry-gpu: UCX {} supports CUDA memory ({types})",
                 kvferry_ucx::version()
             ),
             Err(err @ CudaError::UcxLacksCuda { .. }) => {
                 let message = err.to_string();
+                assert!(!opted_in, "KVFERRY_GPU_TESTS=1 but UCX refuses: {message}");
                 println!("refused: {message}");
                 assert!(message.contains(kvferry_ucx::version()), "{message}");
                 assert!(message.contains("--with-cuda"), "{message}");
@@ -590,10 +662,74 @@ mod tests {
         );
     }
 
+    /// On a GPU, with `KVFERRY_GPU_TESTS=1` (as `scripts/gpu-check` runs it): every pool copies
+    /// on a non-blocking stream of its own, and bytes round-trip through it from two threads at
+    /// once. Without a driver it prints why it is skipped; with the variable set, a missing
+    /// driver fails.
+    #[test]
+    fn pools_copy_on_private_streams() {
+        let opted_in = std::env::var_os("KVFERRY_GPU_TESTS").is_some_and(|v| v == "1");
+        if !driver_present() {
+            assert!(
+                !opted_in,
+                "KVFERRY_GPU_TESTS=1 but libcuda cannot be loaded"
+            );
+            println!("skipped: no CUDA driver (libcuda not found)");
+            return;
+        }
+        if !opted_in {
+            println!("skipped: a CUDA driver is present; set KVFERRY_GPU_TESTS=1");
+            return;
+        }
+        let device = CudaDevice::open(0).expect("open device 0");
+        const LEN: usize = 4 << 20;
+        let pools = [
+            CudaPool::new(&device, LEN).unwrap(),
+            CudaPool::new(&device, LEN).unwrap(),
+        ];
+        let streams = pools.each_ref().map(|p| p.stream().cu_stream());
+        assert!(streams.iter().all(|s| !s.is_null()), "{streams:?}");
+        assert_ne!(streams[0], streams[1]);
+        for stream in streams {
+            let mut flags = 0u32;
+            device
+                .call("cuStreamGetFlags", || {
+                    // SAFETY: `stream` is a live stream of a pool held above; `flags` is a valid
+                    // out-pointer for the call.
+                    unsafe { sys::cuStreamGetFlags(stream, &raw mut flags) }.result()
+                })
+                .unwrap();
+            assert_eq!(
+                flags,
+                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+                "a pool's stream must not synchronise with the legacy default stream"
+            );
+        }
+        std::thread::scope(|scope| {
+            for (i, pool) in pools.iter().enumerate() {
+                scope.spawn(move || {
+                    let bytes: Vec<u8> = (0..LEN).map(|j| (j % 251) as u8 ^ i as u8).collect();
+                    for _ in 0..4 {
+                        pool.upload(0, &bytes).unwrap();
+                        let mut got = vec![0u8; LEN];
+                        pool.download(0, &mut got).unwrap();
+                        assert!(got == bytes, "pool {i}: downloaded bytes differ");
+                    }
+                });
+            }
+        });
+        println!(
+            "kvferry-gpu: pools copy on private non-blocking streams ({})",
+            device.name()
+        );
+    }
+
     #[test]
     fn without_a_driver_open_is_a_clean_error() {
         if driver_present() {
-            eprintln!("skipped: a CUDA driver is present");
+            // Not a skip (scripts/gpu-check fails skips on a GPU machine): there is nothing to
+            // check where the driver is present.
+            println!("a CUDA driver is present; the no-driver path does not apply");
             return;
         }
         let err = CudaDevice::open(0).unwrap_err();

@@ -144,6 +144,18 @@ pub enum MemoryError {
     },
 }
 
+/// A thread could not make the CUDA context of its rank's device pools current
+/// ([`RankPools::bind_device_to_thread`]).
+#[derive(Debug, thiserror::Error)]
+#[error("cannot make the context of cuda device {device} current on this thread")]
+pub struct BindError {
+    /// The device whose context was to be bound.
+    pub device: usize,
+    /// The driver's error (a `CudaError` with the `cuda` feature).
+    #[source]
+    pub source: Box<dyn std::error::Error + Send + Sync>,
+}
+
 /// A device pool could not be copied to or from (host pools never fail).
 #[derive(Debug, thiserror::Error)]
 #[error("rank {rank} pool {pool}: {op} of {len} bytes at offset {offset} failed: {error}")]
@@ -213,11 +225,15 @@ impl RankPools {
     ///
     /// # Errors
     ///
-    /// The driver cannot make the context current.
-    pub fn bind_device_to_thread(&self) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// [`BindError`], naming the device, if the driver cannot make its context current.
+    pub fn bind_device_to_thread(&self) -> Result<(), BindError> {
         #[cfg(feature = "cuda")]
-        if let Some(device) = self.pools.iter().find_map(|p| p.device.as_ref()) {
-            device.device().context().bind_to_thread()?;
+        if let Some(pool) = self.pools.iter().find_map(|p| p.device.as_ref()) {
+            let device = pool.device();
+            device.bind_to_thread().map_err(|e| BindError {
+                device: device.ordinal(),
+                source: Box::new(e),
+            })?;
         }
         Ok(())
     }

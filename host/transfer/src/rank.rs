@@ -57,7 +57,7 @@ use kvferry_ucx::{Endpoint, MemRegion, Op, PutWindow, RemoteKey, Status, Worker}
 use kvferry_plan::ValidatedPlan;
 use kvferry_protocol::PoolKey;
 
-use crate::memory::RankPools;
+use crate::memory::{BindError, RankPools};
 
 /// Puts kept in flight per job (platform-notes §2: bound them, or tcp's final flush collapses).
 pub const PUT_WINDOW: usize = 32;
@@ -348,16 +348,29 @@ pub struct RankThread {
 
 impl RankThread {
     /// Moves `worker` to a new thread that progresses it for ever and executes jobs reading
-    /// from `pools`.
+    /// from `pools`. Returns once the thread has started: for device pools, once it has made
+    /// their CUDA context current (UCX's CUDA transports move the pools from this thread).
     ///
     /// # Errors
     ///
-    /// The worker's address cannot be read, or the thread cannot be spawned.
+    /// The worker's address cannot be read, the thread cannot be spawned, or it cannot bind
+    /// the pools' CUDA context ([`SpawnError::Bind`]: the thread has ended, nothing runs).
     pub fn spawn(
         label: &str,
         rank: u32,
         worker: Worker,
         pools: Arc<RankPools>,
+    ) -> Result<RankThread, SpawnError> {
+        Self::spawn_with(label, rank, worker, pools, RankPools::bind_device_to_thread)
+    }
+
+    /// [`spawn`](Self::spawn) with the thread's first step passed in (tests fail it).
+    fn spawn_with(
+        label: &str,
+        rank: u32,
+        worker: Worker,
+        pools: Arc<RankPools>,
+        bind: impl FnOnce(&RankPools) -> Result<(), BindError> + Send + 'static,
     ) -> Result<RankThread, SpawnError> {
         let address = worker
             .address()
@@ -366,12 +379,33 @@ impl RankThread {
             .into_send()
             .map_err(|_| SpawnError::Shared { rank })?;
         let (tx, rx) = mpsc::channel();
+        let (ready_tx, ready_rx) = mpsc::sync_channel(1);
         let thread = thread::Builder::new()
             .name(format!("{label}-rank{rank}"))
             // `pools` outlives `run`, and so every handle on the worker, which `run` drops:
             // puts abandoned when the thread ends may read the pools until then.
-            .spawn(move || run(rank, worker.into_worker(), &pools, rx))
+            .spawn(move || {
+                let worker = worker.into_worker();
+                // Device pools: UCX's CUDA transports move them from this thread, in the
+                // device's context; a thread that cannot bind it must not serve them.
+                let bound = bind(&pools);
+                let ok = bound.is_ok();
+                let _ = ready_tx.send(bound);
+                if ok {
+                    run(rank, worker, &pools, rx);
+                }
+            })
             .map_err(|source| SpawnError::Thread { rank, source })?;
+        let started = ready_rx.recv();
+        if !matches!(started, Ok(Ok(()))) {
+            // It has ended or is ending (dropping the worker on its own thread): wait for it,
+            // so nothing of this rank outlives the failed start.
+            let panicked = thread.join().is_err();
+            return Err(match started {
+                Ok(Err(source)) => SpawnError::Bind { rank, source },
+                _ => SpawnError::Died { rank, panicked },
+            });
+        }
         Ok(RankThread {
             rank,
             address,
@@ -442,15 +476,30 @@ pub enum SpawnError {
         /// The OS error.
         source: std::io::Error,
     },
+    /// The thread could not make its device pools' CUDA context current, so it ended.
+    #[error("rank {rank}: its thread cannot serve device pools")]
+    Bind {
+        /// The rank.
+        rank: u32,
+        /// The device and the driver's error.
+        source: BindError,
+    },
+    /// The thread ended before it reported that it started.
+    #[error(
+        "rank {rank}: its thread ended before it started{}",
+        if *panicked { " (it panicked)" } else { "" }
+    )]
+    Died {
+        /// The rank.
+        rank: u32,
+        /// Whether it panicked.
+        panicked: bool,
+    },
 }
 
 fn run(rank: u32, worker: Worker, pools: &RankPools, rx: Receiver<Command>) {
     // Every event of this thread carries its rank.
     let _span = tracing::info_span!("rank", rank).entered();
-    // Device pools: UCX's CUDA transports move them from this thread, in the device's context.
-    if let Err(error) = pools.bind_device_to_thread() {
-        tracing::warn!(%error, "cannot make the pools' cuda context current");
-    }
     // Dropped before `worker`: its `Drop` abandons what is still quarantined, then its
     // connections close their endpoints; the UCX worker goes with the last handle on it.
     let mut exec = Executor {
@@ -1085,5 +1134,70 @@ fn ucx_error(dest: &RemoteRank, source: kvferry_ucx::Error) -> WriteError {
             rank: dest.rank,
             source,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Transport;
+    use crate::memory::PoolAllocator;
+
+    fn rank_parts() -> (Worker, Arc<RankPools>) {
+        let ctx = Transport::Shm.context().expect("create UCX context");
+        let worker = Worker::new(&ctx).expect("create UCX worker");
+        let pools = PoolAllocator::new(&ctx)
+            .finish(1)
+            .expect("no pools")
+            .remove(0);
+        (worker, Arc::new(pools))
+    }
+
+    /// A thread that cannot bind its device's context fails the start, naming the rank, the
+    /// device and the cause; it does not serve with a warning.
+    #[test]
+    fn a_failed_context_bind_fails_the_start() {
+        let (worker, pools) = rank_parts();
+        let err = RankThread::spawn_with("test", 3, worker, pools, |_| {
+            Err(BindError {
+                device: 1,
+                source: "cuCtxSetCurrent failed: CUDA_ERROR_INVALID_CONTEXT".into(),
+            })
+        })
+        .unwrap_err();
+        assert!(
+            matches!(&err, SpawnError::Bind { rank: 3, source } if source.device == 1),
+            "{err:?}"
+        );
+        assert_eq!(
+            kvferry_plan::error_chain(&err),
+            "rank 3: its thread cannot serve device pools: cannot make the context of cuda \
+             device 1 current on this thread: cuCtxSetCurrent failed: CUDA_ERROR_INVALID_CONTEXT"
+        );
+    }
+
+    #[test]
+    fn a_thread_that_dies_before_it_starts_is_an_error() {
+        let (worker, pools) = rank_parts();
+        let err =
+            RankThread::spawn_with("test", 0, worker, pools, |_| panic!("injected")).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                SpawnError::Died {
+                    rank: 0,
+                    panicked: true
+                }
+            ),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn host_pools_start() {
+        let (worker, pools) = rank_parts();
+        let thread = RankThread::spawn("test", 0, worker, pools).expect("start");
+        assert_eq!(thread.rank(), 0);
+        assert!(!thread.address().is_empty());
     }
 }

@@ -31,7 +31,7 @@ impl Default for Kvferry {
 
 impl Kvferry {
     pub fn new() -> Kvferry {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvferry"));
+        let mut cmd = Command::new(kvferry_exe());
         cmd.env_remove("KVFERRY_PLUGIN_DIR")
             .env_remove("KVFERRY_PLANNER")
             .env_remove("KVFERRY_CONFIG");
@@ -132,10 +132,21 @@ pub fn text(out: &Output) -> (String, String) {
     )
 }
 
+/// Names the `kvferry` binary the tests run instead of this build's: a bundle from
+/// `scripts/gpu-check --bundle` runs its test binaries on a machine without this checkout.
+pub const EXE_ENV: &str = "KVFERRY_TEST_EXE";
+
+/// The `kvferry` binary under test: [`EXE_ENV`] if set, else the one cargo built with the tests.
+pub fn kvferry_exe() -> PathBuf {
+    std::env::var_os(EXE_ENV)
+        .filter(|p| !p.is_empty())
+        .map_or_else(
+            || PathBuf::from(env!("CARGO_BIN_EXE_kvferry")),
+            PathBuf::from,
+        )
+}
+
 /// The directory of the `kvferry` binary, where cargo puts the in-tree planners.
 pub fn build_dir() -> PathBuf {
-    Path::new(env!("CARGO_BIN_EXE_kvferry"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
+    kvferry_exe().parent().unwrap().to_path_buf()
 }
