@@ -85,6 +85,30 @@ fn demo_and_bench_memory_cuda_without_the_feature_ask_for_a_rebuild() {
 }
 
 #[test]
+fn pools_larger_than_the_machine_are_refused_at_start_with_the_numbers() {
+    // 1,000,000 Llama-3-70B slots at tp1: about 10 TB of host pools. Without the pre-flight
+    // the kernel would hand the pools out lazily and kill the server when they were touched.
+    let out = Kvferry::new()
+        .quiet()
+        .args(["serve", "--role", "generation", "--model", "llama-3-70b"])
+        .args([
+            "--deployment",
+            "tp1",
+            "--listen",
+            "127.0.0.1:0",
+            "--slots",
+            "1000000",
+        ])
+        .output();
+    assert_refused(&out, "host pools would not fit");
+    let (_, stderr) = text(&out);
+    assert!(
+        stderr.contains("asked for in all") && stderr.contains("available ("),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn cuda_device_without_memory_cuda_is_refused() {
     let out = serve(&["--cuda-device", "0"]);
     assert_refused(&out, "kvferry: --cuda-device needs --memory cuda");

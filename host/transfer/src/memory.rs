@@ -30,6 +30,8 @@ use std::sync::Arc;
 
 use kvferry_ucx::{Context, MemRegion};
 
+use crate::budget::HostBudget;
+
 #[cfg(feature = "cuda")]
 use crate::cuda::{self, CudaDevice, CudaError, CudaPool};
 use kvferry_protocol::{PoolKey, unknown_name};
@@ -84,6 +86,26 @@ impl MemoryKind {
 /// Why pools could not be allocated or described.
 #[derive(Debug, thiserror::Error)]
 pub enum MemoryError {
+    /// The host pools asked for so far would not fit in the memory this process may take:
+    /// refused before allocating, instead of being killed when the pools are first touched.
+    #[error(
+        "rank {rank} pool {pool}: host pools would not fit: {} asked for in all (this pool {}), \
+         {budget}",
+        crate::budget::bytes(*total),
+        crate::budget::bytes(*bytes)
+    )]
+    HostMemory {
+        /// The rank.
+        rank: u32,
+        /// The pool.
+        pool: usize,
+        /// Bytes of this pool.
+        bytes: u64,
+        /// Bytes of every host pool so far, this one included.
+        total: u64,
+        /// What this process may still allocate, and what limits it.
+        budget: HostBudget,
+    },
     /// UCX refused an allocation.
     #[error("rank {rank} pool {pool}: cannot allocate {bytes} bytes through UCX")]
     Allocate {
@@ -396,6 +418,11 @@ pub struct PoolAllocator {
     placement: Placement,
     ranks: Vec<Vec<Pool>>,
     error: Option<MemoryError>,
+    /// What host pools may take in all, measured when the allocator was made (`None`: not
+    /// measurable here, nothing is checked).
+    host_budget: Option<HostBudget>,
+    /// Bytes of the host pools allocated so far.
+    host_bytes: u64,
 }
 
 impl PoolAllocator {
@@ -409,13 +436,21 @@ impl PoolAllocator {
         }
     }
 
-    /// An allocator of host pools on `ctx`.
+    /// An allocator of host pools on `ctx`, which refuses host pools beyond what this
+    /// process may still allocate ([`HostBudget::measure`]).
     pub fn new(ctx: &Arc<Context>) -> Self {
+        Self::with_host_budget(ctx, HostBudget::measure())
+    }
+
+    /// [`new`](Self::new) with the host budget given (`None`: unchecked).
+    pub fn with_host_budget(ctx: &Arc<Context>, host_budget: Option<HostBudget>) -> Self {
         Self {
             ctx: Arc::clone(ctx),
             placement: Placement::Host,
             ranks: Vec::new(),
             error: None,
+            host_budget,
+            host_bytes: 0,
         }
     }
 
@@ -486,14 +521,26 @@ impl PoolAllocator {
         let len = bytes.max(1) as usize;
         match &mut self.placement {
             Placement::Host => {
-                MemRegion::allocate(&self.ctx, len)
+                let total = self.host_bytes.saturating_add(len as u64);
+                if let Some(budget) = self.host_budget.as_ref().filter(|b| total > b.bytes) {
+                    return Err(MemoryError::HostMemory {
+                        rank,
+                        pool,
+                        bytes,
+                        total,
+                        budget: budget.clone(),
+                    });
+                }
+                let pool = MemRegion::allocate(&self.ctx, len)
                     .map(Pool::host)
                     .map_err(|source| MemoryError::Allocate {
                         rank,
                         pool,
                         bytes,
                         source,
-                    })
+                    })?;
+                self.host_bytes = total;
+                Ok(pool)
             }
             #[cfg(feature = "cuda")]
             Placement::Cuda {
@@ -570,4 +617,44 @@ pub fn check_cuda_device(device: Option<usize>) -> Result<usize, MemoryError> {
         return Err(CudaError::NoDevice { ordinal, count }.into());
     }
     Ok(count)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Transport;
+
+    #[test]
+    fn host_pools_beyond_the_budget_are_refused_with_the_numbers() {
+        let ctx = Transport::Shm.context().expect("create UCX context");
+        let budget = HostBudget {
+            bytes: 3 << 20,
+            limit: "test".into(),
+        };
+        let mut allocator = PoolAllocator::with_host_budget(&ctx, Some(budget));
+        assert_ne!(allocator.alloc(0, 0, 2 << 20), 0, "2 MiB of 3 fit");
+        // 2 + 2 MiB do not: refused before UCX allocates anything.
+        assert_eq!(allocator.alloc(0, 1, 2 << 20), 0);
+        let err = allocator.finish(1).unwrap_err();
+        assert!(
+            matches!(&err, MemoryError::HostMemory { rank: 0, pool: 1, total, .. } if *total == 4 << 20),
+            "{err:?}"
+        );
+        let text = err.to_string();
+        assert!(
+            text.contains("host pools would not fit: 0.00 GB (4194304 bytes) asked for in all")
+                && text.contains("0.00 GB (3145728 bytes) available (test)"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn this_machine_refuses_a_pool_larger_than_its_memory() {
+        let ctx = Transport::Shm.context().expect("create UCX context");
+        let mut allocator = PoolAllocator::new(&ctx);
+        // 1 PiB: no machine this runs on has it; UCX is never asked.
+        assert_eq!(allocator.alloc(0, 0, 1 << 50), 0);
+        let err = allocator.finish(1).unwrap_err();
+        assert!(matches!(err, MemoryError::HostMemory { .. }), "{err:?}");
+    }
 }
