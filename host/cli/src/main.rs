@@ -205,6 +205,9 @@ struct ServeArgs {
     /// Fault injection, context side: sleep this long before every flush.
     #[arg(long, default_value_t = 0, hide = true)]
     debug_stall_ms: u64,
+    /// Context side: peer connections served at once; one more is refused, naming the limit.
+    #[arg(long, default_value_t = kvferry_transfer::server::MAX_PEER_CONNECTIONS, value_name = "N")]
+    max_peer_connections: usize,
     /// Context side: keep every queued plan until its request is released, so `kvferry
     /// bench` can replay it with a bare put loop.
     #[arg(long, hide = true)]
@@ -875,6 +878,7 @@ fn serve(host: &Host, a: ServeArgs) -> Result<ExitCode> {
         timeout: Duration::from_millis(a.timeout_ms),
         seed: a.seed,
         stall: Duration::from_millis(a.debug_stall_ms),
+        max_peer_connections: a.max_peer_connections,
         record_plans: a.record_plans,
         paged_slots: a.slots,
         state_slots: a.state_slots,

@@ -57,6 +57,8 @@ pub struct ServeOptions {
     pub seed: u64,
     /// Fault injection, context side: sleep this long before every flush.
     pub stall: Duration,
+    /// Context side: peer connections served at once.
+    pub max_peer_connections: usize,
     /// Context side: keep every queued plan until its request is released, so
     /// [`ControlMessage::Bench`] can replay it (`kvferry bench`).
     pub record_plans: bool,
@@ -207,8 +209,8 @@ pub fn start(
                     hook,
                 },
             ));
-            let listener =
-                PeerListener::bind(Arc::clone(&server), &options.listen).map_err(|e| match e {
+            let listener = PeerListener::bind(Arc::clone(&server), &options.listen)
+                .map_err(|e| match e {
                     kvferry_transfer::ServeError::Listen { addr, source } => {
                         ServeError::Listen { addr, source }
                     }
@@ -216,7 +218,8 @@ pub fn start(
                         addr: options.listen.clone(),
                         source: std::io::Error::other(other.to_string()),
                     },
-                })?;
+                })?
+                .max_connections(options.max_peer_connections);
             let addr = listener.local_addr();
             listener.spawn().map_err(listen_error(&options.listen))?;
             (Side::Context(server), Some(addr))

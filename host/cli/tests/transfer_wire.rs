@@ -387,3 +387,56 @@ fn bad_control_input_closes_only_that_connection() {
     std::thread::sleep(Duration::from_millis(50));
     exchange(&ctx, &r#gen, &[submit(1, 64), submit(2, 200)]);
 }
+
+#[test]
+fn peer_connections_past_the_cap_are_refused_and_a_freed_place_is_reused() {
+    let ctx = Server::start(
+        "context",
+        "deepseek-v3",
+        "dep2",
+        "tcp",
+        &[
+            "--planner",
+            "kvferry.deepseek_mla_latent",
+            "--max-peer-connections",
+            "2",
+        ],
+    );
+    // Two idle connections take both places (each is served once its first frame arrives:
+    // ask for the instance info so the server has certainly counted it).
+    let hold = |addr: &str| {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(REPLY)).unwrap();
+        write_frame(&mut s, &PeerMessage::InstanceInfoRequest).unwrap();
+        let reply: PeerMessage = read_frame(&mut s).unwrap();
+        assert!(matches!(reply, PeerMessage::InstanceInfo(_)), "{reply:?}");
+        s
+    };
+    let first = hold(&ctx.addr);
+    let _second = hold(&ctx.addr);
+    // A third is told the limit and closed, before it sends anything.
+    let mut third = TcpStream::connect(&ctx.addr).unwrap();
+    third.set_read_timeout(Some(REPLY)).unwrap();
+    let reply = read_frame::<PeerMessage>(&mut third).unwrap();
+    let text = reply.error_text().unwrap_or_default().to_string();
+    assert!(
+        text.contains("2 peer connections are open, the limit"),
+        "{text}"
+    );
+    // Closing one frees its place for the next.
+    drop(first);
+    let deadline = std::time::Instant::now() + REPLY;
+    loop {
+        let mut s = TcpStream::connect(&ctx.addr).unwrap();
+        s.set_read_timeout(Some(REPLY)).unwrap();
+        write_frame(&mut s, &PeerMessage::InstanceInfoRequest).unwrap();
+        match read_frame::<PeerMessage>(&mut s) {
+            Ok(PeerMessage::InstanceInfo(_)) => break,
+            // The server may not have seen the close yet.
+            Ok(PeerMessage::Error { .. }) | Err(_) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            other => panic!("the freed place was not reused: {other:?}"),
+        }
+    }
+}
