@@ -76,6 +76,42 @@ fn incompatible_peers_are_refused_with_their_reason_while_a_compatible_peer_work
     exchange(&good, &r#gen, &[submit(6, 64)]);
 }
 
+/// A refusal belongs to the instance that earned it, not to its address: a context server
+/// restarted on the same address with a compatible planner is vetted anew and serves.
+#[test]
+fn a_refused_peer_restarted_compatible_on_the_same_address_is_accepted() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let listen = format!("127.0.0.1:{port}");
+    let r#gen = deepseek("generation", "dep4", "shm", &[]);
+    let g = r#gen.client();
+    let wrong = Server::start(
+        "context",
+        DEEPSEEK,
+        "dep2",
+        "shm",
+        &["--planner", "kvferry.default", "--listen", &listen],
+    );
+    assert_eq!(wrong.addr, listen);
+    let s = submit(1, 100);
+    let _ = prefill(&wrong.client(), &s);
+    start(&g, &s, &wrong.addr);
+    let (_, result) = wait_done(&g, &[1]).remove(0);
+    let error = result.expect_err("a peer bound to another planner must be refused");
+    assert!(error.contains("refused"), "{error}");
+    release(&g, 1);
+    drop(wrong);
+
+    // The same address, now a compatible instance.
+    let right = deepseek("context", "dep2", "shm", &["--listen", &listen]);
+    assert_eq!(right.addr, listen);
+    exchange(&right, &r#gen, &[submit(2, 120)]);
+}
+
 /// The context server is killed while its rank threads hold issued puts (stalled before the
 /// flush): the generation side fails that request as soon as the control connection drops,
 /// long before its timeout, names the peer, and keeps serving another peer.

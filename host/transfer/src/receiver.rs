@@ -5,8 +5,10 @@
 //! The first request naming a context server's control address bootstraps it: fetch its
 //! [`InstanceInfo`], compare `planner_id` and `describer_id` before anything else, run this
 //! instance's `check_peer` (me = each of its ranks, peer = context rank 0), and only then
-//! [`PeerMessage::Register`] this instance's ranks. The verdict is cached per address: a refused
-//! peer fails every later request addressed to it at once, with the reason, and nothing else.
+//! [`PeerMessage::Register`] this instance's ranks. A refusal is cached for the instance that
+//! earned it, not for its address: a later request to that address asks again who answers
+//! there, repeats the cached reason if it is the same instance (same name, planner, ranks),
+//! and vets it anew if not — a context server restarted with a compatible build is accepted.
 //! A compatible peer keeps one control connection; when it closes, every request still
 //! waiting on that peer fails at once, naming it, and the next request reconnects.
 //!
@@ -61,7 +63,7 @@ pub enum PeerError {
         /// What failed.
         problem: String,
     },
-    /// Incompatible; the verdict is cached for the address.
+    /// Incompatible; the verdict is cached for that peer instance.
     #[error("context peer {instance} at {addr} refused: {reason}")]
     Refused {
         /// The peer's control address.
@@ -274,7 +276,9 @@ impl CtxPeer {
 #[derive(Debug)]
 enum Verdict {
     Compatible(Arc<CtxPeer>),
-    Refused(PeerError),
+    /// Refused: the description of the instance that was refused (none if it was refused
+    /// before describing itself), and why.
+    Refused(Option<Box<InstanceInfo>>, PeerError),
 }
 
 struct GenRequest {
@@ -380,7 +384,7 @@ impl GenerationServer {
     }
 
     /// Expects a request: bootstraps the context peer at `expect.peer` if needed (planner
-    /// and describer ids, then `check_peer`, verdict cached per address), asks every receiver
+    /// and describer ids, then `check_peer`, refusals cached per peer instance), asks every receiver
     /// rank of the DP group for its targets, and asks each target for its part. `on_done`
     /// reports the outcome exactly once (possibly before this returns); the slots in
     /// `expect.tables` are kvferry's to write until then, and — for a request that failed
@@ -549,29 +553,45 @@ impl GenerationServer {
             Arc::clone(peers.entry(addr.to_string()).or_default())
         };
         let mut verdict = slot.lock().unwrap_or_else(|e| e.into_inner());
-        match &*verdict {
-            Some(Verdict::Refused(reason)) => return Err(reason.clone()),
+        let refused_before = match verdict.take() {
             Some(Verdict::Compatible(peer)) if peer.alive.load(Ordering::Acquire) => {
-                return Ok(Arc::clone(peer));
+                *verdict = Some(Verdict::Compatible(Arc::clone(&peer)));
+                return Ok(peer);
             }
-            _ => {}
-        }
-        match self.bootstrap(addr) {
+            Some(Verdict::Refused(info, error)) => info.map(|info| (info, error)),
+            _ => None,
+        };
+        let mut described = None;
+        match self.bootstrap(addr, refused_before.as_ref(), &mut described) {
             Ok(peer) => {
                 *verdict = Some(Verdict::Compatible(Arc::clone(&peer)));
                 Ok(peer)
             }
             Err(e @ PeerError::Refused { .. }) => {
-                tracing::info!(peer = %addr, reason = %kvferry_plan::error_chain(&e), "context peer refused; verdict cached");
-                *verdict = Some(Verdict::Refused(e.clone()));
+                tracing::info!(peer = %addr, reason = %kvferry_plan::error_chain(&e), "context peer refused; verdict cached for that instance");
+                *verdict = Some(Verdict::Refused(described, e.clone()));
                 Err(e)
             }
-            Err(e) => Err(e),
+            Err(e) => {
+                // Unreachable now: keep what was known, so a refused instance that answers
+                // again is recognised.
+                if let Some((info, error)) = refused_before {
+                    *verdict = Some(Verdict::Refused(Some(info), error));
+                }
+                Err(e)
+            }
         }
     }
 
-    /// Fetches, vets and registers with the context server at `addr`.
-    fn bootstrap(self: &Arc<Self>, addr: &str) -> Result<Arc<CtxPeer>, PeerError> {
+    /// Fetches, vets and registers with the context server at `addr`. If the instance that
+    /// answers is exactly the one in `refused_before`, its cached refusal is returned without
+    /// vetting it again. `described` receives the description the peer sent, if it sent one.
+    fn bootstrap(
+        self: &Arc<Self>,
+        addr: &str,
+        refused_before: Option<&(Box<InstanceInfo>, PeerError)>,
+        described: &mut Option<Box<InstanceInfo>>,
+    ) -> Result<Arc<CtxPeer>, PeerError> {
         let failed = |problem: String| PeerError::Unreachable {
             addr: addr.to_string(),
             problem,
@@ -606,6 +626,11 @@ impl GenerationServer {
             }
             Err(e) => return Err(failed(e.to_string())),
         };
+        if let Some((old, error)) = refused_before.filter(|(old, _)| **old == info) {
+            *described = Some(old.clone());
+            return Err(error.clone());
+        }
+        *described = Some(Box::new(info.clone()));
         let refuse = |reason: String| PeerError::Refused {
             addr: addr.to_string(),
             instance: info.instance_name.clone(),

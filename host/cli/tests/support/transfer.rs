@@ -72,6 +72,12 @@ impl Server {
 /// `kvferry serve --role ROLE --model MODEL --deployment SPEC --transport T` on free ports,
 /// with 48 PAGED and 4 STATE slots per pool, plus `extra`.
 pub fn serve(role: &str, model: &str, spec: &str, transport: &str, extra: &[&str]) -> Kvferry {
+    // A free loopback port, unless the test names its own.
+    let listen = if extra.contains(&"--listen") {
+        &[][..]
+    } else {
+        &["--listen", "127.0.0.1:0"][..]
+    };
     Kvferry::new()
         .args([
             "serve",
@@ -83,13 +89,12 @@ pub fn serve(role: &str, model: &str, spec: &str, transport: &str, extra: &[&str
             spec,
             "--transport",
             transport,
-            "--listen",
-            "127.0.0.1:0",
             "--slots",
             "48",
             "--state-slots",
             "4",
         ])
+        .args(listen)
         .args(extra)
 }
 
