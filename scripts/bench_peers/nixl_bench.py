@@ -525,6 +525,13 @@ def main() -> int:
     for k in ("UCX_TLS", "UCX_NET_DEVICES"):
         os.environ.pop(k, None)
     os.environ.update(doc["ucx_env"])
+    # kvferry's shm list leaves cma out (its pools are UCX-allocated and written through a
+    # shared mapping; UCX 1.22 would make each put a process_vm_writev). NIXL registers
+    # plain user memory, which UCX can write one-sidedly within a node only through cma:
+    # without it NIXL ran at half its rate on 1.1 MB fragments here. Give NIXL its best.
+    tls = os.environ.get("UCX_TLS", "")
+    if doc.get("transport") == "shm" and "cma" not in tls.split(","):
+        os.environ["UCX_TLS"] = tls + ",cma" if tls else "cma"
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
     if args.target is not None:
