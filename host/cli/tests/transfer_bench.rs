@@ -106,34 +106,6 @@ fn bench_exports_the_fragments_it_moves() {
 }
 
 /// `Fragments` needs a recording context server, like `Bench`.
-#[test]
-fn fragments_need_a_recording_context_server() {
-    let ctx = Server::start("context", "deepseek-v3", "dep2", "shm", &["--planner", MLA]);
-    let c = ctx.client();
-    match c
-        .call(Message::Fragments { requests: vec![1] }, REPLY)
-        .unwrap()
-    {
-        Message::FragmentsDone { result: Err(e) } => assert!(e.contains("--record-plans"), "{e}"),
-        other => panic!("{other:?}"),
-    }
-    let recording = Server::start(
-        "context",
-        "deepseek-v3",
-        "dep2",
-        "shm",
-        &["--planner", MLA, "--record-plans"],
-    );
-    let c = recording.client();
-    match c
-        .call(Message::Fragments { requests: vec![9] }, REPLY)
-        .unwrap()
-    {
-        Message::FragmentsDone { result: Err(e) } => assert!(e.contains("request 9"), "{e}"),
-        other => panic!("{other:?}"),
-    }
-}
-
 /// `kvferry bench ARGS --json` with no planner configuration from the environment.
 fn bench(args: &[&str]) -> Value {
     let v = Kvferry::new()
@@ -270,16 +242,32 @@ fn bench_with_perftest_reports_its_bandwidth() {
     );
 }
 
-/// `Bench` is refused by a context server that does not record plans, and names the flag.
+/// `Bench` and `Fragments` are refused by a context server that does not record plans,
+/// naming the flag, and by one that does for a request it does not hold, naming it.
 #[test]
-fn bench_needs_a_recording_context_server() {
+fn bench_and_fragments_need_a_recording_context_server() {
     let ctx = Server::start("context", "deepseek-v3", "dep2", "shm", &["--planner", MLA]);
     let c = ctx.client();
     let s = submit(1, 64);
     let _ = prefill(&c, &s);
-    match c.call(Message::Bench { requests: vec![1] }, REPLY).unwrap() {
-        Message::BenchDone { result: Err(e) } => assert!(e.contains("--record-plans"), "{e}"),
-        other => panic!("{other:?}"),
+    let refusal = |c: &kvferry_cli::Client, requests: Vec<u64>| -> [String; 2] {
+        let bench = match c.call(
+            Message::Bench {
+                requests: requests.clone(),
+            },
+            REPLY,
+        ) {
+            Ok(Message::BenchDone { result: Err(e) }) => e,
+            other => panic!("{other:?}"),
+        };
+        let fragments = match c.call(Message::Fragments { requests }, REPLY) {
+            Ok(Message::FragmentsDone { result: Err(e) }) => e,
+            other => panic!("{other:?}"),
+        };
+        [bench, fragments]
+    };
+    for e in refusal(&c, vec![1]) {
+        assert!(e.contains("--record-plans"), "{e}");
     }
     release(&c, 1);
 
@@ -290,10 +278,8 @@ fn bench_needs_a_recording_context_server() {
         "shm",
         &["--planner", MLA, "--record-plans"],
     );
-    let c = recording.client();
-    match c.call(Message::Bench { requests: vec![9] }, REPLY).unwrap() {
-        Message::BenchDone { result: Err(e) } => assert!(e.contains("request 9"), "{e}"),
-        other => panic!("{other:?}"),
+    for e in refusal(&recording.client(), vec![9]) {
+        assert!(e.contains("request 9"), "{e}");
     }
 }
 
