@@ -516,34 +516,40 @@ impl Shared {
                 instance.dp_groups()
             ));
         }
-        if lock(&self.held).contains_key(&id) {
-            return Err(format!("request {id} already exists"));
-        }
-        let blocks = submit.prompt_len.div_ceil(tpb);
-        let allocation = lock(&self.slots)
-            .allocate(submit.gen_dp_rank, blocks, id ^ 0x0009_e4e7)
-            .map_err(|e| format!("request {id}: {e}"))?;
-        // Free slots hold the canary already (primed at start, re-primed when freed).
-        let tables: BTreeMap<u32, Vec<SlotTable>> = group
-            .iter()
-            .filter_map(|&g| instance.rank(g))
-            .map(|rank| {
-                let t = slot_tables(
-                    &rank.info,
-                    submit.prompt_len,
-                    submit.cached,
-                    &allocation.assignment,
-                );
-                (rank.info.instance_rank, t)
-            })
-            .collect();
-        lock(&self.held).insert(
-            id,
-            Held {
-                allocation: allocation.clone(),
-                tables: tables.clone(),
-            },
-        );
+        // The id check, the allocation and the record are one step under `held`: two
+        // submits of one id racing each other must not both allocate (one would leak).
+        let (allocation, tables) = {
+            let mut held = lock(&self.held);
+            if held.contains_key(&id) {
+                return Err(format!("request {id} already exists"));
+            }
+            let blocks = submit.prompt_len.div_ceil(tpb);
+            let allocation = lock(&self.slots)
+                .allocate(submit.gen_dp_rank, blocks, id ^ 0x0009_e4e7)
+                .map_err(|e| format!("request {id}: {e}"))?;
+            // Free slots hold the canary already (primed at start, re-primed when freed).
+            let tables: BTreeMap<u32, Vec<SlotTable>> = group
+                .iter()
+                .filter_map(|&g| instance.rank(g))
+                .map(|rank| {
+                    let t = slot_tables(
+                        &rank.info,
+                        submit.prompt_len,
+                        submit.cached,
+                        &allocation.assignment,
+                    );
+                    (rank.info.instance_rank, t)
+                })
+                .collect();
+            held.insert(
+                id,
+                Held {
+                    allocation: allocation.clone(),
+                    tables: tables.clone(),
+                },
+            );
+            (allocation, tables)
+        };
         let reply = outbox.clone();
         let accepted = server.expect(
             Expect {

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use kvferry_cli::Client;
 use kvferry_cli::control::ControlMessage as Message;
 use kvferry_protocol::{InstanceInfo, PeerMessage, Role};
+use kvferry_transfer::RequestStats;
 use support::transfer::{
     REPLY, Server, exchange, prefill, release, start, submit, verify, verify_idle, wait_done,
 };
@@ -332,4 +333,47 @@ fn empty_plans_complete_and_cancel_fails_a_request() {
     let (_, result) = wait_done(&g, &[2]).remove(0);
     let error = result.expect_err("a cancelled request fails");
     assert!(error.contains("cancelled: client went away"), "{error}");
+}
+
+/// Several controllers submit one request id at the same instant: exactly one is taken and
+/// completes verified, the others are refused as duplicates, and no slot leaks — a request
+/// needing almost every slot runs afterwards.
+#[test]
+fn racing_submits_of_one_id_take_one_and_leak_nothing() {
+    let r#gen = deepseek("generation", "dep2", "shm", &[]);
+    let ctx = deepseek("context", "dep2", "shm", &[]);
+    // 1,400 tokens: 44 of each pool's 48 slots, so a leaked allocation starves the next.
+    let s = submit(7, 1400);
+    let tables = prefill(&ctx.client(), &s);
+    let clients: Vec<Client> = (0..4).map(|_| r#gen.client()).collect();
+    let barrier = std::sync::Barrier::new(clients.len());
+    let results: Vec<Result<RequestStats, String>> = thread::scope(|scope| {
+        let handles: Vec<_> = clients
+            .into_iter()
+            .map(|g| {
+                let (s, barrier, addr) = (&s, &barrier, &ctx.addr);
+                scope.spawn(move || {
+                    barrier.wait();
+                    start(&g, s, addr);
+                    wait_done(&g, &[7]).remove(0).1
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let taken: Vec<_> = results.iter().filter(|r| r.is_ok()).collect();
+    assert_eq!(taken.len(), 1, "{results:?}");
+    for refused in results.iter().filter_map(|r| r.as_ref().err()) {
+        assert!(
+            refused.contains("already exists") || refused.contains("duplicate"),
+            "{refused}"
+        );
+    }
+    let g = r#gen.client();
+    verify(&g, 7, &tables);
+    release(&g, 7);
+    release(&ctx.client(), 7);
+    verify_idle(&g);
+    // Every slot came back: another request of 44 blocks is served.
+    exchange(&ctx, &r#gen, &[submit(8, 1400)]);
 }

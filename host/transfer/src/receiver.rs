@@ -508,20 +508,23 @@ impl GenerationServer {
         let piece_count = u32::try_from(pieces.len()).unwrap_or(u32::MAX);
         {
             let mut state = self.lock();
-            state.requests.insert(
-                id,
-                GenRequest {
-                    peer: Arc::clone(&peer),
-                    tables,
-                    pieces,
-                    tracker: RequestTracker::new(id, piece_count, expected),
-                    started,
-                    deadline: started + self.timeout,
-                    outcome: None,
-                    on_done: Some(on_done),
-                    on_free: None,
-                },
-            );
+            // Checked again where it is inserted: the check above ran before the lock was
+            // released for bootstrap and planning, and a second `expect` of the same id may
+            // have come in since; overwriting it would leak its callback and its slots.
+            let std::collections::hash_map::Entry::Vacant(slot) = state.requests.entry(id) else {
+                return Err(RequestError::Duplicate { request: id });
+            };
+            slot.insert(GenRequest {
+                peer: Arc::clone(&peer),
+                tables,
+                pieces,
+                tracker: RequestTracker::new(id, piece_count, expected),
+                started,
+                deadline: started + self.timeout,
+                outcome: None,
+                on_done: Some(on_done),
+                on_free: None,
+            });
             if writers == 0 {
                 // Nobody writes: complete at once.
                 if let Some(req) = state.requests.get_mut(&id) {
