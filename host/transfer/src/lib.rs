@@ -35,6 +35,7 @@ pub mod rank;
 pub mod receiver;
 pub mod sender;
 pub mod server;
+mod stash;
 
 pub use instance::{Instance, InstanceConfig, PreparedInstance, Transport};
 pub use kvferry_protocol::{InstanceInfo, PeerMessage, Role};

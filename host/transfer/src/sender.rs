@@ -40,9 +40,12 @@ use crate::rank::{
     JobRelease, PeerId, RemoteRank, ReplayDone, ReplayJob, ReplayStats, WriteError, WriteHook,
     WriteJob,
 };
+use crate::stash::{Stash, request_data_bytes};
 
 /// How long a `RequestData` for a request not yet submitted is kept.
 const ORPHAN_TTL: Duration = Duration::from_secs(120);
+/// The most bytes of such `RequestData` kept at once, from all peers together.
+const ORPHAN_BYTES: usize = 64 << 20;
 /// How long past its own deadline a replay may take to report before `Bench` gives up on it.
 const REPLAY_GRACE: Duration = Duration::from_secs(30);
 
@@ -244,7 +247,6 @@ struct GenPeer {
 struct Stashed {
     peer: Arc<GenPeer>,
     data: RequestData,
-    at: Instant,
 }
 
 /// A plan queued for a request, kept for [`ContextServer::replay`] when recording.
@@ -280,7 +282,7 @@ impl std::fmt::Debug for CtxRequest {
 #[derive(Debug)]
 struct State {
     requests: HashMap<u64, CtxRequest>,
-    orphans: HashMap<u64, Vec<Stashed>>,
+    orphans: Stash<Stashed>,
     peers: HashMap<PeerId, Arc<GenPeer>>,
 }
 
@@ -318,7 +320,7 @@ impl ContextServer {
             next_peer: AtomicU64::new(1),
             state: Mutex::new(State {
                 requests: HashMap::new(),
-                orphans: HashMap::new(),
+                orphans: Stash::new(ORPHAN_BYTES, ORPHAN_TTL),
                 peers: HashMap::new(),
             }),
         }
@@ -411,9 +413,7 @@ impl ContextServer {
         {
             let mut state = self.lock();
             state.peers.remove(&peer.id);
-            for stash in state.orphans.values_mut() {
-                stash.retain(|s| s.peer.id != peer.id);
-            }
+            state.orphans.retain(|s, _| s.peer.id != peer.id);
         }
         for rank in self.instance.ranks() {
             rank.thread.forget(peer.id);
@@ -578,7 +578,7 @@ impl ContextServer {
                     recorded: Vec::new(),
                 },
             );
-            state.orphans.remove(&id).unwrap_or_default()
+            state.orphans.take(id)
         };
         tracing::debug!(
             request = id,
@@ -596,24 +596,41 @@ impl ContextServer {
         {
             let mut state = self.lock();
             if !state.requests.contains_key(&data.request) {
-                let now = Instant::now();
-                for stash in state.orphans.values_mut() {
-                    stash.retain(|s| now.duration_since(s.at) < ORPHAN_TTL);
+                let (request, c, g) = (data.request, data.sender_rank, data.receiver_rank);
+                let bytes = request_data_bytes(&data);
+                let stashed = Stashed {
+                    peer: Arc::clone(peer),
+                    data,
+                };
+                match state.orphans.push(request, stashed, bytes, Instant::now()) {
+                    Ok(()) => {
+                        tracing::debug!(request, "request data before prefill: stashed");
+                    }
+                    Err(_) => {
+                        // A full stash refuses, and says so at once: the receiver fails this
+                        // request now instead of at its timeout.
+                        let limit = state.orphans.limit();
+                        drop(state);
+                        tracing::warn!(
+                            request,
+                            limit,
+                            "request data before prefill: stash full, refused"
+                        );
+                        let _ = peer.outbox.send(PeerMessage::Completion(Completion {
+                            request,
+                            sender_rank: c,
+                            receiver_rank: g,
+                            piece: 0,
+                            is_last: true,
+                            bytes: 0,
+                            fragments: 0,
+                            status: CompletionStatus::Failed(format!(
+                                "request {request} is not prefilled here, and {limit} bytes of \
+                                 requests waiting for their prefill are held already"
+                            )),
+                        }));
+                    }
                 }
-                state.orphans.retain(|_, v| !v.is_empty());
-                tracing::debug!(
-                    request = data.request,
-                    "request data before prefill: stashed"
-                );
-                state
-                    .orphans
-                    .entry(data.request)
-                    .or_default()
-                    .push(Stashed {
-                        peer: Arc::clone(peer),
-                        data,
-                        at: now,
-                    });
                 return;
             }
         }
@@ -993,9 +1010,9 @@ impl ContextServer {
     fn cancel(&self, peer: &GenPeer, request: u64, reason: &str) {
         tracing::debug!(request, peer = %peer.instance, %reason, "cancelled by receiver");
         let mut state = self.lock();
-        if let Some(stash) = state.orphans.get_mut(&request) {
-            stash.retain(|s| s.peer.id != peer.id);
-        }
+        state
+            .orphans
+            .retain_request(request, |s| s.peer.id != peer.id);
     }
 
     /// Lets go of a request: its `on_free` runs now if no write reads its slots, else once
@@ -1004,7 +1021,7 @@ impl ContextServer {
     pub fn release(&self, request: u64) -> bool {
         let (known, freed) = {
             let mut state = self.lock();
-            state.orphans.remove(&request);
+            state.orphans.take(request);
             match state.requests.get_mut(&request) {
                 Some(req) if req.jobs_in_flight == 0 => (true, state.requests.remove(&request)),
                 Some(req) => {
