@@ -179,19 +179,14 @@ fn hung_peer_times_out_and_its_slots_are_quarantined() {
 
     let s = submit(1, 100);
     let _ = prefill(&slow.client(), &s);
-    let started = Instant::now();
     start(&g, &s, &slow.addr);
     let (_, result) = wait_done(&g, &[1]).remove(0);
     let error = result.expect_err("a hung peer's request must time out");
     assert!(error.contains("timed out after 1000 ms"), "{error}");
     assert!(error.contains(&slow.addr), "{error}");
+    // The deadline, not the stalled writer (which would have completed the request after
+    // 6 s), ended it: the error names the timeout.
     assert!(error.contains("ctx rank 0 -> gen rank 0"), "{error}");
-    // Long before the stalled writer would have reported.
-    assert!(
-        started.elapsed() < Duration::from_secs(5),
-        "{:?}",
-        started.elapsed()
-    );
     release(&g, 1);
 
     exchange_without_idle_check(&live, &r#gen, 2);
