@@ -92,6 +92,21 @@ pub struct TransportReport {
     pub error: Option<String>,
 }
 
+impl TransportReport {
+    /// The row of `transport` pools in `memory`, before anything is asked of UCX.
+    fn new(transport: Transport, memory: MemoryKind, ucx_net_devices: Option<String>) -> Self {
+        TransportReport {
+            transport: transport.to_string(),
+            memory: memory.to_string(),
+            ucx_tls: transport.tls(memory).to_string(),
+            ucx_net_devices,
+            resources: Vec::new(),
+            memory_types: Vec::new(),
+            error: None,
+        }
+    }
+}
+
 /// Runs every check. `net_devices` overrides the devices the tcp transport asks for (default
 /// `lo`, as `serve` uses).
 pub fn diagnose(net_devices: Option<&str>) -> Report {
@@ -117,19 +132,13 @@ pub fn diagnose(net_devices: Option<&str>) -> Report {
                 .net_devices()
                 .map(|d| net_devices.unwrap_or(d).to_string());
             if memory == MemoryKind::Cuda && cuda_components.is_empty() {
-                transports.push(TransportReport {
-                    transport: transport.to_string(),
-                    memory: memory.to_string(),
-                    ucx_tls: transport.tls(memory).to_string(),
-                    ucx_net_devices: devices,
-                    resources: Vec::new(),
-                    memory_types: Vec::new(),
-                    error: Some(
-                        "UCX loaded no CUDA component (no libuct_cuda module, or libcuda.so.1 \
-                         did not load)"
-                            .into(),
-                    ),
-                });
+                let mut row = TransportReport::new(transport, memory, devices);
+                row.error = Some(
+                    "UCX loaded no CUDA component (no libuct_cuda module, or libcuda.so.1 did \
+                     not load)"
+                        .into(),
+                );
+                transports.push(row);
                 continue;
             }
             let (report, single_threaded) = probe(transport, memory, devices);
@@ -219,10 +228,7 @@ pub fn diagnose(net_devices: Option<&str>) -> Report {
             cuda.gpus
         ));
     }
-    let cuda_usable = transports
-        .iter()
-        .any(|t| t.memory_types.iter().any(|m| m == "cuda"));
-    if cuda.gpus > 0 && !cuda_usable {
+    if cuda.gpus > 0 && !registers_cuda(&transports) {
         problems.push(if !cuda_transports_built {
             format!(
                 "{} GPU(s) present but this UCX has no CUDA transports (no libuct_cuda in {}): \
@@ -273,20 +279,11 @@ fn probe(
     memory: MemoryKind,
     devices: Option<String>,
 ) -> (TransportReport, bool) {
-    let tls = transport.tls(memory);
-    let mut builder = Context::builder().tls(tls);
+    let mut builder = Context::builder().tls(transport.tls(memory));
     if let Some(devices) = &devices {
         builder = builder.net_devices(devices.clone());
     }
-    let mut report = TransportReport {
-        transport: transport.to_string(),
-        memory: memory.to_string(),
-        ucx_tls: tls.to_string(),
-        ucx_net_devices: devices,
-        resources: Vec::new(),
-        memory_types: Vec::new(),
-        error: None,
-    };
+    let mut report = TransportReport::new(transport, memory, devices);
     match builder.build() {
         Ok(ctx) => {
             match ctx.resources() {
@@ -342,18 +339,20 @@ fn modules_in(dir: &Path) -> Vec<String> {
     names
 }
 
+/// The first file mapped into this process whose name starts with `prefix`.
 fn mapped(prefix: &str) -> Option<PathBuf> {
-    fs::read_to_string("/proc/self/maps")
-        .ok()?
-        .lines()
-        .filter_map(|line| line.split_whitespace().nth(5))
-        .find(|path| {
-            Path::new(path)
-                .file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with(prefix))
-        })
-        .map(PathBuf::from)
+    library::mapped_files().into_iter().find(|path| {
+        path.file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with(prefix))
+    })
+}
+
+/// Whether some context of `transports` can register CUDA device memory.
+fn registers_cuda(transports: &[TransportReport]) -> bool {
+    transports
+        .iter()
+        .any(|t| t.memory_types.iter().any(|m| m == "cuda"))
 }
 
 fn canonical(path: &Path) -> PathBuf {
@@ -371,9 +370,7 @@ fn join(paths: &[PathBuf]) -> String {
 impl Report {
     /// Whether some context can register CUDA device memory.
     pub fn cuda_registrable(&self) -> bool {
-        self.transports
-            .iter()
-            .any(|t| t.memory_types.iter().any(|m| m == "cuda"))
+        registers_cuda(&self.transports)
     }
 
     /// The report as text, one topic per block.

@@ -616,19 +616,11 @@ impl ContextServer {
                             limit,
                             "request data before prefill: stash full, refused"
                         );
-                        let _ = peer.outbox.send(PeerMessage::Completion(Completion {
-                            request,
-                            sender_rank: c,
-                            receiver_rank: g,
-                            piece: 0,
-                            is_last: true,
-                            bytes: 0,
-                            fragments: 0,
-                            status: CompletionStatus::Failed(format!(
-                                "request {request} is not prefilled here, and {limit} bytes of \
-                                 requests waiting for their prefill are held already"
-                            )),
-                        }));
+                        let reason = format!(
+                            "request {request} is not prefilled here, and {limit} bytes of \
+                             requests waiting for their prefill are held already"
+                        );
+                        let _ = peer.outbox.send(failed_piece(request, (c, g), 0, reason));
                     }
                 }
                 return;
@@ -663,16 +655,12 @@ impl ContextServer {
             Ok(p) => p,
             Err(e) => {
                 tracing::warn!(error = %error_chain(&e), "cannot serve");
-                let _ = peer.outbox.send(PeerMessage::Completion(Completion {
-                    request: data.request,
-                    sender_rank: c,
-                    receiver_rank: g,
-                    piece: e.piece(),
-                    is_last: true,
-                    bytes: 0,
-                    fragments: 0,
-                    status: CompletionStatus::Failed(error_chain(&e)),
-                }));
+                let _ = peer.outbox.send(failed_piece(
+                    data.request,
+                    (c, g),
+                    e.piece(),
+                    error_chain(&e),
+                ));
                 return;
             }
         };
@@ -1036,4 +1024,24 @@ impl ContextServer {
         }
         known
     }
+}
+
+/// The completion that ends a (sender, receiver) pair's part of `request` at `piece`, failed:
+/// nothing written, nothing more to come from this sender.
+fn failed_piece(
+    request: u64,
+    (sender, receiver): (u32, u32),
+    piece: u32,
+    reason: String,
+) -> PeerMessage {
+    PeerMessage::Completion(Completion {
+        request,
+        sender_rank: sender,
+        receiver_rank: receiver,
+        piece,
+        is_last: true,
+        bytes: 0,
+        fragments: 0,
+        status: CompletionStatus::Failed(reason),
+    })
 }

@@ -44,16 +44,24 @@ pub fn release() -> (u32, u32, u32) {
 /// repackager gave them, e.g. `libucp-1a2b3c4d.so.0`) mapped into this process, sorted, from
 /// `/proc/self/maps`. Empty where that file cannot be read.
 pub fn loaded_libraries() -> Vec<PathBuf> {
-    let maps = fs::read_to_string("/proc/self/maps").unwrap_or_default();
-    let mut found: Vec<PathBuf> = maps
-        .lines()
-        .filter_map(|line| line.split_whitespace().nth(5))
-        .map(PathBuf::from)
+    let mut found: Vec<PathBuf> = mapped_files()
+        .into_iter()
         .filter(|path| is_core_library(path))
         .collect();
     found.sort();
     found.dedup();
     found
+}
+
+/// Every file mapped into this process, in `/proc/self/maps` order (with repeats). Empty
+/// where that file cannot be read.
+pub fn mapped_files() -> Vec<PathBuf> {
+    let maps = fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    maps.lines()
+        .filter_map(|line| line.split_whitespace().nth(5))
+        .filter(|path| path.starts_with('/'))
+        .map(PathBuf::from)
+        .collect()
 }
 
 /// Every distinct `libucp` mapped into this process. More than one means two UCX copies are
