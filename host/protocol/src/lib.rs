@@ -11,9 +11,10 @@
 //! offset 10 body     bincode 2 (serde, standard config) of one message
 //! ```
 //!
-//! The body is decoded with `bincode::config::standard().with_limit::<MAX_FRAME_BYTES>()`,
-//! so a length claimed inside the body (a vector, a string) can never allocate more than the
-//! frame limit, and a body must be consumed exactly (trailing bytes are refused). A frame
+//! The body is decoded with `bincode::config::standard()` under a limit of the smallest of
+//! 64 KiB, 1 MiB, 8 MiB and [`MAX_FRAME_BYTES`] that holds the body, so a length claimed
+//! inside the body (a string, a byte vector) can never make the decoder reserve more than
+//! 16 times the body plus 64 KiB, and a body must be consumed exactly (trailing bytes are refused). A frame
 //! with a wrong magic, another version, an oversized length or an undecodable body is an
 //! error naming what is wrong; servers answer it with an error message and close only that
 //! connection. Each message family has its own magic, so a client of one family that
@@ -39,14 +40,20 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+pub mod agent;
 pub mod session;
 pub mod tracker;
 
+pub use agent::{
+    AgentError, AgentEvent, AgentMessage, AgentMetadata, AgentSession, AgentState, PeerIdentity,
+    Secret, SecretError,
+};
 pub use session::{AcceptEvent, AcceptState, Acceptor, DialEvent, DialState, Dialer, SessionError};
 pub use tracker::{Pair, Phase, PieceFailure, RequestTracker, Totals, Tracked, Violation};
 
 use std::io::{self, Read, Write};
 
+use bincode::error::DecodeError;
 use kvferry_planner_abi::{RankInfo, SlotTable, TokenRange, ViewId};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -417,11 +424,24 @@ pub fn encode<M: Frame>(message: &M) -> Result<Vec<u8>, WireError> {
 /// [`WireError::Decode`] for bytes that are not a message, [`WireError::Trailing`] for bytes
 /// after it.
 pub fn decode_body<M: Frame>(body: &[u8]) -> Result<M, WireError> {
-    let (message, used): (M, usize) =
-        bincode::serde::decode_from_slice(body, config()).map_err(|source| WireError::Decode {
-            len: body.len(),
-            source,
-        })?;
+    // The limit bounds what a length claimed inside the body may make the decoder allocate
+    // (a string's bytes are reserved before they are read). A length can never be honest if
+    // it exceeds the body, so the limit is the smallest tier that holds the body: a 74-byte
+    // frame whose string length was flipped to 7 MB reserved those 7 MB under one fixed
+    // 64 MiB limit (found by the fuzz suite); now it may reserve at most 64 KiB.
+    fn tier<M: Frame, const LIMIT: usize>(body: &[u8]) -> Result<(M, usize), DecodeError> {
+        bincode::serde::decode_from_slice(body, bincode::config::standard().with_limit::<LIMIT>())
+    }
+    let decoded = match body.len() {
+        n if n <= 64 << 10 => tier::<M, { 64 << 10 }>(body),
+        n if n <= 1 << 20 => tier::<M, { 1 << 20 }>(body),
+        n if n <= 8 << 20 => tier::<M, { 8 << 20 }>(body),
+        _ => tier::<M, MAX_FRAME_BYTES>(body),
+    };
+    let (message, used) = decoded.map_err(|source| WireError::Decode {
+        len: body.len(),
+        source,
+    })?;
     if used != body.len() {
         return Err(WireError::Trailing {
             extra: body.len() - used,

@@ -191,7 +191,8 @@ struct PairState {
 #[derive(Clone, Debug)]
 pub struct RequestTracker {
     request: u64,
-    pieces: u32,
+    /// Pieces per pair, or `None` for a streamed request (chunks until `is_last`).
+    pieces: Option<u32>,
     pairs: BTreeMap<Pair, PairState>,
     totals: Totals,
     phase: Phase,
@@ -212,10 +213,19 @@ impl RequestTracker {
         };
         Self {
             request,
-            pieces: pieces.max(1),
+            pieces: Some(pieces.max(1)),
             pairs,
             totals: Totals::default(),
             phase,
+        }
+    }
+
+    /// A request each of `pairs` sends in as many pieces as it likes (chunked prefill as it
+    /// happens): pieces come in order from 0, and the one marked `is_last` ends the pair.
+    pub fn streaming(request: u64, pairs: impl IntoIterator<Item = Pair>) -> Self {
+        Self {
+            pieces: None,
+            ..Self::new(request, 1, pairs)
         }
     }
 
@@ -306,7 +316,7 @@ impl RequestTracker {
                 receiver,
                 piece,
             })
-        } else if piece >= pieces {
+        } else if let Some(pieces) = pieces.filter(|&n| piece >= n) {
             Some(Violation::PieceOutOfRange {
                 request,
                 sender,
@@ -324,7 +334,9 @@ impl RequestTracker {
                 piece,
                 expected: state.next,
             })
-        } else if c.status == CompletionStatus::Ok && c.is_last != (piece + 1 == pieces) {
+        } else if let Some(pieces) =
+            pieces.filter(|&n| c.status == CompletionStatus::Ok && c.is_last != (piece + 1 == n))
+        {
             Some(Violation::BadLast {
                 request,
                 sender,
