@@ -267,6 +267,14 @@ impl RequestTracker {
             .map(|(p, _)| *p)
     }
 
+    /// Pairs that have not reported their last piece: writers that may still write.
+    pub fn open_pairs(&self) -> impl Iterator<Item = Pair> + '_ {
+        self.pairs
+            .iter()
+            .filter(|(_, s)| !s.terminal)
+            .map(|(p, _)| *p)
+    }
+
     /// Whether no write of this request can still land: every pair reported its last piece.
     /// (A writer whose connection is gone can write no more either; the caller knows that.)
     pub fn quiescent(&self) -> bool {
@@ -334,23 +342,21 @@ impl RequestTracker {
                 piece,
                 expected: state.next,
             })
-        } else if let Some(pieces) =
-            pieces.filter(|&n| c.status == CompletionStatus::Ok && c.is_last != (piece + 1 == n))
-        {
-            Some(Violation::BadLast {
-                request,
-                sender,
-                receiver,
-                piece,
-                pieces,
-                which: if c.is_last {
-                    "is marked last"
-                } else {
-                    "is not marked last"
-                },
-            })
         } else {
-            None
+            pieces
+                .filter(|&n| c.status == CompletionStatus::Ok && c.is_last != (piece + 1 == n))
+                .map(|pieces| Violation::BadLast {
+                    request,
+                    sender,
+                    receiver,
+                    piece,
+                    pieces,
+                    which: if c.is_last {
+                        "is marked last"
+                    } else {
+                        "is not marked last"
+                    },
+                })
         };
         if let Some(v) = violation {
             if self.phase == Phase::InFlight {

@@ -24,6 +24,7 @@
 
 #![deny(missing_docs)]
 
+pub mod agent;
 pub mod budget;
 pub mod conn;
 #[cfg(feature = "cuda")]

@@ -128,6 +128,20 @@ pub enum MemoryError {
         /// UCX's error.
         source: kvferry_ucx::Error,
     },
+    /// An engine-owned pool cannot be registered ([`RankPools::register`]).
+    #[error("rank {rank} pool {pool} at {base:#x} ({bytes} bytes): {problem}")]
+    Register {
+        /// The rank.
+        rank: u32,
+        /// The pool.
+        pool: usize,
+        /// Its base address.
+        base: u64,
+        /// Its footprint.
+        bytes: u64,
+        /// What is wrong.
+        problem: String,
+    },
     /// The callback was asked for pools out of order.
     #[error("rank {rank} pool {pool} asked for out of order")]
     Order {
@@ -599,6 +613,64 @@ impl PoolAllocator {
                 pools,
             })
             .collect())
+    }
+}
+
+impl RankPools {
+    /// Registers the engine's own pools of rank `rank` with UCX: each pool's
+    /// `[base, base + footprint)` becomes one region peers may write through its key. Nothing
+    /// is allocated, filled or primed; the bytes stay the engine's.
+    ///
+    /// Only host (DRAM) pools are registered here; a VRAM pool is refused by name.
+    ///
+    /// # Safety
+    ///
+    /// For as long as the returned pools (and the rank thread and agent using them) live,
+    /// every pool's `[base, base + footprint)` is one live, initialised host allocation that is
+    /// not freed, and whose bytes the engine touches only as the transfer protocol allows
+    /// (source slots unchanged from `send` to its terminal event; destination slots not relied
+    /// on from `expect` to its terminal event).
+    ///
+    /// # Errors
+    ///
+    /// [`MemoryError::Register`] naming the pool: not DRAM, no bytes, a null base, a range
+    /// that wraps, or UCX refusing the registration.
+    pub unsafe fn register(
+        ctx: &Arc<Context>,
+        rank: u32,
+        pools: &[kvferry_planner_abi::PhysicalPool],
+    ) -> Result<RankPools, MemoryError> {
+        let mut out = Vec::with_capacity(pools.len());
+        for (index, p) in pools.iter().enumerate() {
+            let refuse = |problem: String| MemoryError::Register {
+                rank,
+                pool: index,
+                base: p.base,
+                bytes: p.footprint(),
+                problem,
+            };
+            if p.memory_type != kvferry_planner_abi::MemoryType::DRAM {
+                return Err(refuse(format!(
+                    "memory type {:?}: only host (DRAM) pools of the engine are registered",
+                    p.memory_type
+                )));
+            }
+            let bytes = p.footprint();
+            if bytes == 0 || p.base == 0 {
+                return Err(refuse("an empty pool or a null base".into()));
+            }
+            if p.base.checked_add(bytes).is_none() {
+                return Err(refuse("the range wraps the address space".into()));
+            }
+            let len = usize::try_from(bytes).map_err(|_| refuse("too large".into()))?;
+            // SAFETY: the caller guarantees `[base, base + footprint)` is a live, initialised
+            // host allocation that outlives the pools and is touched only as the protocol
+            // allows (this function's contract, passed on to `MemRegion::register`).
+            let region = unsafe { MemRegion::register(ctx, p.base as usize as *mut u8, len) }
+                .map_err(|e| refuse(format!("UCX refuses to register it: {e}")))?;
+            out.push(Pool::host(region));
+        }
+        Ok(RankPools { rank, pools: out })
     }
 }
 

@@ -1,0 +1,1116 @@
+//! The prefill (context) side of an agent: the side channel, sends, claims, writes.
+//!
+//! A request becomes writable for a generation rank once both its first `send` and that
+//! rank's `RequestData` (its claim) arrived, in either order. The first claim fixes the
+//! request's owner (the claiming instance, or the `to` of the send) and the receiver ranks
+//! this rank must write ([`TransferPlanner::targets`] for the claimer's DP group); every
+//! chunk is planned for every claim on the planner pool, then written on the rank thread, and
+//! each piece's completion goes out after its flush. The request is `Sent` once every
+//! expected receiver has its last piece; a failure, a cancel, the lease or the timeout end it
+//! once no job reads its slots, answering every claim still open with a failed last piece.
+//!
+//! [`TransferPlanner::targets`]: kvferry_planner_abi::TransferPlanner::targets
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::io::BufReader;
+use std::net::{TcpListener, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use kvferry_plan::{RequestSide, ValidatedPlan, error_chain, plan_transfer};
+use kvferry_planner_abi::ffi::ROption;
+use kvferry_planner_abi::{PairRequest, RankInfo, SlotTable};
+use kvferry_protocol::{
+    AgentEvent, AgentMessage, AgentSession, Completion, CompletionStatus, PeerIdentity,
+    RequestData, encode, read_frame,
+};
+
+use super::events::{Event, FailureKind};
+use super::{CallError, HANDSHAKE_TIMEOUT, Inner, Send, lock, nonce};
+use crate::conn::{Outbox, drain, spawn_writer};
+use crate::rank::{PeerId, RemoteRank, WriteJob};
+use crate::stash::{Stash, request_data_bytes};
+
+/// How long a claim for a request not sent yet is kept at most (the lease bounds it too).
+const STASH_TTL: Duration = Duration::from_secs(120);
+
+/// An authenticated, vetted generation rank connected to this context rank.
+#[derive(Debug)]
+pub(crate) struct GenConn {
+    id: PeerId,
+    identity: PeerIdentity,
+    info: RankInfo,
+    remote: Arc<RemoteRank>,
+    outbox: Outbox<AgentMessage>,
+    alive: Arc<AtomicBool>,
+}
+
+impl GenConn {
+    fn name(&self) -> String {
+        self.identity.to_string()
+    }
+}
+
+#[derive(Debug)]
+struct Stashed {
+    conn: Arc<GenConn>,
+    data: RequestData,
+}
+
+#[derive(Debug)]
+struct Claim {
+    conn: Arc<GenConn>,
+    data: RequestData,
+    /// Chunks handed to planning so far.
+    planned: usize,
+    /// A planning task for this claim is queued or running.
+    planning: bool,
+    /// Write jobs queued and not yet released.
+    jobs: usize,
+    /// Pieces whose completion was sent (the next piece index).
+    reported: u32,
+    /// The pair's last piece was reported (Ok or Failed).
+    ended: bool,
+    /// Its last piece was Ok.
+    ok: bool,
+    /// The receiver cancelled it.
+    cancelled: bool,
+}
+
+#[derive(Debug)]
+pub(crate) struct OutReq {
+    to: Option<String>,
+    prompt_len: u64,
+    chunks: Vec<(Arc<Vec<SlotTable>>, PairRequest)>,
+    finished: bool,
+    first_send: Instant,
+    claimed_at: Option<Instant>,
+    owner: Option<String>,
+    /// Receiver ranks this rank writes, once the first claim told who claims.
+    expected: Option<BTreeSet<u32>>,
+    claims: BTreeMap<u32, Claim>,
+    cancelled: bool,
+    failure: Option<(Option<String>, FailureKind, String)>,
+    bytes: u64,
+}
+
+#[derive(Debug)]
+pub(crate) struct State {
+    pub(crate) requests: HashMap<u64, OutReq>,
+    conns: HashMap<PeerId, Arc<GenConn>>,
+    stash: Stash<Stashed>,
+    open: Arc<AtomicUsize>,
+}
+
+impl State {
+    pub(crate) fn new(max_stashed: usize) -> Self {
+        Self {
+            requests: HashMap::new(),
+            conns: HashMap::new(),
+            stash: Stash::new(max_stashed, STASH_TTL),
+            open: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+}
+
+fn failed(request: u64, (c, g): (u32, u32), piece: u32, reason: String) -> AgentMessage {
+    AgentMessage::Completion(Completion {
+        request,
+        sender_rank: c,
+        receiver_rank: g,
+        piece,
+        is_last: true,
+        bytes: 0,
+        fragments: 0,
+        status: CompletionStatus::Failed(reason),
+    })
+}
+
+// ---------------------------------------------------------------------------------------
+// The side channel.
+
+pub(crate) fn listen(inner: &Arc<Inner>, listener: TcpListener) -> std::io::Result<()> {
+    let weak = Arc::downgrade(inner);
+    let open = Arc::clone(&lock(&inner.prefill).open);
+    let max = inner.config.max_connections;
+    thread::Builder::new()
+        .name(format!("side-{}", inner.info.instance_rank))
+        .spawn(move || {
+            let mut backoff = Duration::from_millis(1);
+            for stream in listener.incoming() {
+                let Some(inner) = weak.upgrade() else { break };
+                if inner.stopped.load(Ordering::Acquire) {
+                    break;
+                }
+                let stream = match stream {
+                    Ok(s) => {
+                        backoff = Duration::from_millis(1);
+                        s
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, backoff_ms = backoff.as_millis() as u64, "accept failed");
+                        drop(inner);
+                        thread::sleep(backoff);
+                        backoff = (backoff * 2).min(Duration::from_secs(1));
+                        continue;
+                    }
+                };
+                if open.fetch_add(1, Ordering::AcqRel) >= max {
+                    open.fetch_sub(1, Ordering::AcqRel);
+                    // Unauthenticated: it learns nothing but that it was turned away.
+                    tracing::warn!(limit = max, "side channel full: connection refused");
+                    drop(stream);
+                    continue;
+                }
+                let open = Arc::clone(&open);
+                let spawned = thread::Builder::new()
+                    .name(format!("gen-conn-{}", inner.info.instance_rank))
+                    .spawn(move || {
+                        serve_connection(&inner, stream);
+                        open.fetch_sub(1, Ordering::AcqRel);
+                    });
+                if let Err(e) = spawned {
+                    tracing::warn!(error = %e, "cannot spawn a connection thread");
+                }
+            }
+        })?;
+    Ok(())
+}
+
+fn serve_connection(inner: &Arc<Inner>, stream: TcpStream) {
+    let addr = stream
+        .peer_addr()
+        .map_or_else(|_| "?".to_string(), |a| a.to_string());
+    let _span = tracing::info_span!("gen_conn", %addr).entered();
+    let _ = stream.set_nodelay(true);
+    let Ok(n) = nonce() else { return };
+    let mut session = AgentSession::accept(inner.config.secret.clone(), n);
+    let Ok(write_half) = stream.try_clone() else {
+        return;
+    };
+    let mut write_half = write_half;
+    let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
+    let mut reader = BufReader::new(stream);
+    // The handshake: written directly, in order, before a writer thread exists.
+    let conn = loop {
+        let message: AgentMessage = match read_frame(&mut reader) {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::info!(error = %error_chain(&e), "side-channel connection ended during the handshake");
+                return;
+            }
+        };
+        match session.receive(message) {
+            Ok(AgentEvent::Reply(replies)) => {
+                for r in replies {
+                    if write_all(&mut write_half, &r).is_err() {
+                        return;
+                    }
+                }
+            }
+            Ok(AgentEvent::Nothing) => {}
+            Ok(AgentEvent::Metadata(m)) => match admit(inner, &m, &write_half) {
+                Ok(conn) => {
+                    let reply = match session.admit(inner.metadata.clone()) {
+                        Ok(r) => r,
+                        Err(_) => return,
+                    };
+                    let _ = conn.outbox.send(reply);
+                    break conn;
+                }
+                Err(reason) => {
+                    tracing::info!(peer = %m.identity(), %reason, "generation rank refused");
+                    let refusal = session.refuse(reason);
+                    let _ = write_all(&mut write_half, &refusal);
+                    drain(&mut reader, Duration::from_millis(200));
+                    return;
+                }
+            },
+            Ok(other) => {
+                tracing::warn!(?other, "unexpected handshake event");
+                return;
+            }
+            Err(e) => {
+                // An unauthenticated peer learns nothing; an authenticated one hears why.
+                tracing::warn!(error = %e, "side-channel handshake failed");
+                if session.authenticated() {
+                    let _ = write_all(
+                        &mut write_half,
+                        &AgentMessage::Error {
+                            message: e.to_string(),
+                        },
+                    );
+                }
+                return;
+            }
+        }
+    };
+    let _ = reader
+        .get_ref()
+        .set_read_timeout(Some(inner.config.peer_timeout));
+    tracing::info!(peer = %conn.name(), "generation rank connected");
+    let why = loop {
+        let message: AgentMessage = match read_frame(&mut reader) {
+            Ok(m) => m,
+            Err(e) if e.is_disconnect() => break "closed its connection".to_string(),
+            Err(e) => break format!("connection failed: {}", error_chain(&e)),
+        };
+        match session.receive(message) {
+            Ok(AgentEvent::RequestData(data)) => request_data(inner, &conn, *data),
+            Ok(AgentEvent::Cancel { request, reason }) => {
+                peer_cancel(inner, &conn, request, &reason)
+            }
+            Ok(AgentEvent::Nothing) => {}
+            Ok(other) => break format!("sent {other:?}"),
+            Err(e) => {
+                let _ = conn.outbox.send(AgentMessage::Error {
+                    message: e.to_string(),
+                });
+                break format!("broke the protocol: {e}");
+            }
+        }
+    };
+    tracing::info!(peer = %conn.name(), reason = %why, "generation rank gone");
+    lost(inner, &conn, &why);
+}
+
+fn write_all(stream: &mut TcpStream, message: &AgentMessage) -> std::io::Result<()> {
+    use std::io::Write as _;
+    let frame = encode(message).map_err(std::io::Error::other)?;
+    stream.write_all(&frame)
+}
+
+/// Vets a generation rank's metadata and registers its connection.
+fn admit(
+    inner: &Arc<Inner>,
+    m: &kvferry_protocol::AgentMetadata,
+    stream: &TcpStream,
+) -> Result<Arc<GenConn>, String> {
+    inner.vet_shape(m)?;
+    inner.check_peer(&m.rank.info)?;
+    let write_half = stream
+        .try_clone()
+        .map_err(|e| format!("cannot clone the socket: {e}"))?;
+    let id = inner.next_peer.fetch_add(1, Ordering::Relaxed);
+    let alive = Arc::new(AtomicBool::new(true));
+    let identity = m.identity();
+    let conn = Arc::new(GenConn {
+        id,
+        identity: identity.clone(),
+        info: m.rank.info.clone(),
+        remote: Arc::new(RemoteRank {
+            peer: id,
+            instance: m.instance.clone(),
+            rank: m.rank.info.instance_rank,
+            worker_address: m.rank.worker_address.clone(),
+            pools: m.rank.pools.clone(),
+            alive: Arc::clone(&alive),
+        }),
+        outbox: spawn_writer(write_half, format!("gen-{identity}")),
+        alive,
+    });
+    lock(&inner.prefill).conns.insert(id, Arc::clone(&conn));
+    Ok(conn)
+}
+
+/// A generation rank's connection ended: its claims fail, nothing more is written to it.
+fn lost(inner: &Arc<Inner>, conn: &Arc<GenConn>, why: &str) {
+    conn.alive.store(false, Ordering::Release);
+    inner.thread.forget(conn.id);
+    let ids: Vec<u64> = {
+        let mut state = lock(&inner.prefill);
+        state.conns.remove(&conn.id);
+        state.stash.retain(|s, _| s.conn.id != conn.id);
+        let mut ids = Vec::new();
+        for (&id, req) in state.requests.iter_mut() {
+            let mut touched = false;
+            for claim in req.claims.values_mut() {
+                if claim.conn.id == conn.id && !claim.ended {
+                    claim.ended = true;
+                    touched = true;
+                }
+            }
+            if touched && req.failure.is_none() {
+                req.failure = Some((
+                    Some(conn.name()),
+                    FailureKind::Peer,
+                    format!("{} {why}", conn.name()),
+                ));
+            }
+            if touched {
+                ids.push(id);
+            }
+        }
+        ids
+    };
+    for id in ids {
+        settle(inner, id);
+    }
+}
+
+pub(crate) fn ping(inner: &Arc<Inner>) {
+    let conns: Vec<Arc<GenConn>> = lock(&inner.prefill).conns.values().cloned().collect();
+    for c in conns {
+        let _ = c.outbox.send(AgentMessage::Ping);
+    }
+}
+
+pub(crate) fn shutdown(inner: &Arc<Inner>) {
+    let conns: Vec<Arc<GenConn>> = lock(&inner.prefill).conns.drain().map(|(_, c)| c).collect();
+    for c in conns {
+        c.alive.store(false, Ordering::Release);
+        let _ = c.outbox.send(AgentMessage::Error {
+            message: format!("{} is shutting down", inner.me()),
+        });
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Requests.
+
+pub(crate) fn send(inner: &Arc<Inner>, s: Send) -> Result<(), CallError> {
+    let id = s.request;
+    let invalid = |reason: String| CallError::Invalid {
+        request: id,
+        reason,
+    };
+    let groups = inner.info.page_table.groups.len();
+    if s.tables.len() != groups {
+        return Err(invalid(format!(
+            "{} slot tables for {groups} layer groups",
+            s.tables.len()
+        )));
+    }
+    check_slots(&inner.info, &s.tables).map_err(invalid)?;
+    if s.prompt_len == 0 || s.tokens.start >= s.tokens.end || s.tokens.end > s.prompt_len {
+        return Err(invalid(format!(
+            "tokens {}..{} of a {}-token prompt",
+            s.tokens.start, s.tokens.end, s.prompt_len
+        )));
+    }
+    if s.is_last != (s.tokens.end == s.prompt_len) {
+        return Err(invalid(
+            "is_last must mark exactly the chunk that ends at the prompt's end".into(),
+        ));
+    }
+    let piece = PairRequest {
+        token_range: s.tokens,
+        prompt_len: s.prompt_len,
+        dst_start_token: ROption::RNone,
+        is_last: s.is_last,
+    };
+    let stashed = {
+        let mut state = lock(&inner.prefill);
+        match state.requests.get_mut(&id) {
+            Some(req) => {
+                let end = req.chunks.last().map_or(0, |(_, p)| p.token_range.end);
+                if req.finished || req.cancelled || req.failure.is_some() {
+                    return Err(CallError::Unknown { request: id });
+                }
+                if s.prompt_len != req.prompt_len || s.tokens.start != end {
+                    return Err(invalid(format!(
+                        "chunk {}..{} of a {}-token prompt does not follow {end} of {}",
+                        s.tokens.start, s.tokens.end, s.prompt_len, req.prompt_len
+                    )));
+                }
+                if s.to != req.to {
+                    return Err(invalid("a later chunk names another receiver".into()));
+                }
+                req.chunks.push((Arc::new(s.tables), piece));
+                req.finished = s.is_last;
+                Vec::new()
+            }
+            None => {
+                if s.tokens.start != 0 {
+                    return Err(invalid(format!(
+                        "the first chunk starts at token {}, not 0",
+                        s.tokens.start
+                    )));
+                }
+                state.requests.insert(
+                    id,
+                    OutReq {
+                        to: s.to,
+                        prompt_len: s.prompt_len,
+                        chunks: vec![(Arc::new(s.tables), piece)],
+                        finished: s.is_last,
+                        first_send: Instant::now(),
+                        claimed_at: None,
+                        owner: None,
+                        expected: None,
+                        claims: BTreeMap::new(),
+                        cancelled: false,
+                        failure: None,
+                        bytes: 0,
+                    },
+                );
+                state.stash.take(id)
+            }
+        }
+    };
+    for s in stashed {
+        claim(inner, &s.conn, s.data);
+    }
+    pump(inner, id);
+    Ok(())
+}
+
+/// Every slot named is inside its pool, for every view of every group.
+pub(crate) fn check_slots(info: &RankInfo, tables: &[SlotTable]) -> Result<(), String> {
+    let pt = &info.page_table;
+    for (g, (group, table)) in pt.groups.iter().zip(tables).enumerate() {
+        for view in group.views.iter() {
+            let Some(pool) = pt.pools.get(view.pool as usize) else {
+                return Err(format!(
+                    "layer group {g} names pool {}, which does not exist",
+                    view.pool
+                ));
+            };
+            if let Some(&bad) = table
+                .slots
+                .iter()
+                .find(|&&s| s != SlotTable::HOLE && (s < 0 || s as u64 >= pool.num_slots))
+            {
+                return Err(format!(
+                    "layer group {g}: slot {bad} is outside pool {} ({} slots)",
+                    view.pool, pool.num_slots
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn request_data(inner: &Arc<Inner>, conn: &Arc<GenConn>, data: RequestData) {
+    let (c, g, request) = (data.sender_rank, data.receiver_rank, data.request);
+    let me = inner.info.instance_rank;
+    let refuse = |reason: String| {
+        tracing::warn!(request, peer = %conn.name(), %reason, "claim refused");
+        let _ = conn.outbox.send(failed(request, (c, g), 0, reason));
+    };
+    if c != me {
+        return refuse(format!("this is rank {me}, not rank {c}"));
+    }
+    if g != conn.info.instance_rank || data.receiver_instance != conn.identity.instance {
+        return refuse(format!(
+            "the connection is {}; it cannot claim for {} rank {g}",
+            conn.name(),
+            data.receiver_instance
+        ));
+    }
+    if data.slot_tables.len() != conn.info.page_table.groups.len() {
+        return refuse(format!(
+            "{} slot tables for {} layer groups",
+            data.slot_tables.len(),
+            conn.info.page_table.groups.len()
+        ));
+    }
+    if let Err(e) = check_slots(&conn.info, &data.slot_tables) {
+        return refuse(e);
+    }
+    if data.prompt_len == 0
+        || data.token_range.start >= data.token_range.end
+        || data.token_range.end > data.prompt_len
+        || data.dst_start_token.is_some_and(|t| t > data.prompt_len)
+    {
+        return refuse(format!(
+            "tokens {}..{} of a {}-token prompt",
+            data.token_range.start, data.token_range.end, data.prompt_len
+        ));
+    }
+    {
+        let mut state = lock(&inner.prefill);
+        if !state.requests.contains_key(&request) {
+            let bytes = request_data_bytes(&data);
+            let item = Stashed {
+                conn: Arc::clone(conn),
+                data,
+            };
+            if state
+                .stash
+                .push(request, item, bytes, Instant::now())
+                .is_err()
+            {
+                let limit = state.stash.limit();
+                drop(state);
+                return refuse(format!(
+                    "request {request} is not sent here yet, and {limit} bytes of claims \
+                     waiting for their send are held already"
+                ));
+            }
+            return;
+        }
+    }
+    claim(inner, conn, data);
+}
+
+/// Binds a claim to a sent request (or refuses it), then plans what is due.
+fn claim(inner: &Arc<Inner>, conn: &Arc<GenConn>, data: RequestData) {
+    let id = data.request;
+    let (c, g) = (data.sender_rank, data.receiver_rank);
+    let refusal = {
+        let mut state = lock(&inner.prefill);
+        let Some(req) = state.requests.get_mut(&id) else {
+            return;
+        };
+        let owner = req.owner.clone().or_else(|| req.to.clone());
+        if req.cancelled || req.failure.is_some() {
+            Some("the request has ended here".to_string())
+        } else if owner.as_ref().is_some_and(|o| *o != conn.identity.instance) {
+            Some(format!(
+                "request {id} belongs to another decode instance; {} cannot claim it",
+                conn.identity.instance
+            ))
+        } else if req.claims.contains_key(&g) {
+            Some(format!("rank {g} has claimed request {id} already"))
+        } else if data.prompt_len != req.prompt_len {
+            Some(format!(
+                "receiver says prompt_len {}, this rank sends {}",
+                data.prompt_len, req.prompt_len
+            ))
+        } else {
+            None
+        }
+    };
+    if let Some(reason) = refusal {
+        tracing::warn!(request = id, peer = %conn.name(), %reason, "claim refused");
+        let _ = conn.outbox.send(failed(id, (c, g), 0, reason));
+        return;
+    }
+    // Who this rank writes for the claimer's DP group: asked once, under the deadline.
+    let needs_targets = lock(&inner.prefill)
+        .requests
+        .get(&id)
+        .is_some_and(|r| r.expected.is_none());
+    let mut expected = None;
+    if needs_targets {
+        let planner = Arc::clone(&inner.planner);
+        let (me, them, dp) = (inner.info.clone(), conn.info.clone(), conn.info.dp_rank);
+        match inner.planning.call(move || planner.targets(&me, &them, dp)) {
+            Ok(Ok(t)) => expected = Some(t.ranks.iter().copied().collect::<BTreeSet<u32>>()),
+            Ok(Err(e)) => {
+                let reason = format!("targets failed: {}", error_chain(&e));
+                let _ = conn.outbox.send(failed(id, (c, g), 0, reason.clone()));
+                fail(inner, id, Some(conn.name()), FailureKind::Planner, reason);
+                return;
+            }
+            Err(h) => {
+                let reason = format!(
+                    "planner {} did not answer targets within {} ms",
+                    inner.bound.id(),
+                    h.deadline.as_millis()
+                );
+                let _ = conn.outbox.send(failed(id, (c, g), 0, reason.clone()));
+                fail(inner, id, Some(conn.name()), FailureKind::Planner, reason);
+                return;
+            }
+        }
+    }
+    {
+        let mut state = lock(&inner.prefill);
+        let Some(req) = state.requests.get_mut(&id) else {
+            return;
+        };
+        if let Some(e) = expected {
+            req.expected.get_or_insert(e);
+        }
+        let targeted = req.expected.as_ref().is_some_and(|e| e.contains(&g));
+        if !targeted || req.claims.contains_key(&g) {
+            drop(state);
+            let reason = format!("this rank does not write rank {g} (or it claimed twice)");
+            let _ = conn.outbox.send(failed(id, (c, g), 0, reason));
+            return;
+        }
+        req.owner
+            .get_or_insert_with(|| conn.identity.instance.clone());
+        req.claimed_at.get_or_insert_with(Instant::now);
+        req.claims.insert(
+            g,
+            Claim {
+                conn: Arc::clone(conn),
+                data,
+                planned: 0,
+                planning: false,
+                jobs: 0,
+                reported: 0,
+                ended: false,
+                ok: false,
+                cancelled: false,
+            },
+        );
+    }
+    tracing::debug!(request = id, peer = %conn.name(), "claimed");
+    pump(inner, id);
+}
+
+/// Hands every claim's unplanned chunks to the planner pool (one task per claim at a time,
+/// so pieces stay in order).
+fn pump(inner: &Arc<Inner>, id: u64) {
+    let mut tasks = Vec::new();
+    {
+        let mut state = lock(&inner.prefill);
+        let Some(req) = state.requests.get_mut(&id) else {
+            return;
+        };
+        if req.cancelled || req.failure.is_some() {
+            return;
+        }
+        for (&g, claim) in req.claims.iter_mut() {
+            if claim.planning || claim.ended || claim.cancelled || claim.planned >= req.chunks.len()
+            {
+                continue;
+            }
+            let chunks: Vec<(usize, Arc<Vec<SlotTable>>, PairRequest)> = req.chunks
+                [claim.planned..]
+                .iter()
+                .enumerate()
+                .map(|(k, (t, p))| (claim.planned + k, Arc::clone(t), *p))
+                .collect();
+            claim.planning = true;
+            tasks.push((g, Arc::clone(&claim.conn), claim.data.clone(), chunks));
+        }
+    }
+    for (g, conn, data, chunks) in tasks {
+        let worker = Arc::clone(inner);
+        let hung = Arc::clone(inner);
+        let deadline = inner.planning.deadline();
+        let planner_id = inner.bound.id().to_string();
+        let hung_conn = Arc::clone(&conn);
+        let first = chunks.first().map_or(0, |c| c.0) as u32;
+        inner.planning.submit(
+            Box::new(move || plan_and_queue(&worker, id, g, &conn, &data, chunks)),
+            Box::new(move || {
+                let reason = format!(
+                    "planner {planner_id} did not return within {} ms while planning request {id}",
+                    deadline.as_millis()
+                );
+                end_claim(&hung, id, g, &hung_conn, first, reason.clone(), false);
+                fail(
+                    &hung,
+                    id,
+                    Some(hung_conn.name()),
+                    FailureKind::Planner,
+                    reason,
+                );
+            }),
+        );
+    }
+}
+
+fn plan_and_queue(
+    inner: &Arc<Inner>,
+    id: u64,
+    g: u32,
+    conn: &Arc<GenConn>,
+    data: &RequestData,
+    chunks: Vec<(usize, Arc<Vec<SlotTable>>, PairRequest)>,
+) {
+    let _span = tracing::debug_span!("plan", request = id, peer = %conn.name()).entered();
+    let mut plans: Vec<(usize, bool, Arc<ValidatedPlan>)> = Vec::with_capacity(chunks.len());
+    let mut error = None;
+    for (k, tables, piece) in &chunks {
+        let mut piece = *piece;
+        piece.dst_start_token = match data.dst_start_token {
+            Some(t) => ROption::RSome(t),
+            None => ROption::RNone,
+        };
+        let me = RequestSide::new(&inner.info, tables);
+        let them = RequestSide {
+            info: &conn.info,
+            slot_tables: &data.slot_tables,
+            excluded: &data.excluded_views,
+        };
+        match plan_transfer(inner.planner.as_ref(), me, them, &piece) {
+            Ok(plan) => plans.push((*k, piece.is_last, Arc::new(plan))),
+            Err(e) => {
+                error = Some((*k as u32, format!("piece {k}: {}", error_chain(&e))));
+                break;
+            }
+        }
+    }
+    let last = chunks.last().map_or(0, |c| c.0);
+    {
+        let mut state = lock(&inner.prefill);
+        let Some(req) = state.requests.get_mut(&id) else {
+            return;
+        };
+        let live = req.failure.is_none() && !req.cancelled;
+        let Some(claim) = req.claims.get_mut(&g).filter(|c| c.conn.id == conn.id) else {
+            return;
+        };
+        claim.planning = false;
+        if !live || claim.ended || claim.cancelled {
+            drop(state);
+            settle(inner, id);
+            return;
+        }
+        claim.planned = last + 1;
+        claim.jobs += plans.len();
+    }
+    for (k, is_last, plan) in plans {
+        queue(inner, id, g, conn, k as u32, is_last, plan);
+    }
+    if let Some((piece, reason)) = error {
+        tracing::warn!(request = id, %reason, "cannot plan");
+        end_claim(inner, id, g, conn, piece, reason.clone(), true);
+        fail(inner, id, Some(conn.name()), FailureKind::Planner, reason);
+        return;
+    }
+    pump(inner, id);
+}
+
+fn queue(
+    inner: &Arc<Inner>,
+    id: u64,
+    g: u32,
+    conn: &Arc<GenConn>,
+    piece: u32,
+    is_last: bool,
+    plan: Arc<ValidatedPlan>,
+) {
+    let c = inner.info.instance_rank;
+    let done_inner = Arc::clone(inner);
+    let done_conn = Arc::clone(conn);
+    let release_inner = Arc::clone(inner);
+    inner.thread.write(WriteJob {
+        request: id,
+        dest: Arc::clone(&conn.remote),
+        plan,
+        timeout: inner.config.timeout,
+        hook: None,
+        release: Some(Box::new(move || {
+            let mut state = lock(&release_inner.prefill);
+            if let Some(claim) = state
+                .requests
+                .get_mut(&id)
+                .and_then(|r| r.claims.get_mut(&g))
+            {
+                claim.jobs = claim.jobs.saturating_sub(1);
+            }
+        })),
+        done: Box::new(move |result| {
+            let (bytes, fragments, status) = match &result {
+                Ok(s) => (s.bytes, s.fragments, CompletionStatus::Ok),
+                Err(e) => (0, 0, CompletionStatus::Failed(error_chain(e))),
+            };
+            let ok = result.is_ok();
+            let ends = is_last || !ok;
+            {
+                let mut state = lock(&done_inner.prefill);
+                let Some(req) = state.requests.get_mut(&id) else {
+                    return;
+                };
+                let Some(claim) = req.claims.get_mut(&g) else {
+                    return;
+                };
+                if claim.ended {
+                    return;
+                }
+                let _ = done_conn.outbox.send(AgentMessage::Completion(Completion {
+                    request: id,
+                    sender_rank: c,
+                    receiver_rank: g,
+                    piece,
+                    is_last: ends,
+                    bytes,
+                    fragments,
+                    status: status.clone(),
+                }));
+                claim.reported = piece + 1;
+                req.bytes += bytes;
+                if ends {
+                    claim.ended = true;
+                    claim.ok = ok;
+                }
+                if let (CompletionStatus::Failed(reason), None) = (&status, &req.failure) {
+                    req.failure = Some((
+                        Some(done_conn.name()),
+                        FailureKind::Write,
+                        format!("writing piece {piece} to {}: {reason}", done_conn.name()),
+                    ));
+                }
+            }
+            settle(&done_inner, id);
+        }),
+    });
+}
+
+/// Ends a claim with a failed last piece (unless it ended already). `after_jobs`: the
+/// claim's queued jobs report first, so the failure is sent when they have.
+fn end_claim(
+    inner: &Arc<Inner>,
+    id: u64,
+    g: u32,
+    conn: &Arc<GenConn>,
+    piece: u32,
+    reason: String,
+    after_jobs: bool,
+) {
+    let mut state = lock(&inner.prefill);
+    let Some(claim) = state
+        .requests
+        .get_mut(&id)
+        .and_then(|r| r.claims.get_mut(&g))
+    else {
+        return;
+    };
+    if claim.ended || claim.conn.id != conn.id || (after_jobs && claim.jobs > 0) {
+        return;
+    }
+    claim.ended = true;
+    let piece = piece.max(claim.reported);
+    let _ = conn
+        .outbox
+        .send(failed(id, (inner.info.instance_rank, g), piece, reason));
+}
+
+fn fail(inner: &Arc<Inner>, id: u64, peer: Option<String>, kind: FailureKind, detail: String) {
+    {
+        let mut state = lock(&inner.prefill);
+        let Some(req) = state.requests.get_mut(&id) else {
+            return;
+        };
+        if req.failure.is_none() && !req.cancelled {
+            req.failure = Some((peer, kind, detail));
+        }
+    }
+    settle(inner, id);
+}
+
+/// Ends the request if it can end: emits its one terminal event and forgets it.
+fn settle(inner: &Arc<Inner>, id: u64) {
+    let event = {
+        let mut state = lock(&inner.prefill);
+        let Some(req) = state.requests.get_mut(&id) else {
+            return;
+        };
+        let busy = req.claims.values().any(|c| c.jobs > 0 || c.planning);
+        let c = inner.info.instance_rank;
+        let ending = req.cancelled || req.failure.is_some();
+        if ending && !busy {
+            // Every claim still open hears it is over; nothing of theirs is in flight.
+            let reason = match &req.failure {
+                Some((_, _, d)) => d.clone(),
+                None => format!("{} cancelled request {id}", inner.me()),
+            };
+            for (&g, claim) in req.claims.iter_mut() {
+                if !claim.ended {
+                    claim.ended = true;
+                    let _ =
+                        claim
+                            .conn
+                            .outbox
+                            .send(failed(id, (c, g), claim.reported, reason.clone()));
+                }
+            }
+        }
+        let all_ended = req.claims.values().all(|c| c.ended);
+        let expected_done = req.expected.as_ref().is_some_and(|e| {
+            e.iter()
+                .all(|g| req.claims.get(g).is_some_and(|c| c.ended && c.ok))
+        });
+        let event = if busy {
+            None
+        } else if req.cancelled {
+            Some(Event::Cancelled { request: id })
+        } else if let Some((peer, kind, detail)) = &req.failure {
+            Some(Event::Failed {
+                request: id,
+                peer: peer.clone(),
+                kind: *kind,
+                detail: detail.clone(),
+            })
+        } else if req.finished && expected_done && all_ended {
+            Some(Event::Sent {
+                request: id,
+                bytes: req.bytes,
+            })
+        } else if all_ended && !req.claims.is_empty() && req.claims.values().any(|c| !c.ok) {
+            let peer = req.claims.values().find(|c| !c.ok).map(|c| c.conn.name());
+            Some(Event::Failed {
+                request: id,
+                peer: peer.clone(),
+                kind: if req.claims.values().any(|c| c.cancelled) {
+                    FailureKind::CancelledByPeer
+                } else {
+                    FailureKind::Write
+                },
+                detail: format!(
+                    "{} abandoned request {id}",
+                    peer.unwrap_or_else(|| "a receiver".into())
+                ),
+            })
+        } else {
+            None
+        };
+        if event.is_some() {
+            state.requests.remove(&id);
+        }
+        event
+    };
+    if let Some(e) = event {
+        inner.events.push(e);
+    }
+}
+
+/// The receiver cancels: its claim stops being written; the failed last piece goes out once
+/// its jobs drained.
+fn peer_cancel(inner: &Arc<Inner>, conn: &Arc<GenConn>, id: u64, reason: &str) {
+    let g = conn.info.instance_rank;
+    let pending = {
+        let mut state = lock(&inner.prefill);
+        state.stash.retain_request(id, |s| s.conn.id != conn.id);
+        match state
+            .requests
+            .get_mut(&id)
+            .and_then(|r| r.claims.get_mut(&g))
+        {
+            Some(claim) if claim.conn.id == conn.id && !claim.ended => {
+                claim.cancelled = true;
+                Some((claim.jobs == 0 && !claim.planning, claim.reported))
+            }
+            // Not claimed (yet, or by this peer), or over: nothing is in flight for it. A
+            // receiver that cancels an unclaimed request still gets its answer.
+            Some(_) => None,
+            None => Some((true, 0)),
+        }
+    };
+    tracing::debug!(request = id, peer = %conn.name(), %reason, "cancelled by the receiver");
+    match pending {
+        Some((true, piece)) => {
+            let mut state = lock(&inner.prefill);
+            if let Some(claim) = state
+                .requests
+                .get_mut(&id)
+                .and_then(|r| r.claims.get_mut(&g))
+            {
+                claim.ended = true;
+            }
+            drop(state);
+            let _ = conn.outbox.send(failed(
+                id,
+                (inner.info.instance_rank, g),
+                piece,
+                format!("cancelled by the receiver: {reason}"),
+            ));
+            settle(inner, id);
+        }
+        // The reaper answers it once its jobs drained (`finish_cancelled_claims`).
+        Some((false, _)) => {}
+        None => {}
+    }
+}
+
+pub(crate) fn cancel(inner: &Arc<Inner>, id: u64) -> Result<(), CallError> {
+    {
+        let mut state = lock(&inner.prefill);
+        let req = state
+            .requests
+            .get_mut(&id)
+            .ok_or(CallError::Unknown { request: id })?;
+        if req.failure.is_none() {
+            req.cancelled = true;
+        }
+    }
+    settle(inner, id);
+    Ok(())
+}
+
+pub(crate) fn reap(inner: &Arc<Inner>) {
+    let now = Instant::now();
+    let (lease, timeout) = (inner.config.lease, inner.config.timeout);
+    let mut due = Vec::new();
+    let mut expired = Vec::new();
+    {
+        let mut state = lock(&inner.prefill);
+        state.stash.retain(|s, at| {
+            let keep = now.saturating_duration_since(at) < lease.min(STASH_TTL);
+            if !keep {
+                expired.push((
+                    Arc::clone(&s.conn),
+                    s.data.request,
+                    s.data.sender_rank,
+                    s.data.receiver_rank,
+                ));
+            }
+            keep
+        });
+        for (&id, req) in state.requests.iter_mut() {
+            if req.failure.is_some() || req.cancelled {
+                // A cancelled claim waiting for its jobs, or an ending request: settle again.
+                due.push(id);
+                continue;
+            }
+            if req.claims.values().any(|c| c.cancelled && !c.ended) {
+                due.push(id);
+            }
+            match req.claimed_at {
+                None if now.saturating_duration_since(req.first_send) >= lease => {
+                    req.failure = Some((
+                        None,
+                        FailureKind::Lease,
+                        format!(
+                            "no receiver claimed request {id} within the {} ms lease",
+                            lease.as_millis()
+                        ),
+                    ));
+                    due.push(id);
+                }
+                Some(at) if now.saturating_duration_since(at) >= timeout => {
+                    let missing: Vec<String> = req
+                        .expected
+                        .iter()
+                        .flatten()
+                        .filter(|g| !req.claims.get(g).is_some_and(|c| c.ended))
+                        .map(|g| format!("rank {g}"))
+                        .collect();
+                    req.failure = Some((
+                        req.owner.clone(),
+                        FailureKind::Timeout,
+                        format!(
+                            "request {id} not written within {} ms (waiting on {})",
+                            timeout.as_millis(),
+                            missing.join(", ")
+                        ),
+                    ));
+                    due.push(id);
+                }
+                _ => {}
+            }
+        }
+    }
+    for (conn, request, c, g) in expired {
+        let _ = conn.outbox.send(failed(
+            request,
+            (c, g),
+            0,
+            format!("request {request} was never sent here"),
+        ));
+    }
+    for id in due {
+        finish_cancelled_claims(inner, id);
+        settle(inner, id);
+    }
+}
+
+/// Cancelled claims whose jobs drained get their failed last piece.
+fn finish_cancelled_claims(inner: &Arc<Inner>, id: u64) {
+    let c = inner.info.instance_rank;
+    let mut state = lock(&inner.prefill);
+    let Some(req) = state.requests.get_mut(&id) else {
+        return;
+    };
+    for (&g, claim) in req.claims.iter_mut() {
+        if claim.cancelled && !claim.ended && claim.jobs == 0 && !claim.planning {
+            claim.ended = true;
+            let _ = claim.conn.outbox.send(failed(
+                id,
+                (c, g),
+                claim.reported,
+                "cancelled by the receiver".into(),
+            ));
+        }
+    }
+}

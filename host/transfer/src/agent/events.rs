@@ -1,0 +1,147 @@
+//! The agent's event queue, and the file descriptor that wakes an engine's event loop.
+
+use std::collections::VecDeque;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::Mutex;
+
+use crate::outcome::RequestStats;
+
+/// Why a request failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, strum::Display, strum::AsRefStr)]
+#[strum(serialize_all = "kebab-case")]
+#[non_exhaustive]
+pub enum FailureKind {
+    /// The request's own parameters are wrong (slots outside the pool, a token range outside
+    /// the prompt, a chunk out of order).
+    Invalid,
+    /// A peer is unreachable, or its connection ended or went silent.
+    Peer,
+    /// A peer was refused (secret, planner, `check_peer`), or it refused this rank.
+    Refused,
+    /// The planner failed or did not return within its deadline.
+    Planner,
+    /// Not every writer reported in time.
+    Timeout,
+    /// A `send` nobody claimed within the lease.
+    Lease,
+    /// A peer broke the protocol (completions out of order, byte counts that disagree).
+    Protocol,
+    /// Writing failed (UCX, a key that does not cover its pool, a quarantined peer).
+    Write,
+    /// The peer cancelled it.
+    CancelledByPeer,
+}
+
+/// What happened to a request. Each request ends in exactly one terminal event per side
+/// ([`Event::is_terminal`]); once it is out, kvferry never touches the request's slots again.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Event {
+    /// Prefill side: every receiver has the request's bytes; its source slots are the
+    /// engine's again.
+    Sent {
+        /// The request.
+        request: u64,
+        /// Bytes written to all receivers.
+        bytes: u64,
+    },
+    /// Decode side: every expected writer's last piece landed.
+    Received {
+        /// The request.
+        request: u64,
+        /// What it moved.
+        stats: RequestStats,
+    },
+    /// The engine's `cancel` took effect: no write reads or lands in its slots any more.
+    Cancelled {
+        /// The request.
+        request: u64,
+    },
+    /// It failed; no write reads or lands in its slots any more.
+    Failed {
+        /// The request.
+        request: u64,
+        /// The peer concerned, if one is (`instance rank N (epoch ...)`).
+        peer: Option<String>,
+        /// What kind of failure.
+        kind: FailureKind,
+        /// What happened, in words.
+        detail: String,
+    },
+}
+
+impl Event {
+    /// The request the event is about.
+    pub fn request(&self) -> u64 {
+        match self {
+            Event::Sent { request, .. }
+            | Event::Received { request, .. }
+            | Event::Cancelled { request }
+            | Event::Failed { request, .. } => *request,
+        }
+    }
+
+    /// Whether the event ends its request (every event so far does).
+    pub fn is_terminal(&self) -> bool {
+        true
+    }
+}
+
+/// A queue of events with an eventfd that is readable while events wait.
+#[derive(Debug)]
+pub(crate) struct Events {
+    queue: Mutex<VecDeque<Event>>,
+    fd: OwnedFd,
+}
+
+impl Events {
+    pub(crate) fn new() -> std::io::Result<Self> {
+        // SAFETY: eventfd takes no pointers; a negative return is an error, reported below.
+        let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if raw < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Self {
+            queue: Mutex::new(VecDeque::new()),
+            // SAFETY: `raw` is a fresh descriptor this value alone owns from here on.
+            fd: unsafe { OwnedFd::from_raw_fd(raw) },
+        })
+    }
+
+    pub(crate) fn push(&self, event: Event) {
+        tracing::debug!(request = event.request(), event = ?event, "event");
+        self.queue
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_back(event);
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a live u64 to a descriptor this value owns. A full
+        // counter (EAGAIN) still leaves the descriptor readable, which is all that matters.
+        let _ = unsafe {
+            libc::write(
+                self.fd.as_raw_fd(),
+                (&one as *const u64).cast(),
+                std::mem::size_of::<u64>(),
+            )
+        };
+    }
+
+    pub(crate) fn drain(&self) -> Vec<Event> {
+        let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        let mut counter: u64 = 0;
+        // SAFETY: reads at most 8 bytes into a live u64 from a descriptor this value owns;
+        // non-blocking, so an empty counter returns EAGAIN, which is ignored.
+        let _ = unsafe {
+            libc::read(
+                self.fd.as_raw_fd(),
+                (&mut counter as *mut u64).cast(),
+                std::mem::size_of::<u64>(),
+            )
+        };
+        queue.drain(..).collect()
+    }
+
+    pub(crate) fn raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+}

@@ -1,0 +1,698 @@
+//! The decode (generation) side of an agent: the peer directory, links to context ranks,
+//! expected requests and their completions.
+//!
+//! `expect` checks the request against this rank's own pools at once, reserves its id, and
+//! hands the rest to a dispatch thread: find the context instance (metadata added with
+//! `add_peer`, or fetched through the endpoints passed with the request), ask the planner
+//! which context ranks write this rank, link to each (dial, prove the secret, vet), and send
+//! each its `RequestData`. Completions arrive on the links. A request ends in exactly one
+//! terminal event, and a failed or cancelled one only once every writer that may still
+//! write has answered the `Cancel` with its last piece or its link is gone.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::BufReader;
+use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread;
+use std::time::Instant;
+
+use kvferry_plan::error_chain;
+use kvferry_planner_abi::{SlotTable, TokenRange, ViewId};
+use kvferry_protocol::{
+    AgentEvent, AgentMessage, AgentMetadata, AgentSession, Completion, PeerIdentity, RequestData,
+    RequestTracker, Role, Tracked, read_frame, write_frame,
+};
+
+use super::events::{Event, FailureKind};
+use super::{CONNECT_TIMEOUT, CallError, HANDSHAKE_TIMEOUT, Inner, lock, nonce};
+use crate::conn::{Outbox, spawn_writer};
+use crate::outcome::RequestStats;
+use crate::rank::PeerId;
+
+/// A request this decode rank expects ([`super::Agent::expect`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Expect {
+    /// The request id both engines agree on.
+    pub request: u64,
+    /// The prefill instance that sends it.
+    pub peer: String,
+    /// Side-channel endpoints of that instance's ranks, any order (may be empty when their
+    /// metadata was added with `add_peer`). Unknown ranks are fetched through them.
+    pub endpoints: Vec<String>,
+    /// The prefill DP group that holds it.
+    pub ctx_dp_rank: u32,
+    /// The prompt's length.
+    pub prompt_len: u64,
+    /// Tokens already cached here (block-aligned): nothing before it is written.
+    pub cached_prefix: Option<u64>,
+    /// This rank's destination slot tables, one per layer group.
+    pub tables: Vec<SlotTable>,
+    /// Views of this rank that must not be written.
+    pub excluded_views: Vec<ViewId>,
+}
+
+/// A vetted link to one context rank.
+#[derive(Debug)]
+struct Link {
+    id: PeerId,
+    identity: PeerIdentity,
+    outbox: Outbox<AgentMessage>,
+    alive: AtomicBool,
+}
+
+impl Link {
+    fn name(&self) -> String {
+        self.identity.to_string()
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct InReq {
+    peer: String,
+    /// Writers by context rank; empty until dispatch linked them.
+    writers: BTreeMap<u32, Arc<Link>>,
+    tracker: Option<RequestTracker>,
+    started: Instant,
+    deadline: Instant,
+    cancelled: bool,
+    failure: Option<(Option<String>, FailureKind, String)>,
+    cancel_sent: bool,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct State {
+    pub(crate) requests: HashMap<u64, InReq>,
+    directory: HashMap<String, BTreeMap<u32, AgentMetadata>>,
+    links: HashMap<(String, u32), Arc<Link>>,
+    refused: HashMap<PeerIdentity, String>,
+}
+
+// ---------------------------------------------------------------------------------------
+// Peers.
+
+pub(crate) fn add_peer(inner: &Arc<Inner>, m: AgentMetadata) -> Result<PeerIdentity, CallError> {
+    if m.role != Role::Context {
+        return Err(CallError::Metadata(format!(
+            "{} is a {} rank; a generation rank adds context ranks",
+            m.identity(),
+            m.role
+        )));
+    }
+    inner.vet_shape(&m).map_err(CallError::Metadata)?;
+    inner
+        .check_peer(&m.rank.info)
+        .map_err(CallError::Metadata)?;
+    let identity = m.identity();
+    let mut state = lock(&inner.decode);
+    let rank = m.rank.info.instance_rank;
+    let ranks = state.directory.entry(m.instance.clone()).or_default();
+    ranks.insert(rank, m);
+    // A link to an older start of that rank is stale.
+    if let Some(link) = state.links.get(&(identity.instance.clone(), rank)) {
+        if link.identity.epoch != identity.epoch {
+            link.alive.store(false, Ordering::Release);
+            state.links.remove(&(identity.instance.clone(), rank));
+        }
+    }
+    Ok(identity)
+}
+
+/// Dials a context rank's side channel, proves the secret, vets it, links it.
+fn dial(inner: &Arc<Inner>, endpoint: &str) -> Result<Arc<Link>, (FailureKind, String)> {
+    let unreachable = |problem: String| (FailureKind::Peer, format!("{endpoint}: {problem}"));
+    let addr = endpoint
+        .to_socket_addrs()
+        .map_err(|e| unreachable(format!("cannot resolve: {e}")))?
+        .next()
+        .ok_or_else(|| unreachable("resolves to no address".into()))?;
+    let mut stream = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)
+        .map_err(|e| unreachable(format!("cannot connect: {e}")))?;
+    let _ = stream.set_nodelay(true);
+    stream
+        .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
+        .map_err(|e| unreachable(e.to_string()))?;
+    let n = nonce().map_err(|e| unreachable(e.to_string()))?;
+    let (mut session, hello) =
+        AgentSession::dial(inner.config.secret.clone(), n, inner.metadata.clone());
+    write_frame(&mut stream, &hello).map_err(|e| unreachable(error_chain(&e)))?;
+    let mut reader = BufReader::new(stream.try_clone().map_err(|e| unreachable(e.to_string()))?);
+    let metadata = loop {
+        let message: AgentMessage = read_frame(&mut reader)
+            .map_err(|e| unreachable(format!("handshake: {}", error_chain(&e))))?;
+        match session.receive(message) {
+            Ok(AgentEvent::Reply(replies)) => {
+                for r in &replies {
+                    write_frame(&mut stream, r).map_err(|e| unreachable(error_chain(&e)))?;
+                }
+            }
+            Ok(AgentEvent::Metadata(m)) => break *m,
+            Ok(AgentEvent::Nothing) => {}
+            Ok(other) => return Err(unreachable(format!("handshake: unexpected {other:?}"))),
+            Err(e @ kvferry_protocol::AgentError::Unauthenticated) => {
+                return Err((FailureKind::Refused, format!("{endpoint}: {e}")));
+            }
+            Err(e @ kvferry_protocol::AgentError::Refused { .. }) => {
+                return Err((
+                    FailureKind::Refused,
+                    format!("{endpoint} refused this rank: {e}"),
+                ));
+            }
+            Err(e) => return Err(unreachable(e.to_string())),
+        }
+    };
+    let identity = metadata.identity();
+    let cached = lock(&inner.decode).refused.get(&identity).cloned();
+    let verdict = match cached {
+        Some(reason) => Err(reason),
+        None => inner
+            .vet_shape(&metadata)
+            .and_then(|()| inner.check_peer(&metadata.rank.info)),
+    };
+    if let Err(reason) = verdict {
+        let _ = write_frame(&mut stream, &session.refuse(reason.clone()));
+        lock(&inner.decode)
+            .refused
+            .insert(identity.clone(), reason.clone());
+        return Err((
+            FailureKind::Refused,
+            format!("{identity} at {endpoint}: {reason}"),
+        ));
+    }
+    session.ready().map_err(|e| unreachable(e.to_string()))?;
+    let _ = reader
+        .get_ref()
+        .set_read_timeout(Some(inner.config.peer_timeout));
+    let link = Arc::new(Link {
+        id: inner.next_peer.fetch_add(1, Ordering::Relaxed),
+        identity: identity.clone(),
+        outbox: spawn_writer(stream, format!("ctx-{identity}")),
+        alive: AtomicBool::new(true),
+    });
+    {
+        let mut state = lock(&inner.decode);
+        let rank = identity.rank;
+        state
+            .directory
+            .entry(identity.instance.clone())
+            .or_default()
+            .insert(rank, metadata);
+        state
+            .links
+            .insert((identity.instance.clone(), rank), Arc::clone(&link));
+    }
+    let weak = Arc::downgrade(inner);
+    let reading = Arc::clone(&link);
+    thread::Builder::new()
+        .name(format!("ctx-{}", identity.rank))
+        .spawn(move || read_link(&weak, &reading, session, reader))
+        .map_err(|e| unreachable(format!("cannot spawn its reader: {e}")))?;
+    tracing::info!(peer = %identity, %endpoint, "linked to context rank");
+    Ok(link)
+}
+
+fn read_link(
+    weak: &std::sync::Weak<Inner>,
+    link: &Arc<Link>,
+    mut session: AgentSession,
+    mut reader: BufReader<TcpStream>,
+) {
+    let why = loop {
+        let message: AgentMessage = match read_frame(&mut reader) {
+            Ok(m) => m,
+            Err(e) if e.is_disconnect() => break "closed its connection".to_string(),
+            Err(e) => break format!("went silent or failed: {}", error_chain(&e)),
+        };
+        let Some(inner) = weak.upgrade() else { return };
+        if !link.alive.load(Ordering::Acquire) {
+            break "was replaced by a newer start".to_string();
+        }
+        match session.receive(message) {
+            Ok(AgentEvent::Completion(c)) => completion(&inner, link, c),
+            Ok(AgentEvent::Nothing) => {}
+            Ok(other) => break format!("sent {other:?}"),
+            Err(e) => break format!("broke the protocol: {e}"),
+        }
+    };
+    link.alive.store(false, Ordering::Release);
+    if let Some(inner) = weak.upgrade() {
+        tracing::info!(peer = %link.name(), reason = %why, "context rank link ended");
+        let ids: Vec<u64> = {
+            let mut state = lock(&inner.decode);
+            let key = (link.identity.instance.clone(), link.identity.rank);
+            if state.links.get(&key).is_some_and(|l| l.id == link.id) {
+                state.links.remove(&key);
+            }
+            let mut ids = Vec::new();
+            for (&id, req) in state.requests.iter_mut() {
+                if req.writers.values().any(|w| w.id == link.id) {
+                    if req.failure.is_none() && !req.cancelled {
+                        req.failure = Some((
+                            Some(link.name()),
+                            FailureKind::Peer,
+                            format!("{} {why}", link.name()),
+                        ));
+                    }
+                    ids.push(id);
+                }
+            }
+            ids
+        };
+        for id in ids {
+            settle(&inner, id);
+        }
+    }
+}
+
+pub(crate) fn ping(inner: &Arc<Inner>) {
+    let links: Vec<Arc<Link>> = lock(&inner.decode).links.values().cloned().collect();
+    for l in links {
+        let _ = l.outbox.send(AgentMessage::Ping);
+    }
+}
+
+pub(crate) fn shutdown(inner: &Arc<Inner>) {
+    let links: Vec<Arc<Link>> = lock(&inner.decode).links.drain().map(|(_, l)| l).collect();
+    for l in links {
+        l.alive.store(false, Ordering::Release);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Requests.
+
+pub(crate) fn expect(inner: &Arc<Inner>, e: Expect) -> Result<(), CallError> {
+    let id = e.request;
+    let invalid = |reason: String| CallError::Invalid {
+        request: id,
+        reason,
+    };
+    let groups = inner.info.page_table.groups.len();
+    if e.tables.len() != groups {
+        return Err(invalid(format!(
+            "{} slot tables for {groups} layer groups",
+            e.tables.len()
+        )));
+    }
+    super::context::check_slots(&inner.info, &e.tables).map_err(invalid)?;
+    if e.prompt_len == 0 {
+        return Err(invalid("an empty prompt".into()));
+    }
+    let tpb = u64::from(inner.info.page_table.tokens_per_block.max(1));
+    if let Some(p) = e.cached_prefix {
+        if p > e.prompt_len || p % tpb != 0 {
+            return Err(invalid(format!(
+                "cached prefix {p} is not a block boundary ({tpb} tokens) inside the {}-token \
+                 prompt",
+                e.prompt_len
+            )));
+        }
+    }
+    if e.peer.is_empty() {
+        return Err(invalid("no peer instance named".into()));
+    }
+    {
+        let mut state = lock(&inner.decode);
+        let std::collections::hash_map::Entry::Vacant(slot) = state.requests.entry(id) else {
+            return Err(CallError::Duplicate { request: id });
+        };
+        let now = Instant::now();
+        slot.insert(InReq {
+            peer: e.peer.clone(),
+            writers: BTreeMap::new(),
+            tracker: None,
+            started: now,
+            deadline: now + inner.config.timeout,
+            cancelled: false,
+            failure: None,
+            cancel_sent: false,
+        });
+    }
+    let worker = Arc::clone(inner);
+    let spawned = thread::Builder::new()
+        .name(format!("expect-{id}"))
+        .spawn(move || dispatch(&worker, e));
+    if let Err(err) = spawned {
+        lock(&inner.decode).requests.remove(&id);
+        return Err(invalid(format!("cannot start its dispatch: {err}")));
+    }
+    Ok(())
+}
+
+fn dispatch(inner: &Arc<Inner>, e: Expect) {
+    let id = e.request;
+    let _span = tracing::debug_span!("expect", request = id, peer = %e.peer).entered();
+    match link_writers(inner, &e) {
+        Ok(writers) => {
+            let me = inner.info.instance_rank;
+            let mut sends = Vec::new();
+            {
+                let mut state = lock(&inner.decode);
+                let Some(req) = state.requests.get_mut(&id) else {
+                    return;
+                };
+                let pairs: Vec<(u32, u32)> = writers.keys().map(|&c| (c, me)).collect();
+                req.tracker = Some(RequestTracker::streaming(id, pairs));
+                if !req.cancelled && req.failure.is_none() {
+                    for (&c, link) in &writers {
+                        sends.push((
+                            Arc::clone(link),
+                            RequestData {
+                                request: id,
+                                receiver_instance: inner.config.instance.clone(),
+                                receiver_rank: me,
+                                sender_rank: c,
+                                slot_tables: e.tables.clone(),
+                                token_range: TokenRange {
+                                    start: 0,
+                                    end: e.prompt_len,
+                                },
+                                prompt_len: e.prompt_len,
+                                dst_start_token: e.cached_prefix,
+                                excluded_views: e.excluded_views.clone(),
+                            },
+                        ));
+                    }
+                    req.writers = writers;
+                }
+            }
+            for (link, data) in sends {
+                if link.outbox.send(AgentMessage::RequestData(data)).is_err() {
+                    link.alive.store(false, Ordering::Release);
+                    set_failure(
+                        inner,
+                        id,
+                        Some(link.name()),
+                        FailureKind::Peer,
+                        format!("{} is not connected", link.name()),
+                    );
+                }
+            }
+        }
+        Err((peer, kind, detail)) => {
+            set_failure(inner, id, peer, kind, detail);
+            // No writer was asked: nothing can land, the request may end at once.
+            if let Some(req) = lock(&inner.decode).requests.get_mut(&id) {
+                req.tracker = Some(RequestTracker::streaming(id, []));
+            }
+        }
+    }
+    settle(inner, id);
+}
+
+type Failure = (Option<String>, FailureKind, String);
+
+fn link_writers(inner: &Arc<Inner>, e: &Expect) -> Result<BTreeMap<u32, Arc<Link>>, Failure> {
+    // Ranks reachable only through the endpoints given: fetch them.
+    let known_endpoints: Vec<String> = {
+        let state = lock(&inner.decode);
+        state
+            .directory
+            .get(&e.peer)
+            .map(|ranks| ranks.values().filter_map(|m| m.endpoint.clone()).collect())
+            .unwrap_or_default()
+    };
+    let mut last_error = None;
+    for endpoint in e
+        .endpoints
+        .iter()
+        .filter(|ep| !known_endpoints.contains(ep))
+    {
+        if let Err((kind, detail)) = dial(inner, endpoint) {
+            last_error = Some((Some(endpoint.clone()), kind, detail));
+        }
+    }
+    let any = {
+        let state = lock(&inner.decode);
+        state
+            .directory
+            .get(&e.peer)
+            .and_then(|ranks| ranks.values().next().cloned())
+    };
+    let Some(any) = any else {
+        return Err(last_error.unwrap_or((
+            None,
+            FailureKind::Peer,
+            format!(
+                "no rank of prefill instance {} is known: pass its endpoints or add its \
+                 metadata",
+                e.peer
+            ),
+        )));
+    };
+    let planner = Arc::clone(&inner.planner);
+    let (me, them, dp) = (inner.info.clone(), any.rank.info.clone(), e.ctx_dp_rank);
+    let targets = match inner.planning.call(move || planner.targets(&me, &them, dp)) {
+        Ok(Ok(t)) => t.ranks.to_vec(),
+        Ok(Err(err)) => {
+            return Err((
+                None,
+                FailureKind::Planner,
+                format!("targets: {}", error_chain(&err)),
+            ));
+        }
+        Err(h) => {
+            return Err((
+                None,
+                FailureKind::Planner,
+                format!(
+                    "planner {} did not answer targets within {} ms",
+                    inner.bound.id(),
+                    h.deadline.as_millis()
+                ),
+            ));
+        }
+    };
+    let mut writers = BTreeMap::new();
+    for c in targets {
+        let existing = {
+            let state = lock(&inner.decode);
+            let link = state
+                .links
+                .get(&(e.peer.clone(), c))
+                .filter(|l| l.alive.load(Ordering::Acquire))
+                .cloned();
+            let endpoint = state
+                .directory
+                .get(&e.peer)
+                .and_then(|r| r.get(&c))
+                .map(|m| (m.endpoint.clone(), m.rank.info.dp_rank));
+            (link, endpoint)
+        };
+        let link = match existing {
+            (Some(link), _) => link,
+            (None, Some((Some(endpoint), _))) => {
+                dial(inner, &endpoint).map_err(|(k, d)| (Some(endpoint.clone()), k, d))?
+            }
+            (None, _) => {
+                return Err((
+                    None,
+                    FailureKind::Peer,
+                    format!(
+                        "prefill instance {} rank {c} writes this rank, but neither its \
+                         metadata nor its endpoint is known",
+                        e.peer
+                    ),
+                ));
+            }
+        };
+        writers.insert(c, link);
+    }
+    Ok(writers)
+}
+
+fn completion(inner: &Arc<Inner>, link: &Arc<Link>, c: Completion) {
+    let id = c.request;
+    let me = inner.info.instance_rank;
+    let event = {
+        let mut state = lock(&inner.decode);
+        let Some(req) = state.requests.get_mut(&id) else {
+            tracing::debug!(request = id, "completion for a request not held here");
+            return;
+        };
+        if c.receiver_rank != me
+            || req
+                .writers
+                .get(&c.sender_rank)
+                .is_none_or(|w| w.id != link.id)
+        {
+            tracing::warn!(request = id, peer = %link.name(), "completion from a rank that does not write it: ignored");
+            return;
+        }
+        let Some(tracker) = req.tracker.as_mut() else {
+            return;
+        };
+        match tracker.on_completion(&c) {
+            Ok(Tracked::Completed(totals)) if req.failure.is_none() && !req.cancelled => {
+                let stats = RequestStats {
+                    bytes: totals.bytes,
+                    fragments: totals.fragments,
+                    writers: totals.writers,
+                    pieces: totals.pieces,
+                    latency_us: req.started.elapsed().as_micros() as u64,
+                };
+                state.requests.remove(&id);
+                Some(Event::Received { request: id, stats })
+            }
+            Ok(Tracked::Failed(f)) => {
+                if req.failure.is_none() && !req.cancelled {
+                    req.failure = Some((
+                        Some(link.name()),
+                        FailureKind::Write,
+                        format!("{} piece {} failed: {}", link.name(), f.piece, f.reason),
+                    ));
+                }
+                None
+            }
+            Ok(_) => None,
+            Err(violation) => {
+                if req.failure.is_none() && !req.cancelled {
+                    req.failure = Some((
+                        Some(link.name()),
+                        FailureKind::Protocol,
+                        format!("{}: {violation}", link.name()),
+                    ));
+                }
+                // Its word is no longer trusted: drop the link, so its requests end on
+                // the link's loss rather than on its say-so.
+                link.alive.store(false, Ordering::Release);
+                None
+            }
+        }
+    };
+    match event {
+        Some(e) => inner.events.push(e),
+        None => settle(inner, id),
+    }
+}
+
+fn set_failure(
+    inner: &Arc<Inner>,
+    id: u64,
+    peer: Option<String>,
+    kind: FailureKind,
+    detail: String,
+) {
+    let mut state = lock(&inner.decode);
+    if let Some(req) = state.requests.get_mut(&id) {
+        if req.failure.is_none() && !req.cancelled {
+            req.failure = Some((peer, kind, detail));
+        }
+    }
+}
+
+/// Ends a failed or cancelled request once no writer may still write: tells the open
+/// writers first, once.
+fn settle(inner: &Arc<Inner>, id: u64) {
+    let mut cancels = Vec::new();
+    let event = {
+        let mut state = lock(&inner.decode);
+        let Some(req) = state.requests.get_mut(&id) else {
+            return;
+        };
+        if !req.cancelled && req.failure.is_none() {
+            return;
+        }
+        let Some(tracker) = req.tracker.as_mut() else {
+            // Dispatch is still linking: it settles when it is done.
+            return;
+        };
+        tracker.fail();
+        let open: Vec<Arc<Link>> = tracker
+            .open_pairs()
+            .filter_map(|(c, _)| req.writers.get(&c).cloned())
+            .filter(|l| l.alive.load(Ordering::Acquire))
+            .collect();
+        if !open.is_empty() {
+            if !req.cancel_sent {
+                req.cancel_sent = true;
+                let reason = match &req.failure {
+                    Some((_, _, d)) => d.clone(),
+                    None => "cancelled by the decode engine".into(),
+                };
+                cancels = open.into_iter().map(|l| (l, reason.clone())).collect();
+            }
+            None
+        } else {
+            let req = state.requests.remove(&id);
+            req.map(|req| match req.failure {
+                _ if req.cancelled => Event::Cancelled { request: id },
+                Some((peer, kind, detail)) => Event::Failed {
+                    request: id,
+                    peer,
+                    kind,
+                    detail,
+                },
+                None => Event::Cancelled { request: id },
+            })
+        }
+    };
+    for (link, reason) in cancels {
+        if link
+            .outbox
+            .send(AgentMessage::Cancel {
+                request: id,
+                reason,
+            })
+            .is_err()
+        {
+            link.alive.store(false, Ordering::Release);
+        }
+    }
+    if let Some(e) = event {
+        inner.events.push(e);
+    }
+}
+
+pub(crate) fn cancel(inner: &Arc<Inner>, id: u64) -> Result<(), CallError> {
+    {
+        let mut state = lock(&inner.decode);
+        let req = state
+            .requests
+            .get_mut(&id)
+            .ok_or(CallError::Unknown { request: id })?;
+        if req.failure.is_none() {
+            req.cancelled = true;
+        }
+    }
+    settle(inner, id);
+    Ok(())
+}
+
+pub(crate) fn reap(inner: &Arc<Inner>) {
+    let now = Instant::now();
+    let mut due = Vec::new();
+    {
+        let mut state = lock(&inner.decode);
+        for (&id, req) in state.requests.iter_mut() {
+            if req.failure.is_none() && !req.cancelled && now >= req.deadline {
+                let missing: Vec<String> = req
+                    .tracker
+                    .iter()
+                    .flat_map(|t| t.missing())
+                    .map(|(c, g)| format!("ctx rank {c} -> gen rank {g}"))
+                    .collect();
+                req.failure = Some((
+                    Some(req.peer.clone()),
+                    FailureKind::Timeout,
+                    format!(
+                        "request {id} timed out after {} ms waiting on {} for {}",
+                        inner.config.timeout.as_millis(),
+                        req.peer,
+                        if missing.is_empty() {
+                            "its writers to be linked".to_string()
+                        } else {
+                            missing.join(", ")
+                        }
+                    ),
+                ));
+            }
+            if req.failure.is_some() || req.cancelled {
+                due.push(id);
+            }
+        }
+    }
+    for id in due {
+        settle(inner, id);
+    }
+}

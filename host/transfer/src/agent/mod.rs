@@ -1,0 +1,730 @@
+//! The per-rank transfer agent an engine embeds: one [`Agent`] per rank, in the engine's
+//! process, over the engine's own KV memory.
+//!
+//! ```text
+//!  prefill engine rank                              decode engine rank
+//!  Agent (Role::Context) ◀── side channel (TCP) ──  Agent (Role::Generation)
+//!   listens on endpoint()     Hello/Challenge/Proof   dials the ranks its planner targets
+//!   send(id, slots, range)    Metadata both ways      expect(id, peer, slots, range)
+//!     ... chunks ...          ◀──── RequestData ────
+//!   plan, put × n, flush ═══════ UCX RMA ════════════▶ (into the engine's pools)
+//!                             ───── Completion ─────▶
+//!   poll(): Sent                                      poll(): Received
+//! ```
+//!
+//! - **Memory**: the [`RankInfo`]'s page table names the engine's pools (base, slot bytes,
+//!   stride, slot count). [`Agent::start`] registers them with UCX once and never allocates,
+//!   fills or primes them. Any model a page table can describe works; no preset is involved.
+//! - **Metadata**: a context rank's side channel listens on [`AgentConfig::listen`] and
+//!   advertises [`Agent::endpoint`] (never `0.0.0.0`, nor a loopback address unless it listens
+//!   on one). A generation rank reaches it either through the endpoints passed with the
+//!   request ([`Expect::endpoints`]) or through [`Agent::add_peer`] with the bytes of the
+//!   peer's [`Agent::local_metadata`], for engines that exchange metadata on their own
+//!   channel.
+//! - **Trust**: both sides prove the deployment's [`Secret`] before anything else (an HMAC
+//!   over both nonces; the secret never travels), then vet each other: planner and describer
+//!   ids, page tables, pool keys, then the planner's `check_peer`. A refusal is cached for
+//!   that peer's identity (instance, rank, epoch), so a restarted peer is vetted anew. Every
+//!   field a peer sends is range-checked before use. A request is bound to the peer that
+//!   claimed it: no other peer can claim, cancel or be written it.
+//! - **Requests**: one id both engines agree on. Prefill: [`Agent::send`] (chunked prefill is
+//!   a sequence of sends, the last marked `is_last`). Decode: [`Agent::expect`]. Either may
+//!   come first. [`Agent::poll`] returns [`Event`]s; [`Agent::wake_fd`] is readable while
+//!   events wait. Exactly one terminal event per request and side, and after it kvferry
+//!   never touches that request's slots again: a decode-side `Failed` or `Cancelled` comes
+//!   only once every writer has reported its last piece or its connection is gone.
+//! - **Time**: requests time out ([`AgentConfig::timeout`]); a `send` nobody claims within the
+//!   lease fails and frees its slots; peers that fall silent past
+//!   [`AgentConfig::peer_timeout`] (keep-alives flow when idle) fail only their requests;
+//!   planner calls run off the connection threads under [`AgentConfig::planner_timeout`].
+
+mod context;
+mod events;
+mod generation;
+mod planning;
+
+pub use events::{Event, FailureKind};
+pub use generation::Expect;
+pub use kvferry_protocol::{AgentMetadata, PeerIdentity, Secret};
+
+use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread;
+use std::time::Duration;
+
+use kvferry_loader::BoundPlanner;
+use kvferry_planner_abi::ffi::RVec;
+use kvferry_planner_abi::{PlanError, RankInfo, SlotTable, TokenRange};
+use kvferry_protocol::{RankDescriptor, Role};
+use kvferry_ucx::{Context, Worker};
+
+use crate::instance::Transport;
+use crate::memory::{MemoryError, MemoryKind, RankPools};
+use crate::rank::{RankThread, SpawnError};
+
+use events::Events;
+use planning::Planning;
+
+/// How long a TCP connect to a peer's side channel may take.
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the handshake (proofs and metadata) may take.
+pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often deadlines, leases and wedged planner calls are checked.
+const REAPER_PERIOD: Duration = Duration::from_millis(20);
+
+/// What an agent is: its rank, its memory, its planner, its side channel, its limits.
+#[derive(Clone, Debug)]
+pub struct AgentConfig {
+    /// The instance this rank belongs to.
+    pub instance: String,
+    /// Context (prefill, sends) or generation (decode, receives).
+    pub role: Role,
+    /// What the rank holds, for messages (e.g. `llama-3-70b tp4`).
+    pub label: String,
+    /// This rank's description; its page table's pools are the engine's memory.
+    pub rank: RankInfo,
+    /// UCX transports.
+    pub transport: Transport,
+    /// Side-channel listen address of a context rank (`0.0.0.0:0`: every interface, an
+    /// ephemeral port). Generation ranks do not listen.
+    pub listen: String,
+    /// The host to advertise in [`Agent::endpoint`] (default: the listen address, or, when
+    /// that is unspecified, the first non-loopback address of an interface that is up).
+    pub advertise: Option<String>,
+    /// The deployment's shared secret.
+    pub secret: Secret,
+    /// How long a request may take from `expect` (decode) or its first claim (prefill).
+    pub timeout: Duration,
+    /// How long a prefill-side `send` waits for its first receiver before it fails.
+    pub lease: Duration,
+    /// How long a peer may stay silent (keep-alives flow every third of it) before it is
+    /// declared gone and its requests fail.
+    pub peer_timeout: Duration,
+    /// How long one planner call may take.
+    pub planner_timeout: Duration,
+    /// Open side-channel connections served at once (context ranks).
+    pub max_connections: usize,
+    /// The most bytes of request descriptions kept for requests not sent yet (context
+    /// ranks), from all peers together.
+    pub max_stashed_bytes: usize,
+}
+
+impl AgentConfig {
+    /// A configuration with the defaults: listen on `0.0.0.0:0`, 30 s request timeout,
+    /// 60 s lease, 10 s peer timeout, 5 s planner deadline, 256 connections, 64 MiB stash.
+    pub fn new(instance: &str, role: Role, rank: RankInfo, secret: Secret) -> Self {
+        Self {
+            instance: instance.to_string(),
+            role,
+            label: String::new(),
+            rank,
+            transport: Transport::Tcp,
+            listen: "0.0.0.0:0".into(),
+            advertise: None,
+            secret,
+            timeout: Duration::from_secs(30),
+            lease: Duration::from_secs(60),
+            peer_timeout: Duration::from_secs(10),
+            planner_timeout: Duration::from_secs(5),
+            max_connections: crate::server::MAX_PEER_CONNECTIONS,
+            max_stashed_bytes: 64 << 20,
+        }
+    }
+}
+
+/// Why an agent could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StartError {
+    /// The configuration is inconsistent.
+    #[error("agent config: {0}")]
+    Config(String),
+    /// No UCX context.
+    #[error("cannot create the UCX context for {transport}")]
+    Context {
+        /// The transport.
+        transport: Transport,
+        /// UCX's error.
+        source: kvferry_ucx::Error,
+    },
+    /// The engine's pools could not be registered.
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    /// The planner refuses this rank.
+    #[error("planner {planner} refuses this rank")]
+    Planner {
+        /// The planner.
+        planner: String,
+        /// Its reason.
+        source: PlanError,
+    },
+    /// No UCX worker.
+    #[error("cannot create the UCX worker")]
+    Worker(#[source] kvferry_ucx::Error),
+    /// The rank thread could not start.
+    #[error(transparent)]
+    Spawn(#[from] SpawnError),
+    /// The side channel could not listen, or no address can be advertised.
+    #[error("side channel: {0}")]
+    Listen(String),
+    /// A thread or descriptor could not be made.
+    #[error("agent resources")]
+    Io(#[from] std::io::Error),
+}
+
+/// Why an agent call was refused. Nothing was taken: no event will follow.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CallError {
+    /// The call does not fit this agent's role.
+    #[error("{call} is for {needed} ranks; this one is a {role} rank")]
+    Role {
+        /// The call.
+        call: &'static str,
+        /// The role it needs.
+        needed: Role,
+        /// This agent's.
+        role: Role,
+    },
+    /// The request's parameters are wrong.
+    #[error("request {request}: {reason}")]
+    Invalid {
+        /// The request.
+        request: u64,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The id is in use.
+    #[error("request {request} already exists")]
+    Duplicate {
+        /// The request.
+        request: u64,
+    },
+    /// No such request (never seen, or ended).
+    #[error("request {request} is unknown or has ended")]
+    Unknown {
+        /// The request.
+        request: u64,
+    },
+    /// Peer metadata that cannot be used.
+    #[error("peer metadata: {0}")]
+    Metadata(String),
+    /// The agent is shutting down.
+    #[error("the agent has stopped")]
+    Stopped,
+}
+
+/// One chunk of a prefill-side request ([`Agent::send`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Send {
+    /// The request id both engines agree on.
+    pub request: u64,
+    /// The request's slot tables on this rank (one per layer group), as of this chunk:
+    /// they cover every token up to `tokens.end`.
+    pub tables: Vec<SlotTable>,
+    /// The tokens this chunk makes available: `start` is where the previous chunk ended.
+    pub tokens: TokenRange,
+    /// The prompt's length.
+    pub prompt_len: u64,
+    /// Whether this is the last chunk (recurrent state rides on it).
+    pub is_last: bool,
+    /// Only this decode instance may claim it (`None`: the first to claim it owns it).
+    pub to: Option<String>,
+}
+
+/// Bookkeeping both sides share.
+pub(crate) struct Inner {
+    pub(crate) config: AgentConfig,
+    pub(crate) info: RankInfo,
+    pub(crate) bound: BoundPlanner,
+    pub(crate) planner: Arc<dyn kvferry_planner_abi::TransferPlanner>,
+    /// Kept for the agent's life: the rank thread reads and peers write these.
+    pub(crate) _pools: Arc<RankPools>,
+    pub(crate) thread: RankThread,
+    pub(crate) metadata: kvferry_protocol::AgentMetadata,
+    pub(crate) events: Events,
+    pub(crate) planning: Planning,
+    pub(crate) next_peer: AtomicU64,
+    pub(crate) stopped: AtomicBool,
+    pub(crate) prefill: Mutex<context::State>,
+    pub(crate) decode: Mutex<generation::State>,
+    _context: Arc<Context>,
+}
+
+impl std::fmt::Debug for Inner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agent")
+            .field("instance", &self.config.instance)
+            .field("rank", &self.info.instance_rank)
+            .field("role", &self.config.role)
+            .finish_non_exhaustive()
+    }
+}
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Inner {
+    pub(crate) fn me(&self) -> String {
+        format!("{} rank {}", self.config.instance, self.info.instance_rank)
+    }
+
+    /// Planner and describer ids, the page table and the keys of a peer's description.
+    pub(crate) fn vet_shape(&self, m: &kvferry_protocol::AgentMetadata) -> Result<(), String> {
+        if m.planner_id != self.bound.id() || m.describer_id != self.bound.describer_id() {
+            return Err(format!(
+                "it binds planner {} (describer {}), {} binds {} (describer {})",
+                m.planner_id,
+                m.describer_id,
+                self.me(),
+                self.bound.id(),
+                self.bound.describer_id()
+            ));
+        }
+        let d = &m.rank;
+        if d.info.planner_id != m.planner_id || d.info.describer_id != m.describer_id {
+            return Err("its rank names another planner than its metadata".into());
+        }
+        d.info
+            .page_table
+            .validate()
+            .map_err(|e| format!("invalid page table: {e}"))?;
+        if d.pools.len() != d.info.page_table.pools.len() {
+            return Err(format!(
+                "{} pool keys for {} pools",
+                d.pools.len(),
+                d.info.page_table.pools.len()
+            ));
+        }
+        for (p, (key, pool)) in d
+            .pools
+            .iter()
+            .zip(d.info.page_table.pools.iter())
+            .enumerate()
+        {
+            if key.base != pool.base || key.len < pool.footprint() {
+                return Err(format!(
+                    "pool {p}: its key covers {:#x}+{} but the pool spans {:#x}+{}",
+                    key.base,
+                    key.len,
+                    pool.base,
+                    pool.footprint()
+                ));
+            }
+            if key.rkey.is_empty() {
+                return Err(format!("pool {p}: empty remote key"));
+            }
+        }
+        if d.worker_address.is_empty() {
+            return Err("empty worker address".into());
+        }
+        Ok(())
+    }
+
+    /// The planner's `check_peer`, under the planner deadline.
+    pub(crate) fn check_peer(&self, peer: &RankInfo) -> Result<(), String> {
+        let planner = Arc::clone(&self.planner);
+        let (me, them) = (self.info.clone(), peer.clone());
+        match self.planning.call(move || planner.check_peer(&me, &them)) {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(format!(
+                "{} (planner {}) refuses it: {}",
+                self.me(),
+                self.bound.id(),
+                kvferry_plan::error_chain(&e)
+            )),
+            Err(hung) => Err(format!(
+                "planner {} did not answer check_peer within {} ms",
+                self.bound.id(),
+                hung.deadline.as_millis()
+            )),
+        }
+    }
+
+    fn reap(self: &Arc<Self>) {
+        self.planning.watch();
+        match self.config.role {
+            Role::Context => context::reap(self),
+            Role::Generation => generation::reap(self),
+        }
+    }
+}
+
+/// One rank's transfer agent (see the module docs).
+#[derive(Debug)]
+pub struct Agent {
+    inner: Arc<Inner>,
+    endpoint: Option<String>,
+}
+
+impl Agent {
+    /// Starts the agent: registers the engine's pools, builds the planner for this rank,
+    /// starts the rank's UCX progress thread and, for a context rank, the side channel.
+    ///
+    /// # Safety
+    ///
+    /// Every pool of `config.rank.page_table` is engine-owned host memory: for as long as the
+    /// agent lives, each pool's `[base, base + footprint)` is one live, initialised
+    /// allocation, not freed, whose bytes the engine leaves alone as the protocol requires —
+    /// source slots unchanged from `send` until the request's terminal event, destination
+    /// slots not relied on from `expect` until its terminal event. The agent writes nowhere
+    /// else.
+    ///
+    /// # Errors
+    ///
+    /// See [`StartError`].
+    pub unsafe fn start(config: AgentConfig, bound: BoundPlanner) -> Result<Agent, StartError> {
+        if config.instance.is_empty() {
+            return Err(StartError::Config("empty instance name".into()));
+        }
+        if config.rank.planner_id.as_str() != bound.id() && !config.rank.planner_id.is_empty() {
+            return Err(StartError::Config(format!(
+                "the rank names planner {}, the bound planner is {}",
+                config.rank.planner_id,
+                bound.id()
+            )));
+        }
+        config
+            .rank
+            .page_table
+            .validate()
+            .map_err(|e| StartError::Config(format!("invalid page table: {e}")))?;
+        let context = config
+            .transport
+            .context_for(MemoryKind::Host)
+            .map_err(|source| StartError::Context {
+                transport: config.transport,
+                source,
+            })?;
+        let rank = config.rank.instance_rank;
+        // SAFETY: the caller's contract (this function's `# Safety`) is the one
+        // `RankPools::register` needs, for the same pools and the agent's whole life.
+        let pools = unsafe { RankPools::register(&context, rank, &config.rank.page_table.pools) }?;
+        let keys = pools.keys()?;
+        let pools = Arc::new(pools);
+        let mut info = config.rank.clone();
+        info.planner_id = bound.id().into();
+        info.describer_id = bound.describer_id().into();
+        let planner = bound
+            .instantiate(&info)
+            .map_err(|source| StartError::Planner {
+                planner: bound.id().to_string(),
+                source,
+            })?;
+        info.planner_blob =
+            RVec::from(planner.describe().map_err(|source| StartError::Planner {
+                planner: bound.id().to_string(),
+                source,
+            })?);
+        let worker = Worker::new(&context).map_err(StartError::Worker)?;
+        let thread = RankThread::spawn(&config.instance, rank, worker, Arc::clone(&pools))?;
+
+        let (listener, endpoint) = match config.role {
+            Role::Context => {
+                let listener = TcpListener::bind(&config.listen).map_err(|e| {
+                    StartError::Listen(format!("cannot listen on {}: {e}", config.listen))
+                })?;
+                let local = listener
+                    .local_addr()
+                    .map_err(|e| StartError::Listen(e.to_string()))?;
+                let endpoint = advertised(local, config.advertise.as_deref())?;
+                (Some(listener), Some(endpoint))
+            }
+            Role::Generation => (None, None),
+        };
+        let metadata = kvferry_protocol::AgentMetadata {
+            instance: config.instance.clone(),
+            role: config.role,
+            epoch: random_u64()?,
+            planner_id: bound.id().into(),
+            describer_id: bound.describer_id().into(),
+            planner_version: bound.version().into(),
+            label: config.label.clone(),
+            endpoint: endpoint.clone(),
+            rank: RankDescriptor {
+                info: info.clone(),
+                worker_address: thread.address().to_vec(),
+                pools: keys,
+            },
+        };
+        let label = format!("{}-r{rank}", config.instance);
+        let inner = Arc::new(Inner {
+            events: Events::new()?,
+            planning: Planning::new(&label, config.planner_timeout)?,
+            prefill: Mutex::new(context::State::new(config.max_stashed_bytes)),
+            decode: Mutex::new(generation::State::default()),
+            config,
+            info,
+            bound,
+            planner,
+            _pools: pools,
+            thread,
+            metadata,
+            next_peer: AtomicU64::new(1),
+            stopped: AtomicBool::new(false),
+            _context: context,
+        });
+        let weak = Arc::downgrade(&inner);
+        thread::Builder::new()
+            .name(format!("reap-{label}"))
+            .spawn(move || {
+                let mut tick = 0u64;
+                while let Some(inner) = weak.upgrade() {
+                    if inner.stopped.load(Ordering::Acquire) {
+                        break;
+                    }
+                    inner.reap();
+                    let ping_every = (inner.config.peer_timeout / 3).max(REAPER_PERIOD);
+                    let ticks = (ping_every.as_millis() / REAPER_PERIOD.as_millis()).max(1);
+                    if u128::from(tick) % ticks == 0 {
+                        match inner.config.role {
+                            Role::Context => context::ping(&inner),
+                            Role::Generation => generation::ping(&inner),
+                        }
+                    }
+                    tick += 1;
+                    drop(inner);
+                    thread::sleep(REAPER_PERIOD);
+                }
+            })?;
+        if let Some(listener) = listener {
+            context::listen(&inner, listener)?;
+        }
+        tracing::info!(
+            agent = %inner.me(),
+            role = %inner.config.role,
+            planner = inner.bound.id(),
+            endpoint = ?endpoint,
+            pools = inner.info.page_table.pools.len(),
+            "agent started"
+        );
+        Ok(Agent { inner, endpoint })
+    }
+
+    /// The side channel's advertised `host:port` (context ranks; `None` for generation ranks,
+    /// which dial).
+    pub fn endpoint(&self) -> Option<&str> {
+        self.endpoint.as_deref()
+    }
+
+    /// This rank's metadata, for engines that exchange it on their own channel (the peer
+    /// passes it to [`add_peer`](Self::add_peer)).
+    ///
+    /// # Errors
+    ///
+    /// The description does not fit in a frame.
+    pub fn local_metadata(&self) -> Result<Vec<u8>, CallError> {
+        self.inner
+            .metadata
+            .to_bytes()
+            .map_err(|e| CallError::Metadata(e.to_string()))
+    }
+
+    /// Who this agent is.
+    pub fn identity(&self) -> PeerIdentity {
+        self.inner.metadata.identity()
+    }
+
+    /// This rank's description as peers see it (real pool addresses, the planner's blob).
+    pub fn rank_info(&self) -> &RankInfo {
+        &self.inner.info
+    }
+
+    /// Adds a context rank's metadata (bytes of its [`local_metadata`](Self::local_metadata))
+    /// to this generation rank's directory; the connection is made when a request needs it.
+    /// A newer epoch of the same rank replaces the old one.
+    ///
+    /// # Errors
+    ///
+    /// The bytes are not metadata, or describe a rank this one cannot use.
+    pub fn add_peer(&self, metadata: &[u8]) -> Result<PeerIdentity, CallError> {
+        self.need(Role::Generation, "add_peer")?;
+        let m = kvferry_protocol::AgentMetadata::from_bytes(metadata)
+            .map_err(|e| CallError::Metadata(kvferry_plan::error_chain(&e)))?;
+        generation::add_peer(&self.inner, m)
+    }
+
+    /// Prefill side: makes (a chunk of) a request's KV cache available (see [`Send`]).
+    ///
+    /// # Errors
+    ///
+    /// Invalid parameters (the request is then untouched), or a generation rank.
+    pub fn send(&self, send: Send) -> Result<(), CallError> {
+        self.need(Role::Context, "send")?;
+        context::send(&self.inner, send)
+    }
+
+    /// Decode side: expects a request into this rank's slots (see [`Expect`]).
+    ///
+    /// # Errors
+    ///
+    /// Invalid parameters or a duplicate id (nothing is taken), or a context rank.
+    pub fn expect(&self, expect: Expect) -> Result<(), CallError> {
+        self.need(Role::Generation, "expect")?;
+        generation::expect(&self.inner, expect)
+    }
+
+    /// Cancels a request: always accepted while the request has not ended, and answered by
+    /// its terminal event ([`Event::Cancelled`], or the event that beat the cancel). On the
+    /// decode side it comes only after every writer acknowledged or is gone.
+    ///
+    /// # Errors
+    ///
+    /// [`CallError::Unknown`] if the request is not known or has ended.
+    pub fn cancel(&self, request: u64) -> Result<(), CallError> {
+        match self.inner.config.role {
+            Role::Context => context::cancel(&self.inner, request),
+            Role::Generation => generation::cancel(&self.inner, request),
+        }
+    }
+
+    /// Every event since the last call, oldest first.
+    pub fn poll(&self) -> Vec<Event> {
+        self.inner.events.drain()
+    }
+
+    /// A descriptor that is readable while events wait (an eventfd: add it to the engine's
+    /// epoll set; [`poll`](Self::poll) clears it). Owned by the agent.
+    pub fn wake_fd(&self) -> RawFd {
+        self.inner.events.raw_fd()
+    }
+
+    /// Requests this agent holds (in flight, not yet ended).
+    pub fn requests_held(&self) -> usize {
+        match self.inner.config.role {
+            Role::Context => lock(&self.inner.prefill).requests.len(),
+            Role::Generation => lock(&self.inner.decode).requests.len(),
+        }
+    }
+
+    /// Planner calls declared wedged so far.
+    pub fn wedged_planner_calls(&self) -> usize {
+        self.inner.planning.wedged()
+    }
+
+    fn need(&self, role: Role, call: &'static str) -> Result<(), CallError> {
+        if self.inner.stopped.load(Ordering::Acquire) {
+            return Err(CallError::Stopped);
+        }
+        if self.inner.config.role != role {
+            return Err(CallError::Role {
+                call,
+                needed: role,
+                role: self.inner.config.role,
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.inner.stopped.store(true, Ordering::Release);
+        match self.inner.config.role {
+            Role::Context => context::shutdown(&self.inner),
+            Role::Generation => generation::shutdown(&self.inner),
+        }
+    }
+}
+
+fn random_u64() -> std::io::Result<u64> {
+    let mut b = [0u8; 8];
+    getrandom::getrandom(&mut b).map_err(|e| std::io::Error::other(e.to_string()))?;
+    Ok(u64::from_le_bytes(b))
+}
+
+pub(crate) fn nonce() -> std::io::Result<kvferry_protocol::agent::Nonce> {
+    let mut b = [0u8; kvferry_protocol::agent::NONCE_LEN];
+    getrandom::getrandom(&mut b).map_err(|e| std::io::Error::other(e.to_string()))?;
+    Ok(b)
+}
+
+/// The `host:port` to advertise for a listener bound to `local`.
+fn advertised(local: SocketAddr, advertise: Option<&str>) -> Result<String, StartError> {
+    if let Some(host) = advertise {
+        let ip: IpAddr = host
+            .parse()
+            .map_err(|_| StartError::Listen(format!("advertise `{host}` is not an IP address")))?;
+        if ip.is_unspecified() {
+            return Err(StartError::Listen(format!(
+                "advertise `{host}` is unspecified; peers cannot reach it"
+            )));
+        }
+        return Ok(SocketAddr::new(ip, local.port()).to_string());
+    }
+    if !local.ip().is_unspecified() {
+        return Ok(local.to_string());
+    }
+    let ip = first_interface_address(local.is_ipv6()).ok_or_else(|| {
+        StartError::Listen(format!(
+            "listening on {local}, but no interface that is up has a non-loopback address to \
+             advertise; set `advertise` or listen on a specific address"
+        ))
+    })?;
+    Ok(SocketAddr::new(ip, local.port()).to_string())
+}
+
+/// The first non-loopback address of an interface that is up (IPv4 unless `v6`).
+fn first_interface_address(v6: bool) -> Option<IpAddr> {
+    let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs writes a list head into `list`, freed below with freeifaddrs.
+    if unsafe { libc::getifaddrs(&mut list) } != 0 {
+        return None;
+    }
+    let mut found = None;
+    let mut cursor = list;
+    while !cursor.is_null() && found.is_none() {
+        // SAFETY: `cursor` is a node of the list getifaddrs returned, not yet freed.
+        let node = unsafe { &*cursor };
+        cursor = node.ifa_next;
+        let up = node.ifa_flags & (libc::IFF_UP as u32) != 0;
+        let loopback = node.ifa_flags & (libc::IFF_LOOPBACK as u32) != 0;
+        if !up || loopback || node.ifa_addr.is_null() {
+            continue;
+        }
+        // SAFETY: `ifa_addr` is non-null and points at a sockaddr whose family says its type.
+        let family = i32::from(unsafe { (*node.ifa_addr).sa_family });
+        if family == libc::AF_INET && !v6 {
+            // SAFETY: an AF_INET address is a sockaddr_in.
+            let sin = unsafe { &*(node.ifa_addr as *const libc::sockaddr_in) };
+            found = Some(IpAddr::from(
+                u32::from_be(sin.sin_addr.s_addr).to_be_bytes(),
+            ));
+        } else if family == libc::AF_INET6 && v6 {
+            // SAFETY: an AF_INET6 address is a sockaddr_in6.
+            let sin6 = unsafe { &*(node.ifa_addr as *const libc::sockaddr_in6) };
+            let ip = std::net::Ipv6Addr::from(sin6.sin6_addr.s6_addr);
+            if !ip.is_loopback() && (ip.segments()[0] & 0xffc0) != 0xfe80 {
+                found = Some(IpAddr::V6(ip));
+            }
+        }
+    }
+    // SAFETY: `list` came from getifaddrs and is freed once; no node is used after this.
+    unsafe { libc::freeifaddrs(list) };
+    found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn advertised_endpoints_are_never_unspecified() {
+        let lo: SocketAddr = "127.0.0.1:4000".parse().unwrap();
+        assert_eq!(advertised(lo, None).unwrap(), "127.0.0.1:4000");
+        let any: SocketAddr = "0.0.0.0:4000".parse().unwrap();
+        assert_eq!(advertised(any, Some("10.1.2.3")).unwrap(), "10.1.2.3:4000");
+        assert!(advertised(any, Some("0.0.0.0")).is_err());
+        assert!(advertised(any, Some("host.example")).is_err());
+        match advertised(any, None) {
+            Ok(e) => {
+                let ip: SocketAddr = e.parse().unwrap();
+                assert!(!ip.ip().is_unspecified() && !ip.ip().is_loopback(), "{e}");
+            }
+            Err(e) => assert!(e.to_string().contains("no interface"), "{e}"),
+        }
+    }
+}
