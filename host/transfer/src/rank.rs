@@ -25,7 +25,8 @@
 //! ([`kvferry_ucx::RemoteKey::check_range`]; a device range with the CUDA driver): a pool
 //! declared elsewhere (a hostile `0x1000`, one byte too long) fails the connection with
 //! [`WriteError::KeyRange`], and no put ever goes through its key. Keys no transport here
-//! can map (`tcp`) are not translated here and pass.
+//! can map (`tcp`) are not translated here and pass. [`RankThread::vet`] runs the same
+//! connection up front, so a caller can refuse such a peer before accepting it.
 //!
 //! # Dead and hung receivers
 //!
@@ -364,9 +365,38 @@ impl std::fmt::Debug for ReplayJob {
     }
 }
 
+/// Called on the rank thread with the outcome of [`RankThread::vet`]; with
+/// [`WriteError::Stopped`] if the rank thread is gone (at once, on the caller's thread) or ends
+/// before it gets to the command.
+pub type VetDone = Box<dyn FnOnce(Result<(), WriteError>) + Send>;
+
+/// A [`VetDone`] that is called exactly once: with [`WriteError::Stopped`] if it is dropped
+/// unanswered (its command was still queued when the thread ended).
+struct VetReply {
+    rank: u32,
+    reply: Option<VetDone>,
+}
+
+impl VetReply {
+    fn send(mut self, result: Result<(), WriteError>) {
+        if let Some(reply) = self.reply.take() {
+            reply(result);
+        }
+    }
+}
+
+impl Drop for VetReply {
+    fn drop(&mut self) {
+        if let Some(reply) = self.reply.take() {
+            reply(Err(WriteError::Stopped { rank: self.rank }));
+        }
+    }
+}
+
 enum Command {
     Write(WriteJob),
     Replay(ReplayJob),
+    Vet(Arc<RemoteRank>, VetReply),
     Forget(PeerId),
 }
 
@@ -477,6 +507,21 @@ impl RankThread {
         }
     }
 
+    /// Connects to `dest` as a job would (endpoint, remote keys, and the check of every
+    /// declared pool against what its key maps), keeps the connection for later jobs, and
+    /// replies with the outcome: so a caller can refuse a peer whose keys do not cover its
+    /// declared pools ([`WriteError::KeyRange`]) before accepting it. Queued behind earlier
+    /// commands; if the thread is gone, replies [`WriteError::Stopped`] at once (and so if it
+    /// ends before it gets to the command).
+    pub fn vet(&self, dest: Arc<RemoteRank>, reply: VetDone) {
+        let reply = VetReply {
+            rank: self.rank,
+            reply: Some(reply),
+        };
+        // A refused send drops the command, and so replies `Stopped`.
+        let _ = self.tx.send(Command::Vet(dest, reply));
+    }
+
     /// Drops the endpoints and keys kept for `peer`: each endpoint is closed then, or, while a
     /// quarantined window still has puts to it in flight, once that window has drained.
     pub fn forget(&self, peer: PeerId) {
@@ -572,6 +617,18 @@ fn run(rank: u32, worker: Worker, pools: &RankPools, rx: Receiver<Command>) {
         idle = 0;
         match command {
             Command::Forget(peer) => exec.forget(peer),
+            Command::Vet(dest, reply) => {
+                let result = exec.connect(&dest).map(|_| ());
+                if let Err(e) = &result {
+                    tracing::warn!(
+                        peer = %dest.instance,
+                        peer_rank = dest.rank,
+                        error = %kvferry_plan::error_chain(&e),
+                        "peer rank refused"
+                    );
+                }
+                reply.send(result);
+            }
             Command::Write(job) => exec.execute(job),
             Command::Replay(mut job) => {
                 let result = exec.replay(&mut job);
