@@ -153,6 +153,49 @@ pub fn driver_present() -> bool {
     unsafe { sys::is_culib_present() }
 }
 
+/// Whether `[ptr, ptr + len)` lies inside one CUDA allocation the driver knows in this
+/// process: one of ours, or a peer's that UCX's `cuda_ipc` mapped here. UCX translates a
+/// peer's device address without checking it against the allocation its key names
+/// (`kvferry_ucx::RangeCheck::Device`), so this is the check a peer's declared device range
+/// gets. False for an address the driver does not know (host memory, or nothing), an empty
+/// or wrapping range, and without a driver.
+///
+/// Wraps `cuPointerGetAttribute` with `CU_POINTER_ATTRIBUTE_RANGE_START_ADDR` and
+/// `CU_POINTER_ATTRIBUTE_RANGE_SIZE`.
+#[doc(alias = "cuPointerGetAttribute")]
+pub fn device_allocation_holds(ptr: u64, len: u64) -> bool {
+    let Some(end) = ptr.checked_add(len).filter(|_| len > 0) else {
+        return false;
+    };
+    if !driver_present() {
+        return false;
+    }
+    let range = guarded("cuPointerGetAttribute", || {
+        let mut start: sys::CUdeviceptr = 0;
+        let mut size: usize = 0;
+        // SAFETY: RANGE_START_ADDR writes one `CUdeviceptr` and RANGE_SIZE one `size_t`
+        // (`usize`), to out-pointers valid for the call; the driver only looks `ptr` up and
+        // answers an error for an address it does not know.
+        unsafe {
+            sys::cuPointerGetAttribute(
+                (&raw mut start).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+                ptr,
+            )
+            .result()?;
+            sys::cuPointerGetAttribute(
+                (&raw mut size).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+                ptr,
+            )
+            .result()?;
+        }
+        Ok::<_, DriverError>((start, size as u64))
+    });
+    matches!(range, Ok(Ok((start, size)))
+        if start <= ptr && start.checked_add(size).is_some_and(|e| end <= e))
+}
+
 /// How many CUDA devices the driver reports.
 ///
 /// Wraps `cuInit` and `cuDeviceGetCount`.
@@ -592,6 +635,35 @@ pub fn register_with_ucx(ctx: &Arc<Context>, pool: &CudaPool) -> Result<MemRegio
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The device-range check behind `RangeCheck::Device`: false without a driver, for an
+    /// empty or wrapping range, and for host memory; with a GPU (`KVFERRY_GPU_TESTS=1`), true
+    /// exactly inside one allocation.
+    #[test]
+    fn device_allocation_holds_exactly_its_range() {
+        assert!(!device_allocation_holds(0x1000, 0));
+        assert!(!device_allocation_holds(u64::MAX, 2));
+        let host = [0u8; 64];
+        let opted_in = std::env::var_os("KVFERRY_GPU_TESTS").is_some_and(|v| v == "1");
+        if !driver_present() || !opted_in {
+            assert!(
+                !opted_in,
+                "KVFERRY_GPU_TESTS=1 but libcuda cannot be loaded"
+            );
+            assert!(!device_allocation_holds(host.as_ptr() as u64, 64));
+            println!("skipped the device half: no CUDA driver, or KVFERRY_GPU_TESTS unset");
+            return;
+        }
+        let device = CudaDevice::open(0).expect("open device 0");
+        device.bind_to_thread().unwrap();
+        assert!(!device_allocation_holds(host.as_ptr() as u64, 64));
+        let pool = CudaPool::new(&device, 1 << 20).unwrap();
+        let (base, len) = (pool.device_ptr(), pool.len() as u64);
+        assert!(device_allocation_holds(base, len));
+        assert!(device_allocation_holds(base + len - 1, 1));
+        assert!(!device_allocation_holds(base, len + 1));
+        assert!(!device_allocation_holds(0x1000, 64));
+    }
 
     #[test]
     fn refusal_names_the_version_and_the_fix() {

@@ -16,6 +16,18 @@
 //!   (peer instance, peer rank), owned by that cache entry, until [`RankThread::forget`] drops
 //!   them: the endpoint is closed then, or once no quarantined window uses it any more.
 //!
+//! # Declared pools and their keys
+//!
+//! A peer declares each pool as (base, length, packed key), and over shared memory this
+//! thread copies every put itself, to the address UCX translates through the key, which UCX
+//! does for any address, inside the key's segment or not. So before a connection is cached
+//! every declared pool is checked against what its key maps
+//! ([`kvferry_ucx::RemoteKey::check_range`]; a device range with the CUDA driver): a pool
+//! declared elsewhere (a hostile `0x1000`, one byte too long) fails the connection with
+//! [`WriteError::KeyRange`], and no put ever goes through its key. Keys no transport here
+//! can map (`tcp`) are not translated here and pass. [`RankThread::vet`] runs the same
+//! connection up front, so a caller can refuse such a peer before accepting it.
+//!
 //! # Dead and hung receivers
 //!
 //! A sender waits on its receiver: over `tcp` (and into registered memory) every put and
@@ -52,7 +64,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-use kvferry_ucx::{Endpoint, MemRegion, Op, PutWindow, RemoteKey, Status, Worker};
+use kvferry_ucx::{Endpoint, MemRegion, Op, PutWindow, RangeCheck, RemoteKey, Status, Worker};
 
 use kvferry_plan::ValidatedPlan;
 use kvferry_protocol::PoolKey;
@@ -142,6 +154,28 @@ pub enum WriteError {
         pool: usize,
         /// UCX's error.
         source: kvferry_ucx::Error,
+    },
+    /// A peer pool's declared range is not what its remote key maps, so nothing is ever
+    /// put through that key: over shared memory this process copies each put to the
+    /// address UCX translates, and UCX translates any address (see
+    /// [`RemoteKey::check_range`]).
+    #[error("{instance} rank {rank} declares pool {pool} at {base:#x} +{len}, but {reason}")]
+    KeyRange {
+        /// Peer instance.
+        instance: String,
+        /// Peer rank.
+        rank: u32,
+        /// The pool.
+        pool: usize,
+        /// Its declared base.
+        base: u64,
+        /// Its declared length.
+        len: u64,
+        /// Why the range is refused.
+        reason: &'static str,
+        /// UCX's refusal (none where the CUDA driver refused a device range).
+        #[source]
+        source: Option<kvferry_ucx::Error>,
     },
     /// A fragment's source is not inside one local pool.
     #[error(
@@ -331,9 +365,38 @@ impl std::fmt::Debug for ReplayJob {
     }
 }
 
+/// Called on the rank thread with the outcome of [`RankThread::vet`]; with
+/// [`WriteError::Stopped`] if the rank thread is gone (at once, on the caller's thread) or ends
+/// before it gets to the command.
+pub type VetDone = Box<dyn FnOnce(Result<(), WriteError>) + Send>;
+
+/// A [`VetDone`] that is called exactly once: with [`WriteError::Stopped`] if it is dropped
+/// unanswered (its command was still queued when the thread ended).
+struct VetReply {
+    rank: u32,
+    reply: Option<VetDone>,
+}
+
+impl VetReply {
+    fn send(mut self, result: Result<(), WriteError>) {
+        if let Some(reply) = self.reply.take() {
+            reply(result);
+        }
+    }
+}
+
+impl Drop for VetReply {
+    fn drop(&mut self) {
+        if let Some(reply) = self.reply.take() {
+            reply(Err(WriteError::Stopped { rank: self.rank }));
+        }
+    }
+}
+
 enum Command {
     Write(WriteJob),
     Replay(ReplayJob),
+    Vet(Arc<RemoteRank>, VetReply),
     Forget(PeerId),
 }
 
@@ -444,6 +507,21 @@ impl RankThread {
         }
     }
 
+    /// Connects to `dest` as a job would (endpoint, remote keys, and the check of every
+    /// declared pool against what its key maps), keeps the connection for later jobs, and
+    /// replies with the outcome: so a caller can refuse a peer whose keys do not cover its
+    /// declared pools ([`WriteError::KeyRange`]) before accepting it. Queued behind earlier
+    /// commands; if the thread is gone, replies [`WriteError::Stopped`] at once (and so if it
+    /// ends before it gets to the command).
+    pub fn vet(&self, dest: Arc<RemoteRank>, reply: VetDone) {
+        let reply = VetReply {
+            rank: self.rank,
+            reply: Some(reply),
+        };
+        // A refused send drops the command, and so replies `Stopped`.
+        let _ = self.tx.send(Command::Vet(dest, reply));
+    }
+
     /// Drops the endpoints and keys kept for `peer`: each endpoint is closed then, or, while a
     /// quarantined window still has puts to it in flight, once that window has drained.
     pub fn forget(&self, peer: PeerId) {
@@ -539,6 +617,18 @@ fn run(rank: u32, worker: Worker, pools: &RankPools, rx: Receiver<Command>) {
         idle = 0;
         match command {
             Command::Forget(peer) => exec.forget(peer),
+            Command::Vet(dest, reply) => {
+                let result = exec.connect(&dest).map(|_| ());
+                if let Err(e) = &result {
+                    tracing::warn!(
+                        peer = %dest.instance,
+                        peer_rank = dest.rank,
+                        error = %kvferry_plan::error_chain(&e),
+                        "peer rank refused"
+                    );
+                }
+                reply.send(result);
+            }
             Command::Write(job) => exec.execute(job),
             Command::Replay(mut job) => {
                 let result = exec.replay(&mut job);
@@ -613,7 +703,8 @@ struct ResolvedPlan<'a> {
 }
 
 impl<'a> Executor<'a> {
-    /// The cached connection to `dest`, or a new one.
+    /// The cached connection to `dest`, or a new one, once every pool's declared range has
+    /// passed [`check_key_range`].
     fn connect(&mut self, dest: &RemoteRank) -> Result<&Conn, WriteError> {
         let slot = match self.conns.entry((dest.peer, dest.rank)) {
             Entry::Occupied(e) => return Ok(e.into_mut()),
@@ -632,15 +723,18 @@ impl<'a> Executor<'a> {
             .iter()
             .enumerate()
             .map(|(pool, k)| {
-                ep.unpack_rkey(&k.rkey)
+                let key = ep
+                    .unpack_rkey(&k.rkey)
                     .map_err(|source| WriteError::UnpackKey {
                         instance: dest.instance.clone(),
                         rank: dest.rank,
                         pool,
                         source,
-                    })
+                    })?;
+                check_key_range(dest, pool, k, &key)?;
+                Ok(key)
             })
-            .collect::<Result<Vec<_>, _>>()?;
+            .collect::<Result<Vec<_>, WriteError>>()?;
         tracing::debug!(peer = %dest.instance, peer_rank = dest.rank, "connected");
         Ok(slot.insert(Conn {
             ep,
@@ -1106,6 +1200,59 @@ impl Waiter<'_> {
                 Err(e) => return Err(ucx_error(self.dest, e)),
             }
         }
+    }
+}
+
+/// Checks that pool `pool` of `dest`, declared as `declared`, lies inside what its unpacked
+/// `key` maps ([`RemoteKey::check_range`]); a device range (`cuda_ipc`) is checked with the
+/// CUDA driver, and refused in a build without the `cuda` feature.
+fn check_key_range(
+    dest: &RemoteRank,
+    pool: usize,
+    declared: &PoolKey,
+    key: &RemoteKey,
+) -> Result<(), WriteError> {
+    let refuse = |reason, source| WriteError::KeyRange {
+        instance: dest.instance.clone(),
+        rank: dest.rank,
+        pool,
+        base: declared.base,
+        len: declared.len,
+        reason,
+        source,
+    };
+    match key.check_range(declared.base, declared.len) {
+        Ok(RangeCheck::Mapped | RangeCheck::NotMappable) => Ok(()),
+        Ok(RangeCheck::Device { local }) => {
+            #[cfg(feature = "cuda")]
+            if crate::cuda::device_allocation_holds(local as u64, declared.len) {
+                return Ok(());
+            }
+            let _ = local;
+            Err(refuse(
+                if cfg!(feature = "cuda") {
+                    "its key translates that range outside every shared host mapping and \
+                     every single cuda allocation of this process"
+                } else {
+                    "its key translates that range outside every shared host mapping, and \
+                     this build (without the cuda feature) cannot check device memory"
+                },
+                None,
+            ))
+        }
+        Ok(_) => Err(refuse(
+            "ucx reports a range check this build does not know",
+            None,
+        )),
+        Err(e) => Err(refuse(
+            match e.status() {
+                Status::INVALID_ADDR => "its key does not map that range into this process",
+                Status::INVALID_PARAM => "that range is empty or wraps around",
+                Status::IO_ERROR => "/proc/self/maps cannot be read to check it",
+                _ => "its key does not translate the whole range",
+            },
+            Some(e),
+        )),
     }
 }
 

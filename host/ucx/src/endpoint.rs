@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use ucx_sys as sys;
 
 use crate::ffi::{RawRequest, check, check_ptr};
+use crate::library::shared_rw_mapping_covers;
 use crate::request::Request;
 use crate::status::WithOp;
 use crate::{Error, MemRegion, Op, Status, Worker};
@@ -65,9 +66,20 @@ pub enum AmProto {
     Auto,
 }
 
+/// The low four bits of a worker address's first byte: its format version.
+const ADDRESS_VERSION_MASK: u8 = 0x0f;
+/// The address versions UCX parses (`UCP_OBJECT_VERSION_V1` and `V2`, 0 and 1).
+const ADDRESS_VERSIONS: std::ops::RangeInclusive<u8> = 0..=1;
+
 impl Endpoint {
     pub(crate) fn connect(worker: &Worker, address: &[u8]) -> Result<Endpoint, Error> {
-        if address.is_empty() {
+        // UCX aborts the process on any other version (an always-on assertion in
+        // `ucp_address_unpack_header`, 1.13.1 and 1.22.0; measured: a first byte of 0x42 or
+        // 0xff kills it with SIGABRT), so such bytes are refused here.
+        let known = address
+            .first()
+            .is_some_and(|b| ADDRESS_VERSIONS.contains(&(b & ADDRESS_VERSION_MASK)));
+        if !known {
             return Err(Error::new(Op::EpCreate, Status::INVALID_PARAM));
         }
         let params = sys::ucp_ep_params_t {
@@ -523,6 +535,128 @@ impl RemoteKey {
     pub(crate) fn leak(&self) {
         self.inner.leaked.set(true);
     }
+
+    /// The local address UCX translates the peer address `raddr` to through this key: where
+    /// a put to `raddr` lands in this process when a shared-memory transport (`posix`,
+    /// `sysv`, `self`) copies it, or the device address a device transport (`cuda_ipc`)
+    /// mapped it at.
+    ///
+    /// UCX does **not** check that `raddr` lies inside the memory the key describes:
+    /// measured with UCX 1.22.0 and 1.13.1, over `posix` and `sysv` every address translates,
+    /// by the constant offset between the peer's segment and where this process attached
+    /// it (`0`, `u64::MAX` and addresses far outside the segment included, wrapping around),
+    /// and a key that no transport here can map (`tcp`, memory registered rather than
+    /// allocated) fails with [`Status::UNREACHABLE`] for every address, inside or not. Use
+    /// [`check_range`](Self::check_range) to check a peer's declared range.
+    ///
+    /// Wraps `ucp_rkey_ptr`.
+    ///
+    /// # Errors
+    ///
+    /// [`Op::RkeyPtr`] with UCX's status: [`Status::UNREACHABLE`] when no transport of the
+    /// key can map it into this process.
+    #[doc(alias = "ucp_rkey_ptr")]
+    pub fn ptr(&self, raddr: u64) -> Result<*mut u8, Error> {
+        let mut local = ptr::null_mut();
+        // SAFETY: the key is live (destroyed only once its last handle, `self` among them, is
+        // gone) and used on its worker's thread (no handle is `Send`); `local` is a valid
+        // out-pointer. UCX only computes the pointer: nothing is read or written through it.
+        check(unsafe { sys::ucp_rkey_ptr(self.inner.handle, raddr, &mut local) })
+            .op(Op::RkeyPtr)?;
+        Ok(local.cast())
+    }
+
+    /// Checks a peer's declared range `[base, base + len)` against what this key maps, so
+    /// that no put through the key can land outside the memory the peer packed it for.
+    ///
+    /// Over shared memory the sender itself copies each put to the address [`ptr`](Self::ptr)
+    /// gives, and UCX translates any address, inside the key's segment or not (see there), so
+    /// a peer that declares a pool at `0x1000` with the real key of another region would
+    /// make this process write at a wild address. UCX cannot say where the segment ends, but
+    /// the kernel can: the segment is attached as a shared, writable mapping of its own file
+    /// (`/dev/shm/ucx_shm_posix_*`, or the `/SYSV*` segment), so the range is accepted only
+    /// if its translation lies inside such mappings of one file in `/proc/self/maps`.
+    ///
+    /// - [`RangeCheck::NotMappable`]: `ucp_rkey_ptr(base)` fails with
+    ///   [`Status::UNREACHABLE`]. No transport of the key translates addresses in this
+    ///   process (`tcp`, `cma`, registered memory): puts through it are resolved by the peer
+    ///   or the kernel, never copied here to a translated address, so there is nothing to
+    ///   check here. UCX answers per key, not per address (measured: 1.22.0 and 1.13.1), so
+    ///   a wild `base` never makes a mappable key look unmappable.
+    /// - [`RangeCheck::Mapped`]: `base` and `base + len - 1` both translate, `len - 1` bytes
+    ///   apart, and the translated range lies inside shared, writable mappings of one file.
+    /// - [`RangeCheck::Device`]: both ends translate contiguously, the range is in no such
+    ///   host mapping, and this key's context moves device memory (it reports a memory type
+    ///   besides host, e.g. `cuda_ipc` in its transports): the translation may be a device
+    ///   address, which only the device's driver can check. The caller verifies it there or
+    ///   refuses the range.
+    ///
+    /// Reads `/proc/self/maps` once per call (unless the key is not mappable).
+    ///
+    /// # Errors
+    ///
+    /// [`Op::RkeyPtr`] with
+    /// - [`Status::INVALID_PARAM`] if `len` is 0 or `base + len` overflows;
+    /// - UCX's status if `base` translates but `base + len - 1` does not;
+    /// - [`Status::INVALID_ADDR`] if the two ends are not `len - 1` bytes apart, or (in a
+    ///   context without device memory) the translated range leaves the key's mapping;
+    /// - [`Status::IO_ERROR`] if `/proc/self/maps` cannot be read: the range cannot be
+    ///   checked, so it is refused.
+    pub fn check_range(&self, base: u64, len: u64) -> Result<RangeCheck, Error> {
+        let refuse = |status| Err(Error::new(Op::RkeyPtr, status));
+        if len == 0 || base.checked_add(len).is_none() {
+            return refuse(Status::INVALID_PARAM);
+        }
+        let start = match self.ptr(base) {
+            Ok(start) => start,
+            Err(e) if e.status() == Status::UNREACHABLE => return Ok(RangeCheck::NotMappable),
+            Err(e) => return Err(e),
+        };
+        let last = self.ptr(base + (len - 1))?;
+        if (last as u64).wrapping_sub(start as u64) != len - 1 {
+            return refuse(Status::INVALID_ADDR);
+        }
+        // `start + len - 1` is `last`, so the local range does not wrap and `len` fits.
+        let local_len =
+            usize::try_from(len).map_err(|_| Error::new(Op::RkeyPtr, Status::INVALID_ADDR))?;
+        match shared_rw_mapping_covers(start as usize, local_len) {
+            Ok(true) => Ok(RangeCheck::Mapped),
+            Ok(false) if self.moves_device_memory() => Ok(RangeCheck::Device { local: start }),
+            Ok(false) => refuse(Status::INVALID_ADDR),
+            Err(_) => refuse(Status::IO_ERROR),
+        }
+    }
+
+    /// Whether the key's context reports a memory type besides host (so a device transport
+    /// may have translated an address). An unanswered query counts as no.
+    fn moves_device_memory(&self) -> bool {
+        self.inner
+            .ep
+            .worker
+            .context()
+            .memory_types()
+            .is_ok_and(|types| types.iter().any(|t| !t.is_host()))
+    }
+}
+
+/// What [`RemoteKey::check_range`] found out about a peer's declared range.
+#[derive(Clone, Copy, Debug, Eq, PartialEq)]
+#[non_exhaustive]
+pub enum RangeCheck {
+    /// The key maps the range into this process, inside the key's own shared mapping:
+    /// puts through it are copies into memory the peer shared.
+    Mapped,
+    /// The key cannot be mapped into this process (`UCS_ERR_UNREACHABLE`, e.g. over `tcp`):
+    /// puts through it are not translated here, so the range needs no check here.
+    NotMappable,
+    /// The range translates to `local..local + len`, outside every shared host mapping, in a
+    /// context that moves device memory: a device address (`cuda_ipc`), or nothing the key
+    /// maps. Only the device's driver can tell which; the caller must check it there (one
+    /// device allocation holds the whole range) or refuse the range.
+    Device {
+        /// The local address `base` translates to.
+        local: *mut u8,
+    },
 }
 
 impl Drop for RkeyInner {

@@ -72,6 +72,10 @@ on a worker converts), and [`SendWorker::into_worker`] takes it back on the othe
 Worker addresses and packed remote keys are parsed by UCX without a length: they must be bytes
 produced by a peer's [`Worker::address`] / [`MemRegion::pack_rkey`], delivered intact. A peer
 is trusted anyway: holding a remote key, it can write the memory the key describes.
+
+The addresses a peer says its keys cover are not trusted: UCX translates any address through a
+shared-memory key, inside its segment or not, and this process copies the put there.
+[`RemoteKey::check_range`] checks a declared range before anything is put through the key.
 */
 
 #![deny(missing_docs)]
@@ -91,7 +95,7 @@ mod worker;
 use std::ffi::CStr;
 
 pub use context::{Context, ContextBuilder};
-pub use endpoint::{AmProto, Endpoint, RemoteKey};
+pub use endpoint::{AmProto, Endpoint, RangeCheck, RemoteKey};
 pub use memory::{MemRegion, PackedRkey};
 pub use memtype::{MemoryType, MemoryTypes};
 pub use request::Request;

@@ -56,12 +56,98 @@ pub fn loaded_libraries() -> Vec<PathBuf> {
 /// Every file mapped into this process, in `/proc/self/maps` order (with repeats). Empty
 /// where that file cannot be read.
 pub fn mapped_files() -> Vec<PathBuf> {
-    let maps = fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    let maps = read_maps().unwrap_or_default();
     maps.lines()
         .filter_map(|line| line.split_whitespace().nth(5))
         .filter(|path| path.starts_with('/'))
         .map(PathBuf::from)
         .collect()
+}
+
+/// This process's memory map, as the kernel prints it: the one reader of `/proc/self/maps`.
+fn read_maps() -> std::io::Result<String> {
+    fs::read_to_string("/proc/self/maps")
+}
+
+/// One line of `/proc/self/maps`: `start-end perms offset dev inode [path]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Mapping<'a> {
+    start: usize,
+    end: usize,
+    /// `rwxs` / `rwxp`: the `s` (shared) or `p` (private) flag is last.
+    perms: &'a str,
+    offset: u64,
+    /// `major:minor` of the backing file's device, and its inode: which file is mapped
+    /// (a System V segment is `00:01` and its id; anonymous memory is inode 0).
+    dev: &'a str,
+    inode: u64,
+}
+
+impl<'a> Mapping<'a> {
+    fn parse(line: &'a str) -> Option<Mapping<'a>> {
+        let mut fields = line.split_whitespace();
+        let (start, end) = fields.next()?.split_once('-')?;
+        let perms = fields.next()?;
+        let offset = u64::from_str_radix(fields.next()?, 16).ok()?;
+        let dev = fields.next()?;
+        let inode = fields.next()?.parse().ok()?;
+        Some(Mapping {
+            start: usize::from_str_radix(start, 16).ok()?,
+            end: usize::from_str_radix(end, 16).ok()?,
+            perms,
+            offset,
+            dev,
+            inode,
+        })
+    }
+
+    /// Readable, writable and shared: what UCX's shared-memory transports map a peer's
+    /// segment as (`mmap(MAP_SHARED)` of a `posix` file, `shmat` of a `sysv` segment).
+    fn is_shared_rw(&self) -> bool {
+        let p = self.perms.as_bytes();
+        p.len() == 4 && p[0] == b'r' && p[1] == b'w' && p[3] == b's'
+    }
+
+    /// Whether `next` continues this mapping: adjacent, same file, the next bytes of it.
+    fn continues_into(&self, next: &Mapping<'_>) -> bool {
+        next.start == self.end
+            && next.dev == self.dev
+            && next.inode == self.inode
+            && Some(next.offset) == self.offset.checked_add((self.end - self.start) as u64)
+    }
+}
+
+/// Whether `[start, start + len)` lies inside readable, writable, shared mappings of one file
+/// in this process (one mapping, or adjacent ones continuing each other), per
+/// `/proc/self/maps`.
+///
+/// # Errors
+///
+/// `/proc/self/maps` cannot be read.
+pub(crate) fn shared_rw_mapping_covers(start: usize, len: usize) -> std::io::Result<bool> {
+    Ok(maps_cover(&read_maps()?, start, len))
+}
+
+/// [`shared_rw_mapping_covers`] over the text of a maps file.
+fn maps_cover(maps: &str, start: usize, len: usize) -> bool {
+    let Some(end) = start.checked_add(len) else {
+        return false;
+    };
+    // The kernel prints mappings in address order.
+    let mut mappings = maps.lines().filter_map(Mapping::parse);
+    let Some(mut last) = mappings.find(|m| m.start <= start && start < m.end) else {
+        return false;
+    };
+    if !last.is_shared_rw() {
+        return false;
+    }
+    while last.end < end {
+        match mappings.next() {
+            Some(next) if last.continues_into(&next) && next.is_shared_rw() => last = next,
+            _ => return false,
+        }
+    }
+    true
 }
 
 /// Every distinct `libucp` mapped into this process. More than one means two UCX copies are
@@ -243,6 +329,37 @@ mod tests {
         ] {
             assert!(!is_core_library(Path::new(no)), "{no}");
         }
+    }
+
+    const MAPS: &str = "\
+55d0c0a00000-55d0c0a21000 rw-p 00000000 00:00 0                          [heap]
+7f0000000000-7f0000100000 rw-s 00000000 00:01 6651954                    /SYSV00000000 (deleted)
+7f0000100000-7f0000200000 rw-s 00000000 00:01 6651960                    /SYSV00000000 (deleted)
+7f0000300000-7f0000380000 rw-s 00000000 00:1b 4793                       /dev/shm/ucx_shm_posix_27a24f8f (deleted)
+7f0000380000-7f0000400000 rw-s 00080000 00:1b 4793                       /dev/shm/ucx_shm_posix_27a24f8f (deleted)
+7f0000400000-7f0000500000 r--s 00000000 00:1b 4800                       /dev/shm/ro
+7ffd00000000-7ffd00021000 rw-p 00000000 00:00 0                          [stack]
+";
+
+    #[test]
+    fn a_range_is_covered_only_by_shared_writable_mappings_of_one_file() {
+        let cover = |start: usize, len: usize| maps_cover(MAPS, start, len);
+        // Inside one segment, to its last byte.
+        assert!(cover(0x7f00_0000_0000, 0x10_0000));
+        assert!(cover(0x7f00_000f_ffff, 1));
+        // One byte past it, into the next segment (another file), or before any mapping.
+        assert!(!cover(0x7f00_0000_0000, 0x10_0001));
+        assert!(!cover(0x7f00_0010_0000 - 1, 2));
+        assert!(!cover(0x1000, 64));
+        assert!(!cover(0x7f00_0020_0000, 1));
+        // One file mapped in two adjacent pieces counts as one.
+        assert!(cover(0x7f00_0030_0000, 0x10_0000));
+        assert!(!cover(0x7f00_0030_0000, 0x10_0001));
+        // Private, read-only, or wrapping around.
+        assert!(!cover(0x55d0_c0a0_0000, 16));
+        assert!(!cover(0x7ffd_0000_0000, 16));
+        assert!(!cover(0x7f00_0040_0000, 16));
+        assert!(!cover(usize::MAX, 2));
     }
 
     #[test]

@@ -22,6 +22,11 @@ impl Status {
     /// Invalid parameter (`UCS_ERR_INVALID_PARAM`); also returned by this crate for arguments it
     /// rejects before calling UCX.
     pub const INVALID_PARAM: Status = Status(ucs_status_t::UCS_ERR_INVALID_PARAM);
+    /// Invalid address (`UCS_ERR_INVALID_ADDR`); also returned by this crate for a peer range
+    /// that a remote key does not map ([`RemoteKey::check_range`]).
+    ///
+    /// [`RemoteKey::check_range`]: crate::RemoteKey::check_range
+    pub const INVALID_ADDR: Status = Status(ucs_status_t::UCS_ERR_INVALID_ADDR);
     /// Destination is unreachable (`UCS_ERR_UNREACHABLE`).
     pub const UNREACHABLE: Status = Status(ucs_status_t::UCS_ERR_UNREACHABLE);
     /// No such element, e.g. an unknown configuration key (`UCS_ERR_NO_ELEM`).
@@ -121,6 +126,11 @@ pub enum Op {
     Put,
     /// Packing a memory region's remote key (`ucp_rkey_pack`).
     RkeyPack,
+    /// Translating a peer address through its remote key (`ucp_rkey_ptr`), or a declared
+    /// range that the key does not map ([`RemoteKey::check_range`]).
+    ///
+    /// [`RemoteKey::check_range`]: crate::RemoteKey::check_range
+    RkeyPtr,
     /// Unpacking a peer's remote key (`ucp_ep_rkey_unpack`).
     RkeyUnpack,
     /// Installing an active-message handler (`ucp_worker_set_am_recv_handler`).
@@ -148,6 +158,7 @@ impl Op {
             Op::MemQuery => "ucp_mem_query",
             Op::Put => "ucp_put_nbx",
             Op::RkeyPack => "ucp_rkey_pack",
+            Op::RkeyPtr => "ucp_rkey_ptr",
             Op::RkeyUnpack => "ucp_ep_rkey_unpack",
             Op::SetAmHandler => "ucp_worker_set_am_recv_handler",
             Op::WorkerAddress => "ucp_worker_get_address",

@@ -218,10 +218,14 @@ impl Worker {
     /// # Errors
     ///
     /// [`Op::EpCreate`] if UCX finds no transport to the peer, or [`Status::INVALID_PARAM`] for
-    /// an empty address.
+    /// an empty address or one whose first byte names an address version UCX does not know
+    /// (on which UCX would abort the process).
     ///
     /// The address must be bytes produced by a peer's `address()`, delivered intact: UCX parses
-    /// it without a length (see the crate docs on trust).
+    /// it without a length (see the crate docs on trust). Measured on UCX 1.22.0: other garbage
+    /// (random bytes of a known version, a truncated address, zeros) fails with
+    /// [`Status::UNREACHABLE`] or [`Status::INVALID_PARAM`], but a truncated address is read
+    /// past its end, and one flipped byte can still connect (to nothing that answers).
     #[doc(alias = "ucp_ep_create")]
     pub fn connect(&self, address: &[u8]) -> Result<Endpoint, Error> {
         Endpoint::connect(self, address)

@@ -1,0 +1,253 @@
+//! A peer's declared pools are checked against what their keys map before anything is put
+//! through them: a receiver that declares pool 0 at `0x1000` with the real key of its pool
+//! would otherwise make the sender write at a wild address over shared memory (and crash).
+
+use std::sync::mpsc;
+use std::sync::{Arc, atomic::AtomicBool};
+use std::time::Duration;
+
+use kvferry_plan::{ValidatedPlan, error_chain, validate};
+use kvferry_planner_abi::ffi::RVec;
+use kvferry_planner_abi::{GroupKind, LayerGroupRows, TransferPlan, ViewId};
+use kvferry_protocol::PoolKey;
+use kvferry_transfer::Transport;
+use kvferry_transfer::memory::{PoolAllocator, RankPools};
+use kvferry_transfer::rank::{RankThread, RemoteRank, WriteError, WriteJob, WriteStats};
+use kvferry_ucx::{Context, Worker};
+
+/// One pool per rank, a multiple of 2 MiB so its segment ends where the pool does whether or
+/// not UCX backs it with huge pages.
+const POOL: u64 = 2 << 20;
+const WAIT: Duration = Duration::from_secs(20);
+const WILD: u64 = 0x1000;
+
+/// A rank of one pool with its thread: a receiver only progresses, a sender also writes.
+struct Rank {
+    thread: RankThread,
+    pools: Arc<RankPools>,
+    keys: Vec<PoolKey>,
+    _ctx: Arc<Context>,
+}
+
+fn rank(label: &str, transport: Transport) -> Rank {
+    let ctx = transport.context().expect("UCX context");
+    let mut allocator = PoolAllocator::with_host_budget(&ctx, None);
+    allocator.alloc(0, 0, POOL);
+    let pools = allocator.finish(1).expect("pool").remove(0);
+    let keys = pools.keys().expect("keys");
+    let pools = Arc::new(pools);
+    let worker = Worker::new(&ctx).expect("worker");
+    let thread = RankThread::spawn(label, 0, worker, Arc::clone(&pools)).expect("rank thread");
+    Rank {
+        thread,
+        pools,
+        keys,
+        _ctx: ctx,
+    }
+}
+
+/// `receiver` as a sender sees it, declaring `pools`.
+fn remote(receiver: &Rank, peer: u64, pools: Vec<PoolKey>) -> Arc<RemoteRank> {
+    Arc::new(RemoteRank {
+        peer,
+        instance: "gen".into(),
+        rank: 0,
+        worker_address: receiver.thread.address().to_vec(),
+        pools,
+        alive: Arc::new(AtomicBool::new(true)),
+    })
+}
+
+/// The receiver's real pool 0 key, declared at `base`.
+fn declared_at(receiver: &Rank, base: u64) -> Vec<PoolKey> {
+    let mut pool = receiver.keys[0].clone();
+    pool.base = base;
+    vec![pool]
+}
+
+fn vet(sender: &Rank, dest: Arc<RemoteRank>) -> Result<(), WriteError> {
+    let (tx, rx) = mpsc::channel();
+    sender.thread.vet(
+        dest,
+        Box::new(move |result| {
+            let _ = tx.send(result);
+        }),
+    );
+    rx.recv_timeout(WAIT).expect("vet replied")
+}
+
+/// One row of `bytes` at `address`.
+fn row(address: u64, bytes: u64) -> LayerGroupRows {
+    LayerGroupRows {
+        view: ViewId { group: 0, view: 0 },
+        kind: GroupKind::PAGED,
+        ordinals: RVec::from(vec![0]),
+        addresses: RVec::from(vec![address]),
+        row_bytes: bytes,
+        row_stride: bytes,
+        span_start: 0,
+        span_end: 1,
+    }
+}
+
+/// A plan of one fragment from the sender's pool to `dst`.
+fn plan(sender: &Rank, dst: u64, len: u64) -> ValidatedPlan {
+    let src = sender.keys[0].base;
+    let mut plan = TransferPlan::new();
+    plan.push(src, dst, len);
+    validate(plan, &[row(src, POOL)], &[row(dst, POOL)]).expect("valid plan")
+}
+
+/// Runs one job and returns its outcome, and whether its release ran first.
+fn write(
+    sender: &Rank,
+    dest: Arc<RemoteRank>,
+    plan: ValidatedPlan,
+) -> (Result<WriteStats, WriteError>, bool) {
+    let (tx, rx) = mpsc::channel();
+    let (released_tx, released_rx) = mpsc::channel();
+    sender.thread.write(WriteJob {
+        request: 1,
+        dest,
+        plan: Arc::new(plan),
+        timeout: Duration::from_secs(10),
+        hook: None,
+        done: Box::new(move |result| {
+            let _ = tx.send(result);
+        }),
+        release: Some(Box::new(move || {
+            let _ = released_tx.send(());
+        })),
+    });
+    let result = rx.recv_timeout(WAIT).expect("job reported");
+    (result, released_rx.try_recv().is_ok())
+}
+
+fn assert_key_range(result: Result<(), WriteError>, base: u64, len: u64) {
+    match result {
+        Err(WriteError::KeyRange {
+            pool: 0,
+            base: b,
+            len: l,
+            ..
+        }) if b == base && l == len => {}
+        other => panic!("expected KeyRange for {base:#x} +{len}, got {other:?}"),
+    }
+}
+
+#[test]
+fn vet_refuses_a_pool_declared_outside_its_key_over_shm() {
+    let receiver = rank("gen", Transport::Shm);
+    let sender = rank("ctx", Transport::Shm);
+
+    let err = vet(&sender, remote(&receiver, 1, declared_at(&receiver, WILD))).unwrap_err();
+    assert_eq!(
+        error_chain(&err),
+        format!(
+            "gen rank 0 declares pool 0 at 0x1000 +{POOL}, but its key does not map that range \
+             into this process: ucp_rkey_ptr failed: address not valid"
+        )
+    );
+    assert_key_range(Err(err), WILD, POOL);
+
+    // One byte longer than the pool, or starting one byte into the next page of memory.
+    let mut long = receiver.keys.clone();
+    long[0].len += 1;
+    assert_key_range(
+        vet(&sender, remote(&receiver, 2, long)),
+        receiver.keys[0].base,
+        POOL + 1,
+    );
+    let base = receiver.keys[0].base + 1;
+    assert_key_range(
+        vet(&sender, remote(&receiver, 3, declared_at(&receiver, base))),
+        base,
+        POOL,
+    );
+}
+
+#[test]
+fn vet_accepts_a_correct_declaration_and_the_write_lands() {
+    let receiver = rank("gen", Transport::Shm);
+    let sender = rank("ctx", Transport::Shm);
+    let dest = remote(&receiver, 1, receiver.keys.clone());
+    vet(&sender, Arc::clone(&dest)).expect("a correct declaration vets");
+
+    let bytes: Vec<u8> = (0..4096u32).map(|i| (i % 251) as u8 + 1).collect();
+    // SAFETY: no job reads the sender's pool yet, and no peer writes it.
+    unsafe { sender.pools.write(0, 0, &bytes) }.unwrap();
+    let at = receiver.keys[0].base + 4096;
+    let (result, released) = write(&sender, dest, plan(&sender, at, 4096));
+    assert_eq!(
+        result.expect("write"),
+        WriteStats {
+            bytes: 4096,
+            fragments: 1,
+            puts: 1
+        }
+    );
+    assert!(released);
+    let mut landed = vec![0; 4096];
+    receiver.pools.read(0, 4096, &mut landed).unwrap();
+    assert!(landed == bytes, "the bytes landed where the plan put them");
+}
+
+#[test]
+fn a_write_job_to_a_pool_declared_outside_its_key_fails_and_puts_nothing() {
+    let receiver = rank("gen", Transport::Shm);
+    let sender = rank("ctx", Transport::Shm);
+    let dest = remote(&receiver, 1, declared_at(&receiver, WILD));
+    let (result, released) = write(&sender, Arc::clone(&dest), plan(&sender, WILD, 64));
+    match result {
+        Err(WriteError::KeyRange { base: WILD, .. }) => {}
+        other => panic!("expected KeyRange, got {other:?}"),
+    }
+    assert!(released, "the job's sources are released");
+    // Refused again on the next job (a refused connection is not cached), and the thread
+    // still serves others.
+    let (again, _) = write(&sender, dest, plan(&sender, WILD, 64));
+    assert!(
+        matches!(again, Err(WriteError::KeyRange { .. })),
+        "{again:?}"
+    );
+    vet(&sender, remote(&receiver, 2, receiver.keys.clone())).expect("still serving");
+}
+
+/// Over tcp the sender translates nothing (UCX emulates puts with active messages that the
+/// receiver applies), so there is nothing for the sender to check and the key vets.
+#[test]
+fn over_tcp_the_sender_does_not_translate_so_vet_passes() {
+    let receiver = rank("gen", Transport::Tcp);
+    let sender = rank("ctx", Transport::Tcp);
+    vet(&sender, remote(&receiver, 1, declared_at(&receiver, WILD))).expect("not mappable: passes");
+}
+
+#[test]
+fn vet_on_a_stopped_thread_replies_at_once() {
+    let receiver = rank("gen", Transport::Shm);
+    let sender = rank("ctx", Transport::Shm);
+    // A completion callback that panics ends the rank thread.
+    sender.thread.write(WriteJob {
+        request: 1,
+        dest: remote(&receiver, 1, receiver.keys.clone()),
+        plan: Arc::new(plan(&sender, receiver.keys[0].base, 64)),
+        timeout: Duration::from_secs(10),
+        hook: None,
+        done: Box::new(|_| panic!("injected: the rank thread ends")),
+        release: None,
+    });
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        match vet(&sender, remote(&receiver, 2, receiver.keys.clone())) {
+            Err(WriteError::Stopped { rank: 0 }) => break,
+            // Vetted before the thread ended: the reply came from the thread.
+            Ok(()) => {}
+            Err(other) => panic!("{other:?}"),
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the thread did not stop"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
