@@ -12,9 +12,9 @@
 //! ```
 //!
 //! The body is decoded with `bincode::config::standard()` under a limit of the smallest of
-//! 64 KiB, 1 MiB, 8 MiB and [`MAX_FRAME_BYTES`] that holds the body, so a length claimed
-//! inside the body (a string, a byte vector) can never make the decoder reserve more than
-//! 16 times the body plus 64 KiB, and a body must be consumed exactly (trailing bytes are refused). A frame
+//! 64 KiB, 1 MiB, 4 MiB, 16 MiB and [`MAX_FRAME_BYTES`] that is at least 64 times the body,
+//! so lengths claimed inside the body (strings, sequences) can never make the decoder
+//! reserve more than 256 times the body plus 64 KiB, and a body must be consumed exactly (trailing bytes are refused). A frame
 //! with a wrong magic, another version, an oversized length or an undecodable body is an
 //! error naming what is wrong; servers answer it with an error message and close only that
 //! connection. Each message family has its own magic, so a client of one family that
@@ -424,18 +424,21 @@ pub fn encode<M: Frame>(message: &M) -> Result<Vec<u8>, WireError> {
 /// [`WireError::Decode`] for bytes that are not a message, [`WireError::Trailing`] for bytes
 /// after it.
 pub fn decode_body<M: Frame>(body: &[u8]) -> Result<M, WireError> {
-    // The limit bounds what a length claimed inside the body may make the decoder allocate
-    // (a string's bytes are reserved before they are read). A length can never be honest if
-    // it exceeds the body, so the limit is the smallest tier that holds the body: a 74-byte
-    // frame whose string length was flipped to 7 MB reserved those 7 MB under one fixed
-    // 64 MiB limit (found by the fuzz suite); now it may reserve at most 64 KiB.
+    // The limit bounds what lengths claimed inside the body may make the decoder reserve:
+    // a string's bytes, a sequence's elements (claimed at their in-memory size). An honest
+    // body never claims more than its element sizes over their smallest encodings (an empty
+    // `RVec` is 32 bytes in memory and one byte on the wire), so the limit is the smallest
+    // tier at least 64 times the body. A 74-byte frame whose flipped string length claimed
+    // 7 MB under one fixed 64 MiB limit (found by the fuzz suite) now gets 64 KiB; a 57 KB
+    // fragment export needs more than its own size (it claims 40 bytes per 8-byte fragment).
     fn tier<M: Frame, const LIMIT: usize>(body: &[u8]) -> Result<(M, usize), DecodeError> {
         bincode::serde::decode_from_slice(body, bincode::config::standard().with_limit::<LIMIT>())
     }
-    let decoded = match body.len() {
+    let decoded = match body.len().saturating_mul(64) {
         n if n <= 64 << 10 => tier::<M, { 64 << 10 }>(body),
         n if n <= 1 << 20 => tier::<M, { 1 << 20 }>(body),
-        n if n <= 8 << 20 => tier::<M, { 8 << 20 }>(body),
+        n if n <= 4 << 20 => tier::<M, { 4 << 20 }>(body),
+        n if n <= 16 << 20 => tier::<M, { 16 << 20 }>(body),
         _ => tier::<M, MAX_FRAME_BYTES>(body),
     };
     let (message, used) = decoded.map_err(|source| WireError::Decode {
@@ -502,6 +505,29 @@ pub fn read_frame<M: Frame>(r: &mut impl Read) -> Result<M, WireError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The messages whose in-memory size is largest against their encoding: many empty
+    /// strings (24 bytes each in memory, one on the wire) and empty slot tables (32 and 1).
+    #[derive(Debug, PartialEq, Serialize, Deserialize)]
+    struct Sparse(Vec<String>, Vec<SlotTable>);
+
+    impl Frame for Sparse {
+        const MAGIC: [u8; 4] = *b"TEST";
+        const FAMILY: &'static str = "test";
+        fn kind(&self) -> &'static str {
+            "Sparse"
+        }
+    }
+
+    #[test]
+    fn honest_bodies_that_claim_far_more_than_their_size_still_decode() {
+        for n in [1usize, 100, 1_000, 20_000, 300_000] {
+            let m = Sparse(vec![String::new(); n], vec![SlotTable::new([]); n]);
+            let frame = encode(&m).unwrap();
+            let back: Sparse = decode_body(&frame[HEADER_LEN..]).unwrap();
+            assert_eq!(back, m, "{n}");
+        }
+    }
 
     #[test]
     fn header_round_trips() {

@@ -3,14 +3,17 @@
 //! source slot's bytes afterwards and every other destination byte its canary; a wrong
 //! secret is refused by name and moves nothing; a cancel ends in exactly one event.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvferry_loader::Registry;
+use kvferry_plan::ValidatedPlan;
 use kvferry_planner_abi::{Mapping, MemoryType, RankInfo, SlotTable, TokenRange};
 use kvferry_testkit::builder::{Deploy, Model};
 use kvferry_transfer::Role;
 use kvferry_transfer::Transport;
 use kvferry_transfer::agent::{Agent, AgentConfig, Event, Expect, FailureKind, Secret, Send};
+use kvferry_transfer::rank::{RemoteRank, WriteHook};
 
 const CANARY: u8 = 0xA5;
 
@@ -63,6 +66,16 @@ fn model() -> Model {
 }
 
 fn agent(role: Role, engine: &Engine, secret: Secret, transport: Transport) -> Agent {
+    agent_with(role, engine, secret, transport, None)
+}
+
+fn agent_with(
+    role: Role,
+    engine: &Engine,
+    secret: Secret,
+    transport: Transport,
+    hook: Option<Arc<dyn WriteHook>>,
+) -> Agent {
     let registry = Registry::from_modules([(kvferry_planner_default::planner_module(), "linked")]);
     let deployment = kvferry_planner_abi::Deployment {
         architecture: "llama".into(),
@@ -78,6 +91,7 @@ fn agent(role: Role, engine: &Engine, secret: Secret, transport: Transport) -> A
     config.listen = "127.0.0.1:0".into();
     config.timeout = Duration::from_secs(10);
     config.peer_timeout = Duration::from_secs(3);
+    config.hook = hook;
     // SAFETY: the engine's buffers outlive the agent (every test drops agents first) and
     // are read only after the request's terminal event.
     unsafe { Agent::start(config, bound) }.unwrap()
@@ -345,4 +359,80 @@ fn an_unclaimed_send_fails_at_its_lease_and_a_cancel_ends_in_one_event() {
         other => panic!("{other:?}"),
     }
     assert_eq!(prefill.requests_held(), 0);
+}
+
+/// Holds every write job for a while after its puts were issued, before its flush.
+#[derive(Debug)]
+struct SlowFlush(Duration);
+
+impl WriteHook for SlowFlush {
+    fn before_flush(&self, _: &RemoteRank, _: &ValidatedPlan) {
+        std::thread::sleep(self.0);
+    }
+}
+
+#[test]
+fn a_cancel_with_puts_in_flight_ends_only_after_the_last_write() {
+    let model = model();
+    let src = Engine::new("prefill", &model, pattern);
+    let mut dst = Engine::new("decode", &model, |_, _| CANARY);
+    let hook: Arc<dyn WriteHook> = Arc::new(SlowFlush(Duration::from_millis(400)));
+    let prefill = agent_with(Role::Context, &src, secret(), Transport::Tcp, Some(hook));
+    let decode = agent(Role::Generation, &dst, secret(), Transport::Tcp);
+    let slots = [0i64, 1, 2, 3];
+    decode
+        .expect(Expect {
+            request: 3,
+            peer: "prefill".into(),
+            endpoints: vec![prefill.endpoint().unwrap().into()],
+            ctx_dp_rank: 0,
+            prompt_len: 64,
+            cached_prefix: None,
+            tables: tables(&dst, &slots),
+            excluded_views: Vec::new(),
+        })
+        .unwrap();
+    prefill
+        .send(Send {
+            request: 3,
+            tables: tables(&src, &slots),
+            tokens: TokenRange { start: 0, end: 64 },
+            prompt_len: 64,
+            is_last: true,
+            to: None,
+        })
+        .unwrap();
+    // The job is past its puts and sleeping before its flush by now.
+    std::thread::sleep(Duration::from_millis(150));
+    decode.cancel(3).unwrap();
+    assert_eq!(
+        wait(&decode, 3, Duration::from_secs(10)),
+        Event::Cancelled { request: 3 }
+    );
+    // The engine reuses the slots at once: nothing of the request may land after this.
+    const REUSED: u8 = 0x5A;
+    for p in 0..dst.buffers.len() {
+        dst.bytes_mut(p).fill(REUSED);
+    }
+    let ended = wait(&prefill, 3, Duration::from_secs(10));
+    assert!(
+        matches!(
+            ended,
+            Event::Sent { .. }
+                | Event::Failed {
+                    kind: FailureKind::CancelledByPeer,
+                    ..
+                }
+        ),
+        "{ended:?}"
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    drop(decode);
+    drop(prefill);
+    for p in 0..dst.buffers.len() {
+        assert!(
+            dst.bytes(p).iter().all(|&b| b == REUSED),
+            "pool {p}: a write landed after Cancelled"
+        );
+    }
 }

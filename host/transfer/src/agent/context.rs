@@ -311,6 +311,30 @@ fn admit(
         outbox: spawn_writer(write_half, format!("gen-{identity}")),
         alive,
     });
+    // Before it is accepted: every declared pool must lie inside what its key maps here,
+    // or a put through it would land at a wild address (see `RemoteKey::check_range`).
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    inner.thread.vet(
+        Arc::clone(&conn.remote),
+        Box::new(move |result| {
+            let _ = tx.send(result);
+        }),
+    );
+    let refused = |reason: String| {
+        conn.alive.store(false, Ordering::Release);
+        inner.thread.forget(id);
+        Err(reason)
+    };
+    match rx.recv_timeout(HANDSHAKE_TIMEOUT) {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => return refused(error_chain(&e)),
+        Err(_) => {
+            return refused(format!(
+                "its keys could not be checked within {} ms",
+                HANDSHAKE_TIMEOUT.as_millis()
+            ));
+        }
+    }
     lock(&inner.prefill).conns.insert(id, Arc::clone(&conn));
     Ok(conn)
 }
@@ -779,7 +803,7 @@ fn queue(
         dest: Arc::clone(&conn.remote),
         plan,
         timeout: inner.config.timeout,
-        hook: None,
+        hook: inner.config.hook.clone(),
         release: Some(Box::new(move || {
             let mut state = lock(&release_inner.prefill);
             if let Some(claim) = state

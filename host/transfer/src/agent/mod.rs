@@ -109,6 +109,8 @@ pub struct AgentConfig {
     /// The most bytes of request descriptions kept for requests not sent yet (context
     /// ranks), from all peers together.
     pub max_stashed_bytes: usize,
+    /// Observes every write job (fault injection in tests); `None` in production.
+    pub hook: Option<Arc<dyn crate::rank::WriteHook>>,
 }
 
 impl AgentConfig {
@@ -130,6 +132,7 @@ impl AgentConfig {
             planner_timeout: Duration::from_secs(5),
             max_connections: crate::server::MAX_PEER_CONNECTIONS,
             max_stashed_bytes: 64 << 20,
+            hook: None,
         }
     }
 }
