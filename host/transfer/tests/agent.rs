@@ -436,3 +436,159 @@ fn a_cancel_with_puts_in_flight_ends_only_after_the_last_write() {
         );
     }
 }
+
+mod hostile {
+    use super::*;
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+
+    use kvferry_protocol::{
+        AgentEvent, AgentMessage, AgentMetadata, AgentSession, CompletionStatus, RequestData,
+        encode, read_frame, write_frame,
+    };
+
+    fn connect(endpoint: &str) -> TcpStream {
+        let s = TcpStream::connect(endpoint).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        s
+    }
+
+    /// Whether the server closed the connection without answering a single byte.
+    fn closed_silently(mut s: TcpStream) -> bool {
+        let mut buf = [0u8; 64];
+        matches!(s.read(&mut buf), Ok(0) | Err(_))
+    }
+
+    /// An authenticated session posing as `decode`'s rank (it holds the secret).
+    fn authenticated(endpoint: &str, decode: &Agent) -> (TcpStream, AgentSession) {
+        let mut s = connect(endpoint);
+        let me = AgentMetadata::from_bytes(&decode.local_metadata().unwrap()).unwrap();
+        let (mut session, hello) = AgentSession::dial(secret(), [7; 32], me);
+        write_frame(&mut s, &hello).unwrap();
+        loop {
+            let m: AgentMessage = read_frame(&mut s).unwrap();
+            match session.receive(m).unwrap() {
+                AgentEvent::Reply(r) => r.iter().for_each(|m| write_frame(&mut s, m).unwrap()),
+                AgentEvent::Metadata(_) => break,
+                _ => {}
+            }
+        }
+        session.ready().unwrap();
+        (s, session)
+    }
+
+    fn claim(request: u64, tables: Vec<SlotTable>, end: u64, prompt: u64) -> AgentMessage {
+        AgentMessage::RequestData(RequestData {
+            request,
+            receiver_instance: "decode".into(),
+            receiver_rank: 0,
+            sender_rank: 0,
+            slot_tables: tables,
+            token_range: TokenRange { start: 0, end },
+            prompt_len: prompt,
+            dst_start_token: None,
+            excluded_views: Vec::new(),
+        })
+    }
+
+    fn refusal(s: &mut TcpStream, session: &mut AgentSession) -> String {
+        loop {
+            let m: AgentMessage = read_frame(s).unwrap();
+            match session.receive(m).unwrap() {
+                AgentEvent::Completion(c) => match &c.status {
+                    CompletionStatus::Failed(reason) => {
+                        assert!(c.is_last && c.bytes == 0, "{c:?}");
+                        return reason.clone();
+                    }
+                    CompletionStatus::Ok => panic!("a hostile claim was written: {c:?}"),
+                },
+                AgentEvent::Nothing => {}
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn hostile_frames_are_refused_by_name_and_an_honest_transfer_works_after() {
+        let model = model();
+        let src = Engine::new("prefill", &model, pattern);
+        let dst = Engine::new("decode", &model, |_, _| CANARY);
+        let prefill = agent(Role::Context, &src, secret(), Transport::Tcp);
+        let decode = agent(Role::Generation, &dst, secret(), Transport::Tcp);
+        let endpoint = prefill.endpoint().unwrap().to_string();
+        let send = |request| Send {
+            request,
+            tables: tables(&src, &[0, 1]),
+            tokens: TokenRange { start: 0, end: 32 },
+            prompt_len: 32,
+            is_last: true,
+            to: Some("decode".into()),
+        };
+        prefill.send(send(1)).unwrap();
+
+        // Unauthenticated: a request before any proof, a shutdown-like error frame, garbage,
+        // a frame of another family: each connection is closed and told nothing.
+        let mut s = connect(&endpoint);
+        write_frame(&mut s, &claim(1, tables(&dst, &[0, 1]), 32, 32)).unwrap();
+        assert!(closed_silently(s));
+        let mut s = connect(&endpoint);
+        let error = AgentMessage::Error {
+            message: "shut down".into(),
+        };
+        write_frame(&mut s, &error).unwrap();
+        assert!(closed_silently(s));
+        let mut s = connect(&endpoint);
+        s.write_all(&[0xff; 4096]).unwrap();
+        assert!(closed_silently(s));
+        let mut s = connect(&endpoint);
+        s.write_all(&encode(&kvferry_protocol::PeerMessage::InstanceInfoRequest).unwrap())
+            .unwrap();
+        assert!(closed_silently(s));
+        // A wrong proof.
+        let mut s = connect(&endpoint);
+        write_frame(&mut s, &AgentMessage::Hello { nonce: [1; 32] }).unwrap();
+        let _challenge: AgentMessage = read_frame(&mut s).unwrap();
+        write_frame(&mut s, &AgentMessage::Proof { proof: [0; 32] }).unwrap();
+        assert!(closed_silently(s));
+
+        // Authenticated but hostile: slots outside the pool, tokens outside the prompt,
+        // another instance's claim — each refused by name, no byte written.
+        let (mut s, mut session) = authenticated(&endpoint, &decode);
+        let slots = dst.info.page_table.pools[0].num_slots as i64;
+        write_frame(&mut s, &claim(1, tables(&dst, &[0, slots]), 32, 32)).unwrap();
+        let reason = refusal(&mut s, &mut session);
+        assert!(reason.contains("outside pool"), "{reason}");
+        write_frame(&mut s, &claim(1, tables(&dst, &[0, 1]), 33, 32)).unwrap();
+        let reason = refusal(&mut s, &mut session);
+        assert!(reason.contains("32-token prompt"), "{reason}");
+        let mut other = claim(1, tables(&dst, &[0, 1]), 32, 32);
+        if let AgentMessage::RequestData(d) = &mut other {
+            d.receiver_instance = "victim".into();
+        }
+        write_frame(&mut s, &other).unwrap();
+        let reason = refusal(&mut s, &mut session);
+        assert!(reason.contains("cannot claim"), "{reason}");
+        drop(s);
+        check(&src, &dst, &[], &[], None);
+
+        // The honest peer is served afterwards.
+        decode
+            .expect(Expect {
+                request: 1,
+                peer: "prefill".into(),
+                endpoints: vec![endpoint],
+                ctx_dp_rank: 0,
+                prompt_len: 32,
+                cached_prefix: None,
+                tables: tables(&dst, &[3, 4]),
+                excluded_views: Vec::new(),
+            })
+            .unwrap();
+        let got = wait(&decode, 1, Duration::from_secs(10));
+        assert!(matches!(got, Event::Received { .. }), "{got:?}");
+        assert!(matches!(wait(&prefill, 1, Duration::from_secs(10)), Event::Sent { .. }));
+        drop(decode);
+        drop(prefill);
+        check(&src, &dst, &[0, 1], &[3, 4], None);
+    }
+}
