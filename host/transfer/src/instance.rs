@@ -100,6 +100,128 @@ impl Transport {
     }
 }
 
+/// Which transports a UCX context may use.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Transports {
+    /// One of kvferry's presets (`shm`, `tcp`): its `UCX_TLS` is pinned ([`Transport::tls`]).
+    Preset(Transport),
+    /// UCX's own choice: nothing is pinned, so UCX uses every transport it finds (`rc`, `dc`,
+    /// `ud` over InfiniBand/RoCE where present, shared memory within a node, `tcp`,
+    /// `cuda_ipc`/`cuda_copy` for device memory), or what `UCX_TLS` in the environment says.
+    Auto,
+    /// An explicit `UCX_TLS` list, e.g. `rc_x,sm,self` or `^cma`.
+    List(String),
+}
+
+/// The UCX transports and network devices of an agent or instance: `--transport
+/// shm|tcp|auto|<a UCX_TLS list>` and `--net-devices DEV[,DEV]` on the command line.
+///
+/// `UCX_*` variables in the environment are respected wherever kvferry pins nothing: `auto`
+/// and lists leave `UCX_NET_DEVICES` to UCX unless devices are given, and `tcp` pins `lo`
+/// only when neither the devices nor `UCX_NET_DEVICES` are given.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct TransportSpec {
+    /// The transports.
+    pub transports: Transports,
+    /// The network devices (`UCX_NET_DEVICES` syntax: `eth0`, `mlx5_0:1`, `veth0,veth1`).
+    pub net_devices: Option<String>,
+}
+
+impl From<Transport> for TransportSpec {
+    fn from(t: Transport) -> Self {
+        Self {
+            transports: Transports::Preset(t),
+            net_devices: None,
+        }
+    }
+}
+
+impl std::str::FromStr for TransportSpec {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let transports = match s {
+            "auto" => Transports::Auto,
+            _ => match s.parse::<Transport>() {
+                Ok(t) => Transports::Preset(t),
+                Err(_) if valid_list(s) => Transports::List(s.to_string()),
+                Err(_) => {
+                    return Err(format!(
+                        "unknown transport `{s}` (known: shm, tcp, auto, or a UCX_TLS list of                          names such as `rc_x,sm,self`)"
+                    ));
+                }
+            },
+        };
+        Ok(Self {
+            transports,
+            net_devices: None,
+        })
+    }
+}
+
+/// A UCX_TLS list: names of letters, digits and `_`, separated by commas, optionally led by
+/// `^` (exclusion).
+fn valid_list(s: &str) -> bool {
+    let body = s.strip_prefix('^').unwrap_or(s);
+    !body.is_empty()
+        && body.split(',').all(|name| {
+            !name.is_empty()
+                && name
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+        })
+}
+
+impl fmt::Display for TransportSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.transports {
+            Transports::Preset(t) => write!(f, "{t}")?,
+            Transports::Auto => f.write_str("auto")?,
+            Transports::List(l) => f.write_str(l)?,
+        }
+        if let Some(d) = &self.net_devices {
+            write!(f, " on {d}")?;
+        }
+        Ok(())
+    }
+}
+
+impl TransportSpec {
+    /// The UCX settings this selection pins for pools in `memory` (`TLS`, `NET_DEVICES`);
+    /// what it does not pin, UCX takes from its environment.
+    pub fn ucx_settings(&self, memory: MemoryKind) -> Vec<(&'static str, String)> {
+        let mut out = Vec::new();
+        match &self.transports {
+            Transports::Preset(t) => out.push(("TLS", t.tls(memory).to_string())),
+            Transports::Auto => {}
+            Transports::List(l) => out.push(("TLS", l.clone())),
+        }
+        let env_devices = std::env::var_os("UCX_NET_DEVICES").is_some();
+        match (&self.net_devices, &self.transports) {
+            (Some(d), _) => out.push(("NET_DEVICES", d.clone())),
+            (None, Transports::Preset(t)) if !env_devices => {
+                if let Some(d) = t.net_devices() {
+                    out.push(("NET_DEVICES", d.to_string()));
+                }
+            }
+            _ => {}
+        }
+        out
+    }
+
+    /// A UCX context with these settings, for pools in `memory`.
+    ///
+    /// # Errors
+    ///
+    /// UCX cannot create the context (an unknown transport or device included).
+    pub fn context_for(&self, memory: MemoryKind) -> Result<Arc<Context>, kvferry_ucx::Error> {
+        self.ucx_settings(memory)
+            .into_iter()
+            .fold(Context::builder(), |b, (k, v)| b.config(k, v))
+            .build()
+    }
+}
+
 /// What an instance is.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct InstanceConfig {
@@ -418,6 +540,41 @@ impl Instance {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn transport_specs_parse_presets_auto_and_ucx_lists() {
+        let spec = |s: &str| s.parse::<TransportSpec>();
+        assert_eq!(spec("tcp").unwrap(), Transport::Tcp.into());
+        assert_eq!(spec("auto").unwrap().transports, Transports::Auto);
+        assert_eq!(
+            spec("rc_x,sm,self").unwrap().transports,
+            Transports::List("rc_x,sm,self".into())
+        );
+        assert_eq!(
+            spec("^cma").unwrap().transports,
+            Transports::List("^cma".into())
+        );
+        for bad in ["", "rc x", "tcp,,self", "TCP;rm"] {
+            let e = spec(bad).unwrap_err();
+            assert!(e.contains("unknown transport"), "{bad}: {e}");
+        }
+        let mut veth = spec("tcp").unwrap();
+        veth.net_devices = Some("veth0".into());
+        assert_eq!(
+            veth.ucx_settings(MemoryKind::Host),
+            vec![
+                ("TLS", "tcp".to_string()),
+                ("NET_DEVICES", "veth0".to_string())
+            ]
+        );
+        assert!(
+            spec("auto")
+                .unwrap()
+                .ucx_settings(MemoryKind::Host)
+                .is_empty()
+        );
+        assert_eq!(veth.to_string(), "tcp on veth0");
+    }
 
     #[test]
     fn transports_and_memory_kinds_parse_and_print_their_names() {

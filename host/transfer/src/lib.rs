@@ -38,7 +38,9 @@ pub mod sender;
 pub mod server;
 mod stash;
 
-pub use instance::{Instance, InstanceConfig, PreparedInstance, Transport};
+pub use instance::{
+    Instance, InstanceConfig, PreparedInstance, Transport, TransportSpec, Transports,
+};
 pub use kvferry_protocol::{InstanceInfo, PeerMessage, Role};
 pub use memory::MemoryKind;
 pub use receiver::{Expect, GenerationServer, RequestError};

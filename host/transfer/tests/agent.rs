@@ -87,7 +87,7 @@ fn agent_with(
         Role::Generation => "decode",
     };
     let mut config = AgentConfig::new(name, role, engine.info.clone(), secret);
-    config.transport = transport;
+    config.transport = transport.into();
     config.listen = "127.0.0.1:0".into();
     config.timeout = Duration::from_secs(10);
     config.peer_timeout = Duration::from_secs(3);
@@ -508,6 +508,78 @@ mod hostile {
         }
     }
 
+    /// A context rank that answers every claim with a successful last piece of `bytes`
+    /// bytes, writing nothing, under the description of a real one.
+    fn lying_context(real: &Agent, bytes: u64) -> String {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let endpoint = listener.local_addr().unwrap().to_string();
+        let mut me = AgentMetadata::from_bytes(&real.local_metadata().unwrap()).unwrap();
+        me.endpoint = Some(endpoint.clone());
+        std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let mut session = AgentSession::accept(secret(), [3; 32]);
+            loop {
+                let Ok(m) = read_frame::<AgentMessage>(&mut s) else {
+                    return;
+                };
+                match session.receive(m) {
+                    Ok(AgentEvent::Reply(r)) => {
+                        r.iter().for_each(|m| write_frame(&mut s, m).unwrap());
+                    }
+                    Ok(AgentEvent::Metadata(_)) => {
+                        let reply = session.admit(me.clone()).unwrap();
+                        write_frame(&mut s, &reply).unwrap();
+                    }
+                    Ok(AgentEvent::RequestData(d)) => {
+                        let lie = kvferry_protocol::Completion {
+                            request: d.request,
+                            sender_rank: d.sender_rank,
+                            receiver_rank: d.receiver_rank,
+                            piece: 0,
+                            is_last: true,
+                            bytes,
+                            fragments: 1,
+                            status: CompletionStatus::Ok,
+                        };
+                        write_frame(&mut s, &AgentMessage::Completion(lie)).unwrap();
+                    }
+                    Ok(_) => {}
+                    Err(_) => return,
+                }
+            }
+        });
+        endpoint
+    }
+
+    #[test]
+    fn a_writer_that_reports_bytes_it_did_not_write_fails_the_request() {
+        let model = model();
+        let src = Engine::new("prefill", &model, pattern);
+        let dst = Engine::new("decode", &model, |_, _| CANARY);
+        let real = agent(Role::Context, &src, secret(), Transport::Tcp);
+        let decode = agent(Role::Generation, &dst, secret(), Transport::Tcp);
+        let endpoint = lying_context(&real, 4096);
+        decode
+            .expect(Expect {
+                request: 9,
+                peer: "prefill".into(),
+                endpoints: vec![endpoint],
+                ctx_dp_rank: 0,
+                prompt_len: 32,
+                cached_prefix: None,
+                tables: tables(&dst, &[0, 1]),
+                excluded_views: Vec::new(),
+            })
+            .unwrap();
+        match wait(&decode, 9, Duration::from_secs(10)) {
+            Event::Failed { kind, detail, .. } => {
+                assert_eq!(kind, FailureKind::Protocol, "{detail}");
+                assert!(detail.contains("reported 4096 bytes"), "{detail}");
+            }
+            other => panic!("a made-up byte count was believed: {other:?}"),
+        }
+    }
+
     #[test]
     fn hostile_frames_are_refused_by_name_and_an_honest_transfer_works_after() {
         let model = model();
@@ -586,7 +658,10 @@ mod hostile {
             .unwrap();
         let got = wait(&decode, 1, Duration::from_secs(10));
         assert!(matches!(got, Event::Received { .. }), "{got:?}");
-        assert!(matches!(wait(&prefill, 1, Duration::from_secs(10)), Event::Sent { .. }));
+        assert!(matches!(
+            wait(&prefill, 1, Duration::from_secs(10)),
+            Event::Sent { .. }
+        ));
         drop(decode);
         drop(prefill);
         check(&src, &dst, &[0, 1], &[3, 4], None);

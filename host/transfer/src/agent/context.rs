@@ -414,6 +414,14 @@ pub(crate) fn send(inner: &Arc<Inner>, s: Send) -> Result<(), CallError> {
             s.tokens.start, s.tokens.end, s.prompt_len
         )));
     }
+    let tpb = u64::from(inner.info.page_table.tokens_per_block.max(1));
+    if s.tokens.end != s.prompt_len && s.tokens.end % tpb != 0 {
+        return Err(invalid(format!(
+            "chunk {}..{} ends inside a block ({tpb} tokens per block); chunks end on block \
+             boundaries or at the prompt's end",
+            s.tokens.start, s.tokens.end
+        )));
+    }
     if s.is_last != (s.tokens.end == s.prompt_len) {
         return Err(invalid(
             "is_last must mark exactly the chunk that ends at the prompt's end".into(),

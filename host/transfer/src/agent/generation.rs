@@ -78,6 +78,13 @@ pub(crate) struct InReq {
     cancelled: bool,
     failure: Option<(Option<String>, FailureKind, String)>,
     cancel_sent: bool,
+    /// Bytes each writer reported so far, by context rank.
+    reported: BTreeMap<u32, u64>,
+    /// Bytes each writer must write, by this rank's own plan of the request (`None` until
+    /// computed; a writer missing from it is not checked: its plan could not be made here).
+    expected: Option<BTreeMap<u32, u64>>,
+    /// Every writer finished before `expected` was known: the stats wait for the check.
+    finished: Option<RequestStats>,
 }
 
 #[derive(Debug, Default)]
@@ -326,6 +333,9 @@ pub(crate) fn expect(inner: &Arc<Inner>, e: Expect) -> Result<(), CallError> {
             cancelled: false,
             failure: None,
             cancel_sent: false,
+            reported: BTreeMap::new(),
+            expected: None,
+            finished: None,
         });
     }
     let worker = Arc::clone(inner);
@@ -376,6 +386,7 @@ fn dispatch(inner: &Arc<Inner>, e: Expect) {
                     req.writers = writers;
                 }
             }
+            let asked: Vec<u32> = sends.iter().map(|(_, d)| d.sender_rank).collect();
             for (link, data) in sends {
                 if link.outbox.send(AgentMessage::RequestData(data)).is_err() {
                     link.alive.store(false, Ordering::Release);
@@ -387,6 +398,34 @@ fn dispatch(inner: &Arc<Inner>, e: Expect) {
                         format!("{} is not connected", link.name()),
                     );
                 }
+            }
+            // While the writers write: what each must write, by this rank's own plan.
+            let expected = expected_bytes(inner, &e, &asked);
+            let verdict = {
+                let mut state = lock(&inner.decode);
+                match state.requests.get_mut(&id) {
+                    Some(req) => {
+                        req.expected = Some(expected);
+                        match req.finished.take() {
+                            Some(stats) => match byte_mismatch(req) {
+                                None => {
+                                    state.requests.remove(&id);
+                                    Some(Event::Received { request: id, stats })
+                                }
+                                Some((peer, detail)) => {
+                                    req.failure = Some((Some(peer), FailureKind::Protocol, detail));
+                                    None
+                                }
+                            },
+                            None => None,
+                        }
+                    }
+                    None => None,
+                }
+            };
+            if let Some(event) = verdict {
+                inner.events.push(event);
+                return;
             }
         }
         Err((peer, kind, detail)) => {
@@ -522,7 +561,12 @@ fn completion(inner: &Arc<Inner>, link: &Arc<Link>, c: Completion) {
         let Some(tracker) = req.tracker.as_mut() else {
             return;
         };
-        match tracker.on_completion(&c) {
+        let tracked = tracker.on_completion(&c);
+        if matches!(c.status, kvferry_protocol::CompletionStatus::Ok) && tracked.is_ok() {
+            let total = req.reported.entry(c.sender_rank).or_default();
+            *total = total.saturating_add(c.bytes);
+        }
+        match tracked {
             Ok(Tracked::Completed(totals)) if req.failure.is_none() && !req.cancelled => {
                 let stats = RequestStats {
                     bytes: totals.bytes,
@@ -531,8 +575,16 @@ fn completion(inner: &Arc<Inner>, link: &Arc<Link>, c: Completion) {
                     pieces: totals.pieces,
                     latency_us: req.started.elapsed().as_micros() as u64,
                 };
-                state.requests.remove(&id);
-                Some(Event::Received { request: id, stats })
+                if req.expected.is_none() {
+                    req.finished = Some(stats);
+                    None
+                } else if let Some((peer, detail)) = byte_mismatch(req) {
+                    req.failure = Some((Some(peer), FailureKind::Protocol, detail));
+                    None
+                } else {
+                    state.requests.remove(&id);
+                    Some(Event::Received { request: id, stats })
+                }
             }
             Ok(Tracked::Failed(f)) => {
                 if req.failure.is_none() && !req.cancelled {
@@ -564,6 +616,120 @@ fn completion(inner: &Arc<Inner>, link: &Arc<Link>, c: Completion) {
         Some(e) => inner.events.push(e),
         None => settle(inner, id),
     }
+}
+
+/// The first writer whose reported bytes differ from this rank's own plan, and how.
+fn byte_mismatch(req: &InReq) -> Option<(String, String)> {
+    let expected = req.expected.as_ref()?;
+    for (c, &want) in expected {
+        let got = req.reported.get(c).copied().unwrap_or(0);
+        if got != want {
+            let peer = req
+                .writers
+                .get(c)
+                .map_or_else(|| format!("ctx rank {c}"), |l| l.name());
+            return Some((
+                peer.clone(),
+                format!(
+                    "{peer} reported {got} bytes written, but this rank's own plan of the \
+                     request says {want}: its word cannot be vouched for"
+                ),
+            ));
+        }
+    }
+    None
+}
+
+/// What each writer in `asked` must write for `e`, by this rank's own plan: the writer's
+/// planner (instantiated here for its rank) pairs a stand-in of its slots with this rank's
+/// real ones for the whole prompt. A total does not depend on where the writer keeps its
+/// blocks or how it chunks the prompt (chunks are block-aligned and partition it). A writer
+/// whose plan cannot be made here is left unchecked, with a warning.
+fn expected_bytes(inner: &Arc<Inner>, e: &Expect, asked: &[u32]) -> BTreeMap<u32, u64> {
+    let mut out = BTreeMap::new();
+    for &c in asked {
+        let info = lock(&inner.decode)
+            .directory
+            .get(&e.peer)
+            .and_then(|r| r.get(&c))
+            .map(|m| m.rank.info.clone());
+        let Some(sender) = info else { continue };
+        let bound = inner.bound.clone();
+        let me = inner.info.clone();
+        let (tables, excluded, prompt, cached) = (
+            e.tables.clone(),
+            e.excluded_views.clone(),
+            e.prompt_len,
+            e.cached_prefix,
+        );
+        let planned = inner.planning.call(move || -> Result<u64, String> {
+            let planner = bound.instantiate(&sender).map_err(|e| error_chain(&e))?;
+            let pt = &sender.page_table;
+            let blocks = prompt.div_ceil(u64::from(pt.tokens_per_block.max(1)));
+            let stand_in: Vec<SlotTable> = pt
+                .groups
+                .iter()
+                .map(|g| {
+                    let slots = g
+                        .views
+                        .iter()
+                        .filter_map(|v| pt.pools.get(v.pool as usize))
+                        .map(|p| p.num_slots)
+                        .min()
+                        .unwrap_or(1)
+                        .max(1);
+                    let n = if g.kind == kvferry_planner_abi::GroupKind::PAGED {
+                        blocks
+                    } else {
+                        1
+                    };
+                    SlotTable::new((0..n).map(|i| (i % slots) as i64))
+                })
+                .collect();
+            let piece = kvferry_planner_abi::PairRequest {
+                token_range: TokenRange {
+                    start: 0,
+                    end: prompt,
+                },
+                prompt_len: prompt,
+                dst_start_token: match cached {
+                    Some(t) => kvferry_planner_abi::ffi::ROption::RSome(t),
+                    None => kvferry_planner_abi::ffi::ROption::RNone,
+                },
+                is_last: true,
+            };
+            let plan = kvferry_plan::plan_transfer(
+                planner.as_ref(),
+                kvferry_plan::RequestSide::new(&sender, &stand_in),
+                kvferry_plan::RequestSide {
+                    info: &me,
+                    slot_tables: &tables,
+                    excluded: &excluded,
+                },
+                &piece,
+            )
+            .map_err(|e| error_chain(&e))?;
+            Ok(plan.total_bytes())
+        });
+        match planned {
+            Ok(Ok(bytes)) => {
+                out.insert(c, bytes);
+            }
+            Ok(Err(reason)) => tracing::warn!(
+                request = e.request,
+                ctx_rank = c,
+                %reason,
+                "cannot plan the request here; its writer's byte count goes unchecked"
+            ),
+            Err(_) => tracing::warn!(
+                request = e.request,
+                ctx_rank = c,
+                "the planner did not plan the request here in time; its writer's byte count \
+                 goes unchecked"
+            ),
+        }
+    }
+    out
 }
 
 fn set_failure(

@@ -60,7 +60,7 @@ use kvferry_planner_abi::{PlanError, RankInfo, SlotTable, TokenRange};
 use kvferry_protocol::{RankDescriptor, Role};
 use kvferry_ucx::{Context, Worker};
 
-use crate::instance::Transport;
+use crate::instance::{Transport, TransportSpec};
 use crate::memory::{MemoryError, MemoryKind, RankPools};
 use crate::rank::{RankThread, SpawnError};
 
@@ -85,8 +85,9 @@ pub struct AgentConfig {
     pub label: String,
     /// This rank's description; its page table's pools are the engine's memory.
     pub rank: RankInfo,
-    /// UCX transports.
-    pub transport: Transport,
+    /// UCX transports and network devices (default `tcp` on `lo`; across hosts `tcp` with
+    /// devices, or `auto`).
+    pub transport: TransportSpec,
     /// Side-channel listen address of a context rank (`0.0.0.0:0`: every interface, an
     /// ephemeral port). Generation ranks do not listen.
     pub listen: String,
@@ -122,7 +123,7 @@ impl AgentConfig {
             role,
             label: String::new(),
             rank,
-            transport: Transport::Tcp,
+            transport: Transport::Tcp.into(),
             listen: "0.0.0.0:0".into(),
             advertise: None,
             secret,
@@ -148,7 +149,7 @@ pub enum StartError {
     #[error("cannot create the UCX context for {transport}")]
     Context {
         /// The transport.
-        transport: Transport,
+        transport: TransportSpec,
         /// UCX's error.
         source: kvferry_ucx::Error,
     },
@@ -399,7 +400,7 @@ impl Agent {
             .transport
             .context_for(MemoryKind::Host)
             .map_err(|source| StartError::Context {
-                transport: config.transport,
+                transport: config.transport.clone(),
                 source,
             })?;
         let rank = config.rank.instance_rank;
