@@ -3,178 +3,18 @@
 //! source slot's bytes afterwards and every other destination byte its canary; a wrong
 //! secret is refused by name and moves nothing; a cancel ends in exactly one event.
 
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+mod support;
 
-use kvferry_loader::Registry;
-use kvferry_plan::ValidatedPlan;
-use kvferry_planner_abi::{Mapping, MemoryType, RankInfo, SlotTable, TokenRange};
-use kvferry_testkit::builder::{Deploy, Model};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvferry_planner_abi::{SlotTable, TokenRange};
 use kvferry_transfer::Role;
 use kvferry_transfer::Transport;
 use kvferry_transfer::agent::{Agent, AgentConfig, Event, Expect, FailureKind, Secret, Send};
-use kvferry_transfer::rank::{RemoteRank, WriteHook};
+use kvferry_transfer::rank::WriteHook;
 
-const CANARY: u8 = 0xA5;
-
-/// Engine memory: one buffer per pool, kept alive for the agent's life.
-struct Engine {
-    buffers: Vec<Vec<u64>>,
-    info: RankInfo,
-}
-
-impl Engine {
-    fn new(name: &str, model: &Model, fill: impl Fn(usize, usize) -> u8) -> Engine {
-        let deploy = Deploy::new(name, 1, "tp1".parse::<Mapping>().unwrap(), model);
-        let mut buffers: Vec<Vec<u64>> = Vec::new();
-        let mut info = deploy.rank_in(model, 0, &mut |_, _, bytes| {
-            let words = bytes.div_ceil(8) as usize;
-            let mut b = vec![0u64; words];
-            let base = b.as_mut_ptr() as u64;
-            buffers.push(b);
-            base
-        });
-        for p in info.page_table.pools.iter_mut() {
-            p.memory_type = MemoryType::DRAM;
-        }
-        let mut engine = Engine { buffers, info };
-        for p in 0..engine.buffers.len() {
-            for (i, byte) in engine.bytes_mut(p).iter_mut().enumerate() {
-                *byte = fill(p, i);
-            }
-        }
-        engine
-    }
-
-    fn bytes_mut(&mut self, pool: usize) -> &mut [u8] {
-        let b = &mut self.buffers[pool];
-        let len = b.len() * 8;
-        // SAFETY: a Vec<u64> of `len / 8` words is `len` initialised bytes.
-        unsafe { std::slice::from_raw_parts_mut(b.as_mut_ptr().cast::<u8>(), len) }
-    }
-
-    fn bytes(&self, pool: usize) -> &[u8] {
-        let b = &self.buffers[pool];
-        // SAFETY: as above, shared.
-        unsafe { std::slice::from_raw_parts(b.as_ptr().cast::<u8>(), b.len() * 8) }
-    }
-}
-
-fn model() -> Model {
-    // 4 layers, 8 KV heads of 128, 16 tokens per block: Llama-shaped, small.
-    Model::gqa(4, 8, 128, 16)
-}
-
-fn agent(role: Role, engine: &Engine, secret: Secret, transport: Transport) -> Agent {
-    agent_with(role, engine, secret, transport, None)
-}
-
-fn agent_with(
-    role: Role,
-    engine: &Engine,
-    secret: Secret,
-    transport: Transport,
-    hook: Option<Arc<dyn WriteHook>>,
-) -> Agent {
-    let registry = Registry::from_modules([(kvferry_planner_default::planner_module(), "linked")]);
-    let deployment = kvferry_planner_abi::Deployment {
-        architecture: "llama".into(),
-        mapping: "tp1".parse::<Mapping>().unwrap(),
-    };
-    let bound = registry.bind("kvferry.default", &deployment).unwrap();
-    let name = match role {
-        Role::Context => "prefill",
-        Role::Generation => "decode",
-    };
-    let mut config = AgentConfig::new(name, role, engine.info.clone(), secret);
-    config.transport = transport.into();
-    config.listen = "127.0.0.1:0".into();
-    config.timeout = Duration::from_secs(10);
-    config.peer_timeout = Duration::from_secs(3);
-    config.hook = hook;
-    // SAFETY: the engine's buffers outlive the agent (every test drops agents first) and
-    // are read only after the request's terminal event.
-    unsafe { Agent::start(config, bound) }.unwrap()
-}
-
-fn wait(agent: &Agent, request: u64, limit: Duration) -> Event {
-    let deadline = Instant::now() + limit;
-    loop {
-        let mut events = agent.poll();
-        if let Some(i) = events.iter().position(|e| e.request() == request) {
-            let e = events.remove(i);
-            assert!(
-                events.iter().all(|e| e.request() != request),
-                "two terminal events"
-            );
-            return e;
-        }
-        assert!(Instant::now() < deadline, "no event for request {request}");
-        std::thread::sleep(Duration::from_millis(2));
-    }
-}
-
-fn secret() -> Secret {
-    Secret::new(b"a deployment secret of 32 bytes!".to_vec()).unwrap()
-}
-
-fn tables(engine: &Engine, slots: &[i64]) -> Vec<SlotTable> {
-    engine
-        .info
-        .page_table
-        .groups
-        .iter()
-        .map(|_| SlotTable::new(slots.iter().copied()))
-        .collect()
-}
-
-/// Every destination slot in `dst_slots` holds its source slot's bytes; the partly filled
-/// block `partial` (source, destination) holds, byte for byte, its source's byte or the
-/// canary, and some of the source's; every other byte of the destination pools is still the
-/// canary.
-fn check(
-    src: &Engine,
-    dst: &Engine,
-    src_slots: &[i64],
-    dst_slots: &[i64],
-    partial: Option<(i64, i64)>,
-) {
-    for (p, pool) in dst.info.page_table.pools.iter().enumerate() {
-        let (sb, db) = (src.bytes(p), dst.bytes(p));
-        let stride = pool.slot_stride as usize;
-        let bytes = pool.slot_bytes as usize;
-        let mut written = vec![false; db.len()];
-        for (&s, &d) in src_slots.iter().zip(dst_slots) {
-            let (s, d) = (s as usize * stride, d as usize * stride);
-            assert_eq!(&db[d..d + bytes], &sb[s..s + bytes], "pool {p} slot at {d}");
-            written[d..d + bytes].iter_mut().for_each(|w| *w = true);
-        }
-        if let Some((s, d)) = partial {
-            let (s, d) = (s as usize * stride, d as usize * stride);
-            let mut from_source = 0;
-            for i in 0..bytes {
-                let b = db[d + i];
-                assert!(
-                    b == sb[s + i] || b == CANARY,
-                    "pool {p} partial block byte {i}: {b:#x}"
-                );
-                from_source += usize::from(b == sb[s + i] && b != CANARY);
-            }
-            assert!(
-                from_source > 0,
-                "pool {p}: nothing of the partial block landed"
-            );
-            written[d..d + bytes].iter_mut().for_each(|w| *w = true);
-        }
-        for (i, (&b, &w)) in db.iter().zip(&written).enumerate() {
-            assert!(w || b == CANARY, "pool {p} byte {i} touched: {b:#x}");
-        }
-    }
-}
-
-fn pattern(p: usize, i: usize) -> u8 {
-    ((i * 131 + p * 7 + i / 4096) % 251) as u8
-}
+use support::*;
 
 #[test]
 fn a_chunked_request_lands_byte_for_byte_over_tcp_and_shm() {
@@ -327,12 +167,7 @@ fn bad_requests_are_refused_before_anything_is_taken() {
 fn an_unclaimed_send_fails_at_its_lease_and_a_cancel_ends_in_one_event() {
     let model = model();
     let src = Engine::new("prefill", &model, pattern);
-    let registry = Registry::from_modules([(kvferry_planner_default::planner_module(), "linked")]);
-    let deployment = kvferry_planner_abi::Deployment {
-        architecture: "llama".into(),
-        mapping: "tp1".parse::<Mapping>().unwrap(),
-    };
-    let bound = registry.bind("kvferry.default", &deployment).unwrap();
+    let bound = bound();
     let mut config = AgentConfig::new("prefill", Role::Context, src.info.clone(), secret());
     config.listen = "127.0.0.1:0".into();
     config.lease = Duration::from_millis(200);
@@ -359,16 +194,6 @@ fn an_unclaimed_send_fails_at_its_lease_and_a_cancel_ends_in_one_event() {
         other => panic!("{other:?}"),
     }
     assert_eq!(prefill.requests_held(), 0);
-}
-
-/// Holds every write job for a while after its puts were issued, before its flush.
-#[derive(Debug)]
-struct SlowFlush(Duration);
-
-impl WriteHook for SlowFlush {
-    fn before_flush(&self, _: &RemoteRank, _: &ValidatedPlan) {
-        std::thread::sleep(self.0);
-    }
 }
 
 #[test]

@@ -255,6 +255,12 @@ fn serve_connection(inner: &Arc<Inner>, stream: TcpStream) {
         let message: AgentMessage = match read_frame(&mut reader) {
             Ok(m) => m,
             Err(e) if e.is_disconnect() => break "closed its connection".to_string(),
+            Err(e) if super::is_timeout(&e) => {
+                break format!(
+                    "sent nothing for {} ms (not even a keep-alive): stopped, or cut off",
+                    inner.config.peer_timeout.as_millis()
+                );
+            }
             Err(e) => break format!("connection failed: {}", error_chain(&e)),
         };
         match session.receive(message) {

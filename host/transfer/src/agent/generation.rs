@@ -228,7 +228,16 @@ fn read_link(
         let message: AgentMessage = match read_frame(&mut reader) {
             Ok(m) => m,
             Err(e) if e.is_disconnect() => break "closed its connection".to_string(),
-            Err(e) => break format!("went silent or failed: {}", error_chain(&e)),
+            Err(e) if super::is_timeout(&e) => {
+                break match weak.upgrade() {
+                    Some(inner) => format!(
+                        "sent nothing for {} ms (not even a keep-alive): stopped, or cut off",
+                        inner.config.peer_timeout.as_millis()
+                    ),
+                    None => "went silent".to_string(),
+                };
+            }
+            Err(e) => break format!("connection failed: {}", error_chain(&e)),
         };
         let Some(inner) = weak.upgrade() else { return };
         if !link.alive.load(Ordering::Acquire) {

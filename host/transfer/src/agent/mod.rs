@@ -634,6 +634,14 @@ impl Drop for Agent {
     }
 }
 
+/// Whether a read failed only because the peer sent nothing within the read timeout.
+pub(crate) fn is_timeout(e: &kvferry_protocol::WireError) -> bool {
+    matches!(e, kvferry_protocol::WireError::Io(io) if matches!(
+        io.kind(),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+    ))
+}
+
 fn random_u64() -> std::io::Result<u64> {
     let mut b = [0u8; 8];
     getrandom::getrandom(&mut b).map_err(|e| std::io::Error::other(e.to_string()))?;
