@@ -234,3 +234,53 @@ fn worker(shared: &Shared, slot: &Slot) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU32;
+
+    #[test]
+    fn a_call_past_its_deadline_is_reported_and_the_queue_keeps_moving() {
+        let planning = Planning::new("test", Duration::from_millis(100)).unwrap();
+        let hung = Arc::new(AtomicU32::new(0));
+        let seen = Arc::clone(&hung);
+        // Two hung calls: every original worker wedges.
+        for _ in 0..2 {
+            let seen = Arc::clone(&seen);
+            planning.submit(
+                Box::new(|| thread::sleep(Duration::from_secs(2))),
+                Box::new(move || {
+                    seen.fetch_add(1, Ordering::SeqCst);
+                }),
+            );
+        }
+        thread::sleep(Duration::from_millis(50));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while hung.load(Ordering::SeqCst) < 2 {
+            planning.watch();
+            assert!(Instant::now() < deadline, "the hung calls were never reported");
+            thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(planning.wedged(), 2);
+        // Replacements serve the next call at once.
+        assert_eq!(planning.call(|| 7), Ok(7));
+        // A call that returns in time is never reported.
+        planning.submit(Box::new(|| {}), Box::new(|| panic!("reported a call that returned")));
+        thread::sleep(Duration::from_millis(150));
+        planning.watch();
+        assert_eq!(planning.wedged(), 2);
+    }
+
+    #[test]
+    fn a_blocking_call_that_hangs_returns_hung() {
+        let planning = Planning::new("test", Duration::from_millis(50)).unwrap();
+        let r = planning.call(|| thread::sleep(Duration::from_secs(1)));
+        assert_eq!(
+            r,
+            Err(Hung {
+                deadline: Duration::from_millis(50)
+            })
+        );
+    }
+}
