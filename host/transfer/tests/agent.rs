@@ -492,3 +492,21 @@ mod hostile {
         check(&src, &dst, &[0, 1], &[3, 4], None);
     }
 }
+
+#[test]
+fn a_dropped_agent_closes_its_side_channel() {
+    let model = model();
+    let src = Engine::new("prefill", &model, pattern);
+    let prefill = agent(Role::Context, &src, secret(), Transport::Tcp);
+    let endpoint = prefill.endpoint().unwrap().to_string();
+    assert!(std::net::TcpStream::connect(&endpoint).is_ok());
+    drop(prefill);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while std::net::TcpStream::connect(&endpoint).is_ok() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{endpoint} still accepts"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

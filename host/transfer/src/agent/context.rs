@@ -102,6 +102,8 @@ pub(crate) struct State {
     conns: HashMap<PeerId, Arc<GenConn>>,
     stash: Stash<Stashed>,
     open: Arc<AtomicUsize>,
+    /// Where the side channel listens (to wake its accept loop at shutdown).
+    listening: Option<std::net::SocketAddr>,
 }
 
 impl State {
@@ -111,6 +113,7 @@ impl State {
             conns: HashMap::new(),
             stash: Stash::new(max_stashed, STASH_TTL),
             open: Arc::new(AtomicUsize::new(0)),
+            listening: None,
         }
     }
 }
@@ -133,7 +136,11 @@ fn failed(request: u64, (c, g): (u32, u32), piece: u32, reason: String) -> Agent
 
 pub(crate) fn listen(inner: &Arc<Inner>, listener: TcpListener) -> std::io::Result<()> {
     let weak = Arc::downgrade(inner);
-    let open = Arc::clone(&lock(&inner.prefill).open);
+    let open = {
+        let mut state = lock(&inner.prefill);
+        state.listening = listener.local_addr().ok();
+        Arc::clone(&state.open)
+    };
     let max = inner.config.max_connections;
     thread::Builder::new()
         .name(format!("side-{}", inner.info.instance_rank))
@@ -388,7 +395,22 @@ pub(crate) fn ping(inner: &Arc<Inner>) {
 }
 
 pub(crate) fn shutdown(inner: &Arc<Inner>) {
-    let conns: Vec<Arc<GenConn>> = lock(&inner.prefill).conns.drain().map(|(_, c)| c).collect();
+    let (conns, listening) = {
+        let mut state = lock(&inner.prefill);
+        let conns: Vec<Arc<GenConn>> = state.conns.drain().map(|(_, c)| c).collect();
+        (conns, state.listening.take())
+    };
+    // The accept loop sees the agent stopped at its next connection: make one, so the
+    // thread ends and the port closes now.
+    if let Some(mut addr) = listening {
+        if addr.ip().is_unspecified() {
+            addr.set_ip(match addr {
+                std::net::SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+                std::net::SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+            });
+        }
+        let _ = TcpStream::connect_timeout(&addr, Duration::from_millis(200));
+    }
     for c in conns {
         c.alive.store(false, Ordering::Release);
         let _ = c.outbox.send(AgentMessage::Error {

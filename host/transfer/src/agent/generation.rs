@@ -2,7 +2,7 @@
 //! expected requests and their completions.
 //!
 //! `expect` checks the request against this rank's own pools at once, reserves its id, and
-//! hands the rest to a dispatch thread: find the context instance (metadata added with
+//! hands the rest to the agent's dispatch pool: find the context instance (metadata added with
 //! `add_peer`, or fetched through the endpoints passed with the request), ask the planner
 //! which context ranks write this rank, link to each (dial, prove the secret, vet), and send
 //! each its `RequestData`. Completions arrive on the links. A request ends in exactly one
@@ -348,12 +348,13 @@ pub(crate) fn expect(inner: &Arc<Inner>, e: Expect) -> Result<(), CallError> {
         });
     }
     let worker = Arc::clone(inner);
-    let spawned = thread::Builder::new()
-        .name(format!("expect-{id}"))
-        .spawn(move || dispatch(&worker, e));
-    if let Err(err) = spawned {
+    if inner
+        .dispatch
+        .run(Box::new(move || dispatch(&worker, e)))
+        .is_err()
+    {
         lock(&inner.decode).requests.remove(&id);
-        return Err(invalid(format!("cannot start its dispatch: {err}")));
+        return Err(CallError::Stopped);
     }
     Ok(())
 }

@@ -39,6 +39,7 @@
 //!   planner calls run off the connection threads under [`AgentConfig::planner_timeout`].
 
 mod context;
+mod dispatch;
 mod events;
 mod generation;
 mod planning;
@@ -250,6 +251,7 @@ pub(crate) struct Inner {
     pub(crate) metadata: kvferry_protocol::AgentMetadata,
     pub(crate) events: Events,
     pub(crate) planning: Planning,
+    pub(crate) dispatch: dispatch::Dispatch,
     pub(crate) next_peer: AtomicU64,
     pub(crate) stopped: AtomicBool,
     pub(crate) prefill: Mutex<context::State>,
@@ -458,6 +460,7 @@ impl Agent {
         let inner = Arc::new(Inner {
             events: Events::new()?,
             planning: Planning::new(&label, config.planner_timeout)?,
+            dispatch: dispatch::Dispatch::new(&label)?,
             prefill: Mutex::new(context::State::new(config.max_stashed_bytes)),
             decode: Mutex::new(generation::State::default()),
             config,
@@ -627,6 +630,7 @@ impl Agent {
 impl Drop for Agent {
     fn drop(&mut self) {
         self.inner.stopped.store(true, Ordering::Release);
+        self.inner.dispatch.stop();
         match self.inner.config.role {
             Role::Context => context::shutdown(&self.inner),
             Role::Generation => generation::shutdown(&self.inner),

@@ -259,14 +259,20 @@ mod tests {
         let deadline = Instant::now() + Duration::from_secs(5);
         while hung.load(Ordering::SeqCst) < 2 {
             planning.watch();
-            assert!(Instant::now() < deadline, "the hung calls were never reported");
+            assert!(
+                Instant::now() < deadline,
+                "the hung calls were never reported"
+            );
             thread::sleep(Duration::from_millis(10));
         }
         assert_eq!(planning.wedged(), 2);
         // Replacements serve the next call at once.
         assert_eq!(planning.call(|| 7), Ok(7));
         // A call that returns in time is never reported.
-        planning.submit(Box::new(|| {}), Box::new(|| panic!("reported a call that returned")));
+        planning.submit(
+            Box::new(|| {}),
+            Box::new(|| panic!("reported a call that returned")),
+        );
         thread::sleep(Duration::from_millis(150));
         planning.watch();
         assert_eq!(planning.wedged(), 2);
