@@ -56,7 +56,7 @@ use crate::demo::{Children, DemoError, LoopbackPair, expect_released, serve_args
 
 use kvferry_protocol::Frame as _;
 use kvferry_transfer::rank::PUT_WINDOW;
-use kvferry_transfer::{BenchStats, MemoryKind, PairFragments, Transport};
+use kvferry_transfer::{BenchStats, MemoryKind, PairFragments, TransportSpec};
 
 use crate::client::Client;
 use crate::control::{ControlMessage as Message, RankTables, Submit};
@@ -205,9 +205,9 @@ struct FragmentFile<'a> {
     planner_version: &'a str,
     ctx: &'a str,
     r#gen: &'a str,
-    /// `shm` or `tcp`, and the UCX environment it stands for.
+    /// `shm`, `tcp`, `auto` or a UCX_TLS list (and its devices), and the UCX settings it pins.
     transport: &'a str,
-    ucx_env: BTreeMap<&'static str, &'static str>,
+    ucx_env: BTreeMap<String, String>,
     memory: &'a str,
     prompt_len: u64,
     requests: Vec<u64>,
@@ -741,7 +741,7 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
 
     if config.perftest {
         let size = report.mean_fragment_bytes.round().max(1.0) as u64;
-        match perftest(config.pair.transport, size, report.bytes) {
+        match perftest(&config.pair.transport, size, report.bytes) {
             Ok(p) => {
                 report.perftest_gbps = Some(p.gbps);
                 report.perftest = Some(p);
@@ -770,7 +770,7 @@ fn write_fragments(
         ctx: &report.ctx,
         r#gen: &report.r#gen,
         transport: &report.transport,
-        ucx_env: ucx_env(config.pair.transport).into_iter().collect(),
+        ucx_env: ucx_env(&config.pair.transport).into_iter().collect(),
         memory: &report.memory,
         prompt_len: config.prompt_len,
         requests: set.ids(),
@@ -806,11 +806,14 @@ fn path_report(samples: &[Sample]) -> PathReport {
     }
 }
 
-/// The `UCX_TLS` (and `UCX_NET_DEVICES`) of `transport`, as [`Transport::context`] sets them.
-pub fn ucx_env(transport: Transport) -> Vec<(&'static str, &'static str)> {
-    let mut env = vec![("UCX_TLS", transport.tls(MemoryKind::Host))];
-    env.extend(transport.net_devices().map(|d| ("UCX_NET_DEVICES", d)));
-    env
+/// The `UCX_*` settings `transport` pins for host pools, as its contexts set them (what it
+/// does not pin, UCX takes from the environment, which `ucx_perftest` inherits too).
+pub fn ucx_env(transport: &TransportSpec) -> Vec<(String, String)> {
+    transport
+        .ucx_settings(MemoryKind::Host)
+        .into_iter()
+        .map(|(k, v)| (format!("UCX_{k}"), v))
+        .collect()
 }
 
 /// A port that was free a moment ago on 127.0.0.1.
@@ -825,7 +828,11 @@ fn free_port() -> std::io::Result<u16> {
 /// # Errors
 ///
 /// The executable is missing, a process fails, or no `Final:` line is printed.
-pub fn perftest(transport: Transport, size: u64, bytes: u64) -> Result<PerftestReport, String> {
+pub fn perftest(
+    transport: &TransportSpec,
+    size: u64,
+    bytes: u64,
+) -> Result<PerftestReport, String> {
     let size = size.max(1);
     let iterations = (bytes / size)
         .clamp(1000, 200_000)
@@ -847,7 +854,7 @@ pub fn perftest(transport: Transport, size: u64, bytes: u64) -> Result<PerftestR
         let mut server = perftest_command();
         server
             .args(["-p", &port])
-            .envs(env.iter().copied())
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null());
@@ -860,7 +867,7 @@ pub fn perftest(transport: Transport, size: u64, bytes: u64) -> Result<PerftestR
             .args(["127.0.0.1", "-p", &port, "-t", "ucp_put_bw"])
             .args(["-s", &size.to_string(), "-n", &iterations.to_string()])
             .args(["-w", &warmup.to_string(), "-O", &PUT_WINDOW.to_string()])
-            .envs(env.iter().copied())
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .output()
             .map_err(|e| format!("cannot start {PERFTEST} (package ucx-utils): {e}"))?;

@@ -31,7 +31,7 @@ use serde::Serialize;
 
 use kvferry_plan::chunk_ranges;
 use kvferry_testkit::layout::ModelSpec;
-use kvferry_transfer::{MemoryKind, Transport};
+use kvferry_transfer::{MemoryKind, TransportSpec};
 
 use crate::client::{Client, ClientError};
 use crate::control::{ControlMessage as Message, RankTables, Submit};
@@ -101,8 +101,8 @@ pub struct LoopbackPair {
     pub ctx: Mapping,
     /// The generation mapping.
     pub r#gen: Mapping,
-    /// UCX transports.
-    pub transport: Transport,
+    /// UCX transports and network devices of both servers.
+    pub transport: TransportSpec,
     /// Where both servers' pools live.
     pub memory: MemoryKind,
     /// CUDA pools: the device of every rank (`None`: each server's default).
@@ -311,7 +311,7 @@ pub fn serve_args(
         "--control".to_string(),
         "127.0.0.1:0".to_string(),
         "--transport".to_string(),
-        pair.transport.to_string(),
+        pair.transport.transports.to_string(),
         "--memory".to_string(),
         pair.memory.to_string(),
         "--slots".to_string(),
@@ -325,6 +325,9 @@ pub fn serve_args(
     ]);
     if let Some(device) = pair.cuda_device {
         args.extend(["--cuda-device".to_string(), device.to_string()]);
+    }
+    if let Some(devices) = &pair.transport.net_devices {
+        args.extend(["--net-devices".to_string(), devices.clone()]);
     }
     if let Some(p) = &pair.planner {
         args.extend(["--planner".to_string(), p.to_string()]);

@@ -21,7 +21,7 @@ use kvferry_testkit::conformance::PlannerUnderTest;
 use kvferry_testkit::layout::{self, Dtype, ModelSpec, PoolOptions, Preset};
 use kvferry_testkit::oracle::LocalMemory;
 use kvferry_testkit::scenario::Scenario;
-use kvferry_transfer::{InstanceConfig, MemoryKind, Role, Transport};
+use kvferry_transfer::{InstanceConfig, MemoryKind, Role, TransportSpec};
 use serde_json::json;
 
 /// Moves LLM KV caches from context servers to generation servers, planned by plugins.
@@ -182,9 +182,13 @@ struct ServeArgs {
     /// `control on HOST:PORT`. Keep it on loopback: it can shut the server down.
     #[arg(long, default_value = "127.0.0.1:0", value_name = "HOST:PORT")]
     control: String,
-    /// UCX transports: shared memory or loopback TCP.
-    #[arg(long, default_value = "shm", value_name = "shm|tcp")]
-    transport: Transport,
+    /// UCX transports: `shm` (shared memory), `tcp` (on `lo` unless --net-devices), `auto`
+    /// (UCX's own choice, and its UCX_TLS), or a UCX_TLS list such as `rc_x,sm,self`.
+    #[arg(long, default_value = "shm", value_name = "shm|tcp|auto|LIST")]
+    transport: TransportSpec,
+    /// Network devices for UCX (UCX_NET_DEVICES syntax: `eth0`, `mlx5_0:1`, `veth0,veth1`).
+    #[arg(long, value_name = "DEV[,DEV]")]
+    net_devices: Option<String>,
     #[command(flatten)]
     memory: MemoryArgs,
     /// PAGED slots per pool of every rank.
@@ -231,9 +235,13 @@ struct PairArgs {
     r#gen: String,
     #[command(flatten)]
     shape: Shape,
-    /// UCX transports: shared memory or loopback TCP.
-    #[arg(long, default_value = "shm", value_name = "shm|tcp")]
-    transport: Transport,
+    /// UCX transports: `shm` (shared memory), `tcp` (on `lo` unless --net-devices), `auto`
+    /// (UCX's own choice, and its UCX_TLS), or a UCX_TLS list such as `rc_x,sm,self`.
+    #[arg(long, default_value = "shm", value_name = "shm|tcp|auto|LIST")]
+    transport: TransportSpec,
+    /// Network devices for UCX (UCX_NET_DEVICES syntax: `eth0`, `mlx5_0:1`, `veth0,veth1`).
+    #[arg(long, value_name = "DEV[,DEV]")]
+    net_devices: Option<String>,
     #[command(flatten)]
     memory: MemoryArgs,
     /// Planner id for both servers (default: $KVFERRY_PLANNER, config `planner`,
@@ -268,7 +276,10 @@ impl PairArgs {
             gen_spec: self.r#gen,
             ctx,
             r#gen,
-            transport: self.transport,
+            transport: TransportSpec {
+                net_devices: self.net_devices,
+                ..self.transport
+            },
             memory: self.memory.memory,
             cuda_device: self.memory.cuda_device,
             planner: self.planner,
@@ -868,7 +879,10 @@ fn serve(host: &Host, a: ServeArgs) -> Result<ExitCode> {
         role: a.role,
         name: name.clone(),
         label: format!("{model} {}", a.deployment),
-        transport: a.transport,
+        transport: TransportSpec {
+            net_devices: a.net_devices.clone(),
+            ..a.transport.clone()
+        },
         memory: a.memory.memory,
         cuda_device: a.memory.cuda_device,
     };

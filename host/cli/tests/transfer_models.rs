@@ -89,6 +89,34 @@ fn llama_3_70b_tp2_to_tp4_default_planner_tcp() {
     llama("tp2", "tp4", "tcp");
 }
 
+/// `--transport auto` leaves the transports to UCX (shared memory and tcp here); a UCX_TLS
+/// list and `--net-devices` reach both servers.
+#[test]
+fn llama_3_70b_over_auto_and_a_ucx_list_with_devices() {
+    llama("tp1", "tp2", "auto");
+    let _ = demo_ok(
+        &[
+            "--model",
+            "llama-3-70b",
+            "--ctx",
+            "tp1",
+            "--gen",
+            "tp1",
+            "--planner",
+            "kvferry.default",
+            "--requests",
+            "2",
+            "--prompt-len",
+            "64",
+            "--transport",
+            "tcp,self",
+            "--net-devices",
+            "lo",
+        ],
+        2,
+    );
+}
+
 #[test]
 fn llama_3_70b_tp4_to_tp2_default_planner_shm() {
     llama("tp4", "tp2", "shm");

@@ -172,13 +172,20 @@ fn valid_list(s: &str) -> bool {
         })
 }
 
+impl fmt::Display for Transports {
+    /// As `--transport` takes it.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Transports::Preset(t) => write!(f, "{t}"),
+            Transports::Auto => f.write_str("auto"),
+            Transports::List(l) => f.write_str(l),
+        }
+    }
+}
+
 impl fmt::Display for TransportSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.transports {
-            Transports::Preset(t) => write!(f, "{t}")?,
-            Transports::Auto => f.write_str("auto")?,
-            Transports::List(l) => f.write_str(l)?,
-        }
+        write!(f, "{}", self.transports)?;
         if let Some(d) = &self.net_devices {
             write!(f, " on {d}")?;
         }
@@ -231,8 +238,8 @@ pub struct InstanceConfig {
     pub name: String,
     /// What the instance holds, for messages and logs (e.g. `deepseek-v3 fp8 tpb32 dep2`).
     pub label: String,
-    /// The UCX transports.
-    pub transport: Transport,
+    /// The UCX transports and network devices.
+    pub transport: TransportSpec,
     /// Where the pools live.
     pub memory: MemoryKind,
     /// CUDA pools: the device of every rank (`None`: rank `r` on device `r % device count`).
@@ -252,7 +259,7 @@ pub enum InstanceError {
     #[error("cannot create the UCX context for {transport}")]
     Context {
         /// The transport asked for.
-        transport: Transport,
+        transport: TransportSpec,
         /// UCX's error.
         source: kvferry_ucx::Error,
     },
@@ -364,7 +371,7 @@ impl Instance {
             .transport
             .context_for(config.memory)
             .map_err(|source| InstanceError::Context {
-                transport: config.transport,
+                transport: config.transport.clone(),
                 source,
             })?;
         let allocator = PoolAllocator::for_memory(&context, config.memory, config.cuda_device)?;
