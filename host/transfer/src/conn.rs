@@ -3,7 +3,7 @@
 //! ([`Frame`]), so the CLI's control connections use the same machinery.
 
 use std::io::{BufReader, Read};
-use std::net::{Shutdown, TcpStream};
+use std::net::{Shutdown, TcpStream, ToSocketAddrs};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -59,6 +59,28 @@ pub fn spawn_reader<M: Frame + Send + 'static>(
         tracing::warn!(error = %e, "cannot spawn a connection reader thread");
     }
     rx
+}
+
+/// Connects to `addr` (`host:port`) within `timeout`, with Nagle off and reads timing out
+/// after `read_timeout`; the error says which step failed.
+///
+/// # Errors
+///
+/// `addr` does not resolve, the connection is not made in time, or the socket cannot be
+/// configured.
+pub fn dial(addr: &str, timeout: Duration, read_timeout: Duration) -> Result<TcpStream, String> {
+    let sock = addr
+        .to_socket_addrs()
+        .map_err(|e| format!("cannot resolve: {e}"))?
+        .next()
+        .ok_or_else(|| "resolves to no address".to_string())?;
+    let stream =
+        TcpStream::connect_timeout(&sock, timeout).map_err(|e| format!("cannot connect: {e}"))?;
+    let _ = stream.set_nodelay(true);
+    stream
+        .set_read_timeout(Some(read_timeout))
+        .map_err(|e| e.to_string())?;
+    Ok(stream)
 }
 
 /// Reads and discards what a refused peer still sends, for at most `limit` (so the error

@@ -25,7 +25,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
-use std::net::{TcpStream, ToSocketAddrs};
+use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread;
@@ -599,17 +599,8 @@ impl GenerationServer {
             addr: addr.to_string(),
             problem,
         };
-        let sock = addr
-            .to_socket_addrs()
-            .map_err(|e| failed(format!("cannot resolve: {e}")))?
-            .next()
-            .ok_or_else(|| failed("resolves to no address".into()))?;
-        let mut stream = TcpStream::connect_timeout(&sock, CONNECT_TIMEOUT)
-            .map_err(|e| failed(format!("cannot connect: {e}")))?;
-        let _ = stream.set_nodelay(true);
-        stream
-            .set_read_timeout(Some(BOOTSTRAP_TIMEOUT))
-            .map_err(|e| failed(e.to_string()))?;
+        let mut stream =
+            crate::conn::dial(addr, CONNECT_TIMEOUT, BOOTSTRAP_TIMEOUT).map_err(failed)?;
         let (mut session, hello) = Dialer::new();
         write_frame(&mut stream, &hello)
             .map_err(|e| failed(format!("sending InstanceInfoRequest: {e}")))?;

@@ -11,7 +11,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::BufReader;
-use std::net::{TcpStream, ToSocketAddrs};
+use std::net::TcpStream;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
@@ -128,17 +128,8 @@ pub(crate) fn add_peer(inner: &Arc<Inner>, m: AgentMetadata) -> Result<PeerIdent
 /// Dials a context rank's side channel, proves the secret, vets it, links it.
 fn dial(inner: &Arc<Inner>, endpoint: &str) -> Result<Arc<Link>, (FailureKind, String)> {
     let unreachable = |problem: String| (FailureKind::Peer, format!("{endpoint}: {problem}"));
-    let addr = endpoint
-        .to_socket_addrs()
-        .map_err(|e| unreachable(format!("cannot resolve: {e}")))?
-        .next()
-        .ok_or_else(|| unreachable("resolves to no address".into()))?;
-    let mut stream = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)
-        .map_err(|e| unreachable(format!("cannot connect: {e}")))?;
-    let _ = stream.set_nodelay(true);
-    stream
-        .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
-        .map_err(|e| unreachable(e.to_string()))?;
+    let mut stream =
+        crate::conn::dial(endpoint, CONNECT_TIMEOUT, HANDSHAKE_TIMEOUT).map_err(unreachable)?;
     let n = nonce().map_err(|e| unreachable(e.to_string()))?;
     let (mut session, hello) =
         AgentSession::dial(inner.config.secret.clone(), n, inner.metadata.clone());
