@@ -203,5 +203,6 @@ fn run(args: &Args) -> Result<Tally> {
         }
         engine::wait_for_events(rank.agent(), Duration::from_millis(2));
     }
+    rank.stop();
     Ok(tally)
 }

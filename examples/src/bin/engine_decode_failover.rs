@@ -159,6 +159,7 @@ fn run(args: &Args, tally: &mut Tally) -> Result<()> {
         deadline,
         tally,
     )?;
+    rank.stop();
     Ok(())
 }
 

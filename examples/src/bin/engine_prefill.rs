@@ -14,9 +14,9 @@
 //! stops this process meanwhile); they may end only by a failure. `--fresh N` adds N plain
 //! requests that are never held (ids from `--id-base` + 500).
 //!
-//! Exits 0 once every request ended as expected, with exactly one terminal event each,
-//! after `--linger-ms` (so the last completions leave before the process does); prints a
-//! one-line JSON summary.
+//! Exits 0 once every request ended as expected, with exactly one terminal event each (and,
+//! with `--until-stdin-closes`, once stdin is closed), after `--linger-ms` (so the last
+//! completions leave before the process does); prints a one-line JSON summary.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
@@ -83,9 +83,13 @@ struct Args {
     /// How long a peer may stay silent (both engines should agree).
     #[arg(long, default_value_t = 10_000)]
     peer_timeout_ms: u64,
-    /// How long to stay up after the last request ended.
+    /// How long to stay up after the last request ended (so the last completions leave).
     #[arg(long, default_value_t = 500)]
     linger_ms: u64,
+    /// After the last request ended, keep serving until stdin is closed (as an engine
+    /// serves until told to stop), then linger.
+    #[arg(long)]
+    until_stdin_closes: bool,
     /// Give up after this long.
     #[arg(long, default_value_t = 60)]
     deadline_s: u64,
@@ -266,8 +270,17 @@ fn run(args: &Args) -> Result<Tally> {
         }
         engine::wait_for_events(&agent, Duration::from_millis(2));
     }
+    if args.until_stdin_closes {
+        std::io::copy(&mut std::io::stdin(), &mut std::io::sink())?;
+        for event in agent.poll() {
+            tally
+                .errors
+                .push(format!("an event after the last request ended: {event:?}"));
+        }
+    }
     std::thread::sleep(Duration::from_millis(args.linger_ms));
-    drop(agent);
+    engine::stop_agent(agent);
+    drop(cache);
     Ok(tally)
 }
 
