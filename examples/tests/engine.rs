@@ -194,6 +194,9 @@ fn engines(ptp: u32, dtp: u32, transport: &str, seed: u64, requests: usize) {
             "--endpoint-file",
             &file.display().to_string(),
             "--until-stdin-closes",
+            // A cancel that overtakes the decode's claim leaves the send to its lease.
+            "--lease-ms",
+            "4000",
         ]));
         let p = Proc::spawn(&format!("prefill rank {r}"), PREFILL, &a, dir.path());
         endpoints.push(endpoint(&p, &file));

@@ -23,6 +23,9 @@ use clap::Parser;
 use kvferry_examples::engine::{self, DECODE_WINDOW, DecodeRank, Limits, Mix, Outcome};
 use kvferry_transfer::Transport;
 
+/// The least time between a marked request's `expect` and its cancel.
+const CANCEL_AFTER: Duration = Duration::from_millis(100);
+
 #[derive(Parser, Debug)]
 #[command(about = "One rank of the example decode engine")]
 struct Args {
@@ -136,9 +139,9 @@ fn run(args: &Args) -> Result<Tally> {
         args.seed,
     )?;
     let specs = engine::workload(args.seed, args.id_base, args.requests, args.workload);
-    // Position in the workload of every request expected and not ended, and whether it was
-    // cancelled yet.
-    let mut open: BTreeMap<u64, (usize, bool)> = BTreeMap::new();
+    // Position in the workload of every request expected and not ended, when it was
+    // expected, and whether it was cancelled yet.
+    let mut open: BTreeMap<u64, (usize, Instant, bool)> = BTreeMap::new();
     let mut next = 0;
     // The latest position of a request received: a marked request before it is cancelled.
     let mut latest_received: Option<usize> = None;
@@ -159,7 +162,7 @@ fn run(args: &Args) -> Result<Tally> {
             if !rank.expect(spec, &args.prefill_instance, &args.prefill_endpoints)? {
                 break;
             }
-            open.insert(spec.id, (next, false));
+            open.insert(spec.id, (next, Instant::now(), false));
             next += 1;
         }
         for ending in rank.poll() {
@@ -167,7 +170,9 @@ fn run(args: &Args) -> Result<Tally> {
                 tally.errors.push(format!("{:?}", ending.outcome));
                 continue;
             };
-            let (position, cancelled) = open.remove(&ending.id).unwrap_or((0, false));
+            let (position, _, cancelled) =
+                open.remove(&ending.id)
+                    .unwrap_or((0, Instant::now(), false));
             match (ending.outcome, spec.cancel) {
                 (
                     Outcome::Verified {
@@ -191,11 +196,14 @@ fn run(args: &Args) -> Result<Tally> {
                 )),
             }
         }
-        // Cancel every marked request a later one overtook.
-        for (&id, (position, cancelled)) in open.iter_mut() {
+        // Cancel every marked request a later one overtook, and not at once: the agent
+        // claims it from the prefill on a thread of its own, and a cancel that overtakes the
+        // claim leaves the prefill's send to its lease.
+        for (&id, (position, expected, cancelled)) in open.iter_mut() {
             if !*cancelled
                 && specs[*position].cancel
                 && latest_received.is_some_and(|l| l > *position)
+                && expected.elapsed() >= CANCEL_AFTER
             {
                 rank.cancel(id)?;
                 *cancelled = true;

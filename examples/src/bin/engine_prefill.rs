@@ -9,7 +9,8 @@
 //!
 //! A request the decode will cancel (the workload says which) is held back before its last
 //! chunk — a long prefill the user abandons — so the cancel always lands mid-flight; it may
-//! end as `Failed { CancelledByPeer }` or, should the cancel lose, `Sent`. With
+//! end as `Failed { CancelledByPeer }`, `Sent` should the cancel lose, or `Failed { Lease }`
+//! should the decode cancel it before its agent claimed it here. With
 //! `--hold-last` every first request is held so (used by the failover test, which kills or
 //! stops this process meanwhile); they may end only by a failure. `--fresh N` adds N plain
 //! requests that are never held (ids from `--id-base` + 500).
@@ -110,6 +111,8 @@ struct Active {
 struct Tally {
     sent: u64,
     cancelled_by_peer: u64,
+    /// Of those, never claimed (see `judge`).
+    unclaimed: u64,
     failed: u64,
     bytes: u64,
     chunks: u64,
@@ -132,6 +135,7 @@ fn main() -> ExitCode {
                     "requests": args.requests + args.fresh,
                     "sent": tally.sent,
                     "cancelled_by_peer": tally.cancelled_by_peer,
+                    "cancelled_unclaimed": tally.unclaimed,
                     "failed": tally.failed,
                     "bytes": tally.bytes,
                     "chunks": tally.chunks,
@@ -301,6 +305,15 @@ fn judge(a: &Active, event: &Event, tally: &mut Tally) {
             kind: FailureKind::CancelledByPeer,
             ..
         } if a.held => tally.cancelled_by_peer += 1,
+        // The decode's cancel overtook its own claim (the decode agent claims on a thread of
+        // its own): no receiver ever asked for it here, and the lease ends it.
+        Event::Failed {
+            kind: FailureKind::Lease,
+            ..
+        } if a.spec.cancel => {
+            tally.cancelled_by_peer += 1;
+            tally.unclaimed += 1;
+        }
         // A held request of a peer that vanished (the failover test).
         Event::Failed {
             kind: FailureKind::Peer,
