@@ -99,6 +99,11 @@ impl Proc {
         }
     }
 
+    /// Takes in the lines printed so far.
+    fn drain(&mut self) {
+        self.seen.extend(self.lines.try_iter());
+    }
+
     /// Tells a prefill started with `--until-stdin-closes` to stop.
     fn close_stdin(&mut self) {
         self.stdin.take();
@@ -341,7 +346,11 @@ fn a_killed_and_a_stopped_prefill_fail_only_their_own_requests() {
         let v = decode.wait_json(Duration::from_secs(20), |v| phase1(v, "prefill-c"));
         assert_eq!(v["outcome"], "verified", "{v}");
     }
-    // C's requests are all in: A's and B's were claimed with them and are half written.
+    // C's requests are all in: A's and B's were claimed with them and are half written. Left
+    // so for longer than the peer timeout, they must still be open: only the kill and the
+    // stop may end them.
+    std::thread::sleep(Duration::from_millis(1500));
+    decode.drain();
     let before = decode.seen.len();
     a.signal(libc::SIGKILL);
     b.signal(libc::SIGSTOP);
