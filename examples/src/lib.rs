@@ -7,3 +7,10 @@
 //!
 //! The out-of-tree planner template lives in `examples/planner-template` (its own
 //! workspace).
+//!
+//! The engine example (`engine_prefill`, `engine_decode`, `engine_decode_failover`; shared
+//! code in [`engine`]): a prefill and a decode "engine", one process per rank, each over its
+//! own pools in its own layout, moving requests with the per-rank agent alone. See
+//! `examples/tests/engine.rs` for how they are run together.
+
+pub mod engine;

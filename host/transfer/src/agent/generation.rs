@@ -272,7 +272,18 @@ fn read_link(
 }
 
 pub(crate) fn ping(inner: &Arc<Inner>) {
-    let links: Vec<Arc<Link>> = lock(&inner.decode).links.values().cloned().collect();
+    // Every link a request still writes through, not only the directory's: dispatches that
+    // run together may each have dialled the same rank, and the directory keeps the last
+    // link only. An unpinged link falls silent to its peer, whose read timeout ends it.
+    let links: Vec<Arc<Link>> = {
+        let state = lock(&inner.decode);
+        let mut by_id: BTreeMap<PeerId, Arc<Link>> = BTreeMap::new();
+        let in_use = state.requests.values().flat_map(|r| r.writers.values());
+        for l in state.links.values().chain(in_use) {
+            by_id.entry(l.id).or_insert_with(|| Arc::clone(l));
+        }
+        by_id.into_values().collect()
+    };
     for l in links {
         let _ = l.outbox.send(AgentMessage::Ping);
     }
