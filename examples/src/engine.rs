@@ -612,21 +612,10 @@ pub fn wait_for_events(agent: &Agent, limit: Duration) {
     unsafe { libc::poll(&mut fd, 1, limit.as_millis() as libc::c_int) };
 }
 
-/// How long [`stop_agent`] waits after dropping an agent.
-pub const TEARDOWN_GRACE: Duration = Duration::from_millis(250);
-
-/// Drops `agent`, then waits [`TEARDOWN_GRACE`] before the engine frees its pools or the
-/// process exits.
-///
-/// `Agent::drop` returns before the agent's rank thread has destroyed its UCX worker and
-/// context (the thread only notices its channel closed), and a prefill's side-channel
-/// threads keep the agent's internals alive until their peers leave. A process that exits
-/// meanwhile runs UCX's library destructors under that teardown: seen here as `double free
-/// or corruption` at exit in about one run in twenty. Until the agent waits for its own
-/// threads, the example gives them this grace.
+/// Drops `agent` before the engine frees its pools or the process exits: `Agent::drop`
+/// ends its connections and waits for its threads, so UCX is torn down when it returns.
 pub fn stop_agent(agent: Agent) {
     drop(agent);
-    std::thread::sleep(TEARDOWN_GRACE);
 }
 
 /// Starts logging to stderr (`RUST_LOG`, default `warn`).
@@ -745,7 +734,7 @@ impl DecodeRank {
             secret,
         );
         config.label = format!("gqa 4x8x128 tp{tp}");
-        config.transport = transport;
+        config.transport = transport.into();
         config.timeout = limits.timeout;
         config.peer_timeout = limits.peer_timeout;
         // SAFETY: the pool is one live allocation owned by `cache`, which the returned value

@@ -169,7 +169,7 @@ fn run(args: &Args) -> Result<Tally> {
         engine::secret(args.secret_file.as_deref())?,
     );
     config.label = format!("gqa 4x8x128 tp{}", args.tp);
-    config.transport = args.transport;
+    config.transport = args.transport.into();
     config.listen = args.listen.clone();
     config.lease = Duration::from_millis(args.lease_ms);
     config.timeout = Duration::from_millis(args.timeout_ms);

@@ -406,7 +406,25 @@ pub struct RankThread {
     rank: u32,
     address: Vec<u8>,
     tx: Sender<Command>,
-    _thread: JoinHandle<()>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Drop for RankThread {
+    /// Ends the thread and waits for it, so UCX is torn down (quarantined puts abandoned,
+    /// endpoints closed, the worker destroyed) before this returns — an engine that exits
+    /// right after dropping its agent must not race UCX's teardown (a heap corruption about
+    /// one exit in twenty, seen in the engine example). Dropped on the rank thread itself (a
+    /// job's callback let go of the last owner), it cannot wait for itself; the thread ends
+    /// once that callback returns.
+    fn drop(&mut self) {
+        let (closed, _) = mpsc::channel();
+        drop(std::mem::replace(&mut self.tx, closed));
+        if let Some(thread) = self.thread.take() {
+            if thread.thread().id() != thread::current().id() {
+                let _ = thread.join();
+            }
+        }
+    }
 }
 
 impl RankThread {
@@ -473,7 +491,7 @@ impl RankThread {
             rank,
             address,
             tx,
-            _thread: thread,
+            thread: Some(thread),
         })
     }
 

@@ -45,6 +45,8 @@ pub(crate) struct GenConn {
     remote: Arc<RemoteRank>,
     outbox: Outbox<AgentMessage>,
     alive: Arc<AtomicBool>,
+    /// The connection's socket, to end its reader at shutdown.
+    socket: TcpStream,
 }
 
 impl GenConn {
@@ -303,9 +305,12 @@ fn admit(
 ) -> Result<Arc<GenConn>, String> {
     inner.vet_shape(m)?;
     inner.check_peer(&m.rank.info)?;
-    let write_half = stream
-        .try_clone()
-        .map_err(|e| format!("cannot clone the socket: {e}"))?;
+    let clone = || {
+        stream
+            .try_clone()
+            .map_err(|e| format!("cannot clone the socket: {e}"))
+    };
+    let (write_half, socket) = (clone()?, clone()?);
     let id = inner.next_peer.fetch_add(1, Ordering::Relaxed);
     let alive = Arc::new(AtomicBool::new(true));
     let identity = m.identity();
@@ -323,6 +328,7 @@ fn admit(
         }),
         outbox: spawn_writer(write_half, format!("gen-{identity}")),
         alive,
+        socket,
     });
     // Before it is accepted: every declared pool must lie inside what its key maps here,
     // or a put through it would land at a wild address (see `RemoteKey::check_range`).
@@ -416,6 +422,8 @@ pub(crate) fn shutdown(inner: &Arc<Inner>) {
         let _ = c.outbox.send(AgentMessage::Error {
             message: format!("{} is shutting down", inner.me()),
         });
+        // Its reader ends now (the writer still says why), so its thread lets go of us.
+        let _ = c.socket.shutdown(std::net::Shutdown::Read);
     }
 }
 

@@ -59,6 +59,8 @@ struct Link {
     identity: PeerIdentity,
     outbox: Outbox<AgentMessage>,
     alive: AtomicBool,
+    /// The link's socket, to end its reader at shutdown.
+    socket: TcpStream,
 }
 
 impl Link {
@@ -181,11 +183,13 @@ fn dial(inner: &Arc<Inner>, endpoint: &str) -> Result<Arc<Link>, (FailureKind, S
     let _ = reader
         .get_ref()
         .set_read_timeout(Some(inner.config.peer_timeout));
+    let socket = stream.try_clone().map_err(|e| unreachable(e.to_string()))?;
     let link = Arc::new(Link {
         id: inner.next_peer.fetch_add(1, Ordering::Relaxed),
         identity: identity.clone(),
         outbox: spawn_writer(stream, format!("ctx-{identity}")),
         alive: AtomicBool::new(true),
+        socket,
     });
     {
         let mut state = lock(&inner.decode);
@@ -293,6 +297,7 @@ pub(crate) fn shutdown(inner: &Arc<Inner>) {
     let links: Vec<Arc<Link>> = lock(&inner.decode).links.drain().map(|(_, l)| l).collect();
     for l in links {
         l.alive.store(false, Ordering::Release);
+        let _ = l.socket.shutdown(std::net::Shutdown::Both);
     }
 }
 

@@ -627,13 +627,32 @@ impl Agent {
     }
 }
 
+/// How long dropping an agent waits for its threads to let go of it.
+const DROP_WAIT: Duration = Duration::from_secs(2);
+
 impl Drop for Agent {
+    /// Stops taking work, tells every peer, ends every connection, and waits (at most
+    /// [`DROP_WAIT`]) until nothing else holds the agent, so that its rank thread — and UCX
+    /// with it — is torn down before this returns and an engine may exit right after.
     fn drop(&mut self) {
         self.inner.stopped.store(true, Ordering::Release);
         self.inner.dispatch.stop();
         match self.inner.config.role {
             Role::Context => context::shutdown(&self.inner),
             Role::Generation => generation::shutdown(&self.inner),
+        }
+        let deadline = std::time::Instant::now() + DROP_WAIT;
+        while Arc::strong_count(&self.inner) > 1 {
+            if std::time::Instant::now() >= deadline {
+                tracing::warn!(
+                    agent = %self.inner.me(),
+                    holders = Arc::strong_count(&self.inner) - 1,
+                    "agent threads still hold it after {} ms; it is torn down when they end",
+                    DROP_WAIT.as_millis()
+                );
+                break;
+            }
+            thread::sleep(Duration::from_millis(2));
         }
     }
 }
