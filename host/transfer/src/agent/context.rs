@@ -746,7 +746,6 @@ fn pump(inner: &Arc<Inner>, id: u64) {
         let deadline = inner.planning.deadline();
         let planner_id = inner.bound.id().to_string();
         let hung_conn = Arc::clone(&conn);
-        let first = chunks.first().map_or(0, |c| c.0) as u32;
         inner.planning.submit(
             Box::new(move || plan_and_queue(&worker, id, g, &conn, &data, chunks)),
             Box::new(move || {
@@ -754,7 +753,16 @@ fn pump(inner: &Arc<Inner>, id: u64) {
                     "planner {planner_id} did not return within {} ms while planning request {id}",
                     deadline.as_millis()
                 );
-                end_claim(&hung, id, g, &hung_conn, first, reason.clone(), false);
+                // The call is abandoned: the claim is no longer being planned. Its last
+                // piece (failed) goes out once its earlier pieces' jobs have reported.
+                if let Some(claim) = lock(&hung.prefill)
+                    .requests
+                    .get_mut(&id)
+                    .and_then(|r| r.claims.get_mut(&g))
+                    .filter(|c| c.conn.id == hung_conn.id)
+                {
+                    claim.planning = false;
+                }
                 fail(
                     &hung,
                     id,

@@ -98,17 +98,29 @@ pub fn agent_with(
     transport: Transport,
     hook: Option<Arc<dyn WriteHook>>,
 ) -> Agent {
-    let bound = bound();
+    start(role, engine, secret, bound(), |config| {
+        config.transport = transport.into();
+        config.hook = hook;
+    })
+}
+
+/// An agent of `role` over `engine` with `bound`, on loopback tcp, after `tweak`.
+pub fn start(
+    role: Role,
+    engine: &Engine,
+    secret: Secret,
+    bound: BoundPlanner,
+    tweak: impl FnOnce(&mut AgentConfig),
+) -> Agent {
     let name = match role {
         Role::Context => "prefill",
         Role::Generation => "decode",
     };
     let mut config = AgentConfig::new(name, role, engine.info.clone(), secret);
-    config.transport = transport.into();
     config.listen = "127.0.0.1:0".into();
     config.timeout = Duration::from_secs(10);
     config.peer_timeout = Duration::from_secs(3);
-    config.hook = hook;
+    tweak(&mut config);
     // SAFETY: the engine's buffers outlive the agent (every test drops agents first) and
     // are read only after the request's terminal event.
     unsafe { Agent::start(config, bound) }.unwrap()
