@@ -510,3 +510,60 @@ fn a_dropped_agent_closes_its_side_channel() {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+#[test]
+fn requests_expected_together_share_one_link_to_their_prefill_rank() {
+    let model = model();
+    let src = Engine::new("prefill", &model, pattern);
+    let dst = Engine::new("decode", &model, |_, _| CANARY);
+    let prefill = agent(Role::Context, &src, secret(), Transport::Tcp);
+    let decode = agent(Role::Generation, &dst, secret(), Transport::Tcp);
+    let endpoint = prefill.endpoint().unwrap().to_string();
+    // Four requests at once, before any link exists; each in its own two slots.
+    for request in 0..4u64 {
+        let slots = [request as i64 * 2, request as i64 * 2 + 1];
+        decode
+            .expect(Expect {
+                request,
+                peer: "prefill".into(),
+                endpoints: vec![endpoint.clone()],
+                ctx_dp_rank: 0,
+                prompt_len: 32,
+                cached_prefix: None,
+                tables: tables(&dst, &slots),
+                excluded_views: Vec::new(),
+            })
+            .unwrap();
+    }
+    for request in 0..4u64 {
+        let slots = [request as i64, 7 - request as i64];
+        prefill
+            .send(Send {
+                request,
+                tables: tables(&src, &slots),
+                tokens: TokenRange { start: 0, end: 32 },
+                prompt_len: 32,
+                is_last: true,
+                to: None,
+            })
+            .unwrap();
+    }
+    let ids = [0u64, 1, 2, 3];
+    for (_, got) in wait_all(&decode, &ids, Duration::from_secs(10)) {
+        assert!(matches!(got, Event::Received { .. }), "{got:?}");
+    }
+    for (_, got) in wait_all(&prefill, &ids, Duration::from_secs(10)) {
+        assert!(matches!(got, Event::Sent { .. }), "{got:?}");
+    }
+    assert_eq!(decode.connections(), 1);
+    assert_eq!(prefill.connections(), 1);
+    drop(decode);
+    drop(prefill);
+    check(
+        &src,
+        &dst,
+        &[0, 7, 1, 6, 2, 5, 3, 4],
+        &[0, 1, 2, 3, 4, 5, 6, 7],
+        None,
+    );
+}

@@ -393,6 +393,10 @@ fn lost(inner: &Arc<Inner>, conn: &Arc<GenConn>, why: &str) {
     }
 }
 
+pub(crate) fn connections(inner: &Arc<Inner>) -> usize {
+    lock(&inner.prefill).conns.len()
+}
+
 pub(crate) fn ping(inner: &Arc<Inner>) {
     let conns: Vec<Arc<GenConn>> = lock(&inner.prefill).conns.values().cloned().collect();
     for c in conns {

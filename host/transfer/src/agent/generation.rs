@@ -95,6 +95,9 @@ pub(crate) struct State {
     directory: HashMap<String, BTreeMap<u32, AgentMetadata>>,
     links: HashMap<(String, u32), Arc<Link>>,
     refused: HashMap<PeerIdentity, String>,
+    /// One gate per endpoint dialed: requests expected together wait for one dial and
+    /// share its link instead of each opening its own.
+    dialing: HashMap<String, Arc<std::sync::Mutex<()>>>,
 }
 
 // ---------------------------------------------------------------------------------------
@@ -125,6 +128,33 @@ pub(crate) fn add_peer(inner: &Arc<Inner>, m: AgentMetadata) -> Result<PeerIdent
         }
     }
     Ok(identity)
+}
+
+/// The live link to the rank advertising `endpoint`, or a new one: one dial at a time per
+/// endpoint, so concurrent requests share a link.
+fn link_to(inner: &Arc<Inner>, endpoint: &str) -> Result<Arc<Link>, (FailureKind, String)> {
+    let gate = Arc::clone(
+        lock(&inner.decode)
+            .dialing
+            .entry(endpoint.to_string())
+            .or_default(),
+    );
+    let _one_at_a_time = lock(&gate);
+    let live = {
+        let state = lock(&inner.decode);
+        state
+            .directory
+            .iter()
+            .flat_map(|(instance, ranks)| ranks.iter().map(move |(r, m)| (instance, r, m)))
+            .find(|(_, _, m)| m.endpoint.as_deref() == Some(endpoint))
+            .and_then(|(instance, r, _)| state.links.get(&(instance.clone(), *r)))
+            .filter(|l| l.alive.load(Ordering::Acquire))
+            .cloned()
+    };
+    match live {
+        Some(link) => Ok(link),
+        None => dial(inner, endpoint),
+    }
 }
 
 /// Dials a context rank's side channel, proves the secret, vets it, links it.
@@ -273,6 +303,14 @@ fn read_link(
             settle(&inner, id);
         }
     }
+}
+
+pub(crate) fn connections(inner: &Arc<Inner>) -> usize {
+    lock(&inner.decode)
+        .links
+        .values()
+        .filter(|l| l.alive.load(Ordering::Acquire))
+        .count()
 }
 
 pub(crate) fn ping(inner: &Arc<Inner>) {
@@ -474,7 +512,7 @@ fn link_writers(inner: &Arc<Inner>, e: &Expect) -> Result<BTreeMap<u32, Arc<Link
         .iter()
         .filter(|ep| !known_endpoints.contains(ep))
     {
-        if let Err((kind, detail)) = dial(inner, endpoint) {
+        if let Err((kind, detail)) = link_to(inner, endpoint) {
             last_error = Some((Some(endpoint.clone()), kind, detail));
         }
     }
@@ -538,7 +576,7 @@ fn link_writers(inner: &Arc<Inner>, e: &Expect) -> Result<BTreeMap<u32, Arc<Link
         let link = match existing {
             (Some(link), _) => link,
             (None, Some((Some(endpoint), _))) => {
-                dial(inner, &endpoint).map_err(|(k, d)| (Some(endpoint.clone()), k, d))?
+                link_to(inner, &endpoint).map_err(|(k, d)| (Some(endpoint.clone()), k, d))?
             }
             (None, _) => {
                 return Err((

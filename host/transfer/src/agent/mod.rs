@@ -607,6 +607,15 @@ impl Agent {
         }
     }
 
+    /// Vetted peer connections: a context rank's accepted decode ranks, a decode rank's
+    /// links to context ranks.
+    pub fn connections(&self) -> usize {
+        match self.inner.config.role {
+            Role::Context => context::connections(&self.inner),
+            Role::Generation => generation::connections(&self.inner),
+        }
+    }
+
     /// Planner calls declared wedged so far.
     pub fn wedged_planner_calls(&self) -> usize {
         self.inner.planning.wedged()

@@ -126,6 +126,34 @@ pub fn start(
     unsafe { Agent::start(config, bound) }.unwrap()
 }
 
+/// The terminal events of `requests`, one each (a second for any request fails the test).
+pub fn wait_all(
+    agent: &Agent,
+    requests: &[u64],
+    limit: Duration,
+) -> std::collections::BTreeMap<u64, Event> {
+    let deadline = Instant::now() + limit;
+    let mut got = std::collections::BTreeMap::new();
+    while got.len() < requests.len() {
+        for e in agent.poll() {
+            assert!(
+                requests.contains(&e.request()),
+                "an event for another request: {e:?}"
+            );
+            let r = e.request();
+            assert!(
+                got.insert(r, e).is_none(),
+                "two terminal events for request {r}"
+            );
+        }
+        assert!(Instant::now() < deadline, "events so far: {got:?}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    got
+}
+
+/// The terminal event of `request`; events of other requests seen meanwhile are dropped
+/// (use [`wait_all`] for several).
 pub fn wait(agent: &Agent, request: u64, limit: Duration) -> Event {
     let deadline = Instant::now() + limit;
     loop {
