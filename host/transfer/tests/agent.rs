@@ -567,3 +567,56 @@ fn requests_expected_together_share_one_link_to_their_prefill_rank() {
         None,
     );
 }
+
+#[test]
+fn a_full_side_channel_turns_strangers_away_and_serves_honest_peers_once_they_leave() {
+    let model = model();
+    let src = Engine::new("prefill", &model, pattern);
+    let dst = Engine::new("decode", &model, |_, _| CANARY);
+    let prefill = start(Role::Context, &src, secret(), bound(), |c| {
+        c.max_connections = 2
+    });
+    let decode = agent(Role::Generation, &dst, secret(), Transport::Tcp);
+    let endpoint = prefill.endpoint().unwrap().to_string();
+    // Two strangers hold both places (they never say a word).
+    let strangers: Vec<_> = (0..2)
+        .map(|_| std::net::TcpStream::connect(&endpoint).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(100));
+    // A third is closed at once.
+    let mut third = std::net::TcpStream::connect(&endpoint).unwrap();
+    third
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let mut buf = [0u8; 8];
+    assert!(matches!(
+        std::io::Read::read(&mut third, &mut buf),
+        Ok(0) | Err(_)
+    ));
+    drop(strangers);
+    std::thread::sleep(Duration::from_millis(100));
+    prefill
+        .send(Send {
+            request: 1,
+            tables: tables(&src, &[0]),
+            tokens: TokenRange { start: 0, end: 16 },
+            prompt_len: 16,
+            is_last: true,
+            to: None,
+        })
+        .unwrap();
+    decode
+        .expect(Expect {
+            request: 1,
+            peer: "prefill".into(),
+            endpoints: vec![endpoint],
+            ctx_dp_rank: 0,
+            prompt_len: 16,
+            cached_prefix: None,
+            tables: tables(&dst, &[3]),
+            excluded_views: Vec::new(),
+        })
+        .unwrap();
+    let got = wait(&decode, 1, Duration::from_secs(10));
+    assert!(matches!(got, Event::Received { .. }), "{got:?}");
+}
