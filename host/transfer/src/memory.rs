@@ -233,6 +233,10 @@ impl Pool {
 pub struct RankPools {
     rank: u32,
     pools: Vec<Pool>,
+    /// The device of engine-owned VRAM pools ([`RankPools::register`]), whose context the
+    /// rank thread binds.
+    #[cfg(feature = "cuda")]
+    engine_device: Option<CudaDevice>,
 }
 
 impl RankPools {
@@ -264,8 +268,12 @@ impl RankPools {
     /// [`BindError`], naming the device, if the driver cannot make its context current.
     pub fn bind_device_to_thread(&self) -> Result<(), BindError> {
         #[cfg(feature = "cuda")]
-        if let Some(pool) = self.pools.iter().find_map(|p| p.device.as_ref()) {
-            let device = pool.device();
+        if let Some(device) = self
+            .pools
+            .iter()
+            .find_map(|p| p.device.as_ref().map(CudaPool::device))
+            .or(self.engine_device.as_ref())
+        {
             device.bind_to_thread().map_err(|e| BindError {
                 device: device.ordinal(),
                 source: Box::new(e),
@@ -611,6 +619,8 @@ impl PoolAllocator {
             .map(|(rank, pools)| RankPools {
                 rank: rank as u32,
                 pools,
+                #[cfg(feature = "cuda")]
+                engine_device: None,
             })
             .collect())
     }
@@ -621,13 +631,18 @@ impl RankPools {
     /// `[base, base + footprint)` becomes one region peers may write through its key. Nothing
     /// is allocated, filled or primed; the bytes stay the engine's.
     ///
-    /// Only host (DRAM) pools are registered here; a VRAM pool is refused by name.
+    /// Host (DRAM) pools are registered as host memory. VRAM pools (cargo feature `cuda`)
+    /// must each lie inside one CUDA allocation the driver knows, all on `cuda_device`, and
+    /// the context must move CUDA memory; they are registered as CUDA memory and the rank
+    /// thread binds that device's context. Without the feature a VRAM pool is refused by
+    /// name.
     ///
     /// # Safety
     ///
     /// For as long as the returned pools (and the rank thread and agent using them) live,
-    /// every pool's `[base, base + footprint)` is one live, initialised host allocation that is
-    /// not freed, and whose bytes the engine touches only as the transfer protocol allows
+    /// every pool's `[base, base + footprint)` is one live allocation (initialised host
+    /// memory for DRAM pools; device memory on `cuda_device` for VRAM pools) that is not
+    /// freed, and whose bytes the engine touches only as the transfer protocol allows
     /// (source slots unchanged from `send` to its terminal event; destination slots not relied
     /// on from `expect` to its terminal event).
     ///
@@ -639,8 +654,13 @@ impl RankPools {
         ctx: &Arc<Context>,
         rank: u32,
         pools: &[kvferry_planner_abi::PhysicalPool],
+        cuda_device: Option<usize>,
     ) -> Result<RankPools, MemoryError> {
         let mut out = Vec::with_capacity(pools.len());
+        #[cfg(feature = "cuda")]
+        let mut engine_device: Option<CudaDevice> = None;
+        #[cfg(not(feature = "cuda"))]
+        let _ = cuda_device;
         for (index, p) in pools.iter().enumerate() {
             let refuse = |problem: String| MemoryError::Register {
                 rank,
@@ -649,12 +669,6 @@ impl RankPools {
                 bytes: p.footprint(),
                 problem,
             };
-            if p.memory_type != kvferry_planner_abi::MemoryType::DRAM {
-                return Err(refuse(format!(
-                    "memory type {:?}: only host (DRAM) pools of the engine are registered",
-                    p.memory_type
-                )));
-            }
             let bytes = p.footprint();
             if bytes == 0 || p.base == 0 {
                 return Err(refuse("an empty pool or a null base".into()));
@@ -663,6 +677,57 @@ impl RankPools {
                 return Err(refuse("the range wraps the address space".into()));
             }
             let len = usize::try_from(bytes).map_err(|_| refuse("too large".into()))?;
+            if p.memory_type == kvferry_planner_abi::MemoryType::VRAM {
+                #[cfg(feature = "cuda")]
+                {
+                    let device = match &engine_device {
+                        Some(d) => d.clone(),
+                        None => {
+                            let ordinal = cuda_device.ok_or_else(|| {
+                                refuse("a VRAM pool needs the agent's `cuda_device`".into())
+                            })?;
+                            let d = CudaDevice::open(ordinal)
+                                .map_err(|e| refuse(format!("cuda device {ordinal}: {e}")))?;
+                            cuda::ucx_cuda_support(ctx).map_err(|e| refuse(e.to_string()))?;
+                            engine_device = Some(d.clone());
+                            d
+                        }
+                    };
+                    device
+                        .bind_to_thread()
+                        .map_err(|e| refuse(format!("cannot bind its device: {e}")))?;
+                    if !cuda::device_allocation_holds(p.base, bytes) {
+                        return Err(refuse(
+                            "it does not lie inside one CUDA allocation the driver knows".into(),
+                        ));
+                    }
+                    // SAFETY: the range is inside one live device allocation (just checked
+                    // with the driver) that the caller keeps alive and orders access to for
+                    // the pools' whole life (this function's contract); it is registered as
+                    // CUDA memory, so no host access is made through the region.
+                    let region = unsafe {
+                        MemRegion::register_with_memory_type(
+                            ctx,
+                            p.base as usize as *mut u8,
+                            len,
+                            kvferry_ucx::MemoryType::CUDA,
+                        )
+                    }
+                    .map_err(|e| refuse(format!("UCX refuses to register it: {e}")))?;
+                    out.push(Pool::host(region));
+                    continue;
+                }
+                #[cfg(not(feature = "cuda"))]
+                return Err(refuse(
+                    "a VRAM pool: this kvferry was built without the `cuda` feature".into(),
+                ));
+            }
+            if p.memory_type != kvferry_planner_abi::MemoryType::DRAM {
+                return Err(refuse(format!(
+                    "memory type {:?} is not known",
+                    p.memory_type
+                )));
+            }
             // SAFETY: the caller guarantees `[base, base + footprint)` is a live, initialised
             // host allocation that outlives the pools and is touched only as the protocol
             // allows (this function's contract, passed on to `MemRegion::register`).
@@ -670,7 +735,12 @@ impl RankPools {
                 .map_err(|e| refuse(format!("UCX refuses to register it: {e}")))?;
             out.push(Pool::host(region));
         }
-        Ok(RankPools { rank, pools: out })
+        Ok(RankPools {
+            rank,
+            pools: out,
+            #[cfg(feature = "cuda")]
+            engine_device,
+        })
     }
 }
 

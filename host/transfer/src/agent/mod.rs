@@ -13,8 +13,10 @@
 //! ```
 //!
 //! - **Memory**: the [`RankInfo`]'s page table names the engine's pools (base, slot bytes,
-//!   stride, slot count). [`Agent::start`] registers them with UCX once and never allocates,
-//!   fills or primes them. Any model a page table can describe works; no preset is involved.
+//!   stride, slot count, DRAM or VRAM). [`Agent::start`] registers them with UCX once and
+//!   never allocates, fills or primes them; VRAM pools (cargo feature `cuda`) must lie inside
+//!   CUDA allocations on [`AgentConfig::cuda_device`], and the rank thread binds its context.
+//!   Any model a page table can describe works; no preset is involved.
 //! - **Metadata**: a context rank's side channel listens on [`AgentConfig::listen`] and
 //!   advertises [`Agent::endpoint`] (never `0.0.0.0`, nor a loopback address unless it listens
 //!   on one). A generation rank reaches it either through the endpoints passed with the
@@ -111,6 +113,9 @@ pub struct AgentConfig {
     /// The most bytes of request descriptions kept for requests not sent yet (context
     /// ranks), from all peers together.
     pub max_stashed_bytes: usize,
+    /// The CUDA device of the rank's VRAM pools (cargo feature `cuda`; needed when the page
+    /// table has any).
+    pub cuda_device: Option<usize>,
     /// Observes every write job (fault injection in tests); `None` in production.
     pub hook: Option<Arc<dyn crate::rank::WriteHook>>,
 }
@@ -134,6 +139,7 @@ impl AgentConfig {
             planner_timeout: Duration::from_secs(5),
             max_connections: crate::server::MAX_PEER_CONNECTIONS,
             max_stashed_bytes: 64 << 20,
+            cuda_device: None,
             hook: None,
         }
     }
@@ -372,9 +378,10 @@ impl Agent {
     ///
     /// # Safety
     ///
-    /// Every pool of `config.rank.page_table` is engine-owned host memory: for as long as the
-    /// agent lives, each pool's `[base, base + footprint)` is one live, initialised
-    /// allocation, not freed, whose bytes the engine leaves alone as the protocol requires —
+    /// Every pool of `config.rank.page_table` is engine-owned memory of the type it names: for
+    /// as long as the agent lives, each pool's `[base, base + footprint)` is one live
+    /// allocation (initialised host memory for DRAM; device memory on `config.cuda_device` for
+    /// VRAM), not freed, whose bytes the engine leaves alone as the protocol requires —
     /// source slots unchanged from `send` until the request's terminal event, destination
     /// slots not relied on from `expect` until its terminal event. The agent writes nowhere
     /// else.
@@ -398,17 +405,37 @@ impl Agent {
             .page_table
             .validate()
             .map_err(|e| StartError::Config(format!("invalid page table: {e}")))?;
-        let context = config
-            .transport
-            .context_for(MemoryKind::Host)
-            .map_err(|source| StartError::Context {
-                transport: config.transport.clone(),
-                source,
-            })?;
+        // Device pools need UCX's CUDA transports in the context.
+        let memory = if config
+            .rank
+            .page_table
+            .pools
+            .iter()
+            .any(|p| p.memory_type == kvferry_planner_abi::MemoryType::VRAM)
+        {
+            MemoryKind::Cuda
+        } else {
+            MemoryKind::Host
+        };
+        let context =
+            config
+                .transport
+                .context_for(memory)
+                .map_err(|source| StartError::Context {
+                    transport: config.transport.clone(),
+                    source,
+                })?;
         let rank = config.rank.instance_rank;
         // SAFETY: the caller's contract (this function's `# Safety`) is the one
         // `RankPools::register` needs, for the same pools and the agent's whole life.
-        let pools = unsafe { RankPools::register(&context, rank, &config.rank.page_table.pools) }?;
+        let pools = unsafe {
+            RankPools::register(
+                &context,
+                rank,
+                &config.rank.page_table.pools,
+                config.cuda_device,
+            )
+        }?;
         let keys = pools.keys()?;
         let pools = Arc::new(pools);
         let mut info = config.rank.clone();
