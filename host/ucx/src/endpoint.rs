@@ -10,7 +10,7 @@
 use std::cell::Cell;
 use std::fmt;
 use std::os::raw::c_void;
-use std::ptr;
+use std::ptr::{self, NonNull};
 use std::rc::Rc;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI8, Ordering};
@@ -51,7 +51,7 @@ struct EndpointInner {
     /// What the error handler records ([`ErrorMode::Peer`] only): the `arg` UCX holds. Freed
     /// only once the endpoint's close has finished (UCX then knows the endpoint no more), or,
     /// if it did not, handed to the worker to be freed after `ucp_worker_destroy`.
-    failure: Option<Box<FailureSlot>>,
+    failure: Option<FailureCell>,
     /// Dropped after `Drop::drop` has closed the endpoint.
     worker: Worker,
 }
@@ -98,7 +98,7 @@ impl ErrorMode {
 /// Atomic, so the handler needs no more than a shared reference whatever thread UCX calls it
 /// from (in serialized mode that is the thread in the worker call).
 #[derive(Default)]
-pub(crate) struct FailureSlot(AtomicI8);
+struct FailureSlot(AtomicI8);
 
 impl FailureSlot {
     fn record(&self, status: sys::ucs_status_t) {
@@ -115,6 +115,43 @@ impl FailureSlot {
             0 => None,
             code => Some(Status::from_raw(sys::ucs_status_t(code))),
         }
+    }
+}
+
+/// Owns a heap [`FailureSlot`] through a raw pointer, which UCX holds as the error handler's
+/// `arg`. Not a `Box`: moving a `Box` asserts unique access to its contents, which UCX's
+/// pointer would contradict; this owner only ever hands out shared references.
+struct FailureCell(NonNull<FailureSlot>);
+
+// SAFETY: the cell uniquely owns its `FailureSlot` (an atomic, `Send + Sync`), so moving the
+// owner to another thread moves nothing that is tied to this one; UCX touches the slot only
+// through shared, atomic accesses.
+unsafe impl Send for FailureCell {}
+
+impl FailureCell {
+    fn new() -> FailureCell {
+        FailureCell(NonNull::from(Box::leak(Box::<FailureSlot>::default())))
+    }
+
+    /// The pointer UCX gets as `arg`.
+    fn as_arg(&self) -> *mut c_void {
+        self.0.as_ptr().cast()
+    }
+
+    fn slot(&self) -> &FailureSlot {
+        // SAFETY: the slot was leaked from a `Box` in `new` and is freed only in `drop`, so it
+        // is live for `&self`; every access to it (ours and UCX's) is through shared
+        // references to its atomic.
+        unsafe { self.0.as_ref() }
+    }
+}
+
+impl Drop for FailureCell {
+    fn drop(&mut self) {
+        // SAFETY: the pointer came from `Box::leak` in `new` and is freed once, here; the
+        // owner drops the cell only once UCX no longer knows the endpoint (its close finished,
+        // or the worker was destroyed), so nothing uses it any more.
+        drop(unsafe { Box::from_raw(self.0.as_ptr()) });
     }
 }
 
@@ -183,20 +220,20 @@ impl Endpoint {
             err_mode: mode.raw(),
             ..Default::default()
         };
-        // Boxed: UCX keeps the pointer, so the slot must not move with the endpoint value.
-        let failure = (mode == ErrorMode::Peer).then(Box::<FailureSlot>::default);
-        if let Some(slot) = &failure {
+        // On the heap: UCX keeps the pointer, so the slot must not move with the endpoint.
+        let failure = (mode == ErrorMode::Peer).then(FailureCell::new);
+        if let Some(cell) = &failure {
             params.field_mask |= sys::UCP_EP_PARAM_FIELD_ERR_HANDLER as u64;
             params.err_handler = sys::ucp_err_handler_t {
                 cb: Some(on_peer_failure),
-                arg: ptr::from_ref::<FailureSlot>(slot).cast_mut().cast(),
+                arg: cell.as_arg(),
             };
         }
         let mut handle = ptr::null_mut();
         // SAFETY: the worker is live and used from this thread only; `params` is initialised
         // and names only the fields set above; `address` is readable for the call (UCX copies
         // what it needs; its format is the caller's trust contract, see the crate docs);
-        // `handle` is a valid out-pointer. The error handler's `arg` is the boxed slot, which
+        // `handle` is a valid out-pointer. The error handler's `arg` is the cell's slot, which
         // the endpoint's inner value owns and frees only once UCX no longer knows the
         // endpoint (see `EndpointInner::close`); if creation fails, UCX keeps nothing.
         check(unsafe { sys::ucp_ep_create(worker.as_raw(), &params, &mut handle) })
@@ -229,7 +266,10 @@ impl Endpoint {
     /// every wait here runs), so a failure shows up once the worker has been progressed past
     /// the moment UCX noticed it. It never clears: connect anew to a restarted peer.
     pub fn failure(&self) -> Option<Status> {
-        self.inner.failure.as_ref().and_then(|slot| slot.get())
+        self.inner
+            .failure
+            .as_ref()
+            .and_then(|cell| cell.slot().get())
     }
 
     /// The worker this endpoint belongs to (a handle on it that this endpoint keeps).
@@ -591,10 +631,10 @@ impl EndpointInner {
             Err(status) => Err(Error::new(Op::EpClose, status)),
         };
         if !finished {
-            if let Some(slot) = self.failure.take() {
+            if let Some(cell) = self.failure.take() {
                 // UCX finishes the close internally and might still call the handler until
                 // then: the worker frees the slot after `ucp_worker_destroy`.
-                self.worker.keep_until_destroyed(slot);
+                self.worker.keep_until_destroyed(Box::new(cell));
             }
         }
 
