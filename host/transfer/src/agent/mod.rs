@@ -632,7 +632,7 @@ const DROP_WAIT: Duration = Duration::from_secs(2);
 
 impl Drop for Agent {
     /// Stops taking work, tells every peer, ends every connection, and waits (at most
-    /// [`DROP_WAIT`]) until nothing else holds the agent, so that its rank thread — and UCX
+    /// `DROP_WAIT`, 2 s) until nothing else holds the agent, so that its rank thread — and UCX
     /// with it — is torn down before this returns and an engine may exit right after.
     fn drop(&mut self) {
         self.inner.stopped.store(true, Ordering::Release);
