@@ -16,7 +16,7 @@ use kvferry_loader::BoundPlanner;
 use kvferry_planner_abi::ffi::RVec;
 use kvferry_planner_abi::{GroupKind, PlanError, RankInfo, TransferPlanner};
 use kvferry_protocol::{InstanceInfo, PoolKey, RankDescriptor, Role, unknown_name};
-use kvferry_ucx::{Context, Worker};
+use kvferry_ucx::{Context, ErrorMode, Worker};
 
 use crate::memory::{MemoryError, MemoryKind, PoolAllocator, RankPools};
 use crate::rank::{RankThread, SpawnError};
@@ -214,6 +214,37 @@ impl TransportSpec {
             _ => {}
         }
         out
+    }
+
+    /// The error handling mode of the endpoints a sender opens over these transports:
+    /// [`ErrorMode::Peer`] (a dead or unreachable receiver fails its puts through UCX, see
+    /// [`crate::rank`]) unless the selection is shared memory alone, which UCX cannot carry in
+    /// that mode (`posix`, `sysv` and `self` have no peer-failure support: measured with
+    /// `ucx_info -d`, UCX 1.22.0 and 1.13.1), so [`ErrorMode::None`] keeps its one-sided fast
+    /// path: the `shm` preset, and a `UCX_TLS` list whose every name is one of `posix`,
+    /// `sysv`, `self`, `sm`, `shm`, `cuda_copy`, `cuda_ipc`. Everything else (`tcp`, `auto`,
+    /// other lists, exclusions) asks for peer mode; where UCX then refuses an endpoint (an
+    /// environment's `UCX_TLS` of shared memory under `auto`), the executor connects without
+    /// it.
+    pub fn error_mode(&self) -> ErrorMode {
+        const SHARED_MEMORY: [&str; 7] = [
+            "posix",
+            "sysv",
+            "self",
+            "sm",
+            "shm",
+            "cuda_copy",
+            "cuda_ipc",
+        ];
+        match &self.transports {
+            Transports::Preset(Transport::Shm) => ErrorMode::None,
+            Transports::List(l)
+                if !l.starts_with('^') && l.split(',').all(|t| SHARED_MEMORY.contains(&t)) =>
+            {
+                ErrorMode::None
+            }
+            _ => ErrorMode::Peer,
+        }
     }
 
     /// A UCX context with these settings, for pools in `memory`.
@@ -432,7 +463,13 @@ impl PreparedInstance {
             let pools = Arc::new(pools);
             let worker =
                 Worker::new(&context).map_err(|source| InstanceError::Worker { rank, source })?;
-            let thread = RankThread::spawn(&config.name, rank, worker, Arc::clone(&pools))?;
+            let thread = RankThread::spawn(
+                &config.name,
+                rank,
+                worker,
+                Arc::clone(&pools),
+                config.transport.error_mode(),
+            )?;
             ranks.push(Rank {
                 info,
                 planner,
@@ -581,6 +618,31 @@ mod tests {
                 .is_empty()
         );
         assert_eq!(veth.to_string(), "tcp on veth0");
+    }
+
+    /// Peer error handling everywhere but shared memory alone, which UCX cannot carry in it.
+    #[test]
+    fn error_mode_is_peer_unless_the_transports_are_shared_memory_alone() {
+        let mode = |s: &str| s.parse::<TransportSpec>().unwrap().error_mode();
+        for shm in [
+            "shm",
+            "posix,sysv,self",
+            "sm,self",
+            "posix,sysv,self,cuda_copy,cuda_ipc",
+        ] {
+            assert_eq!(mode(shm), ErrorMode::None, "{shm}");
+        }
+        for peer in [
+            "tcp",
+            "auto",
+            "rc_x,sm,self",
+            "tcp,posix",
+            "^cma",
+            "^tcp",
+            "cma",
+        ] {
+            assert_eq!(mode(peer), ErrorMode::Peer, "{peer}");
+        }
     }
 
     #[test]

@@ -37,6 +37,21 @@
 //! job then fails with an error naming the peer rank ([`WriteError::TimedOut`],
 //! [`WriteError::PeerGone`]) and the thread moves on to its other jobs.
 //!
+//! Where the rank's transports support it, endpoints are created in UCX's peer-failure mode
+//! ([`ErrorMode::Peer`], chosen at [`RankThread::spawn`], see
+//! [`crate::TransportSpec::error_mode`]): a receiver that died or became unreachable then
+//! fails the puts and flush in flight through UCX itself, as soon as UCX notices (over `tcp`
+//! at once when its process is gone: the kernel resets the connection), instead of at the
+//! job's deadline or the side channel's verdict. The job fails with
+//! [`WriteError::PeerFailed`] naming the peer rank and UCX's status; the connection is
+//! dropped from the cache, so a later job (to the same registration or a new one) connects
+//! afresh; and the quarantined operations on the endpoint drain, since UCX completes them with
+//! errors. A job that finds its cached endpoint already failed (UCX noticed while the thread
+//! was idle) fails the same way without writing. Shared memory (`posix`, `sysv`, `self`)
+//! has no peer-failure support in UCX, so the `shm` preset keeps [`ErrorMode::None`] and
+//! relies on the deadline and the side channel alone; if UCX refuses a peer-mode endpoint
+//! (no enabled transport supports it), the executor connects without it.
+//!
 //! Puts still in flight when a job gives up may be read by UCX at any later progress, so their
 //! window is **quarantined**, never dropped: it is parked (its puts hold handles on the
 //! endpoint and the remote keys they use, so forgetting the peer meanwhile closes nothing under
@@ -64,7 +79,9 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-use kvferry_ucx::{Endpoint, MemRegion, Op, PutWindow, RangeCheck, RemoteKey, Status, Worker};
+use kvferry_ucx::{
+    Endpoint, ErrorMode, MemRegion, Op, PutWindow, RangeCheck, RemoteKey, Status, Worker,
+};
 
 use kvferry_plan::ValidatedPlan;
 use kvferry_protocol::PoolKey;
@@ -261,6 +278,22 @@ pub enum WriteError {
         /// Since when (milliseconds ago) they are quarantined.
         stuck_ms: u128,
     },
+    /// UCX reported the peer failed (its endpoint's error handler ran, or an operation failed
+    /// with a peer-failure status): the receiver died or is unreachable. Only endpoints in
+    /// [`ErrorMode::Peer`] report this.
+    #[error("{instance} rank {rank} failed in UCX: {status}")]
+    PeerFailed {
+        /// Peer instance.
+        instance: String,
+        /// Peer rank.
+        rank: u32,
+        /// What UCX's error handler reported (else the failed operation's status).
+        status: Status,
+        /// The operation that failed, if one did (none when the job found the endpoint
+        /// already failed).
+        #[source]
+        source: Option<kvferry_ucx::Error>,
+    },
     /// The peer's registration ended (its control connection closed).
     #[error("{instance} rank {rank} is gone")]
     PeerGone {
@@ -429,8 +462,11 @@ impl Drop for RankThread {
 
 impl RankThread {
     /// Moves `worker` to a new thread that progresses it for ever and executes jobs reading
-    /// from `pools`. Returns once the thread has started: for device pools, once it has made
-    /// their CUDA context current (UCX's CUDA transports move the pools from this thread).
+    /// from `pools`, connecting to receivers with endpoints in `errors` mode
+    /// ([`crate::TransportSpec::error_mode`] says which the rank's transports support; see
+    /// the module docs on dead receivers). Returns once the thread has started: for device
+    /// pools, once it has made their CUDA context current (UCX's CUDA transports move the
+    /// pools from this thread).
     ///
     /// # Errors
     ///
@@ -441,8 +477,16 @@ impl RankThread {
         rank: u32,
         worker: Worker,
         pools: Arc<RankPools>,
+        errors: ErrorMode,
     ) -> Result<RankThread, SpawnError> {
-        Self::spawn_with(label, rank, worker, pools, RankPools::bind_device_to_thread)
+        Self::spawn_with(
+            label,
+            rank,
+            worker,
+            pools,
+            errors,
+            RankPools::bind_device_to_thread,
+        )
     }
 
     /// [`spawn`](Self::spawn) with the thread's first step passed in (tests fail it).
@@ -451,6 +495,7 @@ impl RankThread {
         rank: u32,
         worker: Worker,
         pools: Arc<RankPools>,
+        errors: ErrorMode,
         bind: impl FnOnce(&RankPools) -> Result<(), BindError> + Send + 'static,
     ) -> Result<RankThread, SpawnError> {
         let address = worker
@@ -473,7 +518,7 @@ impl RankThread {
                 let ok = bound.is_ok();
                 let _ = ready_tx.send(bound);
                 if ok {
-                    run(rank, worker, &pools, rx);
+                    run(rank, worker, errors, &pools, rx);
                 }
             })
             .map_err(|source| SpawnError::Thread { rank, source })?;
@@ -593,7 +638,7 @@ pub enum SpawnError {
     },
 }
 
-fn run(rank: u32, worker: Worker, pools: &RankPools, rx: Receiver<Command>) {
+fn run(rank: u32, worker: Worker, errors: ErrorMode, pools: &RankPools, rx: Receiver<Command>) {
     // Every event of this thread carries its rank.
     let _span = tracing::info_span!("rank", rank).entered();
     // Dropped before `worker`: its `Drop` abandons what is still quarantined, then its
@@ -601,6 +646,7 @@ fn run(rank: u32, worker: Worker, pools: &RankPools, rx: Receiver<Command>) {
     let mut exec = Executor {
         rank,
         worker: &worker,
+        errors,
         pools,
         conns: HashMap::new(),
         stuck: Vec::new(),
@@ -695,6 +741,8 @@ struct Stuck<'a> {
 struct Executor<'a> {
     rank: u32,
     worker: &'a Worker,
+    /// The mode new endpoints are created in (falling back to `None` where UCX refuses it).
+    errors: ErrorMode,
     pools: &'a RankPools,
     conns: HashMap<(PeerId, u32), Conn>,
     /// Quarantined windows (see the module docs); never dropped while not idle.
@@ -722,20 +770,42 @@ struct ResolvedPlan<'a> {
 
 impl<'a> Executor<'a> {
     /// The cached connection to `dest`, or a new one, once every pool's declared range has
-    /// passed [`check_key_range`].
+    /// passed [`check_key_range`]. A cached endpoint that UCX reported failed is dropped and
+    /// replaced (a job finds out first, in [`window`](Self::window)).
     fn connect(&mut self, dest: &RemoteRank) -> Result<&Conn, WriteError> {
-        let slot = match self.conns.entry((dest.peer, dest.rank)) {
+        let key = (dest.peer, dest.rank);
+        if self
+            .conns
+            .get(&key)
+            .is_some_and(|c| c.ep.failure().is_some())
+        {
+            self.drop_conn(key);
+        }
+        let errors = self.errors;
+        let worker = self.worker;
+        let slot = match self.conns.entry(key) {
             Entry::Occupied(e) => return Ok(e.into_mut()),
             Entry::Vacant(slot) => slot,
         };
-        let ep = self
-            .worker
-            .connect(&dest.worker_address)
-            .map_err(|source| WriteError::Connect {
-                instance: dest.instance.clone(),
-                rank: dest.rank,
-                source,
-            })?;
+        let connect = |mode| worker.connect_with(&dest.worker_address, mode);
+        let ep = match connect(errors) {
+            Err(e) if errors != ErrorMode::None => {
+                tracing::warn!(
+                    peer = %dest.instance,
+                    peer_rank = dest.rank,
+                    mode = ?errors,
+                    status = %e.status(),
+                    "ucx refuses an endpoint with peer error handling; connecting without it"
+                );
+                connect(ErrorMode::None)
+            }
+            other => other,
+        }
+        .map_err(|source| WriteError::Connect {
+            instance: dest.instance.clone(),
+            rank: dest.rank,
+            source,
+        })?;
         let keys = dest
             .pools
             .iter()
@@ -762,7 +832,15 @@ impl<'a> Executor<'a> {
 
     /// A window of [`PUT_WINDOW`] puts to `dest` (connecting first if need be), and the keys
     /// of its pools.
+    ///
+    /// A cached endpoint that UCX reported failed fails the job
+    /// ([`WriteError::PeerFailed`]) and is dropped, so the next job connects afresh.
     fn window(&mut self, dest: &RemoteRank) -> Result<(PutWindow<'a>, Keys), WriteError> {
+        let key = (dest.peer, dest.rank);
+        if let Some(status) = self.conns.get(&key).and_then(|c| c.ep.failure()) {
+            self.drop_conn(key);
+            return Err(peer_failed(dest, status, None));
+        }
         let conn = self.connect(dest)?;
         let window = PutWindow::with_capacity(&conn.ep, PUT_WINDOW);
         Ok((window, Rc::clone(&conn.keys)))
@@ -777,28 +855,33 @@ impl<'a> Executor<'a> {
             .copied()
             .collect();
         for key in ranks {
-            let Some(Conn { ep, keys }) = self.conns.remove(&key) else {
-                continue;
-            };
-            // The keys first: while they exist they keep the endpoint open.
-            drop(keys);
-            match ep.close(FORGET_CLOSE_TIMEOUT) {
-                Ok(()) => {
-                    tracing::debug!(peer, peer_rank = key.1, "endpoint closed")
-                }
-                Err(e) if e.status() == Status::BUSY => tracing::debug!(
-                    peer,
-                    peer_rank = key.1,
-                    "endpoint closes once its quarantined puts have drained"
-                ),
-                Err(e) => tracing::debug!(
-                                        peer,
-                    peer_rank = key.1,
-                    error = %e,
-                    status = %e.status(),
-                    "endpoint closed uncleanly"
-                ),
-            }
+            self.drop_conn(key);
+        }
+    }
+
+    /// Drops the connection to `key` from the cache and closes its endpoint, or leaves it to
+    /// close once the quarantined windows that hold it have drained.
+    fn drop_conn(&mut self, key: (PeerId, u32)) {
+        let (peer, peer_rank) = key;
+        let Some(Conn { ep, keys }) = self.conns.remove(&key) else {
+            return;
+        };
+        // The keys first: while they exist they keep the endpoint open.
+        drop(keys);
+        match ep.close(FORGET_CLOSE_TIMEOUT) {
+            Ok(()) => tracing::debug!(peer, peer_rank, "endpoint closed"),
+            Err(e) if e.status() == Status::BUSY => tracing::debug!(
+                peer,
+                peer_rank,
+                "endpoint closes once its quarantined puts have drained"
+            ),
+            Err(e) => tracing::debug!(
+                peer,
+                peer_rank,
+                error = %e,
+                status = %e.status(),
+                "endpoint closed uncleanly"
+            ),
         }
     }
 
@@ -882,6 +965,11 @@ impl<'a> Executor<'a> {
         .entered();
         let release = job.release.take();
         let (result, stuck) = self.write(&job);
+        if matches!(result, Err(WriteError::PeerFailed { .. })) {
+            // Connect afresh next time; a window quarantined on it keeps the endpoint until
+            // UCX has failed its operations too.
+            self.drop_conn((job.dest.peer, job.dest.rank));
+        }
         let behind = matches!(result, Err(WriteError::Stuck { .. }));
         if let Err(e) = &result {
             let reported = if stuck.is_some() || behind {
@@ -938,7 +1026,9 @@ impl<'a> Executor<'a> {
         if result.is_err() && !window.is_idle() {
             let hopeless = matches!(
                 result,
-                Err(WriteError::TimedOut { .. } | WriteError::PeerGone { .. })
+                Err(WriteError::TimedOut { .. }
+                    | WriteError::PeerGone { .. }
+                    | WriteError::PeerFailed { .. })
             );
             if !hopeless {
                 // A local refusal mid-plan: let what was issued finish, within the deadline.
@@ -1118,9 +1208,12 @@ impl<'a> Executor<'a> {
                         in_flight: window.in_flight() + usize::from(window.is_flushing()),
                     }
                 } else {
-                    ucx_error(dest, source)
+                    ucx_error(dest, window.endpoint(), source)
                 }
             });
+            if matches!(error, Some(WriteError::PeerFailed { .. })) {
+                self.drop_conn((dest.peer, dest.rank));
+            }
             if !window.is_idle() {
                 let release = release.take();
                 let on_drain: OnDrain = Box::new(move || {
@@ -1200,6 +1293,9 @@ impl Waiter<'_> {
             match op(window) {
                 Ok(()) => return Ok(()),
                 Err(e) if e.status() == Status::TIMED_OUT => {
+                    if let Some(status) = window.endpoint().failure() {
+                        return Err(peer_failed(self.dest, status, None));
+                    }
                     if !self.dest.alive.load(Ordering::Acquire) {
                         return Err(gone(self.dest));
                     }
@@ -1215,7 +1311,7 @@ impl Waiter<'_> {
                     }
                     window.set_deadline(Some(self.deadline.min(now + ALIVE_CHECK)));
                 }
-                Err(e) => return Err(ucx_error(self.dest, e)),
+                Err(e) => return Err(ucx_error(self.dest, window.endpoint(), e)),
             }
         }
     }
@@ -1286,7 +1382,39 @@ fn gone(dest: &RemoteRank) -> WriteError {
     }
 }
 
-fn ucx_error(dest: &RemoteRank, source: kvferry_ucx::Error) -> WriteError {
+fn peer_failed(
+    dest: &RemoteRank,
+    status: Status,
+    source: Option<kvferry_ucx::Error>,
+) -> WriteError {
+    WriteError::PeerFailed {
+        instance: dest.instance.clone(),
+        rank: dest.rank,
+        status,
+        source,
+    }
+}
+
+/// Whether `status` says the peer or the link to it failed (a connection reset, an endpoint
+/// timeout, UCX's link and endpoint failure ranges).
+fn is_peer_failure(status: Status) -> bool {
+    matches!(
+        status,
+        Status::CONNECTION_RESET | Status::NOT_CONNECTED | Status::ENDPOINT_TIMEOUT
+    ) || (-89..=-40).contains(&status.code())
+}
+
+/// The job's error for UCX's `source` on `ep`: [`WriteError::PeerFailed`] if the endpoint
+/// reports a failure (or, in peer mode, the operation failed with a peer-failure status,
+/// should the handler not have run yet), else a put or flush error.
+fn ucx_error(dest: &RemoteRank, ep: &Endpoint, source: kvferry_ucx::Error) -> WriteError {
+    let failure = ep.failure().or_else(|| {
+        (ep.error_mode() == ErrorMode::Peer && is_peer_failure(source.status()))
+            .then(|| source.status())
+    });
+    if let Some(status) = failure {
+        return peer_failed(dest, status, Some(source));
+    }
     if source.op() == Op::Flush {
         WriteError::Flush {
             instance: dest.instance.clone(),
@@ -1323,7 +1451,7 @@ mod tests {
     #[test]
     fn a_failed_context_bind_fails_the_start() {
         let (worker, pools) = rank_parts();
-        let err = RankThread::spawn_with("test", 3, worker, pools, |_| {
+        let err = RankThread::spawn_with("test", 3, worker, pools, ErrorMode::None, |_| {
             Err(BindError {
                 device: 1,
                 source: "cuCtxSetCurrent failed: CUDA_ERROR_INVALID_CONTEXT".into(),
@@ -1344,8 +1472,10 @@ mod tests {
     #[test]
     fn a_thread_that_dies_before_it_starts_is_an_error() {
         let (worker, pools) = rank_parts();
-        let err =
-            RankThread::spawn_with("test", 0, worker, pools, |_| panic!("injected")).unwrap_err();
+        let err = RankThread::spawn_with("test", 0, worker, pools, ErrorMode::None, |_| {
+            panic!("injected")
+        })
+        .unwrap_err();
         assert!(
             matches!(
                 err,
@@ -1361,7 +1491,7 @@ mod tests {
     #[test]
     fn host_pools_start() {
         let (worker, pools) = rank_parts();
-        let thread = RankThread::spawn("test", 0, worker, pools).expect("start");
+        let thread = RankThread::spawn("test", 0, worker, pools, ErrorMode::None).expect("start");
         assert_eq!(thread.rank(), 0);
         assert!(!thread.address().is_empty());
     }

@@ -10,9 +10,9 @@ use kvferry_plan::{ValidatedPlan, error_chain, validate};
 use kvferry_planner_abi::ffi::RVec;
 use kvferry_planner_abi::{GroupKind, LayerGroupRows, TransferPlan, ViewId};
 use kvferry_protocol::PoolKey;
-use kvferry_transfer::Transport;
 use kvferry_transfer::memory::{PoolAllocator, RankPools};
 use kvferry_transfer::rank::{RankThread, RemoteRank, WriteError, WriteJob, WriteStats};
+use kvferry_transfer::{Transport, TransportSpec};
 use kvferry_ucx::{Context, Worker};
 
 /// One pool per rank, a multiple of 2 MiB so its segment ends where the pool does whether or
@@ -37,7 +37,9 @@ fn rank(label: &str, transport: Transport) -> Rank {
     let keys = pools.keys().expect("keys");
     let pools = Arc::new(pools);
     let worker = Worker::new(&ctx).expect("worker");
-    let thread = RankThread::spawn(label, 0, worker, Arc::clone(&pools)).expect("rank thread");
+    let errors = TransportSpec::from(transport).error_mode();
+    let thread =
+        RankThread::spawn(label, 0, worker, Arc::clone(&pools), errors).expect("rank thread");
     Rank {
         thread,
         pools,

@@ -9,9 +9,11 @@
 
 use std::cell::Cell;
 use std::fmt;
-use std::ptr;
+use std::os::raw::c_void;
+use std::ptr::{self, NonNull};
 use std::rc::Rc;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicI8, Ordering};
 use std::time::{Duration, Instant};
 
 use ucx_sys as sys;
@@ -46,8 +48,133 @@ pub struct Endpoint {
 struct EndpointInner {
     /// Null once closed.
     handle: sys::ucp_ep_h,
+    /// What the error handler records ([`ErrorMode::Peer`] only): the `arg` UCX holds. Freed
+    /// only once the endpoint's close has finished (UCX then knows the endpoint no more), or,
+    /// if it did not, handed to the worker to be freed after `ucp_worker_destroy`.
+    failure: Option<FailureCell>,
     /// Dropped after `Drop::drop` has closed the endpoint.
     worker: Worker,
+}
+
+/// How an endpoint learns that its peer failed: UCX's `ucp_err_handling_mode_t`, chosen when
+/// the endpoint is created ([`Worker::connect_with`]).
+#[doc(alias = "ucp_err_handling_mode_t")]
+#[derive(Clone, Copy, Debug, Default, Eq, PartialEq, Hash)]
+#[non_exhaustive]
+pub enum ErrorMode {
+    /// `UCP_ERR_HANDLING_MODE_NONE`: no guarantees. A request to a peer that died or became
+    /// unreachable may never complete (over `tcp` a put or flush to a dead peer waits for
+    /// ever), and no error handler is called. What [`Worker::connect`] uses: it is the only
+    /// mode shared memory (`posix`, `sysv`, `self`) supports, so the only one with the
+    /// one-sided fast path.
+    #[default]
+    None,
+    /// `UCP_ERR_HANDLING_MODE_PEER` with an error handler: UCX "guarantees that send requests
+    /// are always completed (successfully or error) even in case of remote failure" and
+    /// "disables protocols and APIs which may cause a hang or undefined behavior in case of
+    /// peer failure" (ucp_def.h). On a transport-level error UCX calls the handler once,
+    /// from inside a worker call (progress), and the endpoint is unusable from then on:
+    /// requests in flight and every later operation on it fail with the handler's status,
+    /// which [`Endpoint::failure`] reports.
+    ///
+    /// Only transports with a peer-failure handler can carry such an endpoint. Measured with
+    /// `ucx_info -d` (UCX 1.22.0 and Debian's 1.13.1): `tcp` and `cma` list "error handling:
+    /// peer failure, ep_check, keepalive", `posix`, `sysv` and `self` only "ep_check"; so
+    /// with shared memory alone UCX finds no transport to the peer (or falls back to a
+    /// slower one that supports the mode, where one is enabled).
+    Peer,
+}
+
+impl ErrorMode {
+    fn raw(self) -> sys::ucp_err_handling_mode_t {
+        match self {
+            ErrorMode::None => sys::UCP_ERR_HANDLING_MODE_NONE,
+            ErrorMode::Peer => sys::UCP_ERR_HANDLING_MODE_PEER,
+        }
+    }
+}
+
+/// The cell UCX's error handler writes: the first failure status, 0 (`UCS_OK`) while none.
+/// Atomic, so the handler needs no more than a shared reference whatever thread UCX calls it
+/// from (in serialized mode that is the thread in the worker call).
+#[derive(Default)]
+struct FailureSlot(AtomicI8);
+
+impl FailureSlot {
+    fn record(&self, status: sys::ucs_status_t) {
+        // Errors are negative; `UCS_OK` (or any other non-error) is not a failure.
+        if status.0 < 0 {
+            let _ = self
+                .0
+                .compare_exchange(0, status.0, Ordering::AcqRel, Ordering::Acquire);
+        }
+    }
+
+    fn get(&self) -> Option<Status> {
+        match self.0.load(Ordering::Acquire) {
+            0 => None,
+            code => Some(Status::from_raw(sys::ucs_status_t(code))),
+        }
+    }
+}
+
+/// Owns a heap [`FailureSlot`] through a raw pointer, which UCX holds as the error handler's
+/// `arg`. Not a `Box`: moving a `Box` asserts unique access to its contents, which UCX's
+/// pointer would contradict; this owner only ever hands out shared references.
+struct FailureCell(NonNull<FailureSlot>);
+
+// SAFETY: the cell uniquely owns its `FailureSlot` (an atomic, `Send + Sync`), so moving the
+// owner to another thread moves nothing that is tied to this one; UCX touches the slot only
+// through shared, atomic accesses.
+unsafe impl Send for FailureCell {}
+
+impl FailureCell {
+    fn new() -> FailureCell {
+        FailureCell(NonNull::from(Box::leak(Box::<FailureSlot>::default())))
+    }
+
+    /// The pointer UCX gets as `arg`.
+    fn as_arg(&self) -> *mut c_void {
+        self.0.as_ptr().cast()
+    }
+
+    fn slot(&self) -> &FailureSlot {
+        // SAFETY: the slot was leaked from a `Box` in `new` and is freed only in `drop`, so it
+        // is live for `&self`; every access to it (ours and UCX's) is through shared
+        // references to its atomic.
+        unsafe { self.0.as_ref() }
+    }
+}
+
+impl Drop for FailureCell {
+    fn drop(&mut self) {
+        // SAFETY: the pointer came from `Box::leak` in `new` and is freed once, here; the
+        // owner drops the cell only once UCX no longer knows the endpoint (its close finished,
+        // or the worker was destroyed), so nothing uses it any more.
+        drop(unsafe { Box::from_raw(self.0.as_ptr()) });
+    }
+}
+
+/// The endpoint error handler (`ucp_err_handler_cb_t`) of [`ErrorMode::Peer`] endpoints.
+///
+/// UCX calls it at most once per endpoint, and never once the endpoint's close has begun: its
+/// source (`ucp_ep_invoke_err_cb`, 1.13 and 1.22) returns early for an endpoint flagged
+/// closed or whose handler already ran. The header promises neither, so `arg` is kept valid
+/// for as long as UCX may know the endpoint (see `EndpointInner::failure`).
+///
+/// # Safety
+///
+/// Called by UCX only, with the `arg` registered in `Endpoint::connect`: a live
+/// `FailureSlot`, valid for the whole call. It never unwinds (an atomic store cannot panic).
+unsafe extern "C" fn on_peer_failure(
+    arg: *mut c_void,
+    _ep: sys::ucp_ep_h,
+    status: sys::ucs_status_t,
+) {
+    // SAFETY: by this function's contract `arg` points to a live `FailureSlot`, only ever
+    // accessed through shared references (its state is atomic).
+    let slot = unsafe { &*arg.cast_const().cast::<FailureSlot>() };
+    slot.record(status);
 }
 
 /// The protocol for an active message's payload.
@@ -72,7 +199,11 @@ const ADDRESS_VERSION_MASK: u8 = 0x0f;
 const ADDRESS_VERSIONS: std::ops::RangeInclusive<u8> = 0..=1;
 
 impl Endpoint {
-    pub(crate) fn connect(worker: &Worker, address: &[u8]) -> Result<Endpoint, Error> {
+    pub(crate) fn connect(
+        worker: &Worker,
+        address: &[u8],
+        mode: ErrorMode,
+    ) -> Result<Endpoint, Error> {
         // UCX aborts the process on any other version (an always-on assertion in
         // `ucp_address_unpack_header`, 1.13.1 and 1.22.0; measured: a first byte of 0x42 or
         // 0xff kills it with SIGABRT), so such bytes are refused here.
@@ -82,28 +213,63 @@ impl Endpoint {
         if !known {
             return Err(Error::new(Op::EpCreate, Status::INVALID_PARAM));
         }
-        let params = sys::ucp_ep_params_t {
+        let mut params = sys::ucp_ep_params_t {
             field_mask: (sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
                 | sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE) as u64,
             address: address.as_ptr().cast(),
-            // Peer-failure mode would exclude shared memory in UCX 1.13 ("no peer failure
-            // handler" for posix/sysv), losing the fast path.
-            err_mode: sys::UCP_ERR_HANDLING_MODE_NONE,
+            err_mode: mode.raw(),
             ..Default::default()
         };
+        // On the heap: UCX keeps the pointer, so the slot must not move with the endpoint.
+        let failure = (mode == ErrorMode::Peer).then(FailureCell::new);
+        if let Some(cell) = &failure {
+            params.field_mask |= sys::UCP_EP_PARAM_FIELD_ERR_HANDLER as u64;
+            params.err_handler = sys::ucp_err_handler_t {
+                cb: Some(on_peer_failure),
+                arg: cell.as_arg(),
+            };
+        }
         let mut handle = ptr::null_mut();
         // SAFETY: the worker is live and used from this thread only; `params` is initialised
         // and names only the fields set above; `address` is readable for the call (UCX copies
         // what it needs; its format is the caller's trust contract, see the crate docs);
-        // `handle` is a valid out-pointer.
+        // `handle` is a valid out-pointer. The error handler's `arg` is the cell's slot, which
+        // the endpoint's inner value owns and frees only once UCX no longer knows the
+        // endpoint (see `EndpointInner::close`); if creation fails, UCX keeps nothing.
         check(unsafe { sys::ucp_ep_create(worker.as_raw(), &params, &mut handle) })
             .op(Op::EpCreate)?;
         Ok(Endpoint {
             inner: Rc::new(EndpointInner {
                 handle,
+                failure,
                 worker: worker.share(),
             }),
         })
+    }
+
+    /// The error handling mode the endpoint was created with.
+    pub fn error_mode(&self) -> ErrorMode {
+        if self.inner.failure.is_some() {
+            ErrorMode::Peer
+        } else {
+            ErrorMode::None
+        }
+    }
+
+    /// The status UCX's error handler reported for this endpoint, if it was called: the peer
+    /// failed or became unreachable (for example [`Status::CONNECTION_RESET`] or
+    /// [`Status::ENDPOINT_TIMEOUT`]), and every operation in flight or issued later on this
+    /// endpoint fails. Always `None` for an [`ErrorMode::None`] endpoint, whose failures UCX
+    /// does not report.
+    ///
+    /// UCX calls the handler from inside a worker call (normally [`Worker::progress`], which
+    /// every wait here runs), so a failure shows up once the worker has been progressed past
+    /// the moment UCX noticed it. It never clears: connect anew to a restarted peer.
+    pub fn failure(&self) -> Option<Status> {
+        self.inner
+            .failure
+            .as_ref()
+            .and_then(|cell| cell.slot().get())
     }
 
     /// The worker this endpoint belongs to (a handle on it that this endpoint keeps).
@@ -438,8 +604,14 @@ impl EndpointInner {
         };
         // SAFETY: `handle` is open; it is never used again after this call.
         let close = check_ptr(unsafe { sys::ucp_ep_close_nbx(handle, &param) });
+        // Whether UCX is known to be done with the endpoint (and so with the error handler's
+        // `arg`): the close completed, at once or by its request.
+        let mut finished = false;
         let closed = match close {
-            Ok(None) => Ok(()),
+            Ok(None) => {
+                finished = true;
+                Ok(())
+            }
             Ok(Some(req)) => {
                 // A forced close completes without the peer; give it a moment past a deadline
                 // that the flush may have used up.
@@ -449,12 +621,22 @@ impl EndpointInner {
                 // state, and a close request references no memory of ours.
                 unsafe { sys::ucp_request_free(req.as_ptr()) };
                 match status {
-                    Some(status) => check(status).op(Op::EpClose),
+                    Some(status) => {
+                        finished = true;
+                        check(status).op(Op::EpClose)
+                    }
                     None => Err(Error::new(Op::EpClose, Status::TIMED_OUT)),
                 }
             }
             Err(status) => Err(Error::new(Op::EpClose, status)),
         };
+        if !finished {
+            if let Some(cell) = self.failure.take() {
+                // UCX finishes the close internally and might still call the handler until
+                // then: the worker frees the slot after `ucp_worker_destroy`.
+                self.worker.keep_until_destroyed(Box::new(cell));
+            }
+        }
 
         if let Some(req) = stale_flush {
             // SAFETY: the timed-out flush was purged by the forced close; a flush references no
@@ -485,8 +667,8 @@ impl Drop for EndpointInner {
         if let Err(err) = self.close(DROP_CLOSE_TIMEOUT) {
             tracing::warn!(error = %err, status = %err.status(), "endpoint closed uncleanly");
         }
-        // `worker` drops next: the UCX worker is destroyed after this endpoint if this was the
-        // last handle on it.
+        // `failure` (if the close finished) and `worker` drop next: the UCX worker is
+        // destroyed after this endpoint if this was the last handle on it.
     }
 }
 
@@ -494,6 +676,8 @@ impl fmt::Debug for Endpoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Endpoint")
             .field("handle", &self.inner.handle)
+            .field("error_mode", &self.error_mode())
+            .field("failure", &self.failure())
             .field("handles", &Rc::strong_count(&self.inner))
             .finish_non_exhaustive()
     }

@@ -95,7 +95,7 @@ mod worker;
 use std::ffi::CStr;
 
 pub use context::{Context, ContextBuilder};
-pub use endpoint::{AmProto, Endpoint, RangeCheck, RemoteKey};
+pub use endpoint::{AmProto, Endpoint, ErrorMode, RangeCheck, RemoteKey};
 pub use memory::{MemRegion, PackedRkey};
 pub use memtype::{MemoryType, MemoryTypes};
 pub use request::Request;

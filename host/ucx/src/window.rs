@@ -120,6 +120,12 @@ impl<'a> PutWindow<'a> {
         self.deadline = deadline;
     }
 
+    /// The endpoint the window puts over (a handle it keeps), e.g. to ask for its
+    /// [`failure`](Endpoint::failure) after an operation failed.
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.ep
+    }
+
     /// The deadline, if any.
     pub fn deadline(&self) -> Option<Instant> {
         self.deadline

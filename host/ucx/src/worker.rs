@@ -29,6 +29,7 @@ panic (`progress`) or an error (`set_am_handler`, `into_send`), and into an abor
 destructor would have to wait (see `progress_for_drop`).
 */
 
+use std::any::Any;
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::fmt;
@@ -40,7 +41,7 @@ use std::sync::Arc;
 use ucx_sys as sys;
 
 use crate::callback::PanicSlot;
-use crate::endpoint::Endpoint;
+use crate::endpoint::{Endpoint, ErrorMode};
 use crate::ffi::{self, RawRequest, check, check_ptr};
 use crate::status::WithOp;
 use crate::{Context, Error, Op, Status};
@@ -89,7 +90,8 @@ pub struct SendWorker {
 // every later one happens on the new thread, and the move itself is ordered by whatever
 // synchronisation performed it. The Rust state travelling with it is `Send` as well: handlers
 // are `FnMut + Send`, panic payloads are `Send`, the rendezvous descriptors and buffers belong to
-// this worker alone, and the context is `Send + Sync`.
+// this worker alone, the kept error-handler cells are `Send` (atomics), and the context is
+// `Send + Sync`.
 unsafe impl Send for SendWorker {}
 
 impl SendWorker {
@@ -119,6 +121,9 @@ struct State {
     rndv_arrived: RefCell<Vec<RndvArrived>>,
     /// Rendezvous receives in flight; each buffer must outlive its request.
     rndv_receiving: RefCell<Vec<RndvReceiving>>,
+    /// Memory UCX may still use until the worker is destroyed (the error-handler cells of
+    /// endpoints whose close did not finish); dropped after `ucp_worker_destroy`.
+    kept: RefCell<Vec<Box<dyn Any + Send>>>,
 }
 
 /// What UCX gets as the `arg` of one registered handler.
@@ -228,7 +233,36 @@ impl Worker {
     /// past its end, and one flipped byte can still connect (to nothing that answers).
     #[doc(alias = "ucp_ep_create")]
     pub fn connect(&self, address: &[u8]) -> Result<Endpoint, Error> {
-        Endpoint::connect(self, address)
+        Endpoint::connect(self, address, ErrorMode::None)
+    }
+
+    /// [`connect`](Worker::connect) with an explicit error handling mode.
+    ///
+    /// With [`ErrorMode::Peer`] the endpoint gets an error handler: once UCX detects that the
+    /// peer failed (over `tcp`, its connection reset or closed, or keep-alive silence), every
+    /// request on the endpoint completes with an error instead of waiting, and
+    /// [`Endpoint::failure`] reports UCX's status. UCX then selects only transports with a
+    /// peer-failure handler (not `posix`, `sysv` or `self`), so a selection of shared memory
+    /// alone cannot connect this way. UCX's documentation of `UCP_EP_CLOSE_FLAG_FORCE`, which
+    /// closes use when a flush does not finish, asks for this mode on both sides; a target
+    /// worker that only accepts connections gets the initiator's mode with the wire-up.
+    ///
+    /// Wraps `ucp_ep_create` with `UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE` and
+    /// `UCP_EP_PARAM_FIELD_ERR_HANDLER`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Worker::connect`]; [`Op::EpCreate`] with [`Status::UNREACHABLE`] (or another
+    /// status) when no enabled transport both reaches the peer and supports the mode.
+    #[doc(alias = "ucp_ep_create")]
+    pub fn connect_with(&self, address: &[u8], mode: ErrorMode) -> Result<Endpoint, Error> {
+        Endpoint::connect(self, address, mode)
+    }
+
+    /// Keeps `value` until after `ucp_worker_destroy`: memory UCX may still use while it
+    /// knows an endpoint whose close it finishes on its own.
+    pub(crate) fn keep_until_destroyed(&self, value: Box<dyn Any + Send>) {
+        self.inner.state.kept.borrow_mut().push(value);
     }
 
     /// Makes this worker `Send`, to move it to the thread that will progress it.
@@ -491,7 +525,8 @@ impl Drop for WorkerInner {
         // SAFETY: `handle` came from `ucp_worker_create` and is destroyed once, here, when the
         // last handle on it goes. Endpoints hold one (and remote keys, requests and windows
         // hold their endpoint's), so every endpoint has been closed and none of those is left;
-        // the handler slots UCX points at are dropped after this call.
+        // the handler slots UCX points at (and the error-handler cells in `kept`) are dropped
+        // after this call.
         unsafe { sys::ucp_worker_destroy(self.handle) };
     }
 }

@@ -453,7 +453,13 @@ impl Agent {
                 source,
             })?);
         let worker = Worker::new(&context).map_err(StartError::Worker)?;
-        let thread = RankThread::spawn(&config.instance, rank, worker, Arc::clone(&pools))?;
+        let thread = RankThread::spawn(
+            &config.instance,
+            rank,
+            worker,
+            Arc::clone(&pools),
+            config.transport.error_mode(),
+        )?;
 
         let (listener, endpoint) = match config.role {
             Role::Context => {
