@@ -76,17 +76,17 @@ fn unknown_address_versions_are_refused_before_ucx_sees_them() {
     }
 }
 
-/// Garbage of a known version reaches UCX and fails there without killing the process (a
-/// truncated address is still read past its end by UCX: what it finds decides the status).
+/// Garbage of a known version reaches UCX and fails there without killing the process. A
+/// truncated address is still read past its end by UCX: what it finds there decides the
+/// status — seen: `INVALID_PARAM`, `UNREACHABLE`, and once in CI `SHMEM_SEGMENT` (-17) — so
+/// any error status passes; an abort, a crash or a success does not.
 #[test]
 fn other_garbage_fails_in_ucx_without_aborting() {
-    let unreachable = Status::UNREACHABLE.code().to_string();
-    let invalid = Status::INVALID_PARAM.code().to_string();
     for case in ["zeros", "truncated"] {
         let outcome = run(case);
-        assert!(
-            outcome == invalid || outcome == unreachable,
-            "{case}: {outcome}"
-        );
+        let code: i32 = outcome.parse().unwrap_or_else(|_| {
+            panic!("{case}: the connect did not fail with a status: {outcome}")
+        });
+        assert!(code < 0, "{case}: connected to garbage ({outcome})");
     }
 }
