@@ -381,3 +381,48 @@ fn hnd_blocks_re_block_from_larger_to_smaller() {
     reblocked(8, 4);
     reblocked(16, 4);
 }
+
+#[test]
+fn re_blocking_sends_from_the_receiver_block_holding_dst_start_token() {
+    use kvferry_planner_abi::ffi::ROption;
+    use std::sync::Arc;
+    let base = Model {
+        slots: 64,
+        ..small_gqa(LayoutKind::HND)
+    };
+    for (ctx_tpb, gen_tpb) in [(4, 8), (8, 4), (4, 16), (16, 4)] {
+        let ctx_model = Model {
+            tpb: ctx_tpb,
+            ..base.clone()
+        };
+        let gen_model = Model {
+            tpb: gen_tpb,
+            ..base.clone()
+        };
+        for start in [5, 9, 16, 21] {
+            let mut t = Transfer::new(
+                &ctx_model,
+                Deploy::context(2, &ctx_model),
+                Deploy::generation(4, &gen_model),
+                45,
+            );
+            t.gen_model = gen_model.clone();
+            // The receiver already holds the blocks before the one holding `start`.
+            t.gen_holes = (0..start / u64::from(gen_tpb)).collect();
+            let mut exchange = t.exchange().expect("exchange");
+            for p in &mut exchange.pieces {
+                p.dst_start_token = ROption::RSome(start);
+            }
+            let factory = |info: &RankInfo| -> Result<Arc<dyn TransferPlanner>, PlanError> {
+                Ok(Arc::new(DefaultPlanner::new(info)?))
+            };
+            let report = exchange
+                .run(&factory, &factory)
+                .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+            assert!(
+                report.is_ok() && report.verification.bytes_covered > 0,
+                "tpb {ctx_tpb}->{gen_tpb} start {start}: {report}"
+            );
+        }
+    }
+}
