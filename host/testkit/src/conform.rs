@@ -5,10 +5,14 @@
 //! splits, helix CP on the generation side, attention DP against TP and attention DP widths
 //! that differ — each with a random prompt length that is not a multiple of the block size,
 //! random slot placement, padded slots, and, where the topology allows, chunked sends and a
-//! cached prefix on the receiver. [`conform`] runs every case the planner accepts end to end
-//! in process ([`Scenario`]) and checks every destination byte with the oracle; it also asks
-//! the planner about every deployment the matrix names and checks that a refusal comes back
-//! as a refusal with a reason, not a panic.
+//! cached prefix on the receiver — and, per preset, context and generation block sizes that
+//! differ (16 ↔ 32 and 32 ↔ 64 both ways, [`REBLOCK_SIZES`], semantics §3.2 rule 4) over TP
+//! equal and resharded, PP, chunked and cached pieces, plus sizes that do not divide
+//! (16 ↔ 24) and helix CP with differing sizes, which carry an expected refusal naming
+//! `tokens_per_block` ([`Case::expected_refusal`]). [`conform`] runs every case the planner
+//! accepts end to end in process ([`Scenario`]) and checks every destination byte with the
+//! oracle; it also asks the planner about every deployment the matrix names and checks that
+//! a refusal comes back as a refusal with a reason, not a panic.
 //!
 //! A case is:
 //! - **passed**: every destination byte holds its tag, every other byte is untouched, no
@@ -16,7 +20,8 @@
 //! - **failed**: a wrong byte (named by the first one's layer, head and token), an overlap, a
 //!   plan the host's validation refuses, or a planner error that is not a refusal;
 //! - **refused**: the planner does not support one side's deployment, or refuses the pair
-//!   (`check_peer`, or a construction-time `UNSUPPORTED`) — with its reason.
+//!   (`check_peer`, or a construction-time `UNSUPPORTED`) — with its reason; the outcome
+//!   carries the case's expected refusal, if the semantics rule the case out.
 //!
 //! The matrix is deterministic for a seed, and every case's name carries its parameters, so
 //! a failure is rerun alone with the same seed and a name filter.
@@ -178,10 +183,114 @@ pub fn matrix(seed: u64) -> Vec<Case> {
                 s.padded,
                 s.seed,
             );
-            out.push(Case { name, scenario: s });
+            out.push(Case {
+                name,
+                scenario: s,
+                expected_refusal: None,
+            });
         }
     }
+    reblock_cases(&mut rng, &mut out);
     out
+}
+
+/// Block sizes that differ between the two sides (semantics §3.2 rule 4), context first:
+/// divisible pairs both ways, which HND views re-block.
+pub const REBLOCK_SIZES: [(u32, u32); 4] = [(16, 32), (32, 16), (32, 64), (64, 32)];
+
+/// Block sizes that do not divide, and helix CP with different sizes: refused on
+/// `tokens_per_block`.
+const REFUSED_SIZES: [(u32, u32); 2] = [(16, 24), (24, 16)];
+
+/// The re-blocking cases of every preset (all presets' PAGED views are HND): TP equal and
+/// resharded, PP, chunked sends (chunk boundaries inside a larger block) and cached prefixes;
+/// then the refused ones.
+fn reblock_cases(rng: &mut StdRng, out: &mut Vec<Case>) {
+    let topologies = [
+        (tp(1), tp(1)),
+        (tp(2), tp(2)),
+        (tp(2), tp(4)),
+        (tp(4), tp(2)),
+        (m(2, 2, 1, false), tp(2)),
+    ];
+    for preset in Preset::iter() {
+        for (ctx_tpb, gen_tpb) in REBLOCK_SIZES {
+            for (ctx, r#gen) in topologies {
+                let s = reblock_scenario(rng, preset, ctx_tpb, gen_tpb, ctx, r#gen, true);
+                out.push(Case {
+                    name: reblock_name(preset, ctx_tpb, gen_tpb, &s),
+                    scenario: s,
+                    expected_refusal: None,
+                });
+            }
+        }
+    }
+    for preset in [Preset::Llama3_70b, Preset::DeepseekV3] {
+        let refused = REFUSED_SIZES
+            .iter()
+            .flat_map(|&(c, g)| [(c, g, tp(1), tp(1)), (c, g, tp(2), tp(4))])
+            .chain([(16, 32, tp(1), m(1, 1, 2, false))]);
+        for (ctx_tpb, gen_tpb, ctx, r#gen) in refused {
+            let helix = r#gen.cp > 1;
+            let s = reblock_scenario(rng, preset, ctx_tpb, gen_tpb, ctx, r#gen, !helix);
+            out.push(Case {
+                name: format!("refused {}", reblock_name(preset, ctx_tpb, gen_tpb, &s)),
+                scenario: s,
+                expected_refusal: Some("tokens_per_block".to_string()),
+            });
+        }
+    }
+}
+
+fn reblock_scenario(
+    rng: &mut StdRng,
+    preset: Preset,
+    ctx_tpb: u32,
+    gen_tpb: u32,
+    ctx: Mapping,
+    r#gen: Mapping,
+    pieces: bool,
+) -> Scenario {
+    let model = model(preset).with_tokens_per_block(ctx_tpb);
+    let (c, big) = (u64::from(ctx_tpb), u64::from(ctx_tpb.max(gen_tpb)));
+    // At least two larger blocks; not a multiple of either size.
+    let prompt_len = rng.gen_range(2 * big..4 * big) | 1;
+    let mut s = Scenario::new(model, ctx, r#gen, prompt_len);
+    s.gen_tokens_per_block = Some(gen_tpb);
+    s.seed = rng.r#gen();
+    s.padded = rng.gen_bool(0.2);
+    if pieces && ctx.pp == 1 && r#gen.pp == 1 && rng.gen_bool(0.6) {
+        // Chunks of whole context blocks: with the larger blocks on the receiver, a chunk
+        // boundary may fall inside one.
+        let step = rng.gen_range(1..=3) * c;
+        s.chunks = Some(
+            (0..prompt_len)
+                .step_by(step as usize)
+                .map(|start| TokenRange {
+                    start,
+                    end: (start + step).min(prompt_len),
+                })
+                .collect(),
+        );
+    }
+    if pieces && rng.gen_bool(0.5) {
+        s.cached_tokens = rng.gen_range(1..prompt_len);
+    }
+    s
+}
+
+fn reblock_name(preset: Preset, ctx_tpb: u32, gen_tpb: u32, s: &Scenario) -> String {
+    format!(
+        "{preset} {}->{} tpb {ctx_tpb}->{gen_tpb} prompt {} chunks {} cached {} padded {} seed \
+         {:#x}",
+        s.ctx_mapping,
+        s.gen_mapping,
+        s.prompt_len,
+        s.chunks.as_ref().map_or(0, Vec::len),
+        s.cached_tokens,
+        s.padded,
+        s.seed,
+    )
 }
 
 /// How one case ended.
@@ -222,6 +331,8 @@ pub struct CaseOutcome {
     pub bytes: u64,
     /// The verdict.
     pub verdict: CaseVerdict,
+    /// The field the semantics expect a refusal of this case to name ([`Case`]).
+    pub expected_refusal: Option<String>,
 }
 
 impl fmt::Display for CaseOutcome {
@@ -514,6 +625,7 @@ pub fn conform(
             fragments,
             bytes,
             verdict,
+            expected_refusal: case.expected_refusal.clone(),
         };
         progress(&outcome);
         outcomes.push(outcome);

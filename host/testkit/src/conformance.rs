@@ -324,6 +324,11 @@ pub struct Case {
     pub name: String,
     /// The request.
     pub scenario: Scenario,
+    /// The field a refusal of this case names when the semantics rule it out (e.g.
+    /// `tokens_per_block` for block sizes that do not divide); `None` for a case every
+    /// planner should run. A refusal of such a case is expected; a planner that accepts it
+    /// must still move every byte right.
+    pub expected_refusal: Option<String>,
 }
 
 impl fmt::Display for Case {

@@ -171,6 +171,9 @@ pub struct Scenario {
     pub padded: bool,
     /// The planner id stamped on every rank.
     pub planner_id: String,
+    /// Tokens per block of the generation instance when it differs from the model's (the
+    /// context instance's); semantics §3.2 rule 4.
+    pub gen_tokens_per_block: Option<u32>,
     /// The limits each receiver's bounce region is checked against.
     pub bounce_limits: BounceLimits,
 }
@@ -197,6 +200,7 @@ impl Scenario {
             contiguous_slots: false,
             padded: false,
             planner_id: "kvferry.default".to_string(),
+            gen_tokens_per_block: None,
             bounce_limits: BounceLimits::default(),
         }
     }
@@ -247,21 +251,37 @@ impl Scenario {
     pub fn exchange(&self) -> Result<Exchange, ScenarioError> {
         self.check()?;
         let pieces = self.pieces()?;
-        let tpb = u64::from(self.model.tokens_per_block);
-        let blocks = self.prompt_len.div_ceil(tpb);
-        let options = PoolOptions {
-            paged_slots: blocks + 2 + blocks / 16,
-            state_slots: STATE_SLOTS,
-            slot_padding: if self.padded { PADDING_BYTES } else { 0 },
-            ..PoolOptions::default()
+        let gen_model = self.gen_model();
+        let side_options = |model: &ModelSpec| {
+            let blocks = self.prompt_len.div_ceil(u64::from(model.tokens_per_block));
+            let options = PoolOptions {
+                paged_slots: blocks + 2 + blocks / 16,
+                state_slots: STATE_SLOTS,
+                slot_padding: if self.padded { PADDING_BYTES } else { 0 },
+                ..PoolOptions::default()
+            };
+            (blocks, options)
         };
+        let (ctx_blocks, ctx_options) = side_options(&self.model);
+        let (gen_blocks, gen_options) = side_options(&gen_model);
         // Addresses only: the exchange backs the pools of the ranks that take part.
         let mut space = LocalMemory::new();
-        let ctx = self.instance(&self.ctx_mapping, CONTEXT_INSTANCE, &options, &mut space)?;
-        let generation =
-            self.instance(&self.gen_mapping, GENERATION_INSTANCE, &options, &mut space)?;
-        let ctx_slots = SlotAssignment::new(self, 0x00c0_17e7, blocks, &options);
-        let gen_slots = SlotAssignment::new(self, 0x0009_e4e7, blocks, &options);
+        let ctx = self.instance(
+            &self.model,
+            &self.ctx_mapping,
+            CONTEXT_INSTANCE,
+            &ctx_options,
+            &mut space,
+        )?;
+        let generation = self.instance(
+            &gen_model,
+            &self.gen_mapping,
+            GENERATION_INSTANCE,
+            &gen_options,
+            &mut space,
+        )?;
+        let ctx_slots = SlotAssignment::new(self, 0x00c0_17e7, ctx_blocks, &ctx_options);
+        let gen_slots = SlotAssignment::new(self, 0x0009_e4e7, gen_blocks, &gen_options);
         let ctx_tables = dp_group(&ctx, self.ctx_dp_rank)
             .into_iter()
             .map(|r| {
@@ -293,12 +313,21 @@ impl Scenario {
         })
     }
 
+    /// The generation instance's model: [`Scenario::model`] with
+    /// [`Scenario::gen_tokens_per_block`] applied.
+    pub fn gen_model(&self) -> ModelSpec {
+        match self.gen_tokens_per_block {
+            Some(tpb) => self.model.clone().with_tokens_per_block(tpb),
+            None => self.model.clone(),
+        }
+    }
+
     fn check(&self) -> Result<(), ScenarioError> {
         let invalid = |m: String| Err(ScenarioError::Invalid(m));
         if self.prompt_len == 0 {
             return invalid("prompt_len is 0".to_string());
         }
-        if self.model.tokens_per_block == 0 {
+        if self.model.tokens_per_block == 0 || self.gen_tokens_per_block == Some(0) {
             return invalid("tokens_per_block is 0".to_string());
         }
         if self.cached_tokens > self.prompt_len {
@@ -324,6 +353,7 @@ impl Scenario {
     /// Lays out one instance, reserving (not backing) its pools.
     fn instance(
         &self,
+        model: &ModelSpec,
         mapping: &Mapping,
         name: &str,
         options: &PoolOptions,
@@ -333,7 +363,7 @@ impl Scenario {
             memory.reserve(bytes, format!("{name} rank {rank} pool {pool}"))
         };
         Ok(build_instance(
-            &self.model,
+            model,
             mapping,
             name,
             &self.planner_id,

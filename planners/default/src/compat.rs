@@ -32,9 +32,12 @@ pub(crate) fn check_peer(me: &RankInfo, peer: &RankInfo) -> Result<Link, PlanErr
 
     let forward = match_views(&mine, &peer.page_table, &theirs, Side::Local)?;
     let backward = match_views(&theirs, &me.page_table, &mine, Side::Peer)?;
-    let tpb = me.page_table.tokens_per_block;
+    let tpb = (
+        me.page_table.tokens_per_block,
+        peer.page_table.tokens_per_block,
+    );
     for &(j, i) in &backward {
-        gate_pair(&theirs[j], &mine[i], tpb, Side::Peer)?;
+        gate_pair(&theirs[j], &mine[i], (tpb.1, tpb.0), Side::Peer)?;
     }
     let mut pairs = Vec::with_capacity(forward.len());
     // (view index, global layer) that some view pair carries, on each side.
@@ -53,6 +56,7 @@ pub(crate) fn check_peer(me: &RankInfo, peer: &RankInfo) -> Result<Link, PlanErr
             owned: mapper::owns(v.layout(), w.layout(), peer.dp_rank),
             replicas: (v.layout().num_replicas, w.layout().num_replicas),
             frags: mapped.frags,
+            reblock: mapped.reblock,
         });
     }
 
@@ -95,20 +99,46 @@ fn check_topology(me: &RankInfo, peer: &RankInfo) -> Result<(), PlanError> {
                  boundaries must coincide for [cp_rank::cp_size] block ownership",
             ));
         }
-        // §3.2 rule 4 lets TensorRT-LLM pair HND blocks of different sizes "with a warning";
-        // a block of one side then holds other tokens than the paired block of the other,
-        // and an HND buffer's token range is not contiguous across heads, so whole-row
-        // pairing would move wrong bytes. The default planner pairs rows by block ordinal
-        // and refuses instead.
+        // §3.2 rule 4: HND views may re-block when one size is a multiple of the other; a
+        // block of the larger side then spans `ratio` blocks of the smaller one, paired
+        // token by token (`mapper::Reblock`). NHD and REPLICATED views address bytes inside
+        // a block by token and are refused, as is a pair of sizes that do not divide.
         let paged = |pt: &PageTable| pt.groups.iter().any(|g| g.kind == GroupKind::PAGED);
         if paged(&me.page_table) && paged(&peer.page_table) {
-            return Err(PlanError::refuse(
-                "tokens_per_block",
-                ours,
-                theirs,
-                "rows are paired by block ordinal, so a block must hold the same tokens on \
-                 both sides; re-blocking between different block sizes is not supported",
-            ));
+            let (hi, lo) = (ours.max(theirs), ours.min(theirs));
+            if hi % lo != 0 {
+                return Err(PlanError::refuse(
+                    "tokens_per_block",
+                    ours,
+                    theirs,
+                    format!(
+                        "re-blocking needs one block size to be a multiple of the other \
+                         ({hi} is not a multiple of {lo}), so that block boundaries align"
+                    ),
+                ));
+            }
+            let token_addressed = |pt: &PageTable| {
+                pt.groups
+                    .iter()
+                    .filter(|g| g.kind == GroupKind::PAGED)
+                    .flat_map(|g| g.views.iter())
+                    .map(|v| v.layout.kind)
+                    .find(|&k| k != LayoutKind::HND)
+            };
+            if let Some(kind) =
+                token_addressed(&me.page_table).or_else(|| token_addressed(&peer.page_table))
+            {
+                return Err(PlanError::refuse(
+                    "tokens_per_block",
+                    ours,
+                    theirs,
+                    format!(
+                        "different block sizes are re-blocked for HND views only; a {kind} \
+                         view addresses bytes inside a block by token, so its blocks must \
+                         hold the same tokens on both sides"
+                    ),
+                ));
+            }
         }
     }
     // TP overlap (§5.1) steps through the finer side in whole multiples of the coarser.
@@ -127,8 +157,13 @@ fn check_topology(me: &RankInfo, peer: &RankInfo) -> Result<(), PlanError> {
 }
 
 /// The page-table layout gate (§3.3, with §3.2 and §3.4 in G4 terms) for one matched pair.
-/// `side` says whose view `mine` is.
-fn gate_pair(mine: &View<'_>, theirs: &View<'_>, tpb: u32, side: Side) -> Result<(), PlanError> {
+/// `side` says whose view `mine` is; `tpb` is `(mine's, theirs')` tokens per block.
+fn gate_pair(
+    mine: &View<'_>,
+    theirs: &View<'_>,
+    tpb: (u32, u32),
+    side: Side,
+) -> Result<(), PlanError> {
     let (a, b) = (mine.layout(), theirs.layout());
     let at = side.between(&mine.name(), &theirs.name());
     let refuse = |field: &str, m: &dyn Display, t: &dyn Display, why: &str| {
@@ -188,13 +223,27 @@ fn gate_pair(mine: &View<'_>, theirs: &View<'_>, tpb: u32, side: Side) -> Result
             "shard counts must divide each other",
         ));
     }
-    // 5. The TP-aggregated size of the role is topology-invariant.
+    // 5. The TP-aggregated size of the role is topology-invariant (per token when the
+    //    block sizes differ: a PAGED region holds one block).
     let (ra, rb) = (mine.region(), theirs.region());
-    if u128::from(ra) * u128::from(ns) != u128::from(rb) * u128::from(np) {
+    let reblocking = mine.class == GroupKind::PAGED && tpb.0 != tpb.1;
+    let (ta, tb) = if reblocking {
+        (u128::from(tpb.0), u128::from(tpb.1))
+    } else {
+        (1, 1)
+    };
+    if u128::from(ra) * u128::from(ns) * tb != u128::from(rb) * u128::from(np) * ta {
+        let per = |r: u64, n: u32, t: u128| {
+            if reblocking {
+                format!("{r} × {n} for {t} tokens")
+            } else {
+                format!("{r} × {n}")
+            }
+        };
         return Err(refuse(
             "bytes_per_layer × num_shards",
-            &format!("{ra} × {ns}"),
-            &format!("{rb} × {np}"),
+            &per(ra, ns, ta),
+            &per(rb, np, tb),
             "aggregated region sizes differ: the shape or dtype differs, or a replicated \
              role is declared as sharded",
         ));
@@ -210,7 +259,44 @@ fn gate_pair(mine: &View<'_>, theirs: &View<'_>, tpb: u32, side: Side) -> Result
     }
     // 7. Shard units: declared alike, and whole multiples in every region.
     let unit = a.shard_unit_bytes;
-    if unit != b.shard_unit_bytes {
+    if reblocking {
+        // One head's `[token][dim]` block scales with the block size; locating each head's
+        // token run needs it declared on both sides.
+        let ub = b.shard_unit_bytes;
+        if unit == 0 || ub == 0 || u128::from(unit) * tb != u128::from(ub) * ta {
+            return Err(refuse(
+                "layout.shard_unit_bytes",
+                &format!("{unit} for {} tokens", tpb.0),
+                &format!("{ub} for {} tokens", tpb.1),
+                "re-blocking an HND view needs one head's block (shard_unit_bytes) declared \
+                 on both sides and equal per token",
+            ));
+        }
+        if ra % unit != 0 || rb % ub != 0 {
+            return Err(refuse(
+                "layout.shard_unit_bytes",
+                &format!("{unit} in a {ra}-byte layer"),
+                &format!("{ub} in a {rb}-byte layer"),
+                "a layer region is not a whole number of shard units",
+            ));
+        }
+        let (bm, bt) = (mine.buffers(), theirs.buffers());
+        let whole = |v: &View<'_>, u: u64| {
+            let n = u64::from(v.buffers());
+            v.region() % n == 0
+                && v.view.entries.iter().all(|e| e.size == v.region() / n)
+                && (v.region() / n) % u == 0
+        };
+        if bm != bt || !whole(mine, unit) || !whole(theirs, ub) {
+            return Err(refuse(
+                "buffers_per_layer",
+                &format!("{bm} buffers of {ra} bytes, heads of {unit}"),
+                &format!("{bt} buffers of {rb} bytes, heads of {ub}"),
+                "re-blocking works head by head in each buffer: the buffer counts must be \
+                 equal and every buffer a whole number of heads",
+            ));
+        }
+    } else if unit != b.shard_unit_bytes {
         return Err(refuse(
             "layout.shard_unit_bytes",
             &unit,
@@ -218,7 +304,7 @@ fn gate_pair(mine: &View<'_>, theirs: &View<'_>, tpb: u32, side: Side) -> Result
             "shard units differ (head dimension, tokens per block or element size differ)",
         ));
     }
-    if unit > 0 && (ra % unit != 0 || rb % unit != 0) {
+    if !reblocking && unit > 0 && (ra % unit != 0 || rb % unit != 0) {
         return Err(refuse(
             "layout.shard_unit_bytes",
             &format!("{unit} in a {ra}-byte layer"),
@@ -226,7 +312,7 @@ fn gate_pair(mine: &View<'_>, theirs: &View<'_>, tpb: u32, side: Side) -> Result
             "a layer region is not a whole number of shard units",
         ));
     }
-    if ns != np && (a.kind == LayoutKind::HND || a.kind == LayoutKind::NHD) {
+    if !reblocking && ns != np && (a.kind == LayoutKind::HND || a.kind == LayoutKind::NHD) {
         // 6. Re-splitting needs byte-aligned shard units on both sides.
         if unit == 0 {
             return Err(refuse(
@@ -237,7 +323,7 @@ fn gate_pair(mine: &View<'_>, theirs: &View<'_>, tpb: u32, side: Side) -> Result
                  shard_unit_bytes on both sides (sub-byte head slicing is not byte-aligned)",
             ));
         }
-        gate_resplit(mine, theirs, tpb, side, &at)?;
+        gate_resplit(mine, theirs, tpb.0, side, &at)?;
     }
     // 8. Sections.
     if a.kind == LayoutKind::SECTIONED {

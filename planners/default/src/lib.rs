@@ -19,7 +19,8 @@
 //!   is the elected replica, so exactly one writer lands on every destination byte; the
 //!   others return empty plans.
 //! - **Mappers** (§5.3, §7): intact copies with layer-run merging, HND / NHD head re-split,
-//!   SECTIONED per-section re-split, REPLICATED whole copies.
+//!   SECTIONED per-section re-split, REPLICATED whole copies, and HND re-blocking between
+//!   different `tokens_per_block` (§3.2 rule 4).
 //! - **Pairing** (§8.2, §6.2): ordinals both sides hold inside the piece's token range, with
 //!   the helix stride when the receiver runs context parallelism; recurrent state rides on
 //!   the last piece.
@@ -33,8 +34,15 @@
 //!
 //! Each choice keeps destination bytes correct, refusing rather than guessing:
 //!
-//! - Different `tokens_per_block` on the two sides are refused whenever both have PAGED
-//!   groups (§3.2 rule 4 would allow HND re-blocking; rows are paired by ordinal here).
+//! - Different `tokens_per_block` on the two sides (§3.2 rule 4) are re-blocked when every
+//!   PAGED view of both sides is HND and one size is a multiple of the other: the unit is a
+//!   block of the smaller side, sub-block `k` of larger ordinal `O` being smaller ordinal
+//!   `O × ratio + k`, one fragment per (layer, buffer, head in common) since a head's tokens
+//!   are contiguous in an HND buffer. Both sides must declare `shard_unit_bytes` (one head's
+//!   block) to locate the heads. NHD and REPLICATED PAGED views, sizes that do not divide and
+//!   helix CP with different sizes are refused on `tokens_per_block`. A piece covers
+//!   smaller-side blocks `[start / small, ceil(end / small))`, from the receiver block that
+//!   holds `dst_start_token` on (sent whole, as with equal sizes).
 //! - A local view is matched to *every* same-role peer view it shares layers with, not only
 //!   the first: identical when at most one exists, and no layer is silently dropped when one
 //!   side split a role's layers over several views.

@@ -6,7 +6,7 @@
 
 use kvferry_planner_abi::{GroupKind, ViewId};
 
-use crate::mapper::Frag;
+use crate::mapper::{Frag, Reblock};
 
 /// Everything a sender needs to plan for one peer rank, derived once per peer.
 #[derive(Debug)]
@@ -30,8 +30,10 @@ pub(crate) struct ViewPair {
     pub(crate) owned: bool,
     /// `(num_replicas local, num_replicas peer)`.
     pub(crate) replicas: (u32, u32),
-    /// Per-row fragments.
+    /// Per-row fragments (equal block sizes).
     pub(crate) frags: Vec<Frag>,
+    /// The re-blocking mapper when the two sides' blocks hold different token counts.
+    pub(crate) reblock: Option<Reblock>,
 }
 
 /// A peer view that needs bytes this rank holds but has no view for.

@@ -10,9 +10,11 @@
 //!   stride is `buffer bytes / tokens_per_block`;
 //! - SECTIONED region: concatenated sections, each channel-major, so a shard range of a
 //!   section is contiguous;
-//! - STATE HND region (SSM state): `[head][...]`, re-split by head as one buffer.
+//! - STATE HND region (SSM state): `[head][...]`, re-split by head as one buffer;
+//! - HND re-blocking: a head's `[token][dim]` block is contiguous, so tokens `k × small ..
+//!   (k + 1) × small` of a larger block's head are one run, the smaller block's whole head.
 
-use kvferry_planner_abi::{LayoutKind, PlanError, RoleLayout};
+use kvferry_planner_abi::{GroupKind, LayoutKind, PlanError, RoleLayout};
 
 use crate::view::View;
 
@@ -83,8 +85,29 @@ pub(crate) fn shard_split(a: u64, b: u64, mine: Shards, theirs: Shards) -> Optio
 pub(crate) struct Mapped {
     /// Global layers both views hold, in the local view's physical order.
     pub(crate) layers: Vec<u32>,
-    /// Fragments per pair of rows, in mapper order.
+    /// Fragments per pair of rows, in mapper order (empty when re-blocking).
     pub(crate) frags: Vec<Frag>,
+    /// The re-blocking mapper, when the two sides' blocks hold different token counts.
+    pub(crate) reblock: Option<Reblock>,
+}
+
+/// An HND view pair whose blocks hold different token counts (semantics §3.2 rule 4): a
+/// block of the larger side holds `ratio` consecutive blocks of the smaller side.
+///
+/// Inside one HND buffer `[head][token][dim]` the tokens of one head are contiguous, so the
+/// `k`-th sub-block of a larger block's head row is one contiguous run of the smaller
+/// block's head row length. `frags[k]` pairs the larger row's `k`-th sub-block with a whole
+/// smaller row: offsets are relative to the local and peer row, as for [`Frag`].
+#[derive(Debug)]
+pub(crate) struct Reblock {
+    /// Larger block size over the smaller (at least 2).
+    pub(crate) ratio: u64,
+    /// Whether the local side has the larger blocks.
+    pub(crate) mine_larger: bool,
+    /// Tokens per block on the smaller side.
+    pub(crate) small_tpb: u64,
+    /// Fragments per sub-block `k < ratio`.
+    pub(crate) frags: Vec<Vec<Frag>>,
 }
 
 /// Builds the mapper of a matched view pair that passed the peer check's layout gate (in
@@ -96,10 +119,14 @@ pub(crate) struct Mapped {
 /// | SECTIONED                        | one per (layer, section)                          |
 /// | HND                              | one per (layer, buffer)                           |
 /// | NHD                              | one per (layer, buffer, token)                    |
+/// | HND, different `tokens_per_block` | per sub-block: one per (layer, buffer, head)     |
+///
+/// `tokens_per_block` is `(local, peer)`; different sizes on a PAGED pair take the
+/// re-blocking mapper ([`Reblock`], HND only).
 pub(crate) fn build(
     mine: &View<'_>,
     theirs: &View<'_>,
-    tokens_per_block: u32,
+    tokens_per_block: (u32, u32),
 ) -> Result<Mapped, PlanError> {
     // Overlapping layers in our physical order, so layers adjacent on both sides merge.
     let common: Vec<(u32, u64, u64)> = mine
@@ -123,6 +150,23 @@ pub(crate) fn build(
         ))
     };
 
+    if mine.class == GroupKind::PAGED && tokens_per_block.0 != tokens_per_block.1 {
+        if kind != LayoutKind::HND {
+            return Err(bad(&format!("re-blocking a {kind} view")));
+        }
+        let reblock = reblock(mine, theirs, &common, tokens_per_block).ok_or_else(|| {
+            bad(&format!(
+                "heads do not line up for re-blocking {} against {} tokens per block",
+                tokens_per_block.0, tokens_per_block.1
+            ))
+        })?;
+        return Ok(Mapped {
+            layers: common.iter().map(|&(l, _, _)| l).collect(),
+            frags: Vec::new(),
+            reblock: Some(reblock),
+        });
+    }
+    let tokens_per_block = tokens_per_block.0;
     let mut frags = Vec::new();
     if kind == LayoutKind::REPLICATED || ours.0 == peer.0 {
         if a != b {
@@ -198,6 +242,80 @@ pub(crate) fn build(
     frags.retain(|f| f.len > 0);
     Ok(Mapped {
         layers: common.iter().map(|&(l, _, _)| l).collect(),
+        frags,
+        reblock: None,
+    })
+}
+
+/// The re-blocking mapper of an HND view pair (see [`Reblock`]): per sub-block, one
+/// fragment per (layer, buffer, common head). `None` when the heads do not line up (no
+/// shard unit, buffers that are not whole heads, head counts that do not fit the shards).
+fn reblock(
+    mine: &View<'_>,
+    theirs: &View<'_>,
+    common: &[(u32, u64, u64)],
+    (tpb_a, tpb_b): (u32, u32),
+) -> Option<Reblock> {
+    let (ua, ub) = (
+        mine.layout().shard_unit_bytes,
+        theirs.layout().shard_unit_bytes,
+    );
+    let buffers = u64::from(mine.buffers());
+    let (a, b) = (mine.region(), theirs.region());
+    if ua == 0 || ub == 0 || buffers != u64::from(theirs.buffers()) {
+        return None;
+    }
+    if a % buffers != 0 || b % buffers != 0 {
+        return None;
+    }
+    let (buf_a, buf_b) = (a / buffers, b / buffers);
+    if buf_a % ua != 0 || buf_b % ub != 0 {
+        return None;
+    }
+    // Head counts re-split like bytes: (first local head, first peer head, heads in common).
+    let (x, y, n) = shard_split(buf_a / ua, buf_b / ub, mine.shards(), theirs.shards())?;
+    let (hi, lo) = (tpb_a.max(tpb_b), tpb_a.min(tpb_b));
+    if lo == 0 || hi % lo != 0 {
+        return None;
+    }
+    let ratio = u64::from(hi / lo);
+    let mine_larger = tpb_a > tpb_b;
+    // One head row of the smaller side is one sub-block of the larger side's head row.
+    let (small_row, large_row) = if mine_larger { (ub, ua) } else { (ua, ub) };
+    if small_row.checked_mul(ratio)? != large_row {
+        return None;
+    }
+    let frags = (0..ratio)
+        .map(|k| {
+            let mut out = Vec::with_capacity(common.len() * (buffers * n) as usize);
+            for &(_, s, d) in common {
+                for buf in 0..buffers {
+                    for h in 0..n {
+                        let src = s + buf * buf_a + (x + h) * ua;
+                        let dst = d + buf * buf_b + (y + h) * ub;
+                        out.push(if mine_larger {
+                            Frag {
+                                src: src + k * ub,
+                                dst,
+                                len: ub,
+                            }
+                        } else {
+                            Frag {
+                                src,
+                                dst: dst + k * ua,
+                                len: ua,
+                            }
+                        });
+                    }
+                }
+            }
+            out
+        })
+        .collect();
+    Some(Reblock {
+        ratio,
+        mine_larger,
+        small_tpb: u64::from(lo),
         frags,
     })
 }

@@ -7,6 +7,7 @@ use kvferry_planner_abi::{
 };
 
 use crate::link::{Link, ViewPair};
+use crate::mapper::Reblock;
 use crate::topology::who;
 
 /// Request-level rules that hold before any view is looked at.
@@ -91,6 +92,7 @@ pub(crate) fn pair(
     // same writer). Windowed groups need no case of their own: each block travels with the
     // piece that covers it, and each side's table already masks what it does not hold.
     let tpb = u64::from(me.page_table.tokens_per_block);
+    let peer_tpb = peer.page_table.tokens_per_block;
     let range = request.token_range;
     let mut lo = range.start / tpb;
     if let Some(start) = request.dst_start_token.into_option() {
@@ -114,6 +116,10 @@ pub(crate) fn pair(
             }
             continue;
         }
+        if let Some(rb) = &vp.reblock {
+            emit_reblocked(&mut plan, rb, src, dst, request, u64::from(peer_tpb));
+            continue;
+        }
         let rows = ordinal_pairs(src, dst, lo, hi, helix);
         let more = rows.len() * vp.frags.len();
         plan.src.reserve(more);
@@ -124,6 +130,60 @@ pub(crate) fn pair(
         }
     }
     Ok(plan)
+}
+
+/// Appends the fragments of a re-blocked view pair (semantics §3.2 rule 4) for one piece.
+///
+/// The unit is a block of the smaller side: the piece covers smaller-side ordinals
+/// `[start / small, ceil(end / small))`, starting no earlier than the receiver block that
+/// holds `dst_start_token` (that block is sent whole, as with equal block sizes). Smaller
+/// ordinal `u` lies in larger ordinal `u / ratio` as sub-block `u % ratio`; a unit moves
+/// when both sides hold its rows (holes and windowed fronts skip it).
+fn emit_reblocked(
+    plan: &mut TransferPlan,
+    rb: &Reblock,
+    src: &LayerGroupRows,
+    dst: &LayerGroupRows,
+    request: &PairRequest,
+    receiver_tpb: u64,
+) {
+    let small = rb.small_tpb;
+    let range = request.token_range;
+    let mut lo = range.start / small;
+    if let Some(start) = request.dst_start_token.into_option() {
+        lo = lo.max(start / receiver_tpb * receiver_tpb / small);
+    }
+    let hi = range.end.div_ceil(small);
+    let r = rb.ratio;
+    let mut push = |s: u64, d: u64, k: u64| {
+        for f in &rb.frags[k as usize] {
+            plan.push(s + f.src, d + f.dst, f.len);
+        }
+    };
+    let (larger, smaller) = if rb.mine_larger {
+        (src, dst)
+    } else {
+        (dst, src)
+    };
+    // Walk the smaller side's ordinals in the piece; find each one's larger row.
+    let mut j = larger.ordinals.partition_point(|&o| o < lo / r);
+    for k in smaller.ordinals.partition_point(|&o| o < lo)..smaller.len() {
+        let u = smaller.ordinals[k];
+        if u >= hi {
+            break;
+        }
+        while j < larger.len() && larger.ordinals[j] < u / r {
+            j += 1;
+        }
+        if j < larger.len() && larger.ordinals[j] == u / r {
+            let (big, little) = (larger.addresses[j], smaller.addresses[k]);
+            if rb.mine_larger {
+                push(big, little, u % r);
+            } else {
+                push(little, big, u % r);
+            }
+        }
+    }
 }
 
 /// The rows of one side by view, after checking they describe `pt`.

@@ -322,3 +322,107 @@ fn the_oracle_catches_missing_misplaced_and_doubled_bytes() {
         "{doubled:?}"
     );
 }
+
+/// §3.2 rule 4: HND blocks of `ctx_tpb` tokens against `gen_tpb`, one a multiple of the
+/// other, across TP widths, whole and chunked, with holes on either side.
+fn reblocked(ctx_tpb: u32, gen_tpb: u32) {
+    let base = small_gqa(LayoutKind::HND);
+    let ctx_model = Model {
+        tpb: ctx_tpb,
+        slots: 64,
+        ..base.clone()
+    };
+    let gen_model = Model {
+        tpb: gen_tpb,
+        slots: 64,
+        ..base
+    };
+    let prompt = 5 * u64::from(ctx_tpb.max(gen_tpb)) + 3;
+    let c = u64::from(ctx_tpb);
+    for (ctx_tp, gen_tp) in [(1, 1), (2, 2), (2, 4), (4, 2), (1, 4), (8, 2)] {
+        for variant in 0u64..4 {
+            let mut t = Transfer::new(
+                &ctx_model,
+                Deploy::context(ctx_tp, &ctx_model),
+                Deploy::generation(gen_tp, &gen_model),
+                prompt,
+            );
+            t.gen_model = gen_model.clone();
+            t.seed = variant;
+            match variant {
+                // Chunks of one and three context blocks.
+                1 => t.pieces = vec![(0, c), (c, 4 * c), (4 * c, prompt)],
+                // Holes: the receiver's cached front and one context block missing.
+                2 => {
+                    t.gen_holes = vec![0];
+                    t.ctx_holes = vec![2];
+                }
+                // A chunk boundary inside a larger block, and a receiver hole.
+                3 => {
+                    t.pieces = vec![(0, 3 * c), (3 * c, prompt)];
+                    t.gen_holes = vec![1];
+                }
+                _ => {}
+            }
+            let what = format!("tpb {ctx_tpb}->{gen_tpb} tp{ctx_tp}->tp{gen_tp} variant {variant}");
+            run(&t).unwrap_or_else(|e| panic!("{what}: {}", error_chain(&e)));
+        }
+    }
+}
+
+#[test]
+fn hnd_blocks_re_block_from_smaller_to_larger() {
+    reblocked(4, 8);
+    reblocked(4, 16);
+}
+
+#[test]
+fn hnd_blocks_re_block_from_larger_to_smaller() {
+    reblocked(8, 4);
+    reblocked(16, 4);
+}
+
+#[test]
+fn re_blocking_sends_from_the_receiver_block_holding_dst_start_token() {
+    use kvferry_planner_abi::ffi::ROption;
+    use std::sync::Arc;
+    let base = Model {
+        slots: 64,
+        ..small_gqa(LayoutKind::HND)
+    };
+    for (ctx_tpb, gen_tpb) in [(4, 8), (8, 4), (4, 16), (16, 4)] {
+        let ctx_model = Model {
+            tpb: ctx_tpb,
+            ..base.clone()
+        };
+        let gen_model = Model {
+            tpb: gen_tpb,
+            ..base.clone()
+        };
+        for start in [5, 9, 16, 21] {
+            let mut t = Transfer::new(
+                &ctx_model,
+                Deploy::context(2, &ctx_model),
+                Deploy::generation(4, &gen_model),
+                45,
+            );
+            t.gen_model = gen_model.clone();
+            // The receiver already holds the blocks before the one holding `start`.
+            t.gen_holes = (0..start / u64::from(gen_tpb)).collect();
+            let mut exchange = t.exchange().expect("exchange");
+            for p in &mut exchange.pieces {
+                p.dst_start_token = ROption::RSome(start);
+            }
+            let factory = |info: &RankInfo| -> Result<Arc<dyn TransferPlanner>, PlanError> {
+                Ok(Arc::new(DefaultPlanner::new(info)?))
+            };
+            let report = exchange
+                .run(&factory, &factory)
+                .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+            assert!(
+                report.is_ok() && report.verification.bytes_covered > 0,
+                "tpb {ctx_tpb}->{gen_tpb} start {start}: {report}"
+            );
+        }
+    }
+}

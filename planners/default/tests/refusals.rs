@@ -77,14 +77,57 @@ fn t2_helix_with_different_block_sizes() {
 }
 
 #[test]
-fn different_block_sizes_are_refused_without_cp_too() {
-    // §3.2 rule 4's HND-only allowance is not supported: rows pair by block ordinal.
+fn hnd_block_sizes_that_divide_are_accepted() {
+    // §3.2 rule 4: HND views re-block when one block size is a multiple of the other.
     let (a, b) = (gqa(), Model { tpb: 8, ..gqa() });
+    for (ga, cb) in [(1, 1), (2, 4), (4, 1)] {
+        accepted(
+            &Deploy::generation(ga, &a).rank(&a, 0),
+            &Deploy::context(cb, &b).rank(&b, 0),
+        );
+    }
+}
+
+#[test]
+fn nhd_views_with_different_block_sizes_are_refused() {
+    // An NHD buffer is token-major: its bytes are addressed by token inside a block.
+    let a = Model {
+        layout: LayoutKind::NHD,
+        ..gqa()
+    };
+    let b = Model {
+        tpb: 8,
+        ..a.clone()
+    };
     let r = refused(
         &Deploy::generation(1, &a).rank(&a, 0),
         &Deploy::context(1, &b).rank(&b, 0),
     );
     assert_field(&r, "tokens_per_block", "4", "8");
+    assert!(r.reason.contains("HND views only"), "{r}");
+    assert!(r.reason.contains("nhd"), "{r}");
+}
+
+#[test]
+fn block_sizes_that_do_not_divide_are_refused() {
+    let (a, b) = (gqa(), Model { tpb: 6, ..gqa() });
+    let r = refused(
+        &Deploy::generation(1, &a).rank(&a, 0),
+        &Deploy::context(1, &b).rank(&b, 0),
+    );
+    assert_field(&r, "tokens_per_block", "4", "6");
+    assert!(r.reason.contains("6 is not a multiple of 4"), "{r}");
+}
+
+#[test]
+fn re_blocking_needs_declared_shard_units() {
+    let (a, b) = (gqa(), Model { tpb: 8, ..gqa() });
+    let mut me = Deploy::generation(1, &a).rank(&a, 0);
+    let mut peer = Deploy::context(1, &b).rank(&b, 0);
+    view(&mut me, 0, 0).layout.shard_unit_bytes = 0;
+    view(&mut peer, 0, 0).layout.shard_unit_bytes = 0;
+    let r = refused(&me, &peer);
+    assert_eq!(r.field.as_str(), "layout.shard_unit_bytes", "{r}");
 }
 
 #[test]

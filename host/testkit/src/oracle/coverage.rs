@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use kvferry_plan::RequestSide;
 use kvferry_planner_abi::{GroupKind, PairRequest, SlotTable};
 
-use super::image::{PoolImage, RankModel, add_segment};
+use super::image::{PoolImage, RankModel, add_masked_segment, add_segment};
 use super::tags::Background;
 use super::{Oracle, OracleError, input_error};
 
@@ -91,23 +91,31 @@ impl RankModel<'_> {
         pieces: &[PairRequest],
     ) -> Result<Vec<PoolImage>, OracleError> {
         self.check_tables(side.slot_tables)?;
+        // Block sizes may differ (semantics §3.2 rule 4, one a multiple of the other):
+        // coverage is decided per unit of the smaller block, `unit` tokens.
         let tpb = u64::from(self.page_table().tokens_per_block);
-        if let Some(ctx_tpb) = held.tokens_per_block {
-            if ctx_tpb != tpb {
-                return Err(input_error(
-                    self.info,
-                    format!("tokens_per_block {tpb} differs from the context side's {ctx_tpb}"),
-                ));
-            }
+        let ctx_tpb = held.tokens_per_block.unwrap_or(tpb);
+        let unit = tpb.min(ctx_tpb);
+        if tpb.max(ctx_tpb) % unit != 0 || tpb / unit > 64 {
+            return Err(input_error(
+                self.info,
+                format!(
+                    "tokens_per_block {tpb} against the context side's {ctx_tpb}: one must be \
+                     a multiple of the other (at most 64 times)"
+                ),
+            ));
         }
+        let per_block = tpb / unit;
+        // Requested units per piece, `[start / unit, ceil(end / unit))`, from the receiver
+        // block holding `dst_start_token` on.
         let requested: Vec<(u64, u64)> = pieces
             .iter()
             .map(|p| {
-                let mut lo = p.token_range.start / tpb;
+                let mut lo = p.token_range.start / unit;
                 if let Some(t) = p.dst_start_token.into_option() {
-                    lo = lo.max(t / tpb);
+                    lo = lo.max(t / tpb * per_block);
                 }
-                (lo, p.token_range.end.div_ceil(tpb))
+                (lo, p.token_range.end.div_ceil(unit))
             })
             .collect();
         let last_sent = pieces.iter().any(|p| p.is_last);
@@ -133,11 +141,37 @@ impl RankModel<'_> {
                     continue;
                 }
                 for (j, &slot) in table.slots.iter().enumerate() {
+                    if slot == SlotTable::HOLE {
+                        continue;
+                    }
                     let g = self.global_ordinal(j as u64);
-                    let wanted = requested.iter().any(|&(lo, hi)| (lo..hi).contains(&g));
-                    let has = holding.ordinals.get(g as usize).copied().unwrap_or(false);
-                    if slot != SlotTable::HOLE && wanted && has {
+                    let mut bits = 0u64;
+                    for k in 0..per_block {
+                        let u = g * per_block + k;
+                        let wanted = requested.iter().any(|&(lo, hi)| (lo..hi).contains(&u));
+                        let c = u * unit / ctx_tpb;
+                        let has = holding.ordinals.get(c as usize).copied().unwrap_or(false);
+                        if wanted && has {
+                            bits |= 1 << k;
+                        }
+                    }
+                    let all = if per_block == 64 {
+                        u64::MAX
+                    } else {
+                        (1 << per_block) - 1
+                    };
+                    if bits == all {
                         add_segment(&mut images[geom.pool], slot as u64, gi, layer, g * tpb);
+                    } else if bits != 0 {
+                        let mask = Some((unit, bits));
+                        add_masked_segment(
+                            &mut images[geom.pool],
+                            slot as u64,
+                            gi,
+                            layer,
+                            g * tpb,
+                            mask,
+                        );
                     }
                 }
             }

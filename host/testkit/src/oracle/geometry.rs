@@ -51,10 +51,16 @@ impl ViewGeom {
         }
     }
 
-    /// Calls `run(offset, len, seed, start)` for every run of the region of `layer` whose
+    /// Calls `run(offset, len, seed, start, t)` for every run of the region of `layer` whose
     /// first token is `token0`: bytes `offset .. offset + len` of the region are bytes
-    /// `start ..` of the stream keyed by `seed`.
-    fn for_each_run(&self, layer: u32, token0: u64, mut run: impl FnMut(usize, usize, u64, u64)) {
+    /// `start ..` of the stream keyed by `seed`, and belong to token `t` of the block (0 for
+    /// runs without a token).
+    fn for_each_run(
+        &self,
+        layer: u32,
+        token0: u64,
+        mut run: impl FnMut(usize, usize, u64, u64, u64),
+    ) {
         let layer_seed = combine(self.seed, u64::from(layer));
         match &self.shape {
             Shape::Heads {
@@ -77,7 +83,7 @@ impl ViewGeom {
                             } else {
                                 buffer_off + (h * tokens + t) * row
                             };
-                            run(off as usize, *row as usize, combine(head_seed, token), 0);
+                            run(off as usize, *row as usize, combine(head_seed, token), 0, t);
                         }
                     }
                 }
@@ -86,7 +92,7 @@ impl ViewGeom {
                 let mut off = 0;
                 for (k, &len) in bytes.iter().enumerate() {
                     let seed = combine(combine(layer_seed, k as u64), u64::MAX - 1);
-                    run(off as usize, len as usize, seed, shard * len);
+                    run(off as usize, len as usize, seed, shard * len, 0);
                     off += len;
                 }
             }
@@ -94,8 +100,24 @@ impl ViewGeom {
     }
 
     pub(super) fn render(&self, layer: u32, token0: u64, out: &mut [u8]) {
-        self.for_each_run(layer, token0, |off, len, seed, start| {
+        self.for_each_run(layer, token0, |off, len, seed, start, _| {
             stream(seed, start, &mut out[off..off + len]);
+        });
+    }
+
+    /// [`render`](Self::render) for the runs of the tokens `keep` accepts (token in block)
+    /// only; the other bytes of `out` are left as they are.
+    pub(super) fn render_tokens(
+        &self,
+        layer: u32,
+        token0: u64,
+        keep: impl Fn(u64) -> bool,
+        out: &mut [u8],
+    ) {
+        self.for_each_run(layer, token0, |off, len, seed, start, t| {
+            if keep(t) {
+                stream(seed, start, &mut out[off..off + len]);
+            }
         });
     }
 

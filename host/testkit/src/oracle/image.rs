@@ -20,6 +20,16 @@ struct Segment {
     geom: usize,
     layer: u32,
     token0: u64,
+    /// Only some tokens of the block covered: `(tokens per unit, bit per unit)`; the other
+    /// tokens keep the background (a receiver block larger than the sender's, partly held).
+    mask: Option<(u64, u64)>,
+}
+
+impl Segment {
+    fn keeps(&self, t: u64) -> bool {
+        self.mask
+            .is_none_or(|(unit, bits)| (bits >> (t / unit)) & 1 == 1)
+    }
 }
 
 /// The expected content of one pool.
@@ -190,7 +200,13 @@ impl<'a> RankModel<'a> {
             for seg in segments {
                 let (a, b) = (seg.offset as usize, (seg.offset + seg.len) as usize);
                 stream(bg, start + cursor as u64, &mut out[cursor..a]);
-                self.geoms[seg.geom].render(seg.layer, seg.token0, &mut out[a..b]);
+                let geom = &self.geoms[seg.geom];
+                if seg.mask.is_some() {
+                    stream(bg, start + a as u64, &mut out[a..b]);
+                    geom.render_tokens(seg.layer, seg.token0, |t| seg.keeps(t), &mut out[a..b]);
+                } else {
+                    geom.render(seg.layer, seg.token0, &mut out[a..b]);
+                }
                 cursor = b;
             }
         }
@@ -311,7 +327,12 @@ impl<'a> RankModel<'a> {
             segs.iter()
                 .find(|g| (g.offset..g.offset + g.len).contains(&off))
         }) {
-            return self.geoms[seg.geom].describe(seg.layer, seg.token0, off - seg.offset);
+            let logical = self.geoms[seg.geom].describe(seg.layer, seg.token0, off - seg.offset);
+            let masked =
+                matches!(&logical, Logical::Token { token, .. } if !seg.keeps(token - seg.token0));
+            if !masked {
+                return logical;
+            }
         }
         match image.background.kind {
             Background::Canary => Logical::Uncovered { slot: s, padding },
@@ -327,11 +348,24 @@ pub(super) fn add_segment(
     layer: &LayerRange,
     token0: u64,
 ) {
+    add_masked_segment(image, slot, geom, layer, token0, None);
+}
+
+/// [`add_segment`] for some tokens of a block only: `mask = (tokens per unit, bit per unit)`.
+pub(super) fn add_masked_segment(
+    image: &mut PoolImage,
+    slot: u64,
+    geom: usize,
+    layer: &LayerRange,
+    token0: u64,
+    mask: Option<(u64, u64)>,
+) {
     image.slots.entry(slot).or_default().push(Segment {
         offset: layer.offset,
         len: layer.size,
         geom,
         layer: layer.global,
         token0,
+        mask,
     });
 }

@@ -40,6 +40,13 @@
 //!   of `C` is global ordinal `j × C + r`);
 //! - STATE: both sides hold a slot and the request's last piece was sent.
 //!
+//! When the two sides' `tokens_per_block` differ (one a multiple of the other, semantics §3.2
+//! rule 4), PAGED coverage is decided per block of the smaller side: a unit is covered when a
+//! piece requests it (`[start / small, ceil(end / small))`, from the receiver block holding
+//! `dst_start_token` on), the receiver holds the block it lies in and the context side holds
+//! the block it lies in; the uncovered tokens of a partly covered receiver block keep their
+//! canary.
+//!
 //! # Code
 //!
 //! `memory`: the pools ([`PoolMemory`], [`LocalMemory`]); `tags`: the hash streams and the
