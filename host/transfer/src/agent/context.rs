@@ -440,14 +440,7 @@ pub(crate) fn send(inner: &Arc<Inner>, s: Send) -> Result<(), CallError> {
         request: id,
         reason,
     };
-    let groups = inner.info.page_table.groups.len();
-    if s.tables.len() != groups {
-        return Err(invalid(format!(
-            "{} slot tables for {groups} layer groups",
-            s.tables.len()
-        )));
-    }
-    check_slots(&inner.info, &s.tables).map_err(invalid)?;
+    check_tables(&inner.info, &s.tables).map_err(invalid)?;
     if s.prompt_len == 0 || s.tokens.start >= s.tokens.end || s.tokens.end > s.prompt_len {
         return Err(invalid(format!(
             "tokens {}..{} of a {}-token prompt",
@@ -529,6 +522,18 @@ pub(crate) fn send(inner: &Arc<Inner>, s: Send) -> Result<(), CallError> {
     Ok(())
 }
 
+/// One table per layer group of `info`'s page table, every slot inside its pools.
+pub(crate) fn check_tables(info: &RankInfo, tables: &[SlotTable]) -> Result<(), String> {
+    let groups = info.page_table.groups.len();
+    if tables.len() != groups {
+        return Err(format!(
+            "{} slot tables for {groups} layer groups",
+            tables.len()
+        ));
+    }
+    check_slots(info, tables)
+}
+
 /// Every slot named is inside its pool, for every view of every group.
 pub(crate) fn check_slots(info: &RankInfo, tables: &[SlotTable]) -> Result<(), String> {
     let pt = &info.page_table;
@@ -572,14 +577,7 @@ fn request_data(inner: &Arc<Inner>, conn: &Arc<GenConn>, data: RequestData) {
             data.receiver_instance
         ));
     }
-    if data.slot_tables.len() != conn.info.page_table.groups.len() {
-        return refuse(format!(
-            "{} slot tables for {} layer groups",
-            data.slot_tables.len(),
-            conn.info.page_table.groups.len()
-        ));
-    }
-    if let Err(e) = check_slots(&conn.info, &data.slot_tables) {
+    if let Err(e) = check_tables(&conn.info, &data.slot_tables) {
         return refuse(e);
     }
     if data.prompt_len == 0

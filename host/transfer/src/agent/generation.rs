@@ -348,14 +348,7 @@ pub(crate) fn expect(inner: &Arc<Inner>, e: Expect) -> Result<(), CallError> {
         request: id,
         reason,
     };
-    let groups = inner.info.page_table.groups.len();
-    if e.tables.len() != groups {
-        return Err(invalid(format!(
-            "{} slot tables for {groups} layer groups",
-            e.tables.len()
-        )));
-    }
-    super::context::check_slots(&inner.info, &e.tables).map_err(invalid)?;
+    super::context::check_tables(&inner.info, &e.tables).map_err(invalid)?;
     if e.prompt_len == 0 {
         return Err(invalid("an empty prompt".into()));
     }
