@@ -11,7 +11,7 @@ use std::time::Duration;
 use kvferry_planner_abi::{SlotTable, TokenRange};
 use kvferry_transfer::Role;
 use kvferry_transfer::Transport;
-use kvferry_transfer::agent::{Agent, AgentConfig, Event, Expect, FailureKind, Secret, Send};
+use kvferry_transfer::agent::{Agent, AgentConfig, Event, FailureKind, Secret, Send};
 use kvferry_transfer::rank::WriteHook;
 
 use support::*;
@@ -32,16 +32,7 @@ fn a_chunked_request_lands_byte_for_byte_over_tcp_and_shm() {
         let dst_slots = [4i64, 2, 7, 5, 0];
         let prompt = 70;
         decode
-            .expect(Expect {
-                request: 7,
-                peer: "prefill".into(),
-                endpoints: vec![endpoint],
-                ctx_dp_rank: 0,
-                prompt_len: prompt,
-                cached_prefix: None,
-                tables: tables(&dst, &dst_slots),
-                excluded_views: Vec::new(),
-            })
+            .expect(expecting(7, &endpoint, tables(&dst, &dst_slots), prompt))
             .unwrap();
         prefill
             .send(Send {
@@ -98,27 +89,14 @@ fn a_peer_without_the_secret_is_refused_by_name_and_moves_nothing() {
     let prefill = agent(Role::Context, &src, secret(), Transport::Tcp);
     let wrong = Secret::new(b"another secret, also 32 bytes!!!".to_vec()).unwrap();
     let decode = agent(Role::Generation, &dst, wrong, Transport::Tcp);
-    prefill
-        .send(Send {
-            request: 1,
-            tables: tables(&src, &[0]),
-            tokens: TokenRange { start: 0, end: 16 },
-            prompt_len: 16,
-            is_last: true,
-            to: None,
-        })
-        .unwrap();
+    prefill.send(whole(1, tables(&src, &[0]), 16)).unwrap();
     decode
-        .expect(Expect {
-            request: 1,
-            peer: "prefill".into(),
-            endpoints: vec![prefill.endpoint().unwrap().into()],
-            ctx_dp_rank: 0,
-            prompt_len: 16,
-            cached_prefix: None,
-            tables: tables(&dst, &[0]),
-            excluded_views: Vec::new(),
-        })
+        .expect(expecting(
+            1,
+            prefill.endpoint().unwrap(),
+            tables(&dst, &[0]),
+            16,
+        ))
         .unwrap();
     match wait(&decode, 1, Duration::from_secs(10)) {
         Event::Failed { kind, detail, .. } => {
@@ -139,14 +117,7 @@ fn bad_requests_are_refused_before_anything_is_taken() {
     let prefill = agent(Role::Context, &src, secret(), Transport::Tcp);
     let slots = src.info.page_table.pools[0].num_slots as i64;
     let err = prefill
-        .send(Send {
-            request: 1,
-            tables: tables(&src, &[slots]),
-            tokens: TokenRange { start: 0, end: 16 },
-            prompt_len: 16,
-            is_last: true,
-            to: None,
-        })
+        .send(whole(1, tables(&src, &[slots]), 16))
         .unwrap_err();
     assert!(err.to_string().contains("outside pool"), "{err}");
     let err = prefill
@@ -173,14 +144,7 @@ fn an_unclaimed_send_fails_at_its_lease_and_a_cancel_ends_in_one_event() {
     config.lease = Duration::from_millis(200);
     // SAFETY: `src` outlives the agent.
     let prefill = unsafe { Agent::start(config, bound) }.unwrap();
-    let send = |request| Send {
-        request,
-        tables: tables(&src, &[0]),
-        tokens: TokenRange { start: 0, end: 16 },
-        prompt_len: 16,
-        is_last: true,
-        to: None,
-    };
+    let send = |request| whole(request, tables(&src, &[0]), 16);
     prefill.send(send(1)).unwrap();
     prefill.send(send(2)).unwrap();
     prefill.cancel(2).unwrap();
@@ -206,27 +170,14 @@ fn a_cancel_with_puts_in_flight_ends_only_after_the_last_write() {
     let decode = agent(Role::Generation, &dst, secret(), Transport::Tcp);
     let slots = [0i64, 1, 2, 3];
     decode
-        .expect(Expect {
-            request: 3,
-            peer: "prefill".into(),
-            endpoints: vec![prefill.endpoint().unwrap().into()],
-            ctx_dp_rank: 0,
-            prompt_len: 64,
-            cached_prefix: None,
-            tables: tables(&dst, &slots),
-            excluded_views: Vec::new(),
-        })
+        .expect(expecting(
+            3,
+            prefill.endpoint().unwrap(),
+            tables(&dst, &slots),
+            64,
+        ))
         .unwrap();
-    prefill
-        .send(Send {
-            request: 3,
-            tables: tables(&src, &slots),
-            tokens: TokenRange { start: 0, end: 64 },
-            prompt_len: 64,
-            is_last: true,
-            to: None,
-        })
-        .unwrap();
+    prefill.send(whole(3, tables(&src, &slots), 64)).unwrap();
     // The job is past its puts and sleeping before its flush by now.
     std::thread::sleep(Duration::from_millis(150));
     decode.cancel(3).unwrap();
@@ -385,16 +336,7 @@ mod hostile {
         let decode = agent(Role::Generation, &dst, secret(), Transport::Tcp);
         let endpoint = lying_context(&real, 4096);
         decode
-            .expect(Expect {
-                request: 9,
-                peer: "prefill".into(),
-                endpoints: vec![endpoint],
-                ctx_dp_rank: 0,
-                prompt_len: 32,
-                cached_prefix: None,
-                tables: tables(&dst, &[0, 1]),
-                excluded_views: Vec::new(),
-            })
+            .expect(expecting(9, &endpoint, tables(&dst, &[0, 1]), 32))
             .unwrap();
         match wait(&decode, 9, Duration::from_secs(10)) {
             Event::Failed { kind, detail, .. } => {
@@ -470,16 +412,7 @@ mod hostile {
 
         // The honest peer is served afterwards.
         decode
-            .expect(Expect {
-                request: 1,
-                peer: "prefill".into(),
-                endpoints: vec![endpoint],
-                ctx_dp_rank: 0,
-                prompt_len: 32,
-                cached_prefix: None,
-                tables: tables(&dst, &[3, 4]),
-                excluded_views: Vec::new(),
-            })
+            .expect(expecting(1, &endpoint, tables(&dst, &[3, 4]), 32))
             .unwrap();
         let got = wait(&decode, 1, Duration::from_secs(10));
         assert!(matches!(got, Event::Received { .. }), "{got:?}");
@@ -523,29 +456,13 @@ fn requests_expected_together_share_one_link_to_their_prefill_rank() {
     for request in 0..4u64 {
         let slots = [request as i64 * 2, request as i64 * 2 + 1];
         decode
-            .expect(Expect {
-                request,
-                peer: "prefill".into(),
-                endpoints: vec![endpoint.clone()],
-                ctx_dp_rank: 0,
-                prompt_len: 32,
-                cached_prefix: None,
-                tables: tables(&dst, &slots),
-                excluded_views: Vec::new(),
-            })
+            .expect(expecting(request, &endpoint, tables(&dst, &slots), 32))
             .unwrap();
     }
     for request in 0..4u64 {
         let slots = [request as i64, 7 - request as i64];
         prefill
-            .send(Send {
-                request,
-                tables: tables(&src, &slots),
-                tokens: TokenRange { start: 0, end: 32 },
-                prompt_len: 32,
-                is_last: true,
-                to: None,
-            })
+            .send(whole(request, tables(&src, &slots), 32))
             .unwrap();
     }
     let ids = [0u64, 1, 2, 3];
@@ -595,27 +512,9 @@ fn a_full_side_channel_turns_strangers_away_and_serves_honest_peers_once_they_le
     ));
     drop(strangers);
     std::thread::sleep(Duration::from_millis(100));
-    prefill
-        .send(Send {
-            request: 1,
-            tables: tables(&src, &[0]),
-            tokens: TokenRange { start: 0, end: 16 },
-            prompt_len: 16,
-            is_last: true,
-            to: None,
-        })
-        .unwrap();
+    prefill.send(whole(1, tables(&src, &[0]), 16)).unwrap();
     decode
-        .expect(Expect {
-            request: 1,
-            peer: "prefill".into(),
-            endpoints: vec![endpoint],
-            ctx_dp_rank: 0,
-            prompt_len: 16,
-            cached_prefix: None,
-            tables: tables(&dst, &[3]),
-            excluded_views: Vec::new(),
-        })
+        .expect(expecting(1, &endpoint, tables(&dst, &[3]), 16))
         .unwrap();
     let got = wait(&decode, 1, Duration::from_secs(10));
     assert!(matches!(got, Event::Received { .. }), "{got:?}");

@@ -12,9 +12,9 @@ mod support;
 
 use std::time::Duration;
 
-use kvferry_planner_abi::{Mapping, MemoryType, RankInfo, TokenRange};
+use kvferry_planner_abi::{Mapping, MemoryType, RankInfo};
 use kvferry_testkit::builder::Deploy;
-use kvferry_transfer::agent::{Event, Expect, Send};
+use kvferry_transfer::agent::Event;
 use kvferry_transfer::cuda::{self, CudaDevice, CudaPool};
 use kvferry_transfer::{Role, Transport};
 
@@ -98,27 +98,14 @@ fn a_request_moves_between_engine_owned_device_pools_over_shm_and_tcp() {
         let prefill = start_on(Role::Context, &src.info);
         let decode = start_on(Role::Generation, &dst.info);
         let (s, d) = ([2i64, 0, 5], [1i64, 6, 3]);
-        prefill
-            .send(Send {
-                request: 1,
-                tables: src.tables(&s),
-                tokens: TokenRange { start: 0, end: 48 },
-                prompt_len: 48,
-                is_last: true,
-                to: None,
-            })
-            .unwrap();
+        prefill.send(whole(1, src.tables(&s), 48)).unwrap();
         decode
-            .expect(Expect {
-                request: 1,
-                peer: "prefill".into(),
-                endpoints: vec![prefill.endpoint().unwrap().into()],
-                ctx_dp_rank: 0,
-                prompt_len: 48,
-                cached_prefix: None,
-                tables: dst.tables(&d),
-                excluded_views: Vec::new(),
-            })
+            .expect(expecting(
+                1,
+                prefill.endpoint().unwrap(),
+                dst.tables(&d),
+                48,
+            ))
             .unwrap();
         let got = wait(&decode, 1, Duration::from_secs(30));
         let Event::Received { stats, .. } = got else {

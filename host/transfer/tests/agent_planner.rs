@@ -8,10 +8,10 @@ mod support;
 use std::time::Duration;
 
 use kvferry_loader::Registry;
-use kvferry_planner_abi::{Mapping, TokenRange};
+use kvferry_planner_abi::Mapping;
 use kvferry_testkit::conformance::build_out_of_tree;
 use kvferry_transfer::Role;
-use kvferry_transfer::agent::{Event, Expect, FailureKind, Send};
+use kvferry_transfer::agent::{Event, FailureKind};
 
 use support::*;
 
@@ -40,26 +40,10 @@ fn a_hung_planner_fails_its_requests_by_name_and_the_connection_keeps_working() 
     let endpoint = prefill.endpoint().unwrap().to_string();
     for request in [1u64, 2] {
         prefill
-            .send(Send {
-                request,
-                tables: tables(&src, &[0, 1]),
-                tokens: TokenRange { start: 0, end: 32 },
-                prompt_len: 32,
-                is_last: true,
-                to: None,
-            })
+            .send(whole(request, tables(&src, &[0, 1]), 32))
             .unwrap();
         decode
-            .expect(Expect {
-                request,
-                peer: "prefill".into(),
-                endpoints: vec![endpoint.clone()],
-                ctx_dp_rank: 0,
-                prompt_len: 32,
-                cached_prefix: None,
-                tables: tables(&dst, &[0, 1]),
-                excluded_views: Vec::new(),
-            })
+            .expect(expecting(request, &endpoint, tables(&dst, &[0, 1]), 32))
             .unwrap();
         match wait(&prefill, request, Duration::from_secs(20)) {
             Event::Failed { kind, detail, .. } => {

@@ -7,8 +7,7 @@ mod support;
 
 use std::time::Duration;
 
-use kvferry_planner_abi::TokenRange;
-use kvferry_transfer::agent::{Event, Expect, Send};
+use kvferry_transfer::agent::Event;
 use kvferry_transfer::{Role, Transport};
 
 use support::*;
@@ -27,27 +26,14 @@ fn a_prefill_that_restarts_again_and_again_is_linked_anew_and_nothing_piles_up()
     let mut baseline = None;
     for round in 0..12u64 {
         let prefill = agent(Role::Context, &src, secret(), Transport::Tcp);
-        prefill
-            .send(Send {
-                request: round,
-                tables: tables(&src, &[1]),
-                tokens: TokenRange { start: 0, end: 16 },
-                prompt_len: 16,
-                is_last: true,
-                to: None,
-            })
-            .unwrap();
+        prefill.send(whole(round, tables(&src, &[1]), 16)).unwrap();
         decode
-            .expect(Expect {
-                request: round,
-                peer: "prefill".into(),
-                endpoints: vec![prefill.endpoint().unwrap().into()],
-                ctx_dp_rank: 0,
-                prompt_len: 16,
-                cached_prefix: None,
-                tables: tables(&dst, &[2]),
-                excluded_views: Vec::new(),
-            })
+            .expect(expecting(
+                round,
+                prefill.endpoint().unwrap(),
+                tables(&dst, &[2]),
+                16,
+            ))
             .unwrap();
         let got = wait(&decode, round, Duration::from_secs(10));
         assert!(

@@ -19,8 +19,7 @@ use std::sync::{Arc, mpsc};
 use std::time::Duration;
 
 use kvferry_plan::ValidatedPlan;
-use kvferry_planner_abi::TokenRange;
-use kvferry_transfer::agent::{Agent, AgentConfig, Event, Expect, FailureKind, Send};
+use kvferry_transfer::agent::{Agent, AgentConfig, Event, FailureKind};
 use kvferry_transfer::rank::{RemoteRank, WriteHook};
 use kvferry_transfer::{Role, TransportSpec};
 
@@ -269,17 +268,7 @@ fn child() {
         println!("KVF endpoint {}", agent.endpoint().unwrap());
         for request in 1..=3 {
             agent
-                .send(Send {
-                    request,
-                    tables: tables(&src, &SLOTS),
-                    tokens: TokenRange {
-                        start: 0,
-                        end: PROMPT,
-                    },
-                    prompt_len: PROMPT,
-                    is_last: true,
-                    to: None,
-                })
+                .send(whole(request, tables(&src, &SLOTS), PROMPT))
                 .unwrap();
         }
         // Serve until the parent closes our input.
@@ -297,16 +286,7 @@ fn child() {
     let mut endpoint = String::new();
     stdin.read_line(&mut endpoint).unwrap();
     let dst_tables = tables(&dst, &DST);
-    let expect = |request| Expect {
-        request,
-        peer: "prefill".into(),
-        endpoints: vec![endpoint.trim().to_string()],
-        ctx_dp_rank: 0,
-        prompt_len: PROMPT,
-        cached_prefix: None,
-        tables: dst_tables.clone(),
-        excluded_views: Vec::new(),
-    };
+    let expect = |request| expecting(request, endpoint.trim(), dst_tables.clone(), PROMPT);
     agent.expect(expect(1)).unwrap();
     let got = wait(&agent, 1, Duration::from_secs(20));
     assert!(matches!(got, Event::Received { .. }), "{got:?}");

@@ -10,11 +10,11 @@ use std::time::{Duration, Instant};
 use kvferry_loader::BoundPlanner;
 use kvferry_loader::Registry;
 use kvferry_plan::ValidatedPlan;
-use kvferry_planner_abi::{Mapping, MemoryType, RankInfo, SlotTable};
+use kvferry_planner_abi::{Mapping, MemoryType, RankInfo, SlotTable, TokenRange};
 use kvferry_testkit::builder::{Deploy, Model};
 use kvferry_transfer::Role;
 use kvferry_transfer::Transport;
-use kvferry_transfer::agent::{Agent, AgentConfig, Event, Secret};
+use kvferry_transfer::agent::{Agent, AgentConfig, Event, Expect, Secret, Send};
 use kvferry_transfer::rank::{RemoteRank, WriteHook};
 
 pub const CANARY: u8 = 0xA5;
@@ -231,4 +231,34 @@ pub fn check(
 
 pub fn pattern(p: usize, i: usize) -> u8 {
     ((i * 131 + p * 7 + i / 4096) % 251) as u8
+}
+
+/// A send of the whole `prompt_len`-token prompt in one chunk, from `tables`, to anyone.
+pub fn whole(request: u64, tables: Vec<SlotTable>, prompt_len: u64) -> Send {
+    Send {
+        request,
+        tables,
+        tokens: TokenRange {
+            start: 0,
+            end: prompt_len,
+        },
+        prompt_len,
+        is_last: true,
+        to: None,
+    }
+}
+
+/// An expect of a `prompt_len`-token request from instance `prefill` through `endpoint`,
+/// into `tables`, nothing cached or excluded.
+pub fn expecting(request: u64, endpoint: &str, tables: Vec<SlotTable>, prompt_len: u64) -> Expect {
+    Expect {
+        request,
+        peer: "prefill".into(),
+        endpoints: vec![endpoint.to_string()],
+        ctx_dp_rank: 0,
+        prompt_len,
+        cached_prefix: None,
+        tables,
+        excluded_views: Vec::new(),
+    }
 }
