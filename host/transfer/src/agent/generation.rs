@@ -98,6 +98,35 @@ pub(crate) struct State {
     /// One gate per endpoint dialed: requests expected together wait for one dial and
     /// share its link instead of each opening its own.
     dialing: HashMap<String, Arc<std::sync::Mutex<()>>>,
+    /// Each known context rank's planner, instantiated here once for the byte check.
+    writer_planners: HashMap<PeerIdentity, WriterPlanner>,
+}
+
+/// A context rank's planner, built here (a trait object, shown by name only).
+#[derive(Clone)]
+struct WriterPlanner(Arc<dyn kvferry_planner_abi::TransferPlanner>);
+
+impl std::fmt::Debug for WriterPlanner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("WriterPlanner")
+    }
+}
+
+impl State {
+    /// Files a context rank's metadata, replacing an older start of that rank (whose
+    /// planner, instantiated for the byte check, goes with it).
+    fn record(&mut self, m: AgentMetadata) {
+        let identity = m.identity();
+        self.writer_planners.retain(|id, _| {
+            id.instance != identity.instance
+                || id.rank != identity.rank
+                || id.epoch == identity.epoch
+        });
+        self.directory
+            .entry(identity.instance)
+            .or_default()
+            .insert(identity.rank, m);
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -118,8 +147,7 @@ pub(crate) fn add_peer(inner: &Arc<Inner>, m: AgentMetadata) -> Result<PeerIdent
     let identity = m.identity();
     let mut state = lock(&inner.decode);
     let rank = m.rank.info.instance_rank;
-    let ranks = state.directory.entry(m.instance.clone()).or_default();
-    ranks.insert(rank, m);
+    state.record(m);
     // A link to an older start of that rank is stale.
     if let Some(link) = state.links.get(&(identity.instance.clone(), rank)) {
         if link.identity.epoch != identity.epoch {
@@ -224,11 +252,7 @@ fn dial(inner: &Arc<Inner>, endpoint: &str) -> Result<Arc<Link>, (FailureKind, S
     {
         let mut state = lock(&inner.decode);
         let rank = identity.rank;
-        state
-            .directory
-            .entry(identity.instance.clone())
-            .or_default()
-            .insert(rank, metadata);
+        state.record(metadata);
         state
             .links
             .insert((identity.instance.clone(), rank), Arc::clone(&link));
@@ -696,12 +720,18 @@ fn byte_mismatch(req: &InReq) -> Option<(String, String)> {
 fn expected_bytes(inner: &Arc<Inner>, e: &Expect, asked: &[u32]) -> BTreeMap<u32, u64> {
     let mut out = BTreeMap::new();
     for &c in asked {
-        let info = lock(&inner.decode)
-            .directory
-            .get(&e.peer)
-            .and_then(|r| r.get(&c))
-            .map(|m| m.rank.info.clone());
-        let Some(sender) = info else { continue };
+        let (sender, identity, known) = {
+            let state = lock(&inner.decode);
+            let Some(m) = state.directory.get(&e.peer).and_then(|r| r.get(&c)) else {
+                continue;
+            };
+            let identity = m.identity();
+            let known = state
+                .writer_planners
+                .get(&identity)
+                .map(|p| Arc::clone(&p.0));
+            (m.rank.info.clone(), identity, known)
+        };
         let bound = inner.bound.clone();
         let me = inner.info.clone();
         let (tables, excluded, prompt, cached) = (
@@ -710,8 +740,11 @@ fn expected_bytes(inner: &Arc<Inner>, e: &Expect, asked: &[u32]) -> BTreeMap<u32
             e.prompt_len,
             e.cached_prefix,
         );
-        let planned = inner.planning.call(move || -> Result<u64, String> {
-            let planner = bound.instantiate(&sender).map_err(|e| error_chain(&e))?;
+        let planned = inner.planning.call(move || -> Result<_, String> {
+            let planner = match known {
+                Some(p) => p,
+                None => bound.instantiate(&sender).map_err(|e| error_chain(&e))?,
+            };
             let pt = &sender.page_table;
             let blocks = prompt.div_ceil(u64::from(pt.tokens_per_block.max(1)));
             let stand_in: Vec<SlotTable> = pt
@@ -757,11 +790,24 @@ fn expected_bytes(inner: &Arc<Inner>, e: &Expect, asked: &[u32]) -> BTreeMap<u32
                 &piece,
             )
             .map_err(|e| error_chain(&e))?;
-            Ok(plan.total_bytes())
+            Ok((plan.total_bytes(), planner))
         });
         match planned {
-            Ok(Ok(bytes)) => {
+            Ok(Ok((bytes, planner))) => {
                 out.insert(c, bytes);
+                let mut state = lock(&inner.decode);
+                // Only for a start of that rank still on file.
+                let current = state
+                    .directory
+                    .get(&identity.instance)
+                    .and_then(|r| r.get(&identity.rank))
+                    .is_some_and(|m| m.epoch == identity.epoch);
+                if current {
+                    state
+                        .writer_planners
+                        .entry(identity)
+                        .or_insert(WriterPlanner(planner));
+                }
             }
             Ok(Err(reason)) => tracing::warn!(
                 request = e.request,
