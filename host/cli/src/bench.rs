@@ -7,12 +7,14 @@
 //! set of `requests` requests of exactly `prompt_len` tokens, spread over the DP groups, and
 //! takes one sample of each path:
 //!
-//! - **ours**: the requests go through the transceiver, all in flight at once — `Submit` to
-//!   the generation server, `RequestData` to the context server, planning, validation,
-//!   coalescing, windowed puts, flush, `Completion`s, `Done`. Timed by the controller from
-//!   the first `Submit` to the last `Done`.
-//! - **raw**: [`Message::Bench`] makes the context server write the plans it recorded for a
-//!   set again, every rank at once, with a bare loop: fragments resolved before the clock
+//! - **ours**: the requests go through the agents, all in flight at once — `Submit` to the
+//!   generation server, whose agents `expect` them and send `RequestData` to the context
+//!   agents (which `send` them at prefill), planning, validation, coalescing, windowed puts,
+//!   flush, `Completion`s, the decode side's own byte check, `Received`, `Done`. Timed by
+//!   the controller from the first `Submit` to the last `Done`.
+//! - **raw**: [`ControlMessage::Bench`](crate::control::ControlMessage::Bench) makes the context server's agents write the plans they
+//!   recorded for a set again ([`kvferry_transfer::agent::Agent::replay`]), every rank at
+//!   once, on the same rank threads and endpoints, with a bare loop: fragments resolved before the clock
 //!   starts, then per plan a `kvferry_ucx::PutWindow` of the same size, the same splitting
 //!   and one flush — no control plane, no planning, no checks. Timed by the context server
 //!   from the first put to the last flush.
@@ -30,7 +32,7 @@
 //! are written to `FILE` as JSON ([`FRAGMENTS_FORMAT`]), so that another transfer library can
 //! move exactly the same bytes (`scripts/bench-peers` runs NIXL on them). They are what the
 //! context server recorded and the raw loop puts — validated, coalesced, relative to the
-//! pools — fetched from it with [`Message::Fragments`] rather than planned again in the
+//! pools — fetched from it with [`ControlMessage::Fragments`](crate::control::ControlMessage::Fragments) rather than planned again in the
 //! controller, so they cannot drift from what was measured; the export's fragment and byte
 //! counts are checked against that round's raw replay.
 //!
@@ -52,19 +54,16 @@ use std::time::{Duration, Instant};
 use kvferry_planner_abi::Mapping;
 use serde::Serialize;
 
-use crate::demo::{Children, DemoError, LoopbackPair, expect_released, serve_args, spawn_server};
+use crate::demo::{Children, DemoError, LoopbackPair, serve_args, spawn_server};
+use crate::drive::Side;
 
-use kvferry_protocol::Frame as _;
 use kvferry_transfer::rank::PUT_WINDOW;
 use kvferry_transfer::{BenchStats, MemoryKind, PairFragments, TransportSpec};
 
-use crate::client::Client;
-use crate::control::{ControlMessage as Message, RankTables, Submit};
+use crate::control::{PeerRef, RankTables, Submit};
 
 /// Rounds run before the counted ones: one of each order, so both slot sets are touched.
 pub const WARMUP_ROUNDS: u32 = 2;
-/// How long a control reply (other than `Done`) may take.
-const REPLY_TIMEOUT: Duration = Duration::from_secs(120);
 /// The `ucx_perftest` executable on `PATH` (Debian package `ucx-utils`), used when the UCX
 /// this binary links against ships none of its own.
 pub const PERFTEST: &str = "ucx_perftest";
@@ -371,9 +370,9 @@ impl Sample {
 
 /// The servers and the controller's connections to them.
 struct Pair {
-    ctx: Client,
-    r#gen: Client,
-    ctx_addr: String,
+    ctx: Side,
+    r#gen: Side,
+    peer: PeerRef,
     wait: Duration,
     next_id: u64,
 }
@@ -396,70 +395,29 @@ impl Pair {
             })
             .collect();
         self.next_id += config.requests;
-        for s in &submits {
-            self.ctx.send(Message::Submit(s.clone()))?;
-        }
-        let mut context = vec![Vec::new(); submits.len()];
-        for _ in 0..submits.len() {
-            match self.ctx.recv(REPLY_TIMEOUT)? {
-                Message::Submitted { request, result } => {
-                    let tables = result.map_err(|e| {
-                        DemoError::Protocol(format!("request {request}: prefill: {e}"))
-                    })?;
-                    let slot = submits
-                        .iter()
-                        .position(|s| s.request == request)
-                        .ok_or_else(|| {
-                            DemoError::Protocol(format!("Submitted for unknown request {request}"))
-                        })?;
-                    context[slot] = tables;
-                }
-                other => {
-                    return Err(DemoError::Protocol(format!(
-                        "context server answered {} to Submit",
-                        other.kind()
-                    )));
-                }
-            }
+        let mut context = Vec::with_capacity(submits.len());
+        for (s, result) in submits.iter().zip(self.ctx.prefill(&submits)?) {
+            context.push(result.map_err(|e| {
+                DemoError::Protocol(format!("request {}: prefill: {e}", s.request))
+            })?);
         }
         Ok(Set { submits, context })
     }
 
-    /// kvferry's path: every request of `set` through the transceiver at once.
+    /// kvferry's path: every request of `set` through the agents at once.
     fn ours(&self, set: &Set) -> Result<Sample, DemoError> {
         let started = Instant::now();
-        for s in &set.submits {
-            let mut submit = s.clone();
-            submit.peer = Some(self.ctx_addr.clone());
-            self.r#gen.send(Message::Submit(submit))?;
-        }
+        let results = self.r#gen.transfer(&set.submits, &self.peer, self.wait)?;
+        let seconds = started.elapsed().as_secs_f64();
         let (mut bytes, mut fragments) = (0, 0);
-        for _ in 0..set.submits.len() {
-            match self.r#gen.recv(self.wait)? {
-                Message::Done {
-                    result: Ok(stats), ..
-                } => {
-                    bytes += stats.bytes;
-                    fragments += stats.fragments;
-                }
-                Message::Done {
-                    request,
-                    result: Err(e),
-                } => {
-                    return Err(DemoError::Protocol(format!(
-                        "request {request} failed: {e}"
-                    )));
-                }
-                other => {
-                    return Err(DemoError::Protocol(format!(
-                        "generation server sent {} during the transfer",
-                        other.kind()
-                    )));
-                }
-            }
+        for (s, result) in set.submits.iter().zip(results) {
+            let stats = result
+                .map_err(|e| DemoError::Protocol(format!("request {} failed: {e}", s.request)))?;
+            bytes += stats.bytes;
+            fragments += stats.fragments;
         }
         Ok(Sample {
-            seconds: started.elapsed().as_secs_f64(),
+            seconds,
             bytes,
             fragments,
         })
@@ -467,87 +425,39 @@ impl Pair {
 
     /// The bare loop over the plans recorded for `set`.
     fn raw(&self, set: &Set) -> Result<(Sample, BenchStats), DemoError> {
-        match self.ctx.call(
-            Message::Bench {
-                requests: set.ids(),
+        let stats = self.ctx.replay(&set.ids(), self.wait)?;
+        Ok((
+            Sample {
+                seconds: stats.elapsed_ns as f64 / 1e9,
+                bytes: stats.bytes,
+                fragments: stats.fragments,
             },
-            self.wait,
-        )? {
-            Message::BenchDone { result: Ok(stats) } => Ok((
-                Sample {
-                    seconds: stats.elapsed_ns as f64 / 1e9,
-                    bytes: stats.bytes,
-                    fragments: stats.fragments,
-                },
-                stats,
-            )),
-            Message::BenchDone { result: Err(e) } => {
-                Err(DemoError::Protocol(format!("context server replay: {e}")))
-            }
-            other => Err(DemoError::Protocol(format!(
-                "context server answered {} to Bench",
-                other.kind()
-            ))),
-        }
+            stats,
+        ))
     }
 
     /// The recorded fragments of `set`, per pair.
     fn fragments(&self, set: &Set) -> Result<Vec<PairFragments>, DemoError> {
-        match self.ctx.call(
-            Message::Fragments {
-                requests: set.ids(),
-            },
-            REPLY_TIMEOUT,
-        )? {
-            Message::FragmentsDone { result: Ok(pairs) } => Ok(pairs),
-            Message::FragmentsDone { result: Err(e) } => Err(DemoError::Protocol(format!(
-                "context server fragment export: {e}"
-            ))),
-            other => Err(DemoError::Protocol(format!(
-                "context server answered {} to Fragments",
-                other.kind()
-            ))),
-        }
+        self.ctx.fragments(&set.ids())
     }
 
     /// Checks every request of `set` with the oracle; returns the problems found.
     fn verify(&self, set: &Set) -> Result<Vec<String>, DemoError> {
         let mut problems = Vec::new();
         for (s, context) in set.submits.iter().zip(&set.context) {
-            let reply = self.r#gen.call(
-                Message::Verify {
-                    request: s.request,
-                    context: context.clone(),
-                },
-                REPLY_TIMEOUT,
-            )?;
-            match reply {
-                Message::Verified {
-                    result: Ok(summary),
-                    ..
-                } if summary.ok => {}
-                Message::Verified {
-                    result: Ok(summary),
-                    ..
-                } => problems.push(format!("request {}: {}", s.request, summary.detail)),
-                Message::Verified { result: Err(e), .. } => {
-                    problems.push(format!("request {}: verify: {e}", s.request));
-                }
-                other => {
-                    return Err(DemoError::Protocol(format!(
-                        "generation server answered {} to Verify",
-                        other.kind()
-                    )));
-                }
+            match self.r#gen.verify(s, context)? {
+                Ok(summary) if summary.ok => {}
+                Ok(summary) => problems.push(format!("request {}: {}", s.request, summary.detail)),
+                Err(e) => problems.push(format!("request {}: verify: {e}", s.request)),
             }
         }
         Ok(problems)
     }
 
     fn release(&self, set: &Set) -> Result<(), DemoError> {
-        for id in set.ids() {
-            expect_released(&self.r#gen, id)?;
-            expect_released(&self.ctx, id)?;
+        for s in &set.submits {
+            self.r#gen.release(s)?;
+            self.ctx.release(s)?;
         }
         Ok(())
     }
@@ -598,10 +508,12 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
     children.0.push(ctx_child);
     let (gen_child, gen_addr) = spawn_server(&config.pair.exe, &gen_args, "generation")?;
     children.0.push(gen_child);
+    let ctx = Side::connect("context", &[ctx_addr.control])?;
+    let r#gen = Side::connect("generation", &[gen_addr.control])?;
     let mut pair = Pair {
-        ctx: Client::connect(&ctx_addr.control)?,
-        r#gen: Client::connect(&gen_addr.control)?,
-        ctx_addr: ctx_addr.peer()?.to_string(),
+        peer: ctx.peer(),
+        ctx,
+        r#gen,
         wait: config.pair.timeout + Duration::from_secs(30),
         next_id: 0,
     };
@@ -615,20 +527,10 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
         prompt_len: config.prompt_len,
         requests: config.requests,
         rounds: config.rounds,
+        planner: pair.r#gen.info().planner_id.clone(),
+        planner_version: pair.r#gen.info().planner_version.clone(),
         ..BenchReport::default()
     };
-    match pair.r#gen.call(Message::InfoRequest, REPLY_TIMEOUT)? {
-        Message::Info(info) => {
-            report.planner = info.planner_id;
-            report.planner_version = info.planner_version;
-        }
-        other => {
-            return Err(DemoError::Protocol(format!(
-                "generation server answered {} to InfoRequest",
-                other.kind()
-            )));
-        }
-    }
 
     let mut ours = Vec::new();
     let mut raw = Vec::new();
@@ -712,8 +614,8 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
         pair.release(&prev)?;
     }
 
-    let _ = pair.r#gen.send(Message::Shutdown);
-    let _ = pair.ctx.send(Message::Shutdown);
+    pair.r#gen.shutdown();
+    pair.ctx.shutdown();
     children.wait_exit(Duration::from_secs(5));
     drop(children);
 

@@ -1,9 +1,15 @@
 //! The control protocol between a test or benchmark controller (`kvferry demo`, `kvferry
 //! bench`, the tests) and a `kvferry serve` process: its own message family
 //! ([`ControlMessage`], magic `KVFC`) on its own listener, bound to loopback unless told
-//! otherwise. It drives what an engine would do — allocate slots, prefill, expect, release —
-//! plus what only a test does: fill and check bytes with the oracle, replay plans for the
-//! bench, shut the server down. None of it reaches the transfer library's peer protocol.
+//! otherwise. It drives what an engine would do around its agents — allocate slots, prefill
+//! and `send`, `expect`, release — plus what only a test does: fill and check bytes with the
+//! oracle, replay plans for the bench, shut the server down. None of it reaches the agents'
+//! peer protocol.
+//!
+//! A server answers for the ranks it serves (all of its instance, or one with `serve
+//! --rank N`): a `Submit` for a DP group none of its ranks belongs to is answered at once
+//! with no tables (context) or an empty `Done` (generation), so a controller may send every
+//! message to every server of a side and merge the answers.
 //!
 //! | message | to | answer |
 //! |---|---|---|
@@ -18,8 +24,8 @@
 //! | [`ControlMessage::Shutdown`] | either | the server process exits |
 //! | [`ControlMessage::Error`] | server → controller | the connection closes |
 
-use kvferry_planner_abi::{SlotTable, TokenRange};
-use kvferry_protocol::{Frame, InstanceInfo};
+use kvferry_planner_abi::{RankInfo, SlotTable, TokenRange};
+use kvferry_protocol::{Frame, Role};
 use kvferry_transfer::{BenchStats, PairFragments, RequestStats};
 use serde::{Deserialize, Serialize};
 
@@ -38,8 +44,46 @@ pub struct Submit {
     pub chunks: Option<Vec<TokenRange>>,
     /// Prompt tokens the receiver already holds.
     pub cached: u64,
-    /// Generation side only: the context server's peer address (`host:port`).
-    pub peer: Option<String>,
+    /// Generation side only: the context instance that sends it.
+    pub peer: Option<PeerRef>,
+}
+
+/// A context instance as a generation server reaches it: its name and the side-channel
+/// endpoints of its ranks.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerRef {
+    /// The instance's name.
+    pub instance: String,
+    /// Its ranks' agent endpoints (`host:port`), any order.
+    pub endpoints: Vec<String>,
+}
+
+/// What a server is and which ranks it serves.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServerInfo {
+    /// The instance's name.
+    pub instance: String,
+    /// Context or generation.
+    pub role: Role,
+    /// The bound planner's id.
+    pub planner_id: String,
+    /// Its library version.
+    pub planner_version: String,
+    /// Model and deployment (e.g. `deepseek-v3 fp8 tpb32 dep2`).
+    pub label: String,
+    /// Ranks of the whole instance.
+    pub world: u32,
+    /// The ranks this server runs an agent for, in rank order.
+    pub ranks: Vec<ServedRank>,
+}
+
+/// One rank a server runs an agent for.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServedRank {
+    /// Its description, with its pools' real addresses.
+    pub info: RankInfo,
+    /// A context rank's side-channel endpoint.
+    pub endpoint: Option<String>,
 }
 
 /// The slot tables of one rank for one request.
@@ -47,6 +91,8 @@ pub struct Submit {
 pub struct RankTables {
     /// The rank.
     pub rank: u32,
+    /// Its description (what the oracle needs to model its bytes).
+    pub info: RankInfo,
     /// One table per layer group.
     pub tables: Vec<SlotTable>,
 }
@@ -74,8 +120,8 @@ pub struct VerifySummary {
 pub enum ControlMessage {
     /// Asks a server what it holds.
     InfoRequest,
-    /// What the server's instance advertises.
-    Info(InstanceInfo),
+    /// What the server is and serves.
+    Info(ServerInfo),
     /// Run a request.
     Submit(Submit),
     /// Context server: the request is prefilled (slots allocated and filled), or why not.

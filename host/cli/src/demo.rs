@@ -1,13 +1,19 @@
-//! `kvferry demo`: a context and a generation server as child processes on loopback, a
-//! stream of requests through them, every destination byte checked.
+//! `kvferry demo`: a context and a generation server (one agent per rank each) as child
+//! processes on loopback — or servers already running elsewhere (`--ctx-at`, `--gen-at`:
+//! another host or namespace, one process per rank or one per instance) — a stream of
+//! requests through them, every destination byte checked.
 //!
 //! The controller starts both `kvferry serve` children (the running executable, each on a
-//! free port it reports on stdout), then runs the requests in batches of `in_flight`:
+//! free port it reports on stdout, both holding a fresh random deployment secret), asks
+//! every server which ranks it runs ([`crate::drive::Side`]), then runs the requests in
+//! batches of `in_flight`:
 //!
-//! 1. `Submit` each request to the context server (slots allocated, filled by the oracle:
-//!    the "prefill") and collect the context tables;
-//! 2. `Submit` them all to the generation server at once and wait for every `Done` — the
-//!    transfer phase, timed for the throughput and per request for the latencies;
+//! 1. `Submit` each request to the context servers holding its DP group (slots allocated,
+//!    filled by the oracle — the "prefill" — and handed to the agents with `send`) and
+//!    collect the context tables;
+//! 2. `Submit` them all to the generation servers at once (each rank's agent `expect`s it
+//!    from the context instance's endpoints) and wait for every `Done` — the transfer
+//!    phase, timed for the throughput and per request for the latencies;
 //! 3. `Verify` each completed request on the generation server (its slots: covered bytes
 //!    hold their tags, the rest the canary), then `Release` it on both servers.
 //!
@@ -33,14 +39,12 @@ use kvferry_plan::chunk_ranges;
 use kvferry_testkit::layout::ModelSpec;
 use kvferry_transfer::{MemoryKind, TransportSpec};
 
-use crate::client::{Client, ClientError};
-use crate::control::{ControlMessage as Message, RankTables, Submit};
-use kvferry_protocol::Frame as _;
+use crate::client::ClientError;
+use crate::control::{RankTables, Submit};
+use crate::drive::Side;
 
 /// How long a child may take to report its control address.
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(120);
-/// How long a control reply (other than `Done`) may take.
-const REPLY_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long a child that closed its stdout before listening may take to exit.
 const EXIT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Lines of a child's standard error kept to explain why it did not start.
@@ -50,12 +54,26 @@ pub const CONTROL_ON: &str = "control on ";
 /// In the line a context server prints once it listens, before its peer address.
 pub const LISTENING: &str = "listening on ";
 
+/// Where `kvferry serve` reads the deployment secret when no `--secret-file` is given.
+pub const SECRET_ENV: &str = "KVFERRY_SECRET";
+
+/// A random secret made once per controller process, for the servers it starts.
+pub fn session_secret() -> String {
+    static SECRET: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    SECRET
+        .get_or_init(|| {
+            let bytes: [u8; 24] = rand::random();
+            bytes.iter().map(|b| format!("{b:02x}")).collect()
+        })
+        .clone()
+}
+
 /// The addresses a `kvferry serve` process listens on.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServerAddrs {
     /// Its control listener (the controller's connection).
     pub control: String,
-    /// A context server's peer listener (what generation servers connect to).
+    /// A context server's agent endpoints, comma-separated (what generation ranks dial).
     pub peer: Option<String>,
 }
 
@@ -130,6 +148,10 @@ pub struct DemoConfig {
     pub cached: u64,
     /// Requests in flight at once.
     pub in_flight: usize,
+    /// Control addresses of running context servers to drive instead of starting one.
+    pub ctx_at: Vec<String>,
+    /// Control addresses of running generation servers (with `ctx_at`).
+    pub gen_at: Vec<String>,
 }
 
 /// Why the demo could not run.
@@ -393,6 +415,12 @@ pub fn spawn_serve_logged(
     if !log_chosen && std::env::var_os("RUST_LOG").is_none() {
         cmd.env("RUST_LOG", "kvferry=warn,warn");
     }
+    // The servers one controller starts share a secret nobody else knows, unless the caller
+    // chose one (for the child, or for this whole process).
+    let secret_chosen = cmd.get_envs().any(|(key, _)| key == SECRET_ENV);
+    if !secret_chosen && std::env::var_os(SECRET_ENV).is_none() {
+        cmd.env(SECRET_ENV, session_secret());
+    }
     let mut child = cmd.spawn().map_err(|e| DemoError::Child {
         role,
         message: format!("cannot start {}: {e}", exe.display()),
@@ -507,14 +535,6 @@ fn child_error(lines: &VecDeque<String>) -> Option<String> {
         .map(str::to_string)
 }
 
-/// One request of the stream.
-#[derive(Clone, Debug)]
-struct Planned {
-    submit: Submit,
-    context: Vec<RankTables>,
-    sent: Option<Instant>,
-}
-
 /// Runs the demo.
 ///
 /// # Errors
@@ -540,27 +560,42 @@ pub fn run(config: &DemoConfig) -> Result<DemoReport, DemoError> {
     let state = in_flight as u64 + 2;
 
     let mut children = Children(Vec::new());
-    let (ctx_child, ctx_addr) = spawn_server(
-        &config.pair.exe,
-        &serve_args(&config.pair, "context", &config.pair.ctx_spec, slots, state),
-        "context",
-    )?;
-    children.0.push(ctx_child);
-    let (gen_child, gen_addr) = spawn_server(
-        &config.pair.exe,
-        &serve_args(
-            &config.pair,
-            "generation",
-            &config.pair.gen_spec,
-            slots,
-            state,
-        ),
-        "generation",
-    )?;
-    children.0.push(gen_child);
-    let ctx_peer = ctx_addr.peer()?.to_string();
-    let ctx = Client::connect(&ctx_addr.control)?;
-    let r#gen = Client::connect(&gen_addr.control)?;
+    let (ctx_at, gen_at) = match (&config.ctx_at[..], &config.gen_at[..]) {
+        ([], []) => {
+            let (ctx_child, ctx_addr) = spawn_server(
+                &config.pair.exe,
+                &serve_args(&config.pair, "context", &config.pair.ctx_spec, slots, state),
+                "context",
+            )?;
+            children.0.push(ctx_child);
+            let (gen_child, gen_addr) = spawn_server(
+                &config.pair.exe,
+                &serve_args(
+                    &config.pair,
+                    "generation",
+                    &config.pair.gen_spec,
+                    slots,
+                    state,
+                ),
+                "generation",
+            )?;
+            children.0.push(gen_child);
+            (vec![ctx_addr.control], vec![gen_addr.control])
+        }
+        ([_, ..], [_, ..]) => (config.ctx_at.clone(), config.gen_at.clone()),
+        _ => {
+            return Err(DemoError::Invalid(
+                "--ctx-at and --gen-at go together (the control addresses of running \
+                 servers of both sides)"
+                    .into(),
+            ));
+        }
+    };
+    let ctx = Side::connect("context", &ctx_at)?;
+    let r#gen = Side::connect("generation", &gen_at)?;
+    check_side(&ctx, &config.pair.ctx)?;
+    check_side(&r#gen, &config.pair.r#gen)?;
+    let peer = ctx.peer();
 
     let mut report = DemoReport {
         model: config.pair.model.to_string(),
@@ -569,23 +604,12 @@ pub fn run(config: &DemoConfig) -> Result<DemoReport, DemoError> {
         transport: config.pair.transport.to_string(),
         memory: config.pair.memory.to_string(),
         requests: config.requests,
+        planner: r#gen.info().planner_id.clone(),
+        planner_version: r#gen.info().planner_version.clone(),
         ..DemoReport::default()
     };
-    match r#gen.call(Message::InfoRequest, REPLY_TIMEOUT)? {
-        Message::Info(info) => {
-            report.planner = info.planner_id;
-            report.planner_version = info.planner_version;
-        }
-        other => {
-            return Err(DemoError::Protocol(format!(
-                "generation server answered {} to InfoRequest",
-                kvferry_protocol::Frame::kind(&other)
-            )));
-        }
-    }
 
-    let groups = |m: &Mapping| if m.attention_dp { m.tp } else { 1 };
-    let (ctx_groups, gen_groups) = (groups(&config.pair.ctx), groups(&config.pair.r#gen));
+    let (ctx_groups, gen_groups) = (ctx.dp_groups(), r#gen.dp_groups());
     let mut rng = StdRng::seed_from_u64(config.pair.seed);
     let mut latencies = Vec::new();
     let mut transfer = Duration::ZERO;
@@ -599,161 +623,101 @@ pub fn run(config: &DemoConfig) -> Result<DemoReport, DemoError> {
     let mut next = 0u64;
     while next < config.requests {
         let batch_len = (config.requests - next).min(in_flight as u64);
-        let mut batch: Vec<Planned> = (next..next + batch_len)
+        let submits: Vec<Submit> = (next..next + batch_len)
             .map(|id| {
                 let prompt_len = rng.gen_range(1..=config.max_prompt_len);
-                Planned {
-                    submit: Submit {
-                        request: id,
-                        prompt_len,
-                        ctx_dp_rank: (id % u64::from(ctx_groups)) as u32,
-                        gen_dp_rank: (id % u64::from(gen_groups)) as u32,
-                        chunks: config.chunk.map(|c| chunk_ranges(prompt_len, c)),
-                        cached: config.cached.min(prompt_len),
-                        peer: None,
-                    },
-                    context: Vec::new(),
-                    sent: None,
+                Submit {
+                    request: id,
+                    prompt_len,
+                    ctx_dp_rank: (id % u64::from(ctx_groups)) as u32,
+                    gen_dp_rank: (id % u64::from(gen_groups)) as u32,
+                    chunks: config.chunk.map(|c| chunk_ranges(prompt_len, c)),
+                    cached: config.cached.min(prompt_len),
+                    peer: None,
                 }
             })
             .collect();
         next += batch_len;
 
         // Prefill on the context side.
-        for p in &batch {
-            ctx.send(Message::Submit(p.submit.clone()))?;
-        }
-        let mut prefilled = 0;
-        while prefilled < batch.len() {
-            match ctx.recv(REPLY_TIMEOUT)? {
-                Message::Submitted { request, result } => {
-                    prefilled += 1;
-                    let Some(p) = batch.iter_mut().find(|p| p.submit.request == request) else {
-                        continue;
-                    };
-                    match result {
-                        Ok(tables) => p.context = tables,
-                        Err(e) => {
-                            all_ok = false;
-                            report.failed += 1;
-                            note(&mut report, format!("request {request}: prefill: {e}"));
-                        }
-                    }
-                }
-                other => {
-                    return Err(DemoError::Protocol(format!(
-                        "context server answered {} to Submit",
-                        other.kind()
-                    )));
+        let mut batch: Vec<(Submit, Vec<RankTables>)> = Vec::new();
+        for (s, result) in submits.iter().zip(ctx.prefill(&submits)?) {
+            match result {
+                Ok(tables) => batch.push((s.clone(), tables)),
+                Err(e) => {
+                    all_ok = false;
+                    report.failed += 1;
+                    note(&mut report, format!("request {}: prefill: {e}", s.request));
+                    ctx.release(s)?;
                 }
             }
         }
-        batch.retain(|p| !p.context.is_empty());
 
         // Transfer phase: everything in flight at once.
         let started = Instant::now();
-        for p in &mut batch {
-            let mut submit = p.submit.clone();
-            submit.peer = Some(ctx_peer.clone());
-            p.sent = Some(Instant::now());
-            r#gen.send(Message::Submit(submit))?;
-        }
+        let sent: Vec<Submit> = batch.iter().map(|(s, _)| s.clone()).collect();
         let wait = config.pair.timeout + Duration::from_secs(30);
-        let mut done = Vec::new();
-        let mut pending = batch.len();
-        while pending > 0 {
-            match r#gen.recv(wait)? {
-                Message::Done { request, result } => {
-                    pending -= 1;
-                    match result {
-                        Ok(stats) => {
-                            report.bytes += stats.bytes;
-                            report.fragments += stats.fragments;
-                            latencies.push(stats.latency_us as f64 / 1000.0);
-                            done.push(request);
+        let results = r#gen.transfer(&sent, &peer, wait)?;
+        transfer += started.elapsed();
+
+        // Verify, then release.
+        for ((s, context), result) in batch.iter().zip(results) {
+            match result {
+                Ok(stats) => {
+                    report.bytes += stats.bytes;
+                    report.fragments += stats.fragments;
+                    latencies.push(stats.latency_us as f64 / 1000.0);
+                    match r#gen.verify(s, context)? {
+                        Ok(summary) => {
+                            report.verified_bytes += summary.bytes_checked;
+                            if !summary.ok {
+                                all_ok = false;
+                                report.failed += 1;
+                                note(
+                                    &mut report,
+                                    format!("request {}: {}", s.request, summary.detail),
+                                );
+                            }
                         }
                         Err(e) => {
                             all_ok = false;
                             report.failed += 1;
-                            note(&mut report, e);
+                            note(&mut report, format!("request {}: verify: {e}", s.request));
                         }
                     }
                 }
-                other => {
-                    return Err(DemoError::Protocol(format!(
-                        "generation server sent {} during the transfer phase",
-                        other.kind()
-                    )));
+                Err(e) => {
+                    all_ok = false;
+                    report.failed += 1;
+                    note(&mut report, e);
                 }
             }
-        }
-        transfer += started.elapsed();
-
-        // Verify, then release.
-        for p in &batch {
-            let id = p.submit.request;
-            if done.contains(&id) {
-                let reply = r#gen.call(
-                    Message::Verify {
-                        request: id,
-                        context: p.context.clone(),
-                    },
-                    REPLY_TIMEOUT,
-                )?;
-                match reply {
-                    Message::Verified {
-                        result: Ok(summary),
-                        ..
-                    } => {
-                        report.verified_bytes += summary.bytes_checked;
-                        if !summary.ok {
-                            all_ok = false;
-                            report.failed += 1;
-                            note(&mut report, format!("request {id}: {}", summary.detail));
-                        }
-                    }
-                    Message::Verified { result: Err(e), .. } => {
-                        all_ok = false;
-                        report.failed += 1;
-                        note(&mut report, format!("request {id}: verify: {e}"));
-                    }
-                    other => {
-                        return Err(DemoError::Protocol(format!(
-                            "generation server answered {} to Verify",
-                            other.kind()
-                        )));
-                    }
-                }
-            }
-            expect_released(&r#gen, id)?;
-            expect_released(&ctx, id)?;
+            r#gen.release(s)?;
+            ctx.release(s)?;
         }
     }
 
-    match r#gen.call(Message::VerifyIdle, REPLY_TIMEOUT)? {
-        Message::IdleVerified { result: Ok(s) } => {
+    match r#gen.verify_idle()? {
+        Ok(s) => {
             report.verified_bytes += s.bytes_checked;
             if !s.ok {
                 all_ok = false;
                 note(&mut report, format!("idle pools: {}", s.detail));
             }
         }
-        Message::IdleVerified { result: Err(e) } => {
+        Err(e) => {
             all_ok = false;
             note(&mut report, format!("idle pools: {e}"));
         }
-        other => {
-            return Err(DemoError::Protocol(format!(
-                "generation server answered {} to VerifyIdle",
-                other.kind()
-            )));
-        }
     }
 
-    // The generation server first, so it does not watch its context peer go away.
-    let _ = r#gen.send(Message::Shutdown);
-    let _ = ctx.send(Message::Shutdown);
-    children.wait_exit(Duration::from_secs(5));
+    // Servers this demo started stop with it (the generation side first, so it does not
+    // watch its context peer go away); servers it was pointed at keep running.
+    if !children.0.is_empty() {
+        r#gen.shutdown();
+        ctx.shutdown();
+        children.wait_exit(Duration::from_secs(5));
+    }
 
     report.transfer_seconds = transfer.as_secs_f64();
     report.gbps = if report.transfer_seconds > 0.0 {
@@ -766,15 +730,19 @@ pub fn run(config: &DemoConfig) -> Result<DemoReport, DemoError> {
     Ok(report)
 }
 
-pub(crate) fn expect_released(client: &Client, request: u64) -> Result<(), DemoError> {
-    match client.call(Message::Release { request }, REPLY_TIMEOUT)? {
-        Message::Released { .. } => Ok(()),
-        other => Err(DemoError::Protocol(format!(
-            "{} answered {} to Release",
-            client.addr(),
-            other.kind()
-        ))),
+/// Refuses servers whose instance is not the deployment the controller was told.
+pub(crate) fn check_side(side: &Side, mapping: &Mapping) -> Result<(), DemoError> {
+    let info = side.info();
+    if info.world != mapping.world_size() {
+        return Err(DemoError::Invalid(format!(
+            "{} instance {} has {} ranks, the deployment given ({mapping}) has {}",
+            info.role,
+            info.instance,
+            info.world,
+            mapping.world_size()
+        )));
     }
+    Ok(())
 }
 
 /// Nearest-rank percentiles of `values` (sorted in place).

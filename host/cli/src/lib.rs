@@ -16,6 +16,7 @@ pub mod client;
 pub mod control;
 pub mod demo;
 pub mod doctor;
+pub mod drive;
 pub mod serve;
 pub mod slots;
 pub mod verify;

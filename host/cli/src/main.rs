@@ -11,7 +11,7 @@ use anyhow::{Context, Result, anyhow, bail};
 use clap::{Parser, Subcommand};
 use kvferry_cli::bench::{self, BenchConfig};
 use kvferry_cli::demo::{self, DemoConfig, LoopbackPair};
-use kvferry_cli::serve::ServeOptions;
+use kvferry_cli::serve::{InstanceConfig, ServeOptions};
 use kvferry_loader::config::{self, Config};
 use kvferry_loader::{BoundPlanner, Candidate, Registry};
 use kvferry_plan::bounce::{self, BounceLimits};
@@ -21,7 +21,7 @@ use kvferry_testkit::conformance::PlannerUnderTest;
 use kvferry_testkit::layout::{self, Dtype, ModelSpec, PoolOptions, Preset};
 use kvferry_testkit::oracle::LocalMemory;
 use kvferry_testkit::scenario::Scenario;
-use kvferry_transfer::{InstanceConfig, MemoryKind, Role, TransportSpec};
+use kvferry_transfer::{MemoryKind, Role, TransportSpec};
 use serde_json::json;
 
 /// Moves LLM KV caches from context servers to generation servers, planned by plugins.
@@ -147,7 +147,8 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Run one instance (every rank in this process) as a context or generation server.
+    /// Run the ranks of one instance (every rank in this process, or one with --rank), one
+    /// transfer agent per rank, as a context or generation server.
     Serve(ServeArgs),
     /// Start a context and a generation server on loopback and stream requests through them,
     /// checking every destination byte.
@@ -174,10 +175,20 @@ struct ServeArgs {
     /// Planner id (default: $KVFERRY_PLANNER, config `planner`, kvferry.default).
     #[arg(long, value_name = "ID")]
     planner: Option<String>,
-    /// Context side: the address generation peers connect to (port 0: a free port, printed
-    /// on stdout as `listening on HOST:PORT`).
+    /// Serve this rank of the deployment only (one process per rank, as engines run them).
+    #[arg(long, value_name = "N")]
+    rank: Option<u32>,
+    /// Context side: where every rank's agent listens for generation peers (port 0: each a
+    /// free port; all endpoints are printed on stdout as `listening on HOST:PORT[,...]`).
     #[arg(long, default_value = "127.0.0.1:0", value_name = "HOST:PORT")]
     listen: String,
+    /// Context side: the host address to advertise when --listen is unspecified (0.0.0.0).
+    #[arg(long, value_name = "IP")]
+    advertise: Option<String>,
+    /// The deployment's shared secret (at least 16 bytes; a trailing newline is dropped);
+    /// else $KVFERRY_SECRET. Both servers of a pair must hold the same one.
+    #[arg(long, value_name = "FILE")]
+    secret_file: Option<PathBuf>,
     /// The controller's address (`kvferry demo`, `bench`, tests), printed on stdout as
     /// `control on HOST:PORT`. Keep it on loopback: it can shut the server down.
     #[arg(long, default_value = "127.0.0.1:0", value_name = "HOST:PORT")]
@@ -197,9 +208,16 @@ struct ServeArgs {
     /// STATE slots per pool of every rank (recurrent-state models).
     #[arg(long, default_value_t = 16, value_name = "N")]
     state_slots: u64,
-    /// Generation side: fail a request whose writers have not all reported after this long.
+    /// Fail a request whose writers have not all reported this long after it was expected
+    /// (generation) or claimed (context).
     #[arg(long, default_value_t = 30_000, value_name = "N")]
     timeout_ms: u64,
+    /// Context side: fail a prefilled request nobody claimed after this long.
+    #[arg(long, default_value_t = 60_000, value_name = "N")]
+    lease_ms: u64,
+    /// Fail the requests of a peer that sent nothing (keep-alives included) for this long.
+    #[arg(long, default_value_t = 10_000, value_name = "N")]
+    peer_timeout_ms: u64,
     /// Salt of the oracle's tags and canaries (both servers of a pair must agree).
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -209,10 +227,10 @@ struct ServeArgs {
     /// Fault injection, context side: sleep this long before every flush.
     #[arg(long, default_value_t = 0, hide = true)]
     debug_stall_ms: u64,
-    /// Context side: peer connections served at once; one more is refused, naming the limit.
-    #[arg(long, default_value_t = kvferry_transfer::server::MAX_PEER_CONNECTIONS, value_name = "N")]
+    /// Context side: peer connections each rank serves at once; one more is refused.
+    #[arg(long, default_value_t = 256, value_name = "N")]
     max_peer_connections: usize,
-    /// Context side: keep every queued plan until its request is released, so `kvferry
+    /// Context side: keep every written plan until its request is released, so `kvferry
     /// bench` can replay it with a bare put loop.
     #[arg(long, hide = true)]
     record_plans: bool,
@@ -309,6 +327,23 @@ struct DemoArgs {
     /// Requests in flight at once.
     #[arg(long, default_value_t = 8, value_name = "N")]
     in_flight: usize,
+    /// Drive context servers already running (`kvferry serve --role context`, here or on
+    /// another host) instead of starting one: their control addresses, one per process.
+    #[arg(
+        long,
+        value_name = "HOST:PORT[,...]",
+        value_delimiter = ',',
+        requires = "gen_at"
+    )]
+    ctx_at: Vec<String>,
+    /// The generation servers to drive with --ctx-at.
+    #[arg(
+        long,
+        value_name = "HOST:PORT[,...]",
+        value_delimiter = ',',
+        requires = "ctx_at"
+    )]
+    gen_at: Vec<String>,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -847,24 +882,46 @@ fn plan(host: &Host, a: PlanArgs) -> Result<ExitCode> {
     })
 }
 
-/// Exits the process once standard input ends: a parent that holds our stdin pipe (the
-/// demo) takes its servers down with it however it ends.
-fn exit_with_stdin() -> Result<()> {
+/// Stops the server once standard input ends: a parent that holds our stdin pipe (the demo)
+/// takes its servers down with it however it ends.
+fn stop_with_stdin(stop: std::sync::mpsc::Sender<()>) -> Result<()> {
     std::thread::Builder::new()
         .name("stdin-watch".into())
-        .spawn(|| {
+        .spawn(move || {
             let _ = std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink());
-            tracing::info!("standard input closed; exiting");
-            std::process::exit(0);
+            tracing::info!("standard input closed; stopping");
+            let _ = stop.send(());
         })?;
     Ok(())
 }
 
+/// The deployment's secret: the file's bytes (trailing newline dropped), else
+/// `KVFERRY_SECRET`.
+fn secret(file: Option<&std::path::Path>) -> Result<kvferry_transfer::agent::Secret> {
+    let bytes = match file {
+        Some(path) => {
+            let mut b =
+                std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+            while b.last().is_some_and(|c| *c == b'\n' || *c == b'\r') {
+                b.pop();
+            }
+            b
+        }
+        None => std::env::var("KVFERRY_SECRET")
+            .map_err(|_| {
+                anyhow!(
+                    "no secret: pass --secret-file or set KVFERRY_SECRET (at least 16 bytes, \
+                     the same for both servers of a pair)"
+                )
+            })?
+            .into_bytes(),
+    };
+    kvferry_transfer::agent::Secret::new(bytes).context("the deployment secret")
+}
+
 fn serve(host: &Host, a: ServeArgs) -> Result<ExitCode> {
     a.memory.check()?;
-    if a.exit_with_stdin {
-        exit_with_stdin()?;
-    }
+    let secret = secret(a.secret_file.as_deref())?;
     let id = host.planner_id(a.planner.as_deref());
     let model = a.shape.model(a.model);
     let bound = host.bind(&id, &model, a.deployment)?;
@@ -875,10 +932,11 @@ fn serve(host: &Host, a: ServeArgs) -> Result<ExitCode> {
         };
         format!("{prefix}-{}", std::process::id())
     });
+    let label = format!("{model} {}", a.deployment);
     let config = InstanceConfig {
         role: a.role,
         name: name.clone(),
-        label: format!("{model} {}", a.deployment),
+        label: label.clone(),
         transport: TransportSpec {
             net_devices: a.net_devices.clone(),
             ..a.transport.clone()
@@ -888,27 +946,40 @@ fn serve(host: &Host, a: ServeArgs) -> Result<ExitCode> {
     };
     let options = ServeOptions {
         listen: a.listen,
+        advertise: a.advertise,
         control: a.control,
         timeout: Duration::from_millis(a.timeout_ms),
+        lease: Duration::from_millis(a.lease_ms),
+        peer_timeout: Duration::from_millis(a.peer_timeout_ms),
         seed: a.seed,
         stall: Duration::from_millis(a.debug_stall_ms),
         max_peer_connections: a.max_peer_connections,
         record_plans: a.record_plans,
         paged_slots: a.slots,
         state_slots: a.state_slots,
+        rank: a.rank,
+        secret,
     };
     let running = kvferry_cli::serve::start(config, model, a.deployment, bound, &options)
         .with_context(|| format!("starting {} instance {name}", a.role))?;
+    if a.exit_with_stdin {
+        stop_with_stdin(running.stopper())?;
+    }
     let control = running.control_addr();
-    let peers = running
-        .peer_addr()
-        .map(|p| format!(" {}{p}", demo::LISTENING))
-        .unwrap_or_default();
+    let endpoints = running.endpoints();
+    let peers = if endpoints.is_empty() {
+        String::new()
+    } else {
+        format!(" {}{}", demo::LISTENING, endpoints.join(","))
+    };
+    let ranks = match a.rank {
+        Some(r) => format!("rank {r}"),
+        None => "every rank".to_string(),
+    };
     tracing::info!(instance = %name, role = %a.role, planner = %id, %control, "serving");
     println!(
-        "kvferry serve: {} instance {name} ({}, planner {id}, {}, {} memory) {}{control}{peers}",
+        "kvferry serve: {} instance {name} ({label}, {ranks}, planner {id}, {}, {} memory) {}{control}{peers}",
         a.role,
-        running.instance().label(),
         a.transport,
         a.memory.memory,
         demo::CONTROL_ON
@@ -926,6 +997,8 @@ fn run_demo(config_file: Option<PathBuf>, a: DemoArgs) -> Result<ExitCode> {
         chunk: a.chunk,
         cached: a.cached,
         in_flight: a.in_flight,
+        ctx_at: a.ctx_at,
+        gen_at: a.gen_at,
     };
     let report = demo::run(&config)?;
     print_report(&report, a.json, report.verified)

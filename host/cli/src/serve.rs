@@ -1,80 +1,145 @@
-//! `kvferry serve`: one instance of a model preset, driven by a controller over the control
-//! protocol ([`crate::control`]) — the engine's part played by a test harness.
+//! `kvferry serve`: the ranks of one instance of a model preset — all of them, or one with
+//! `--rank N` as engines run them — each with its own [`Agent`], driven by a controller over
+//! the control protocol ([`crate::control`]): the engine's part played by a test harness.
 //!
-//! The transfer library ([`kvferry_transfer`]) moves bytes between slots it is handed and
-//! never touches their contents. This module is what an engine would be around it, plus the
-//! test machinery: it lays the preset's pools out, allocates slots per request
-//! ([`SlotPools`]), fills source slots with the oracle's tags ("prefill"), primes destination
-//! slots with the canary (all at start, and again whenever kvferry hands a request's slots
-//! back), checks delivered bytes with the oracle, and exits when told to. A context server
-//! also listens for generation peers ([`PeerListener`]); its control listener is a separate
-//! port, bound to loopback unless told otherwise.
+//! The agents ([`kvferry_transfer::agent`]) move bytes between slots they are handed and never
+//! touch their contents. This module is what an engine would be around them, plus the test
+//! machinery: it lays the preset's pools out (allocated by UCX, so shared memory takes
+//! one-sided puts), allocates slots per request ([`SlotPools`]), fills source slots with the
+//! oracle's tags ("prefill"), primes destination slots with the canary (all at start, and
+//! again whenever a request's slots come back), checks delivered bytes with the oracle, and
+//! stops when told to. Its control listener is bound to loopback unless told otherwise; the
+//! agents' side channels are what peers reach, behind the deployment's secret.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::BufReader;
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::thread;
-use std::time::Duration;
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
 
 use kvferry_loader::BoundPlanner;
 use kvferry_plan::error_chain;
-use kvferry_planner_abi::{Mapping, RankInfo, SlotTable};
+use kvferry_planner_abi::{GroupKind, Mapping, PairRequest, RankInfo, SlotTable};
 use kvferry_protocol::{Frame, MAX_FRAME_BYTES, read_frame};
-use kvferry_testkit::layout::{ModelSpec, PoolOptions, build_instance};
+use kvferry_testkit::layout::{ModelSpec, PoolOptions, build_rank};
 use kvferry_testkit::oracle::{Oracle, VerifyReport};
 use kvferry_testkit::scenario::slot_tables;
+use kvferry_transfer::agent::{Agent, AgentConfig, Event, Expect, Secret, Send as AgentSend};
 use kvferry_transfer::conn::{Outbox, drain, spawn_writer};
-use kvferry_transfer::instance::InstanceError;
+use kvferry_transfer::memory::{MemoryError, PoolAllocator, RankPools};
 use kvferry_transfer::rank::{RemoteRank, WriteHook};
-use kvferry_transfer::receiver::Completed;
-use kvferry_transfer::sender::ContextOptions;
-use kvferry_transfer::{
-    ContextServer, Expect, GenerationServer, Instance, InstanceConfig, PairFragments, PeerListener,
-    Role, SourceRequest,
-};
+use kvferry_transfer::{BenchStats, MemoryKind, PairFragments, RequestStats, Role, TransportSpec};
 
-use crate::control::{ControlMessage, RankTables, Submit, VerifySummary};
+use crate::control::{
+    ControlMessage, PeerRef, RankTables, ServedRank, ServerInfo, Submit, VerifySummary,
+};
 use crate::slots::{Allocation, SlotPools};
 use crate::verify::{ReceiverPart, VerifyError, fill_slots, prime_all, prime_slots};
 use crate::verify::{verify_idle, verify_request};
 
 /// How long a refused connection's remaining input is drained before closing it.
 const DRAIN: Duration = Duration::from_millis(200);
+/// How often an event pump looks at its stop flag while no event comes.
+const PUMP_TICK: i32 = 100;
+/// The answer to `Bench` and `Fragments` without `--record-plans`.
+const NOT_RECORDING: &str =
+    "this context server does not record plans (start it with --record-plans)";
+/// How long a bench replay may take beyond the request timeout.
+const REPLAY_GRACE: Duration = Duration::from_secs(5);
+
+/// What the served instance is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InstanceConfig {
+    /// Context or generation.
+    pub role: Role,
+    /// The instance name every rank advertises (the same in every process of the instance).
+    pub name: String,
+    /// What the instance holds, for messages and logs (e.g. `deepseek-v3 fp8 tpb32 dep2`).
+    pub label: String,
+    /// The UCX transports and network devices.
+    pub transport: TransportSpec,
+    /// Where the pools live.
+    pub memory: MemoryKind,
+    /// CUDA pools: the device of every rank (`None`: rank `r` on device `r % device count`).
+    pub cuda_device: Option<usize>,
+}
 
 /// Options of a server beyond its instance.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct ServeOptions {
-    /// Context side: the peer address generation instances connect to.
+    /// Context side: the side-channel listen address of every agent (port 0: each rank a
+    /// free port; a fixed port needs `rank`).
     pub listen: String,
+    /// Context side: the host the agents advertise (default: the listen address, or the
+    /// first non-loopback interface address when that is unspecified).
+    pub advertise: Option<String>,
     /// The control address (`127.0.0.1:0` picks a free loopback port).
     pub control: String,
-    /// How long a request may take: on the generation side, to hear from all its writers;
-    /// on the context side, each write job once it starts.
+    /// How long a request may take once it is expected (generation) or claimed (context).
     pub timeout: Duration,
+    /// How long a context-side send waits for its receivers before it fails.
+    pub lease: Duration,
+    /// How long a peer may stay silent before its requests fail.
+    pub peer_timeout: Duration,
     /// Salt of the oracle's tags and canaries; both servers of a pair must agree.
     pub seed: u64,
     /// Fault injection, context side: sleep this long before every flush.
     pub stall: Duration,
-    /// Context side: peer connections served at once.
+    /// Context side: side-channel connections each agent serves at once.
     pub max_peer_connections: usize,
-    /// Context side: keep every queued plan until its request is released, so
+    /// Context side: keep every written plan until its request is released, so
     /// [`ControlMessage::Bench`] can replay it (`kvferry bench`).
     pub record_plans: bool,
     /// PAGED slots of every PAGED pool.
     pub paged_slots: u64,
     /// STATE slots of every STATE pool.
     pub state_slots: u64,
+    /// Serve this rank only (`None`: every rank of the instance, in this process).
+    pub rank: Option<u32>,
+    /// The deployment's shared secret (both servers of a pair must hold it).
+    pub secret: Secret,
 }
 
 /// Why a server could not start.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ServeError {
-    /// The instance could not start.
-    #[error("starting the instance")]
-    Instance(#[from] InstanceError),
+    /// The options do not fit the instance.
+    #[error("{0}")]
+    Config(String),
+    /// The pools could not be laid out.
+    #[error("laying out rank {rank}'s pools")]
+    Layout {
+        /// The rank.
+        rank: u32,
+        /// Why.
+        #[source]
+        source: kvferry_testkit::layout::LayoutError,
+    },
+    /// The UCX context or the pools could not be made.
+    #[error("the pools")]
+    Memory(#[from] MemoryError),
+    /// No UCX context.
+    #[error("cannot create the UCX context for {transport}")]
+    Context {
+        /// The transport.
+        transport: String,
+        /// UCX's error.
+        #[source]
+        source: kvferry_ucx::Error,
+    },
+    /// An agent could not start.
+    #[error("starting the agent of rank {rank}")]
+    Agent {
+        /// The rank.
+        rank: u32,
+        /// Why.
+        #[source]
+        source: kvferry_transfer::agent::StartError,
+    },
     /// The pools could not be primed.
     #[error("priming the pools with the canary")]
     Prime(#[from] VerifyError),
@@ -87,6 +152,9 @@ pub enum ServeError {
         #[source]
         source: std::io::Error,
     },
+    /// A thread could not be started.
+    #[error("cannot start a thread")]
+    Thread(#[source] std::io::Error),
 }
 
 /// Sleeps before every flush: a slow or hung receiver, for the fault tests.
@@ -99,47 +167,75 @@ impl WriteHook for Stall {
     }
 }
 
-/// The instance's side and the test machinery around it.
+/// One rank this server runs.
 #[derive(Debug)]
-enum Side {
-    Context(Arc<ContextServer>),
-    Generation(Arc<GenerationServer>),
+struct Served {
+    info: RankInfo,
+    pools: Arc<RankPools>,
 }
 
+/// A context-side request: sent on `pending` ranks, whose terminal events have not come.
 #[derive(Debug)]
-struct Held {
+struct Outgoing {
+    allocation: Allocation,
+    pending: BTreeSet<u32>,
+    released: bool,
+}
+
+/// A generation-side request: expected on `pending` ranks.
+#[derive(Debug)]
+struct Incoming {
     allocation: Allocation,
     tables: BTreeMap<u32, Vec<SlotTable>>,
+    pieces: Vec<PairRequest>,
+    pending: BTreeSet<u32>,
+    stats: RequestStats,
+    errors: Vec<String>,
+    cancelled: Option<String>,
+    reply: Option<Outbox<ControlMessage>>,
+    released: bool,
 }
 
 #[derive(Debug)]
 struct Shared {
-    side: Side,
+    role: Role,
+    instance: String,
+    label: String,
+    planner_id: String,
+    planner_version: String,
+    world: u32,
+    dp_groups: u32,
     model: ModelSpec,
     oracle: Oracle,
-    slots: Arc<Mutex<SlotPools>>,
-    /// Generation side: what each request holds until kvferry hands it back.
-    held: Mutex<HashMap<u64, Held>>,
+    ranks: BTreeMap<u32, Served>,
+    /// Taken out at shutdown, so the agents are dropped (and UCX torn down) before exit.
+    agents: RwLock<BTreeMap<u32, Arc<Agent>>>,
+    slots: Mutex<SlotPools>,
+    outgoing: Mutex<HashMap<u64, Outgoing>>,
+    incoming: Mutex<HashMap<u64, Incoming>>,
+    timeout: Duration,
     record_plans: bool,
+    stopping: AtomicBool,
     shutdown: Sender<()>,
 }
 
-/// A started server: the instance runs, the listeners are bound.
+/// A started server: the agents run, the control listener is bound.
 #[derive(Debug)]
 pub struct Running {
     shared: Arc<Shared>,
     control: TcpListener,
     control_addr: SocketAddr,
-    peer_addr: Option<SocketAddr>,
     shutdown: Receiver<()>,
+    pumps: Vec<JoinHandle<()>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Starts the instance of `model` under `mapping` (allocating, describing and priming every
-/// rank) and binds the listeners.
+/// Lays out the ranks this server runs (pools allocated by UCX on one context), primes a
+/// generation server's pools with the canary, starts one agent per rank and binds the
+/// control listener.
 ///
 /// # Errors
 ///
@@ -155,101 +251,207 @@ pub fn start(
         let addr = addr.to_string();
         move |source| ServeError::Listen { addr, source }
     };
-    let role = config.role;
-    let prepared = Instance::prepare(config)?;
+    let world = mapping.world_size();
+    let hosted: Vec<u32> = match options.rank {
+        Some(r) if r >= world => {
+            return Err(ServeError::Config(format!(
+                "--rank {r}: the deployment {mapping} has {world} ranks"
+            )));
+        }
+        Some(r) => vec![r],
+        None => (0..world).collect(),
+    };
+    if hosted.len() > 1 && config.role == Role::Context {
+        let port = options
+            .listen
+            .rsplit_once(':')
+            .and_then(|(_, p)| p.parse::<u16>().ok());
+        if port != Some(0) {
+            return Err(ServeError::Config(format!(
+                "--listen {}: {} ranks cannot share one fixed port; use port 0 (each rank a \
+                 free port) or one process per rank with --rank",
+                options.listen,
+                hosted.len()
+            )));
+        }
+    }
+    config.memory.check_built()?;
+    #[cfg(feature = "cuda")]
+    if config.memory == MemoryKind::Cuda {
+        kvferry_transfer::memory::check_cuda_device(config.cuda_device)?;
+    }
     // Bound before the pools are allocated, so a bad address fails before any memory is.
     let control = TcpListener::bind(&options.control).map_err(listen_error(&options.control))?;
     let control_addr = control
         .local_addr()
         .map_err(listen_error(&options.control))?;
+    let context = config
+        .transport
+        .context_for(config.memory)
+        .map_err(|source| ServeError::Context {
+            transport: config.transport.to_string(),
+            source,
+        })?;
+    let mut allocator = PoolAllocator::for_memory(&context, config.memory, config.cuda_device)?;
     let pool_options = PoolOptions {
         paged_slots: options.paged_slots,
         state_slots: options.state_slots,
         slot_padding: 0,
-        ..PoolOptions::default()
+        memory_type: allocator.memory_type(),
     };
-    let planner_id = bound.id().to_string();
-    let name = prepared.config().name.clone();
-    let layout_model = model.clone();
-    let instance = prepared.start(
-        bound,
-        Box::new(move |allocator| {
-            let options = PoolOptions {
-                memory_type: allocator.memory_type(),
-                ..pool_options
-            };
-            build_instance(
-                &layout_model,
-                &mapping,
-                &name,
-                &planner_id,
-                &options,
-                &mut |rank, pool, bytes| allocator.alloc(rank, pool, bytes),
-            )
-            .map_err(Into::into)
-        }),
-    )?;
-    let slots = Arc::new(Mutex::new(SlotPools::new(
-        instance.dp_groups(),
-        options.paged_slots,
-        options.state_slots,
-        instance.has_state(),
-    )));
+    let mut infos = Vec::with_capacity(hosted.len());
+    for &r in &hosted {
+        let info = build_rank(
+            &model,
+            &mapping,
+            &config.name,
+            bound.id(),
+            r,
+            &pool_options,
+            &mut |rank, pool, bytes| allocator.alloc(rank, pool, bytes),
+        )
+        .map_err(|source| ServeError::Layout { rank: r, source })?;
+        infos.push(info);
+    }
+    let mut all: Vec<Option<RankPools>> = allocator.finish(world)?.into_iter().map(Some).collect();
     let oracle = Oracle::new(options.seed);
-    let (shutdown_tx, shutdown) = mpsc::channel();
-    let (side, peer_addr) = match role {
-        Role::Context => {
-            let hook: Option<Arc<dyn WriteHook>> = (!options.stall.is_zero())
-                .then(|| Arc::new(Stall(options.stall)) as Arc<dyn WriteHook>);
-            let server = Arc::new(ContextServer::new(
-                instance,
-                &ContextOptions {
-                    timeout: options.timeout,
-                    record_plans: options.record_plans,
-                    hook,
-                },
-            ));
-            let listener = PeerListener::bind(Arc::clone(&server), &options.listen)
-                .map_err(|e| match e {
-                    kvferry_transfer::ServeError::Listen { addr, source } => {
-                        ServeError::Listen { addr, source }
-                    }
-                    other => ServeError::Listen {
-                        addr: options.listen.clone(),
-                        source: std::io::Error::other(other.to_string()),
-                    },
-                })?
-                .max_connections(options.max_peer_connections);
-            let addr = listener.local_addr();
-            listener.spawn().map_err(listen_error(&options.listen))?;
-            (Side::Context(server), Some(addr))
-        }
-        Role::Generation => {
+    let mut ranks = BTreeMap::new();
+    for info in infos {
+        let r = info.instance_rank;
+        let pools = all
+            .get_mut(r as usize)
+            .and_then(Option::take)
+            .map(Arc::new)
+            .ok_or_else(|| ServeError::Config(format!("rank {r} got no pools")))?;
+        if config.role == Role::Generation {
             // Every free slot holds the canary: primed now, before any peer has our keys.
-            for rank in instance.ranks() {
-                prime_all(&oracle, &rank.info, &rank.pools)?;
-            }
-            (
-                Side::Generation(GenerationServer::new(instance, options.timeout)),
-                None,
+            prime_all(&oracle, &info, &pools)?;
+        }
+        ranks.insert(r, Served { info, pools });
+    }
+    let hook: Option<Arc<dyn WriteHook>> =
+        (!options.stall.is_zero()).then(|| Arc::new(Stall(options.stall)) as Arc<dyn WriteHook>);
+    let mut agents = BTreeMap::new();
+    for (&r, served) in &ranks {
+        let mut agent_config = AgentConfig::new(
+            &config.name,
+            config.role,
+            served.info.clone(),
+            options.secret.clone(),
+        );
+        agent_config.label = config.label.clone();
+        agent_config.transport = config.transport.clone();
+        agent_config.listen = options.listen.clone();
+        agent_config.advertise = options.advertise.clone();
+        agent_config.timeout = options.timeout;
+        agent_config.lease = options.lease;
+        agent_config.peer_timeout = options.peer_timeout;
+        agent_config.max_connections = options.max_peer_connections;
+        agent_config.cuda_device = config.cuda_device;
+        agent_config.hook = hook.clone();
+        agent_config.record_plans = options.record_plans && config.role == Role::Context;
+        // SAFETY: the pools were allocated on `context` by the allocator above, made by
+        // `config.transport.context_for(config.memory)`; they are kvferry's memory, kept
+        // alive by the agent (and by `ranks`), and this module touches their slots only as
+        // the protocol allows: source slots are filled before `send` and left alone until the
+        // request's terminal event and its release; destination slots are read and re-primed
+        // only after theirs.
+        let agent = unsafe {
+            Agent::start_on(
+                agent_config,
+                bound.clone(),
+                Arc::clone(&context),
+                Arc::clone(&served.pools),
             )
         }
-    };
+        .map_err(|source| ServeError::Agent { rank: r, source })?;
+        agents.insert(r, Arc::new(agent));
+    }
+    // The agents' own descriptions carry the planner's blob; the oracle models those.
+    for (r, agent) in &agents {
+        if let Some(served) = ranks.get_mut(r) {
+            served.info = agent.rank_info().clone();
+        }
+    }
+    let dp_groups = ranks.values().next().map_or(1, |s| {
+        if s.info.attention_dp {
+            s.info.dp_size.max(1)
+        } else {
+            1
+        }
+    });
+    let has_state = ranks.values().any(|s| {
+        s.info
+            .page_table
+            .groups
+            .iter()
+            .any(|g| g.kind == GroupKind::STATE)
+    });
+    let (shutdown_tx, shutdown) = mpsc::channel();
+    let shared = Arc::new(Shared {
+        role: config.role,
+        instance: config.name.clone(),
+        label: config.label.clone(),
+        planner_id: bound.id().to_string(),
+        planner_version: bound.version().to_string(),
+        world,
+        dp_groups,
+        model,
+        oracle,
+        ranks,
+        agents: RwLock::new(agents),
+        slots: Mutex::new(SlotPools::new(
+            dp_groups,
+            options.paged_slots,
+            options.state_slots,
+            has_state,
+        )),
+        outgoing: Mutex::new(HashMap::new()),
+        incoming: Mutex::new(HashMap::new()),
+        timeout: options.timeout,
+        record_plans: options.record_plans,
+        stopping: AtomicBool::new(false),
+        shutdown: shutdown_tx,
+    });
+    let mut pumps = Vec::new();
+    for (r, agent) in shared.agents_now() {
+        let weak = Arc::downgrade(&shared);
+        let pump = thread::Builder::new()
+            .name(format!("events-r{r}"))
+            .spawn(move || pump(&weak, r, &agent))
+            .map_err(ServeError::Thread)?;
+        pumps.push(pump);
+    }
     Ok(Running {
-        shared: Arc::new(Shared {
-            side,
-            model,
-            oracle,
-            slots,
-            held: Mutex::new(HashMap::new()),
-            record_plans: options.record_plans,
-            shutdown: shutdown_tx,
-        }),
+        shared,
         control,
         control_addr,
-        peer_addr,
         shutdown,
+        pumps,
     })
+}
+
+/// Hands one agent's events to the server until it stops.
+fn pump(shared: &std::sync::Weak<Shared>, rank: u32, agent: &Agent) {
+    let mut fd = libc::pollfd {
+        fd: agent.wake_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    loop {
+        // SAFETY: `fd` is one valid pollfd; the agent owns the descriptor and outlives this
+        // loop (it is borrowed for the whole call).
+        let _ = unsafe { libc::poll(&mut fd, 1, PUMP_TICK) };
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        if shared.stopping.load(Ordering::Acquire) {
+            return;
+        }
+        for event in agent.poll() {
+            shared.on_event(rank, event);
+        }
+    }
 }
 
 impl Running {
@@ -258,37 +460,53 @@ impl Running {
         self.control_addr
     }
 
-    /// The bound peer address (context servers only).
-    pub fn peer_addr(&self) -> Option<SocketAddr> {
-        self.peer_addr
+    /// The side-channel endpoints of the context ranks this server runs, in rank order.
+    pub fn endpoints(&self) -> Vec<String> {
+        self.shared
+            .agents_now()
+            .into_iter()
+            .filter_map(|(_, a)| a.endpoint().map(str::to_string))
+            .collect()
     }
 
-    /// The running instance.
-    pub fn instance(&self) -> &Instance {
-        self.shared.instance()
+    /// The ranks this server runs.
+    pub fn ranks(&self) -> Vec<u32> {
+        self.shared.ranks.keys().copied().collect()
     }
 
-    /// Serves control connections until one asks for [`ControlMessage::Shutdown`]; returns
-    /// then (the caller exits the process).
+    /// Stops the server as [`ControlMessage::Shutdown`] does (e.g. when its parent has gone).
+    pub fn stopper(&self) -> Sender<()> {
+        self.shared.shutdown.clone()
+    }
+
+    /// Serves control connections until one asks for [`ControlMessage::Shutdown`] (or the
+    /// [`stopper`](Self::stopper) fires); then stops the agents — every connection ended,
+    /// UCX torn down — and returns.
     pub fn run(self) {
         let Running {
             shared,
             control,
             shutdown,
+            pumps,
             ..
         } = self;
+        let accept_shared = Arc::clone(&shared);
         let accepting = thread::Builder::new()
             .name("control-accept".into())
             .spawn(move || {
                 for stream in control.incoming() {
+                    if accept_shared.stopping.load(Ordering::Acquire) {
+                        break;
+                    }
                     let stream = match stream {
                         Ok(s) => s,
                         Err(e) => {
                             tracing::warn!(error = %e, "accept failed");
+                            thread::sleep(Duration::from_millis(50));
                             continue;
                         }
                     };
-                    let shared = Arc::clone(&shared);
+                    let shared = Arc::clone(&accept_shared);
                     let spawned = thread::Builder::new()
                         .name("control".into())
                         .spawn(move || connection(&shared, stream));
@@ -299,43 +517,108 @@ impl Running {
             });
         if let Err(e) = accepting {
             tracing::warn!(error = %e, "cannot spawn the control accept thread");
-            return;
+        } else {
+            let _ = shutdown.recv();
         }
-        let _ = shutdown.recv();
+        shared.stopping.store(true, Ordering::Release);
+        for pump in pumps {
+            let _ = pump.join();
+        }
+        let agents = std::mem::take(&mut *shared.agents.write().unwrap_or_else(|e| e.into_inner()));
+        // Each agent ends its connections and waits for its threads as it drops.
+        drop(agents);
+        tracing::info!(instance = %shared.instance, "stopped");
     }
 }
 
-impl Shared {
-    fn instance(&self) -> &Instance {
-        match &self.side {
-            Side::Context(s) => s.instance(),
-            Side::Generation(s) => s.instance(),
-        }
-    }
+/// The merged statistics of two ranks' parts of a request.
+fn merge(into: &mut RequestStats, from: &RequestStats) {
+    into.bytes += from.bytes;
+    into.fragments += from.fragments;
+    into.writers += from.writers;
+    into.pieces += from.pieces;
+    into.latency_us = into.latency_us.max(from.latency_us);
+}
 
+impl Shared {
     fn tokens_per_block(&self) -> u64 {
         u64::from(self.model.tokens_per_block)
     }
 
+    fn agents_now(&self) -> Vec<(u32, Arc<Agent>)> {
+        self.agents
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(&r, a)| (r, Arc::clone(a)))
+            .collect()
+    }
+
+    fn agent(&self, rank: u32) -> Option<Arc<Agent>> {
+        self.agents
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&rank)
+            .cloned()
+    }
+
+    /// The ranks of DP group `dp` this server runs.
+    fn group(&self, dp: u32) -> Result<Vec<u32>, String> {
+        if dp >= self.dp_groups {
+            return Err(format!(
+                "DP rank {dp} does not exist ({} dp groups)",
+                self.dp_groups
+            ));
+        }
+        Ok(self
+            .ranks
+            .values()
+            .filter(|s| s.info.dp_rank == dp)
+            .map(|s| s.info.instance_rank)
+            .collect())
+    }
+
+    fn info(&self) -> ServerInfo {
+        let agents = self.agents_now();
+        ServerInfo {
+            instance: self.instance.clone(),
+            role: self.role,
+            planner_id: self.planner_id.clone(),
+            planner_version: self.planner_version.clone(),
+            label: self.label.clone(),
+            world: self.world,
+            ranks: self
+                .ranks
+                .iter()
+                .map(|(r, s)| ServedRank {
+                    info: s.info.clone(),
+                    endpoint: agents
+                        .iter()
+                        .find(|(a, _)| a == r)
+                        .and_then(|(_, a)| a.endpoint().map(str::to_string)),
+                })
+                .collect(),
+        }
+    }
+
     fn handle(self: &Arc<Self>, outbox: &Outbox<ControlMessage>, message: ControlMessage) -> bool {
-        let reply = match (message, &self.side) {
-            (ControlMessage::InfoRequest, _) => ControlMessage::Info(self.instance().describe()),
+        let reply = match (message, self.role) {
+            (ControlMessage::InfoRequest, _) => ControlMessage::Info(self.info()),
             (ControlMessage::Shutdown, _) => {
                 tracing::info!("shutdown requested");
                 let _ = self.shutdown.send(());
                 return false;
             }
-            (ControlMessage::Submit(submit), Side::Context(server)) => {
+            (ControlMessage::Submit(submit), Role::Context) => {
                 let request = submit.request;
-                let result = self.prefill(server, submit).map_err(|e| {
+                let result = self.prefill(submit).inspect_err(|e| {
                     tracing::warn!(request, error = %e, "prefill refused");
-                    e
                 });
                 ControlMessage::Submitted { request, result }
             }
-            (ControlMessage::Submit(submit), Side::Generation(server)) => {
+            (ControlMessage::Submit(submit), Role::Generation) => {
                 let request = submit.request;
-                match self.expect(server, submit, outbox) {
+                match self.expect(submit, outbox) {
                     Ok(()) => return true,
                     Err(e) => {
                         tracing::warn!(request, error = %e, "request refused");
@@ -346,77 +629,66 @@ impl Shared {
                     }
                 }
             }
-            (ControlMessage::Release { request }, Side::Context(server)) => {
-                server.release(request);
+            (ControlMessage::Release { request }, Role::Context) => {
+                self.release_outgoing(request);
                 ControlMessage::Released { request }
             }
-            (ControlMessage::Release { request }, Side::Generation(server)) => {
-                self.release(server, request);
+            (ControlMessage::Release { request }, Role::Generation) => {
+                self.release_incoming(request);
                 ControlMessage::Released { request }
             }
-            (ControlMessage::Cancel { request, reason }, Side::Generation(server)) => {
-                server.cancel(request, &reason);
+            (ControlMessage::Cancel { request, reason }, Role::Generation) => {
+                self.cancel_incoming(request, reason);
                 return true;
             }
-            (ControlMessage::Verify { request, context }, Side::Generation(server)) => {
-                let result = self.verify(server, request, &context);
+            (ControlMessage::Verify { request, context }, Role::Generation) => {
+                let result = self.verify(request, &context);
                 ControlMessage::Verified { request, result }
             }
-            (ControlMessage::VerifyIdle, Side::Generation(server)) => {
-                ControlMessage::IdleVerified {
-                    result: self.verify_idle(server),
-                }
-            }
-            (ControlMessage::Bench { .. }, Side::Context(_)) if !self.record_plans => {
+            (ControlMessage::VerifyIdle, Role::Generation) => ControlMessage::IdleVerified {
+                result: self.verify_idle(),
+            },
+            (ControlMessage::Bench { .. }, Role::Context) if !self.record_plans => {
                 ControlMessage::BenchDone {
-                    result: Err("this context server does not record plans (start it with \
-                                 --record-plans)"
-                        .into()),
+                    result: Err(NOT_RECORDING.into()),
                 }
             }
-            (ControlMessage::Fragments { .. }, Side::Context(_)) if !self.record_plans => {
+            (ControlMessage::Fragments { .. }, Role::Context) if !self.record_plans => {
                 ControlMessage::FragmentsDone {
-                    result: Err("this context server does not record plans (start it with \
-                                 --record-plans)"
-                        .into()),
+                    result: Err(NOT_RECORDING.into()),
                 }
             }
-            (ControlMessage::Fragments { requests }, Side::Context(server)) => {
+            (ControlMessage::Fragments { requests }, Role::Context) => {
                 ControlMessage::FragmentsDone {
-                    result: server
-                        .recorded_fragments(&requests)
-                        .and_then(fits_one_frame),
+                    result: self.fragments(&requests).and_then(fits_one_frame),
                 }
             }
-            (ControlMessage::Bench { requests }, Side::Context(server)) => {
-                let result = server.replay(&requests).map_err(|e| {
+            (ControlMessage::Bench { requests }, Role::Context) => {
+                let result = self.replay(&requests).inspect_err(|e| {
                     tracing::warn!(error = %e, "bench replay failed");
-                    e
                 });
                 ControlMessage::BenchDone { result }
             }
-            (other, _) => {
-                let role = match self.side {
-                    Side::Context(_) => "context",
-                    Side::Generation(_) => "generation",
-                };
-                ControlMessage::Error {
-                    message: format!("{} is not a message a {role} server accepts", other.kind()),
-                }
-            }
+            (other, _) => ControlMessage::Error {
+                message: format!(
+                    "{} is not a message a {} server accepts",
+                    other.kind(),
+                    self.role
+                ),
+            },
         };
+        self.answer(outbox, reply)
+    }
+
+    fn answer(&self, outbox: &Outbox<ControlMessage>, reply: ControlMessage) -> bool {
         let close = matches!(reply, ControlMessage::Error { .. });
         let _ = outbox.send(reply);
         !close
     }
 
-    /// The context side's "prefill": slots for the DP group's ranks, tags from the oracle,
-    /// then the request handed to the transfer library.
-    fn prefill(
-        self: &Arc<Self>,
-        server: &Arc<ContextServer>,
-        submit: Submit,
-    ) -> Result<Vec<RankTables>, String> {
+    /// The context side's "prefill": slots for the DP group's ranks served here, tags from
+    /// the oracle, then every chunk handed to each rank's agent.
+    fn prefill(self: &Arc<Self>, submit: Submit) -> Result<Vec<RankTables>, String> {
         let id = submit.request;
         let pieces = kvferry_plan::pieces(
             submit.prompt_len,
@@ -424,82 +696,186 @@ impl Shared {
             submit.chunks.as_deref(),
         )
         .map_err(|e| format!("request {id}: {e}"))?;
-        let instance = server.instance();
-        let group = instance.dp_group(submit.ctx_dp_rank);
+        let group = self
+            .group(submit.ctx_dp_rank)
+            .map_err(|e| format!("request {id}: {e}"))?;
         if group.is_empty() {
-            return Err(format!(
-                "request {id}: ctx_dp_rank {} does not exist ({} dp groups)",
-                submit.ctx_dp_rank,
-                instance.dp_groups()
-            ));
+            return Ok(Vec::new());
         }
         let blocks = submit.prompt_len.div_ceil(self.tokens_per_block());
-        let allocation = lock(&self.slots)
-            .allocate(submit.ctx_dp_rank, blocks, id ^ 0x00c0_17e7)
-            .map_err(|e| format!("request {id}: {e}"))?;
-        let mut tables = BTreeMap::new();
-        for &r in &group {
-            let Some(rank) = instance.rank(r) else {
-                continue;
-            };
-            let t = slot_tables(&rank.info, submit.prompt_len, 0, &allocation.assignment);
-            if let Err(e) = fill_slots(&self.oracle, &rank.info, &rank.pools, &t) {
-                lock(&self.slots).free(&allocation);
-                return Err(format!(
-                    "request {id}: filling rank {r}: {}",
-                    error_chain(&e)
-                ));
+        // The id check, the allocation and the record are one step: two submits of one id
+        // racing each other must not both allocate (one would leak).
+        let (allocation, tables) = {
+            let mut outgoing = lock(&self.outgoing);
+            if outgoing.contains_key(&id) {
+                return Err(format!("request {id} already exists"));
             }
-            tables.insert(r, t);
-        }
-        let reply: Vec<RankTables> = tables
-            .iter()
-            .map(|(&rank, t)| RankTables {
-                rank,
-                tables: t.clone(),
-            })
-            .collect();
-        let slots = Arc::clone(&self.slots);
-        let freeing = allocation.clone();
-        server
-            .add_request(
-                SourceRequest {
-                    request: id,
-                    prompt_len: submit.prompt_len,
-                    pieces,
-                    tables,
-                    dp_rank: submit.ctx_dp_rank,
+            let allocation = lock(&self.slots)
+                .allocate(submit.ctx_dp_rank, blocks, id ^ 0x00c0_17e7)
+                .map_err(|e| format!("request {id}: {e}"))?;
+            let mut tables = BTreeMap::new();
+            for &r in &group {
+                let served = &self.ranks[&r];
+                let t = slot_tables(&served.info, submit.prompt_len, 0, &allocation.assignment);
+                if let Err(e) = fill_slots(&self.oracle, &served.info, &served.pools, &t) {
+                    lock(&self.slots).free(&allocation);
+                    return Err(format!(
+                        "request {id}: filling rank {r}: {}",
+                        error_chain(&e)
+                    ));
+                }
+                tables.insert(r, t);
+            }
+            outgoing.insert(
+                id,
+                Outgoing {
+                    allocation: allocation.clone(),
+                    pending: group.iter().copied().collect(),
+                    released: false,
                 },
-                Box::new(move || lock(&slots).free(&freeing)),
-            )
-            .map_err(|e| {
-                lock(&self.slots).free(&allocation);
-                error_chain(&e)
-            })?;
-        Ok(reply)
+            );
+            (allocation, tables)
+        };
+        let _ = allocation;
+        let mut refused = None;
+        for (&r, t) in &tables {
+            let Some(agent) = self.agent(r) else {
+                refused = Some((r, "the server is stopping".to_string()));
+                break;
+            };
+            for piece in &pieces {
+                let sent = agent.send(AgentSend {
+                    request: id,
+                    tables: t.clone(),
+                    tokens: piece.token_range,
+                    prompt_len: submit.prompt_len,
+                    is_last: piece.is_last,
+                    to: None,
+                });
+                if let Err(e) = sent {
+                    refused = Some((r, e.to_string()));
+                    break;
+                }
+            }
+            if refused.is_some() {
+                break;
+            }
+        }
+        if let Some((rank, reason)) = refused {
+            // Ranks that took a chunk end in an event; the slots come back after the last.
+            self.release_outgoing_refused(id, rank);
+            return Err(format!("request {id}: rank {rank}: {reason}"));
+        }
+        Ok(tables
+            .into_iter()
+            .map(|(rank, tables)| RankTables {
+                rank,
+                info: self.ranks[&rank].info.clone(),
+                tables,
+            })
+            .collect())
     }
 
-    /// The generation side of a request: slots for the DP group's ranks (they hold the
-    /// canary), then the request handed to the transfer library, whose outcome goes to the
-    /// controller as [`ControlMessage::Done`].
+    /// A prefill one rank refused: that rank and those after it never took the request; the
+    /// others are cancelled.
+    fn release_outgoing_refused(&self, id: u64, refused: u32) {
+        let cancel: Vec<u32> = {
+            let mut outgoing = lock(&self.outgoing);
+            let Some(out) = outgoing.get_mut(&id) else {
+                return;
+            };
+            out.pending.retain(|&r| r < refused);
+            out.released = true;
+            out.pending.iter().copied().collect()
+        };
+        for r in cancel {
+            if let Some(agent) = self.agent(r) {
+                let _ = agent.cancel(id);
+            }
+        }
+        self.settle_outgoing(id);
+    }
+
+    /// Lets go of a context request: once every rank's terminal event is in, its slots are
+    /// free; a rank still sending is cancelled.
+    fn release_outgoing(&self, id: u64) {
+        let cancel: Vec<u32> = {
+            let mut outgoing = lock(&self.outgoing);
+            let Some(out) = outgoing.get_mut(&id) else {
+                return;
+            };
+            out.released = true;
+            out.pending.iter().copied().collect()
+        };
+        for (_, agent) in self.agents_now() {
+            agent.forget_recorded(&[id]);
+        }
+        for r in cancel {
+            if let Some(agent) = self.agent(r) {
+                let _ = agent.cancel(id);
+            }
+        }
+        self.settle_outgoing(id);
+    }
+
+    fn settle_outgoing(&self, id: u64) {
+        let mut outgoing = lock(&self.outgoing);
+        if outgoing
+            .get(&id)
+            .is_some_and(|o| o.released && o.pending.is_empty())
+        {
+            if let Some(out) = outgoing.remove(&id) {
+                lock(&self.slots).free(&out.allocation);
+            }
+        }
+    }
+
+    /// An agent's event.
+    fn on_event(&self, rank: u32, event: Event) {
+        let id = event.request();
+        if !event.is_terminal() {
+            return;
+        }
+        match self.role {
+            Role::Context => {
+                if let Event::Failed {
+                    peer, kind, detail, ..
+                } = &event
+                {
+                    tracing::warn!(request = id, rank, ?peer, %kind, %detail, "send failed");
+                }
+                if let Some(out) = lock(&self.outgoing).get_mut(&id) {
+                    out.pending.remove(&rank);
+                }
+                self.settle_outgoing(id);
+            }
+            Role::Generation => self.on_incoming_event(rank, event),
+        }
+    }
+
+    /// The generation side of a request: slots for the DP group's ranks served here (they
+    /// hold the canary), then each rank's agent expects it; the outcome goes to the
+    /// controller as [`ControlMessage::Done`] once every rank's terminal event is in.
     fn expect(
         self: &Arc<Self>,
-        server: &Arc<GenerationServer>,
         submit: Submit,
         outbox: &Outbox<ControlMessage>,
     ) -> Result<(), String> {
         let id = submit.request;
-        let peer = submit
+        let PeerRef {
+            instance: peer,
+            endpoints,
+        } = submit
             .peer
             .clone()
-            .ok_or_else(|| format!("request {id}: no context peer address"))?;
+            .ok_or_else(|| format!("request {id}: no context peer"))?;
         if submit.cached > submit.prompt_len {
             return Err(format!(
                 "request {id}: cached {} exceeds prompt_len {}",
                 submit.cached, submit.prompt_len
             ));
         }
-        let pieces = kvferry_plan::pieces(
+        let mut pieces = kvferry_plan::pieces(
             submit.prompt_len,
             self.model.tokens_per_block,
             submit.chunks.as_deref(),
@@ -507,20 +883,23 @@ impl Shared {
         .map_err(|e| format!("request {id}: {e}"))?;
         let tpb = self.tokens_per_block();
         let cached = submit.cached / tpb * tpb;
-        let instance = server.instance();
-        let group = instance.dp_group(submit.gen_dp_rank);
-        if group.is_empty() {
-            return Err(format!(
-                "request {id}: gen_dp_rank {} does not exist ({} dp groups)",
-                submit.gen_dp_rank,
-                instance.dp_groups()
-            ));
+        let cached_prefix = (cached > 0).then_some(cached);
+        for p in &mut pieces {
+            p.dst_start_token = cached_prefix.into();
         }
-        // The id check, the allocation and the record are one step under `held`: two
-        // submits of one id racing each other must not both allocate (one would leak).
-        let (allocation, tables) = {
-            let mut held = lock(&self.held);
-            if held.contains_key(&id) {
+        let group = self
+            .group(submit.gen_dp_rank)
+            .map_err(|e| format!("request {id}: {e}"))?;
+        if group.is_empty() {
+            let _ = outbox.send(ControlMessage::Done {
+                request: id,
+                result: Ok(RequestStats::default()),
+            });
+            return Ok(());
+        }
+        let tables = {
+            let mut incoming = lock(&self.incoming);
+            if incoming.contains_key(&id) {
                 return Err(format!("request {id} already exists"));
             }
             let blocks = submit.prompt_len.div_ceil(tpb);
@@ -530,138 +909,302 @@ impl Shared {
             // Free slots hold the canary already (primed at start, re-primed when freed).
             let tables: BTreeMap<u32, Vec<SlotTable>> = group
                 .iter()
-                .filter_map(|&g| instance.rank(g))
-                .map(|rank| {
+                .map(|&r| {
+                    let info = &self.ranks[&r].info;
                     let t = slot_tables(
-                        &rank.info,
+                        info,
                         submit.prompt_len,
                         submit.cached,
                         &allocation.assignment,
                     );
-                    (rank.info.instance_rank, t)
+                    (r, t)
                 })
                 .collect();
-            held.insert(
+            incoming.insert(
                 id,
-                Held {
-                    allocation: allocation.clone(),
+                Incoming {
+                    allocation,
                     tables: tables.clone(),
+                    pieces,
+                    pending: group.iter().copied().collect(),
+                    stats: RequestStats::default(),
+                    errors: Vec::new(),
+                    cancelled: None,
+                    reply: Some(outbox.clone()),
+                    released: false,
                 },
             );
-            (allocation, tables)
+            tables
         };
-        let reply = outbox.clone();
-        let accepted = server.expect(
-            Expect {
-                request: id,
-                peer,
-                ctx_dp_rank: submit.ctx_dp_rank,
-                gen_dp_rank: submit.gen_dp_rank,
-                prompt_len: submit.prompt_len,
-                pieces,
-                dst_start_token: (cached > 0).then_some(cached),
-                tables,
-            },
-            Box::new(move |request, result| {
-                let _ = reply.send(ControlMessage::Done {
-                    request,
-                    result: result.map_err(|e| error_chain(&e)),
-                });
-            }),
-        );
-        if let Err(e) = accepted {
-            lock(&self.held).remove(&id);
-            lock(&self.slots).free(&allocation);
-            return Err(error_chain(&e));
+        let mut accepted = 0;
+        for (&r, t) in &tables {
+            let result = match self.agent(r) {
+                Some(agent) => agent
+                    .expect(Expect {
+                        request: id,
+                        peer: peer.clone(),
+                        endpoints: endpoints.clone(),
+                        ctx_dp_rank: submit.ctx_dp_rank,
+                        prompt_len: submit.prompt_len,
+                        cached_prefix,
+                        tables: t.clone(),
+                        excluded_views: Vec::new(),
+                    })
+                    .map_err(|e| e.to_string()),
+                None => Err("the server is stopping".to_string()),
+            };
+            match result {
+                Ok(()) => accepted += 1,
+                Err(e) => {
+                    // This rank took nothing: no event will come from it.
+                    let mut incoming = lock(&self.incoming);
+                    if let Some(inc) = incoming.get_mut(&id) {
+                        inc.pending.remove(&r);
+                        inc.errors.push(format!("rank {r}: {e}"));
+                    }
+                }
+            }
         }
+        if accepted == 0 {
+            let refused = lock(&self.incoming).remove(&id);
+            let reason = match refused {
+                Some(inc) => {
+                    lock(&self.slots).free(&inc.allocation);
+                    inc.errors.join("; ")
+                }
+                None => "refused".into(),
+            };
+            return Err(format!("request {id}: {reason}"));
+        }
+        if accepted < tables.len() {
+            // Half a request is no request: the ranks that took it are cancelled.
+            self.cancel_incoming(id, "another rank refused it".into());
+        }
+        self.settle_incoming(id);
         Ok(())
     }
 
-    /// Lets go of a generation request; once kvferry hands its slots back they get the
-    /// canary again and return to the free lists.
-    fn release(self: &Arc<Self>, server: &Arc<GenerationServer>, request: u64) {
-        if !lock(&self.held).contains_key(&request) {
+    fn on_incoming_event(&self, rank: u32, event: Event) {
+        let id = event.request();
+        {
+            let mut incoming = lock(&self.incoming);
+            let Some(inc) = incoming.get_mut(&id) else {
+                return;
+            };
+            if !inc.pending.remove(&rank) {
+                return;
+            }
+            match event {
+                Event::Received { stats, .. } => merge(&mut inc.stats, &stats),
+                Event::Cancelled { .. } => {
+                    let why = inc.cancelled.clone().unwrap_or_else(|| "cancelled".into());
+                    inc.errors.push(format!("rank {rank}: cancelled: {why}"));
+                }
+                Event::Failed {
+                    peer, kind, detail, ..
+                } => {
+                    let peer = peer.map(|p| format!(" (peer {p})")).unwrap_or_default();
+                    inc.errors
+                        .push(format!("request {id}: rank {rank}: {kind}{peer}: {detail}"));
+                }
+                _ => {}
+            }
+        }
+        self.settle_incoming(id);
+    }
+
+    /// Reports a request whose ranks have all ended, and frees the slots of one that is
+    /// also released.
+    fn settle_incoming(&self, id: u64) {
+        let mut incoming = lock(&self.incoming);
+        let Some(inc) = incoming.get_mut(&id) else {
+            return;
+        };
+        if !inc.pending.is_empty() {
             return;
         }
-        let shared = Arc::clone(self);
-        let known = server.release(
-            request,
-            Box::new(move || {
-                let Some(held) = lock(&shared.held).remove(&request) else {
-                    return;
-                };
-                let instance = shared.instance();
-                for (&g, tables) in &held.tables {
-                    if let Some(rank) = instance.rank(g) {
-                        if let Err(e) = prime_slots(&shared.oracle, &rank.info, &rank.pools, tables)
-                        {
-                            tracing::warn!(rank = g, error = %error_chain(&e), "cannot re-prime released slots");
-                        }
-                    }
-                }
-                lock(&shared.slots).free(&held.allocation);
-            }),
-        );
-        if !known {
-            // kvferry never took it (or forgot it): the slots are ours again now.
-            if let Some(held) = lock(&self.held).remove(&request) {
-                lock(&self.slots).free(&held.allocation);
+        if let Some(reply) = inc.reply.take() {
+            let result = if inc.errors.is_empty() {
+                Ok(inc.stats.clone())
+            } else {
+                Err(inc.errors.join("; "))
+            };
+            let _ = reply.send(ControlMessage::Done {
+                request: id,
+                result,
+            });
+        }
+        if inc.released {
+            if let Some(inc) = incoming.remove(&id) {
+                drop(incoming);
+                self.reprime_and_free(inc);
             }
         }
     }
 
+    fn reprime_and_free(&self, inc: Incoming) {
+        for (r, tables) in &inc.tables {
+            let served = &self.ranks[r];
+            if let Err(e) = prime_slots(&self.oracle, &served.info, &served.pools, tables) {
+                tracing::warn!(rank = r, error = %error_chain(&e), "cannot re-prime released slots");
+            }
+        }
+        lock(&self.slots).free(&inc.allocation);
+    }
+
+    /// Cancels a request on every rank still expecting it; its `Done` reports it.
+    fn cancel_incoming(&self, id: u64, reason: String) {
+        let ranks: Vec<u32> = {
+            let mut incoming = lock(&self.incoming);
+            let Some(inc) = incoming.get_mut(&id) else {
+                return;
+            };
+            inc.cancelled.get_or_insert(reason);
+            inc.pending.iter().copied().collect()
+        };
+        for r in ranks {
+            if let Some(agent) = self.agent(r) {
+                let _ = agent.cancel(id);
+            }
+        }
+    }
+
+    /// Lets go of a generation request; once every rank's terminal event is in, its slots
+    /// get the canary again and return to the free lists.
+    fn release_incoming(&self, id: u64) {
+        let pending = {
+            let mut incoming = lock(&self.incoming);
+            let Some(inc) = incoming.get_mut(&id) else {
+                return;
+            };
+            inc.released = true;
+            !inc.pending.is_empty()
+        };
+        if pending {
+            self.cancel_incoming(id, "released".into());
+        }
+        self.settle_incoming(id);
+    }
+
     /// Checks a completed request's destination slots with the oracle.
-    fn verify(
-        &self,
-        server: &GenerationServer,
-        request: u64,
-        context: &[RankTables],
-    ) -> Result<VerifySummary, String> {
-        let Completed {
-            peer,
-            tables,
-            pieces,
-            ..
-        } = server.completed(request).map_err(|e| error_chain(&e))?;
-        let instance = server.instance();
-        let parts: Vec<ReceiverPart<'_>> = tables
+    fn verify(&self, request: u64, context: &[RankTables]) -> Result<VerifySummary, String> {
+        let incoming = lock(&self.incoming);
+        let inc = incoming
+            .get(&request)
+            .ok_or_else(|| format!("request {request} is not held here"))?;
+        if !inc.pending.is_empty() {
+            return Err(format!("request {request} has not completed"));
+        }
+        if !inc.errors.is_empty() {
+            return Err(format!(
+                "request {request} failed: {}",
+                inc.errors.join("; ")
+            ));
+        }
+        let parts: Vec<ReceiverPart<'_>> = inc
+            .tables
             .iter()
-            .filter_map(|(&g, t)| {
-                let rank = instance.rank(g)?;
-                Some(ReceiverPart {
-                    info: &rank.info,
-                    pools: &rank.pools,
+            .map(|(r, t)| {
+                let served = &self.ranks[r];
+                ReceiverPart {
+                    info: &served.info,
+                    pools: &served.pools,
                     tables: t,
                     excluded: &[],
-                })
+                }
             })
             .collect();
-        let mut ctx: Vec<(&RankInfo, &[SlotTable])> = Vec::with_capacity(context.len());
-        for t in context {
-            let d = peer
-                .ranks
-                .get(t.rank as usize)
-                .ok_or_else(|| format!("{} has no rank {}", peer.instance_name, t.rank))?;
-            ctx.push((&d.info, t.tables.as_slice()));
-        }
-        let report = verify_request(&self.oracle, &parts, &ctx, &pieces)
+        let ctx: Vec<(&RankInfo, &[SlotTable])> = context
+            .iter()
+            .map(|t| (&t.info, t.tables.as_slice()))
+            .collect();
+        let report = verify_request(&self.oracle, &parts, &ctx, &inc.pieces)
             .map_err(|e| format!("request {request}: {}", error_chain(&e)))?;
         Ok(summary(&report))
     }
 
-    fn verify_idle(&self, server: &GenerationServer) -> Result<VerifySummary, String> {
-        let count = server.requests_held().max(lock(&self.held).len());
-        if count > 0 {
-            return Err(format!("{count} requests still hold slots"));
-        }
-        let ranks: Vec<_> = server
-            .instance()
-            .ranks()
+    fn verify_idle(&self) -> Result<VerifySummary, String> {
+        let held: usize = self
+            .agents_now()
             .iter()
-            .map(|r| (&r.info, r.pools.as_ref()))
+            .map(|(_, a)| a.requests_held())
+            .sum::<usize>()
+            .max(lock(&self.incoming).len());
+        if held > 0 {
+            return Err(format!("{held} requests still hold slots"));
+        }
+        let ranks: Vec<_> = self
+            .ranks
+            .values()
+            .map(|s| (&s.info, s.pools.as_ref()))
             .collect();
         let report = verify_idle(&self.oracle, &ranks).map_err(|e| error_chain(&e))?;
         Ok(summary(&report))
+    }
+
+    /// Every one of `requests` was written (and recorded) by some rank here.
+    fn check_recorded(&self, requests: &[u64]) -> Result<(), String> {
+        let agents = self.agents_now();
+        match requests
+            .iter()
+            .find(|&&id| !agents.iter().any(|(_, a)| a.has_recorded(id)))
+        {
+            Some(id) => Err(format!(
+                "request {id} has no recorded plans here (not prefilled, not claimed yet, or \
+                 released)"
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// The bare replay of `requests`' recorded plans on every rank at once, timed from the
+    /// first rank's first put to the last rank's last flush.
+    fn replay(&self, requests: &[u64]) -> Result<BenchStats, String> {
+        self.check_recorded(requests)?;
+        let mut waiting = Vec::new();
+        for (r, agent) in self.agents_now() {
+            let rx = agent
+                .replay(requests)
+                .map_err(|e| format!("context rank {r}: {e}"))?;
+            waiting.extend(rx.map(|rx| (r, rx)));
+        }
+        let limit = Instant::now() + self.timeout + REPLAY_GRACE;
+        let mut stats = BenchStats::default();
+        let mut span: Option<(Instant, Instant)> = None;
+        for (r, rx) in waiting {
+            let left = limit.saturating_duration_since(Instant::now());
+            let replay = rx
+                .recv_timeout(left)
+                .map_err(|_| format!("context rank {r}: the replay did not finish in time"))?
+                .map_err(|e| format!("context rank {r}: {}", error_chain(&e)))?;
+            stats.bytes += replay.written.bytes;
+            stats.fragments += replay.written.fragments;
+            stats.puts += replay.written.puts;
+            stats.plans += replay.plans;
+            stats.ranks += 1;
+            span = Some(match span {
+                None => (replay.started, replay.finished),
+                Some((a, b)) => (a.min(replay.started), b.max(replay.finished)),
+            });
+        }
+        if let Some((started, finished)) = span {
+            stats.elapsed_ns = finished.duration_since(started).as_nanos() as u64;
+        }
+        Ok(stats)
+    }
+
+    /// The recorded fragments of `requests`, per (context rank, generation rank) pair.
+    fn fragments(&self, requests: &[u64]) -> Result<Vec<PairFragments>, String> {
+        self.check_recorded(requests)?;
+        let mut pairs = Vec::new();
+        for (r, agent) in self.agents_now() {
+            pairs.extend(
+                agent
+                    .recorded_fragments(requests)
+                    .map_err(|e| format!("context rank {r}: {e}"))?,
+            );
+        }
+        Ok(pairs)
     }
 }
 

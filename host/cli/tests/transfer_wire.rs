@@ -1,6 +1,7 @@
 //! The wire framing of both message families (peer and control: round trips, limits, corrupt
-//! input), and servers facing bad input on their peer and control ports: each bad connection
-//! is refused with an error naming what is wrong, and the server keeps serving.
+//! input), and servers facing bad input on their control ports and agent side channels: each
+//! bad control connection is refused with an error naming what is wrong, a side channel says
+//! nothing to a peer that has not proven the secret, and the server keeps serving.
 
 mod support;
 
@@ -8,7 +9,9 @@ use std::io::{Cursor, Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use kvferry_cli::control::{ControlMessage, RankTables, Submit, VerifySummary};
+use kvferry_cli::control::{
+    ControlMessage, PeerRef, RankTables, ServedRank, ServerInfo, Submit, VerifySummary,
+};
 use kvferry_planner_abi::{Mapping, SlotTable, TokenRange, ViewId};
 use kvferry_protocol::{
     Completion, CompletionStatus, Frame, HEADER_LEN, InstanceInfo, MAX_FRAME_BYTES,
@@ -112,11 +115,33 @@ fn every_peer_message() -> Vec<PeerMessage> {
     ]
 }
 
+/// What a context server holding both ranks of [`instance_info`] answers to `InfoRequest`.
+fn server_info() -> ServerInfo {
+    let info = instance_info();
+    ServerInfo {
+        instance: info.instance_name,
+        role: info.role,
+        planner_id: info.planner_id,
+        planner_version: info.planner_version,
+        label: info.label,
+        world: info.ranks.len() as u32,
+        ranks: info
+            .ranks
+            .into_iter()
+            .enumerate()
+            .map(|(r, d)| ServedRank {
+                info: d.info,
+                endpoint: Some(format!("127.0.0.1:{}", 4000 + r)),
+            })
+            .collect(),
+    }
+}
+
 fn every_control_message() -> Vec<ControlMessage> {
     let tables = vec![SlotTable::new([3, -1, 7]), SlotTable::new([1])];
     vec![
         ControlMessage::InfoRequest,
-        ControlMessage::Info(instance_info()),
+        ControlMessage::Info(server_info()),
         ControlMessage::Submit(Submit {
             request: 7,
             prompt_len: 90,
@@ -124,11 +149,18 @@ fn every_control_message() -> Vec<ControlMessage> {
             gen_dp_rank: 0,
             chunks: Some(vec![TokenRange { start: 0, end: 64 }]),
             cached: 40,
-            peer: Some("127.0.0.1:1".into()),
+            peer: Some(PeerRef {
+                instance: "ctx".into(),
+                endpoints: vec!["127.0.0.1:1".into(), "127.0.0.1:2".into()],
+            }),
         }),
         ControlMessage::Submitted {
             request: 7,
-            result: Ok(vec![RankTables { rank: 1, tables }]),
+            result: Ok(vec![RankTables {
+                rank: 1,
+                info: instance_info().ranks[1].info.clone(),
+                tables,
+            }]),
         },
         ControlMessage::Done {
             request: 7,
@@ -313,6 +345,18 @@ fn refused<M: Frame + std::fmt::Debug>(addr: &str, bytes: &[u8]) -> String {
     message
 }
 
+/// Whether the server closed `s` without a word (within `REPLY`).
+fn closed_silently(mut s: TcpStream) -> bool {
+    s.set_read_timeout(Some(REPLY)).unwrap();
+    let mut rest = Vec::new();
+    s.read_to_end(&mut rest).is_ok() && rest.is_empty()
+}
+
+/// The first agent endpoint of a context server.
+fn endpoint(server: &Server) -> String {
+    server.addr.split(',').next().unwrap().to_string()
+}
+
 #[test]
 fn bad_control_input_closes_only_that_connection() {
     let ctx = Server::start(
@@ -333,51 +377,39 @@ fn bad_control_input_closes_only_that_connection() {
     let healthy = ctx.client();
 
     let garbage: Vec<u8> = (0..4096u32).map(|i| (i * 7 + 3) as u8).collect();
-    let m = refused::<PeerMessage>(&ctx.addr, &garbage);
-    assert!(m.contains("bad magic"), "{m}");
     let m = refused::<ControlMessage>(&r#gen.control, &garbage);
     assert!(m.contains("bad magic"), "{m}");
-    // A controller that dials the peer port is told so.
-    let m = refused::<PeerMessage>(&ctx.addr, &encode(&ControlMessage::VerifyIdle).unwrap());
-    assert!(m.contains("not a kvferry peer frame"), "{m}");
-
     let mut wrong_version = header::<ControlMessage>(1).unwrap();
     wrong_version[4..6].copy_from_slice(&7u16.to_le_bytes());
     let m = refused::<ControlMessage>(&r#gen.control, &wrong_version);
     assert!(m.contains("protocol version 7"), "{m}");
-
-    let mut oversized = header::<PeerMessage>(0).unwrap();
+    let mut oversized = header::<ControlMessage>(0).unwrap();
     oversized[6..].copy_from_slice(&u32::MAX.to_le_bytes());
-    let m = refused::<PeerMessage>(&ctx.addr, &oversized);
+    let m = refused::<ControlMessage>(&ctx.control, &oversized);
     assert!(m.contains("exceeds") && m.contains("limit"), "{m}");
-
-    let mut undecodable = header::<PeerMessage>(3).unwrap().to_vec();
+    let mut undecodable = header::<ControlMessage>(3).unwrap().to_vec();
     undecodable.extend_from_slice(&[250, 1, 2]);
-    let m = refused::<PeerMessage>(&ctx.addr, &undecodable);
+    let m = refused::<ControlMessage>(&ctx.control, &undecodable);
     assert!(m.contains("undecodable"), "{m}");
-
-    // Well-formed, but not for this server / not before registering.
+    // Well-formed, but not for this server.
     let m = refused::<ControlMessage>(&ctx.control, &encode(&ControlMessage::VerifyIdle).unwrap());
     assert!(
         m.contains("VerifyIdle is not a message a context server accepts"),
         "{m}"
     );
-    let orphan = RequestData {
-        request: 1,
-        receiver_instance: "nobody".into(),
-        receiver_rank: 0,
-        sender_rank: 0,
-        slot_tables: vec![],
-        token_range: TokenRange { start: 0, end: 1 },
-        prompt_len: 1,
-        dst_start_token: None,
-        excluded_views: vec![],
-    };
-    let m = refused::<PeerMessage>(
-        &ctx.addr,
-        &encode(&PeerMessage::RequestData(orphan)).unwrap(),
-    );
-    assert!(m.contains("before Register"), "{m}");
+
+    // The agents' side channels say nothing to a peer that has not proven the secret:
+    // garbage, a control frame, a frame of the old peer protocol — each connection is closed.
+    let ep = endpoint(&ctx);
+    for bytes in [
+        garbage.clone(),
+        encode(&ControlMessage::VerifyIdle).unwrap(),
+        encode(&PeerMessage::InstanceInfoRequest).unwrap(),
+    ] {
+        let mut s = TcpStream::connect(&ep).unwrap();
+        s.write_all(&bytes).unwrap();
+        assert!(closed_silently(s), "the side channel answered a stranger");
+    }
 
     // Both servers still serve: the old connection, new ones, and a whole transfer.
     assert!(matches!(
@@ -388,6 +420,8 @@ fn bad_control_input_closes_only_that_connection() {
     exchange(&ctx, &r#gen, &[submit(1, 64), submit(2, 200)]);
 }
 
+/// A context rank serves `--max-peer-connections` side-channel connections at once; one more
+/// is closed at once, before it may say anything, and a freed place is reused.
 #[test]
 fn peer_connections_past_the_cap_are_refused_and_a_freed_place_is_reused() {
     let ctx = Server::start(
@@ -402,38 +436,32 @@ fn peer_connections_past_the_cap_are_refused_and_a_freed_place_is_reused() {
             "2",
         ],
     );
-    // Two idle connections take both places (each is served once its first frame arrives:
-    // ask for the instance info so the server has certainly counted it).
-    let hold = |addr: &str| {
-        let mut s = TcpStream::connect(addr).unwrap();
-        s.set_read_timeout(Some(REPLY)).unwrap();
-        write_frame(&mut s, &PeerMessage::InstanceInfoRequest).unwrap();
-        let reply: PeerMessage = read_frame(&mut s).unwrap();
-        assert!(matches!(reply, PeerMessage::InstanceInfo(_)), "{reply:?}");
-        s
-    };
-    let first = hold(&ctx.addr);
-    let _second = hold(&ctx.addr);
-    // A third is told the limit and closed, before it sends anything.
-    let mut third = TcpStream::connect(&ctx.addr).unwrap();
-    third.set_read_timeout(Some(REPLY)).unwrap();
-    let reply = read_frame::<PeerMessage>(&mut third).unwrap();
-    let text = reply.error_text().unwrap_or_default().to_string();
-    assert!(
-        text.contains("2 peer connections are open, the limit"),
-        "{text}"
-    );
-    // Closing one frees its place for the next.
+    let ep = endpoint(&ctx);
+    // Two connections that say nothing take both places (until the handshake deadline).
+    let first = TcpStream::connect(&ep).unwrap();
+    let _second = TcpStream::connect(&ep).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let third = TcpStream::connect(&ep).unwrap();
+    assert!(closed_silently(third), "a third connection was served");
+    // Closing one frees its place for the next: that one is kept open (waiting for its
+    // handshake) instead of closed at once.
     drop(first);
     let deadline = std::time::Instant::now() + REPLY;
     loop {
-        let mut s = TcpStream::connect(&ctx.addr).unwrap();
-        s.set_read_timeout(Some(REPLY)).unwrap();
-        write_frame(&mut s, &PeerMessage::InstanceInfoRequest).unwrap();
-        match read_frame::<PeerMessage>(&mut s) {
-            Ok(PeerMessage::InstanceInfo(_)) => break,
-            // The server may not have seen the close yet.
-            Ok(PeerMessage::Error { .. }) | Err(_) if std::time::Instant::now() < deadline => {
+        let mut s = TcpStream::connect(&ep).unwrap();
+        s.set_read_timeout(Some(Duration::from_millis(500)))
+            .unwrap();
+        let mut byte = [0u8; 1];
+        match s.read(&mut byte) {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                break;
+            }
+            _ if std::time::Instant::now() < deadline => {
                 std::thread::sleep(Duration::from_millis(50));
             }
             other => panic!("the freed place was not reused: {other:?}"),

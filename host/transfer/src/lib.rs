@@ -1,25 +1,24 @@
-//! kvferry-transfer: the transceiver — moves a request's KV cache between two processes with
+//! kvferry-transfer: the transfer agent an engine embeds — one [`agent::Agent`] per rank, in
+//! the engine's process, moving a request's KV cache from prefill ranks to decode ranks with
 //! UCX RMA writes, planned by the bound planner and validated before a byte moves.
 //!
 //! ```text
-//!  engine / CLI ──add_request──► ContextServer                GenerationServer ◄──expect── engine / CLI
-//!  (source slots hold the KV)     │                  ◄──RequestData───┤ one per (receiver, target)
-//!                                 │ plan_transfer per piece           │
-//!                                 │ rank thread: put × n, flush ═════►│ (UCX RMA into its pools)
-//!                                 │                  ───Completion───►│ after the flush
-//!                                 │ release → slots free callback     │ all is_last Ok → on_done
+//!  prefill engine ──send──► Agent (context)  ◄── side channel ──  Agent (generation) ◄──expect── decode engine
+//!  (source slots hold the KV)  plan_transfer per piece              one claim per writer rank
+//!                              rank thread: put × n, flush ══UCX RMA══► (into the engine's pools)
+//!  poll(): Sent ◄──────────────────────── Completion ──────────────────► poll(): Received
 //! ```
 //!
-//! - [`instance`]: one process holding every rank of an instance: UCX context, pools in host
-//!   or CUDA memory ([`memory`]) laid out by the caller's page tables, planners, one progress
-//!   thread per rank ([`rank`]).
-//! - [`sender`] / [`receiver`]: the two sides of the protocol ([`kvferry_protocol`]);
-//!   [`server`] accepts peer connections for a context instance; [`conn`] runs one
-//!   connection's writer.
+//! - [`agent`]: the per-rank agent: side channel (authenticated, bounded), requests, events,
+//!   cancel, leases, timeouts, peer failure.
+//! - [`memory`]: the pools a rank's peers write, registered from the engine's memory (or
+//!   allocated by UCX for a host that lets kvferry own it); host or CUDA (module `cuda`, feature `cuda`).
+//! - [`rank`]: one UCX worker and progress thread per rank, executing write jobs.
+//! - [`transport`]: UCX transports and devices; [`conn`]: one connection's writer.
 //!
 //! This crate never allocates slots, fills or checks pool contents, or exits the process:
-//! the caller owns which slots a request uses and what they hold, and hears when kvferry is
-//! done with them (the `on_free` and `on_done` callbacks). Faults are injected in tests
+//! the caller owns which slots a request uses and what they hold, and hears through the
+//! request's terminal event when kvferry is done with them. Faults are injected in tests
 //! through [`rank::WriteHook`], never through production fields.
 
 #![deny(missing_docs)]
@@ -29,22 +28,14 @@ pub mod budget;
 pub mod conn;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-pub mod instance;
 pub mod memory;
 pub mod outcome;
 pub mod rank;
-pub mod receiver;
-pub mod sender;
-pub mod server;
 mod stash;
+pub mod transport;
 
-pub use instance::{
-    Instance, InstanceConfig, PreparedInstance, Transport, TransportSpec, Transports,
-};
-pub use kvferry_protocol::{InstanceInfo, PeerMessage, Role};
+pub use kvferry_protocol::Role;
 pub use memory::MemoryKind;
-pub use receiver::{Expect, GenerationServer, RequestError};
-pub use sender::{ContextServer, SourceRequest};
-pub use server::{PeerListener, ServeError};
+pub use transport::{Transport, TransportSpec, Transports};
 
-pub use outcome::{BenchStats, OnFree, PairFragments, PoolFragment, RequestStats};
+pub use outcome::{BenchStats, PairFragments, PoolFragment, RequestStats};

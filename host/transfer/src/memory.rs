@@ -431,7 +431,8 @@ enum Placement {
     },
 }
 
-/// Allocates pools as the caller's layout asks for them ([`crate::PreparedInstance::start`]):
+/// Allocates pools as the caller's layout asks for them (`kvferry serve`, then
+/// [`crate::agent::Agent::start_on`]):
 /// every pool the page tables name is allocated here first, and the page tables carry the
 /// addresses [`PoolAllocator::alloc`] returns.
 #[derive(Debug)]

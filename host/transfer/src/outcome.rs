@@ -18,7 +18,7 @@ pub struct RequestStats {
 }
 
 /// What a context server's bare replay of recorded plans moved, and how long it took
-/// ([`crate::ContextServer::replay`]).
+/// ([`crate::agent::Agent::replay`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BenchStats {
     /// From the first rank's first put to the last rank's last flush, in nanoseconds.
@@ -34,11 +34,6 @@ pub struct BenchStats {
     /// Context ranks that replayed.
     pub ranks: u32,
 }
-
-/// Called once kvferry will never touch a request's slots again (no write reads or lands in
-/// them any more): the caller may reuse them. It may run on a kvferry thread with internal
-/// locks held: it must not call back into the server; hand the news to a channel.
-pub type OnFree = Box<dyn FnOnce() + Send>;
 
 /// One fragment of a recorded plan, relative to the pools it reads and writes: `(source
 /// pool, offset in it, destination pool, offset in it, bytes)`. A tuple so that it is one
@@ -59,8 +54,8 @@ impl PoolFragment {
 }
 
 /// What a context server's recorded plans of some requests write from one of its ranks to
-/// one generation rank, exactly the coalesced fragments [`crate::ContextServer::replay`] puts,
-/// in its order ([`crate::ContextServer::recorded_fragments`]).
+/// one generation rank, exactly the coalesced fragments [`crate::agent::Agent::replay`] puts,
+/// in its order ([`crate::agent::Agent::recorded_fragments`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PairFragments {
     /// The context (sender) rank.

@@ -15,9 +15,13 @@ use serde_json::Value;
 /// The `RUST_LOG` of runs whose log is not under test: warnings only.
 pub const QUIET: &str = "kvferry=warn,warn";
 
+/// The deployment secret every server a test starts holds (unless the test sets another).
+pub const SECRET: &str = "the tests' deployment secret, 48 bytes long....";
+
 /// A run of this build's `kvferry` binary with no planner configuration from the
-/// environment (`KVFERRY_PLUGIN_DIR`, `KVFERRY_PLANNER` and `KVFERRY_CONFIG` removed) and
-/// the test's own `RUST_LOG`; the builder methods add what a test needs.
+/// environment (`KVFERRY_PLUGIN_DIR`, `KVFERRY_PLANNER` and `KVFERRY_CONFIG` removed), the
+/// tests' deployment secret ([`SECRET`]) and the test's own `RUST_LOG`; the builder methods
+/// add what a test needs.
 #[derive(Debug)]
 pub struct Kvferry {
     cmd: Command,
@@ -34,7 +38,8 @@ impl Kvferry {
         let mut cmd = Command::new(kvferry_exe());
         cmd.env_remove("KVFERRY_PLUGIN_DIR")
             .env_remove("KVFERRY_PLANNER")
-            .env_remove("KVFERRY_CONFIG");
+            .env_remove("KVFERRY_CONFIG")
+            .env("KVFERRY_SECRET", SECRET);
         Kvferry { cmd }
     }
 

@@ -4,7 +4,9 @@ use std::process::Child;
 use std::time::{Duration, Instant};
 
 use kvferry_cli::Client;
-use kvferry_cli::control::{ControlMessage as Message, RankTables, Submit, VerifySummary};
+use kvferry_cli::control::{
+    ControlMessage as Message, PeerRef, RankTables, ServerInfo, Submit, VerifySummary,
+};
 use kvferry_cli::demo::{DemoError, ServerAddrs, spawn_serve_command, spawn_serve_logged};
 use kvferry_plan::chunk_ranges;
 use kvferry_transfer::RequestStats;
@@ -18,7 +20,8 @@ pub const REPLY: Duration = Duration::from_secs(60);
 /// A `kvferry serve` child, killed when dropped.
 pub struct Server {
     pub child: Child,
-    /// A context server's peer address (a generation server's control address otherwise).
+    /// A context server's agent endpoints, comma-separated (a generation server's control
+    /// address otherwise).
     pub addr: String,
     /// The control address.
     pub control: String,
@@ -66,6 +69,23 @@ impl Server {
 
     pub fn client(&self) -> Client {
         Client::connect(&self.control).expect("connect to the server")
+    }
+
+    /// What the server says it is and serves.
+    pub fn info(&self) -> ServerInfo {
+        match self.client().call(Message::InfoRequest, REPLY).unwrap() {
+            Message::Info(info) => info,
+            other => panic!("InfoRequest: {other:?}"),
+        }
+    }
+
+    /// How a generation server reaches this context server's instance.
+    pub fn peer(&self) -> PeerRef {
+        let info = self.info();
+        PeerRef {
+            instance: info.instance,
+            endpoints: info.ranks.into_iter().filter_map(|r| r.endpoint).collect(),
+        }
     }
 }
 
@@ -127,10 +147,15 @@ pub fn prefill(ctx: &Client, s: &Submit) -> Vec<RankTables> {
     }
 }
 
-/// Submits on the generation server (the context peer at `ctx_addr`), without waiting.
-pub fn start(r#gen: &Client, s: &Submit, ctx_addr: &str) {
+/// Submits on the generation server (from the context server `ctx`), without waiting.
+pub fn start(r#gen: &Client, s: &Submit, ctx: &Server) {
+    start_from(r#gen, s, &ctx.peer());
+}
+
+/// Submits on the generation server (from the context instance `peer`), without waiting.
+pub fn start_from(r#gen: &Client, s: &Submit, peer: &PeerRef) {
     let mut s = s.clone();
-    s.peer = Some(ctx_addr.to_string());
+    s.peer = Some(peer.clone());
     r#gen.send(Message::Submit(s)).unwrap();
 }
 
@@ -194,8 +219,9 @@ pub fn verify_idle(r#gen: &Client) -> VerifySummary {
 pub fn exchange(ctx: &Server, r#gen: &Server, submits: &[Submit]) -> Vec<RequestStats> {
     let (c, g) = (ctx.client(), r#gen.client());
     let tables: Vec<Vec<RankTables>> = submits.iter().map(|s| prefill(&c, s)).collect();
+    let peer = ctx.peer();
     for s in submits {
-        start(&g, s, &ctx.addr);
+        start_from(&g, s, &peer);
     }
     let ids: Vec<u64> = submits.iter().map(|s| s.request).collect();
     let done = wait_done(&g, &ids);

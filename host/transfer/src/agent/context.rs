@@ -610,6 +610,7 @@ fn request_data(inner: &Arc<Inner>, conn: &Arc<GenConn>, data: RequestData) {
                      waiting for their send are held already"
                 ));
             }
+            tracing::debug!(request, peer = %conn.name(), "claim stashed until its send");
             return;
         }
     }
@@ -852,6 +853,9 @@ fn queue(
     let done_inner = Arc::clone(inner);
     let done_conn = Arc::clone(conn);
     let release_inner = Arc::clone(inner);
+    if inner.config.record_plans {
+        lock(&inner.recorded).record(id, &conn.remote, &plan);
+    }
     inner.thread.write(WriteJob {
         request: id,
         dest: Arc::clone(&conn.remote),

@@ -45,6 +45,7 @@ mod dispatch;
 mod events;
 mod generation;
 mod planning;
+mod record;
 
 pub use events::{Event, FailureKind};
 pub use generation::Expect;
@@ -63,13 +64,16 @@ use kvferry_planner_abi::{PlanError, RankInfo, SlotTable, TokenRange};
 use kvferry_protocol::{RankDescriptor, Role};
 use kvferry_ucx::{Context, Worker};
 
-use crate::instance::{Transport, TransportSpec};
 use crate::memory::{MemoryError, MemoryKind, RankPools};
-use crate::rank::{RankThread, SpawnError};
+use crate::outcome::PairFragments;
+use crate::rank::{RankThread, ReplayStats, SpawnError, WriteError};
+use crate::transport::{Transport, TransportSpec};
 
 use events::Events;
 use planning::Planning;
 
+/// Side-channel connections a context rank serves at once by default.
+pub const MAX_CONNECTIONS: usize = 256;
 /// How long a TCP connect to a peer's side channel may take.
 pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long the handshake (proofs and metadata) may take.
@@ -118,6 +122,10 @@ pub struct AgentConfig {
     pub cuda_device: Option<usize>,
     /// Observes every write job (fault injection in tests); `None` in production.
     pub hook: Option<Arc<dyn crate::rank::WriteHook>>,
+    /// Context ranks: keep every written plan until [`Agent::forget_recorded`], so
+    /// [`Agent::replay`] can write it again with a bare put loop (`kvferry bench`). Off by
+    /// default: recorded plans hold memory per request.
+    pub record_plans: bool,
 }
 
 impl AgentConfig {
@@ -137,10 +145,11 @@ impl AgentConfig {
             lease: Duration::from_secs(60),
             peer_timeout: Duration::from_secs(10),
             planner_timeout: Duration::from_secs(5),
-            max_connections: crate::server::MAX_PEER_CONNECTIONS,
+            max_connections: MAX_CONNECTIONS,
             max_stashed_bytes: 64 << 20,
             cuda_device: None,
             hook: None,
+            record_plans: false,
         }
     }
 }
@@ -262,6 +271,8 @@ pub(crate) struct Inner {
     pub(crate) stopped: AtomicBool,
     pub(crate) prefill: Mutex<context::State>,
     pub(crate) decode: Mutex<generation::State>,
+    /// Plans kept for [`Agent::replay`] ([`AgentConfig::record_plans`]).
+    pub(crate) recorded: Mutex<record::Recorder>,
     _context: Arc<Context>,
 }
 
@@ -390,33 +401,8 @@ impl Agent {
     ///
     /// See [`StartError`].
     pub unsafe fn start(config: AgentConfig, bound: BoundPlanner) -> Result<Agent, StartError> {
-        if config.instance.is_empty() {
-            return Err(StartError::Config("empty instance name".into()));
-        }
-        if config.rank.planner_id.as_str() != bound.id() && !config.rank.planner_id.is_empty() {
-            return Err(StartError::Config(format!(
-                "the rank names planner {}, the bound planner is {}",
-                config.rank.planner_id,
-                bound.id()
-            )));
-        }
-        config
-            .rank
-            .page_table
-            .validate()
-            .map_err(|e| StartError::Config(format!("invalid page table: {e}")))?;
-        // Device pools need UCX's CUDA transports in the context.
-        let memory = if config
-            .rank
-            .page_table
-            .pools
-            .iter()
-            .any(|p| p.memory_type == kvferry_planner_abi::MemoryType::VRAM)
-        {
-            MemoryKind::Cuda
-        } else {
-            MemoryKind::Host
-        };
+        check_config(&config, &bound)?;
+        let memory = memory_kind(&config.rank);
         let context =
             config
                 .transport
@@ -436,8 +422,68 @@ impl Agent {
                 config.cuda_device,
             )
         }?;
+        Self::start_inner(config, bound, context, Arc::new(pools))
+    }
+
+    /// Starts the agent over pools kvferry allocated ([`crate::memory::PoolAllocator`] on
+    /// `context`), for a host that lets kvferry own its KV memory — `kvferry serve` does:
+    /// over shared memory only UCX-allocated pools take one-sided puts (engine memory goes
+    /// through UCX's active-message emulation). `config.rank`'s page table must name them:
+    /// each pool inside the region of the same index, or the start is refused.
+    ///
+    /// # Safety
+    ///
+    /// `context` is the one `pools` were allocated on and was made by
+    /// `config.transport.context_for` for the pools' memory kind. The pools' memory is
+    /// kvferry's and lives as long as the agent; whoever writes or reads it through raw
+    /// pointers does so only as the protocol allows (see [`start`](Self::start)).
+    ///
+    /// # Errors
+    ///
+    /// See [`StartError`]; [`StartError::Config`] when the page table does not lie inside
+    /// the pools.
+    pub unsafe fn start_on(
+        config: AgentConfig,
+        bound: BoundPlanner,
+        context: Arc<Context>,
+        pools: Arc<RankPools>,
+    ) -> Result<Agent, StartError> {
+        check_config(&config, &bound)?;
+        let table = &config.rank.page_table.pools;
+        if table.len() != pools.len() {
+            return Err(StartError::Config(format!(
+                "the page table names {} pools, {} were allocated",
+                table.len(),
+                pools.len()
+            )));
+        }
+        for (index, p) in table.iter().enumerate() {
+            let inside = pools.region(index).is_some_and(|r| {
+                let start = r.remote_addr();
+                p.base >= start
+                    && p.base
+                        .checked_add(p.footprint())
+                        .is_some_and(|end| end <= start + r.len() as u64)
+            });
+            if !inside {
+                return Err(StartError::Config(format!(
+                    "pool {index} ({:#x}+{}) does not lie inside the memory allocated for it",
+                    p.base,
+                    p.footprint()
+                )));
+            }
+        }
+        Self::start_inner(config, bound, context, pools)
+    }
+
+    fn start_inner(
+        config: AgentConfig,
+        bound: BoundPlanner,
+        context: Arc<Context>,
+        pools: Arc<RankPools>,
+    ) -> Result<Agent, StartError> {
+        let rank = config.rank.instance_rank;
         let keys = pools.keys()?;
-        let pools = Arc::new(pools);
         let mut info = config.rank.clone();
         info.planner_id = bound.id().into();
         info.describer_id = bound.describer_id().into();
@@ -496,6 +542,7 @@ impl Agent {
             dispatch: dispatch::Dispatch::new(&label)?,
             prefill: Mutex::new(context::State::new(config.max_stashed_bytes)),
             decode: Mutex::new(generation::State::default()),
+            recorded: Mutex::new(record::Recorder::default()),
             config,
             info,
             bound,
@@ -654,6 +701,73 @@ impl Agent {
         self.inner.planning.wedged()
     }
 
+    /// Context ranks recording plans ([`AgentConfig::record_plans`]): writes the plans this
+    /// rank recorded for `requests` again with the rank thread's bare put loop (every fragment
+    /// resolved before the clock starts, one window and one flush per plan) — the baseline
+    /// `kvferry bench` sets the agent path against. The outcome arrives on the returned
+    /// channel; `None` when this rank wrote none of the requests.
+    ///
+    /// The replay reads the requests' source slots and writes their destination slots again
+    /// after their terminal events: call it only while both engines still hold those slots
+    /// and nothing else uses them.
+    ///
+    /// # Errors
+    ///
+    /// Not a context rank, or one that does not record plans.
+    pub fn replay(
+        &self,
+        requests: &[u64],
+    ) -> Result<Option<std::sync::mpsc::Receiver<Result<ReplayStats, WriteError>>>, CallError> {
+        self.need(Role::Context, "replay")?;
+        let plans = self.recorded_plans(requests)?;
+        if plans.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(record::replay(
+            &self.inner.thread,
+            plans,
+            self.inner.config.timeout,
+        )))
+    }
+
+    /// The plans this rank recorded for `requests` as fragment lists per generation rank,
+    /// relative to each side's pools: exactly what [`replay`](Self::replay) puts, in its
+    /// order.
+    ///
+    /// # Errors
+    ///
+    /// As for [`replay`](Self::replay), or a fragment outside the pools.
+    pub fn recorded_fragments(&self, requests: &[u64]) -> Result<Vec<PairFragments>, CallError> {
+        self.need(Role::Context, "recorded_fragments")?;
+        let plans = self.recorded_plans(requests)?;
+        record::fragments(self.inner.info.instance_rank, &self.inner._pools, &plans).map_err(
+            |reason| CallError::Invalid {
+                request: requests.first().copied().unwrap_or(0),
+                reason,
+            },
+        )
+    }
+
+    /// Whether this rank recorded plans for `request`.
+    pub fn has_recorded(&self, request: u64) -> bool {
+        lock(&self.inner.recorded).has(request)
+    }
+
+    /// Drops the plans recorded for `requests`.
+    pub fn forget_recorded(&self, requests: &[u64]) {
+        lock(&self.inner.recorded).forget(requests);
+    }
+
+    fn recorded_plans(&self, requests: &[u64]) -> Result<Vec<record::Recorded>, CallError> {
+        if !self.inner.config.record_plans {
+            return Err(CallError::Invalid {
+                request: requests.first().copied().unwrap_or(0),
+                reason: "this agent does not record plans (`record_plans`)".into(),
+            });
+        }
+        Ok(lock(&self.inner.recorded).plans(requests))
+    }
+
     fn need(&self, role: Role, call: &'static str) -> Result<(), CallError> {
         if self.inner.stopped.load(Ordering::Acquire) {
             return Err(CallError::Stopped);
@@ -666,6 +780,39 @@ impl Agent {
             });
         }
         Ok(())
+    }
+}
+
+/// The checks every start makes before touching UCX.
+fn check_config(config: &AgentConfig, bound: &BoundPlanner) -> Result<(), StartError> {
+    if config.instance.is_empty() {
+        return Err(StartError::Config("empty instance name".into()));
+    }
+    if config.rank.planner_id.as_str() != bound.id() && !config.rank.planner_id.is_empty() {
+        return Err(StartError::Config(format!(
+            "the rank names planner {}, the bound planner is {}",
+            config.rank.planner_id,
+            bound.id()
+        )));
+    }
+    config
+        .rank
+        .page_table
+        .validate()
+        .map_err(|e| StartError::Config(format!("invalid page table: {e}")))
+}
+
+/// Device pools need UCX's CUDA transports in the context.
+fn memory_kind(rank: &RankInfo) -> MemoryKind {
+    if rank
+        .page_table
+        .pools
+        .iter()
+        .any(|p| p.memory_type == kvferry_planner_abi::MemoryType::VRAM)
+    {
+        MemoryKind::Cuda
+    } else {
+        MemoryKind::Host
     }
 }
 

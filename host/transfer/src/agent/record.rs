@@ -1,0 +1,130 @@
+//! Plans a context agent keeps for `kvferry bench` ([`AgentConfig::record_plans`]): the same
+//! plans written again by the rank thread's bare put loop, and exported as fragment lists.
+//!
+//! [`AgentConfig::record_plans`]: super::AgentConfig::record_plans
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use kvferry_plan::ValidatedPlan;
+
+use crate::memory::RankPools;
+use crate::outcome::{PairFragments, PoolFragment};
+use crate::rank::{PeerId, RankThread, RemoteRank, ReplayJob, ReplayStats, WriteError};
+
+/// One written plan: where it went, what it wrote.
+pub(crate) type Recorded = (Arc<RemoteRank>, Arc<ValidatedPlan>);
+
+/// The recorded plans of every request, in the order they were queued.
+#[derive(Debug, Default)]
+pub(crate) struct Recorder {
+    requests: HashMap<u64, Vec<Recorded>>,
+}
+
+impl Recorder {
+    pub(crate) fn record(
+        &mut self,
+        request: u64,
+        dest: &Arc<RemoteRank>,
+        plan: &Arc<ValidatedPlan>,
+    ) {
+        self.requests
+            .entry(request)
+            .or_default()
+            .push((Arc::clone(dest), Arc::clone(plan)));
+    }
+
+    /// The plans of those of `requests` this rank wrote (ascending id, each request's plans
+    /// as queued).
+    pub(crate) fn plans(&self, requests: &[u64]) -> Vec<Recorded> {
+        let ids: BTreeSet<u64> = requests.iter().copied().collect();
+        ids.iter()
+            .filter_map(|id| self.requests.get(id))
+            .flat_map(|plans| plans.iter().cloned())
+            .collect()
+    }
+
+    pub(crate) fn has(&self, request: u64) -> bool {
+        self.requests.contains_key(&request)
+    }
+
+    pub(crate) fn forget(&mut self, requests: &[u64]) {
+        for id in requests {
+            self.requests.remove(id);
+        }
+    }
+}
+
+/// Queues the bare replay of `plans` on `thread`; its outcome arrives on the receiver.
+pub(crate) fn replay(
+    thread: &RankThread,
+    plans: Vec<Recorded>,
+    timeout: Duration,
+) -> mpsc::Receiver<Result<ReplayStats, WriteError>> {
+    let (tx, rx) = mpsc::channel();
+    thread.replay(ReplayJob {
+        plans,
+        timeout,
+        done: Box::new(move |result| {
+            let _ = tx.send(result);
+        }),
+        release: None,
+    });
+    rx
+}
+
+/// `plans` of context rank `c` as fragment lists per generation rank it wrote, relative to
+/// each side's pools: exactly what [`replay`] puts, in its order. Pairs come in order of first
+/// appearance.
+pub(crate) fn fragments(
+    c: u32,
+    pools: &RankPools,
+    plans: &[Recorded],
+) -> Result<Vec<PairFragments>, String> {
+    let mut pairs: Vec<((PeerId, u32), PairFragments)> = Vec::new();
+    let mut index: BTreeMap<(PeerId, u32), usize> = BTreeMap::new();
+    for (dest, plan) in plans {
+        let key = (dest.peer, dest.rank);
+        let k = *index.entry(key).or_insert_with(|| {
+            pairs.push((
+                key,
+                PairFragments {
+                    ctx_rank: c,
+                    gen_rank: dest.rank,
+                    src_pools: (0..pools.len())
+                        .filter_map(|p| pools.region(p).map(|r| r.len() as u64))
+                        .collect(),
+                    dst_pools: dest.pools.iter().map(|p| p.len).collect(),
+                    ..PairFragments::default()
+                },
+            ));
+            pairs.len() - 1
+        });
+        let pair = &mut pairs[k].1;
+        pair.plans.push(plan.len() as u64);
+        pair.bytes += plan.total_bytes();
+        pair.fragments.reserve(plan.len());
+        for (src, dst, len) in plan.fragments() {
+            let (sp, so) = pools.locate(src, len).ok_or_else(|| {
+                format!("context rank {c}: source {src:#x}+{len} lies outside its pools")
+            })?;
+            let dp = dest.pool_of(dst, len).ok_or_else(|| {
+                format!(
+                    "generation rank {}: destination {dst:#x}+{len} lies outside its pools",
+                    dest.rank
+                )
+            })?;
+            let d = &dest.pools[dp];
+            pair.fragments.push(PoolFragment(
+                sp as u32,
+                so as u64,
+                dp as u32,
+                dst - d.base,
+                len,
+            ));
+        }
+    }
+    Ok(pairs.into_iter().map(|(_, p)| p).collect())
+}
