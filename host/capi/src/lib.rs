@@ -910,6 +910,12 @@ mod tests {
     }
 
     #[test]
+    fn an_event_is_696_bytes_as_the_cpp_check_expects() {
+        assert_eq!(std::mem::size_of::<kvferry_event>(), 696);
+        assert_eq!(std::mem::align_of::<kvferry_event>(), 8);
+    }
+
+    #[test]
     fn every_status_has_its_name() {
         for s in kvferry_status::ALL {
             // SAFETY: a static C string.
