@@ -351,8 +351,8 @@ extern "C" {
 #endif // __cplusplus
 
 /**
- * Starts one rank's agent from a JSON configuration (version 1; see the crate docs or
- * `host/capi/README.md` for every field), and stores its handle in `*out` (NULL on failure).
+ * Starts one rank's agent from a JSON configuration (version 1; `host/capi/README.md` lists
+ * every field), and stores its handle in `*out` (NULL on failure).
  *
  * This is where the engine makes its memory promise: from this call until
  * `kvferry_agent_destroy` returns, every pool the page table names stays one live allocation

@@ -5,8 +5,8 @@
 //! integers and unknown fields pass silently. An engine writes this JSON by hand, so the C API
 //! reads its own mirror of them instead: names for every code (`"dram"`, `"paged"`, `"hnd"`),
 //! defaults for what most views leave at one value, and `deny_unknown_fields` everywhere, so a
-//! typo is an error naming the field rather than a silent default. The crate docs list every
-//! field.
+//! typo is an error naming the field rather than a silent default. The crate docs (README.md)
+//! list every field.
 
 use std::path::PathBuf;
 use std::str::FromStr;

@@ -77,7 +77,8 @@ fn config(role: &str, pool: &Pool, plugins: &std::path::Path, extra: &str) -> St
 /// Starts an agent, or returns the status and the last error.
 fn start(json: &str) -> Result<*mut kvferry_agent, (c_int, String)> {
     let json = CString::new(json).unwrap();
-    let mut agent = 1usize as *mut kvferry_agent; // must be overwritten, even on failure
+    // Not NULL, so a failed start that forgot to clear it shows.
+    let mut agent = std::ptr::dangling_mut::<kvferry_agent>();
     // SAFETY: a NUL-terminated string and a writable out-pointer.
     let rc = unsafe { kvferry_agent_start(json.as_ptr(), &mut agent) };
     if rc == status(KVFERRY_OK) {
@@ -398,10 +399,8 @@ fn events_that_do_not_fit_wait_for_the_next_poll() {
     .unwrap();
     let mut len = 0usize;
     // SAFETY: a live handle and a size query.
-    assert_eq!(
-        unsafe { kvferry_agent_endpoint(agent, null_mut(), 0, &mut len) },
-        status(KVFERRY_OK)
-    );
+    let rc = unsafe { kvferry_agent_endpoint(agent, null_mut(), 0, &mut len) };
+    assert_eq!(rc, status(KVFERRY_OK));
     let mut endpoint = vec![0 as c_char; len + 1];
     // SAFETY: `len` + 1 writable bytes.
     let rc = unsafe { kvferry_agent_endpoint(agent, endpoint.as_mut_ptr(), len, &mut len) };
