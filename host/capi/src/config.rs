@@ -401,6 +401,11 @@ fn rank_info(instance: &str, mapping: &Mapping, r: &RankJson) -> Result<RankInfo
     };
     let dp_size = r.dp_size.unwrap_or(dp_size);
     let dp_rank = r.dp_rank.unwrap_or(dp_rank);
+    if dp_size == 0 || dp_rank >= dp_size {
+        return Err(ConfigError::invalid(format!(
+            "config: rank.dp_rank {dp_rank} is not below dp_size {dp_size}"
+        )));
+    }
     if r.layers_per_pp.len() != mapping.pp as usize {
         return Err(ConfigError::invalid(format!(
             "config: rank.layers_per_pp has {} entries for pp {}",
@@ -640,6 +645,15 @@ mod tests {
         let role = refusal(&minimal("").replace("\"context\"", "\"prefill\""));
         assert!(role.contains("prefill"), "{role}");
         assert!(refusal(&minimal(r#", "timeout_ms": 0"#)).contains("above 0"));
+        let dp = minimal("").replace(
+            "\"instance_rank\": 1",
+            "\"instance_rank\": 1, \"dp_rank\": 1",
+        );
+        assert!(
+            refusal(&dp).contains("dp_rank 1 is not below dp_size 1"),
+            "{}",
+            refusal(&dp)
+        );
     }
 
     #[test]

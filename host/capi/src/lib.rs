@@ -42,6 +42,12 @@ pub struct kvferry_agent {
     pending: Mutex<VecDeque<Event>>,
 }
 
+// The docs promise C callers that one handle may be used from any thread at once.
+const _: () = {
+    const fn shared_across_threads<T: std::marker::Send + Sync>() {}
+    shared_across_threads::<kvferry_agent>();
+};
+
 impl std::fmt::Debug for kvferry_agent {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("kvferry_agent")
