@@ -1,7 +1,8 @@
 //! The C API from C: `tests/c/transfer.c` is compiled with the system's C compiler against
 //! `include/kvferry.h` and `libkvferry_capi.so`, then run as a prefill and a decode process
-//! that move three requests (one chunked, one with a cached prefix at the decode side) over
-//! tcp and over shm. The decode checks every byte of its pool — received rows against the
+//! that move three requests (one chunked, one with a cached prefix at the decode side, one
+//! found only through the metadata the decode added with `kvferry_agent_add_peer`) over tcp
+//! and over shm. The decode checks every byte of its pool — received rows against the
 //! prefill's pattern, its cached rows and every other byte against what it wrote — and both
 //! must exit 0 reporting the same byte count.
 //!

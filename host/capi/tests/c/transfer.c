@@ -15,8 +15,10 @@
  * Every 64-byte row (one head of one token of one layer's K or V) is a function of the model
  * coordinates (request, layer, K/V, head, token) alone. The prefill fills the rows of its
  * request slots and sends three requests (one in two chunks); the decode fills its whole pool
- * with a canary, writes a cached prefix of its own into one request's first block, expects all
- * three through the endpoint the prefill wrote to ENDPOINT_FILE, waits on the wake descriptor
+ * with a canary, writes a cached prefix of its own into one request's first block, adds the
+ * prefill's metadata (ENDPOINT_FILE.meta, from kvferry_agent_local_metadata) with
+ * kvferry_agent_add_peer, expects all three (two also naming the endpoint the prefill wrote to
+ * ENDPOINT_FILE, one with no endpoint at all), waits on the wake descriptor
  * with poll(2), and then checks every byte of its pool: each received row holds the prefill's
  * pattern, each cached row its own, and every other byte (padding, gaps, other slots, rows
  * past the prompt) its canary — except that rows past the prompt in a request's last block
@@ -259,7 +261,19 @@ static int prefill(const char *endpoint_file, const char *plugin_dir, const char
   char *endpoint = malloc(len + 1);
   if (!endpoint) die("out of memory");
   check(kvferry_agent_endpoint(agent, endpoint, len + 1, &len), "kvferry_agent_endpoint");
+  /* The metadata, for a decode rank that takes it by kvferry_agent_add_peer; written before
+   * the endpoint file appears. */
+  size_t meta_len = 0;
+  check(kvferry_agent_local_metadata(agent, NULL, 0, &meta_len), "kvferry_agent_local_metadata");
+  uint8_t *meta = malloc(meta_len);
+  if (!meta) die("out of memory");
+  check(kvferry_agent_local_metadata(agent, meta, meta_len, &meta_len),
+        "kvferry_agent_local_metadata");
   char tmp[4096];
+  snprintf(tmp, sizeof tmp, "%s.meta", endpoint_file);
+  FILE *m = fopen(tmp, "wb");
+  if (!m || fwrite(meta, 1, meta_len, m) != meta_len || fclose(m) != 0) die("cannot write %s", tmp);
+  free(meta);
   snprintf(tmp, sizeof tmp, "%s.tmp", endpoint_file);
   FILE *f = fopen(tmp, "w");
   if (!f || fputs(endpoint, f) < 0 || fclose(f) != 0) die("cannot write %s", tmp);
@@ -356,6 +370,16 @@ static int decode(const char *endpoint_file, const char *plugin_dir, const char 
   if (kvferry_agent_endpoint(agent, NULL, 0, &len) != KVFERRY_ERR_ROLE)
     die("decode: a generation rank reported an endpoint");
 
+  /* The prefill's metadata, as an engine that exchanges it on its own channel would add it. */
+  char meta_file[4096];
+  snprintf(meta_file, sizeof meta_file, "%s.meta", endpoint_file);
+  FILE *m = fopen(meta_file, "rb");
+  if (!m) die("decode: cannot open %s", meta_file);
+  uint8_t meta[65536];
+  size_t meta_len = fread(meta, 1, sizeof meta, m);
+  fclose(m);
+  check(kvferry_agent_add_peer(agent, meta, meta_len), "kvferry_agent_add_peer");
+
   const char *endpoints[] = {endpoint};
   for (int r = 0; r < N_REQUESTS; r++) {
     const struct request *q = &REQUESTS[r];
@@ -363,8 +387,10 @@ static int decode(const char *endpoint_file, const char *plugin_dir, const char 
     fill_blocks(&s, q->decode_slots, q->id, 0, blocks(q->cached_prefix), SALT_CACHED);
     kvferry_slot_table t;
     table(&t, q->decode_slots, blocks(q->prompt_len));
-    check(kvferry_agent_expect(agent, q->id, "prefill-c", endpoints, 1, 0, q->prompt_len,
-                               q->cached_prefix, &t, 1, NULL, 0),
+    /* Request 102 names no endpoint: the metadata added above is all the agent has. */
+    size_t n_endpoints = q->id == 102 ? 0 : 1;
+    check(kvferry_agent_expect(agent, q->id, "prefill-c", endpoints, n_endpoints, 0,
+                               q->prompt_len, q->cached_prefix, &t, 1, NULL, 0),
           "kvferry_agent_expect");
   }
 
