@@ -1,0 +1,667 @@
+//! The agent's configuration as the C API takes it: one JSON object, versioned, read strictly.
+//!
+//! The planner ABI's types ([`RankInfo`], [`PageTable`], ...) derive serde, but for bincode
+//! between hosts: their code sets (`MemoryType`, `GroupKind`, `LayoutKind`) serialise as bare
+//! integers and unknown fields pass silently. An engine writes this JSON by hand, so the C API
+//! reads its own mirror of them instead: names for every code (`"dram"`, `"paged"`, `"hnd"`),
+//! defaults for what most views leave at one value, and `deny_unknown_fields` everywhere, so a
+//! typo is an error naming the field rather than a silent default. The crate docs (README.md)
+//! list every field.
+
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+use kvferry_loader::{BoundPlanner, Registry};
+use kvferry_planner_abi::ffi::{RString, RVec};
+use kvferry_planner_abi::{
+    BufferEntry, DEFAULT_DESCRIBER_ID, Deployment, GroupKind, LayerGroup, LayoutKind, LocalLayer,
+    Mapping, MemoryType, PageTable, PhysicalPool, PoolView, RankInfo, RoleLayout,
+};
+use kvferry_transfer::agent::{AgentConfig, Secret};
+use kvferry_transfer::{Role, TransportSpec};
+use serde::Deserialize;
+
+/// The configuration version this library reads (`"version": 1`).
+const CONFIG_VERSION: u64 = crate::KVFERRY_CONFIG_VERSION as u64;
+
+/// Why a configuration was refused, and which status the C caller gets for it.
+#[derive(Debug)]
+pub(crate) enum ConfigError {
+    /// The text is not a configuration this library reads.
+    Invalid(String),
+    /// No planner could be bound (unknown id, refused deployment, nothing loaded).
+    Planner(String),
+}
+
+impl ConfigError {
+    fn invalid(message: impl Into<String>) -> Self {
+        Self::Invalid(message.into())
+    }
+}
+
+/// Version 1 of the configuration.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ConfigV1 {
+    version: u64,
+    instance: String,
+    role: String,
+    #[serde(default)]
+    label: String,
+    architecture: String,
+    planner: Option<String>,
+    plugin_dir: Option<PlannerDirs>,
+    rank: RankJson,
+    transport: Option<String>,
+    net_devices: Option<String>,
+    listen: Option<String>,
+    advertise: Option<String>,
+    secret: Option<String>,
+    secret_hex: Option<String>,
+    timeout_ms: Option<u64>,
+    lease_ms: Option<u64>,
+    peer_timeout_ms: Option<u64>,
+    planner_timeout_ms: Option<u64>,
+    max_connections: Option<usize>,
+    max_stashed_bytes: Option<usize>,
+    cuda_device: Option<usize>,
+}
+
+/// One plugin directory, or several (scanned in order).
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum PlannerDirs {
+    One(PathBuf),
+    Many(Vec<PathBuf>),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RankJson {
+    mapping: String,
+    instance_rank: u32,
+    tp_rank: Option<u32>,
+    pp_rank: Option<u32>,
+    cp_rank: Option<u32>,
+    dp_size: Option<u32>,
+    dp_rank: Option<u32>,
+    layers_per_pp: Vec<u32>,
+    page_table: PageTableJson,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PageTableJson {
+    tokens_per_block: u32,
+    pools: Vec<PoolJson>,
+    groups: Vec<GroupJson>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PoolJson {
+    base: u64,
+    slot_bytes: u64,
+    slot_stride: Option<u64>,
+    num_slots: u64,
+    #[serde(default = "dram")]
+    memory_type: String,
+}
+
+fn dram() -> String {
+    "dram".into()
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GroupJson {
+    #[serde(default = "paged")]
+    kind: String,
+    window: Option<u64>,
+    layers: Vec<LayerJson>,
+    views: Vec<ViewJson>,
+}
+
+fn paged() -> String {
+    "paged".into()
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LayerJson {
+    local: u32,
+    global: u32,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ViewJson {
+    pool: u32,
+    entries: Vec<EntryJson>,
+    roles: Vec<String>,
+    layout: LayoutJson,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EntryJson {
+    local_layer: u32,
+    offset: u64,
+    size: u64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LayoutJson {
+    kind: String,
+    dtype: String,
+    elem_bits: u32,
+    #[serde(default = "one")]
+    num_shards: u32,
+    #[serde(default)]
+    shard_index: u32,
+    #[serde(default = "one")]
+    num_replicas: u32,
+    #[serde(default)]
+    replica_index: u32,
+    #[serde(default)]
+    shard_unit_bytes: u64,
+    #[serde(default)]
+    section_bytes: Vec<u64>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// A parsed configuration: the agent's, and how to bind its planner.
+#[derive(Debug)]
+pub(crate) struct Parsed {
+    pub(crate) agent: AgentConfig,
+    deployment: Deployment,
+    planner: Option<String>,
+    plugin_dirs: Option<Vec<PathBuf>>,
+}
+
+/// Parses a configuration: the version first (so a newer one is refused as such, not for
+/// its new fields), then every field strictly.
+pub(crate) fn parse(text: &str) -> Result<Parsed, ConfigError> {
+    let value: serde_json::Value = serde_json::from_str(text)
+        .map_err(|e| ConfigError::invalid(format!("config is not JSON: {e}")))?;
+    let object = value
+        .as_object()
+        .ok_or_else(|| ConfigError::invalid("config must be a JSON object"))?;
+    match object.get("version") {
+        None => {
+            return Err(ConfigError::invalid(format!(
+                "config has no \"version\" (this library reads version {CONFIG_VERSION})"
+            )));
+        }
+        Some(v) if v.as_u64() == Some(CONFIG_VERSION) => {}
+        Some(v) => {
+            return Err(ConfigError::invalid(format!(
+                "config version {v} is not supported (this library reads version \
+                 {CONFIG_VERSION})"
+            )));
+        }
+    }
+    let c: ConfigV1 =
+        serde_json::from_value(value).map_err(|e| ConfigError::invalid(format!("config: {e}")))?;
+    debug_assert_eq!(c.version, CONFIG_VERSION);
+    if c.instance.is_empty() {
+        return Err(ConfigError::invalid("config: \"instance\" is empty"));
+    }
+    let role = Role::from_str(&c.role).map_err(|e| ConfigError::invalid(format!("config: {e}")))?;
+    let mapping: Mapping = c
+        .rank
+        .mapping
+        .parse()
+        .map_err(|e| ConfigError::invalid(format!("config: rank.mapping: {e}")))?;
+    let rank = rank_info(&c.instance, &mapping, &c.rank)?;
+    let secret = secret(c.secret.as_deref(), c.secret_hex.as_deref())?;
+    let mut agent = AgentConfig::new(&c.instance, role, rank, secret);
+    agent.label = c.label;
+    let mut transport = match &c.transport {
+        Some(t) => TransportSpec::from_str(t)
+            .map_err(|e| ConfigError::invalid(format!("config: transport: {e}")))?,
+        None => agent.transport.clone(),
+    };
+    if let Some(devices) = c.net_devices.filter(|d| !d.is_empty()) {
+        transport.net_devices = Some(devices);
+    }
+    agent.transport = transport;
+    if let Some(listen) = c.listen {
+        agent.listen = listen;
+    }
+    agent.advertise = c.advertise;
+    let ms = |field: &str, v: Option<u64>, default: Duration| match v {
+        None => Ok(default),
+        Some(0) => Err(ConfigError::invalid(format!(
+            "config: \"{field}\" must be above 0"
+        ))),
+        Some(v) => Ok(Duration::from_millis(v)),
+    };
+    agent.timeout = ms("timeout_ms", c.timeout_ms, agent.timeout)?;
+    agent.lease = ms("lease_ms", c.lease_ms, agent.lease)?;
+    agent.peer_timeout = ms("peer_timeout_ms", c.peer_timeout_ms, agent.peer_timeout)?;
+    agent.planner_timeout = ms(
+        "planner_timeout_ms",
+        c.planner_timeout_ms,
+        agent.planner_timeout,
+    )?;
+    match c.max_connections {
+        Some(0) => {
+            return Err(ConfigError::invalid(
+                "config: \"max_connections\" must be above 0",
+            ));
+        }
+        Some(n) => agent.max_connections = n,
+        None => {}
+    }
+    if let Some(n) = c.max_stashed_bytes {
+        agent.max_stashed_bytes = n;
+    }
+    agent.cuda_device = c.cuda_device;
+    Ok(Parsed {
+        agent,
+        deployment: Deployment {
+            architecture: RString::from(c.architecture.as_str()),
+            mapping,
+        },
+        planner: c.planner.filter(|p| !p.trim().is_empty()),
+        plugin_dirs: c.plugin_dir.map(|d| match d {
+            PlannerDirs::One(p) => vec![p],
+            PlannerDirs::Many(v) => v,
+        }),
+    })
+}
+
+impl Parsed {
+    /// Loads the planners and binds the configured one (see the crate docs for the order in
+    /// which the planner id and the plugin directories are chosen).
+    pub(crate) fn bind(&self) -> Result<BoundPlanner, ConfigError> {
+        let env_planner = std::env::var(kvferry_loader::PLANNER_ENV).ok();
+        let id = kvferry_loader::select_planner_id(
+            self.planner.as_deref(),
+            env_planner.as_deref(),
+            None,
+        );
+        let dirs = match &self.plugin_dirs {
+            Some(dirs) => dirs.clone(),
+            None => {
+                let env = std::env::var_os(kvferry_loader::PLUGIN_DIR_ENV).unwrap_or_default();
+                std::env::split_paths(&env)
+                    .filter(|p| !p.as_os_str().is_empty())
+                    .collect()
+            }
+        };
+        if dirs.is_empty() {
+            return Err(ConfigError::Planner(format!(
+                "no plugin directory to load planner {id} from: set \"plugin_dir\" in the \
+                 config or {}",
+                kvferry_loader::PLUGIN_DIR_ENV
+            )));
+        }
+        let registry = Registry::scan(&dirs);
+        registry.bind(id, &self.deployment).map_err(|e| {
+            let mut text = error_chain(&e);
+            if registry.planners().is_empty() {
+                let shown: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
+                text.push_str(&format!(
+                    " (no planner loaded from {}; {} file(s) skipped)",
+                    shown.join(":"),
+                    registry.skipped().len()
+                ));
+                for skipped in registry.skipped().iter().take(3) {
+                    text.push_str(&format!("; {}", skipped.reason));
+                }
+            }
+            ConfigError::Planner(text)
+        })
+    }
+}
+
+/// `error: source: source ...`.
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let next = s.to_string();
+        if !text.ends_with(&next) {
+            text.push_str(": ");
+            text.push_str(&next);
+        }
+        source = s.source();
+    }
+    text
+}
+
+fn secret(text: Option<&str>, hex: Option<&str>) -> Result<Secret, ConfigError> {
+    let bytes = match (text, hex) {
+        (Some(_), Some(_)) => {
+            return Err(ConfigError::invalid(
+                "config: give \"secret\" or \"secret_hex\", not both",
+            ));
+        }
+        (None, None) => {
+            return Err(ConfigError::invalid(
+                "config: no \"secret\" (or \"secret_hex\"): every agent of a deployment proves \
+                 one shared secret",
+            ));
+        }
+        (Some(t), None) => t.as_bytes().to_vec(),
+        (None, Some(h)) => decode_hex(h)
+            .ok_or_else(|| ConfigError::invalid("config: \"secret_hex\" is not hexadecimal"))?,
+    };
+    Secret::new(bytes).map_err(|e| ConfigError::invalid(format!("config: secret: {e}")))
+}
+
+fn decode_hex(text: &str) -> Option<Vec<u8>> {
+    let text = text.trim();
+    if text.len() % 2 != 0 {
+        return None;
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+fn rank_info(instance: &str, mapping: &Mapping, r: &RankJson) -> Result<RankInfo, ConfigError> {
+    // Coordinates are CP-minor, as the testkit and the CLI number an instance's ranks:
+    // rank = (pp × tp + tp_rank) × cp + cp_rank.
+    let per_stage = (mapping.tp * mapping.cp).max(1);
+    let cp = mapping.cp.max(1);
+    let world = mapping.world_size();
+    if r.instance_rank >= world {
+        return Err(ConfigError::invalid(format!(
+            "config: rank.instance_rank {} is not below the {world} ranks of {mapping}",
+            r.instance_rank
+        )));
+    }
+    let tp_rank = r.tp_rank.unwrap_or(r.instance_rank % per_stage / cp);
+    let pp_rank = r.pp_rank.unwrap_or(r.instance_rank / per_stage);
+    let cp_rank = r.cp_rank.unwrap_or(r.instance_rank % cp);
+    for (name, value, size) in [
+        ("tp_rank", tp_rank, mapping.tp),
+        ("pp_rank", pp_rank, mapping.pp),
+        ("cp_rank", cp_rank, mapping.cp),
+    ] {
+        if value >= size {
+            return Err(ConfigError::invalid(format!(
+                "config: rank.{name} {value} is not below its size {size} in {mapping}"
+            )));
+        }
+    }
+    let (dp_size, dp_rank) = if mapping.attention_dp {
+        (mapping.tp, tp_rank)
+    } else {
+        (1, 0)
+    };
+    let dp_size = r.dp_size.unwrap_or(dp_size);
+    let dp_rank = r.dp_rank.unwrap_or(dp_rank);
+    if dp_size == 0 || dp_rank >= dp_size {
+        return Err(ConfigError::invalid(format!(
+            "config: rank.dp_rank {dp_rank} is not below dp_size {dp_size}"
+        )));
+    }
+    if r.layers_per_pp.len() != mapping.pp as usize {
+        return Err(ConfigError::invalid(format!(
+            "config: rank.layers_per_pp has {} entries for pp {}",
+            r.layers_per_pp.len(),
+            mapping.pp
+        )));
+    }
+    Ok(RankInfo {
+        instance_name: RString::from(instance),
+        instance_rank: r.instance_rank,
+        tp_size: mapping.tp,
+        tp_rank,
+        pp_size: mapping.pp,
+        pp_rank,
+        cp_size: mapping.cp,
+        cp_rank,
+        dp_size,
+        dp_rank,
+        attention_dp: mapping.attention_dp,
+        layers_per_pp: RVec::from(r.layers_per_pp.clone()),
+        page_table: page_table(&r.page_table)?,
+        // Filled in by the agent from the planner it binds.
+        planner_id: RString::new(),
+        describer_id: RString::from(DEFAULT_DESCRIBER_ID),
+        planner_blob: RVec::new(),
+    })
+}
+
+fn page_table(t: &PageTableJson) -> Result<PageTable, ConfigError> {
+    let pools = t
+        .pools
+        .iter()
+        .enumerate()
+        .map(|(p, pool)| {
+            Ok(PhysicalPool {
+                base: pool.base,
+                slot_bytes: pool.slot_bytes,
+                slot_stride: pool.slot_stride.unwrap_or(pool.slot_bytes),
+                num_slots: pool.num_slots,
+                memory_type: code(
+                    &format!("rank.page_table.pools[{p}].memory_type"),
+                    &pool.memory_type,
+                    &[("dram", MemoryType::DRAM), ("vram", MemoryType::VRAM)],
+                )?,
+            })
+        })
+        .collect::<Result<RVec<_>, ConfigError>>()?;
+    let groups = t
+        .groups
+        .iter()
+        .enumerate()
+        .map(|(g, group)| {
+            let at = format!("rank.page_table.groups[{g}]");
+            let views = group
+                .views
+                .iter()
+                .enumerate()
+                .map(|(v, view)| {
+                    let l = &view.layout;
+                    Ok(PoolView {
+                        pool: view.pool,
+                        entries: view
+                            .entries
+                            .iter()
+                            .map(|e| BufferEntry {
+                                local_layer: e.local_layer,
+                                offset: e.offset,
+                                size: e.size,
+                            })
+                            .collect(),
+                        roles: view
+                            .roles
+                            .iter()
+                            .map(|r| RString::from(r.as_str()))
+                            .collect(),
+                        layout: RoleLayout {
+                            kind: code(
+                                &format!("{at}.views[{v}].layout.kind"),
+                                &l.kind,
+                                &[
+                                    ("hnd", LayoutKind::HND),
+                                    ("nhd", LayoutKind::NHD),
+                                    ("replicated", LayoutKind::REPLICATED),
+                                    ("sectioned", LayoutKind::SECTIONED),
+                                ],
+                            )?,
+                            dtype: RString::from(l.dtype.as_str()),
+                            elem_bits: l.elem_bits,
+                            num_shards: l.num_shards,
+                            shard_index: l.shard_index,
+                            num_replicas: l.num_replicas,
+                            replica_index: l.replica_index,
+                            shard_unit_bytes: l.shard_unit_bytes,
+                            section_bytes: RVec::from(l.section_bytes.clone()),
+                        },
+                    })
+                })
+                .collect::<Result<RVec<_>, ConfigError>>()?;
+            Ok(LayerGroup {
+                kind: code(
+                    &format!("{at}.kind"),
+                    &group.kind,
+                    &[("paged", GroupKind::PAGED), ("state", GroupKind::STATE)],
+                )?,
+                window: group.window.into(),
+                layers: group
+                    .layers
+                    .iter()
+                    .map(|l| LocalLayer {
+                        local: l.local,
+                        global: l.global,
+                    })
+                    .collect(),
+                views,
+            })
+        })
+        .collect::<Result<RVec<_>, ConfigError>>()?;
+    let table = PageTable {
+        tokens_per_block: t.tokens_per_block,
+        pools,
+        groups,
+    };
+    table
+        .validate()
+        .map_err(|e| ConfigError::invalid(format!("config: rank.page_table: {e}")))?;
+    Ok(table)
+}
+
+/// The code named `name` among `known`, or an error listing them.
+fn code<T: Copy>(field: &str, name: &str, known: &[(&str, T)]) -> Result<T, ConfigError> {
+    known
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, c)| *c)
+        .ok_or_else(|| {
+            let names: Vec<&str> = known.iter().map(|(n, _)| *n).collect();
+            ConfigError::invalid(format!(
+                "config: {field} `{name}` is unknown (known: {})",
+                names.join(", ")
+            ))
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn minimal(extra: &str) -> String {
+        format!(
+            r#"{{"version": 1, "instance": "p", "role": "context", "architecture": "llama",
+               "secret": "0123456789abcdef", "rank": {{"mapping": "tp2", "instance_rank": 1,
+               "layers_per_pp": [1], "page_table": {{"tokens_per_block": 16,
+               "pools": [{{"base": 4096, "slot_bytes": 1024, "num_slots": 4}}],
+               "groups": [{{"layers": [{{"local": 0, "global": 0}}],
+               "views": [{{"pool": 0, "entries": [{{"local_layer": 0, "offset": 0,
+               "size": 1024}}], "roles": ["key"], "layout": {{"kind": "hnd", "dtype": "bf16",
+               "elem_bits": 16, "num_shards": 2, "shard_index": 1}}}}]}}]}}}}{extra}}}"#
+        )
+    }
+
+    #[test]
+    fn a_minimal_config_fills_the_defaults() {
+        let p = parse(&minimal("")).unwrap();
+        let a = &p.agent;
+        assert_eq!(a.role, Role::Context);
+        assert_eq!(a.rank.tp_size, 2);
+        assert_eq!(a.rank.tp_rank, 1);
+        assert_eq!(a.rank.page_table.pools[0].slot_stride, 1024);
+        assert_eq!(a.rank.page_table.pools[0].memory_type, MemoryType::DRAM);
+        assert_eq!(a.rank.page_table.groups[0].kind, GroupKind::PAGED);
+        assert_eq!(a.timeout, Duration::from_secs(30));
+        assert_eq!(
+            a.transport.to_string(),
+            TransportSpec::from_str("tcp").unwrap().to_string()
+        );
+        assert!(p.planner.is_none() && p.plugin_dirs.is_none());
+    }
+
+    #[test]
+    fn every_field_is_read() {
+        let p = parse(&minimal(
+            r#", "label": "l", "planner": "auto", "plugin_dir": ["/a", "/b"],
+               "transport": "shm", "net_devices": "eth0", "listen": "127.0.0.1:0",
+               "advertise": "127.0.0.1", "timeout_ms": 1000, "lease_ms": 2000,
+               "peer_timeout_ms": 3000, "planner_timeout_ms": 4000, "max_connections": 7,
+               "max_stashed_bytes": 1024, "cuda_device": 1"#,
+        ))
+        .unwrap();
+        let a = &p.agent;
+        assert_eq!(a.label, "l");
+        assert_eq!(p.planner.as_deref(), Some("auto"));
+        assert_eq!(p.plugin_dirs.unwrap().len(), 2);
+        assert_eq!(a.transport.net_devices.as_deref(), Some("eth0"));
+        assert_eq!(a.listen, "127.0.0.1:0");
+        assert_eq!(a.advertise.as_deref(), Some("127.0.0.1"));
+        assert_eq!(a.timeout, Duration::from_secs(1));
+        assert_eq!(a.lease, Duration::from_secs(2));
+        assert_eq!(a.peer_timeout, Duration::from_secs(3));
+        assert_eq!(a.planner_timeout, Duration::from_secs(4));
+        assert_eq!(a.max_connections, 7);
+        assert_eq!(a.max_stashed_bytes, 1024);
+        assert_eq!(a.cuda_device, Some(1));
+    }
+
+    fn refusal(text: &str) -> String {
+        match parse(text) {
+            Err(ConfigError::Invalid(m)) => m,
+            other => panic!("not refused as invalid: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn versions_fields_and_codes_are_refused_by_name() {
+        assert!(refusal("{").contains("not JSON"));
+        assert!(refusal("[1]").contains("JSON object"));
+        assert!(refusal(r#"{"instance": "p"}"#).contains("no \"version\""));
+        let v2 = minimal("").replacen("\"version\": 1", "\"version\": 2", 1);
+        assert!(
+            refusal(&v2).contains("version 2 is not supported"),
+            "{}",
+            refusal(&v2)
+        );
+        let typo = refusal(&minimal(r#", "timeout": 5"#));
+        assert!(typo.contains("unknown field `timeout`"), "{typo}");
+        let kind = minimal("").replace("\"hnd\"", "\"hdn\"");
+        let kind = refusal(&kind);
+        assert!(
+            kind.contains("layout.kind `hdn` is unknown (known: hnd"),
+            "{kind}"
+        );
+        let short = minimal("").replace("0123456789abcdef", "short");
+        assert!(refusal(&short).contains("at least 16 bytes"));
+        let both = refusal(&minimal(r#", "secret_hex": "00""#));
+        assert!(both.contains("not both"), "{both}");
+        let rank = minimal("").replace("\"instance_rank\": 1", "\"instance_rank\": 2");
+        assert!(refusal(&rank).contains("not below the 2 ranks"));
+        let role = refusal(&minimal("").replace("\"context\"", "\"prefill\""));
+        assert!(role.contains("prefill"), "{role}");
+        assert!(refusal(&minimal(r#", "timeout_ms": 0"#)).contains("above 0"));
+        let dp = minimal("").replace(
+            "\"instance_rank\": 1",
+            "\"instance_rank\": 1, \"dp_rank\": 1",
+        );
+        assert!(
+            refusal(&dp).contains("dp_rank 1 is not below dp_size 1"),
+            "{}",
+            refusal(&dp)
+        );
+    }
+
+    #[test]
+    fn hex_secrets_decode() {
+        assert_eq!(decode_hex("00ff10"), Some(vec![0, 255, 16]));
+        assert_eq!(decode_hex("0g"), None);
+        assert_eq!(decode_hex("abc"), None);
+        assert!(secret(None, Some(&"ab".repeat(16))).is_ok());
+        assert!(secret(None, Some("abab")).is_err());
+    }
+}

@@ -1,0 +1,819 @@
+#![doc = include_str!("../README.md")]
+#![deny(missing_docs)]
+// The exported names are the C names (`kvferry_agent`, `kvferry_status::KVFERRY_OK`), so the
+// header and the Rust items read the same.
+#![allow(non_camel_case_types)]
+
+mod config;
+mod error;
+
+use std::collections::VecDeque;
+use std::ffi::{CStr, c_char, c_int};
+use std::sync::{Mutex, Once};
+
+use kvferry_planner_abi::{SlotTable, TokenRange, ViewId};
+use kvferry_transfer::agent::{Agent, Event, Expect, FailureKind, Send as SendChunk};
+
+pub use error::kvferry_status;
+
+use error::{Failure, guard};
+use kvferry_status::*;
+
+/// The configuration version `kvferry_agent_start` reads (`"version": 1`).
+pub const KVFERRY_CONFIG_VERSION: u32 = 1;
+
+/// Bytes of `kvferry_event::peer`, its terminating NUL included.
+pub const KVFERRY_EVENT_PEER_LEN: usize = 128;
+
+/// Bytes of `kvferry_event::detail`, its terminating NUL included.
+pub const KVFERRY_EVENT_DETAIL_LEN: usize = 512;
+
+/// `kvferry_event::flags`: `peer` was cut to fit (at a UTF-8 character boundary).
+pub const KVFERRY_EVENT_PEER_TRUNCATED: u32 = 1;
+
+/// `kvferry_event::flags`: `detail` was cut to fit (at a UTF-8 character boundary).
+pub const KVFERRY_EVENT_DETAIL_TRUNCATED: u32 = 2;
+
+/// One rank's transfer agent: an opaque handle from `kvferry_agent_start`, freed by
+/// `kvferry_agent_destroy`.
+pub struct kvferry_agent {
+    agent: Agent,
+    /// Events drained from the agent that did not fit the caller's array yet.
+    pending: Mutex<VecDeque<Event>>,
+}
+
+// The docs promise C callers that one handle may be used from any thread at once.
+const _: () = {
+    const fn shared_across_threads<T: std::marker::Send + Sync>() {}
+    shared_across_threads::<kvferry_agent>();
+};
+
+impl std::fmt::Debug for kvferry_agent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("kvferry_agent")
+            .field("agent", &self.agent)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A request's slots in one layer group, by block ordinal: `slots[o]` holds tokens
+/// `[o × tokens_per_block, (o + 1) × tokens_per_block)`, or is -1 where this side holds nothing
+/// (outside a window, not allocated, or — decode side — cached). A STATE group's table is one
+/// slot, or empty. `slots` may be NULL when `len` is 0; it is read during the call only.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvferry_slot_table {
+    /// Slot ids, `len` of them.
+    pub slots: *const i32,
+    /// Entries in `slots`.
+    pub len: usize,
+}
+
+/// A (layer group, view) pair by index into this rank's page table.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct kvferry_view_id {
+    /// Index into the page table's `groups`.
+    pub group: u32,
+    /// Index into that group's `views`.
+    pub view: u32,
+}
+
+/// What an event says happened. New kinds may be added; skip kinds you do not know.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum kvferry_event_kind {
+    /// An event this version of the C API does not know (`detail` describes it).
+    KVFERRY_EVENT_UNKNOWN = 0,
+    /// Prefill side: every receiver has the request's bytes; its source slots are the
+    /// engine's again. `bytes`: written to all receivers.
+    KVFERRY_EVENT_SENT = 1,
+    /// Decode side: every expected writer's last piece landed. `bytes`, `fragments`,
+    /// `writers`, `pieces`, `latency_us` describe the transfer.
+    KVFERRY_EVENT_RECEIVED = 2,
+    /// The engine's cancel took effect: no write reads or lands in the slots any more.
+    KVFERRY_EVENT_CANCELLED = 3,
+    /// It failed (`failure`, `peer`, `detail`); no write reads or lands in its slots any more.
+    KVFERRY_EVENT_FAILED = 4,
+}
+
+/// Why a request failed (`KVFERRY_EVENT_FAILED`). New kinds may be added.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum kvferry_failure_kind {
+    /// Not a failure (every other event kind).
+    KVFERRY_FAILURE_NONE = 0,
+    /// The request's own parameters are wrong (slots outside the pool, a token range outside
+    /// the prompt, a chunk out of order).
+    KVFERRY_FAILURE_INVALID = 1,
+    /// A peer is unreachable, or its connection ended or went silent.
+    KVFERRY_FAILURE_PEER = 2,
+    /// A peer was refused (secret, planner, `check_peer`), or it refused this rank.
+    KVFERRY_FAILURE_REFUSED = 3,
+    /// The planner failed or did not return within its deadline.
+    KVFERRY_FAILURE_PLANNER = 4,
+    /// Not every writer reported in time.
+    KVFERRY_FAILURE_TIMEOUT = 5,
+    /// A `send` nobody claimed within the lease.
+    KVFERRY_FAILURE_LEASE = 6,
+    /// A peer broke the protocol (completions out of order, byte counts that disagree).
+    KVFERRY_FAILURE_PROTOCOL = 7,
+    /// Writing failed (UCX, a key that does not cover its pool, a quarantined peer).
+    KVFERRY_FAILURE_WRITE = 8,
+    /// The peer cancelled it.
+    KVFERRY_FAILURE_CANCELLED_BY_PEER = 9,
+    /// A kind this version of the C API does not know (`detail` has the text).
+    KVFERRY_FAILURE_OTHER = 255,
+}
+
+/// One event, flat: every field is plain data, text is copied into the event itself (so an
+/// event needs nothing freed and stays valid as long as the caller's array does). Fields a
+/// kind does not use are 0 (text: empty).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvferry_event {
+    /// What happened.
+    pub kind: kvferry_event_kind,
+    /// Why it failed (`KVFERRY_FAILURE_NONE` unless `kind` is `KVFERRY_EVENT_FAILED`).
+    pub failure: kvferry_failure_kind,
+    /// The request the event is about.
+    pub request: u64,
+    /// `SENT`: bytes written to all receivers; `RECEIVED`: bytes written into this rank.
+    pub bytes: u64,
+    /// `RECEIVED`: fragments written.
+    pub fragments: u64,
+    /// `RECEIVED`: from the first request description sent to the last completion, in µs.
+    pub latency_us: u64,
+    /// `RECEIVED`: (writer, this rank) pairs that reported.
+    pub writers: u32,
+    /// `RECEIVED`: pieces reported over all writers.
+    pub pieces: u32,
+    /// `KVFERRY_EVENT_PEER_TRUNCATED`, `KVFERRY_EVENT_DETAIL_TRUNCATED`.
+    pub flags: u32,
+    /// Zero; room for later fields.
+    pub reserved: u32,
+    /// `FAILED`: the peer concerned (`instance rank N (epoch ...)`), or empty. NUL-terminated.
+    pub peer: [c_char; KVFERRY_EVENT_PEER_LEN],
+    /// `FAILED`: what happened, in words; `UNKNOWN`: the event. NUL-terminated.
+    pub detail: [c_char; KVFERRY_EVENT_DETAIL_LEN],
+}
+
+impl kvferry_event {
+    fn empty(kind: kvferry_event_kind, request: u64) -> Self {
+        Self {
+            kind,
+            failure: kvferry_failure_kind::KVFERRY_FAILURE_NONE,
+            request,
+            bytes: 0,
+            fragments: 0,
+            latency_us: 0,
+            writers: 0,
+            pieces: 0,
+            flags: 0,
+            reserved: 0,
+            peer: [0; KVFERRY_EVENT_PEER_LEN],
+            detail: [0; KVFERRY_EVENT_DETAIL_LEN],
+        }
+    }
+
+    fn from_event(event: &Event) -> Self {
+        use kvferry_event_kind::*;
+        match event {
+            Event::Sent { request, bytes } => Self {
+                bytes: *bytes,
+                ..Self::empty(KVFERRY_EVENT_SENT, *request)
+            },
+            Event::Received { request, stats } => Self {
+                bytes: stats.bytes,
+                fragments: stats.fragments,
+                latency_us: stats.latency_us,
+                writers: stats.writers,
+                pieces: stats.pieces,
+                ..Self::empty(KVFERRY_EVENT_RECEIVED, *request)
+            },
+            Event::Cancelled { request } => Self::empty(KVFERRY_EVENT_CANCELLED, *request),
+            Event::Failed {
+                request,
+                peer,
+                kind,
+                detail,
+            } => {
+                let mut e = Self::empty(KVFERRY_EVENT_FAILED, *request);
+                e.failure = failure_kind(*kind);
+                if copy_text(&mut e.peer, peer.as_deref().unwrap_or("")) {
+                    e.flags |= KVFERRY_EVENT_PEER_TRUNCATED;
+                }
+                if copy_text(&mut e.detail, detail) {
+                    e.flags |= KVFERRY_EVENT_DETAIL_TRUNCATED;
+                }
+                e
+            }
+            other => {
+                let mut e = Self::empty(KVFERRY_EVENT_UNKNOWN, other.request());
+                if copy_text(&mut e.detail, &format!("{other:?}")) {
+                    e.flags |= KVFERRY_EVENT_DETAIL_TRUNCATED;
+                }
+                e
+            }
+        }
+    }
+}
+
+fn failure_kind(kind: FailureKind) -> kvferry_failure_kind {
+    use kvferry_failure_kind::*;
+    match kind {
+        FailureKind::Invalid => KVFERRY_FAILURE_INVALID,
+        FailureKind::Peer => KVFERRY_FAILURE_PEER,
+        FailureKind::Refused => KVFERRY_FAILURE_REFUSED,
+        FailureKind::Planner => KVFERRY_FAILURE_PLANNER,
+        FailureKind::Timeout => KVFERRY_FAILURE_TIMEOUT,
+        FailureKind::Lease => KVFERRY_FAILURE_LEASE,
+        FailureKind::Protocol => KVFERRY_FAILURE_PROTOCOL,
+        FailureKind::Write => KVFERRY_FAILURE_WRITE,
+        FailureKind::CancelledByPeer => KVFERRY_FAILURE_CANCELLED_BY_PEER,
+        _ => KVFERRY_FAILURE_OTHER,
+    }
+}
+
+/// Copies `text` into `out` NUL-terminated, cut at a character boundary to fit; whether it
+/// was cut.
+fn copy_text(out: &mut [c_char], text: &str) -> bool {
+    let room = out.len().saturating_sub(1);
+    let mut n = text.len().min(room);
+    while !text.is_char_boundary(n) {
+        n -= 1;
+    }
+    for (o, b) in out.iter_mut().zip(&text.as_bytes()[..n]) {
+        *o = *b as c_char;
+    }
+    if let Some(end) = out.get_mut(n) {
+        *end = 0;
+    }
+    n < text.len()
+}
+
+// ---------------------------------------------------------------------------------------
+// Argument checks.
+
+/// `ptr` as a reference, or the NULL failure naming `what`.
+///
+/// # Safety
+///
+/// `ptr` is NULL or points at a live `T` for `'a`.
+unsafe fn deref<'a, T>(ptr: *const T, what: &str) -> Result<&'a T, Failure> {
+    // SAFETY: the caller's contract: NULL or a live `T`.
+    unsafe { ptr.as_ref() }.ok_or_else(|| Failure::null(what))
+}
+
+/// A NUL-terminated UTF-8 argument.
+///
+/// # Safety
+///
+/// `ptr` is NULL or a NUL-terminated string, valid for the call.
+unsafe fn text<'a>(ptr: *const c_char, what: &str) -> Result<&'a str, Failure> {
+    if ptr.is_null() {
+        return Err(Failure::null(what));
+    }
+    // SAFETY: non-NULL, and the caller's contract makes it NUL-terminated and live.
+    let s = unsafe { CStr::from_ptr(ptr) };
+    s.to_str()
+        .map_err(|e| Failure::new(KVFERRY_ERR_INVALID_ARGUMENT, format!("{what}: {e}")))
+}
+
+/// An array argument: NULL allowed only when `len` is 0.
+///
+/// # Safety
+///
+/// `ptr` is NULL or valid for `len` reads of `T`, for `'a`.
+unsafe fn array<'a, T>(ptr: *const T, len: usize, what: &str) -> Result<&'a [T], Failure> {
+    if len == 0 {
+        return Ok(&[]);
+    }
+    if ptr.is_null() {
+        return Err(Failure::null(&format!("{what} (with {len} entries)")));
+    }
+    if len > isize::MAX as usize / std::mem::size_of::<T>().max(1) {
+        return Err(Failure::new(
+            KVFERRY_ERR_INVALID_ARGUMENT,
+            format!("{what}: {len} entries cannot be addressed"),
+        ));
+    }
+    // SAFETY: non-NULL, the size fits in `isize`, and the caller's contract makes `len`
+    // entries readable for `'a`.
+    Ok(unsafe { std::slice::from_raw_parts(ptr, len) })
+}
+
+/// The slot tables argument, copied into the ABI's tables.
+///
+/// # Safety
+///
+/// `tables` is NULL or valid for `n` reads, and each table's `slots` for its `len`.
+unsafe fn slot_tables(
+    tables: *const kvferry_slot_table,
+    n: usize,
+) -> Result<Vec<SlotTable>, Failure> {
+    // SAFETY: the caller's contract.
+    let tables = unsafe { array(tables, n, "tables") }?;
+    tables
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            // SAFETY: the caller's contract, for each table's slots.
+            let slots = unsafe { array(t.slots, t.len, &format!("tables[{i}].slots")) }?;
+            Ok(SlotTable::new(slots.iter().map(|&s| i64::from(s))))
+        })
+        .collect()
+}
+
+/// Writes `bytes` to `buf` under the size-query convention.
+///
+/// # Safety
+///
+/// `buf` is NULL or valid for `cap` bytes of writes; `len_out` is NULL or writable.
+unsafe fn copy_out(
+    bytes: &[u8],
+    nul: bool,
+    buf: *mut u8,
+    cap: usize,
+    len_out: *mut usize,
+) -> Result<(), Failure> {
+    if len_out.is_null() {
+        return Err(Failure::null("len_out"));
+    }
+    // SAFETY: non-NULL, and writable by the caller's contract.
+    unsafe { len_out.write(bytes.len()) };
+    if buf.is_null() && cap == 0 {
+        return Ok(());
+    }
+    if buf.is_null() {
+        return Err(Failure::null(&format!("buf (with cap {cap})")));
+    }
+    let need = bytes.len() + usize::from(nul);
+    if cap < need {
+        return Err(Failure::new(
+            KVFERRY_ERR_BUFFER_TOO_SMALL,
+            format!("{need} bytes needed, the buffer has {cap}"),
+        ));
+    }
+    // SAFETY: `buf` is writable for `cap >= need` bytes (the caller's contract), and our
+    // `bytes` cannot overlap it.
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf, bytes.len());
+        if nul {
+            *buf.add(bytes.len()) = 0;
+        }
+    }
+    Ok(())
+}
+
+fn init_logging() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        let Some(filter) = std::env::var("KVFERRY_LOG").ok().filter(|f| !f.is_empty()) else {
+            return;
+        };
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_writer(std::io::stderr)
+            .try_init();
+    });
+}
+
+// ---------------------------------------------------------------------------------------
+// The entry points.
+
+/// Starts one rank's agent from a JSON configuration (version 1; `host/capi/README.md` lists
+/// every field), and stores its handle in `*out` (NULL on failure).
+///
+/// This is where the engine makes its memory promise: from this call until
+/// `kvferry_agent_destroy` returns, every pool the page table names stays one live allocation
+/// of its memory type at the address given (not freed, not remapped); source slots stay
+/// unchanged from `kvferry_agent_send` until the request's terminal event; destination slots
+/// are not the engine's from `kvferry_agent_expect` until its terminal event. kvferry
+/// registers the pools with UCX and writes nowhere else; it never allocates, fills or primes
+/// them.
+///
+/// Returns `KVFERRY_OK`, `KVFERRY_ERR_CONFIG`, `KVFERRY_ERR_PLANNER`, `KVFERRY_ERR_UCX`,
+/// `KVFERRY_ERR_MEMORY`, `KVFERRY_ERR_LISTEN`, `KVFERRY_ERR_RESOURCES`, ...
+///
+/// # Safety
+///
+/// `config_json` is NULL or a NUL-terminated string; `out` is NULL or writable. The pools the
+/// configuration names satisfy the memory promise above, which no check here can verify.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvferry_agent_start(
+    config_json: *const c_char,
+    out: *mut *mut kvferry_agent,
+) -> c_int {
+    guard("kvferry_agent_start", || {
+        if out.is_null() {
+            return Err(Failure::null("out"));
+        }
+        // SAFETY: `out` is non-NULL and writable (the caller's contract).
+        unsafe { out.write(std::ptr::null_mut()) };
+        // SAFETY: NULL or NUL-terminated (the caller's contract).
+        let json = unsafe { text(config_json, "config_json") }?;
+        init_logging();
+        let parsed = config::parse(json)?;
+        let bound = parsed.bind()?;
+        // SAFETY: the caller promised the pools the configuration names for the agent's life
+        // (this function's `# Safety`), which is `Agent::start`'s contract.
+        let agent = unsafe { Agent::start(parsed.agent, bound) }?;
+        let handle = Box::new(kvferry_agent {
+            agent,
+            pending: Mutex::new(VecDeque::new()),
+        });
+        // SAFETY: as above; the caller owns the handle from here and frees it with
+        // `kvferry_agent_destroy`.
+        unsafe { out.write(Box::into_raw(handle)) };
+        Ok(())
+    })
+}
+
+/// Stops the agent and frees the handle: it stops taking work, tells every peer, ends every
+/// connection, and waits (up to 2 s) until its threads let go, so UCX is torn down before it
+/// returns and the engine may free its pools right after. Requests still in flight end
+/// without events. NULL is ignored.
+///
+/// # Safety
+///
+/// `agent` is NULL or a handle from `kvferry_agent_start` not yet destroyed, and no other
+/// call on it runs or follows.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvferry_agent_destroy(agent: *mut kvferry_agent) {
+    guard("kvferry_agent_destroy", || {
+        if !agent.is_null() {
+            // SAFETY: a live handle from `kvferry_agent_start`, destroyed once, with no
+            // other call on it (the caller's contract).
+            drop(unsafe { Box::from_raw(agent) });
+        }
+        Ok(())
+    });
+}
+
+/// Copies a context rank's side-channel endpoint (`host:port`, what decode ranks pass to
+/// `kvferry_agent_expect`) into `buf`, NUL-terminated; `*len_out` gets its length without the
+/// NUL. Size query: `buf` NULL and `cap` 0. Generation ranks have none: `KVFERRY_ERR_ROLE`.
+///
+/// # Safety
+///
+/// `agent` is NULL or a live handle; `buf` is NULL or writable for `cap` bytes; `len_out` is
+/// NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvferry_agent_endpoint(
+    agent: *const kvferry_agent,
+    buf: *mut c_char,
+    cap: usize,
+    len_out: *mut usize,
+) -> c_int {
+    guard("kvferry_agent_endpoint", || {
+        // SAFETY: NULL or a live handle (the caller's contract).
+        let a = unsafe { deref(agent, "agent") }?;
+        let Some(endpoint) = a.agent.endpoint() else {
+            return Err(Failure::new(
+                KVFERRY_ERR_ROLE,
+                "a generation rank does not listen, so it has no endpoint",
+            ));
+        };
+        // SAFETY: the caller's contract for `buf`, `cap` and `len_out`.
+        unsafe { copy_out(endpoint.as_bytes(), true, buf.cast(), cap, len_out) }
+    })
+}
+
+/// Copies this rank's metadata (bytes, for engines that exchange it on their own channel:
+/// the decode rank passes them to `kvferry_agent_add_peer`) into `buf`; `*len_out` gets its
+/// length. Size query: `buf` NULL and `cap` 0.
+///
+/// # Safety
+///
+/// `agent` is NULL or a live handle; `buf` is NULL or writable for `cap` bytes; `len_out` is
+/// NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvferry_agent_local_metadata(
+    agent: *const kvferry_agent,
+    buf: *mut u8,
+    cap: usize,
+    len_out: *mut usize,
+) -> c_int {
+    guard("kvferry_agent_local_metadata", || {
+        // SAFETY: NULL or a live handle (the caller's contract).
+        let a = unsafe { deref(agent, "agent") }?;
+        let bytes = a.agent.local_metadata()?;
+        // SAFETY: the caller's contract for `buf`, `cap` and `len_out`.
+        unsafe { copy_out(&bytes, false, buf, cap, len_out) }
+    })
+}
+
+/// Decode ranks: adds a context rank's metadata (`len` bytes of its
+/// `kvferry_agent_local_metadata`) to this rank's directory; the connection is made when a
+/// request needs it. A newer start of the same rank replaces the old one.
+///
+/// # Safety
+///
+/// `agent` is NULL or a live handle; `bytes` is NULL or readable for `len` bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvferry_agent_add_peer(
+    agent: *mut kvferry_agent,
+    bytes: *const u8,
+    len: usize,
+) -> c_int {
+    guard("kvferry_agent_add_peer", || {
+        // SAFETY: NULL or a live handle (the caller's contract).
+        let a = unsafe { deref(agent, "agent") }?;
+        if bytes.is_null() {
+            return Err(Failure::null("bytes"));
+        }
+        // SAFETY: the caller's contract for `bytes` and `len`.
+        let bytes = unsafe { array(bytes, len, "bytes") }?;
+        a.agent.add_peer(bytes)?;
+        Ok(())
+    })
+}
+
+/// Prefill ranks: makes (a chunk of) request `request` available: tokens
+/// `[token_start, token_end)` of a `prompt_len`-token prompt, in the slots of `tables` (one
+/// per layer group of this rank's page table, covering every token up to `token_end`).
+/// Chunked prefill is a sequence of sends, each starting where the previous ended, the last
+/// with `is_last`. `to`: only this decode instance may claim it (NULL: the first to claim it
+/// owns it). Ends in `SENT`, `CANCELLED` or `FAILED`.
+///
+/// # Safety
+///
+/// `agent` is NULL or a live handle; `tables` is NULL or readable for `n_tables` entries,
+/// each `slots` for its `len`; `to` is NULL or a NUL-terminated string. All are read during
+/// the call only.
+#[allow(clippy::too_many_arguments)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvferry_agent_send(
+    agent: *mut kvferry_agent,
+    request: u64,
+    tables: *const kvferry_slot_table,
+    n_tables: usize,
+    token_start: u64,
+    token_end: u64,
+    prompt_len: u64,
+    is_last: bool,
+    to: *const c_char,
+) -> c_int {
+    guard("kvferry_agent_send", || {
+        // SAFETY: NULL or a live handle (the caller's contract).
+        let a = unsafe { deref(agent, "agent") }?;
+        // SAFETY: the caller's contract for the tables.
+        let tables = unsafe { slot_tables(tables, n_tables) }?;
+        let to = if to.is_null() {
+            None
+        } else {
+            // SAFETY: non-NULL and NUL-terminated (the caller's contract).
+            Some(unsafe { text(to, "to") }?.to_string())
+        };
+        a.agent.send(SendChunk {
+            request,
+            tables,
+            tokens: TokenRange {
+                start: token_start,
+                end: token_end,
+            },
+            prompt_len,
+            is_last,
+            to,
+        })?;
+        Ok(())
+    })
+}
+
+/// Decode ranks: expects request `request` from prefill instance `peer` into this rank's
+/// slots `tables` (one per layer group). `endpoints`: the side-channel endpoints of that
+/// instance's ranks, any order (`n_endpoints` may be 0 when their metadata was added with
+/// `kvferry_agent_add_peer`). `ctx_dp_rank`: the prefill DP group that holds it.
+/// `cached_prefix`: tokens already cached here (block-aligned; 0 = none), which nothing
+/// writes. `excluded`: views of this rank that must not be written. Ends in `RECEIVED`,
+/// `CANCELLED` or `FAILED`.
+///
+/// # Safety
+///
+/// `agent` is NULL or a live handle; `peer` is NULL or a NUL-terminated string; `endpoints`
+/// is NULL or readable for `n_endpoints` pointers to NUL-terminated strings; `tables` is NULL
+/// or readable for `n_tables` entries, each `slots` for its `len`; `excluded` is NULL or
+/// readable for `n_excluded` entries. All are read during the call only.
+#[allow(clippy::too_many_arguments)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvferry_agent_expect(
+    agent: *mut kvferry_agent,
+    request: u64,
+    peer: *const c_char,
+    endpoints: *const *const c_char,
+    n_endpoints: usize,
+    ctx_dp_rank: u32,
+    prompt_len: u64,
+    cached_prefix: u64,
+    tables: *const kvferry_slot_table,
+    n_tables: usize,
+    excluded: *const kvferry_view_id,
+    n_excluded: usize,
+) -> c_int {
+    guard("kvferry_agent_expect", || {
+        // SAFETY: NULL or a live handle (the caller's contract).
+        let a = unsafe { deref(agent, "agent") }?;
+        // SAFETY: NULL or NUL-terminated (the caller's contract).
+        let peer = unsafe { text(peer, "peer") }?.to_string();
+        // SAFETY: the caller's contract for the endpoint array.
+        let list = unsafe { array(endpoints, n_endpoints, "endpoints") }?;
+        let endpoints = list
+            .iter()
+            .enumerate()
+            // SAFETY: each entry is NULL or NUL-terminated (the caller's contract).
+            .map(|(i, &e)| unsafe { text(e, &format!("endpoints[{i}]")) }.map(str::to_string))
+            .collect::<Result<Vec<_>, _>>()?;
+        // SAFETY: the caller's contract for the tables.
+        let tables = unsafe { slot_tables(tables, n_tables) }?;
+        // SAFETY: the caller's contract for the excluded views.
+        let excluded = unsafe { array(excluded, n_excluded, "excluded") }?;
+        a.agent.expect(Expect {
+            request,
+            peer,
+            endpoints,
+            ctx_dp_rank,
+            prompt_len,
+            cached_prefix: (cached_prefix != 0).then_some(cached_prefix),
+            tables,
+            excluded_views: excluded
+                .iter()
+                .map(|v| ViewId {
+                    group: v.group,
+                    view: v.view,
+                })
+                .collect(),
+        })?;
+        Ok(())
+    })
+}
+
+/// Cancels a request; accepted while it has not ended, and answered by its terminal event
+/// (`CANCELLED`, or the event that beat the cancel). On a decode rank that event comes only
+/// once every writer acknowledged or is gone. `KVFERRY_ERR_UNKNOWN_REQUEST` if the request is
+/// unknown or has ended.
+///
+/// # Safety
+///
+/// `agent` is NULL or a live handle.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvferry_agent_cancel(agent: *mut kvferry_agent, request: u64) -> c_int {
+    guard("kvferry_agent_cancel", || {
+        // SAFETY: NULL or a live handle (the caller's contract).
+        let a = unsafe { deref(agent, "agent") }?;
+        a.agent.cancel(request)?;
+        Ok(())
+    })
+}
+
+/// Moves up to `cap` events, oldest first, into `events`; `*n_out` gets how many. Events
+/// that do not fit stay queued for the next call, and the wake descriptor stays readable
+/// while any wait. `events` may be NULL when `cap` is 0.
+///
+/// # Safety
+///
+/// `agent` is NULL or a live handle; `events` is NULL or writable for `cap` entries;
+/// `n_out` is NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvferry_agent_poll(
+    agent: *mut kvferry_agent,
+    events: *mut kvferry_event,
+    cap: usize,
+    n_out: *mut usize,
+) -> c_int {
+    guard("kvferry_agent_poll", || {
+        // SAFETY: NULL or a live handle (the caller's contract).
+        let a = unsafe { deref(agent, "agent") }?;
+        if n_out.is_null() {
+            return Err(Failure::null("n_out"));
+        }
+        // SAFETY: non-NULL and writable (the caller's contract).
+        unsafe { n_out.write(0) };
+        if cap > 0 && events.is_null() {
+            return Err(Failure::null(&format!("events (with cap {cap})")));
+        }
+        let mut pending = a.pending.lock().unwrap_or_else(|e| e.into_inner());
+        pending.extend(a.agent.poll());
+        let n = cap.min(pending.len());
+        for (i, event) in pending.drain(..n).enumerate() {
+            // SAFETY: `i < n <= cap`, and `events` is writable for `cap` entries (the
+            // caller's contract); `write` does not read the (maybe uninitialised) old value.
+            unsafe { events.add(i).write(kvferry_event::from_event(&event)) };
+        }
+        // SAFETY: as above.
+        unsafe { n_out.write(n) };
+        if !pending.is_empty() {
+            // The agent's poll cleared its eventfd; what is left here must keep it readable.
+            let one: u64 = 1;
+            // SAFETY: writes 8 bytes from a live u64 to the agent's eventfd, which is open
+            // while the agent lives; a full counter (EAGAIN) still leaves it readable.
+            let _ = unsafe {
+                libc::write(
+                    a.agent.wake_fd(),
+                    (&one as *const u64).cast(),
+                    std::mem::size_of::<u64>(),
+                )
+            };
+        }
+        Ok(())
+    })
+}
+
+/// A descriptor that is readable while events wait (an eventfd: add it to `poll`/`epoll`;
+/// `kvferry_agent_poll` clears it). Owned by the agent: do not close or read it. -1 if
+/// `agent` is NULL.
+///
+/// # Safety
+///
+/// `agent` is NULL or a live handle.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvferry_agent_wake_fd(agent: *const kvferry_agent) -> c_int {
+    let mut fd = -1;
+    let status = guard("kvferry_agent_wake_fd", || {
+        // SAFETY: NULL or a live handle (the caller's contract).
+        let a = unsafe { deref(agent, "agent") }?;
+        fd = a.agent.wake_fd();
+        Ok(())
+    });
+    if status == KVFERRY_OK as c_int {
+        fd
+    } else {
+        -1
+    }
+}
+
+/// Copies the text of this thread's last failed call into `buf` (NUL-terminated, cut to
+/// `cap - 1` bytes, like `snprintf`) and returns its full length without the NUL: 0 when the
+/// last call succeeded. `buf` may be NULL when `cap` is 0, to ask for the length.
+///
+/// # Safety
+///
+/// `buf` is NULL or writable for `cap` bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvferry_last_error(buf: *mut c_char, cap: usize) -> usize {
+    // SAFETY: the caller's contract for `buf` and `cap`.
+    std::panic::catch_unwind(|| unsafe { error::copy_last_error(buf, cap) }).unwrap_or(0)
+}
+
+/// The name of a status code (`"KVFERRY_ERR_CONFIG"`), or `"KVFERRY_UNKNOWN_STATUS"`. A
+/// static string: never free it.
+#[unsafe(no_mangle)]
+pub extern "C" fn kvferry_status_name(status: c_int) -> *const c_char {
+    kvferry_status::ALL
+        .iter()
+        .find(|s| **s as c_int == status)
+        .map_or(c"KVFERRY_UNKNOWN_STATUS", |s| s.name())
+        .as_ptr()
+}
+
+/// The library's version (`"0.1.0"`). A static string: never free it.
+#[unsafe(no_mangle)]
+pub extern "C" fn kvferry_version() -> *const c_char {
+    const VERSION: &CStr =
+        match CStr::from_bytes_with_nul(concat!(env!("CARGO_PKG_VERSION"), "\0").as_bytes()) {
+            Ok(v) => v,
+            Err(_) => c"unknown",
+        };
+    VERSION.as_ptr()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_is_cut_at_a_character_boundary() {
+        let mut out = [1 as c_char; 5];
+        assert!(!copy_text(&mut out, "abc"));
+        assert_eq!(
+            &out[..4],
+            &[b'a' as c_char, b'b' as c_char, b'c' as c_char, 0]
+        );
+        // "aé" is 3 bytes; with room for 2 the é (2 bytes) would be split, so only "a" fits.
+        let mut out = [1 as c_char; 3];
+        assert!(copy_text(&mut out, "aéz"));
+        assert_eq!(&out[..2], &[b'a' as c_char, 0]);
+    }
+
+    #[test]
+    fn an_event_is_696_bytes_as_the_cpp_check_expects() {
+        assert_eq!(std::mem::size_of::<kvferry_event>(), 696);
+        assert_eq!(std::mem::align_of::<kvferry_event>(), 8);
+    }
+
+    #[test]
+    fn every_status_has_its_name() {
+        for s in kvferry_status::ALL {
+            // SAFETY: a static C string.
+            let name = unsafe { CStr::from_ptr(kvferry_status_name(s as c_int)) };
+            assert!(name.to_str().unwrap().starts_with("KVFERRY_"), "{name:?}");
+            assert!(format!("{s:?}") == name.to_str().unwrap());
+        }
+        // SAFETY: a static C string.
+        let unknown = unsafe { CStr::from_ptr(kvferry_status_name(-5)) };
+        assert_eq!(unknown, c"KVFERRY_UNKNOWN_STATUS");
+        // SAFETY: a static C string.
+        let version = unsafe { CStr::from_ptr(kvferry_version()) };
+        assert_eq!(version.to_str().unwrap(), env!("CARGO_PKG_VERSION"));
+    }
+}
