@@ -188,3 +188,102 @@ fn deepseek_demo_chunked_with_cached_prefix_shm() {
         6,
     );
 }
+
+/// One `kvferry serve --rank N` process per rank, as engines run them (the processes of an
+/// instance share its `--name`), driven by `kvferry demo --ctx-at/--gen-at` as servers
+/// already running elsewhere would be: Llama-3-70B TP2 (two processes) to TP4 (four), over
+/// tcp, chunked, with a cached prefix; every byte verified, and the servers keep running
+/// after the demo (it stops only what it started).
+#[test]
+fn one_process_per_rank_driven_by_demo_ctx_at_gen_at_tcp() {
+    let per_rank = |role: &'static str, spec: &str, ranks: u32, name: &str| -> Vec<Server> {
+        (0..ranks)
+            .map(|r| {
+                Server::start(
+                    role,
+                    "llama-3-70b",
+                    spec,
+                    "tcp",
+                    &["--rank", &r.to_string(), "--name", name],
+                )
+            })
+            .collect()
+    };
+    let ctx = per_rank("context", "tp2", 2, "prefill");
+    let r#gen = per_rank("generation", "tp4", 4, "decode");
+    let controls = |servers: &[Server]| {
+        servers
+            .iter()
+            .map(|s| s.control.clone())
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let (ctx_at, gen_at) = (controls(&ctx), controls(&r#gen));
+    for _ in 0..2 {
+        let v = demo_ok(
+            &[
+                "--model",
+                "llama-3-70b",
+                "--ctx",
+                "tp2",
+                "--gen",
+                "tp4",
+                "--ctx-at",
+                &ctx_at,
+                "--gen-at",
+                &gen_at,
+                "--requests",
+                "4",
+                "--prompt-len",
+                "200",
+                "--chunk",
+                "64",
+                "--cached",
+                "40",
+                "--in-flight",
+                "2",
+            ],
+            4,
+        );
+        assert_eq!(v["planner"], "kvferry.default");
+    }
+    // Every rank is its own process, each with its own agent.
+    for s in ctx.iter().chain(&r#gen) {
+        assert_eq!(s.info().ranks.len(), 1);
+    }
+}
+
+/// `--ctx-at` servers that are not one instance, or miss a rank, are refused by name.
+#[test]
+fn demo_refuses_servers_that_are_not_one_whole_instance() {
+    let a = Server::start("context", "llama-3-70b", "tp2", "tcp", &["--rank", "0"]);
+    let b = Server::start("context", "llama-3-70b", "tp2", "tcp", &["--rank", "1"]);
+    let g = Server::start("generation", "llama-3-70b", "tp1", "tcp", &[]);
+    let run = |ctx_at: String| {
+        support::Kvferry::new()
+            .quiet()
+            .args([
+                "demo",
+                "--model",
+                "llama-3-70b",
+                "--ctx",
+                "tp2",
+                "--gen",
+                "tp1",
+                "--ctx-at",
+            ])
+            .arg(ctx_at)
+            .args(["--gen-at", &g.control, "--requests", "1"])
+            .output()
+    };
+    // Two processes of two differently named instances.
+    let out = run(format!("{},{}", a.control, b.control));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("must run one instance"), "{stderr}");
+    // Rank 1 missing.
+    let out = run(a.control.clone());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("rank 1 of context instance"), "{stderr}");
+}

@@ -23,6 +23,10 @@
 //! 6. Every `PT_LOAD` segment's file range (`p_offset + p_filesz`) inside the file: the check
 //!    the SIGBUS calls for.
 //! 7. The section header table, if any: entries of the ELF64 size, inside the file.
+//! 8. When the file has a dynamic symbol table: it defines abi_stable's root-module loader
+//!    symbol ([`NotAPlanner`](LoadError::NotAPlanner) otherwise), so a shared object that
+//!    is not a planner (the C API's library next to the binaries) is never `dlopen`ed and
+//!    its constructors never run here.
 //!
 //! The parsing is the [`object`] crate's: it decodes the header and tables in the file's byte
 //! order, validates the identification and entry sizes, resolves the extended counts of
@@ -43,7 +47,7 @@ use std::mem::size_of;
 use std::path::Path;
 
 use object::elf::{self, FileHeader64, Machine, ProgramHeader64, SectionHeader64};
-use object::read::elf::{FileHeader, ProgramHeader};
+use object::read::elf::{FileHeader, ProgramHeader, Sym};
 use object::read::{ReadCache, ReadCacheOps, ReadRef};
 use object::{Endianness, read::Error as ObjectError};
 
@@ -182,6 +186,28 @@ pub(crate) fn check(path: &Path) -> Result<(), LoadError> {
             shentsize,
         )
     })?;
+
+    // A shared object that exports no planner root module is not loaded at all: `dlopen`
+    // would run its constructors in this process (another kvferry library in the same
+    // directory, say the C API, would bring a second copy of everything). Decided from the
+    // dynamic symbol table when there is one; without one, `dlopen` decides.
+    if let Ok(sections) = header.sections(endian, data) {
+        if let Ok(symbols) = sections.symbols(endian, data, elf::SHT_DYNSYM) {
+            if !symbols.is_empty() {
+                let root = abi_stable::library::ROOT_MODULE_LOADER_NAME.as_bytes();
+                let exports_root = symbols.iter().any(|sym| {
+                    sym.st_shndx(endian) != elf::SHN_UNDEF
+                        && symbols.symbol_name(endian, sym).ok() == Some(root)
+                });
+                if !exports_root {
+                    return Err(LoadError::NotAPlanner {
+                        path: path.to_path_buf(),
+                        symbol: abi_stable::library::ROOT_MODULE_LOADER_NAME.to_string(),
+                    });
+                }
+            }
+        }
+    }
     Ok(())
 }
 

@@ -595,7 +595,13 @@ impl Registry {
     }
 
     fn skip(&mut self, reason: LoadError) {
-        tracing::warn!("skipping plugin file: {reason}");
+        // Other shared objects may share a plugin directory (the C API's library sits next
+        // to the binaries): not being a planner is news only when asked (`planners --all`).
+        if matches!(reason, LoadError::NotAPlanner { .. }) {
+            tracing::debug!("skipping plugin file: {reason}");
+        } else {
+            tracing::warn!("skipping plugin file: {reason}");
+        }
         self.skipped.push(SkippedFile {
             path: reason.path().to_path_buf(),
             reason,
