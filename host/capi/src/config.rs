@@ -55,6 +55,8 @@ struct ConfigV1 {
     rank: RankJson,
     transport: Option<String>,
     net_devices: Option<String>,
+    #[serde(default)]
+    ucx_peer_errors: bool,
     listen: Option<String>,
     advertise: Option<String>,
     secret: Option<String>,
@@ -230,6 +232,7 @@ pub(crate) fn parse(text: &str) -> Result<Parsed, ConfigError> {
     if let Some(devices) = c.net_devices.filter(|d| !d.is_empty()) {
         transport.net_devices = Some(devices);
     }
+    transport.ucx_peer_errors = c.ucx_peer_errors;
     agent.transport = transport;
     if let Some(listen) = c.listen {
         agent.listen = listen;

@@ -351,6 +351,9 @@ pub fn serve_args(
     if let Some(devices) = &pair.transport.net_devices {
         args.extend(["--net-devices".to_string(), devices.clone()]);
     }
+    if pair.transport.ucx_peer_errors {
+        args.push("--ucx-peer-errors".to_string());
+    }
     if let Some(p) = &pair.planner {
         args.extend(["--planner".to_string(), p.to_string()]);
     }

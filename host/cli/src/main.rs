@@ -200,6 +200,10 @@ struct ServeArgs {
     /// Network devices for UCX (UCX_NET_DEVICES syntax: `eth0`, `mlx5_0:1`, `veth0,veth1`).
     #[arg(long, value_name = "DEV[,DEV]")]
     net_devices: Option<String>,
+    /// Open UCX endpoints in peer-failure mode (tcp and non-shm lists): UCX's own error
+    /// handler fails the puts to a dead peer; costs tcp its native put (about 3x here).
+    #[arg(long)]
+    ucx_peer_errors: bool,
     #[command(flatten)]
     memory: MemoryArgs,
     /// PAGED slots per pool of every rank.
@@ -260,6 +264,10 @@ struct PairArgs {
     /// Network devices for UCX (UCX_NET_DEVICES syntax: `eth0`, `mlx5_0:1`, `veth0,veth1`).
     #[arg(long, value_name = "DEV[,DEV]")]
     net_devices: Option<String>,
+    /// Open UCX endpoints in peer-failure mode (tcp and non-shm lists): UCX's own error
+    /// handler fails the puts to a dead peer; costs tcp its native put (about 3x here).
+    #[arg(long)]
+    ucx_peer_errors: bool,
     #[command(flatten)]
     memory: MemoryArgs,
     /// Planner id for both servers (default: $KVFERRY_PLANNER, config `planner`,
@@ -296,6 +304,7 @@ impl PairArgs {
             r#gen,
             transport: TransportSpec {
                 net_devices: self.net_devices,
+                ucx_peer_errors: self.ucx_peer_errors,
                 ..self.transport
             },
             memory: self.memory.memory,
@@ -939,6 +948,7 @@ fn serve(host: &Host, a: ServeArgs) -> Result<ExitCode> {
         label: label.clone(),
         transport: TransportSpec {
             net_devices: a.net_devices.clone(),
+            ucx_peer_errors: a.ucx_peer_errors,
             ..a.transport.clone()
         },
         memory: a.memory.memory,

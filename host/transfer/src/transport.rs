@@ -114,6 +114,9 @@ pub struct TransportSpec {
     pub transports: Transports,
     /// The network devices (`UCX_NET_DEVICES` syntax: `eth0`, `mlx5_0:1`, `veth0,veth1`).
     pub net_devices: Option<String>,
+    /// Open endpoints in UCX's peer-failure mode where the transports support it (see
+    /// [`error_mode`](Self::error_mode)); off by default: it costs tcp its native put.
+    pub ucx_peer_errors: bool,
 }
 
 impl From<Transport> for TransportSpec {
@@ -121,6 +124,7 @@ impl From<Transport> for TransportSpec {
         Self {
             transports: Transports::Preset(t),
             net_devices: None,
+            ucx_peer_errors: false,
         }
     }
 }
@@ -136,7 +140,8 @@ impl std::str::FromStr for TransportSpec {
                 Err(_) if valid_list(s) => Transports::List(s.to_string()),
                 Err(_) => {
                     return Err(format!(
-                        "unknown transport `{s}` (known: shm, tcp, auto, or a UCX_TLS list of                          names such as `rc_x,sm,self`)"
+                        "unknown transport `{s}` (known: shm, tcp, auto, or a UCX_TLS list of \
+                         names such as `rc_x,sm,self`)"
                     ));
                 }
             },
@@ -144,6 +149,7 @@ impl std::str::FromStr for TransportSpec {
         Ok(Self {
             transports,
             net_devices: None,
+            ucx_peer_errors: false,
         })
     }
 }
@@ -205,19 +211,28 @@ impl TransportSpec {
         out
     }
 
-    /// The error handling mode of the endpoints a sender opens over these transports:
-    /// [`ErrorMode::Peer`] (a dead or unreachable receiver fails its puts through UCX, see
-    /// [`crate::rank`]) unless the selection is shared memory alone, which UCX cannot carry in
-    /// that mode (`posix`, `sysv` and `self` have no peer-failure support: measured with
-    /// `ucx_info -d`, UCX 1.22.0 and 1.13.1), so [`ErrorMode::None`] keeps its one-sided fast
-    /// path: the `shm` preset, and a `UCX_TLS` list whose every name is one of `posix`,
-    /// `sysv`, `self`, `sm`, `shm`, `cuda_copy`, `cuda_ipc`. `auto` too: under peer mode UCX
-    /// drops shared memory for every endpoint, ranks on one node included — measured here,
-    /// `kvferry demo --model llama-3-70b --ctx tp1 --gen tp1 --requests 8 --prompt-len 512
-    /// --transport auto` ran at 0.37 and 0.35 GB/s (tcp's 0.35) against 1.70 for `shm`; the
-    /// side channel still notices a dead peer. Everything else (`tcp`, other lists,
-    /// exclusions) asks for peer mode; where UCX then refuses an endpoint, the executor
-    /// connects without it.
+    /// The error handling mode of the endpoints a sender opens over these transports.
+    ///
+    /// [`ErrorMode::None`] unless [`ucx_peer_errors`](Self::ucx_peer_errors) asks for UCX's
+    /// peer-failure mode, because that mode costs the wire: measured here (UCX 1.22.0,
+    /// `kvferry bench --model deepseek-v3 --ctx dep4 --gen dep4 --prompt-len 4096 --transport
+    /// tcp --rounds 3`, release, one sitting) 1.03 GB/s with it against 2.94 without — under
+    /// peer mode UCX gives up tcp's native zero-copy put for its active-message emulation
+    /// (the same 1 GB/s as `UCX_TCP_PUT_ENABLE=n`). Without it a dead receiver is still
+    /// noticed at once: its side-channel connection closes and UCX fails the puts to it
+    /// ("connection reset by remote peer", measured); a silent one (stopped, or its link cut)
+    /// at the peer timeout of the side channel's keep-alives, or at the write's deadline.
+    ///
+    /// With `ucx_peer_errors`, [`ErrorMode::Peer`] (a dead or unreachable receiver fails its
+    /// puts through UCX's error handler, see [`crate::rank`]) unless the selection is shared
+    /// memory alone, which UCX cannot carry in that mode (`posix`, `sysv` and `self` have no
+    /// peer-failure support: measured with `ucx_info -d`, UCX 1.22.0 and 1.13.1): the `shm`
+    /// preset, and a `UCX_TLS` list whose every name is one of `posix`, `sysv`, `self`, `sm`,
+    /// `shm`, `cuda_copy`, `cuda_ipc`. `auto` neither: under peer mode UCX drops shared memory
+    /// for every endpoint, ranks on one node included — `kvferry demo --model llama-3-70b
+    /// --ctx tp1 --gen tp1 --requests 8 --prompt-len 512 --transport auto` ran at 0.37 and
+    /// 0.35 GB/s (tcp's 0.35) against 1.70 for `shm`. Where UCX refuses an endpoint in peer
+    /// mode, the executor connects without it.
     pub fn error_mode(&self) -> ErrorMode {
         const SHARED_MEMORY: [&str; 7] = [
             "posix",
@@ -229,6 +244,7 @@ impl TransportSpec {
             "cuda_ipc",
         ];
         match &self.transports {
+            _ if !self.ucx_peer_errors => ErrorMode::None,
             Transports::Preset(Transport::Shm) | Transports::Auto => ErrorMode::None,
             Transports::List(l)
                 if !l.starts_with('^') && l.split(',').all(|t| SHARED_MEMORY.contains(&t)) =>
@@ -294,7 +310,12 @@ mod tests {
     /// Peer error handling everywhere but shared memory alone, which UCX cannot carry in it.
     #[test]
     fn error_mode_is_peer_unless_the_transports_are_shared_memory_alone() {
-        let mode = |s: &str| s.parse::<TransportSpec>().unwrap().error_mode();
+        let mode = |s: &str| {
+            let mut spec = s.parse::<TransportSpec>().unwrap();
+            assert_eq!(spec.error_mode(), ErrorMode::None, "{s}: off by default");
+            spec.ucx_peer_errors = true;
+            spec.error_mode()
+        };
         for shm in [
             "shm",
             "auto",

@@ -1,5 +1,6 @@
-//! A receiver that dies fails its sender's jobs through UCX: over `tcp` the sender's endpoints
-//! are in UCX's peer-failure mode (`TransportSpec::error_mode`), so a job to a dead receiver
+//! A receiver that dies fails its sender's jobs through UCX: over `tcp` with
+//! `ucx_peer_errors` the sender's endpoints are in UCX's peer-failure mode
+//! (`TransportSpec::error_mode`), so a job to a dead receiver
 //! fails with `WriteError::PeerFailed` (naming the rank and UCX's status) instead of waiting
 //! for its deadline, while the side channel still says the receiver is alive (`alive` stays
 //! set throughout). Job timeouts are far longer than any wait here, so the error kind alone
@@ -46,7 +47,10 @@ fn pools(ctx: &Arc<Context>) -> (Arc<RankPools>, Vec<PoolKey>) {
 
 /// A tcp rank with its thread, its endpoints in the mode the tcp preset asks for.
 fn rank(label: &str) -> Rank {
-    let spec = TransportSpec::from(Transport::Tcp);
+    let spec = TransportSpec {
+        ucx_peer_errors: true,
+        ..Transport::Tcp.into()
+    };
     assert_eq!(spec.error_mode(), ErrorMode::Peer);
     let ctx = spec.context_for(Default::default()).expect("UCX context");
     let (pools, keys) = pools(&ctx);
