@@ -705,7 +705,7 @@ impl Shared {
         let blocks = submit.prompt_len.div_ceil(self.tokens_per_block());
         // The id check, the allocation and the record are one step: two submits of one id
         // racing each other must not both allocate (one would leak).
-        let (allocation, tables) = {
+        let allocation = {
             let mut outgoing = lock(&self.outgoing);
             if outgoing.contains_key(&id) {
                 return Err(format!("request {id} already exists"));
@@ -713,30 +713,35 @@ impl Shared {
             let allocation = lock(&self.slots)
                 .allocate(submit.ctx_dp_rank, blocks, id ^ 0x00c0_17e7)
                 .map_err(|e| format!("request {id}: {e}"))?;
-            let mut tables = BTreeMap::new();
-            for &r in &group {
-                let served = &self.ranks[&r];
-                let t = slot_tables(&served.info, submit.prompt_len, 0, &allocation.assignment);
-                if let Err(e) = fill_slots(&self.oracle, &served.info, &served.pools, &t) {
-                    lock(&self.slots).free(&allocation);
-                    return Err(format!(
-                        "request {id}: filling rank {r}: {}",
-                        error_chain(&e)
-                    ));
-                }
-                tables.insert(r, t);
-            }
             outgoing.insert(
                 id,
                 Outgoing {
                     allocation: allocation.clone(),
-                    pending: group.iter().copied().collect(),
+                    pending: BTreeSet::new(),
                     released: false,
                 },
             );
-            (allocation, tables)
+            allocation
         };
-        let _ = allocation;
+        // Filled outside the lock (it may be gigabytes): no agent has the request yet.
+        let mut tables = BTreeMap::new();
+        for &r in &group {
+            let served = &self.ranks[&r];
+            let t = slot_tables(&served.info, submit.prompt_len, 0, &allocation.assignment);
+            if let Err(e) = fill_slots(&self.oracle, &served.info, &served.pools, &t) {
+                if let Some(out) = lock(&self.outgoing).remove(&id) {
+                    lock(&self.slots).free(&out.allocation);
+                }
+                return Err(format!(
+                    "request {id}: filling rank {r}: {}",
+                    error_chain(&e)
+                ));
+            }
+            tables.insert(r, t);
+        }
+        if let Some(out) = lock(&self.outgoing).get_mut(&id) {
+            out.pending = group.iter().copied().collect();
+        }
         let mut refused = None;
         for (&r, t) in &tables {
             let Some(agent) = self.agent(r) else {
@@ -1088,21 +1093,25 @@ impl Shared {
 
     /// Checks a completed request's destination slots with the oracle.
     fn verify(&self, request: u64, context: &[RankTables]) -> Result<VerifySummary, String> {
-        let incoming = lock(&self.incoming);
-        let inc = incoming
-            .get(&request)
-            .ok_or_else(|| format!("request {request} is not held here"))?;
-        if !inc.pending.is_empty() {
-            return Err(format!("request {request} has not completed"));
-        }
-        if !inc.errors.is_empty() {
-            return Err(format!(
-                "request {request} failed: {}",
-                inc.errors.join("; ")
-            ));
-        }
-        let parts: Vec<ReceiverPart<'_>> = inc
-            .tables
+        // What the check needs, copied out: the oracle reads gigabytes, and the event pumps
+        // must not wait for it.
+        let (tables, pieces) = {
+            let incoming = lock(&self.incoming);
+            let inc = incoming
+                .get(&request)
+                .ok_or_else(|| format!("request {request} is not held here"))?;
+            if !inc.pending.is_empty() {
+                return Err(format!("request {request} has not completed"));
+            }
+            if !inc.errors.is_empty() {
+                return Err(format!(
+                    "request {request} failed: {}",
+                    inc.errors.join("; ")
+                ));
+            }
+            (inc.tables.clone(), inc.pieces.clone())
+        };
+        let parts: Vec<ReceiverPart<'_>> = tables
             .iter()
             .map(|(r, t)| {
                 let served = &self.ranks[r];
@@ -1118,7 +1127,7 @@ impl Shared {
             .iter()
             .map(|t| (&t.info, t.tables.as_slice()))
             .collect();
-        let report = verify_request(&self.oracle, &parts, &ctx, &inc.pieces)
+        let report = verify_request(&self.oracle, &parts, &ctx, &pieces)
             .map_err(|e| format!("request {request}: {}", error_chain(&e)))?;
         Ok(summary(&report))
     }
