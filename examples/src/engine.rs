@@ -563,26 +563,13 @@ pub fn fresh_workload(seed: u64, id_base: u64, count: usize) -> Vec<RequestSpec>
 // The agent.
 
 /// The deployment's secret: the file's bytes (trailing newline dropped), else
-/// `KVFERRY_SECRET`.
+/// `KVFERRY_SECRET` ([`kvferry_transfer::agent::load_secret`]).
 ///
 /// # Errors
 ///
 /// Neither is given, the file cannot be read, or the secret is too short.
 pub fn secret(file: Option<&Path>) -> Result<Secret> {
-    let bytes = match file {
-        Some(path) => {
-            let mut b =
-                std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-            while b.last().is_some_and(|c| *c == b'\n' || *c == b'\r') {
-                b.pop();
-            }
-            b
-        }
-        None => std::env::var("KVFERRY_SECRET")
-            .map_err(|_| anyhow!("no secret: pass --secret-file or set KVFERRY_SECRET"))?
-            .into_bytes(),
-    };
-    Ok(Secret::new(bytes)?)
+    Ok(kvferry_transfer::agent::load_secret(file)?)
 }
 
 /// The default planner, linked into the binary, bound for a llama-shaped TP-`tp` instance.

@@ -55,7 +55,7 @@ pub const CONTROL_ON: &str = "control on ";
 pub const LISTENING: &str = "listening on ";
 
 /// Where `kvferry serve` reads the deployment secret when no `--secret-file` is given.
-pub const SECRET_ENV: &str = "KVFERRY_SECRET";
+pub use kvferry_transfer::agent::SECRET_ENV;
 
 /// A random secret made once per controller process, for the servers it starts.
 pub fn session_secret() -> String {

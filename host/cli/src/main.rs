@@ -193,17 +193,8 @@ struct ServeArgs {
     /// `control on HOST:PORT`. Keep it on loopback: it can shut the server down.
     #[arg(long, default_value = "127.0.0.1:0", value_name = "HOST:PORT")]
     control: String,
-    /// UCX transports: `shm` (shared memory), `tcp` (on `lo` unless --net-devices), `auto`
-    /// (UCX's own choice, and its UCX_TLS), or a UCX_TLS list such as `rc_x,sm,self`.
-    #[arg(long, default_value = "shm", value_name = "shm|tcp|auto|LIST")]
-    transport: TransportSpec,
-    /// Network devices for UCX (UCX_NET_DEVICES syntax: `eth0`, `mlx5_0:1`, `veth0,veth1`).
-    #[arg(long, value_name = "DEV[,DEV]")]
-    net_devices: Option<String>,
-    /// Open UCX endpoints in peer-failure mode (tcp and non-shm lists): UCX's own error
-    /// handler fails the puts to a dead peer; costs tcp its native put (about 3x here).
-    #[arg(long)]
-    ucx_peer_errors: bool,
+    #[command(flatten)]
+    transport: TransportArgs,
     #[command(flatten)]
     memory: MemoryArgs,
     /// PAGED slots per pool of every rank.
@@ -257,17 +248,8 @@ struct PairArgs {
     r#gen: String,
     #[command(flatten)]
     shape: Shape,
-    /// UCX transports: `shm` (shared memory), `tcp` (on `lo` unless --net-devices), `auto`
-    /// (UCX's own choice, and its UCX_TLS), or a UCX_TLS list such as `rc_x,sm,self`.
-    #[arg(long, default_value = "shm", value_name = "shm|tcp|auto|LIST")]
-    transport: TransportSpec,
-    /// Network devices for UCX (UCX_NET_DEVICES syntax: `eth0`, `mlx5_0:1`, `veth0,veth1`).
-    #[arg(long, value_name = "DEV[,DEV]")]
-    net_devices: Option<String>,
-    /// Open UCX endpoints in peer-failure mode (tcp and non-shm lists): UCX's own error
-    /// handler fails the puts to a dead peer; costs tcp its native put (about 3x here).
-    #[arg(long)]
-    ucx_peer_errors: bool,
+    #[command(flatten)]
+    transport: TransportArgs,
     #[command(flatten)]
     memory: MemoryArgs,
     /// Planner id for both servers (default: $KVFERRY_PLANNER, config `planner`,
@@ -302,11 +284,7 @@ impl PairArgs {
             gen_spec: self.r#gen,
             ctx,
             r#gen,
-            transport: TransportSpec {
-                net_devices: self.net_devices,
-                ucx_peer_errors: self.ucx_peer_errors,
-                ..self.transport
-            },
+            transport: self.transport.spec(),
             memory: self.memory.memory,
             cuda_device: self.memory.cuda_device,
             planner: self.planner,
@@ -385,6 +363,32 @@ struct BenchArgs {
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
+}
+
+/// The UCX transports of `serve`, `demo` and `bench`.
+#[derive(Debug, clap::Args)]
+struct TransportArgs {
+    /// UCX transports: `shm` (shared memory), `tcp` (on `lo` unless --net-devices), `auto`
+    /// (UCX's own choice, and its UCX_TLS), or a UCX_TLS list such as `rc_x,sm,self`.
+    #[arg(long, default_value = "shm", value_name = "shm|tcp|auto|LIST")]
+    transport: TransportSpec,
+    /// Network devices for UCX (UCX_NET_DEVICES syntax: `eth0`, `mlx5_0:1`, `veth0,veth1`).
+    #[arg(long, value_name = "DEV[,DEV]")]
+    net_devices: Option<String>,
+    /// Open UCX endpoints in peer-failure mode (tcp and non-shm lists): UCX's own error
+    /// handler fails the puts to a dead peer; costs tcp its native put (about 3x here).
+    #[arg(long)]
+    ucx_peer_errors: bool,
+}
+
+impl TransportArgs {
+    fn spec(&self) -> TransportSpec {
+        TransportSpec {
+            net_devices: self.net_devices.clone(),
+            ucx_peer_errors: self.ucx_peer_errors,
+            ..self.transport.clone()
+        }
+    }
 }
 
 /// Where the servers' KV pools live, shared by `serve`, `demo` and `bench`.
@@ -904,33 +908,9 @@ fn stop_with_stdin(stop: std::sync::mpsc::Sender<()>) -> Result<()> {
     Ok(())
 }
 
-/// The deployment's secret: the file's bytes (trailing newline dropped), else
-/// `KVFERRY_SECRET`.
-fn secret(file: Option<&std::path::Path>) -> Result<kvferry_transfer::agent::Secret> {
-    let bytes = match file {
-        Some(path) => {
-            let mut b =
-                std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-            while b.last().is_some_and(|c| *c == b'\n' || *c == b'\r') {
-                b.pop();
-            }
-            b
-        }
-        None => std::env::var("KVFERRY_SECRET")
-            .map_err(|_| {
-                anyhow!(
-                    "no secret: pass --secret-file or set KVFERRY_SECRET (at least 16 bytes, \
-                     the same for both servers of a pair)"
-                )
-            })?
-            .into_bytes(),
-    };
-    kvferry_transfer::agent::Secret::new(bytes).context("the deployment secret")
-}
-
 fn serve(host: &Host, a: ServeArgs) -> Result<ExitCode> {
     a.memory.check()?;
-    let secret = secret(a.secret_file.as_deref())?;
+    let secret = kvferry_transfer::agent::load_secret(a.secret_file.as_deref())?;
     let id = host.planner_id(a.planner.as_deref());
     let model = a.shape.model(a.model);
     let bound = host.bind(&id, &model, a.deployment)?;
@@ -946,11 +926,7 @@ fn serve(host: &Host, a: ServeArgs) -> Result<ExitCode> {
         role: a.role,
         name: name.clone(),
         label: label.clone(),
-        transport: TransportSpec {
-            net_devices: a.net_devices.clone(),
-            ucx_peer_errors: a.ucx_peer_errors,
-            ..a.transport.clone()
-        },
+        transport: a.transport.spec(),
         memory: a.memory.memory,
         cuda_device: a.memory.cuda_device,
     };
@@ -990,7 +966,7 @@ fn serve(host: &Host, a: ServeArgs) -> Result<ExitCode> {
     println!(
         "kvferry serve: {} instance {name} ({label}, {ranks}, planner {id}, {}, {} memory) {}{control}{peers}",
         a.role,
-        a.transport,
+        a.transport.spec(),
         a.memory.memory,
         demo::CONTROL_ON
     );

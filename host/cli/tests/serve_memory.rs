@@ -151,3 +151,26 @@ fn demo_with_memory_host_verifies_and_reports_it() {
     assert_eq!(report["memory"], "host", "{report}");
     assert_eq!(report["verified"], true, "{report}");
 }
+
+/// `serve` needs the deployment's secret: none, or one too short, is refused at start by name
+/// (before any pool is allocated or port bound for peers).
+#[test]
+fn serve_without_a_usable_secret_is_refused_naming_it() {
+    let missing = Kvferry::new()
+        .quiet()
+        .env_remove("KVFERRY_SECRET")
+        .args(["serve", "--role", "context", "--model", "llama-3-70b"])
+        .args(["--deployment", "tp1", "--slots", "4"])
+        .output();
+    assert_refused(
+        &missing,
+        "no secret: pass a secret file or set KVFERRY_SECRET",
+    );
+    let short = Kvferry::new()
+        .quiet()
+        .env("KVFERRY_SECRET", "short")
+        .args(["serve", "--role", "context", "--model", "llama-3-70b"])
+        .args(["--deployment", "tp1", "--slots", "4"])
+        .output();
+    assert_refused(&short, "at least 16 bytes; this one has 5");
+}

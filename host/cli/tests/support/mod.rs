@@ -62,6 +62,11 @@ impl Kvferry {
         self
     }
 
+    pub fn env_remove(mut self, key: &str) -> Self {
+        self.cmd.env_remove(key);
+        self
+    }
+
     /// Loads planners from `dir` alone (`KVFERRY_PLUGIN_DIR`).
     pub fn plugin_dir(self, dir: &Path) -> Self {
         self.env("KVFERRY_PLUGIN_DIR", dir)

@@ -154,6 +154,58 @@ impl AgentConfig {
     }
 }
 
+/// Where [`load_secret`] looks when no file is given.
+pub const SECRET_ENV: &str = "KVFERRY_SECRET";
+
+/// Why [`load_secret`] found no usable secret.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LoadSecretError {
+    /// The file could not be read.
+    #[error("reading the secret file {}", path.display())]
+    Read {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// Neither a file nor the variable.
+    #[error(
+        "no secret: pass a secret file or set {SECRET_ENV} (at least {} bytes, the same for \
+             every agent of the deployment)",
+        kvferry_protocol::agent::MIN_SECRET_LEN
+    )]
+    Missing,
+    /// Too short.
+    #[error(transparent)]
+    Short(#[from] kvferry_protocol::agent::SecretError),
+}
+
+/// The deployment's secret as hosts take it: the bytes of `file` (a trailing newline
+/// dropped), else of the environment variable [`SECRET_ENV`].
+///
+/// # Errors
+///
+/// See [`LoadSecretError`].
+pub fn load_secret(file: Option<&std::path::Path>) -> Result<Secret, LoadSecretError> {
+    let bytes = match file {
+        Some(path) => {
+            let mut b = std::fs::read(path).map_err(|source| LoadSecretError::Read {
+                path: path.to_path_buf(),
+                source,
+            })?;
+            while b.last().is_some_and(|c| *c == b'\n' || *c == b'\r') {
+                b.pop();
+            }
+            b
+        }
+        None => std::env::var_os(SECRET_ENV)
+            .ok_or(LoadSecretError::Missing)?
+            .into_encoded_bytes(),
+    };
+    Ok(Secret::new(bytes)?)
+}
+
 /// Why an agent could not start.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
