@@ -2,9 +2,11 @@
 
 from collections.abc import Iterable, Sequence
 from types import TracebackType
-from typing import Final, Literal, Self
+from typing import Any, Final, Literal, Protocol, Self, final
 
 from typing_extensions import Buffer
+
+__all__ = ["Agent", "CONFIG_VERSION", "Error", "Event", "__version__"]
 
 __version__: Final[str]
 #: The configuration version :class:`Agent` reads (``"version": 1``).
@@ -12,9 +14,14 @@ CONFIG_VERSION: Final[int]
 
 #: One layer group's slots by block ordinal (``-1``: nothing here): a 1-D, C-contiguous buffer
 #: of native int32 (a numpy ``int32`` array, ``array.array('i')``), or a sequence of ints.
-SlotTable = Buffer | Sequence[int]
+_SlotTable = Buffer | _NumpyArray | Sequence[int]
 
-ErrorKind = Literal[
+class _NumpyArray(Protocol):
+    # numpy declares ndarray's __buffer__ for Python >= 3.12 only; this lets checkers targeting
+    # 3.11 take an ndarray too (its dtype is checked at run time).
+    def __array__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+_ErrorKind = Literal[
     "config",  # the JSON configuration is refused (bad JSON, wrong version, unknown field, ...)
     "planner",  # no planner could be bound, or it refuses this rank
     "ucx",  # no UCX context or worker
@@ -34,12 +41,13 @@ ErrorKind = Literal[
 class Error(Exception):
     """A refused call. Nothing was taken: no event follows it."""
 
-    kind: ErrorKind
+    kind: _ErrorKind
     #: The peer concerned, when one is.
     peer: str | None
     #: What is wrong, in words (``str(error)`` is ``"{call}: {detail}"``).
     detail: str
 
+@final
 class Event:
     """What happened to a request: exactly one terminal event per request and side. After it,
     kvferry never touches that request's slots again."""
@@ -62,6 +70,7 @@ class Event:
     #: ``failed``: what happened; else None.
     detail: str | None
 
+@final
 class Agent:
     """One engine rank's transfer agent, over the engine's own KV pools.
 
@@ -77,7 +86,7 @@ class Agent:
     Every method releases the GIL while the agent works and may be called from any thread.
     """
 
-    def __init__(self, config_json: str, keep_alive: Iterable[object] | None = None) -> None:
+    def __new__(cls, config_json: str, keep_alive: Iterable[object] | None = ...) -> Self:
         """Starts the agent from the JSON configuration (version 1; ``host/capi/README.md``
         lists every field). ``keep_alive``: objects (the pools) referenced until
         :meth:`close`. Raises :class:`Error` (kind ``config``, ``planner``, ``ucx``,
@@ -100,12 +109,12 @@ class Agent:
     def send(
         self,
         request: int,
-        tables: Sequence[SlotTable],
+        tables: Sequence[_SlotTable],
         token_start: int,
         token_end: int,
         prompt_len: int,
         is_last: bool,
-        to: str | None = None,
+        to: str | None = ...,
     ) -> None:
         """Prefill ranks: makes tokens ``[token_start, token_end)`` of a ``prompt_len``-token
         prompt available from the slots of ``tables`` (one per layer group, covering every
@@ -121,9 +130,9 @@ class Agent:
         endpoints: Sequence[str],
         ctx_dp_rank: int,
         prompt_len: int,
-        tables: Sequence[SlotTable],
-        cached_prefix: int | None = None,
-        excluded_views: Sequence[tuple[int, int]] = (),
+        tables: Sequence[_SlotTable],
+        cached_prefix: int | None = ...,
+        excluded_views: Sequence[tuple[int, int]] = ...,
     ) -> None:
         """Decode ranks: expects request ``request`` from prefill instance ``peer`` (whose
         ranks listen on ``endpoints``; may be empty after :meth:`add_peer`) into ``tables``.

@@ -392,3 +392,34 @@ def test_closed_agent_refuses(pair):
     assert e.kind == "stopped"
     e = error_of(ctx.send, 1, [[0]], 0, 16, 16, True)
     assert e.kind == "stopped"
+
+
+def test_collected_without_close_and_used_from_threads(plugin_dir):
+    import gc
+    import threading
+
+    side = Side("prefill", "context", slots=4)
+    agent = kvferry.Agent(side.config(plugin_dir, "tcp"), keep_alive=[side.pool])
+    errors = []
+
+    def worker(i):
+        try:
+            agent.send(100 + i, [np.array([i], dtype=np.int32)], 0, 16, 16, True)
+            agent.cancel(100 + i)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    events = wait([agent], 4)[0]
+    assert sorted(events) == [100, 101, 102, 103]
+    assert all(e.kind == "cancelled" for e in events.values())
+    # Dropped without close(): collection quiesces it as close() does.
+    del agent
+    gc.collect()
+    again = kvferry.Agent(side.config(plugin_dir, "tcp"), keep_alive=[side.pool])
+    again.close()
