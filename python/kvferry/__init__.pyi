@@ -1,6 +1,6 @@
 """Type stubs of kvferry (the extension module kvferry._kvferry, re-exported here)."""
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Final, Literal, Protocol, Self, final
 
@@ -86,7 +86,7 @@ class Agent:
     Every method releases the GIL while the agent works and may be called from any thread.
     """
 
-    def __new__(cls, config_json: str, keep_alive: Iterable[object] | None = ...) -> Self:
+    def __new__(cls, config_json: str, keep_alive: Sequence[object] | None = ...) -> Self:
         """Starts the agent from the JSON configuration (version 1; ``host/capi/README.md``
         lists every field). ``keep_alive``: objects (the pools) referenced until
         :meth:`close`. Raises :class:`Error` (kind ``config``, ``planner``, ``ucx``,
