@@ -356,6 +356,27 @@ impl Agent {
     }
 }
 
+impl Drop for Agent {
+    /// Collected without `close()`: the same quiesce, with the GIL released while it waits
+    /// (up to 2 s) so other Python threads run; at interpreter shutdown, with it held.
+    fn drop(&mut self) {
+        let taken = self
+            .agent
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        let Some(agent) = taken else { return };
+        let _ = catch_unwind(AssertUnwindSafe(move || {
+            let mut agent = Some(agent);
+            Python::try_attach(|py| {
+                let agent = agent.take();
+                py.detach(move || drop(agent));
+            });
+            drop(agent);
+        }));
+    }
+}
+
 #[pymethods]
 impl Agent {
     /// Starts one rank's agent from the JSON configuration (version 1, the C API's).

@@ -423,3 +423,31 @@ def test_collected_without_close_and_used_from_threads(plugin_dir):
     gc.collect()
     again = kvferry.Agent(side.config(plugin_dir, "tcp"), keep_alive=[side.pool])
     again.close()
+
+
+def test_interpreter_exits_with_a_live_agent(plugin_dir, tmp_path):
+    """An agent still open at exit (module global, never closed) quiesces at shutdown: the
+    process exits 0, promptly, and prints no panic."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "live.py"
+    script.write_text(
+        "import sys, numpy as np, kvferry\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "from test_agent import Side\n"
+        "side = Side('prefill', 'context', slots=4)\n"
+        "agent = kvferry.Agent(side.config(sys.argv[2], 'tcp'), keep_alive=[side.pool])\n"
+        "agent.send(1, [[0]], 0, 16, 16, True)\n"
+        "print('started', agent.endpoint())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    started = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, str(script), str(Path(__file__).parent), plugin_dir],
+        capture_output=True, text=True, timeout=30, env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("started 127.0.0.1:"), out.stdout
+    assert "panic" not in out.stderr, out.stderr
+    assert time.monotonic() - started < 10
