@@ -7,6 +7,9 @@
 //! defaults for what most views leave at one value, and `deny_unknown_fields` everywhere, so a
 //! typo is an error naming the field rather than a silent default. The crate docs (README.md)
 //! list every field.
+//!
+//! Public for the other binding over the same agent (the Python package, `python/`), so both
+//! take the same versioned configuration: [`load`] is all it calls.
 
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -27,7 +30,7 @@ const CONFIG_VERSION: u64 = crate::KVFERRY_CONFIG_VERSION as u64;
 
 /// Why a configuration was refused, and which status the C caller gets for it.
 #[derive(Debug)]
-pub(crate) enum ConfigError {
+pub enum ConfigError {
     /// The text is not a configuration this library reads.
     Invalid(String),
     /// No planner could be bound (unknown id, refused deployment, nothing loaded).
@@ -186,6 +189,15 @@ pub(crate) struct Parsed {
     plugin_dirs: Option<Vec<PathBuf>>,
 }
 
+/// Parses a configuration (strictly, its version first) and binds its planner (the crate
+/// docs say how the planner id and plugin directories are chosen): what
+/// [`Agent::start`](kvferry_transfer::agent::Agent::start) takes.
+pub fn load(text: &str) -> Result<(AgentConfig, BoundPlanner), ConfigError> {
+    let parsed = parse(text)?;
+    let bound = parsed.bind()?;
+    Ok((parsed.agent, bound))
+}
+
 /// Parses a configuration: the version first (so a newer one is refused as such, not for
 /// its new fields), then every field strictly.
 pub(crate) fn parse(text: &str) -> Result<Parsed, ConfigError> {
@@ -325,8 +337,8 @@ impl Parsed {
     }
 }
 
-/// `error: source: source ...`.
-pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
+/// `error: source: source ...`: an error and its sources, each once.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {

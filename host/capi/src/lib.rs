@@ -4,7 +4,7 @@
 // header and the Rust items read the same.
 #![allow(non_camel_case_types)]
 
-mod config;
+pub mod config;
 mod error;
 
 use std::collections::VecDeque;
@@ -366,7 +366,9 @@ unsafe fn copy_out(
     Ok(())
 }
 
-fn init_logging() {
+/// Installs a `tracing` logger to stderr when `KVFERRY_LOG` is set (once per process; the
+/// crate docs' "Logs"). Also called by the Python package.
+pub fn init_logging() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         let Some(filter) = std::env::var("KVFERRY_LOG").ok().filter(|f| !f.is_empty()) else {
@@ -414,11 +416,10 @@ pub unsafe extern "C" fn kvferry_agent_start(
         // SAFETY: NULL or NUL-terminated (the caller's contract).
         let json = unsafe { text(config_json, "config_json") }?;
         init_logging();
-        let parsed = config::parse(json)?;
-        let bound = parsed.bind()?;
+        let (config, bound) = config::load(json)?;
         // SAFETY: the caller promised the pools the configuration names for the agent's life
         // (this function's `# Safety`), which is `Agent::start`'s contract.
-        let agent = unsafe { Agent::start(parsed.agent, bound) }?;
+        let agent = unsafe { Agent::start(config, bound) }?;
         let handle = Box::new(kvferry_agent {
             agent,
             pending: Mutex::new(VecDeque::new()),

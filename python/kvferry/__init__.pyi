@@ -1,0 +1,165 @@
+"""Type stubs of kvferry (the extension module kvferry._kvferry, re-exported here)."""
+
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, Final, Literal, Protocol, Self, final
+
+from typing_extensions import Buffer
+
+__all__ = ["Agent", "CONFIG_VERSION", "Error", "Event", "__version__"]
+
+__version__: Final[str]
+#: The configuration version :class:`Agent` reads (``"version": 1``).
+CONFIG_VERSION: Final[int]
+
+#: One layer group's slots by block ordinal (``-1``: nothing here): a 1-D, C-contiguous buffer
+#: of native int32 (a numpy ``int32`` array, ``array.array('i')``), or a sequence of ints.
+_SlotTable = Buffer | _NumpyArray | Sequence[int]
+
+class _NumpyArray(Protocol):
+    # numpy declares ndarray's __buffer__ for Python >= 3.12 only; this lets checkers targeting
+    # 3.11 take an ndarray too (its dtype is checked at run time).
+    def __array__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+_ErrorKind = Literal[
+    "config",  # the JSON configuration is refused (bad JSON, wrong version, unknown field, ...)
+    "planner",  # no planner could be bound, or it refuses this rank
+    "ucx",  # no UCX context or worker
+    "memory",  # the pools could not be registered
+    "listen",  # the side channel could not listen or advertise
+    "resources",  # a thread or descriptor could not be made
+    "role",  # the call is for the other role
+    "invalid",  # the request's parameters are wrong
+    "duplicate",  # the request id is in use
+    "unknown",  # no such request (never seen, or ended)
+    "metadata",  # peer metadata that cannot be used
+    "stopped",  # the agent has stopped (or was closed)
+    "panic",  # an internal panic, caught
+    "internal",  # anything newer
+]
+
+class Error(Exception):
+    """A refused call. Nothing was taken: no event follows it."""
+
+    kind: _ErrorKind
+    #: The peer concerned, when one is.
+    peer: str | None
+    #: What is wrong, in words (``str(error)`` is ``"{call}: {detail}"``).
+    detail: str
+
+@final
+class Event:
+    """What happened to a request: exactly one terminal event per request and side. After it,
+    kvferry never touches that request's slots again."""
+
+    kind: Literal["sent", "received", "cancelled", "failed", "unknown"]
+    request: int
+    #: ``sent``: bytes written to all receivers; ``received``: into this rank; else 0.
+    bytes: int
+    #: ``received`` only (else 0): fragments, latency from ``expect`` to the last piece,
+    #: writers (context ranks) and pieces.
+    fragments: int
+    latency_us: int
+    writers: int
+    pieces: int
+    #: ``failed``: ``invalid``, ``peer``, ``refused``, ``planner``, ``timeout``, ``lease``,
+    #: ``protocol``, ``write``, ``cancelled_by_peer`` or ``other``; else None.
+    failure_kind: str | None
+    #: ``failed``: the peer concerned (``instance rank N (epoch ...)``), if one is.
+    peer: str | None
+    #: ``failed``: what happened; else None.
+    detail: str | None
+
+@final
+class Agent:
+    """One engine rank's transfer agent, over the engine's own KV pools.
+
+    **The engine's promise** (as with the C API's ``kvferry_agent_start``): from the
+    constructor until :meth:`close` returns (or the agent is collected), every pool the
+    configuration's page table names stays one live allocation at its ``base`` (numpy arrays:
+    keep them referenced — pass them in ``keep_alive`` — and never resize them); source slots
+    stay unchanged from :meth:`send` until the request's terminal event, and destination slots
+    are not the engine's from :meth:`expect` until its terminal event. kvferry registers the
+    pools with UCX and writes nowhere else. Nothing can check this: breaking it corrupts
+    memory.
+
+    Every method releases the GIL while the agent works and may be called from any thread.
+    """
+
+    def __new__(cls, config_json: str, keep_alive: Sequence[object] | None = ...) -> Self:
+        """Starts the agent from the JSON configuration (version 1; ``host/capi/README.md``
+        lists every field). ``keep_alive``: objects (the pools) referenced until
+        :meth:`close`. Raises :class:`Error` (kind ``config``, ``planner``, ``ucx``,
+        ``memory``, ``listen``, ``resources``)."""
+
+    @property
+    def closed(self) -> bool: ...
+    def endpoint(self) -> str | None:
+        """A context rank's side-channel endpoint (``host:port``, what decode ranks pass to
+        :meth:`expect`); None on a generation rank."""
+
+    def local_metadata(self) -> bytes:
+        """This rank's metadata, for a decode rank's :meth:`add_peer` (engines that exchange
+        it on their own channel)."""
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Decode ranks: adds a context rank's :meth:`local_metadata`; returns its identity.
+        Kinds ``role``, ``metadata``."""
+
+    def send(
+        self,
+        request: int,
+        tables: Sequence[_SlotTable],
+        token_start: int,
+        token_end: int,
+        prompt_len: int,
+        is_last: bool,
+        to: str | None = ...,
+    ) -> None:
+        """Prefill ranks: makes tokens ``[token_start, token_end)`` of a ``prompt_len``-token
+        prompt available from the slots of ``tables`` (one per layer group, covering every
+        token up to ``token_end``). Chunked prefill is a sequence of sends, the last with
+        ``is_last``. ``to``: only this decode instance may claim it. Ends in ``sent``,
+        ``cancelled`` or ``failed``. Kinds ``role``, ``invalid``, ``duplicate``, ``stopped``;
+        ``TypeError`` for tables that are not int32."""
+
+    def expect(
+        self,
+        request: int,
+        peer: str,
+        endpoints: Sequence[str],
+        ctx_dp_rank: int,
+        prompt_len: int,
+        tables: Sequence[_SlotTable],
+        cached_prefix: int | None = ...,
+        excluded_views: Sequence[tuple[int, int]] = ...,
+    ) -> None:
+        """Decode ranks: expects request ``request`` from prefill instance ``peer`` (whose
+        ranks listen on ``endpoints``; may be empty after :meth:`add_peer`) into ``tables``.
+        ``cached_prefix``: tokens already here (block-aligned), never written.
+        ``excluded_views``: ``(group, view)`` pairs of this rank not to write. Ends in
+        ``received``, ``cancelled`` or ``failed``."""
+
+    def cancel(self, request: int) -> None:
+        """Cancels a request; its terminal event answers (``cancelled``, or the event that
+        beat the cancel). Kind ``unknown`` if it is unknown or has ended."""
+
+    def poll(self) -> list[Event]:
+        """Drains the events that wait, oldest first (and clears the wake descriptor)."""
+
+    def wake_fd(self) -> int:
+        """A descriptor readable while events wait (for ``select``/``poll``/``epoll``); owned
+        by the agent: never close or read it."""
+
+    def close(self) -> None:
+        """Stops the agent: tells every peer, ends every connection and waits (up to 2 s) for
+        its threads, so UCX has let go of the pools when it returns. Requests still in flight
+        end without events. Idempotent; later calls raise :class:`Error` (``stopped``)."""
+
+    def __enter__(self) -> Self: ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> Literal[False]: ...

@@ -1,0 +1,560 @@
+//! `kvferry._kvferry`: the Python binding of kvferry's per-rank transfer agent
+//! (`kvferry_transfer::agent::Agent`), re-exported by the `kvferry` package
+//! (`python/kvferry/__init__.py`; `python/README.md` shows it in use).
+//!
+//! It takes the C API's versioned JSON configuration (`kvferry_capi::config::load`, the same
+//! parser `kvferry_agent_start` calls), releases the GIL around every agent call, reads slot
+//! tables through the buffer protocol without converting them to Python lists, and turns
+//! every refusal, and any panic, into a `kvferry.Error` carrying `kind`, `peer` and `detail`.
+//! Nothing here exits the process.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::{Mutex, PoisonError, RwLock};
+
+use kvferry_capi::config::{ConfigError, error_chain, load};
+use kvferry_planner_abi::{SlotTable, TokenRange, ViewId};
+use kvferry_transfer::agent::{
+    Agent as RustAgent, CallError, Event as RustEvent, Expect, Send as SendChunk, StartError,
+};
+use pyo3::buffer::PyUntypedBuffer;
+use pyo3::exceptions::{PyException, PyTypeError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyString};
+
+pyo3::create_exception!(
+    kvferry,
+    Error,
+    PyException,
+    "A refused kvferry call: `kind` (config, planner, ucx, memory, listen, resources, role, \
+     invalid, duplicate, unknown, metadata, stopped, panic, internal), `peer` (or None) and \
+     `detail` (the text)."
+);
+
+/// A refusal on its way to Python: the `kind` of `kvferry.Error` and its text.
+#[derive(Debug)]
+struct Failure {
+    kind: &'static str,
+    peer: Option<String>,
+    detail: String,
+}
+
+impl Failure {
+    fn new(kind: &'static str, detail: impl Into<String>) -> Self {
+        Self {
+            kind,
+            peer: None,
+            detail: detail.into(),
+        }
+    }
+
+    /// `kvferry.Error(f"{call}: {detail}")` with its attributes.
+    fn into_py(self, py: Python<'_>, call: &str) -> PyErr {
+        let err = Error::new_err(format!("{call}: {}", self.detail));
+        let value = err.value(py);
+        let set = value
+            .setattr("kind", self.kind)
+            .and_then(|()| value.setattr("peer", self.peer))
+            .and_then(|()| value.setattr("detail", self.detail));
+        match set {
+            Ok(()) => err,
+            Err(e) => e,
+        }
+    }
+}
+
+impl From<ConfigError> for Failure {
+    fn from(e: ConfigError) -> Self {
+        match e {
+            ConfigError::Invalid(m) => Self::new("config", m),
+            ConfigError::Planner(m) => Self::new("planner", m),
+        }
+    }
+}
+
+impl From<StartError> for Failure {
+    fn from(e: StartError) -> Self {
+        let kind = match &e {
+            StartError::Config(_) => "config",
+            StartError::Context { .. } | StartError::Worker(_) => "ucx",
+            StartError::Memory(_) => "memory",
+            StartError::Planner { .. } => "planner",
+            StartError::Listen(_) => "listen",
+            StartError::Spawn(_) | StartError::Io(_) => "resources",
+            _ => "internal",
+        };
+        Self::new(kind, error_chain(&e))
+    }
+}
+
+impl From<CallError> for Failure {
+    fn from(e: CallError) -> Self {
+        let kind = match &e {
+            CallError::Role { .. } => "role",
+            CallError::Invalid { .. } => "invalid",
+            CallError::Duplicate { .. } => "duplicate",
+            CallError::Unknown { .. } => "unknown",
+            CallError::Metadata(_) => "metadata",
+            CallError::Stopped => "stopped",
+            _ => "internal",
+        };
+        Self::new(kind, error_chain(&e))
+    }
+}
+
+/// Runs `body` with panics caught: an internal panic is a `Failure` of kind `panic`, never an
+/// unwind through pyo3.
+fn guarded<T>(body: impl FnOnce() -> Result<T, Failure>) -> Result<T, Failure> {
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(outcome) => outcome,
+        Err(panic) => {
+            let text = if let Some(s) = panic.downcast_ref::<&str>() {
+                (*s).to_string()
+            } else if let Some(s) = panic.downcast_ref::<String>() {
+                s.clone()
+            } else {
+                "(no message)".into()
+            };
+            Err(Failure::new("panic", format!("panicked: {text}")))
+        }
+    }
+}
+
+/// A request's slot tables: a sequence (one per layer group) of 1-D, C-contiguous buffers of
+/// native int32 (numpy `int32` arrays, `array.array('i')`, ...) or of sequences of ints.
+fn slot_tables(tables: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<SlotTable>> {
+    if tables.is_instance_of::<PyString>() || tables.is_instance_of::<PyBytes>() {
+        return Err(PyTypeError::new_err(format!(
+            "{what}: expected a sequence of slot tables (one per layer group), got {}",
+            tables.get_type().name()?
+        )));
+    }
+    if PyUntypedBuffer::get(tables).is_ok_and(|b| b.dimensions() <= 1) {
+        return Err(PyTypeError::new_err(format!(
+            "{what}: expected a sequence of slot tables (one per layer group), got one buffer \
+             (wrap a single table in a list: [table])"
+        )));
+    }
+    let iter = tables.try_iter().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "{what}: expected a sequence of slot tables (one per layer group), got {}",
+            tables
+                .get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default()
+        ))
+    })?;
+    iter.enumerate()
+        .map(|(i, table)| slot_table(&table?, &format!("{what}[{i}]")))
+        .collect()
+}
+
+fn slot_table(table: &Bound<'_, PyAny>, what: &str) -> PyResult<SlotTable> {
+    let Ok(buffer) = PyUntypedBuffer::get(table) else {
+        if table.is_instance_of::<PyString>() {
+            return Err(PyTypeError::new_err(format!(
+                "{what}: a str is not a slot table"
+            )));
+        }
+        let slots: Vec<i32> = table.extract().map_err(|e| {
+            PyTypeError::new_err(format!(
+                "{what}: expected an int32 buffer (numpy int32 array) or a sequence of ints \
+                 within int32, got {} ({e})",
+                table
+                    .get_type()
+                    .name()
+                    .map(|n| n.to_string())
+                    .unwrap_or_default()
+            ))
+        })?;
+        return Ok(SlotTable::new(slots.into_iter().map(i64::from)));
+    };
+    let format = buffer.format().to_string_lossy().into_owned();
+    if buffer.dimensions() != 1 {
+        return Err(PyTypeError::new_err(format!(
+            "{what}: a slot table must be 1-dimensional, this buffer has {} dimensions \
+             (shape {:?})",
+            buffer.dimensions(),
+            buffer.shape()
+        )));
+    }
+    let typed = buffer.into_typed::<i32>().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "{what}: a slot table must hold native int32 items (numpy dtype int32, buffer \
+             format 'i'); this buffer's format is {format:?}"
+        ))
+    })?;
+    let Some(ptr) = typed.as_slice_ptr() else {
+        return Err(PyTypeError::new_err(format!(
+            "{what}: a slot table must be C-contiguous (numpy: np.ascontiguousarray(table)); \
+             this buffer's strides are {:?}",
+            typed.strides()
+        )));
+    };
+    // SAFETY: pyo3 checked the buffer holds `item_count` native i32 items, contiguous and
+    // aligned, at `ptr`; the exporter keeps that memory alive while `typed` holds the buffer
+    // (until the end of this function), and we hold the GIL and run no Python code while
+    // reading, so nothing can resize or free it meanwhile.
+    let slots = unsafe { ptr.as_ref() };
+    Ok(SlotTable::new(slots.iter().map(|&s| i64::from(s))))
+}
+
+/// What happened to a request: one terminal event per request and side.
+#[pyclass(module = "kvferry", frozen, get_all)]
+#[derive(Clone, Debug)]
+struct Event {
+    /// `"sent"`, `"received"`, `"cancelled"` or `"failed"` (`"unknown"`: a newer agent's).
+    kind: &'static str,
+    /// The request id.
+    request: u64,
+    /// `sent`: bytes written to all receivers; `received`: into this rank; else 0.
+    bytes: u64,
+    /// `received`: fragments written into this rank; else 0.
+    fragments: u64,
+    /// `received`: from `expect` to the last piece, in microseconds; else 0.
+    latency_us: u64,
+    /// `received`: the context ranks that wrote; else 0.
+    writers: u32,
+    /// `received`: the pieces that landed; else 0.
+    pieces: u32,
+    /// `failed`: why (`invalid`, `peer`, `refused`, `planner`, `timeout`, `lease`,
+    /// `protocol`, `write`, `cancelled_by_peer`, `other`); else None.
+    failure_kind: Option<String>,
+    /// `failed`: the peer concerned (`instance rank N (epoch ...)`), if one is.
+    peer: Option<String>,
+    /// `failed`: what happened, in words; else None.
+    detail: Option<String>,
+}
+
+impl Event {
+    fn empty(kind: &'static str, request: u64) -> Self {
+        Self {
+            kind,
+            request,
+            bytes: 0,
+            fragments: 0,
+            latency_us: 0,
+            writers: 0,
+            pieces: 0,
+            failure_kind: None,
+            peer: None,
+            detail: None,
+        }
+    }
+
+    fn from_event(event: RustEvent) -> Self {
+        match event {
+            RustEvent::Sent { request, bytes } => Self {
+                bytes,
+                ..Self::empty("sent", request)
+            },
+            RustEvent::Received { request, stats } => Self {
+                bytes: stats.bytes,
+                fragments: stats.fragments,
+                latency_us: stats.latency_us,
+                writers: stats.writers,
+                pieces: stats.pieces,
+                ..Self::empty("received", request)
+            },
+            RustEvent::Cancelled { request } => Self::empty("cancelled", request),
+            RustEvent::Failed {
+                request,
+                peer,
+                kind,
+                detail,
+            } => Self {
+                failure_kind: Some(kind.to_string().replace('-', "_")),
+                peer,
+                detail: Some(detail),
+                ..Self::empty("failed", request)
+            },
+            other => Self {
+                detail: Some(format!("{other:?}")),
+                ..Self::empty("unknown", other.request())
+            },
+        }
+    }
+}
+
+#[pymethods]
+impl Event {
+    fn __repr__(&self) -> String {
+        match self.kind {
+            "failed" => format!(
+                "Event(kind='failed', request={}, failure_kind={:?}, peer={:?}, detail={:?})",
+                self.request,
+                self.failure_kind.as_deref().unwrap_or(""),
+                self.peer.as_deref().unwrap_or(""),
+                self.detail.as_deref().unwrap_or(""),
+            ),
+            "received" => format!(
+                "Event(kind='received', request={}, bytes={}, fragments={}, writers={}, \
+                 pieces={}, latency_us={})",
+                self.request,
+                self.bytes,
+                self.fragments,
+                self.writers,
+                self.pieces,
+                self.latency_us
+            ),
+            kind => format!(
+                "Event(kind='{kind}', request={}, bytes={})",
+                self.request, self.bytes
+            ),
+        }
+    }
+}
+
+/// One engine rank's transfer agent (see `kvferry/__init__.pyi`).
+#[pyclass(module = "kvferry", frozen)]
+struct Agent {
+    /// `None` once closed. Calls hold the read lock while they run (with the GIL released),
+    /// `close` takes the write lock, so it waits for them and the agent is gone when it returns.
+    agent: RwLock<Option<RustAgent>>,
+    /// Objects the engine asked the agent to keep referenced (its pools), until `close`.
+    keep_alive: Mutex<Vec<Py<PyAny>>>,
+}
+
+impl Agent {
+    /// Runs `f` on the live agent with the GIL released and panics caught.
+    fn with<T: Send>(
+        &self,
+        py: Python<'_>,
+        call: &str,
+        f: impl FnOnce(&RustAgent) -> Result<T, Failure> + Send,
+    ) -> PyResult<T> {
+        py.detach(|| {
+            guarded(|| {
+                let guard = self.agent.read().unwrap_or_else(PoisonError::into_inner);
+                match guard.as_ref() {
+                    Some(agent) => f(agent),
+                    None => Err(Failure::new("stopped", "the agent is closed")),
+                }
+            })
+        })
+        .map_err(|f| f.into_py(py, call))
+    }
+
+    fn shut(&self, py: Python<'_>) {
+        py.detach(|| {
+            let _ = guarded(|| {
+                let taken = self
+                    .agent
+                    .write()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .take();
+                // Dropping quiesces: peers are told, connections end, the agent's threads
+                // are joined (up to 2 s), so UCX lets go of the pools before this returns.
+                drop(taken);
+                Ok(())
+            });
+        });
+        self.keep_alive
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
+    }
+}
+
+impl Drop for Agent {
+    /// Collected without `close()`: the same quiesce, with the GIL released while it waits
+    /// (up to 2 s) so other Python threads run; at interpreter shutdown, with it held.
+    fn drop(&mut self) {
+        let taken = self
+            .agent
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        let Some(agent) = taken else { return };
+        let _ = catch_unwind(AssertUnwindSafe(move || {
+            let mut agent = Some(agent);
+            Python::try_attach(|py| {
+                let agent = agent.take();
+                py.detach(move || drop(agent));
+            });
+            drop(agent);
+        }));
+    }
+}
+
+#[pymethods]
+impl Agent {
+    /// Starts one rank's agent from the JSON configuration (version 1, the C API's).
+    #[new]
+    #[pyo3(signature = (config_json, keep_alive = None))]
+    fn new(
+        py: Python<'_>,
+        config_json: &str,
+        keep_alive: Option<Vec<Py<PyAny>>>,
+    ) -> PyResult<Self> {
+        let json = config_json.to_owned();
+        let agent = py
+            .detach(move || {
+                guarded(|| {
+                    kvferry_capi::init_logging();
+                    let (config, bound) = load(&json)?;
+                    // SAFETY: the engine's promise, documented on `Agent` in the stubs and
+                    // README as it is on `kvferry_agent_start`: every pool the page table
+                    // names stays one live allocation at its address until `close()` (or
+                    // the agent's collection) returns; kvferry writes nowhere else.
+                    Ok(unsafe { RustAgent::start(config, bound) }?)
+                })
+            })
+            .map_err(|f| f.into_py(py, "kvferry.Agent"))?;
+        Ok(Self {
+            agent: RwLock::new(Some(agent)),
+            keep_alive: Mutex::new(keep_alive.unwrap_or_default()),
+        })
+    }
+
+    /// A context rank's side-channel endpoint (`host:port`); None on generation ranks.
+    fn endpoint(&self, py: Python<'_>) -> PyResult<Option<String>> {
+        self.with(py, "Agent.endpoint", |a| {
+            Ok(a.endpoint().map(str::to_owned))
+        })
+    }
+
+    /// This rank's metadata, for a decode rank's `add_peer`.
+    fn local_metadata<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let bytes = self.with(py, "Agent.local_metadata", |a| Ok(a.local_metadata()?))?;
+        Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// Decode ranks: adds a context rank's metadata; returns the peer's identity.
+    fn add_peer(&self, py: Python<'_>, metadata: &[u8]) -> PyResult<String> {
+        let bytes = metadata.to_vec();
+        self.with(py, "Agent.add_peer", move |a| {
+            Ok(a.add_peer(&bytes)?.to_string())
+        })
+    }
+
+    /// Prefill ranks: makes tokens `[token_start, token_end)` of request `request` available.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (request, tables, token_start, token_end, prompt_len, is_last, to = None))]
+    fn send(
+        &self,
+        py: Python<'_>,
+        request: u64,
+        tables: &Bound<'_, PyAny>,
+        token_start: u64,
+        token_end: u64,
+        prompt_len: u64,
+        is_last: bool,
+        to: Option<String>,
+    ) -> PyResult<()> {
+        let tables = slot_tables(tables, "tables")?;
+        self.with(py, "Agent.send", move |a| {
+            Ok(a.send(SendChunk {
+                request,
+                tables,
+                tokens: TokenRange {
+                    start: token_start,
+                    end: token_end,
+                },
+                prompt_len,
+                is_last,
+                to,
+            })?)
+        })
+    }
+
+    /// Decode ranks: expects request `request` from prefill instance `peer` into `tables`.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (
+        request, peer, endpoints, ctx_dp_rank, prompt_len, tables, cached_prefix = None,
+        excluded_views = Vec::new()
+    ))]
+    fn expect(
+        &self,
+        py: Python<'_>,
+        request: u64,
+        peer: String,
+        endpoints: Vec<String>,
+        ctx_dp_rank: u32,
+        prompt_len: u64,
+        tables: &Bound<'_, PyAny>,
+        cached_prefix: Option<u64>,
+        excluded_views: Vec<(u32, u32)>,
+    ) -> PyResult<()> {
+        let tables = slot_tables(tables, "tables")?;
+        self.with(py, "Agent.expect", move |a| {
+            Ok(a.expect(Expect {
+                request,
+                peer,
+                endpoints,
+                ctx_dp_rank,
+                prompt_len,
+                cached_prefix: cached_prefix.filter(|&c| c != 0),
+                tables,
+                excluded_views: excluded_views
+                    .into_iter()
+                    .map(|(group, view)| ViewId { group, view })
+                    .collect(),
+            })?)
+        })
+    }
+
+    /// Cancels a request; its terminal event answers.
+    fn cancel(&self, py: Python<'_>, request: u64) -> PyResult<()> {
+        self.with(py, "Agent.cancel", move |a| Ok(a.cancel(request)?))
+    }
+
+    /// Drains the events that wait, oldest first, and clears the wake descriptor.
+    fn poll(&self, py: Python<'_>) -> PyResult<Vec<Event>> {
+        self.with(py, "Agent.poll", |a| {
+            Ok(a.poll().into_iter().map(Event::from_event).collect())
+        })
+    }
+
+    /// A descriptor readable while events wait (owned by the agent: never close or read it).
+    fn wake_fd(&self, py: Python<'_>) -> PyResult<i32> {
+        self.with(py, "Agent.wake_fd", |a| Ok(a.wake_fd()))
+    }
+
+    /// Whether `close()` has run.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.agent
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_none()
+    }
+
+    /// Stops the agent and waits until it let go of the pools (idempotent).
+    fn close(&self, py: Python<'_>) {
+        self.shut(py);
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        self.shut(py);
+        false
+    }
+
+    fn __repr__(&self) -> String {
+        match self
+            .agent
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+        {
+            Some(a) => format!("<kvferry.Agent {a:?}>"),
+            None => "<kvferry.Agent closed>".into(),
+        }
+    }
+}
+
+/// The extension module.
+#[pymodule]
+fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Agent>()?;
+    m.add_class::<Event>()?;
+    m.add("Error", m.py().get_type::<Error>())?;
+    m.add("CONFIG_VERSION", kvferry_capi::KVFERRY_CONFIG_VERSION)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

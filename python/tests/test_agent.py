@@ -1,0 +1,453 @@
+"""The Python binding end to end, in one process: a prefill (context) agent and a decode
+(generation) agent over numpy pools, the bytes checked one by one; then every refusal.
+
+The layout is the C test's (host/capi/tests/c/transfer.c): a small GQA model, 2 layers of
+2 KV heads x 32 bf16 elements, K and V, 16 tokens per block, one PAGED group, one pool, one
+HND view {key, value}, tp1. The prefill packs layers back to back in 16 slots; the decode stores
+them last first with a 128-byte gap, pads every slot by 256 bytes and has 12 slots, so the
+planner (kvferry.default) has to map one onto the other.
+
+The planner is loaded from KVFERRY_TEST_PLUGIN_DIR, else from the checkout's
+target/{release,debug}/libkvferry_planner_default.so (scripts/test-python builds it).
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import json
+import os
+import select
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvferry
+
+LAYERS, HEADS, HEAD_DIM, ELEM_BYTES, TPB = 2, 2, 32, 2, 16
+ROW = HEAD_DIM * ELEM_BYTES  # one head of one token
+BUFFER = HEADS * TPB * ROW  # one layer's K (or V) of one block: [head][token][dim]
+REGION = 2 * BUFFER  # one layer: K then V
+CANARY, FOREIGN = 0xA5, 0x5A
+SECRET = "kvferry python test secret"
+SALT_PREFILL, SALT_CACHED = "prefill", "cached"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def blocks(tokens: int) -> int:
+    return (tokens + TPB - 1) // TPB
+
+
+class Side:
+    """One engine rank's pool (a numpy array the side keeps alive) and how it lays slots out."""
+
+    def __init__(self, name, role, slots, layer_gap=0, slot_padding=0, reversed_=False, fill=0):
+        self.name, self.role, self.slots = name, role, slots
+        self.layer_offset = [
+            ((LAYERS - 1 - layer) if reversed_ else layer) * (REGION + layer_gap)
+            for layer in range(LAYERS)
+        ]
+        self.slot_bytes = LAYERS * REGION + (LAYERS - 1) * layer_gap
+        self.stride = self.slot_bytes + slot_padding
+        self.footprint = (slots - 1) * self.stride + self.slot_bytes
+        self.pool = np.zeros(self.footprint, dtype=np.uint8)
+        self.pool[:] = fill
+
+    def config(self, plugin_dir: str, transport: str, **extra) -> str:
+        entries = [
+            {"local_layer": layer, "offset": self.layer_offset[layer] + kv * BUFFER, "size": BUFFER}
+            for layer in range(LAYERS)
+            for kv in range(2)
+        ]
+        config = {
+            "version": kvferry.CONFIG_VERSION,
+            "instance": f"{self.name}-py",
+            "role": self.role,
+            "label": "python test gqa 2x2x32",
+            "architecture": "LlamaForCausalLM",
+            "planner": "kvferry.default",
+            "plugin_dir": plugin_dir,
+            "transport": transport,
+            "listen": "127.0.0.1:0",
+            "secret": SECRET,
+            "timeout_ms": 10000,
+            "lease_ms": 10000,
+            "rank": {
+                "mapping": "tp1",
+                "instance_rank": 0,
+                "layers_per_pp": [LAYERS],
+                "page_table": {
+                    "tokens_per_block": TPB,
+                    "pools": [
+                        {
+                            "base": self.pool.ctypes.data,
+                            "slot_bytes": self.slot_bytes,
+                            "slot_stride": self.stride,
+                            "num_slots": self.slots,
+                            "memory_type": "dram",
+                        }
+                    ],
+                    "groups": [
+                        {
+                            "kind": "paged",
+                            "layers": [{"local": i, "global": i} for i in range(LAYERS)],
+                            "views": [
+                                {
+                                    "pool": 0,
+                                    "roles": ["key", "value"],
+                                    "entries": entries,
+                                    "layout": {
+                                        "kind": "hnd",
+                                        "dtype": "bf16",
+                                        "elem_bits": ELEM_BYTES * 8,
+                                        "shard_unit_bytes": TPB * ROW,
+                                    },
+                                }
+                            ],
+                        }
+                    ],
+                },
+            },
+        }
+        config.update(extra)
+        return json.dumps(config)
+
+    def row_offset(self, slot, layer, kv, head, token) -> int:
+        return (
+            slot * self.stride
+            + self.layer_offset[layer]
+            + kv * BUFFER
+            + head * TPB * ROW
+            + (token % TPB) * ROW
+        )
+
+    def rows(self, slots, first_block, last_block):
+        """(offset, layer, kv, head, token) of every row of blocks [first, last)."""
+        for b in range(first_block, last_block):
+            for t in range(b * TPB, (b + 1) * TPB):
+                for layer in range(LAYERS):
+                    for kv in range(2):
+                        for h in range(HEADS):
+                            yield self.row_offset(int(slots[b]), layer, kv, h, t), layer, kv, h, t
+
+    def fill(self, slots, request, first_block, last_block, salt):
+        for at, layer, kv, h, t in self.rows(slots, first_block, last_block):
+            self.pool[at : at + ROW] = pattern(salt, request, layer, kv, h, t)
+
+
+def pattern(salt, request, layer, kv, head, token) -> np.ndarray:
+    digest = hashlib.blake2b(
+        f"{salt}/{request}/{layer}/{kv}/{head}/{token}".encode(), digest_size=ROW
+    ).digest()
+    return np.frombuffer(digest, dtype=np.uint8)
+
+
+# (id, prompt_len, first chunk's tokens or 0, decode-side cached prefix, prefill slots, decode slots)
+REQUESTS = [
+    # 40 tokens: 3 blocks, the last partial; one send.
+    (101, 40, 0, 0, [5, 0, 9], [3, 10, 1]),
+    # One block; the decode side names no endpoint (add_peer's metadata only).
+    (102, 16, 0, 0, [14], [7]),
+    # 50 tokens in two chunks (32 + 18); the decode side has the first block cached.
+    (103, 50, 32, 16, [2, 11, 7, 3], [11, 0, 5, 8]),
+]
+
+
+@pytest.fixture(scope="session")
+def plugin_dir(tmp_path_factory) -> str:
+    found = os.environ.get("KVFERRY_TEST_PLUGIN_DIR")
+    if found:
+        return found
+    candidates = [
+        REPO / "target" / profile / "libkvferry_planner_default.so"
+        for profile in ("release", "debug")
+    ]
+    candidates = [c for c in candidates if c.exists()]
+    if not candidates:
+        pytest.fail(
+            "no libkvferry_planner_default.so: run `cargo build --release -p "
+            "kvferry-planner-default` or set KVFERRY_TEST_PLUGIN_DIR"
+        )
+    newest = max(candidates, key=lambda c: c.stat().st_mtime)
+    # A directory of its own: every .so in a plugin directory is loaded.
+    out = tmp_path_factory.mktemp("planners")
+    shutil.copy(newest, out / newest.name)
+    return str(out)
+
+
+def wait(agents, want, limit_s=20.0):
+    """Waits on the agents' wake descriptors with select and drains their events until each
+    agent has `want` of them; {agent index: {request: Event}}."""
+    got = [{} for _ in agents]
+    fds = {a.wake_fd(): i for i, a in enumerate(agents)}
+    deadline = time.monotonic() + limit_s
+    while any(len(g) < want for g in got):
+        left = deadline - time.monotonic()
+        assert left > 0, f"timed out; events so far: {got}"
+        ready, _, _ = select.select(list(fds), [], [], left)
+        for fd in ready:
+            i = fds[fd]
+            for event in agents[i].poll():
+                assert event.request not in got[i], f"two terminal events: {event!r}"
+                got[i][event.request] = event
+    return got
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_transfer_checks_every_byte(plugin_dir, transport):
+    prefill = Side("prefill", "context", slots=16, fill=FOREIGN)
+    decode = Side(
+        "decode", "generation", slots=12, layer_gap=128, slot_padding=256, reversed_=True,
+        fill=CANARY,
+    )
+    ctx = kvferry.Agent(prefill.config(plugin_dir, transport), keep_alive=[prefill.pool])
+    gen = kvferry.Agent(decode.config(plugin_dir, transport), keep_alive=[decode.pool])
+    with ctx, gen:
+        endpoint = ctx.endpoint()
+        assert endpoint and endpoint.startswith("127.0.0.1:")
+        assert gen.endpoint() is None
+        identity = gen.add_peer(ctx.local_metadata())
+        assert "prefill-py" in identity
+
+        for rid, prompt_len, chunk, _, slots, _ in REQUESTS:
+            table = np.array(slots, dtype=np.int32)
+            n = blocks(prompt_len)
+            start = 0
+            if chunk:
+                first = blocks(chunk)
+                prefill.fill(slots, rid, 0, first, SALT_PREFILL)
+                ctx.send(rid, [table[:first]], 0, chunk, prompt_len, False, to="decode-py")
+                prefill.fill(slots, rid, first, n, SALT_PREFILL)
+                start = chunk
+            else:
+                prefill.fill(slots, rid, 0, n, SALT_PREFILL)
+            # A chunked request names its receiver on every chunk.
+            ctx.send(rid, [table], start, prompt_len, prompt_len, True, "decode-py" if chunk else None)
+
+        for rid, prompt_len, _, cached, _, slots in REQUESTS:
+            decode.fill(slots, rid, 0, blocks(cached), SALT_CACHED)
+            # Request 102's table is a plain list of ints, the others array.array and numpy.
+            table = slots if rid == 102 else array.array("i", slots) if rid == 101 else np.array(
+                slots, dtype=np.int32
+            )
+            gen.expect(
+                rid,
+                "prefill-py",
+                [] if rid == 102 else [endpoint],
+                0,
+                prompt_len,
+                [table],
+                cached_prefix=cached or None,
+            )
+
+        sent, received = wait([ctx, gen], len(REQUESTS))
+        for rid, *_ in REQUESTS:
+            assert sent[rid].kind == "sent", repr(sent[rid])
+            assert received[rid].kind == "received", repr(received[rid])
+            assert received[rid].bytes > 0 and received[rid].writers == 1
+            assert "received" in repr(received[rid])
+        assert sum(e.bytes for e in sent.values()) == sum(e.bytes for e in received.values())
+    assert ctx.closed and gen.closed
+
+    # Every byte of the decode pool: received rows hold the prefill's pattern, cached rows
+    # their own, rows past the prompt in a last block the pattern or the canary (whole rows),
+    # and every other byte (gaps, padding, other slots) the canary.
+    claimed = np.zeros(decode.footprint, dtype=bool)
+    landed = 0
+    for rid, prompt_len, _, cached, _, slots in REQUESTS:
+        for at, layer, kv, h, t in decode.rows(slots, 0, blocks(prompt_len)):
+            row = decode.pool[at : at + ROW]
+            claimed[at : at + ROW] = True
+            if t < cached:
+                want = pattern(SALT_CACHED, rid, layer, kv, h, t)
+                assert np.array_equal(row, want), f"cached row {rid}/{layer}/{kv}/{h}/{t}"
+            elif t < prompt_len:
+                want = pattern(SALT_PREFILL, rid, layer, kv, h, t)
+                assert np.array_equal(row, want), f"row {rid}/{layer}/{kv}/{h}/{t} is wrong"
+                landed += 1
+            else:
+                want = pattern(SALT_PREFILL, rid, layer, kv, h, t)
+                assert np.array_equal(row, want) or np.all(row == CANARY), f"tail row {rid}/{t}"
+    outside = decode.pool[~claimed]
+    bad = np.flatnonzero(outside != CANARY)
+    assert bad.size == 0, f"{bad.size} bytes outside the requests lost their canary"
+    assert landed == sum(
+        (p - c) * LAYERS * 2 * HEADS for _, p, _, c, _, _ in REQUESTS
+    ), "not every row landed"
+
+    # The sources are the engine's again, unchanged.
+    for rid, prompt_len, _, _, slots, _ in REQUESTS:
+        for at, layer, kv, h, t in prefill.rows(slots, 0, blocks(prompt_len)):
+            assert np.array_equal(
+                prefill.pool[at : at + ROW], pattern(SALT_PREFILL, rid, layer, kv, h, t)
+            )
+
+
+@pytest.fixture
+def pair(plugin_dir):
+    prefill = Side("prefill", "context", slots=4)
+    decode = Side("decode", "generation", slots=4)
+    ctx = kvferry.Agent(prefill.config(plugin_dir, "tcp"), keep_alive=[prefill.pool])
+    gen = kvferry.Agent(decode.config(plugin_dir, "tcp"), keep_alive=[decode.pool])
+    yield ctx, gen
+    ctx.close()
+    gen.close()
+
+
+def error_of(call, *args, **kwargs) -> kvferry.Error:
+    with pytest.raises(kvferry.Error) as info:
+        call(*args, **kwargs)
+    e = info.value
+    assert str(e).endswith(e.detail)
+    return e
+
+
+def test_config_refusals(plugin_dir):
+    side = Side("prefill", "context", slots=4)
+    e = error_of(kvferry.Agent, "{not json")
+    assert e.kind == "config" and "not JSON" in e.detail and e.peer is None
+    assert str(e).startswith("kvferry.Agent: ")
+
+    good = json.loads(side.config(plugin_dir, "tcp"))
+    e = error_of(kvferry.Agent, json.dumps({**good, "version": 2}))
+    assert e.kind == "config" and "version 2 is not supported" in e.detail
+
+    e = error_of(kvferry.Agent, json.dumps({**good, "trasnport": "tcp"}))
+    assert e.kind == "config" and "trasnport" in e.detail
+
+    e = error_of(kvferry.Agent, json.dumps({**good, "planner": "no.such.planner"}))
+    assert e.kind == "planner", e
+
+    e = error_of(kvferry.Agent, json.dumps({**good, "secret": "short"}))
+    assert e.kind == "config", e
+    assert isinstance(e, Exception)
+
+
+def test_call_refusals(pair):
+    ctx, gen = pair
+    e = error_of(ctx.cancel, 12345)
+    assert e.kind == "unknown" and "12345" in e.detail
+
+    e = error_of(ctx.expect, 7, "prefill-py", [], 0, 16, [[0]])
+    assert e.kind == "role"
+    e = error_of(gen.send, 7, [[0]], 0, 16, 16, True)
+    assert e.kind == "role"
+    e = error_of(gen.add_peer, b"not metadata")
+    assert e.kind == "metadata"
+
+    # A decode rank refuses a second expect of an id it holds, atomically.
+    endpoint = ctx.endpoint()
+    gen.expect(8, "prefill-py", [endpoint], 0, 16, [np.array([1], dtype=np.int32)])
+    e = error_of(gen.expect, 8, "prefill-py", [endpoint], 0, 16, [np.array([2], dtype=np.int32)])
+    assert e.kind == "duplicate" and "8" in e.detail
+    gen.cancel(8)
+    (event,) = wait([gen], 1)[0].values()
+    assert event.kind == "cancelled" and event.request == 8
+    assert "cancelled" in repr(event)
+
+    # A prefill rank has no duplicate: once a request's last chunk is in, another send of
+    # its id is a chunk of a request it no longer takes chunks for.
+    ctx.send(10, [np.array([1], dtype=np.int32)], 0, 16, 16, True)
+    e = error_of(ctx.send, 10, [np.array([2], dtype=np.int32)], 0, 16, 16, True)
+    assert e.kind == "unknown" and "10" in e.detail
+
+    e = error_of(ctx.send, 9, [[99]], 0, 16, 16, True)
+    assert e.kind == "invalid", e
+
+
+def test_tables_must_be_int32(pair):
+    ctx, _ = pair
+    with pytest.raises(TypeError, match="int32"):
+        ctx.send(1, [np.zeros(3, dtype=np.int64)], 0, 16, 16, True)
+    with pytest.raises(TypeError, match="int32"):
+        ctx.send(1, [np.zeros(3, dtype=np.float32)], 0, 16, 16, True)
+    with pytest.raises(TypeError, match="int32"):
+        ctx.send(1, [b"\x00\x01"], 0, 16, 16, True)
+    with pytest.raises(TypeError, match="C-contiguous"):
+        ctx.send(1, [np.arange(8, dtype=np.int32)[::2]], 0, 16, 16, True)
+    with pytest.raises(TypeError, match="1-dimensional"):
+        ctx.send(1, [np.zeros((2, 2), dtype=np.int32)], 0, 16, 16, True)
+    with pytest.raises(TypeError, match="one buffer"):
+        ctx.send(1, np.zeros(2, dtype=np.int32), 0, 16, 16, True)
+    with pytest.raises(TypeError, match="int32"):
+        ctx.send(1, [[1, 2**40]], 0, 16, 16, True)
+    with pytest.raises(TypeError):
+        ctx.send(1, ["ab"], 0, 16, 16, True)
+    # Nothing was taken: the id is still free.
+    ctx.send(1, [np.array([0], dtype=np.int32)], 0, 16, 16, True)
+    ctx.cancel(1)
+
+
+def test_closed_agent_refuses(pair):
+    ctx, _ = pair
+    fd = ctx.wake_fd()
+    assert fd >= 0
+    ctx.close()
+    ctx.close()
+    assert ctx.closed and "closed" in repr(ctx)
+    e = error_of(ctx.poll)
+    assert e.kind == "stopped"
+    e = error_of(ctx.send, 1, [[0]], 0, 16, 16, True)
+    assert e.kind == "stopped"
+
+
+def test_collected_without_close_and_used_from_threads(plugin_dir):
+    import gc
+    import threading
+
+    side = Side("prefill", "context", slots=4)
+    agent = kvferry.Agent(side.config(plugin_dir, "tcp"), keep_alive=[side.pool])
+    errors = []
+
+    def worker(i):
+        try:
+            agent.send(100 + i, [np.array([i], dtype=np.int32)], 0, 16, 16, True)
+            agent.cancel(100 + i)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    events = wait([agent], 4)[0]
+    assert sorted(events) == [100, 101, 102, 103]
+    assert all(e.kind == "cancelled" for e in events.values())
+    # Dropped without close(): collection quiesces it as close() does.
+    del agent
+    gc.collect()
+    again = kvferry.Agent(side.config(plugin_dir, "tcp"), keep_alive=[side.pool])
+    again.close()
+
+
+def test_interpreter_exits_with_a_live_agent(plugin_dir, tmp_path):
+    """An agent still open at exit (module global, never closed) quiesces at shutdown: the
+    process exits 0, promptly, and prints no panic."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "live.py"
+    script.write_text(
+        "import sys, numpy as np, kvferry\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "from test_agent import Side\n"
+        "side = Side('prefill', 'context', slots=4)\n"
+        "agent = kvferry.Agent(side.config(sys.argv[2], 'tcp'), keep_alive=[side.pool])\n"
+        "agent.send(1, [[0]], 0, 16, 16, True)\n"
+        "print('started', agent.endpoint())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    started = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, str(script), str(Path(__file__).parent), plugin_dir],
+        capture_output=True, text=True, timeout=30, env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("started 127.0.0.1:"), out.stdout
+    assert "panic" not in out.stderr, out.stderr
+    assert time.monotonic() - started < 10
