@@ -742,13 +742,14 @@ impl Shared {
         if let Some(out) = lock(&self.outgoing).get_mut(&id) {
             out.pending = group.iter().copied().collect();
         }
+        // (rank, why, whether it took an earlier chunk).
         let mut refused = None;
-        for (&r, t) in &tables {
+        'ranks: for (&r, t) in &tables {
             let Some(agent) = self.agent(r) else {
-                refused = Some((r, "the server is stopping".to_string()));
+                refused = Some((r, "the server is stopping".to_string(), false));
                 break;
             };
-            for piece in &pieces {
+            for (k, piece) in pieces.iter().enumerate() {
                 let sent = agent.send(AgentSend {
                     request: id,
                     tables: t.clone(),
@@ -758,17 +759,14 @@ impl Shared {
                     to: None,
                 });
                 if let Err(e) = sent {
-                    refused = Some((r, e.to_string()));
-                    break;
+                    refused = Some((r, e.to_string(), k > 0));
+                    break 'ranks;
                 }
             }
-            if refused.is_some() {
-                break;
-            }
         }
-        if let Some((rank, reason)) = refused {
+        if let Some((rank, reason, took_some)) = refused {
             // Ranks that took a chunk end in an event; the slots come back after the last.
-            self.release_outgoing_refused(id, rank);
+            self.release_outgoing_refused(id, rank, took_some);
             return Err(format!("request {id}: rank {rank}: {reason}"));
         }
         Ok(tables
@@ -781,15 +779,16 @@ impl Shared {
             .collect())
     }
 
-    /// A prefill one rank refused: that rank and those after it never took the request; the
-    /// others are cancelled.
-    fn release_outgoing_refused(&self, id: u64, refused: u32) {
+    /// A prefill rank `refused` refused a chunk of: the ranks after it never took the request,
+    /// and neither did it unless `took_some` (an earlier chunk); the others are cancelled.
+    fn release_outgoing_refused(&self, id: u64, refused: u32, took_some: bool) {
         let cancel: Vec<u32> = {
             let mut outgoing = lock(&self.outgoing);
             let Some(out) = outgoing.get_mut(&id) else {
                 return;
             };
-            out.pending.retain(|&r| r < refused);
+            out.pending
+                .retain(|&r| r < refused || (r == refused && took_some));
             out.released = true;
             out.pending.iter().copied().collect()
         };
