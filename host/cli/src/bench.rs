@@ -476,7 +476,7 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
             "--requests, --prompt-len and --rounds must be positive".into(),
         ));
     }
-    let tpb = u64::from(config.pair.model.tokens_per_block);
+    let tpb = u64::from(config.pair.smallest_block());
     let groups = |m: &Mapping| if m.attention_dp { m.tp } else { 1 };
     let groups = (groups(&config.pair.ctx), groups(&config.pair.r#gen));
     // Requests go round-robin over each side's DP groups, and two sets are held at once (odd
@@ -519,7 +519,7 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
     };
 
     let mut report = BenchReport {
-        model: config.pair.model.to_string(),
+        model: config.pair.model_label(),
         ctx: config.pair.ctx_spec.clone(),
         r#gen: config.pair.gen_spec.clone(),
         transport: config.pair.transport.to_string(),

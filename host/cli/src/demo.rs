@@ -109,8 +109,10 @@ pub struct LoopbackPair {
     pub exe: PathBuf,
     /// Config file passed to the servers (`--config`).
     pub config_file: Option<PathBuf>,
-    /// Model, dtype and block size.
+    /// Model, dtype and block size (the context side's).
     pub model: ModelSpec,
+    /// The generation side's block size, when it differs from the context side's.
+    pub gen_tokens_per_block: Option<u32>,
     /// The context deployment spec, as typed (e.g. `dep2`).
     pub ctx_spec: String,
     /// The generation deployment spec.
@@ -131,6 +133,24 @@ pub struct LoopbackPair {
     pub seed: u64,
     /// Per-request timeout (`--timeout-ms`) of both servers.
     pub timeout: Duration,
+}
+
+impl LoopbackPair {
+    /// Model, dtype and block size, and the generation side's block size when it differs.
+    pub fn model_label(&self) -> String {
+        match self.gen_tokens_per_block {
+            Some(g) => format!("{} (generation tpb{g})", self.model),
+            None => self.model.to_string(),
+        }
+    }
+
+    /// The smaller of the two sides' block sizes.
+    pub fn smallest_block(&self) -> u32 {
+        self.gen_tokens_per_block
+            .unwrap_or(self.model.tokens_per_block)
+            .min(self.model.tokens_per_block)
+            .max(1)
+    }
 }
 
 /// What to run.
@@ -325,9 +345,14 @@ pub fn serve_args(
         ]
         .map(String::from),
     );
+    let tokens_per_block = match role {
+        "generation" => pair.gen_tokens_per_block,
+        _ => None,
+    }
+    .unwrap_or(pair.model.tokens_per_block);
     args.extend([
         "--tokens-per-block".to_string(),
-        pair.model.tokens_per_block.to_string(),
+        tokens_per_block.to_string(),
         "--listen".to_string(),
         "127.0.0.1:0".to_string(),
         "--control".to_string(),
@@ -559,7 +584,9 @@ pub fn run(config: &DemoConfig) -> Result<DemoReport, DemoError> {
         }
     }
     let in_flight = config.in_flight.max(1);
-    let slots = in_flight as u64 * config.max_prompt_len.div_ceil(tpb) + 4;
+    // Blocks of the side with the smaller ones (each side's pools take that many slots).
+    let smallest = u64::from(config.pair.smallest_block());
+    let slots = in_flight as u64 * config.max_prompt_len.div_ceil(smallest) + 4;
     let state = in_flight as u64 + 2;
 
     let mut children = Children(Vec::new());
@@ -601,7 +628,7 @@ pub fn run(config: &DemoConfig) -> Result<DemoReport, DemoError> {
     let peer = ctx.peer();
 
     let mut report = DemoReport {
-        model: config.pair.model.to_string(),
+        model: config.pair.model_label(),
         ctx: config.pair.ctx_spec.clone(),
         r#gen: config.pair.gen_spec.clone(),
         transport: config.pair.transport.to_string(),

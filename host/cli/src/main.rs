@@ -96,6 +96,8 @@ enum Command {
         prompt_len: u64,
         #[command(flatten)]
         shape: Shape,
+        #[command(flatten)]
+        sides: Sides,
         /// Context DP rank serving the request.
         #[arg(long, default_value_t = 0, value_name = "N")]
         ctx_dp_rank: u32,
@@ -249,6 +251,8 @@ struct PairArgs {
     #[command(flatten)]
     shape: Shape,
     #[command(flatten)]
+    sides: Sides,
+    #[command(flatten)]
     transport: TransportArgs,
     #[command(flatten)]
     memory: MemoryArgs,
@@ -279,7 +283,8 @@ impl PairArgs {
         Ok(LoopbackPair {
             exe: std::env::current_exe().context("locating the kvferry executable")?,
             config_file,
-            model: self.shape.model(self.model),
+            model: self.sides.models(&self.shape, self.model).0,
+            gen_tokens_per_block: self.sides.models(&self.shape, self.model).1,
             ctx_spec: self.ctx,
             gen_spec: self.r#gen,
             ctx,
@@ -433,6 +438,32 @@ impl Shape {
             model = model.with_dtype(dtype);
         }
         model
+    }
+}
+
+/// Block sizes of the two sides, when they differ (`plan`, `demo`, `bench`): HND caches
+/// re-block when one side's size is a multiple of the other's (semantics §3.2 rule 4).
+#[derive(Debug, clap::Args)]
+struct Sides {
+    /// Tokens per block of the context instance (default: --tokens-per-block).
+    #[arg(long, value_name = "N")]
+    ctx_tokens_per_block: Option<u32>,
+    /// Tokens per block of the generation instance (default: --tokens-per-block).
+    #[arg(long, value_name = "N")]
+    gen_tokens_per_block: Option<u32>,
+}
+
+impl Sides {
+    /// The context side's model and the generation side's block size, when it differs.
+    fn models(&self, shape: &Shape, preset: Preset) -> (ModelSpec, Option<u32>) {
+        let mut ctx = shape.model(preset);
+        if let Some(tpb) = self.ctx_tokens_per_block {
+            ctx = ctx.with_tokens_per_block(tpb);
+        }
+        let r#gen = self
+            .gen_tokens_per_block
+            .filter(|&tpb| tpb != ctx.tokens_per_block);
+        (ctx, r#gen)
     }
 }
 
@@ -755,7 +786,10 @@ fn conform(
 }
 
 struct PlanArgs {
+    /// The context side's model.
     model: ModelSpec,
+    /// The generation side's block size, when it differs.
+    gen_tokens_per_block: Option<u32>,
     ctx: Mapping,
     r#gen: Mapping,
     prompt_len: u64,
@@ -775,8 +809,12 @@ fn plan(host: &Host, a: PlanArgs) -> Result<ExitCode> {
     let ctx_bound = host
         .bind(&id, &a.model, a.ctx)
         .context("context instance")?;
+    let gen_model = match a.gen_tokens_per_block {
+        Some(tpb) => a.model.clone().with_tokens_per_block(tpb),
+        None => a.model.clone(),
+    };
     let gen_bound = host
-        .bind(&id, &a.model, a.r#gen)
+        .bind(&id, &gen_model, a.r#gen)
         .context("generation instance")?;
     if ctx_bound.id() != gen_bound.id() {
         bail!(
@@ -794,6 +832,7 @@ fn plan(host: &Host, a: PlanArgs) -> Result<ExitCode> {
     scenario.contiguous_slots = a.contiguous;
     scenario.bounce_limits = a.bounce;
     scenario.planner_id = id.clone();
+    scenario.gen_tokens_per_block = a.gen_tokens_per_block;
     if let Some(chunk) = a.chunk {
         if chunk == 0 {
             bail!("--chunk must be positive");
@@ -854,6 +893,7 @@ fn plan(host: &Host, a: PlanArgs) -> Result<ExitCode> {
             "model": a.model.preset.as_ref(),
             "dtype": a.model.dtype.as_ref(),
             "tokens_per_block": a.model.tokens_per_block,
+            "gen_tokens_per_block": a.gen_tokens_per_block.unwrap_or(a.model.tokens_per_block),
             "ctx": a.ctx.to_string(),
             "gen": a.r#gen.to_string(),
             "prompt_len": a.prompt_len,
@@ -878,7 +918,10 @@ fn plan(host: &Host, a: PlanArgs) -> Result<ExitCode> {
             "{} {} tpb {}: context {} (DP rank {}) -> generation {} (DP rank {}), prompt {} tokens",
             a.model.preset,
             a.model.dtype,
-            a.model.tokens_per_block,
+            match a.gen_tokens_per_block {
+                Some(g) => format!("{} -> {g}", a.model.tokens_per_block),
+                None => a.model.tokens_per_block.to_string(),
+            },
             a.ctx,
             a.ctx_dp_rank,
             a.r#gen,
@@ -1070,6 +1113,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             r#gen,
             prompt_len,
             shape,
+            sides,
             ctx_dp_rank,
             gen_dp_rank,
             chunk,
@@ -1082,7 +1126,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
         } => plan(
             &load()?,
             PlanArgs {
-                model: shape.model(model),
+                model: sides.models(&shape, model).0,
+                gen_tokens_per_block: sides.models(&shape, model).1,
                 ctx,
                 r#gen,
                 prompt_len,

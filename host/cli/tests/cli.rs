@@ -437,3 +437,39 @@ fn sides_that_auto_select_different_planners_are_refused_naming_both() {
         "{stderr}"
     );
 }
+
+/// `plan --ctx-tokens-per-block` / `--gen-tokens-per-block`: the sides re-block (HND, one
+/// size a multiple of the other) and the oracle checks every byte; sizes that do not divide
+/// are refused naming both.
+#[test]
+fn plan_takes_a_block_size_per_side() {
+    let v = llama_plan_with(
+        "tp2",
+        "tp4",
+        "300",
+        &[
+            "--ctx-tokens-per-block",
+            "16",
+            "--gen-tokens-per-block",
+            "64",
+        ],
+    );
+    assert_eq!(v["tokens_per_block"], 16, "{v}");
+    assert_eq!(v["gen_tokens_per_block"], 64, "{v}");
+    assert_eq!(v["verified"], true, "{v}");
+    let out = Kvferry::new()
+        .args([
+            "plan",
+            "--model",
+            "llama-3-70b",
+            "--ctx",
+            "tp2",
+            "--gen",
+            "tp4",
+        ])
+        .args(["--prompt-len", "300", "--gen-tokens-per-block", "48"])
+        .output();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("48 is not a multiple of 32"), "{stderr}");
+}

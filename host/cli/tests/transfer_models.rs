@@ -287,3 +287,47 @@ fn demo_refuses_servers_that_are_not_one_whole_instance() {
     assert!(!out.status.success());
     assert!(stderr.contains("rank 1 of context instance"), "{stderr}");
 }
+
+/// Differing block sizes between the two sides (semantics §3.2 rule 4), end to end: the
+/// context side's 16-token blocks re-blocked into the generation side's 32-token ones,
+/// chunked with a cached prefix, every byte verified; and the other way round over tcp.
+#[test]
+fn llama_3_70b_differing_tokens_per_block_both_ways() {
+    let run = |ctx_tpb: &str, gen_tpb: &str, transport: &str| {
+        let v = demo_ok(
+            &[
+                "--model",
+                "llama-3-70b",
+                "--ctx",
+                "tp2",
+                "--gen",
+                "tp4",
+                "--ctx-tokens-per-block",
+                ctx_tpb,
+                "--gen-tokens-per-block",
+                gen_tpb,
+                "--requests",
+                "3",
+                "--prompt-len",
+                "300",
+                "--chunk",
+                "64",
+                "--cached",
+                "40",
+                "--in-flight",
+                "3",
+                "--transport",
+                transport,
+            ],
+            3,
+        );
+        let model = v["model"].as_str().unwrap().to_string();
+        assert!(
+            model.contains(&format!("tpb{ctx_tpb}"))
+                && model.contains(&format!("generation tpb{gen_tpb}")),
+            "{model}"
+        );
+    };
+    run("16", "32", "shm");
+    run("64", "32", "tcp");
+}
