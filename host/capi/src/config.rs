@@ -37,6 +37,16 @@ pub enum ConfigError {
     Planner(String),
 }
 
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ConfigError::Invalid(m) | ConfigError::Planner(m) => f.write_str(m),
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
 impl ConfigError {
     fn invalid(message: impl Into<String>) -> Self {
         Self::Invalid(message.into())
