@@ -59,13 +59,18 @@ bf16 cache is registered as a ``uint16`` (or ``float16``) array with ``dtype="bf
 decode instance names the prefill by), ``plugin_dir``, ``secret``; optional ``transport``
 (``tcp``), ``listen`` (``0.0.0.0:0``), ``advertise``, ``architecture``
 (``LlamaForCausalLM``), ``kv_layout``, ``kv_shape``, ``dtype`` (from the array's dtype),
-``tp_size``/``tp_rank`` (1/0), ``timeout_ms``, ``lease_ms`` (how long a prefill's send waits
-for its decode), and ``agent``: more fields of the agent's JSON configuration, verbatim
+``tp_size``/``tp_rank`` (1/0; one connector per worker, every worker of an instance with the
+same ``instance``), ``endpoints`` (producer, scheduler side: the side-channel endpoints of all
+of the instance's workers, any order, that ``kv_transfer_params`` hands the decode; default:
+this worker's own, enough at TP 1), ``dp_rank`` (the prefill's attention-DP rank the
+decode names, 0), ``timeout_ms``, ``lease_ms`` (how long a prefill's send
+waits for its decode), and ``agent``: more fields of the agent's JSON configuration, verbatim
 (``host/capi/README.md``).
 
 Not covered: pipeline parallelism, several KV cache groups (hybrid models), chunked sends
 (every request is sent whole when it finishes; ``save_kv_layer`` is a no-op because kvferry
 reads the paged cache in place), torch/VRAM tensors, and vLLM's handshake and KV events.
+Aggregating the workers' ``get_finished`` answers (vLLM's ``KVOutputAggregator``) is the engine's.
 """
 
 from __future__ import annotations
@@ -84,7 +89,12 @@ import kvferry
 logger = logging.getLogger("kvferry.vllm_connector")
 
 PRODUCER, CONSUMER = "kv_producer", "kv_consumer"
-_ROLES = {"kv_producer": PRODUCER, "producer": PRODUCER, "kv_consumer": CONSUMER, "consumer": CONSUMER}
+_ROLES = {
+    "kv_producer": PRODUCER,
+    "producer": PRODUCER,
+    "kv_consumer": CONSUMER,
+    "consumer": CONSUMER,
+}
 _DTYPES = {
     np.dtype(np.float16): "fp16",
     np.dtype(np.float32): "fp32",
@@ -208,7 +218,9 @@ class KVFerryConnector:
         first = layers[0][1]
         for name, cache in layers:
             if cache.shape != first.shape or cache.dtype != first.dtype:
-                raise ValueError(f"{name}: {cache.shape} {cache.dtype}, not {first.shape} {first.dtype}")
+                raise ValueError(
+                    f"{name}: {cache.shape} {cache.dtype}, not {first.shape} {first.dtype}"
+                )
             if not cache.flags.c_contiguous:
                 raise ValueError(f"{name}: the KV cache is not C-contiguous")
         if len(first.shape) != 5:
@@ -260,7 +272,8 @@ class KVFerryConnector:
                     "pool": len(pools),
                     "roles": ["key", "value"],
                     "entries": [
-                        {"local_layer": local, "offset": kv * buffer, "size": buffer} for kv in range(2)
+                        {"local_layer": local, "offset": kv * buffer, "size": buffer}
+                        for kv in range(2)
                     ],
                     "layout": role_layout,
                 })
@@ -304,7 +317,9 @@ class KVFerryConnector:
                 agent_config[key] = self.config[key]
         agent_config.update(self.config.get("agent", {}))
         self.agent = kvferry.Agent(json.dumps(agent_config), keep_alive=[c for _, c in layers])
-        logger.info("kvferry %s agent %s started over %d pools", self.role, self.instance, len(pools))
+        logger.info(
+            "kvferry %s agent %s started over %d pools", self.role, self.instance, len(pools)
+        )
 
     def bind_connector_metadata(self, connector_metadata: KVFerryConnectorMetadata) -> None:
         self._connector_metadata = connector_metadata
@@ -354,7 +369,9 @@ class KVFerryConnector:
         """Nothing to wait for: loads are asynchronous (the scheduler runs a request only after
         :meth:`get_finished` reported it in ``finished_recving``)."""
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         """Nothing to do: kvferry reads the paged cache in place when the request is sent."""
 
     def wait_for_save(self) -> None:
@@ -371,7 +388,9 @@ class KVFerryConnector:
             for event in self.agent.poll():
                 req = self._in_flight.pop(event.request, None)
                 if req is None:
-                    logger.warning("kvferry: event for a request this connector does not hold: %r", event)
+                    logger.warning(
+                        "kvferry: event for a request this connector does not hold: %r", event
+                    )
                     continue
                 if event.kind not in ("sent", "received"):
                     self._fail(req, event.kind, event.failure_kind, event.detail or event.kind)
@@ -409,7 +428,9 @@ class KVFerryConnector:
 
     # ------------------------------------------------------------------ scheduler side
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         """Consumer: the remote prompt tokens beyond ``num_computed_tokens``, loaded
         asynchronously. Side-effect free."""
         params = request.kv_transfer_params or {}
@@ -452,7 +473,9 @@ class KVFerryConnector:
         self._reqs_need_recv, self._reqs_need_send = {}, {}
         return meta
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         """Producer: a prefill asked for remote decode (``do_remote_decode``) keeps its blocks
         (``delay_free=True``) until ``finished_sending``, and answers the ``kv_transfer_params``
         the decode instance's request carries."""

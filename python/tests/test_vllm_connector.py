@@ -7,7 +7,9 @@ with a value derived from (layer, request, token, head, k/v, element); after the
 every destination row must hold it, a locally prefix-cached block its own value, and every
 block the decode side never allocated its canary. The prefill's blocks are freed only after
 ``finished_sending`` and scribbled over when freed, so a send reported finished before its
-bytes had left would show up as wrong rows.
+bytes had left would show up as wrong rows. The layouts: NHD and HND in vLLM's FlashAttention
+shape, HND in FlashInfer's; a TP 2 prefill (half the KV heads per worker) to a TP 1 decode;
+failures (an unclaimed send, a load never sent, a refused load) reported finished with errors.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "python" / "kvferry_vllm_connector.py"
 
-LAYERS, HEADS, HEAD_SIZE, BLOCK, NUM_BLOCKS = 3, 2, 16, 16, 64
+LAYERS, HEADS, HEAD_SIZE, BLOCK, NUM_BLOCKS = 3, 4, 16, 16, 64
 CANARY = np.uint32(0xA5A5A5A5)  # never a pattern: its layer field (10) is >= LAYERS
 SCRIBBLE = np.uint32(0xDEADBEEF)  # a freed prefill block
 SECRET = "kvferry vllm connector test secret"
@@ -98,13 +100,18 @@ class Engine:
     layout: str
     shape_kind: str
     fill: np.uint32
+    #: The KV heads this rank holds: [head_offset, head_offset + heads) of the model's.
+    heads: int = HEADS
+    head_offset: int = 0
     caches: dict[str, np.ndarray] = field(default_factory=dict)
     free: list[int] = field(default_factory=lambda: list(range(NUM_BLOCKS)))
     ever_used: set[int] = field(default_factory=set)
 
     def __post_init__(self):
-        inner = (BLOCK, HEADS, HEAD_SIZE) if self.layout == "NHD" else (HEADS, BLOCK, HEAD_SIZE)
-        shape = (2, NUM_BLOCKS, *inner) if self.shape_kind == "kv_first" else (NUM_BLOCKS, 2, *inner)
+        h = self.heads
+        inner = (BLOCK, h, HEAD_SIZE) if self.layout == "NHD" else (h, BLOCK, HEAD_SIZE)
+        kv_first = self.shape_kind == "kv_first"
+        shape = (2, NUM_BLOCKS, *inner) if kv_first else (NUM_BLOCKS, 2, *inner)
         # Registered out of layer order: the connector orders layers by their names' index.
         for layer in reversed(range(LAYERS)):
             cache = np.empty(shape, dtype=np.float32)
@@ -115,6 +122,9 @@ class Engine:
         return self.caches[f"model.layers.{layer}.self_attn.attn"].view(np.uint32)
 
     def row(self, layer: int, kv: int, block: int, offset: int, head: int) -> np.ndarray:
+        """The row of the model's KV head `head` (which this rank must hold)."""
+        head -= self.head_offset
+        assert 0 <= head < self.heads
         c = self.words(layer)
         at = (kv, block) if self.shape_kind == "kv_first" else (block, kv)
         return c[at + ((offset, head) if self.layout == "NHD" else (head, offset))]
@@ -145,7 +155,7 @@ class Engine:
         for t in tokens:
             for layer in range(LAYERS):
                 for kv in range(2):
-                    for h in range(HEADS):
+                    for h in range(self.head_offset, self.head_offset + self.heads):
                         self.row(layer, kv, blocks[t // BLOCK], t % BLOCK, h)[...] = pattern(
                             layer, req, t, h, kv, salt
                         )
@@ -284,7 +294,8 @@ def test_prefill_to_decode(plugin_dir, layout, shape_kind):
                     for h in range(HEADS):
                         got = dec_engine.row(layer, kv, ids[t // BLOCK], t % BLOCK, h)
                         want = pattern(layer, i, t, h, kv, salt)
-                        assert np.array_equal(got, want), f"{rid} layer {layer} kv {kv} head {h} token {t}"
+                        where = f"{rid} layer {layer} kv {kv} head {h} token {t}"
+                        assert np.array_equal(got, want), where
         # A block past the prompt's (allocated for generated tokens) is not written.
         for b in ids[blocks_for(n):]:
             for layer in range(LAYERS):
@@ -341,3 +352,73 @@ def test_failures_are_reported_finished(plugin_dir):
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_tp2_prefill_to_tp1_decode(plugin_dir, layout):
+    """A prefill instance at TP 2 (each worker holds half the KV heads, one connector per
+    worker, the same block ids on both, as vLLM's scheduler allocates) to a decode instance at
+    TP 1. The scheduler side is rank 0's connector; a request is finished sending once both
+    workers report it (vLLM's KVOutputAggregator)."""
+    half = HEADS // 2
+    ranks = [
+        Engine(layout, "kv_first", fill=np.uint32(0), heads=half, head_offset=r * half)
+        for r in range(2)
+    ]
+    dec_engine = Engine(layout, "kv_first", fill=CANARY)
+    prefill = [
+        connector("kv_producer", "prefill-tp2", plugin_dir, ranks[r], tp_size=2, tp_rank=r)
+        for r in range(2)
+    ]
+    decode = connector("kv_consumer", "decode-tp1", plugin_dir, dec_engine)
+    endpoints = [p.agent.endpoint() for p in prefill]
+    prefill[0].config["endpoints"] = endpoints  # the deployment's list of the instance's ranks
+    requests = [("tp-0", 45, True), ("tp-1", 16, False), ("tp-2", 70, False)]
+    try:
+        blocks = {}
+        for i, (rid, n, scattered) in enumerate(requests):
+            blocks[rid] = ranks[0].allocate(blocks_for(n + 1), scattered)
+            for engine in ranks:
+                engine.fill_prompt(i, blocks[rid], range(n))
+            req = Request(rid, list(range(n)), {"do_remote_decode": True})
+            delay_free, params = prefill[0].request_finished(req, blocks[rid])
+            assert delay_free and params["remote_endpoints"] == endpoints
+            dreq = Request(rid, list(range(n)), params)
+            count, _ = decode.get_num_new_matched_tokens(dreq, 0)
+            ids = dec_engine.allocate(blocks_for(n + 1), not scattered)
+            decode.update_state_after_alloc(dreq, KVCacheBlocks(ids), count)
+            blocks[rid, "decode"] = ids
+        finished = {rid for rid, _, _ in requests}
+        meta = prefill[0].build_connector_meta(None)  # broadcast to every worker
+        for p in prefill:
+            p.bind_connector_metadata(meta)
+            p.start_load_kv(None)
+            p.clear_connector_metadata()
+        per_rank = [set(), set()]
+        received, deadline = set(), time.monotonic() + 20
+        while received != finished or per_rank != [finished, finished]:
+            assert time.monotonic() < deadline, f"received {received}, sent {per_rank}"
+            received |= step(decode, set())[1]
+            for r, p in enumerate(prefill):
+                per_rank[r] |= step(p, finished)[0]
+            time.sleep(0.002)
+        assert not decode.take_transfer_errors()
+        assert not any(p.take_transfer_errors() for p in prefill)
+    finally:
+        for p in prefill:
+            p.shutdown()
+        decode.shutdown()
+    for i, (rid, n, _) in enumerate(requests):
+        ids = blocks[rid, "decode"]
+        for t in range(n):
+            for layer in range(LAYERS):
+                for kv in range(2):
+                    for h in range(HEADS):
+                        got = dec_engine.row(layer, kv, ids[t // BLOCK], t % BLOCK, h)
+                        want = pattern(layer, i, t, h, kv)
+                        where = f"{rid} layer {layer} kv {kv} head {h} token {t}"
+                        assert np.array_equal(got, want), where
+    for b in set(range(NUM_BLOCKS)) - dec_engine.ever_used:
+        for layer in range(LAYERS):
+            for kv in range(2):
+                assert np.all(dec_engine.block(layer, kv, b) == CANARY), f"block {b}"
