@@ -8,13 +8,20 @@
 //!
 //! ## Changes that keep old planners loadable (minor or patch release)
 //!
-//! - **Appending a field to the root module** after `new_planner`, the current
-//!   `#[sabi(last_prefix_field)]`: [`PlannerModule`](crate::host::PlannerModule) is a prefix type.
-//!   The new field must be read through its `Option`-returning accessor, and the host must
-//!   keep working when an older library lacks it.
-//! - **Appending a method to [`FfiPlanner`](crate::host::FfiPlanner)** after `forget_peer`, moving
-//!   `#[sabi(last_prefix_field)]` to it: the vtable is a prefix type too. Give the matching
-//!   [`TransferPlanner`](crate::TransferPlanner) method a default body.
+//! - **Appending a method to [`FfiPlanner`](crate::host::FfiPlanner)** after the last one,
+//!   leaving `#[sabi(last_prefix_field)]` where it is (on `forget_peer`; moving it is a
+//!   breaking change), with a default body there and on the matching
+//!   [`TransferPlanner`](crate::TransferPlanner) method. abi_stable lets an older host load
+//!   the newer library; the reverse, a newer host loading an older library, it refuses
+//!   ("too many fields": abi_stable 0.11.3 checks that the host's prefix type has no more
+//!   fields than the library's, issue 118). So the host must also keep the previous
+//!   release's layouts, type for type under the same names, and load a library its own
+//!   layout refuses through them: [`host::abi_0_2_0`](crate::host::abi_0_2_0) and
+//!   [`host::AnyPlannerModule`](crate::host::AnyPlannerModule) do this for 0.2.0, and
+//!   `tests/fixtures/abi-0.2.0` (a planner built against the frozen 0.2.0 source) proves it.
+//!   0.2.1 appended `pair_compressed` this way.
+//! - **Appending a field to the root module** after `new_planner` works the same way and
+//!   needs the same fallback (read it through its `Option`-returning accessor).
 //! - **New codes** for [`ErrorKind`](crate::ErrorKind), [`LayoutKind`](crate::LayoutKind),
 //!   [`GroupKind`](crate::GroupKind) and [`MemoryType`](crate::MemoryType): they are integer
 //!   newtypes, not enums, precisely so the set can grow. Consumers must refuse a code they do
@@ -36,6 +43,9 @@
 //!
 //! ## History
 //!
+//! - **0.2.1** (compatible): compressed plans ([`CompressedPlan`](crate::CompressedPlan),
+//!   [`TransferPlanner::pair_compressed`](crate::TransferPlanner::pair_compressed)), appended
+//!   to the vtable; hosts load 0.2.0 libraries through the kept 0.2.0 layouts.
 //! - **0.2** (breaking): `supports_deployment` returns a [`DeploymentRefusal`](crate::DeploymentRefusal),
 //!   `PlanError` carries it; `specificity` appended to the root module (the first field added
 //!   the compatible way: read through `PlannerModuleRef::specificity_level`, `GENERIC` when

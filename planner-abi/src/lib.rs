@@ -132,6 +132,10 @@ pub mod evolution;
 
 mod error;
 mod layout;
+// The 0.2.0 layouts hosts still load: abi_stable's #[sabi_trait] and prefix-type derives
+// expand to unsafe code; what this module writes is safe.
+#[allow(unsafe_code)]
+mod legacy;
 // abi_stable's prefix-type derive reads a field after the last prefix field (`specificity`)
 // through a pointer once it has checked the library's field count: generated code we cannot
 // change, so this module alone allows it.
@@ -151,7 +155,7 @@ pub use layout::{
     BufferEntry, GroupKind, LayerGroup, LayerRange, LayoutKind, LocalLayer, MemoryType, PageTable,
     PhysicalPool, PoolView, RoleLayout,
 };
-pub use plan::{PeerTargets, TransferPlan};
+pub use plan::{CompressedPlan, ExpandError, PeerTargets, PlanPattern, TransferPlan};
 pub use planner::{PlannerPlugin, TransferPlanner};
 pub use rank::{Deployment, Mapping, MappingParseError, RankInfo, Specificity};
 pub use request::{PairRequest, SlotTable, TokenRange, ViewId};
@@ -161,8 +165,17 @@ pub use rows::{DEFAULT_DESCRIBER_ID, LayerGroupRows, rows};
 /// needs to load and call a planner library. Planner authors do not name these; they write
 /// [`TransferPlanner`] and [`PlannerPlugin`] and one [`export_planner!`] line.
 pub mod host {
+    pub use crate::legacy::AnyPlannerModule;
     pub use crate::module::{PlannerModule, PlannerModuleRef, module_of};
     pub use crate::planner::{FfiPlanner, FfiPlanner_TO, LoadedPlanner, PlannerBox};
+
+    /// The 0.2.0 interface's layouts, which a host loads a library built against 0.2.0
+    /// through (see [`AnyPlannerModule`]).
+    pub mod abi_0_2_0 {
+        pub use crate::legacy::{
+            FfiPlanner, FfiPlanner_TO, LoadedPlanner, PlannerBox, PlannerModule, PlannerModuleRef,
+        };
+    }
 }
 
 /// Re-exported so hosts can spell FFI string and vector types without naming abi_stable.

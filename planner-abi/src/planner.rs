@@ -4,11 +4,11 @@ use std::any::Any;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use abi_stable::sabi_trait;
-use abi_stable::std_types::{RBox, RResult, RSlice, RVec};
+use abi_stable::std_types::{RBox, ROption, RResult, RSlice, RVec};
 
 use crate::{
-    Deployment, DeploymentRefusal, LayerGroupRows, PairRequest, PeerTargets, PlanError, RankInfo,
-    SlotTable, Specificity, TransferPlan,
+    CompressedPlan, Deployment, DeploymentRefusal, LayerGroupRows, PairRequest, PeerTargets,
+    PlanError, RankInfo, SlotTable, Specificity, TransferPlan,
 };
 
 /// The two-sided half of a model's transfer logic: one instance per rank.
@@ -17,7 +17,8 @@ use crate::{
 /// - [`describe`](Self::describe) once, stamped on this rank's [`RankInfo::planner_blob`];
 /// - [`check_peer`](Self::check_peer) once per peer at registration;
 /// - [`targets`](Self::targets) per request on both sides;
-/// - [`pair`](Self::pair) on the sender for every piece of every request;
+/// - [`pair_compressed`](Self::pair_compressed) on the sender for every piece of every
+///   request, then [`pair`](Self::pair) when it answers `None`;
 /// - [`receiver_payload_bytes`](Self::receiver_payload_bytes) on the receiver;
 /// - [`forget_peer`](Self::forget_peer) when a peer goes away.
 ///
@@ -68,6 +69,25 @@ pub trait TransferPlanner: Send + Sync {
     /// Drops every cache kept for `peer`.
     fn forget_peer(&self, peer: &RankInfo) {
         let _ = peer;
+    }
+
+    /// Sender side, compressed: the same fragments as [`pair`](Self::pair), as patterns of
+    /// fragments applied to pairs of rows ([`CompressedPlan`]). The host asks this first and
+    /// calls `pair` only when it answers `Ok(None)`, the default: implement it when the plan
+    /// repeats one pattern per pair of rows, and let `pair` return its
+    /// [`CompressedPlan::expand`]ed form so the two never disagree.
+    ///
+    /// Added in 0.2.1; a planner built against 0.2.0 gets the default.
+    fn pair_compressed(
+        &self,
+        me: &RankInfo,
+        peer: &RankInfo,
+        my_rows: &[LayerGroupRows],
+        peer_rows: &[LayerGroupRows],
+        request: &PairRequest,
+    ) -> Result<Option<CompressedPlan>, PlanError> {
+        let _ = (me, peer, my_rows, peer_rows, request);
+        Ok(None)
     }
 }
 
@@ -139,6 +159,21 @@ pub trait FfiPlanner: Send + Sync {
     /// See [`TransferPlanner::forget_peer`].
     #[sabi(last_prefix_field)]
     fn forget_peer(&self, peer: &RankInfo) -> RResult<(), PlanError>;
+
+    /// See [`TransferPlanner::pair_compressed`]. Appended after the last prefix field in
+    /// 0.2.1: a library built against 0.2.0 has no entry for it in its vtable, and this body
+    /// answers in its place (no compressed plan, so the host calls `pair`).
+    fn pair_compressed(
+        &self,
+        me: &RankInfo,
+        peer: &RankInfo,
+        my_rows: RSlice<'_, LayerGroupRows>,
+        peer_rows: RSlice<'_, LayerGroupRows>,
+        request: &PairRequest,
+    ) -> RResult<ROption<CompressedPlan>, PlanError> {
+        let _ = (me, peer, my_rows, peer_rows, request);
+        RResult::ROk(ROption::RNone)
+    }
 }
 
 /// A planner behind the FFI boundary, as `new_planner` returns it.
@@ -226,6 +261,21 @@ impl<T: TransferPlanner> FfiPlanner for Exported<T> {
             Ok(())
         })
     }
+
+    fn pair_compressed(
+        &self,
+        me: &RankInfo,
+        peer: &RankInfo,
+        my_rows: RSlice<'_, LayerGroupRows>,
+        peer_rows: RSlice<'_, LayerGroupRows>,
+        request: &PairRequest,
+    ) -> RResult<ROption<CompressedPlan>, PlanError> {
+        guard("pair_compressed", || {
+            self.0
+                .pair_compressed(me, peer, my_rows.as_slice(), peer_rows.as_slice(), request)
+                .map(ROption::from)
+        })
+    }
 }
 
 /// A planner instance obtained through a loaded module, usable as a [`TransferPlanner`].
@@ -297,5 +347,25 @@ impl TransferPlanner for LoadedPlanner {
         // A panic inside forget_peer has already been caught and reported as an error; the
         // caches it failed to drop are the planner's own concern.
         let _ = self.inner.forget_peer(peer);
+    }
+
+    fn pair_compressed(
+        &self,
+        me: &RankInfo,
+        peer: &RankInfo,
+        my_rows: &[LayerGroupRows],
+        peer_rows: &[LayerGroupRows],
+        request: &PairRequest,
+    ) -> Result<Option<CompressedPlan>, PlanError> {
+        self.inner
+            .pair_compressed(
+                me,
+                peer,
+                RSlice::from_slice(my_rows),
+                RSlice::from_slice(peer_rows),
+                request,
+            )
+            .into_result()
+            .map(ROption::into_option)
     }
 }

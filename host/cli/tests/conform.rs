@@ -60,6 +60,27 @@ fn the_planner_template_conforms() {
     );
 }
 
+/// The planner template built against planner-abi 0.2.0, as released
+/// (`tests/fixtures/abi-0.2.0`): a planner that predates compressed plans.
+fn template_on_abi_0_2_0() -> &'static Path {
+    static SO: OnceLock<PathBuf> = OnceLock::new();
+    SO.get_or_init(|| build_out_of_tree("tests/fixtures/abi-0.2.0").join("libfixture_abi_0_2_0.so"))
+}
+
+/// A planner built against the 0.2.0 interface loads into this host (0.2.1: `pair_compressed`
+/// appended to the planner vtable), answers through its flat `pair`, and every destination
+/// byte lands where the oracle expects, on the same cases as the template built today.
+#[test]
+fn a_planner_built_against_abi_0_2_0_still_loads_and_conforms() {
+    let (out, v) = conform_json(template_on_abi_0_2_0(), &[]);
+    assert!(out.status.success(), "{v}");
+    assert_eq!(v["planner"], "example.template");
+    assert_eq!(v["failed"], 0, "{v}");
+    let (_, today) = conform_json(template(), &[]);
+    assert_eq!(v["passed"], today["passed"], "{v}");
+    assert!(v["passed"].as_u64().unwrap() >= 5, "{v}");
+}
+
 #[test]
 fn a_one_head_offset_fails_naming_the_case_and_the_first_wrong_byte() {
     let library = fixtures().join("libfixture_wrong_offset.so");

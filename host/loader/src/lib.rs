@@ -63,7 +63,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use abi_stable::library::{LibraryError, RootModule, RootModuleError, lib_header_from_path};
-use kvferry_planner_abi::host::PlannerModuleRef;
+use kvferry_planner_abi::host::{AnyPlannerModule, PlannerModuleRef, abi_0_2_0};
 use kvferry_planner_abi::{
     DEFAULT_DESCRIBER_ID, Deployment, DeploymentRefusal, PlanError, RankInfo, Specificity,
     TransferPlanner,
@@ -479,7 +479,7 @@ impl Serialize for SkippedFile {
 #[derive(Debug)]
 pub struct Registry {
     planners: Vec<PlannerInfo>,
-    modules: Vec<PlannerModuleRef>,
+    modules: Vec<AnyPlannerModule>,
     skipped: Vec<SkippedFile>,
     dirs: Vec<PathBuf>,
 }
@@ -559,6 +559,7 @@ impl Registry {
     ) -> Registry {
         let mut registry = Registry::empty(Vec::new());
         for (module, label) in modules {
+            let module = AnyPlannerModule::Current(module);
             let info = info_of(module, label.into());
             registry.add(module, info);
         }
@@ -574,7 +575,7 @@ impl Registry {
         }
     }
 
-    fn add(&mut self, module: PlannerModuleRef, info: PlannerInfo) {
+    fn add(&mut self, module: AnyPlannerModule, info: PlannerInfo) {
         if let Some(first) = self.planners.iter().find(|p| p.id == info.id) {
             let reason = LoadError::DuplicateId {
                 id: info.id,
@@ -587,6 +588,7 @@ impl Registry {
         tracing::debug!(
             planner = %info.id,
             version = %info.version,
+            interface = module.interface(),
             file = %info.path.display(),
             "planner loaded"
         );
@@ -749,7 +751,7 @@ impl Registry {
 
 fn verdict(
     info: &PlannerInfo,
-    module: &PlannerModuleRef,
+    module: &AnyPlannerModule,
     deployment: &Deployment,
 ) -> Result<(), CandidateRefusal> {
     if info.describer_id != DEFAULT_DESCRIBER_ID {
@@ -766,7 +768,7 @@ fn verdict(
 #[derive(Clone, Debug)]
 pub struct BoundPlanner {
     info: PlannerInfo,
-    module: PlannerModuleRef,
+    module: AnyPlannerModule,
 }
 
 impl BoundPlanner {
@@ -803,7 +805,7 @@ impl BoundPlanner {
     /// [`ErrorKind::PANICKED`](kvferry_planner_abi::ErrorKind::PANICKED).
     pub fn instantiate(&self, me: &RankInfo) -> Result<Arc<dyn TransferPlanner>, PlanError> {
         let planner = self.module.instantiate(me)?;
-        Ok(Arc::new(planner))
+        Ok(Arc::from(planner))
     }
 }
 
@@ -827,15 +829,27 @@ fn list_plugin_files(dir: &Path) -> Result<Vec<PathBuf>, LoadError> {
 }
 
 /// Checks, loads and reads one planner library.
-fn load(path: &Path) -> Result<(PlannerModuleRef, PlannerInfo), LoadError> {
+///
+/// A library whose layout this version's interface refuses is tried against the 0.2.0
+/// layouts before it is skipped (see `kvferry_planner_abi::host::AnyPlannerModule`); the
+/// error reported is the one against the current interface.
+fn load(path: &Path) -> Result<(AnyPlannerModule, PlannerInfo), LoadError> {
     elf::check(path)?;
-    let module = lib_header_from_path(path)
-        .and_then(|header| header.init_root_module::<PlannerModuleRef>())
-        .map_err(|e| map_library_error(path, e))?;
+    let header = lib_header_from_path(path).map_err(|e| map_library_error(path, e))?;
+    let module = match header.init_root_module::<PlannerModuleRef>() {
+        Ok(module) => AnyPlannerModule::Current(module),
+        Err(error @ LibraryError::AbiInstability(_)) => {
+            match header.init_root_module::<abi_0_2_0::PlannerModuleRef>() {
+                Ok(module) => AnyPlannerModule::Abi0_2_0(module),
+                Err(_) => return Err(map_library_error(path, error)),
+            }
+        }
+        Err(error) => return Err(map_library_error(path, error)),
+    };
     Ok((module, info_of(module, path.to_path_buf())))
 }
 
-fn info_of(module: PlannerModuleRef, path: PathBuf) -> PlannerInfo {
+fn info_of(module: AnyPlannerModule, path: PathBuf) -> PlannerInfo {
     PlannerInfo {
         id: module.id(),
         describer_id: module.describer(),
@@ -880,10 +894,15 @@ fn map_library_error(path: &Path, error: LibraryError) -> LoadError {
             },
             RootModuleError::Unwound => LoadError::InitPanicked { path },
         },
-        LibraryError::AbiInstability(report) => LoadError::AbiMismatch {
-            path,
-            summary: summarize_abi_report(&report.to_string()),
-        },
+        LibraryError::AbiInstability(report) => {
+            let report = report.to_string();
+            // The whole report is long; it is what a planner author needs to find the type.
+            tracing::debug!(path = %path.display(), %report, "abi_stable's layout report");
+            LoadError::AbiMismatch {
+                path,
+                summary: summarize_abi_report(&report),
+            }
+        }
         LibraryError::InvalidAbiHeader(found) => {
             let expected = abi_stable::library::AbiHeader::VALUE;
             LoadError::AbiMismatch {

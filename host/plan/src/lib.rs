@@ -28,6 +28,11 @@
 //! most fragments that start in one destination row (linear when each row's fragments come
 //! in ascending order, as the shipped planners emit them).
 //!
+//! A compressed plan ([`kvferry_planner_abi::CompressedPlan`]: fragment patterns applied to
+//! row pairs) is checked by [`validate_compressed`] against the same rows, pattern by
+//! pattern and row pair by row pair, without expanding it; it then stays compressed, and
+//! [`ValidatedPlan::fragments`] expands it as an executor reads it.
+//!
 //! Rows are whole slots: bytes of an excluded view that share a slot with a described view
 //! are not told apart here (the oracle's canary check catches writes into them).
 
@@ -35,6 +40,9 @@
 #![deny(missing_docs)]
 
 pub mod bounce;
+mod compressed;
+
+pub use compressed::validate_compressed;
 
 use std::fmt;
 
@@ -163,6 +171,79 @@ pub enum PlanRejected {
         /// Length of the range.
         len: u64,
     },
+    /// A compressed plan's pattern has arrays of different lengths.
+    #[error("pattern {pattern}: its {what} arrays differ in length")]
+    PatternLengthMismatch {
+        /// Index of the pattern.
+        pattern: usize,
+        /// Which arrays: `fragment` (offsets and lengths) or `row-pair`.
+        what: &'static str,
+    },
+    /// A pattern names a rows entry the side does not have.
+    #[error("pattern {pattern}: {end} rows entry {entry} does not exist ({entries} entries)")]
+    PatternEntry {
+        /// Index of the pattern.
+        pattern: usize,
+        /// Which side.
+        end: End,
+        /// The entry named.
+        entry: u32,
+        /// Entries the side has.
+        entries: usize,
+    },
+    /// A pattern fragment of length 0.
+    #[error("pattern {pattern} fragment {fragment}: zero length")]
+    PatternZeroLength {
+        /// Index of the pattern.
+        pattern: usize,
+        /// Index of the fragment in the pattern.
+        fragment: usize,
+    },
+    /// A pattern fragment that does not lie inside one row.
+    #[error(
+        "pattern {pattern} fragment {fragment}: {end} offset {offset} +{len} lies outside the \
+         {row_bytes}-byte row"
+    )]
+    PatternOutsideRow {
+        /// Index of the pattern.
+        pattern: usize,
+        /// Index of the fragment in the pattern.
+        fragment: usize,
+        /// Which side.
+        end: End,
+        /// Offset inside the row.
+        offset: u64,
+        /// Length.
+        len: u64,
+        /// Bytes of the side's rows.
+        row_bytes: u64,
+    },
+    /// A row pair naming a row the side does not hold for the request.
+    #[error("pattern {pattern} row pair {pair}: {end} row {row} does not exist ({rows} rows)")]
+    PatternMissingRow {
+        /// Index of the pattern.
+        pattern: usize,
+        /// Index of the row pair in the pattern.
+        pair: usize,
+        /// Which side.
+        end: End,
+        /// The row named.
+        row: u32,
+        /// Rows of the entry.
+        rows: usize,
+    },
+    /// A row whose address plus its size passes 2^64.
+    #[error("pattern {pattern} row pair {pair}: {end} row at {address:#x} runs past 2^64")]
+    PatternRowOverflow {
+        /// Index of the pattern.
+        pattern: usize,
+        /// Index of the row pair in the pattern.
+        pair: usize,
+        /// Which side.
+        end: End,
+        /// The row's address.
+        address: u64,
+    },
     /// Two destination ranges overlap.
     #[error(
         "fragments {first} and {second}: destinations {first_address:#x} +{first_len} and \
@@ -185,7 +266,9 @@ pub enum PlanRejected {
 }
 
 impl PlanRejected {
-    /// The (first) fragment the rule names, if any.
+    /// The (first) fragment the rule names, if any: an index into the flat plan, or into the
+    /// expansion of a compressed plan (`None` for the rules a compressed plan breaks before
+    /// any fragment exists).
     pub fn fragment(&self) -> Option<usize> {
         match *self {
             PlanRejected::LengthMismatch { .. } | PlanRejected::TooManyFragments { .. } => None,
@@ -193,40 +276,64 @@ impl PlanRejected {
             | PlanRejected::Overflow { fragment, .. }
             | PlanRejected::OutsideRows { fragment, .. } => Some(fragment),
             PlanRejected::OverlappingDestinations { first, .. } => Some(first),
+            PlanRejected::PatternLengthMismatch { .. }
+            | PlanRejected::PatternEntry { .. }
+            | PlanRejected::PatternZeroLength { .. }
+            | PlanRejected::PatternOutsideRow { .. }
+            | PlanRejected::PatternMissingRow { .. }
+            | PlanRejected::PatternRowOverflow { .. } => None,
         }
     }
 }
 
-/// A plan that passed [`validate`], with adjacent fragments coalesced.
+/// A plan that passed [`validate`] or [`validate_compressed`], with adjacent fragments
+/// coalesced.
 ///
 /// Opaque: an executor may trust that every source lies in the sender's rows and every
-/// destination in the receiver's rows for the request, without overlap.
+/// destination in the receiver's rows for the request, without overlap. A compressed plan
+/// stays compressed: [`fragments`](Self::fragments) expands it as it is read.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ValidatedPlan {
-    /// The planner's plan, coalesced in place (no copy of a large plan).
-    plan: TransferPlan,
+    form: Form,
+    /// Fragments after coalescing.
+    fragments: usize,
     planned: usize,
     total: u64,
 }
 
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Form {
+    /// The planner's flat plan, coalesced in place (no copy of a large plan).
+    Flat(TransferPlan),
+    /// A compressed plan with its rows resolved to addresses.
+    Patterns(Vec<compressed::Resolved>),
+}
+
 impl ValidatedPlan {
     /// The `(src, dst, len)` fragments after coalescing, in plan order.
-    pub fn fragments(&self) -> impl ExactSizeIterator<Item = (u64, u64, u64)> + '_ {
-        let p = &self.plan;
-        (0..p.len.len()).map(|k| (p.src[k], p.dst[k], p.len[k]))
+    pub fn fragments(&self) -> Fragments<'_> {
+        let inner = match &self.form {
+            Form::Flat(plan) => FragmentsInner::Flat { plan, next: 0 },
+            Form::Patterns(patterns) => FragmentsInner::Patterns(compressed::Expand::new(patterns)),
+        };
+        Fragments {
+            inner,
+            remaining: self.fragments,
+        }
     }
 
     /// Fragments after coalescing.
     pub fn len(&self) -> usize {
-        self.plan.len.len()
+        self.fragments
     }
 
     /// Whether the plan moves nothing (the sender still reports completion).
     pub fn is_empty(&self) -> bool {
-        self.plan.len.is_empty()
+        self.fragments == 0
     }
 
-    /// Fragments the planner returned, before coalescing.
+    /// Fragments the planner returned, before coalescing (for a compressed plan, those of
+    /// its expansion).
     pub fn planned_fragments(&self) -> usize {
         self.planned
     }
@@ -236,24 +343,55 @@ impl ValidatedPlan {
         self.total
     }
 
-    /// Source addresses, one per fragment.
-    pub fn src(&self) -> &[u64] {
-        &self.plan.src
-    }
-
-    /// Destination addresses, one per fragment.
-    pub fn dst(&self) -> &[u64] {
-        &self.plan.dst
-    }
-
-    /// Fragment lengths.
-    pub fn lens(&self) -> &[u64] {
-        &self.plan.len
+    /// Whether the planner returned the plan in compressed form.
+    pub fn is_compressed(&self) -> bool {
+        matches!(self.form, Form::Patterns(_))
     }
 }
 
+/// The fragments of a [`ValidatedPlan`], in plan order: see [`ValidatedPlan::fragments`].
+#[derive(Debug)]
+pub struct Fragments<'a> {
+    inner: FragmentsInner<'a>,
+    remaining: usize,
+}
+
+#[derive(Debug)]
+enum FragmentsInner<'a> {
+    Flat { plan: &'a TransferPlan, next: usize },
+    Patterns(compressed::Expand<'a>),
+}
+
+impl Iterator for Fragments<'_> {
+    type Item = (u64, u64, u64);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let next = match &mut self.inner {
+            FragmentsInner::Flat { plan, next } => {
+                let k = *next;
+                let f = (k < plan.len.len()).then(|| (plan.src[k], plan.dst[k], plan.len[k]));
+                *next += 1;
+                f
+            }
+            FragmentsInner::Patterns(expand) => expand.next(),
+        };
+        if next.is_some() {
+            self.remaining = self.remaining.saturating_sub(1);
+        }
+        next
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (self.remaining, Some(self.remaining))
+    }
+}
+
+impl ExactSizeIterator for Fragments<'_> {}
+
 /// Plans one piece of a request from `me` (the sender) to `peer`: describes both sides with
-/// the default describer, asks `planner.pair`, then [`validate`]s and coalesces the result.
+/// the default describer, asks `planner.pair_compressed` (then `planner.pair` when it has no
+/// compressed plan), then validates ([`validate_compressed`] or [`validate`]) and coalesces
+/// the result.
 ///
 /// # Errors
 ///
@@ -266,6 +404,12 @@ pub fn plan_transfer(
 ) -> Result<ValidatedPlan, PlanFailure> {
     let my_rows = me.rows().map_err(PlanFailure::DescribeLocal)?;
     let peer_rows = peer.rows().map_err(PlanFailure::DescribePeer)?;
+    let compressed = planner
+        .pair_compressed(me.info, peer.info, &my_rows, &peer_rows, request)
+        .map_err(PlanFailure::Planner)?;
+    if let Some(plan) = compressed {
+        return Ok(validate_compressed(plan, &my_rows, &peer_rows)?);
+    }
     let plan = planner
         .pair(me.info, peer.info, &my_rows, &peer_rows, request)
         .map_err(PlanFailure::Planner)?;
@@ -490,7 +634,8 @@ fn coalesce(mut plan: TransferPlan) -> ValidatedPlan {
     dst.truncate(w);
     len.truncate(w);
     ValidatedPlan {
-        plan,
+        form: Form::Flat(plan),
+        fragments: w,
         planned,
         total,
     }
