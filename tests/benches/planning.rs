@@ -6,8 +6,10 @@
 //! - DeepSeek-V3 (fp8) dep8 → dep8: DP rank 0 → DP rank 0, 4,096 rows, with the default
 //!   planner and with the MLA latent planner.
 //!
-//! `pair` is timed on precomputed rows (the planner alone); `plan_transfer` adds describing
-//! both sides, validating every fragment and coalescing (what the host does per request).
+//! `pair` (the flat plan) and `pair_compressed` (patterns × row pairs, what the host asks
+//! for first) are timed on precomputed rows (the planner alone); `plan_transfer` adds
+//! describing both sides, validating and coalescing (what the host does per request: on
+//! the compressed plan when the planner returns one, so linear in rows, not fragments).
 //! "linked" calls the default planner's Rust type directly (`DefaultPlanner` from its rlib,
 //! no FFI); "loaded" goes through the `.so` and the abi_stable vtable, as the host does.
 
@@ -163,6 +165,35 @@ fn bench(c: &mut Criterion) {
                     .unwrap()
                 })
             });
+            if let Some(c) = p
+                .pair_compressed(
+                    &case.me,
+                    &case.peer,
+                    &case.my_rows,
+                    &case.peer_rows,
+                    &request,
+                )
+                .unwrap()
+            {
+                eprintln!(
+                    "{} / {label}: compressed, {} patterns, {} row pairs",
+                    case.name,
+                    c.patterns.len(),
+                    c.patterns.iter().map(|p| p.row_pairs()).sum::<usize>()
+                );
+                group.bench_function(BenchmarkId::new("pair_compressed", label), |b| {
+                    b.iter(|| {
+                        p.pair_compressed(
+                            &case.me,
+                            &case.peer,
+                            &case.my_rows,
+                            &case.peer_rows,
+                            &request,
+                        )
+                        .unwrap()
+                    })
+                });
+            }
             group.bench_function(BenchmarkId::new("plan_transfer", label), |b| {
                 b.iter(|| {
                     plan_transfer(

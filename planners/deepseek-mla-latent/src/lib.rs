@@ -17,8 +17,9 @@
 #![deny(missing_docs)]
 
 use kvferry_planner_abi::{
-    Deployment, DeploymentRefusal, GroupKind, LayerGroupRows, PageTable, PairRequest, PeerTargets,
-    PlanError, PlannerPlugin, RankInfo, Specificity, TransferPlan, TransferPlanner, export_planner,
+    CompressedPlan, Deployment, DeploymentRefusal, GroupKind, LayerGroupRows, PageTable,
+    PairRequest, PeerTargets, PlanError, PlanPattern, PlannerPlugin, RankInfo, Specificity,
+    TransferPlan, TransferPlanner, export_planner,
 };
 
 /// The architecture this planner serves, as named by the model config.
@@ -257,7 +258,34 @@ impl TransferPlanner for DeepseekMlaLatent {
         peer_rows: &[LayerGroupRows],
         request: &PairRequest,
     ) -> Result<TransferPlan, PlanError> {
-        let mut plan = TransferPlan::new();
+        let plan = self.latent_rows(my_rows, peer_rows, request)?;
+        plan.expand(my_rows, peer_rows)
+            .map_err(|e| PlanError::invalid(format!("expanding the compressed plan: {e}")))
+    }
+
+    fn pair_compressed(
+        &self,
+        _me: &RankInfo,
+        _peer: &RankInfo,
+        my_rows: &[LayerGroupRows],
+        peer_rows: &[LayerGroupRows],
+        request: &PairRequest,
+    ) -> Result<Option<CompressedPlan>, PlanError> {
+        self.latent_rows(my_rows, peer_rows, request).map(Some)
+    }
+}
+
+impl DeepseekMlaLatent {
+    /// One pattern, the whole latent row, over the ordinals both sides hold in the piece.
+    /// Rows whose slots are byte-adjacent on both sides become one write when the host
+    /// merges the expanded fragments.
+    fn latent_rows(
+        &self,
+        my_rows: &[LayerGroupRows],
+        peer_rows: &[LayerGroupRows],
+        request: &PairRequest,
+    ) -> Result<CompressedPlan, PlanError> {
+        let mut plan = CompressedPlan::new();
         // An excluded view on either side describes no rows: nothing to move.
         let (src, dst) = match (my_rows, peer_rows) {
             ([], _) | (_, []) => return Ok(plan),
@@ -276,6 +304,12 @@ impl TransferPlanner for DeepseekMlaLatent {
                 src.row_bytes, dst.row_bytes
             )));
         }
+        if u32::try_from(src.len().max(dst.len())).is_err() {
+            return Err(PlanError::invalid(format!(
+                "{} rows: a plan indexes at most 2^32",
+                src.len().max(dst.len())
+            )));
+        }
         let tpb = u64::from(self.tokens_per_block);
         let range = request.token_range;
         let mut lo = range.start / tpb;
@@ -283,12 +317,11 @@ impl TransferPlanner for DeepseekMlaLatent {
             lo = lo.max(start / tpb);
         }
         let hi = range.end.div_ceil(tpb);
-        let row = src.row_bytes;
-        // Rows merge only where slots are byte-adjacent: a padded pool never merges.
-        let mergeable = src.row_stride == row && dst.row_stride == row;
-
+        let mut pattern = PlanPattern::new(0, 0);
+        if src.row_bytes > 0 {
+            pattern.push_fragment(0, 0, src.row_bytes);
+        }
         let (mut i, mut j) = (0, 0);
-        let mut run: Option<(u64, u64, u64)> = None;
         while i < src.ordinals.len() && j < dst.ordinals.len() {
             let (so, d_o) = (src.ordinals[i], dst.ordinals[j]);
             if so < d_o {
@@ -303,24 +336,12 @@ impl TransferPlanner for DeepseekMlaLatent {
                 break;
             }
             if so >= lo {
-                let (s, d) = (src.addresses[i], dst.addresses[j]);
-                run = match run {
-                    Some((rs, rd, n)) if mergeable && s == rs + n * row && d == rd + n * row => {
-                        Some((rs, rd, n + 1))
-                    }
-                    Some((rs, rd, n)) => {
-                        plan.push(rs, rd, n * row);
-                        Some((s, d, 1))
-                    }
-                    None => Some((s, d, 1)),
-                };
+                pattern.push_rows(i as u32, j as u32);
             }
             i += 1;
             j += 1;
         }
-        if let Some((rs, rd, n)) = run {
-            plan.push(rs, rd, n * row);
-        }
+        plan.patterns.push(pattern);
         Ok(plan)
     }
 }

@@ -56,6 +56,9 @@ fn bases(ctx: &RankInfo, gen_: &RankInfo) -> (u64, u64) {
     (ctx.page_table.pools[0].base, gen_.page_table.pools[0].base)
 }
 
+/// The fragments the host writes for one piece: the planner's compressed plan, validated
+/// and merged by the host (rows byte-adjacent on both sides become one write). Its flat
+/// `pair` gives the same writes.
 fn plan(
     ctx: &RankInfo,
     gen_: &RankInfo,
@@ -66,7 +69,23 @@ fn plan(
     let p = DeepseekMlaLatent::new(ctx).unwrap();
     let mine = rows_of(ctx, &[SlotTable::new(src.to_vec())]);
     let theirs = rows_of(gen_, &[SlotTable::new(dst.to_vec())]);
-    p.pair(ctx, gen_, &mine, &theirs, request).unwrap()
+    let compressed = p
+        .pair_compressed(ctx, gen_, &mine, &theirs, request)
+        .unwrap()
+        .expect("the MLA planner plans compressed");
+    let validated = kvferry_plan::validate_compressed(compressed, &mine, &theirs).unwrap();
+    let flat = p.pair(ctx, gen_, &mine, &theirs, request).unwrap();
+    let flat = kvferry_plan::validate(flat, &mine, &theirs).unwrap();
+    assert_eq!(
+        validated.fragments().collect::<Vec<_>>(),
+        flat.fragments().collect::<Vec<_>>(),
+        "compressed and flat plans write the same"
+    );
+    let mut out = TransferPlan::new();
+    for (s, d, n) in validated.fragments() {
+        out.push(s, d, n);
+    }
+    out
 }
 
 fn refusal_field(err: &PlanError) -> &str {
@@ -412,11 +431,23 @@ fn the_exported_module_drives_the_same_planner() {
     let loaded = module.instantiate(&ctx).unwrap();
     let mine = rows_of(&ctx, &[SlotTable::new([0, 1, 2])]);
     let theirs = rows_of(&gen_, &[SlotTable::new([5, 6, 7])]);
-    let via_ffi = loaded
-        .pair(&ctx, &gen_, &mine, &theirs, &PairRequest::whole(96))
+    let request = PairRequest::whole(96);
+    let via_ffi = loaded.pair(&ctx, &gen_, &mine, &theirs, &request).unwrap();
+    let direct = DeepseekMlaLatent::new(&ctx).unwrap();
+    assert_eq!(
+        via_ffi,
+        direct.pair(&ctx, &gen_, &mine, &theirs, &request).unwrap()
+    );
+    let compressed = loaded
+        .pair_compressed(&ctx, &gen_, &mine, &theirs, &request)
         .unwrap();
-    let direct = plan(&ctx, &gen_, &[0, 1, 2], &[5, 6, 7], &PairRequest::whole(96));
-    assert_eq!(via_ffi, direct);
+    assert_eq!(
+        compressed,
+        direct
+            .pair_compressed(&ctx, &gen_, &mine, &theirs, &request)
+            .unwrap()
+    );
+    assert_eq!(compressed.unwrap().patterns[0].row_pairs(), 3);
     assert!(
         String::from_utf8(loaded.describe().unwrap())
             .unwrap()

@@ -103,8 +103,9 @@ mod topology;
 mod view;
 
 use kvferry_planner_abi::{
-    Deployment, DeploymentRefusal, LayerGroupRows, PairRequest, PeerTargets, PlanError,
-    PlannerPlugin, RankInfo, SlotTable, Specificity, TransferPlan, TransferPlanner, export_planner,
+    CompressedPlan, Deployment, DeploymentRefusal, LayerGroupRows, PairRequest, PeerTargets,
+    PlanError, PlannerPlugin, RankInfo, SlotTable, Specificity, TransferPlan, TransferPlanner,
+    export_planner,
 };
 
 /// The default planner: one instance per rank.
@@ -137,9 +138,21 @@ impl TransferPlanner for DefaultPlanner {
         peer_rows: &[LayerGroupRows],
         request: &PairRequest,
     ) -> Result<TransferPlan, PlanError> {
-        pairing::check_request(me, peer, request)?;
-        let link = self.cache.link(me, peer)?;
-        pairing::pair(me, peer, &link, my_rows, peer_rows, request)
+        let plan = self.compressed(me, peer, my_rows, peer_rows, request)?;
+        plan.expand(my_rows, peer_rows)
+            .map_err(|e| PlanError::invalid(format!("expanding the compressed plan: {e}")))
+    }
+
+    fn pair_compressed(
+        &self,
+        me: &RankInfo,
+        peer: &RankInfo,
+        my_rows: &[LayerGroupRows],
+        peer_rows: &[LayerGroupRows],
+        request: &PairRequest,
+    ) -> Result<Option<CompressedPlan>, PlanError> {
+        self.compressed(me, peer, my_rows, peer_rows, request)
+            .map(Some)
     }
 
     fn receiver_payload_bytes(
@@ -153,6 +166,22 @@ impl TransferPlanner for DefaultPlanner {
 
     fn forget_peer(&self, peer: &RankInfo) {
         self.cache.forget(peer);
+    }
+}
+
+impl DefaultPlanner {
+    /// The plan of one piece in compressed form: one pattern per owned view pair.
+    fn compressed(
+        &self,
+        me: &RankInfo,
+        peer: &RankInfo,
+        my_rows: &[LayerGroupRows],
+        peer_rows: &[LayerGroupRows],
+        request: &PairRequest,
+    ) -> Result<CompressedPlan, PlanError> {
+        pairing::check_request(me, peer, request)?;
+        let link = self.cache.link(me, peer)?;
+        pairing::pair(me, peer, &link, my_rows, peer_rows, request)
     }
 }
 

@@ -3,7 +3,8 @@
 use std::collections::HashMap;
 
 use kvferry_planner_abi::{
-    GroupKind, LayerGroupRows, PageTable, PairRequest, PlanError, RankInfo, TransferPlan, ViewId,
+    CompressedPlan, GroupKind, LayerGroupRows, PageTable, PairRequest, PlanError, PlanPattern,
+    RankInfo, ViewId,
 };
 
 use crate::link::{Link, ViewPair};
@@ -50,12 +51,13 @@ pub(crate) fn check_request(
     Ok(())
 }
 
-/// The fragments `me` writes into `peer` for one piece of a request.
+/// The fragments `me` writes into `peer` for one piece of a request, compressed: one pattern
+/// per matched view pair this rank owns (one per sub-block when re-blocking), in page-table
+/// order, applied to the view pair's row pairs.
 ///
-/// For every matched view pair this rank owns, in page-table order: PAGED rows are paired
-/// by ordinal inside the piece's range, STATE rows (the request's one slot) on the last
-/// piece only; each pair of rows gets the view pair's fragments, in mapper order. A view
-/// excluded on either side has no rows and is skipped.
+/// PAGED rows are paired by ordinal inside the piece's range, STATE rows (the request's one
+/// slot) on the last piece only; each pair of rows gets the view pair's fragments, in mapper
+/// order. A view excluded on either side has no rows and is skipped.
 pub(crate) fn pair(
     me: &RankInfo,
     peer: &RankInfo,
@@ -63,7 +65,7 @@ pub(crate) fn pair(
     my_rows: &[LayerGroupRows],
     peer_rows: &[LayerGroupRows],
     request: &PairRequest,
-) -> Result<TransferPlan, PlanError> {
+) -> Result<CompressedPlan, PlanError> {
     let mine =
         index(&me.page_table, my_rows).map_err(|e| e.context(format!("rows of {}", who(me))))?;
     let theirs = index(&peer.page_table, peer_rows)
@@ -103,47 +105,53 @@ pub(crate) fn pair(
     // Helix: receiver local ordinal j of CP rank r holds global (sender) ordinal j × C + r.
     let helix = (peer.cp_size > 1).then(|| (u64::from(peer.cp_size), u64::from(peer.cp_rank)));
 
-    let mut plan = TransferPlan::new();
+    let mut plan = CompressedPlan::new();
     for vp in link.pairs.iter().filter(|vp| vp.owned) {
-        let (Some(src), Some(dst)) = (mine.get(&vp.mine), theirs.get(&vp.theirs)) else {
+        let (Some(&(si, src)), Some(&(di, dst))) = (mine.get(&vp.mine), theirs.get(&vp.theirs))
+        else {
             continue;
         };
         if vp.class == GroupKind::STATE {
             // [INFERRED §7] The state is a checkpoint at the end of the prompt: it is written
             // once, with the last piece, never from an intermediate chunk.
             if request.is_last && !src.is_empty() && !dst.is_empty() {
-                emit(&mut plan, vp, src, dst, src.addresses[0], dst.addresses[0]);
+                let mut pattern = pattern_of(vp, si, di, src, dst);
+                pattern.push_rows(0, 0);
+                plan.patterns.push(pattern);
             }
             continue;
         }
         if let Some(rb) = &vp.reblock {
-            emit_reblocked(&mut plan, rb, src, dst, request, u64::from(peer_tpb));
+            push_reblocked(
+                &mut plan,
+                rb,
+                (si, src),
+                (di, dst),
+                request,
+                u64::from(peer_tpb),
+            );
             continue;
         }
-        let rows = ordinal_pairs(src, dst, lo, hi, helix);
-        let more = rows.len() * vp.frags.len();
-        plan.src.reserve(more);
-        plan.dst.reserve(more);
-        plan.len.reserve(more);
-        for (s, d) in rows {
-            emit(&mut plan, vp, src, dst, s, d);
-        }
+        let mut pattern = pattern_of(vp, si, di, src, dst);
+        ordinal_pairs(&mut pattern, src, dst, lo, hi, helix);
+        plan.patterns.push(pattern);
     }
     Ok(plan)
 }
 
-/// Appends the fragments of a re-blocked view pair (semantics §3.2 rule 4) for one piece.
+/// The patterns of a re-blocked view pair (semantics §3.2 rule 4) for one piece: one per
+/// sub-block of the larger side's block.
 ///
 /// The unit is a block of the smaller side: the piece covers smaller-side ordinals
 /// `[start / small, ceil(end / small))`, starting no earlier than the receiver block that
 /// holds `dst_start_token` (that block is sent whole, as with equal block sizes). Smaller
 /// ordinal `u` lies in larger ordinal `u / ratio` as sub-block `u % ratio`; a unit moves
 /// when both sides hold its rows (holes and windowed fronts skip it).
-fn emit_reblocked(
-    plan: &mut TransferPlan,
+fn push_reblocked(
+    plan: &mut CompressedPlan,
     rb: &Reblock,
-    src: &LayerGroupRows,
-    dst: &LayerGroupRows,
+    (si, src): (u32, &LayerGroupRows),
+    (di, dst): (u32, &LayerGroupRows),
     request: &PairRequest,
     receiver_tpb: u64,
 ) {
@@ -155,11 +163,17 @@ fn emit_reblocked(
     }
     let hi = range.end.div_ceil(small);
     let r = rb.ratio;
-    let mut push = |s: u64, d: u64, k: u64| {
-        for f in &rb.frags[k as usize] {
-            plan.push(s + f.src, d + f.dst, f.len);
-        }
-    };
+    let mut patterns: Vec<PlanPattern> = rb
+        .frags
+        .iter()
+        .map(|frags| {
+            let mut p = PlanPattern::new(si, di);
+            for f in frags {
+                p.push_fragment(f.src, f.dst, f.len);
+            }
+            p
+        })
+        .collect();
     let (larger, smaller) = if rb.mine_larger {
         (src, dst)
     } else {
@@ -176,23 +190,32 @@ fn emit_reblocked(
             j += 1;
         }
         if j < larger.len() && larger.ordinals[j] == u / r {
-            let (big, little) = (larger.addresses[j], smaller.addresses[k]);
+            let (big, little) = (j as u32, k as u32);
+            let pattern = &mut patterns[(u % r) as usize];
             if rb.mine_larger {
-                push(big, little, u % r);
+                pattern.push_rows(big, little);
             } else {
-                push(little, big, u % r);
+                pattern.push_rows(little, big);
             }
         }
     }
+    plan.patterns
+        .extend(patterns.into_iter().filter(|p| p.row_pairs() > 0));
 }
 
 /// The rows of one side by view, after checking they describe `pt`.
 fn index<'r>(
     pt: &PageTable,
     rows: &'r [LayerGroupRows],
-) -> Result<HashMap<ViewId, &'r LayerGroupRows>, PlanError> {
+) -> Result<HashMap<ViewId, (u32, &'r LayerGroupRows)>, PlanError> {
+    if u32::try_from(rows.len()).is_err() || rows.iter().any(|r| u32::try_from(r.len()).is_err()) {
+        return Err(PlanError::invalid(format!(
+            "{} row entries: a plan indexes at most 2^32 entries of 2^32 rows",
+            rows.len()
+        )));
+    }
     let mut out = HashMap::with_capacity(rows.len());
-    for r in rows {
+    for (position, r) in rows.iter().enumerate() {
         let id = r.view;
         let at = || format!("rows of group {} view {}", id.group, id.view);
         let group = pt
@@ -253,24 +276,25 @@ fn index<'r>(
                 at()
             )));
         }
-        if out.insert(id, r).is_some() {
+        if out.insert(id, (position as u32, r)).is_some() {
             return Err(PlanError::invalid(format!("{}: listed twice", at())));
         }
     }
     Ok(out)
 }
 
-/// `(source row, destination row)` addresses of the ordinals both sides hold in `[lo, hi)`,
-/// in ordinal order. With `helix = (C, r)` the destination's local ordinal `j` stands for
-/// the source ordinal `j × C + r`.
+/// Appends to `pattern` the `(source row, destination row)` indices of the ordinals both
+/// sides hold in `[lo, hi)`, in ordinal order. With `helix = (C, r)` the destination's local
+/// ordinal `j` stands for the source ordinal `j × C + r`.
 fn ordinal_pairs(
+    pattern: &mut PlanPattern,
     src: &LayerGroupRows,
     dst: &LayerGroupRows,
     lo: u64,
     hi: u64,
     helix: Option<(u64, u64)>,
-) -> Vec<(u64, u64)> {
-    let mut out = Vec::new();
+) {
+    // `index` checked that row indices fit in u32.
     match helix {
         None => {
             let mut j = dst.ordinals.partition_point(|&o| o < lo);
@@ -283,7 +307,7 @@ fn ordinal_pairs(
                     j += 1;
                 }
                 if j < dst.len() && dst.ordinals[j] == o {
-                    out.push((src.addresses[k], dst.addresses[j]));
+                    pattern.push_rows(k as u32, j as u32);
                 }
             }
         }
@@ -299,28 +323,28 @@ fn ordinal_pairs(
                     continue;
                 }
                 if let Ok(k) = src.ordinals.binary_search(&o) {
-                    out.push((src.addresses[k], dst.addresses[j]));
+                    pattern.push_rows(k as u32, j as u32);
                 }
             }
         }
     }
-    out
 }
 
-/// Appends the view pair's fragments for one pair of rows.
-fn emit(
-    plan: &mut TransferPlan,
+/// An empty pattern from entry `si` to entry `di` with the view pair's fragments.
+fn pattern_of(
     vp: &ViewPair,
+    si: u32,
+    di: u32,
     src: &LayerGroupRows,
     dst: &LayerGroupRows,
-    s: u64,
-    d: u64,
-) {
+) -> PlanPattern {
     // Fragments lie inside the slot payload (the gate checked the views against the page
-    // tables, `index` the rows against the pools and their end against 2^64).
+    // tables, `index` the rows against the pools); the host checks it again.
     debug_assert!(vp.frags.iter().all(|f| f.src + f.len <= src.row_bytes));
     debug_assert!(vp.frags.iter().all(|f| f.dst + f.len <= dst.row_bytes));
+    let mut pattern = PlanPattern::new(si, di);
     for f in &vp.frags {
-        plan.push(s + f.src, d + f.dst, f.len);
+        pattern.push_fragment(f.src, f.dst, f.len);
     }
+    pattern
 }
