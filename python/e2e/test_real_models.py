@@ -62,6 +62,8 @@ PREFILL = Topology(tp=2)
 TRANSPORT = os.environ.get("KVFERRY_E2E_TRANSPORT", "shm")
 REPO = Path(__file__).resolve().parents[2]
 _request_ids = itertools.count(1000)
+#: One line per passed case, printed after the run (conftest.py).
+RESULTS: list[str] = []
 
 torch.use_deterministic_algorithms(True)
 
@@ -170,17 +172,21 @@ CASES = [
 
 @pytest.fixture(scope="session")
 def plugin_dir(tmp_path_factory) -> str:
-    found = os.environ.get("KVFERRY_TEST_PLUGIN_DIR")
-    if found:
-        return found
-    candidates = [
-        REPO / "target" / profile / "libkvferry_planner_default.so" for profile in ("debug", "release")
-    ]
+    """A plugin directory holding the default planner: ``KVFERRY_E2E_PLANNER`` (the .so
+    scripts/e2e-model just built), else the newest in the checkout's target/."""
+    named = os.environ.get("KVFERRY_E2E_PLANNER")
+    if named:
+        candidates = [Path(named)]
+    else:
+        candidates = [
+            REPO / "target" / profile / "libkvferry_planner_default.so"
+            for profile in ("debug", "release")
+        ]
     candidates = [c for c in candidates if c.exists()]
     if not candidates:
         pytest.fail(
             "no libkvferry_planner_default.so: run `cargo build -p kvferry-planner-default` "
-            "or set KVFERRY_TEST_PLUGIN_DIR"
+            "or set KVFERRY_E2E_PLANNER"
         )
     newest = max(candidates, key=lambda c: c.stat().st_mtime)
     # A directory of its own: every .so in a plugin directory is loaded.
@@ -224,7 +230,7 @@ def test_decode_from_transferred_cache_matches_colocated(case: Case, plugin_dir:
     try:
         decode.start(plugin_dir, TRANSPORT)
         try:
-            tokens, logits, reference, ref_logits = _run(
+            tokens, logits, reference, ref_logits, mismatch = _run(
                 case, model, geometry, prompt, bounds, prefill, decode
             )
         finally:
@@ -232,18 +238,49 @@ def test_decode_from_transferred_cache_matches_colocated(case: Case, plugin_dir:
     finally:
         prefill.close()
 
-    assert not torch.isnan(logits).any(), f"{case.id}: NaN logits: some cache bytes never arrived"
+    where = f"cache entries of the decode that differ from the prefill's:\n{mismatch}"
+    nan_steps = torch.isnan(logits).any(dim=1).nonzero().flatten().tolist()
+    assert not nan_steps, (
+        f"{case.id}: NaN logits at steps {nan_steps[:4]}...: some cache bytes never arrived; {where}"
+    )
     first_diff = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
     assert tokens == reference, (
         f"{case.id}: greedy tokens differ from the co-located run at step {first_diff}:\n"
-        f"  decode    {tokens}\n  colocated {reference}"
+        f"  decode    {tokens}\n  colocated {reference}\n{where}"
     )
     diff = (logits - ref_logits).abs().max().item()
     torch.testing.assert_close(
         logits, ref_logits, atol=ATOL, rtol=RTOL,
-        msg=lambda m: f"{case.id}: logits differ from the co-located run (max |diff| {diff:.3g}): {m}",
+        msg=lambda m: f"{case.id}: logits differ from the co-located run (max |diff| {diff:.3g}): {m}\n{where}",
     )
-    print(f"{case.id}: {STEPS} tokens identical, max |logit diff| {diff:.3g}")
+    RESULTS.append(f"{case.id}: {STEPS} greedy tokens identical, max |logit diff| {diff:.3g}")
+
+
+def mismatch_report(got: Any, want: Any, geometry: ModelGeometry) -> str:
+    """Which layers, tensors and heads (channels, for the conv state) of the decode's
+    assembled cache differ from the prefill's own: the failure's diagnosis."""
+    lines = []
+    for layer, kind in enumerate(geometry.layer_kinds):
+        a, b = got.layers[layer], want.layers[layer]
+        if kind == "linear":
+            pairs = [("conv state", a.conv_states[0], b.conv_states[0]),
+                     ("recurrent state", a.recurrent_states[0], b.recurrent_states[0])]
+        else:
+            pairs = [("K", a.keys, b.keys), ("V", a.values, b.values)]
+        for name, x, y in pairs:
+            if x.shape != y.shape:
+                lines.append(f"  layer {layer} {name}: shape {tuple(x.shape)}, want {tuple(y.shape)}")
+                continue
+            bad = ~torch.isclose(x, y, atol=ATOL, rtol=RTOL)
+            if bad.any():
+                rows = sorted(set(bad.nonzero()[:, 1].tolist()))
+                unit = "channels" if name == "conv state" else "heads"
+                nan = " (NaN: never written)" if torch.isnan(x).any() else ""
+                lines.append(
+                    f"  layer {layer} {name}: {int(bad.sum())} of {bad.numel()} values, "
+                    f"{unit} {rows[0]}..{rows[-1]} ({len(rows)} of {x.shape[1]}){nan}"
+                )
+    return "\n".join(lines) or "  none"
 
 
 def expected_bytes(case: Case, geometry: ModelGeometry, rank: Any, length: int) -> int:
@@ -303,7 +340,9 @@ def _run(case, model, geometry, prompt, bounds, prefill, decode):
     assert sum(e.bytes for e in sent) == sum(want), sent
 
     # Decode: the cache from the decode ranks' pools alone, then STEPS greedy tokens.
-    tokens, logits = greedy(model, decode.assemble(dreq, length, model.config), first_token, STEPS)
+    rebuilt = decode.assemble(dreq, length, model.config)
+    mismatch = mismatch_report(rebuilt, cache, geometry)
+    tokens, logits = greedy(model, rebuilt, first_token, STEPS)
     # Co-located: the prefill engine goes on from its own cache.
     reference, ref_logits = greedy(model, cache, first_token, STEPS)
-    return tokens, logits, reference, ref_logits
+    return tokens, logits, reference, ref_logits, mismatch
