@@ -86,7 +86,9 @@ class ModelGeometry:
             "sliding_attention": "sliding",
             "linear_attention": "linear",
         }
-        types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+        types = (
+            getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+        )
         linear = None
         if "linear_attention" in types:
             linear = LinearGeometry(
@@ -96,13 +98,17 @@ class ModelGeometry:
                 value_dim=config.linear_value_head_dim,
                 conv_kernel=config.linear_conv_kernel_dim,
             )
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
         return cls(
-            architecture=config.architectures[0] if config.architectures else type(config).__name__,
+            architecture=config.architectures[0],
             layer_kinds=tuple(kinds[t] for t in types),
             kv_heads=config.num_key_value_heads,
             head_dim=head_dim,
-            sliding_window=getattr(config, "sliding_window", None) if "sliding_attention" in types else None,
+            sliding_window=getattr(config, "sliding_window", None)
+            if "sliding_attention" in types
+            else None,
             linear=linear,
         )
 
@@ -196,7 +202,8 @@ class Shard:
 
 
 class Pool:
-    """A float32 host pool of ``num_slots`` slots (NaN-filled), ``pad`` bytes between slots."""
+    """A float32 host pool of ``num_slots`` slots (NaN-filled), ``pad_elems`` floats of
+    padding after each slot (a padded pool: ``slot_stride > slot_bytes``)."""
 
     def __init__(self, slot_elems: int, num_slots: int, pad_elems: int = 0):
         self.slot_elems = slot_elems
@@ -282,7 +289,12 @@ class RankCache:
             assert lin is not None
             k_heads = Shard.split(lin.key_heads, topo.tp, self.tp_rank)
             v_heads = Shard.split(lin.value_heads, topo.tp, self.tp_rank)
-            conv_channels = (2 * k_heads.count * lin.key_dim + v_heads.count * lin.value_dim)
+            if k_heads.num_replicas != 1 or v_heads.num_replicas != 1:
+                raise ValueError(
+                    f"TP {topo.tp} replicates Gated DeltaNet heads ({lin.key_heads} key, "
+                    f"{lin.value_heads} value): not simulated here"
+                )
+            conv_channels = 2 * k_heads.count * lin.key_dim + v_heads.count * lin.value_dim
             self.state = StateGroup(
                 linear_layers,
                 Pool(conv_channels * lin.conv_kernel * len(linear_layers), state_slots, pad_elems),
@@ -312,7 +324,11 @@ class RankCache:
             for i, layer in enumerate(g.layers):
                 for kv in range(2):
                     entries.append(
-                        {"local_layer": self.local(layer), "offset": (2 * i + kv) * buf, "size": buf}
+                        {
+                            "local_layer": self.local(layer),
+                            "offset": (2 * i + kv) * buf,
+                            "size": buf,
+                        }
                     )
             unit = (self.tpb * d if self.layout == "hnd" else d) * ELEM
             group: dict[str, Any] = {
@@ -335,7 +351,9 @@ class RankCache:
             s, lin = self.state, self.model.linear
             assert lin is not None
             dims = (lin.key_dim, lin.key_dim, lin.value_dim)
-            sections = [sh.count * dim * lin.conv_kernel * ELEM for sh, dim in zip(s.channels, dims)]
+            sections = [
+                sh.count * dim * lin.conv_kernel * ELEM for sh, dim in zip(s.channels, dims)
+            ]
             conv_layer = sum(sections)
             ssm_head = lin.key_dim * lin.value_dim * ELEM
             ssm_layer = s.value_heads.count * ssm_head
@@ -348,7 +366,11 @@ class RankCache:
                             "pool": pool_index,
                             "roles": ["conv"],
                             "entries": [
-                                {"local_layer": self.local(x), "offset": i * conv_layer, "size": conv_layer}
+                                {
+                                    "local_layer": self.local(x),
+                                    "offset": i * conv_layer,
+                                    "size": conv_layer,
+                                }
                                 for i, x in enumerate(s.layers)
                             ],
                             # Sharded as the value heads are: a rank's K/Q channels follow its
@@ -359,7 +381,11 @@ class RankCache:
                             "pool": pool_index + 1,
                             "roles": ["ssm"],
                             "entries": [
-                                {"local_layer": self.local(x), "offset": i * ssm_layer, "size": ssm_layer}
+                                {
+                                    "local_layer": self.local(x),
+                                    "offset": i * ssm_layer,
+                                    "size": ssm_layer,
+                                }
                                 for i, x in enumerate(s.layers)
                             ],
                             "layout": s.value_heads.layout("hnd", ssm_head),
@@ -392,14 +418,22 @@ class RankCache:
         return out[0], out[1]
 
     def write_kv(
-        self, group: PagedGroup, table: list[int], layer: int, keys: torch.Tensor,
-        values: torch.Tensor, positions: range, only: range | None = None,
+        self,
+        group: PagedGroup,
+        table: list[int],
+        layer: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: range,
+        only: range | None = None,
     ) -> None:
         """Stores the rank's heads of ``keys``/``values`` (``[1, heads, len(positions), dim]``,
         the model's full per-layer tensors holding ``positions``) into the blocks of
         ``table``; ``only``: the positions to store (default all)."""
-        want = positions if only is None else range(
-            max(positions.start, only.start), min(positions.stop, only.stop)
+        want = (
+            positions
+            if only is None
+            else range(max(positions.start, only.start), min(positions.stop, only.stop))
         )
         heads = group.heads.slice()
         k = keys[0, heads].numpy()
@@ -436,7 +470,9 @@ class RankCache:
         dims = (lin.key_dim, lin.key_dim, lin.value_dim)
         per = [sh.count * dim for sh, dim in zip(s.channels, dims)]
         conv_layer = sum(per) * lin.conv_kernel
-        row = s.conv.slot(slot)[i * conv_layer : (i + 1) * conv_layer].reshape(sum(per), lin.conv_kernel)
+        row = s.conv.slot(slot)[i * conv_layer : (i + 1) * conv_layer].reshape(
+            sum(per), lin.conv_kernel
+        )
         sections, at = [], 0
         for n in per:
             sections.append(row[at : at + n])
@@ -447,7 +483,9 @@ class RankCache:
         )
         return sections, ssm
 
-    def write_state(self, slot: int, layer: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+    def write_state(
+        self, slot: int, layer: int, conv: torch.Tensor, recurrent: torch.Tensor
+    ) -> None:
         """Stores the rank's channels of the conv state ``[1, conv_dim, kernel]`` and its value
         heads of the recurrent state ``[1, value heads, key dim, value dim]``."""
         s, lin = self.state, self.model.linear
@@ -455,7 +493,9 @@ class RankCache:
         sections, ssm = self._state_regions(slot, layer)
         full = conv[0].numpy()
         at = 0
-        for sec, sh, dim, total in zip(sections, s.channels, (lin.key_dim, lin.key_dim, lin.value_dim), lin.sections()):
+        for sec, sh, dim, total in zip(
+            sections, s.channels, (lin.key_dim, lin.key_dim, lin.value_dim), lin.sections()
+        ):
             sec[:] = full[at + sh.first * dim : at + (sh.first + sh.count) * dim]
             at += total
         ssm[:] = recurrent[0, s.value_heads.slice()].numpy()
@@ -499,8 +539,15 @@ class Instance:
         self.num_blocks = num_blocks
         self.rng = np.random.default_rng(seed)
         self.ranks = [
-            RankCache(model, topo, r, tokens_per_block=tokens_per_block, layout=layout,
-                      num_blocks=num_blocks, pad_elems=pad_elems)
+            RankCache(
+                model,
+                topo,
+                r,
+                tokens_per_block=tokens_per_block,
+                layout=layout,
+                num_blocks=num_blocks,
+                pad_elems=pad_elems,
+            )
             for r in range(topo.world)
         ]
         self.agents: list[kvferry.Agent] = []
@@ -571,7 +618,9 @@ class Instance:
 
     # -- the model's cache in and out of the pools -----------------------------------------
 
-    def store(self, req: Request, cache: Any, new: range, prompt_len: int, state: bool = True) -> None:
+    def store(
+        self, req: Request, cache: Any, new: range, prompt_len: int, state: bool = True
+    ) -> None:
         """Writes positions ``new`` of every layer of ``cache`` (a transformers cache holding
         positions ``[0, new.stop)``) that a rank holds into its pools, and with ``state``
         every rank's share of the recurrent state."""
@@ -582,11 +631,15 @@ class Instance:
                     held = self.model.held_positions(g.kind, new.stop)
                     keep = self.model.held_positions(g.kind, prompt_len)
                     only = range(max(new.start, keep.start), new.stop)
-                    rank.write_kv(g, req.blocks[g.kind], layer, entry.keys, entry.values, held, only)
+                    rank.write_kv(
+                        g, req.blocks[g.kind], layer, entry.keys, entry.values, held, only
+                    )
             if rank.state and state:
                 for layer in rank.state.layers:
                     entry = cache.layers[layer]
-                    rank.write_state(req.state_slot, layer, entry.conv_states[0], entry.recurrent_states[0])
+                    rank.write_state(
+                        req.state_slot, layer, entry.conv_states[0], entry.recurrent_states[0]
+                    )
 
     def assemble(self, req: Request, prompt_len: int, config: Any) -> Any:
         """The model's cache of a ``prompt_len``-token prompt, built from this instance's
@@ -630,7 +683,9 @@ class Instance:
         return cache
 
 
-def wait_all(agents: list[kvferry.Agent], request: int, limit_s: float = 60.0) -> list[kvferry.Event]:
+def wait_all(
+    agents: list[kvferry.Agent], request: int, limit_s: float = 60.0
+) -> list[kvferry.Event]:
     """Each agent's terminal event of ``request``, waiting on their wake descriptors."""
     got: dict[int, kvferry.Event] = {}
     fds = {a.wake_fd(): i for i, a in enumerate(agents)}

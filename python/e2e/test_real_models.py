@@ -76,9 +76,16 @@ def _llama() -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     return LlamaForCausalLM, LlamaConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=32,
-        max_position_embeddings=512, initializer_range=0.1, architectures=["LlamaForCausalLM"],
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+        architectures=["LlamaForCausalLM"],
     )
 
 
@@ -86,14 +93,26 @@ def _qwen3_next() -> Any:
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     return Qwen3NextForCausalLM, Qwen3NextConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
         layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-        num_attention_heads=8, num_key_value_heads=4, head_dim=32,
-        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
-        linear_value_head_dim=32, linear_conv_kernel_dim=4,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
-        shared_expert_intermediate_size=128, max_position_embeddings=512,
-        initializer_range=0.1, architectures=["Qwen3NextForCausalLM"],
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+        architectures=["Qwen3NextForCausalLM"],
     )
 
 
@@ -101,10 +120,18 @@ def _gpt_oss() -> Any:
     from transformers import GptOssConfig, GptOssForCausalLM
 
     return GptOssForCausalLM, GptOssConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=256, num_hidden_layers=4,
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=4,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        num_attention_heads=8, num_key_value_heads=4, head_dim=32, sliding_window=16,
-        num_local_experts=4, num_experts_per_tok=2, initializer_range=0.1,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+        sliding_window=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        initializer_range=0.1,
         architectures=["GptOssForCausalLM"],
     )
 
@@ -221,11 +248,27 @@ def test_decode_from_transferred_cache_matches_colocated(case: Case, plugin_dir:
     bounds = [0, *case.chunks, length]
     assert all(b % TPB == 0 for b in bounds[1:-1]), "chunks must end on block boundaries"
 
-    prefill = Instance("prefill", "context", geometry, PREFILL, tokens_per_block=TPB,
-                       layout=case.layout, num_blocks=24, seed=1)
-    decode = Instance("decode", "generation", geometry, case.decode,
-                      tokens_per_block=case.decode_tpb, layout=case.layout, num_blocks=20,
-                      seed=2, pad_elems=16)
+    prefill = Instance(
+        "prefill",
+        "context",
+        geometry,
+        PREFILL,
+        tokens_per_block=TPB,
+        layout=case.layout,
+        num_blocks=24,
+        seed=1,
+    )
+    decode = Instance(
+        "decode",
+        "generation",
+        geometry,
+        case.decode,
+        tokens_per_block=case.decode_tpb,
+        layout=case.layout,
+        num_blocks=20,
+        seed=2,
+        pad_elems=16,
+    )
     prefill.start(plugin_dir, TRANSPORT)
     try:
         decode.start(plugin_dir, TRANSPORT)
@@ -241,7 +284,7 @@ def test_decode_from_transferred_cache_matches_colocated(case: Case, plugin_dir:
     where = f"cache entries of the decode that differ from the prefill's:\n{mismatch}"
     nan_steps = torch.isnan(logits).any(dim=1).nonzero().flatten().tolist()
     assert not nan_steps, (
-        f"{case.id}: NaN logits at steps {nan_steps[:4]}...: some cache bytes never arrived; {where}"
+        f"{case.id}: NaN logits from step {nan_steps[0]} on: cache bytes never arrived; {where}"
     )
     first_diff = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
     assert tokens == reference, (
@@ -250,8 +293,14 @@ def test_decode_from_transferred_cache_matches_colocated(case: Case, plugin_dir:
     )
     diff = (logits - ref_logits).abs().max().item()
     torch.testing.assert_close(
-        logits, ref_logits, atol=ATOL, rtol=RTOL,
-        msg=lambda m: f"{case.id}: logits differ from the co-located run (max |diff| {diff:.3g}): {m}\n{where}",
+        logits,
+        ref_logits,
+        atol=ATOL,
+        rtol=RTOL,
+        msg=lambda m: (
+            f"{case.id}: logits differ from the co-located run (max |diff| {diff:.3g}): "
+            f"{m}\n{where}"
+        ),
     )
     RESULTS.append(f"{case.id}: {STEPS} greedy tokens identical, max |logit diff| {diff:.3g}")
 
@@ -263,13 +312,17 @@ def mismatch_report(got: Any, want: Any, geometry: ModelGeometry) -> str:
     for layer, kind in enumerate(geometry.layer_kinds):
         a, b = got.layers[layer], want.layers[layer]
         if kind == "linear":
-            pairs = [("conv state", a.conv_states[0], b.conv_states[0]),
-                     ("recurrent state", a.recurrent_states[0], b.recurrent_states[0])]
+            pairs = [
+                ("conv state", a.conv_states[0], b.conv_states[0]),
+                ("recurrent state", a.recurrent_states[0], b.recurrent_states[0]),
+            ]
         else:
             pairs = [("K", a.keys, b.keys), ("V", a.values, b.values)]
         for name, x, y in pairs:
             if x.shape != y.shape:
-                lines.append(f"  layer {layer} {name}: shape {tuple(x.shape)}, want {tuple(y.shape)}")
+                lines.append(
+                    f"  layer {layer} {name}: shape {tuple(x.shape)}, want {tuple(y.shape)}"
+                )
                 continue
             bad = ~torch.isclose(x, y, atol=ATOL, rtol=RTOL)
             if bad.any():
@@ -312,9 +365,15 @@ def _run(case, model, geometry, prompt, bounds, prefill, decode):
         decode.store(dreq, hit, range(0, case.cached_prefix), length, state=False)
     endpoints = prefill.endpoints()
     for rank, agent in zip(decode.ranks, decode.agents):
-        agent.expect(rid, prefill.name, endpoints, 0, length,
-                     decode.tables(rank, dreq, length, length),
-                     cached_prefix=case.cached_prefix or None)
+        agent.expect(
+            rid,
+            prefill.name,
+            endpoints,
+            0,
+            length,
+            decode.tables(rank, dreq, length, length),
+            cached_prefix=case.cached_prefix or None,
+        )
 
     # The prefill engine: compute each chunk, store it, send it.
     preq = prefill.allocate(length)
@@ -326,8 +385,15 @@ def _run(case, model, geometry, prompt, bounds, prefill, decode):
             last = hi == length
             prefill.store(preq, cache, range(lo, hi), length, state=last)
             for rank, agent in zip(prefill.ranks, prefill.agents):
-                agent.send(rid, prefill.tables(rank, preq, hi, length, state=last), lo, hi,
-                           length, last, to=decode.name)
+                agent.send(
+                    rid,
+                    prefill.tables(rank, preq, hi, length, state=last),
+                    lo,
+                    hi,
+                    length,
+                    last,
+                    to=decode.name,
+                )
     first_token = int(out.logits[0, -1].argmax())
 
     sent = wait_all(prefill.agents, rid)
