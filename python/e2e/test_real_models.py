@@ -17,9 +17,10 @@ simulates a disaggregated deployment honestly (``paged_engine.py``):
    model's cache (``transformers.DynamicCache``) from them, then greedily generates
    ``STEPS`` tokens from the prefill's first token.
 4. The **co-located run** is the prefill engine continuing from its own cache. Tokens must be
-   identical and every step's logits equal within ``ATOL``/``RTOL`` (float32; transferred
-   caches in fact match to the bit, the tolerance covers a decode-side cached prefix, which
-   the decode computed itself over fewer tokens).
+   identical and every step's logits equal within ``ATOL``/``RTOL`` (float32). Transferred
+   caches match to the bit (logit difference 0); the tolerance is for a decode-side cached
+   prefix, which the decode computed itself over fewer tokens (Qwen3-Next: 1.4e-6, its chunked
+   delta rule rounds differently over another length; Llama: 0).
 
 Pools start as NaN, so a byte kvferry should have written and did not turns the decode's
 logits into NaN; a byte written to the wrong head or token changes them.
@@ -191,9 +192,13 @@ CASES = [
     # Hybrid: full attention in PAGED blocks, Gated DeltaNet conv + recurrent state in STATE.
     *(Case("qwen3_next", topo) for topo in (TP1, TP4, TP2PP2)),
     Case("qwen3_next", TP4, "nhd", 77, chunks=(32, 64)),
+    # A prefix-cache hit on the decode: its blocks stay, the whole recurrent state arrives.
+    Case("qwen3_next", TP1, "hnd", 61, cached_prefix=32),
     # Sliding-window layers alternating with full attention.
     *(Case("gpt_oss", topo) for topo in (TP1, TP4, TP2PP2)),
     Case("gpt_oss", TP2PP2, "nhd", 53),
+    # Chunked: the first chunk holds no block of the final window, the second one block.
+    Case("gpt_oss", TP4, "hnd", 77, chunks=(32, 64)),
 ]
 
 
