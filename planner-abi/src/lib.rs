@@ -24,7 +24,11 @@
 //! 1. Create a library crate with `crate-type = ["cdylib", "rlib"]` that depends on
 //!    `kvferry-planner-abi` alone (copy `examples/planner-template`).
 //! 2. Implement [`TransferPlanner`]: the peer check, the targets, and `pair`, which turns the
-//!    rows both sides described into `(src, dst, len)` fragments.
+//!    rows both sides described into `(src, dst, len)` fragments. When your plan repeats one
+//!    pattern of fragments for every pair of rows (most do), also implement
+//!    [`pair_compressed`](TransferPlanner::pair_compressed) returning a [`CompressedPlan`],
+//!    and let `pair` return its [`expand`](CompressedPlan::expand)ed form: the host then
+//!    validates and carries the pattern instead of every fragment.
 //! 3. Implement [`PlannerPlugin`]: the id, the [`Specificity`], `supports_deployment` (a
 //!    [`DeploymentRefusal`] naming the field when it says no) and the constructor.
 //! 4. Add one line: `export_planner!(MyPlanner);`.

@@ -446,3 +446,127 @@ impl Iterator for Expand<'_> {
         }
     }
 }
+
+/// Two writers whose plans write the same destination bytes ([`overlapping_writers`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WriterOverlap {
+    /// Index of the first plan (writer).
+    pub first: usize,
+    /// Index of the second plan.
+    pub second: usize,
+    /// A destination byte range both write: its start...
+    pub address: u64,
+    /// ...and length.
+    pub len: u64,
+}
+
+impl std::fmt::Display for WriterOverlap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "writers {} and {} both write {:#x} +{}",
+            self.first, self.second, self.address, self.len
+        )
+    }
+}
+
+/// Whether the plans of several writers into one receiver write disjoint bytes: the first
+/// overlap found between two of them, if any (each plan is disjoint in itself, which
+/// validation checked).
+///
+/// A receiver runs this on its own plans of every writer of a request: one planner bug that
+/// has two writers fill the same bytes (and leaves others unwritten) passes every writer's
+/// own checks and matches every byte count.
+///
+/// Compressed plans are compared row by row, once per set of patterns that share a
+/// destination row; flat ones by sorting every destination range.
+pub fn overlapping_writers(plans: &[&ValidatedPlan]) -> Option<WriterOverlap> {
+    let compressed: Option<Vec<&[Resolved]>> = plans
+        .iter()
+        .map(|p| match &p.form {
+            Form::Patterns(patterns) => Some(&patterns[..]),
+            Form::Flat(_) => None,
+        })
+        .collect();
+    match compressed {
+        Some(patterns) => overlapping_patterns(&patterns),
+        None => overlapping_ranges(plans),
+    }
+}
+
+fn overlapping_patterns(plans: &[&[Resolved]]) -> Option<WriterOverlap> {
+    // Destination row address -> (writer, pattern) landing there.
+    let mut rows: std::collections::HashMap<u64, Vec<(u32, u32)>> = Default::default();
+    for (w, patterns) in plans.iter().enumerate() {
+        for (p, pat) in patterns.iter().enumerate() {
+            if pat.frags.is_empty() {
+                continue;
+            }
+            for &(_, d) in &pat.rows {
+                rows.entry(d).or_default().push((w as u32, p as u32));
+            }
+        }
+    }
+    let mut checked: HashSet<Vec<(u32, u32)>> = HashSet::new();
+    for (&row, landing) in rows.iter_mut() {
+        landing.sort_unstable();
+        landing.dedup();
+        if landing.first().map(|f| f.0) == landing.last().map(|l| l.0) {
+            continue;
+        }
+        if !checked.insert(landing.clone()) {
+            continue;
+        }
+        let mut spans: Vec<(u64, u64, u32)> = landing
+            .iter()
+            .flat_map(|&(w, p)| {
+                plans[w as usize][p as usize]
+                    .frags
+                    .iter()
+                    .map(move |&(_, o, n)| (o, o + n, w))
+            })
+            .collect();
+        spans.sort_unstable();
+        if let Some(found) = first_cross_overlap(&spans) {
+            return Some(WriterOverlap {
+                address: row + found.address,
+                ..found
+            });
+        }
+    }
+    None
+}
+
+fn overlapping_ranges(plans: &[&ValidatedPlan]) -> Option<WriterOverlap> {
+    let mut spans: Vec<(u64, u64, u32)> = plans
+        .iter()
+        .enumerate()
+        .flat_map(|(w, p)| p.fragments().map(move |(_, d, n)| (d, d + n, w as u32)))
+        .collect();
+    spans.sort_unstable();
+    first_cross_overlap(&spans)
+}
+
+/// The first overlap between spans of two different writers, in sorted `(start, end,
+/// writer)` spans; `address` is where it starts.
+fn first_cross_overlap(spans: &[(u64, u64, u32)]) -> Option<WriterOverlap> {
+    // The furthest-reaching span so far.
+    let mut reach: Option<(u64, u32)> = None;
+    for &(start, end, w) in spans {
+        if let Some((r_end, r_w)) = reach {
+            if start < r_end && r_w != w {
+                let (first, second) = (r_w.min(w) as usize, r_w.max(w) as usize);
+                return Some(WriterOverlap {
+                    first,
+                    second,
+                    address: start,
+                    len: end.min(r_end) - start,
+                });
+            }
+        }
+        if reach.is_none_or(|(r_end, _)| end > r_end) {
+            reach = Some((end, w));
+        }
+    }
+    None
+}

@@ -42,7 +42,7 @@
 pub mod bounce;
 mod compressed;
 
-pub use compressed::validate_compressed;
+pub use compressed::{WriterOverlap, overlapping_writers, validate_compressed};
 
 use std::fmt;
 

@@ -481,3 +481,58 @@ fn flat_and_compressed_forms_of_one_plan_are_interchangeable_for_an_executor() {
         b.fragments().collect::<Vec<_>>()
     );
 }
+
+#[test]
+fn writers_into_one_receiver_must_write_disjoint_bytes() {
+    use kvferry_plan::{WriterOverlap, overlapping_writers};
+    let (mine, theirs) = sides();
+    // Two writers, each half of every row: disjoint. The same half twice: the overlap, with
+    // the writers' indices and the first shared range.
+    let half = |offset: u64| {
+        validate_compressed(
+            compressed(vec![pattern(
+                (0, 0),
+                &[(offset, offset, 128)],
+                &[(0, 0), (1, 1), (2, 2)],
+            )]),
+            &mine,
+            &theirs,
+        )
+        .unwrap()
+    };
+    let (low, high, low_again) = (half(0), half(128), half(0));
+    assert_eq!(overlapping_writers(&[&low, &high]), None);
+    let found = overlapping_writers(&[&low, &high, &low_again]).unwrap();
+    assert_eq!((found.first, found.second, found.len), (0, 2, 128));
+    assert!(
+        [DST, DST + ROW, DST + 10 * ROW].contains(&found.address),
+        "{found}"
+    );
+    assert_eq!(
+        WriterOverlap {
+            first: 0,
+            second: 2,
+            address: DST,
+            len: 128
+        }
+        .to_string(),
+        "writers 0 and 2 both write 0x900000 +128"
+    );
+    // Flat plans (or a mix) are compared range by range, with the same answers.
+    let flat = |offset: u64| {
+        let mut p = TransferPlan::new();
+        for (s, d) in [(0, 0), (1, 1), (2, 2)] {
+            p.push(SRC + s * ROW + offset, theirs[0].addresses[d] + offset, 128);
+        }
+        validate(p, &mine, &theirs).unwrap()
+    };
+    let (flat_low, flat_high) = (flat(0), flat(128));
+    assert_eq!(overlapping_writers(&[&flat_low, &flat_high]), None);
+    assert_eq!(overlapping_writers(&[&low, &flat_high]), None);
+    let found = overlapping_writers(&[&flat_high, &low, &flat_low]).unwrap();
+    assert_eq!((found.first, found.second), (1, 2), "{found}");
+    assert_eq!(found.address, DST);
+    // One writer alone, and no writer, never overlap.
+    assert_eq!(overlapping_writers(&[&low]), None);
+    assert_eq!(overlapping_writers(&[]), None);
+}

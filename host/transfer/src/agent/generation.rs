@@ -472,10 +472,17 @@ fn dispatch(inner: &Arc<Inner>, e: Expect) {
                 }
             }
             // While the writers write: what each must write, by this rank's own plan.
-            let expected = expected_bytes(inner, &e, &asked);
+            let (expected, overlap) = expected_bytes(inner, &e, &asked);
+            if let Some(detail) = overlap {
+                set_failure(inner, id, None, FailureKind::Planner, detail);
+            }
             let verdict = {
                 let mut state = lock(&inner.decode);
                 match state.requests.get_mut(&id) {
+                    Some(req) if req.failure.is_some() => {
+                        req.expected = Some(expected);
+                        None
+                    }
                     Some(req) => {
                         req.expected = Some(expected);
                         match req.finished.take() {
@@ -717,8 +724,16 @@ fn byte_mismatch(req: &InReq) -> Option<(String, String)> {
 /// real ones for the whole prompt. A total does not depend on where the writer keeps its
 /// blocks or how it chunks the prompt (chunks are block-aligned and partition it). A writer
 /// whose plan cannot be made here is left unchecked, with a warning.
-fn expected_bytes(inner: &Arc<Inner>, e: &Expect, asked: &[u32]) -> BTreeMap<u32, u64> {
+///
+/// Also whether two writers' plans write the same bytes of this rank's slots (a planner bug
+/// no writer's own checks or byte count can see): the reason, when they do.
+fn expected_bytes(
+    inner: &Arc<Inner>,
+    e: &Expect,
+    asked: &[u32],
+) -> (BTreeMap<u32, u64>, Option<String>) {
     let mut out = BTreeMap::new();
+    let mut plans: Vec<(u32, kvferry_plan::ValidatedPlan)> = Vec::new();
     for &c in asked {
         let (sender, identity, known) = {
             let state = lock(&inner.decode);
@@ -790,11 +805,12 @@ fn expected_bytes(inner: &Arc<Inner>, e: &Expect, asked: &[u32]) -> BTreeMap<u32
                 &piece,
             )
             .map_err(|e| error_chain(&e))?;
-            Ok((plan.total_bytes(), planner))
+            Ok((plan, planner))
         });
         match planned {
-            Ok(Ok((bytes, planner))) => {
-                out.insert(c, bytes);
+            Ok(Ok((plan, planner))) => {
+                out.insert(c, plan.total_bytes());
+                plans.push((c, plan));
                 let mut state = lock(&inner.decode);
                 // Only for a start of that rank still on file.
                 let current = state
@@ -823,7 +839,20 @@ fn expected_bytes(inner: &Arc<Inner>, e: &Expect, asked: &[u32]) -> BTreeMap<u32
             ),
         }
     }
-    out
+    let views: Vec<&kvferry_plan::ValidatedPlan> = plans.iter().map(|(_, p)| p).collect();
+    let overlap = kvferry_plan::overlapping_writers(&views).map(|o| {
+        let (a, b) = (plans[o.first].0, plans[o.second].0);
+        let name = |c: u32| format!("{} rank {c}", e.peer);
+        format!(
+            "the planner has {} and {} both write {:#x} +{} of this rank's slots, so one \
+             overwrites the other and some bytes stay unwritten: refusing the request",
+            name(a),
+            name(b),
+            o.address,
+            o.len
+        )
+    });
+    (out, overlap)
 }
 
 fn set_failure(
