@@ -407,7 +407,7 @@ def _run(case, model, geometry, prompt, bounds, prefill, decode):
 
     sent = wait_all(prefill.agents, rid)
     received = wait_all(decode.agents, rid)
-    assert all(e.kind == "sent" for e in sent), sent
+    assert all(e.kind == "sent" for e in sent), (sent, received)
     assert all(e.kind == "received" for e in received), received
     # Exactly the rank's share of the blocks not cached here (and of the state) arrived.
     want = [expected_bytes(case, geometry, rank, length) for rank in decode.ranks]
