@@ -38,4 +38,4 @@ pub use kvferry_protocol::Role;
 pub use memory::MemoryKind;
 pub use transport::{Transport, TransportSpec, Transports};
 
-pub use outcome::{BenchStats, PairFragments, PoolFragment, RequestStats};
+pub use outcome::{BenchStats, PairFragments, PoolFragment, RequestStats, Stages};
