@@ -1,6 +1,7 @@
 //! `kvferry bench`: kvferry's transfer path against a bare UCX put loop over the same
-//! fragments, in the same processes, on the same endpoints and memory; optionally against
-//! `ucx_perftest` too.
+//! fragments, in the same processes, on the same endpoints and memory, and against the same
+//! fragments copied with memcpy in one process; per request, where the agent path's time goes;
+//! optionally against `ucx_perftest` too.
 //!
 //! The controller starts a context server (with `--record-plans`) and a generation server
 //! as `kvferry serve` children, like the demo, then runs rounds. Each round prefills a fresh
@@ -19,14 +20,32 @@
 //!   and one flush — no control plane, no planning, no checks. Timed by the context server
 //!   from the first put to the last flush.
 //!
-//! Rounds alternate the order: even rounds run ours then raw on the new set, odd rounds run
-//! raw on the previous round's set (same shape, still held) then ours on the new one, so
-//! neither path always runs on warm caches. The first [`WARMUP_ROUNDS`] rounds are not
-//! counted: they do the wire-up and the first touch of both sets' slots (over shm the first
-//! round on fresh slots ran about 3x slower, most likely the sender's first-touch page faults
-//! in its mapping of the peer's pool). Round 0's destination bytes are checked by
-//! the oracle after each path. Rates are reported as min / median / max over the counted
+//! - **memcpy**: [`ControlMessage::Memcpy`](crate::control::ControlMessage::Memcpy) makes the
+//!   context server copy the same recorded fragments with `memcpy` between host buffers
+//!   shaped like both sides' pools, in its own process, one thread per context rank
+//!   ([`kvferry_transfer::copy`]): on shared memory the ceiling of this machine for that
+//!   fragment list. Its buffers are allocated and written through at its first run and
+//!   kept; timed from the first copy to the last.
+//!
+//! Rounds alternate the order: even rounds run ours then raw and memcpy on the new set, odd
+//! rounds run raw and memcpy on the previous round's set (same shape, still held) then ours on
+//! the new one, so neither path always runs on warm caches. The first [`WARMUP_ROUNDS`] rounds
+//! are not counted: they do the wire-up and the first touch of both sets' slots (over shm the
+//! first round on fresh slots ran about 3x slower, most likely the sender's first-touch page
+//! faults in its mapping of the peer's pool). Round 0's destination bytes are checked by the
+//! oracle after ours and raw. Rates are reported as min / median / max over the counted
 //! rounds; the ratio is ours / raw of the medians.
+//!
+//! **Stages**: each request's [`Stages`] (plan, validate, gather, puts, flush, scatter,
+//! control, queue; see there) come from both sides' agents — the decode side's in `Done`, the
+//! context side's fetched with [`ControlMessage::Stats`](crate::control::ControlMessage::Stats)
+//! — merged per request; per stage the report gives the median over the rounds of the median
+//! over each round's requests. The raw loop's puts and flush and memcpy's copies are
+//! per request on average (the round's sum over the requests). `overhead_per_request_s` is
+//! (ours − raw, median seconds) / requests.
+//!
+//! **Sweep**: [`sweep`] runs the whole bench once per number of requests (`--requests
+//! 1,2,4,8`), fresh servers each, and tabulates how the per-request overhead grows.
 //!
 //! With `--export-fragments FILE`, the fragments of round 0's set (the one the oracle checks)
 //! are written to `FILE` as JSON ([`FRAGMENTS_FORMAT`]), so that another transfer library can

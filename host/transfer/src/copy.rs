@@ -257,8 +257,8 @@ impl CopyArena {
         Ok(needed)
     }
 
-    /// Copies every fragment of `pairs` (see the module docs), after [`prepare`]
-    /// (Self::prepare)-ing the buffers.
+    /// Copies every fragment of `pairs` (see the module docs), once
+    /// [`prepare`](Self::prepare) has made the buffers.
     ///
     /// # Errors
     ///
