@@ -360,7 +360,8 @@ pub struct BenchReport {
     /// Median GB/s of the bare put loop.
     pub raw_gbps: f64,
     /// Median GB/s of the same fragments copied with memcpy between buffers shaped like the
-    /// pools, in one process (the context server's).
+    /// pools, in one process (the context server's); 0 when that server refused it (its
+    /// buffers would not fit: `errors` says why).
     pub memcpy_gbps: f64,
     /// `ours_gbps / raw_gbps`.
     pub ratio: f64,
@@ -384,7 +385,8 @@ pub struct BenchReport {
     /// Whether the oracle found every destination byte right after both paths of the first
     /// warm-up round.
     pub verified: bool,
-    /// Problems that did not stop the run (a failed verification, perftest errors).
+    /// Problems that did not stop the run (a failed verification, perftest errors, a refused
+    /// memcpy baseline).
     pub errors: Vec<String>,
 }
 
@@ -588,17 +590,19 @@ impl Pair {
         ))
     }
 
-    /// The memcpy baseline over the fragments recorded for `set`.
-    fn memcpy(&self, set: &Set) -> Result<(Sample, BenchStats), DemoError> {
-        let stats = self.ctx.memcpy(&set.ids(), self.wait)?;
-        Ok((
-            Sample {
-                seconds: stats.elapsed_ns as f64 / 1e9,
-                bytes: stats.bytes,
-                fragments: stats.fragments,
-            },
-            stats,
-        ))
+    /// The memcpy baseline over the fragments recorded for `set`, or the context server's
+    /// refusal (its buffers would not fit in memory, say).
+    fn memcpy(&self, set: &Set) -> Result<Result<(Sample, BenchStats), String>, DemoError> {
+        Ok(self.ctx.memcpy(&set.ids(), self.wait)?.map(|stats| {
+            (
+                Sample {
+                    seconds: stats.elapsed_ns as f64 / 1e9,
+                    bytes: stats.bytes,
+                    fragments: stats.fragments,
+                },
+                stats,
+            )
+        }))
     }
 
     /// The bare loop over the plans recorded for `set`.
@@ -713,6 +717,8 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
     let mut ours = Vec::new();
     let mut raw = Vec::new();
     let mut memcpy = Vec::new();
+    // The memcpy baseline's refusal: it is not run again, and the report says why.
+    let mut memcpy_refused: Option<String> = None;
     // Per counted round: per request (ours) or per request on average (raw, memcpy).
     let (mut ours_stages, mut raw_stages, mut memcpy_stages) = (Vec::new(), Vec::new(), Vec::new());
     let mut total_puts = 0;
@@ -723,64 +729,65 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
     for round in 0..total {
         let counted = round >= WARMUP_ROUNDS;
         let set = pair.prefill(config, groups)?;
-        let ((ours_sample, stages), (raw_sample, stats), (copy_sample, copied)) =
-            match previous.take() {
-                // Odd rounds: raw and memcpy on the previous set first, then ours on the new one.
-                Some(prev) => {
-                    let r = pair.raw(&prev)?;
-                    let m = pair.memcpy(&prev)?;
-                    let o = pair.ours(&set)?;
-                    pair.release(&prev)?;
-                    pair.release(&set)?;
-                    (o, r, m)
+        let ((ours_sample, stages), (raw_sample, stats), copy) = match previous.take() {
+            // Odd rounds: raw and memcpy on the previous set first, then ours on the new one.
+            Some(prev) => {
+                let r = pair.raw(&prev)?;
+                let m = baseline(&pair, &prev, &mut memcpy_refused)?;
+                let o = pair.ours(&set)?;
+                pair.release(&prev)?;
+                pair.release(&set)?;
+                (o, r, m)
+            }
+            // Even rounds: ours on the new set, then raw and memcpy on the same set, which
+            // stays held.
+            None => {
+                let o = pair.ours(&set)?;
+                if round == 0 {
+                    problems.extend(pair.verify(&set)?);
                 }
-                // Even rounds: ours on the new set, then raw and memcpy on the same set, which
-                // stays held.
-                None => {
-                    let o = pair.ours(&set)?;
-                    if round == 0 {
-                        problems.extend(pair.verify(&set)?);
-                    }
-                    let (r, stats) = pair.raw(&set)?;
-                    if round == 0 {
-                        problems.extend(pair.verify(&set)?);
-                        if let Some(path) = &config.export_fragments {
-                            let pairs = pair.fragments(&set)?;
-                            let mut export = write_fragments(path, config, &report, &set, &pairs)?;
-                            export.replay_fragments = stats.fragments;
-                            export.replay_bytes = stats.bytes;
-                            if export.fragments != stats.fragments || export.bytes != stats.bytes {
-                                problems.push(format!(
-                                    "exported {} fragments and {} bytes, the raw replay of the \
+                let (r, stats) = pair.raw(&set)?;
+                if round == 0 {
+                    problems.extend(pair.verify(&set)?);
+                    if let Some(path) = &config.export_fragments {
+                        let pairs = pair.fragments(&set)?;
+                        let mut export = write_fragments(path, config, &report, &set, &pairs)?;
+                        export.replay_fragments = stats.fragments;
+                        export.replay_bytes = stats.bytes;
+                        if export.fragments != stats.fragments || export.bytes != stats.bytes {
+                            problems.push(format!(
+                                "exported {} fragments and {} bytes, the raw replay of the \
                                      same set put {} and {}",
-                                    export.fragments, export.bytes, stats.fragments, stats.bytes
-                                ));
-                            }
-                            report.export = Some(export);
+                                export.fragments, export.bytes, stats.fragments, stats.bytes
+                            ));
                         }
+                        report.export = Some(export);
                     }
-                    let m = pair.memcpy(&set)?;
-                    if round + 1 < total {
-                        previous = Some(set);
-                    } else {
-                        pair.release(&set)?;
-                    }
-                    (o, (r, stats), m)
                 }
-            };
+                let m = baseline(&pair, &set, &mut memcpy_refused)?;
+                if round + 1 < total {
+                    previous = Some(set);
+                } else {
+                    pair.release(&set)?;
+                }
+                (o, (r, stats), m)
+            }
+        };
         tracing::debug!(
             round,
             ours_gbps = ours_sample.gbps(),
             raw_gbps = raw_sample.gbps(),
-            memcpy_gbps = copy_sample.gbps(),
+            memcpy_gbps = copy.as_ref().map_or(0.0, |(s, _)| s.gbps()),
             "bench round"
         );
         // The baselines run on one set: they must move what its replay moved.
-        if copy_sample.bytes != raw_sample.bytes || copy_sample.fragments != raw_sample.fragments {
-            problems.push(format!(
-                "round {round}: memcpy copied {} bytes in {} fragments, raw put {} in {}",
-                copy_sample.bytes, copy_sample.fragments, raw_sample.bytes, raw_sample.fragments
-            ));
+        if let Some((c, _)) = &copy {
+            if c.bytes != raw_sample.bytes || c.fragments != raw_sample.fragments {
+                problems.push(format!(
+                    "round {round}: memcpy copied {} bytes in {} fragments, raw put {} in {}",
+                    c.bytes, c.fragments, raw_sample.bytes, raw_sample.fragments
+                ));
+            }
         }
         // Even rounds time both paths on the same set, so they must move the same fragments.
         let same_set = round % 2 == 0;
@@ -797,12 +804,14 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
             total_puts += stats.puts;
             ours.push(ours_sample);
             raw.push(raw_sample);
-            memcpy.push(copy_sample);
             let per_request: Vec<StageSeconds> =
                 stages.iter().map(|s| StageSeconds::of(s, 1)).collect();
             ours_stages.push(StageSeconds::median(&per_request));
             raw_stages.push(StageSeconds::of(&stats.stages, n));
-            memcpy_stages.push(StageSeconds::of(&copied.stages, n));
+            if let Some((sample, copied)) = copy {
+                memcpy.push(sample);
+                memcpy_stages.push(StageSeconds::of(&copied.stages, n));
+            }
         }
     }
     if let Some(prev) = previous.take() {
@@ -841,6 +850,9 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
     report.verified = problems.is_empty();
     report.errors = problems;
 
+    if let Some(e) = memcpy_refused {
+        report.errors.push(format!("memcpy baseline not run: {e}"));
+    }
     if config.perftest {
         let size = report.mean_fragment_bytes.round().max(1.0) as u64;
         match perftest(&config.pair.transport, size, report.bytes) {
@@ -923,6 +935,26 @@ pub fn sweep(config: &BenchConfig, requests: &[u64]) -> Result<Sweep, DemoError>
         reports.push(run(&one)?);
     }
     Ok(Sweep(reports))
+}
+
+/// The memcpy baseline on `set`, unless the context server refused it before (then `None`);
+/// a refusal is kept in `refused`, and the run goes on without that column.
+fn baseline(
+    pair: &Pair,
+    set: &Set,
+    refused: &mut Option<String>,
+) -> Result<Option<(Sample, BenchStats)>, DemoError> {
+    if refused.is_some() {
+        return Ok(None);
+    }
+    match pair.memcpy(set)? {
+        Ok(done) => Ok(Some(done)),
+        Err(e) => {
+            tracing::warn!(error = %e, "the memcpy baseline was refused; going on without it");
+            *refused = Some(e);
+            Ok(None)
+        }
+    }
 }
 
 /// Writes the `--export-fragments` file of round 0's `set`.

@@ -340,16 +340,22 @@ impl Side {
                 requests: requests.to_vec(),
             },
             wait,
-        )
+        )?
+        .map_err(DemoError::Protocol)
     }
 
     /// Context side: the memcpy baseline of `requests`' recorded fragments on every server at
-    /// once; the totals, timed by the slowest server.
+    /// once; the totals, timed by the slowest server, or a server's refusal (its buffers do
+    /// not fit, a fragment outside its pools).
     ///
     /// # Errors
     ///
-    /// A control call that fails, a server's refusal, or an answer out of protocol.
-    pub fn memcpy(&self, requests: &[u64], wait: Duration) -> Result<BenchStats, DemoError> {
+    /// A control call that fails or an answer out of protocol.
+    pub fn memcpy(
+        &self,
+        requests: &[u64],
+        wait: Duration,
+    ) -> Result<Result<BenchStats, String>, DemoError> {
         self.baseline(
             || Message::Memcpy {
                 requests: requests.to_vec(),
@@ -358,23 +364,29 @@ impl Side {
         )
     }
 
-    /// Sends `ask()` to every server at once and merges their `BenchDone` or `MemcpyDone`.
-    fn baseline(&self, ask: impl Fn() -> Message, wait: Duration) -> Result<BenchStats, DemoError> {
+    /// Sends `ask()` to every server at once and merges their `BenchDone` or `MemcpyDone`;
+    /// the first refusal instead, once every server answered.
+    fn baseline(
+        &self,
+        ask: impl Fn() -> Message,
+        wait: Duration,
+    ) -> Result<Result<BenchStats, String>, DemoError> {
         let asked = ask().kind();
         for (client, _) in &self.servers {
             client.send(ask())?;
         }
-        let mut total = BenchStats::default();
+        let mut total = Ok(BenchStats::default());
         for (client, _) in &self.servers {
             match client.recv(wait)? {
                 Message::BenchDone { result: Ok(s) } | Message::MemcpyDone { result: Ok(s) } => {
-                    total.merge(&s);
+                    if let Ok(total) = &mut total {
+                        total.merge(&s);
+                    }
                 }
                 Message::BenchDone { result: Err(e) } | Message::MemcpyDone { result: Err(e) } => {
-                    return Err(DemoError::Protocol(format!(
-                        "context server {} {asked}: {e}",
-                        client.addr()
-                    )));
+                    if total.is_ok() {
+                        total = Err(format!("context server {} {asked}: {e}", client.addr()));
+                    }
                 }
                 other => {
                     return Err(DemoError::Protocol(format!(
