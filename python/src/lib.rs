@@ -244,7 +244,7 @@ impl Event {
 
     fn from_event(event: RustEvent) -> Self {
         match event {
-            RustEvent::Sent { request, bytes } => Self {
+            RustEvent::Sent { request, bytes, .. } => Self {
                 bytes,
                 ..Self::empty("sent", request)
             },

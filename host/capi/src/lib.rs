@@ -179,7 +179,7 @@ impl kvferry_event {
     fn from_event(event: &Event) -> Self {
         use kvferry_event_kind::*;
         match event {
-            Event::Sent { request, bytes } => Self {
+            Event::Sent { request, bytes, .. } => Self {
                 bytes: *bytes,
                 ..Self::empty(KVFERRY_EVENT_SENT, *request)
             },

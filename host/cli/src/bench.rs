@@ -1,6 +1,7 @@
 //! `kvferry bench`: kvferry's transfer path against a bare UCX put loop over the same
-//! fragments, in the same processes, on the same endpoints and memory; optionally against
-//! `ucx_perftest` too.
+//! fragments, in the same processes, on the same endpoints and memory, and against the same
+//! fragments copied with memcpy in one process; per request, where the agent path's time goes;
+//! optionally against `ucx_perftest` too.
 //!
 //! The controller starts a context server (with `--record-plans`) and a generation server
 //! as `kvferry serve` children, like the demo, then runs rounds. Each round prefills a fresh
@@ -19,14 +20,32 @@
 //!   and one flush — no control plane, no planning, no checks. Timed by the context server
 //!   from the first put to the last flush.
 //!
-//! Rounds alternate the order: even rounds run ours then raw on the new set, odd rounds run
-//! raw on the previous round's set (same shape, still held) then ours on the new one, so
-//! neither path always runs on warm caches. The first [`WARMUP_ROUNDS`] rounds are not
-//! counted: they do the wire-up and the first touch of both sets' slots (over shm the first
-//! round on fresh slots ran about 3x slower, most likely the sender's first-touch page faults
-//! in its mapping of the peer's pool). Round 0's destination bytes are checked by
-//! the oracle after each path. Rates are reported as min / median / max over the counted
+//! - **memcpy**: [`ControlMessage::Memcpy`](crate::control::ControlMessage::Memcpy) makes the
+//!   context server copy the same recorded fragments with `memcpy` between host buffers
+//!   shaped like both sides' pools, in its own process, one thread per context rank
+//!   ([`kvferry_transfer::copy`]): on shared memory the ceiling of this machine for that
+//!   fragment list. Its buffers are allocated and written through at its first run and
+//!   kept; timed from the first copy to the last.
+//!
+//! Rounds alternate the order: even rounds run ours then raw and memcpy on the new set, odd
+//! rounds run raw and memcpy on the previous round's set (same shape, still held) then ours on
+//! the new one, so neither path always runs on warm caches. The first [`WARMUP_ROUNDS`] rounds
+//! are not counted: they do the wire-up and the first touch of both sets' slots (over shm the
+//! first round on fresh slots ran about 3x slower, most likely the sender's first-touch page
+//! faults in its mapping of the peer's pool). Round 0's destination bytes are checked by the
+//! oracle after ours and raw. Rates are reported as min / median / max over the counted
 //! rounds; the ratio is ours / raw of the medians.
+//!
+//! **Stages**: each request's [`Stages`] (plan, validate, gather, puts, flush, scatter,
+//! control, queue; see there) come from both sides' agents — the decode side's in `Done`, the
+//! context side's fetched with [`ControlMessage::Stats`](crate::control::ControlMessage::Stats)
+//! — merged per request; per stage the report gives the median over the rounds of the median
+//! over each round's requests. The raw loop's puts and flush and memcpy's copies are
+//! per request on average (the round's sum over the requests). `overhead_per_request_s` is
+//! (ours − raw, median seconds) / requests.
+//!
+//! **Sweep**: [`sweep`] runs the whole bench once per number of requests (`--requests
+//! 1,2,4,8`), fresh servers each, and tabulates how the per-request overhead grows.
 //!
 //! With `--export-fragments FILE`, the fragments of round 0's set (the one the oracle checks)
 //! are written to `FILE` as JSON ([`FRAGMENTS_FORMAT`]), so that another transfer library can
@@ -58,7 +77,9 @@ use crate::demo::{Children, DemoError, LoopbackPair, serve_args, spawn_server};
 use crate::drive::Side;
 
 use kvferry_transfer::rank::PUT_WINDOW;
-use kvferry_transfer::{BenchStats, MemoryKind, PairFragments, TransportSpec};
+use kvferry_transfer::{
+    BenchStats, MemoryKind, PairFragments, RequestStats, Stages, TransportSpec,
+};
 
 use crate::control::{PeerRef, RankTables, Submit};
 
@@ -150,6 +171,91 @@ pub struct PathReport {
     pub gbps: Spread,
     /// Fragments per second over the rounds.
     pub fragments_per_s: Spread,
+    /// Seconds per round over the rounds.
+    pub seconds: Spread,
+    /// Where one request's time went: per stage the median over the rounds of (ours) the
+    /// median over the round's requests, (raw, memcpy) the round's time in that stage over
+    /// its requests.
+    pub stages: StageSeconds,
+}
+
+/// [`Stages`] in seconds, as the report prints them (see [`Stages`] for what each counts:
+/// summed over the (context rank, generation rank) pairs of the request).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct StageSeconds {
+    /// Describing both sides' rows and the planner's `pair`.
+    pub plan_s: f64,
+    /// Validation and coalescing.
+    pub validate_s: f64,
+    /// Gathering into a bounce region (no bounce path yet: 0).
+    pub gather_s: f64,
+    /// Issuing the puts.
+    pub puts_s: f64,
+    /// Waiting for the flush.
+    pub flush_s: f64,
+    /// Scattering a bounce region (no bounce path yet: 0).
+    pub scatter_s: f64,
+    /// Side-channel work: claims, `targets`, connects, completions, `expect` to claim.
+    pub control_s: f64,
+    /// Waiting for a planner worker or the rank thread.
+    pub queue_s: f64,
+    /// The memcpy baseline's copies.
+    pub copy_s: f64,
+}
+
+impl StageSeconds {
+    /// `stages` divided by `per` (1 for one request's), in seconds.
+    pub fn of(stages: &Stages, per: u64) -> StageSeconds {
+        let s = |ns: u64| ns as f64 / 1e9 / per.max(1) as f64;
+        StageSeconds {
+            plan_s: s(stages.plan_ns),
+            validate_s: s(stages.validate_ns),
+            gather_s: s(stages.gather_ns),
+            puts_s: s(stages.puts_ns),
+            flush_s: s(stages.flush_ns),
+            scatter_s: s(stages.scatter_ns),
+            control_s: s(stages.control_ns),
+            queue_s: s(stages.queue_ns),
+            copy_s: s(stages.copy_ns),
+        }
+    }
+
+    /// Stage by stage, the median of `all` (zero when empty).
+    pub fn median(all: &[StageSeconds]) -> StageSeconds {
+        let m =
+            |f: fn(&StageSeconds) -> f64| Spread::of(&all.iter().map(f).collect::<Vec<_>>()).median;
+        StageSeconds {
+            plan_s: m(|s| s.plan_s),
+            validate_s: m(|s| s.validate_s),
+            gather_s: m(|s| s.gather_s),
+            puts_s: m(|s| s.puts_s),
+            flush_s: m(|s| s.flush_s),
+            scatter_s: m(|s| s.scatter_s),
+            control_s: m(|s| s.control_s),
+            queue_s: m(|s| s.queue_s),
+            copy_s: m(|s| s.copy_s),
+        }
+    }
+
+    /// The stages, named, in report order.
+    pub fn named(&self) -> [(&'static str, f64); 9] {
+        [
+            ("plan", self.plan_s),
+            ("validate", self.validate_s),
+            ("gather", self.gather_s),
+            ("puts", self.puts_s),
+            ("flush", self.flush_s),
+            ("scatter", self.scatter_s),
+            ("control", self.control_s),
+            ("queue", self.queue_s),
+            ("copy", self.copy_s),
+        ]
+    }
+
+    /// What the agent path spends besides moving bytes: plan, validate, control and queue.
+    pub fn overhead_s(&self) -> f64 {
+        self.plan_s + self.validate_s + self.control_s + self.queue_s
+    }
 }
 
 /// The `ucx_perftest` run.
@@ -253,14 +359,25 @@ pub struct BenchReport {
     pub ours_gbps: f64,
     /// Median GB/s of the bare put loop.
     pub raw_gbps: f64,
+    /// Median GB/s of the same fragments copied with memcpy between buffers shaped like the
+    /// pools, in one process (the context server's); 0 when that server refused it (its
+    /// buffers would not fit: `errors` says why).
+    pub memcpy_gbps: f64,
     /// `ours_gbps / raw_gbps`.
     pub ratio: f64,
+    /// Where one request's time went on kvferry's path (= `ours.stages`).
+    pub stages: StageSeconds,
+    /// (median seconds of ours − median seconds of raw) / requests: what the agent path
+    /// adds per request over the bare loop.
+    pub overhead_per_request_s: f64,
     /// `ucx_perftest`'s GB/s, if it ran.
     pub perftest_gbps: Option<f64>,
     /// kvferry's path, every round.
     pub ours: PathReport,
     /// The bare loop, every round.
     pub raw: PathReport,
+    /// The memcpy baseline, every round.
+    pub memcpy: PathReport,
     /// The `ucx_perftest` run, if any.
     pub perftest: Option<PerftestReport>,
     /// The `--export-fragments` file, if one was written.
@@ -268,7 +385,8 @@ pub struct BenchReport {
     /// Whether the oracle found every destination byte right after both paths of the first
     /// warm-up round.
     pub verified: bool,
-    /// Problems that did not stop the run (a failed verification, perftest errors).
+    /// Problems that did not stop the run (a failed verification, perftest errors, a refused
+    /// memcpy baseline).
     pub errors: Vec<String>,
 }
 
@@ -297,19 +415,59 @@ impl fmt::Display for BenchReport {
             self.mean_fragment_bytes,
             self.mean_put_bytes
         )?;
-        for (name, path) in [("ours", &self.ours), ("raw ", &self.raw)] {
+        writeln!(
+            f,
+            "path        GB/s median [min - max]   fragments/s   ms/round median [min - max]"
+        )?;
+        for (name, path) in [
+            ("ours", &self.ours),
+            ("raw", &self.raw),
+            ("memcpy", &self.memcpy),
+        ] {
             writeln!(
                 f,
-                "{name}        {:.3} GB/s median (min {:.3}, max {:.3}); {:.0} fragments/s \
-                 median (min {:.0})",
+                "{name:<10}  {:>6.3} [{:.3} - {:.3}]   {:>11.0}   {:>8.3} [{:.3} - {:.3}]",
                 path.gbps.median,
                 path.gbps.min,
                 path.gbps.max,
                 path.fragments_per_s.median,
-                path.fragments_per_s.min
+                path.seconds.median * 1e3,
+                path.seconds.min * 1e3,
+                path.seconds.max * 1e3,
             )?;
         }
-        writeln!(f, "ratio       {:.3} (ours / raw, medians)", self.ratio)?;
+        writeln!(
+            f,
+            "ratio       {:.3} (ours / raw, medians); memcpy / raw {:.3}",
+            self.ratio,
+            if self.raw_gbps > 0.0 {
+                self.memcpy_gbps / self.raw_gbps
+            } else {
+                0.0
+            }
+        )?;
+        write!(f, "stages      ms per request")?;
+        for (name, _) in self.ours.stages.named() {
+            write!(f, " {name:>8}")?;
+        }
+        writeln!(f)?;
+        for (name, path) in [
+            ("ours", &self.ours),
+            ("raw", &self.raw),
+            ("memcpy", &self.memcpy),
+        ] {
+            write!(f, "  {name:<10}              ")?;
+            for (_, s) in path.stages.named() {
+                write!(f, " {:>8.3}", s * 1e3)?;
+            }
+            writeln!(f)?;
+        }
+        writeln!(
+            f,
+            "overhead    {:.3} ms per request (ours - raw, medians, over {} requests)",
+            self.overhead_per_request_s * 1e3,
+            self.requests
+        )?;
         match &self.perftest {
             Some(p) => writeln!(
                 f,
@@ -404,23 +562,47 @@ impl Pair {
         Ok(Set { submits, context })
     }
 
-    /// kvferry's path: every request of `set` through the agents at once.
-    fn ours(&self, set: &Set) -> Result<Sample, DemoError> {
+    /// kvferry's path: every request of `set` through the agents at once; and each
+    /// request's stages, both sides' merged.
+    fn ours(&self, set: &Set) -> Result<(Sample, Vec<Stages>), DemoError> {
         let started = Instant::now();
         let results = self.r#gen.transfer(&set.submits, &self.peer, self.wait)?;
         let seconds = started.elapsed().as_secs_f64();
+        let sent = self.ctx.stats(&set.ids())?;
         let (mut bytes, mut fragments) = (0, 0);
-        for (s, result) in set.submits.iter().zip(results) {
-            let stats = result
+        let mut stages = Vec::with_capacity(results.len());
+        for ((s, result), sent) in set.submits.iter().zip(results).zip(sent) {
+            let stats: RequestStats = result
                 .map_err(|e| DemoError::Protocol(format!("request {} failed: {e}", s.request)))?;
             bytes += stats.bytes;
             fragments += stats.fragments;
+            let mut both = stats.stages;
+            both.merge(&sent.stages);
+            stages.push(both);
         }
-        Ok(Sample {
-            seconds,
-            bytes,
-            fragments,
-        })
+        Ok((
+            Sample {
+                seconds,
+                bytes,
+                fragments,
+            },
+            stages,
+        ))
+    }
+
+    /// The memcpy baseline over the fragments recorded for `set`, or the context server's
+    /// refusal (its buffers would not fit in memory, say).
+    fn memcpy(&self, set: &Set) -> Result<Result<(Sample, BenchStats), String>, DemoError> {
+        Ok(self.ctx.memcpy(&set.ids(), self.wait)?.map(|stats| {
+            (
+                Sample {
+                    seconds: stats.elapsed_ns as f64 / 1e9,
+                    bytes: stats.bytes,
+                    fragments: stats.fragments,
+                },
+                stats,
+            )
+        }))
     }
 
     /// The bare loop over the plans recorded for `set`.
@@ -534,26 +716,31 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
 
     let mut ours = Vec::new();
     let mut raw = Vec::new();
+    let mut memcpy = Vec::new();
+    // The memcpy baseline's refusal: it is not run again, and the report says why.
+    let mut memcpy_refused: Option<String> = None;
+    // Per counted round: per request (ours) or per request on average (raw, memcpy).
+    let (mut ours_stages, mut raw_stages, mut memcpy_stages) = (Vec::new(), Vec::new(), Vec::new());
     let mut total_puts = 0;
     let mut previous: Option<Set> = None;
     let mut problems = Vec::new();
     let total = WARMUP_ROUNDS + config.rounds;
+    let n = config.requests;
     for round in 0..total {
         let counted = round >= WARMUP_ROUNDS;
         let set = pair.prefill(config, groups)?;
-        let (ours_sample, raw_sample) = match previous.take() {
-            // Odd rounds: raw on the previous set first, then ours on the new one.
+        let ((ours_sample, stages), (raw_sample, stats), copy) = match previous.take() {
+            // Odd rounds: raw and memcpy on the previous set first, then ours on the new one.
             Some(prev) => {
-                let (r, stats) = pair.raw(&prev)?;
+                let r = pair.raw(&prev)?;
+                let m = baseline(&pair, &prev, &mut memcpy_refused)?;
                 let o = pair.ours(&set)?;
                 pair.release(&prev)?;
                 pair.release(&set)?;
-                if counted {
-                    total_puts += stats.puts;
-                }
-                (o, r)
+                (o, r, m)
             }
-            // Even rounds: ours on the new set, then raw on the same set, which stays held.
+            // Even rounds: ours on the new set, then raw and memcpy on the same set, which
+            // stays held.
             None => {
                 let o = pair.ours(&set)?;
                 if round == 0 {
@@ -570,30 +757,38 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
                         if export.fragments != stats.fragments || export.bytes != stats.bytes {
                             problems.push(format!(
                                 "exported {} fragments and {} bytes, the raw replay of the \
-                                 same set put {} and {}",
+                                     same set put {} and {}",
                                 export.fragments, export.bytes, stats.fragments, stats.bytes
                             ));
                         }
                         report.export = Some(export);
                     }
                 }
-                if counted {
-                    total_puts += stats.puts;
-                }
+                let m = baseline(&pair, &set, &mut memcpy_refused)?;
                 if round + 1 < total {
                     previous = Some(set);
                 } else {
                     pair.release(&set)?;
                 }
-                (o, r)
+                (o, (r, stats), m)
             }
         };
         tracing::debug!(
             round,
             ours_gbps = ours_sample.gbps(),
             raw_gbps = raw_sample.gbps(),
+            memcpy_gbps = copy.as_ref().map_or(0.0, |(s, _)| s.gbps()),
             "bench round"
         );
+        // The baselines run on one set: they must move what its replay moved.
+        if let Some((c, _)) = &copy {
+            if c.bytes != raw_sample.bytes || c.fragments != raw_sample.fragments {
+                problems.push(format!(
+                    "round {round}: memcpy copied {} bytes in {} fragments, raw put {} in {}",
+                    c.bytes, c.fragments, raw_sample.bytes, raw_sample.fragments
+                ));
+            }
+        }
         // Even rounds time both paths on the same set, so they must move the same fragments.
         let same_set = round % 2 == 0;
         if same_set
@@ -606,8 +801,17 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
             ));
         }
         if counted {
+            total_puts += stats.puts;
             ours.push(ours_sample);
             raw.push(raw_sample);
+            let per_request: Vec<StageSeconds> =
+                stages.iter().map(|s| StageSeconds::of(s, 1)).collect();
+            ours_stages.push(StageSeconds::median(&per_request));
+            raw_stages.push(StageSeconds::of(&stats.stages, n));
+            if let Some((sample, copied)) = copy {
+                memcpy.push(sample);
+                memcpy_stages.push(StageSeconds::of(&copied.stages, n));
+            }
         }
     }
     if let Some(prev) = previous.take() {
@@ -629,10 +833,15 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
     report.puts = total_puts / counted;
     report.mean_fragment_bytes = total_bytes as f64 / total_fragments.max(1) as f64;
     report.mean_put_bytes = total_bytes as f64 / total_puts.max(1) as f64;
-    report.ours = path_report(&ours);
-    report.raw = path_report(&raw);
+    report.ours = path_report(&ours, &ours_stages);
+    report.raw = path_report(&raw, &raw_stages);
+    report.memcpy = path_report(&memcpy, &memcpy_stages);
     report.ours_gbps = report.ours.gbps.median;
     report.raw_gbps = report.raw.gbps.median;
+    report.memcpy_gbps = report.memcpy.gbps.median;
+    report.stages = report.ours.stages;
+    report.overhead_per_request_s =
+        (report.ours.seconds.median - report.raw.seconds.median) / n as f64;
     report.ratio = if report.raw_gbps > 0.0 {
         report.ours_gbps / report.raw_gbps
     } else {
@@ -641,6 +850,9 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
     report.verified = problems.is_empty();
     report.errors = problems;
 
+    if let Some(e) = memcpy_refused {
+        report.errors.push(format!("memcpy baseline not run: {e}"));
+    }
     if config.perftest {
         let size = report.mean_fragment_bytes.round().max(1.0) as u64;
         match perftest(&config.pair.transport, size, report.bytes) {
@@ -652,6 +864,97 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
         }
     }
     Ok(report)
+}
+
+/// The bench run once per number of requests in flight (`--requests 1,2,4,8`): one
+/// report each, in the order given; JSON: an array of those reports.
+#[derive(Clone, Debug, Default, Serialize)]
+#[serde(transparent)]
+pub struct Sweep(pub Vec<BenchReport>);
+
+impl Sweep {
+    /// Whether every run verified.
+    pub fn verified(&self) -> bool {
+        self.0.iter().all(|r| r.verified)
+    }
+}
+
+impl fmt::Display for Sweep {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for r in &self.0 {
+            writeln!(f, "{r}\n")?;
+        }
+        writeln!(
+            f,
+            "sweep       requests in flight against GB/s (medians) and per-request overhead"
+        )?;
+        writeln!(
+            f,
+            "requests   ours GB/s    raw GB/s  memcpy GB/s   ours-raw ms/req   plan+validate+control+queue ms/req"
+        )?;
+        for r in &self.0 {
+            writeln!(
+                f,
+                "{:>8}   {:>9.3}   {:>9.3}   {:>10.3}   {:>15.3}   {:>34.3}",
+                r.requests,
+                r.ours_gbps,
+                r.raw_gbps,
+                r.memcpy_gbps,
+                r.overhead_per_request_s * 1e3,
+                r.stages.overhead_s() * 1e3
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Runs the benchmark once per entry of `requests` (fresh servers each time), with
+/// `config`'s other settings.
+///
+/// # Errors
+///
+/// As for [`run`]; `--export-fragments` with more than one entry (each run would overwrite
+/// the file).
+pub fn sweep(config: &BenchConfig, requests: &[u64]) -> Result<Sweep, DemoError> {
+    if requests.is_empty() {
+        return Err(DemoError::Invalid(
+            "--requests needs at least one number".into(),
+        ));
+    }
+    if requests.len() > 1 && config.export_fragments.is_some() {
+        return Err(DemoError::Invalid(
+            "--export-fragments takes one --requests value, not a sweep".into(),
+        ));
+    }
+    let mut reports = Vec::with_capacity(requests.len());
+    for &n in requests {
+        let one = BenchConfig {
+            requests: n,
+            ..config.clone()
+        };
+        reports.push(run(&one)?);
+    }
+    Ok(Sweep(reports))
+}
+
+/// The memcpy baseline on `set`, unless the context server refused it before (then `None`);
+/// a refusal is kept in `refused`, and the run goes on without that column.
+fn baseline(
+    pair: &Pair,
+    set: &Set,
+    refused: &mut Option<String>,
+) -> Result<Option<(Sample, BenchStats)>, DemoError> {
+    if refused.is_some() {
+        return Ok(None);
+    }
+    match pair.memcpy(set)? {
+        Ok(done) => Ok(Some(done)),
+        Err(e) => {
+            tracing::warn!(error = %e, "the memcpy baseline was refused; going on without it");
+            *refused = Some(e);
+            Ok(None)
+        }
+    }
 }
 
 /// Writes the `--export-fragments` file of round 0's `set`.
@@ -697,14 +1000,17 @@ fn write_fragments(
     })
 }
 
-fn path_report(samples: &[Sample]) -> PathReport {
+fn path_report(samples: &[Sample], stages: &[StageSeconds]) -> PathReport {
     let gbps: Vec<f64> = samples.iter().map(Sample::gbps).collect();
     let fps: Vec<f64> = samples.iter().map(Sample::fragments_per_s).collect();
+    let seconds: Vec<f64> = samples.iter().map(|s| s.seconds).collect();
     PathReport {
         gbps: Spread::of(&gbps),
         fragments_per_s: Spread::of(&fps),
+        seconds: Spread::of(&seconds),
+        stages: StageSeconds::median(stages),
         rounds_gbps: gbps,
-        rounds_seconds: samples.iter().map(|s| s.seconds).collect(),
+        rounds_seconds: seconds,
     }
 }
 

@@ -21,6 +21,8 @@
 //! | [`ControlMessage::VerifyIdle`] | generation | [`ControlMessage::IdleVerified`] |
 //! | [`ControlMessage::Bench`] | context | [`ControlMessage::BenchDone`] |
 //! | [`ControlMessage::Fragments`] | context | [`ControlMessage::FragmentsDone`] |
+//! | [`ControlMessage::Stats`] | context | [`ControlMessage::StatsDone`] |
+//! | [`ControlMessage::Memcpy`] | context | [`ControlMessage::MemcpyDone`] |
 //! | [`ControlMessage::Shutdown`] | either | the server process exits |
 //! | [`ControlMessage::Error`] | server → controller | the connection closes |
 
@@ -110,6 +112,28 @@ pub struct VerifySummary {
     pub mismatched_bytes: u64,
     /// The oracle's report text.
     pub detail: String,
+}
+
+impl VerifySummary {
+    /// A verdict with nothing checked yet: ok until a part says otherwise.
+    pub fn clean() -> Self {
+        VerifySummary {
+            ok: true,
+            ..VerifySummary::default()
+        }
+    }
+
+    /// Adds another server's verdict on its part: ok only if both are, counts add up, the
+    /// report text of a failed part is kept.
+    pub fn merge(&mut self, other: &VerifySummary) {
+        self.ok &= other.ok;
+        self.bytes_checked += other.bytes_checked;
+        self.bytes_covered += other.bytes_covered;
+        self.mismatched_bytes += other.mismatched_bytes;
+        if !other.ok {
+            self.detail.push_str(&other.detail);
+        }
+    }
 }
 
 /// One control message.
@@ -208,6 +232,31 @@ pub enum ControlMessage {
         /// The pairs, or the reason.
         result: Result<Vec<PairFragments>, String>,
     },
+    /// Send the context side's statistics of these requests (bytes sent and the stages of
+    /// its ranks, [`kvferry_transfer::Stages`]) once every rank here has ended them. A
+    /// request not held here (another DP group's, or released) counts nothing.
+    Stats {
+        /// The requests.
+        requests: Vec<u64>,
+    },
+    /// The statistics, one per request in the order asked, or why not.
+    StatsDone {
+        /// Per request, or the reason.
+        result: Result<Vec<RequestStats>, String>,
+    },
+    /// Copy the fragments a context server recorded for these requests with `memcpy`
+    /// between host buffers shaped like both sides' pools, in the server's process, one
+    /// thread per context rank, and time it ([`kvferry_transfer::copy`]; `kvferry bench`'s
+    /// memcpy baseline). Needs `--record-plans`.
+    Memcpy {
+        /// The requests whose fragments are copied.
+        requests: Vec<u64>,
+    },
+    /// The copy's totals and time (the copies in `stages.copy_ns`), or why it failed.
+    MemcpyDone {
+        /// The totals, or the reason.
+        result: Result<BenchStats, String>,
+    },
 }
 
 impl Frame for ControlMessage {
@@ -234,6 +283,10 @@ impl Frame for ControlMessage {
             ControlMessage::Error { .. } => "Error",
             ControlMessage::Fragments { .. } => "Fragments",
             ControlMessage::FragmentsDone { .. } => "FragmentsDone",
+            ControlMessage::Stats { .. } => "Stats",
+            ControlMessage::StatsDone { .. } => "StatsDone",
+            ControlMessage::Memcpy { .. } => "Memcpy",
+            ControlMessage::MemcpyDone { .. } => "MemcpyDone",
         }
     }
 

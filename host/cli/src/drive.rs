@@ -226,13 +226,7 @@ impl Side {
                             )));
                         };
                         match (result, &mut results[k]) {
-                            (Ok(stats), Ok(all)) => {
-                                all.bytes += stats.bytes;
-                                all.fragments += stats.fragments;
-                                all.writers += stats.writers;
-                                all.pieces += stats.pieces;
-                                all.latency_us = all.latency_us.max(stats.latency_us);
-                            }
+                            (Ok(stats), Ok(all)) => all.merge(&stats),
                             (Err(e), slot @ Ok(_)) => *slot = Err(e),
                             _ => {}
                         }
@@ -261,10 +255,7 @@ impl Side {
         submit: &Submit,
         context: &[RankTables],
     ) -> Result<Result<VerifySummary, String>, DemoError> {
-        let mut merged = VerifySummary {
-            ok: true,
-            ..VerifySummary::default()
-        };
+        let mut merged = VerifySummary::clean();
         for client in self.holding(submit.gen_dp_rank) {
             let reply = client.call(
                 Message::Verify {
@@ -274,15 +265,7 @@ impl Side {
                 REPLY_TIMEOUT,
             )?;
             match reply {
-                Message::Verified { result: Ok(s), .. } => {
-                    merged.ok &= s.ok;
-                    merged.bytes_checked += s.bytes_checked;
-                    merged.bytes_covered += s.bytes_covered;
-                    merged.mismatched_bytes += s.mismatched_bytes;
-                    if !s.ok {
-                        merged.detail.push_str(&s.detail);
-                    }
-                }
+                Message::Verified { result: Ok(s), .. } => merged.merge(&s),
                 Message::Verified { result: Err(e), .. } => return Ok(Err(e)),
                 other => {
                     return Err(DemoError::Protocol(format!(
@@ -328,19 +311,10 @@ impl Side {
     ///
     /// A control call that fails or an answer out of protocol.
     pub fn verify_idle(&self) -> Result<Result<VerifySummary, String>, DemoError> {
-        let mut merged = VerifySummary {
-            ok: true,
-            ..VerifySummary::default()
-        };
+        let mut merged = VerifySummary::clean();
         for (client, _) in &self.servers {
             match client.call(Message::VerifyIdle, REPLY_TIMEOUT)? {
-                Message::IdleVerified { result: Ok(s) } => {
-                    merged.ok &= s.ok;
-                    merged.bytes_checked += s.bytes_checked;
-                    if !s.ok {
-                        merged.detail.push_str(&s.detail);
-                    }
-                }
+                Message::IdleVerified { result: Ok(s) } => merged.merge(&s),
                 Message::IdleVerified { result: Err(e) } => return Ok(Err(e)),
                 other => {
                     return Err(DemoError::Protocol(format!(
@@ -361,31 +335,62 @@ impl Side {
     ///
     /// A control call that fails, a server's refusal, or an answer out of protocol.
     pub fn replay(&self, requests: &[u64], wait: Duration) -> Result<BenchStats, DemoError> {
-        for (client, _) in &self.servers {
-            client.send(Message::Bench {
+        self.baseline(
+            || Message::Bench {
                 requests: requests.to_vec(),
-            })?;
+            },
+            wait,
+        )?
+        .map_err(DemoError::Protocol)
+    }
+
+    /// Context side: the memcpy baseline of `requests`' recorded fragments on every server at
+    /// once; the totals, timed by the slowest server, or a server's refusal (its buffers do
+    /// not fit, a fragment outside its pools).
+    ///
+    /// # Errors
+    ///
+    /// A control call that fails or an answer out of protocol.
+    pub fn memcpy(
+        &self,
+        requests: &[u64],
+        wait: Duration,
+    ) -> Result<Result<BenchStats, String>, DemoError> {
+        self.baseline(
+            || Message::Memcpy {
+                requests: requests.to_vec(),
+            },
+            wait,
+        )
+    }
+
+    /// Sends `ask()` to every server at once and merges their `BenchDone` or `MemcpyDone`;
+    /// the first refusal instead, once every server answered.
+    fn baseline(
+        &self,
+        ask: impl Fn() -> Message,
+        wait: Duration,
+    ) -> Result<Result<BenchStats, String>, DemoError> {
+        let asked = ask().kind();
+        for (client, _) in &self.servers {
+            client.send(ask())?;
         }
-        let mut total = BenchStats::default();
+        let mut total = Ok(BenchStats::default());
         for (client, _) in &self.servers {
             match client.recv(wait)? {
-                Message::BenchDone { result: Ok(s) } => {
-                    total.elapsed_ns = total.elapsed_ns.max(s.elapsed_ns);
-                    total.bytes += s.bytes;
-                    total.fragments += s.fragments;
-                    total.puts += s.puts;
-                    total.plans += s.plans;
-                    total.ranks += s.ranks;
+                Message::BenchDone { result: Ok(s) } | Message::MemcpyDone { result: Ok(s) } => {
+                    if let Ok(total) = &mut total {
+                        total.merge(&s);
+                    }
                 }
-                Message::BenchDone { result: Err(e) } => {
-                    return Err(DemoError::Protocol(format!(
-                        "context server {} replay: {e}",
-                        client.addr()
-                    )));
+                Message::BenchDone { result: Err(e) } | Message::MemcpyDone { result: Err(e) } => {
+                    if total.is_ok() {
+                        total = Err(format!("context server {} {asked}: {e}", client.addr()));
+                    }
                 }
                 other => {
                     return Err(DemoError::Protocol(format!(
-                        "context server {} answered {} to Bench",
+                        "context server {} answered {} to {asked}",
                         client.addr(),
                         other.kind()
                     )));
@@ -393,6 +398,52 @@ impl Side {
             }
         }
         Ok(total)
+    }
+
+    /// Context side: per request of `requests` (in order), the context ranks' statistics
+    /// (bytes sent, the stages of their pairs), merged over the servers.
+    ///
+    /// # Errors
+    ///
+    /// A control call that fails, a server's refusal, or an answer out of protocol.
+    pub fn stats(&self, requests: &[u64]) -> Result<Vec<RequestStats>, DemoError> {
+        let mut merged = vec![RequestStats::default(); requests.len()];
+        for (client, _) in &self.servers {
+            match client.call(
+                Message::Stats {
+                    requests: requests.to_vec(),
+                },
+                REPLY_TIMEOUT,
+            )? {
+                Message::StatsDone { result: Ok(s) } if s.len() == requests.len() => {
+                    for (all, s) in merged.iter_mut().zip(&s) {
+                        all.merge(s);
+                    }
+                }
+                Message::StatsDone { result: Ok(s) } => {
+                    return Err(DemoError::Protocol(format!(
+                        "context server {} sent {} statistics for {} requests",
+                        client.addr(),
+                        s.len(),
+                        requests.len()
+                    )));
+                }
+                Message::StatsDone { result: Err(e) } => {
+                    return Err(DemoError::Protocol(format!(
+                        "context server {} statistics: {e}",
+                        client.addr()
+                    )));
+                }
+                other => {
+                    return Err(DemoError::Protocol(format!(
+                        "context server {} answered {} to Stats",
+                        client.addr(),
+                        other.kind()
+                    )));
+                }
+            }
+        }
+        Ok(merged)
     }
 
     /// Context side: the recorded fragments of `requests`, per pair, from every server.

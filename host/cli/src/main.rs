@@ -349,9 +349,16 @@ struct BenchArgs {
     /// Tokens of every request.
     #[arg(long, value_name = "N")]
     prompt_len: u64,
-    /// Requests per round, all in flight at once (spread over the DP groups).
-    #[arg(long, default_value_t = 8, value_name = "N")]
-    requests: u64,
+    /// Requests per round, all in flight at once (spread over the DP groups). A comma list
+    /// (`1,2,4,8`) runs the bench once per value and adds a table of how the per-request
+    /// overhead grows; with `--json` it prints an array of reports instead of one.
+    #[arg(
+        long,
+        default_value = "8",
+        value_name = "N[,N...]",
+        value_delimiter = ','
+    )]
+    requests: Vec<u64>,
     /// Counted rounds, after two warm-up rounds.
     #[arg(long, default_value_t = 5, value_name = "N")]
     rounds: u32,
@@ -1037,15 +1044,20 @@ fn run_bench(config_file: Option<PathBuf>, a: BenchArgs) -> Result<ExitCode> {
     let config = BenchConfig {
         pair: a.pair.resolve(config_file)?,
         prompt_len: a.prompt_len,
-        requests: a.requests,
+        requests: a.requests.first().copied().unwrap_or(0),
         rounds: a.rounds,
         perftest: a.perftest,
         export_fragments: a.export_fragments,
     };
-    let report = bench::run(&config)?;
-    // JSON: ours_gbps, raw_gbps, ratio, perftest_gbps, fragments, bytes, mean_fragment_bytes,
-    // transport, planner, and the per-round details.
-    print_report(&report, a.json, report.verified)
+    // JSON: ours_gbps, raw_gbps, memcpy_gbps, ratio, stages, perftest_gbps, fragments, bytes,
+    // mean_fragment_bytes, transport, planner, and the per-round details; an array of those
+    // for a sweep.
+    if let [_] = a.requests[..] {
+        let report = bench::run(&config)?;
+        return print_report(&report, a.json, report.verified);
+    }
+    let sweep = bench::sweep(&config, &a.requests)?;
+    print_report(&sweep, a.json, sweep.verified())
 }
 
 /// Prints a demo or bench report as text or one JSON object; fails the exit code unless every

@@ -29,9 +29,12 @@ use kvferry_testkit::oracle::{Oracle, VerifyReport};
 use kvferry_testkit::scenario::slot_tables;
 use kvferry_transfer::agent::{Agent, AgentConfig, Event, Expect, Secret, Send as AgentSend};
 use kvferry_transfer::conn::{Outbox, drain, spawn_writer};
+use kvferry_transfer::copy::CopyArena;
 use kvferry_transfer::memory::{MemoryError, PoolAllocator, RankPools};
 use kvferry_transfer::rank::{RemoteRank, WriteHook};
-use kvferry_transfer::{BenchStats, MemoryKind, PairFragments, RequestStats, Role, TransportSpec};
+use kvferry_transfer::{
+    BenchStats, MemoryKind, PairFragments, RequestStats, Role, Stages, TransportSpec,
+};
 
 use crate::control::{
     ControlMessage, PeerRef, RankTables, ServedRank, ServerInfo, Submit, VerifySummary,
@@ -44,7 +47,7 @@ use crate::verify::{verify_idle, verify_request};
 const DRAIN: Duration = Duration::from_millis(200);
 /// How often an event pump looks at its stop flag while no event comes.
 const PUMP_TICK: i32 = 100;
-/// The answer to `Bench` and `Fragments` without `--record-plans`.
+/// The answer to `Bench`, `Fragments` and `Memcpy` without `--record-plans`.
 const NOT_RECORDING: &str =
     "this context server does not record plans (start it with --record-plans)";
 /// How long a bench replay may take beyond the request timeout.
@@ -180,6 +183,8 @@ struct Outgoing {
     allocation: Allocation,
     pending: BTreeSet<u32>,
     released: bool,
+    /// The `Sent` events' bytes and stages, merged over the ranks.
+    stats: RequestStats,
 }
 
 /// A generation-side request: expected on `pending` ranks.
@@ -215,6 +220,8 @@ struct Shared {
     incoming: Mutex<HashMap<u64, Incoming>>,
     timeout: Duration,
     record_plans: bool,
+    /// The memcpy baseline's buffers (`Memcpy`), made at its first run and kept.
+    arena: Mutex<CopyArena>,
     stopping: AtomicBool,
     shutdown: Sender<()>,
 }
@@ -410,6 +417,7 @@ pub fn start(
         incoming: Mutex::new(HashMap::new()),
         timeout: options.timeout,
         record_plans: options.record_plans,
+        arena: Mutex::new(CopyArena::new()),
         stopping: AtomicBool::new(false),
         shutdown: shutdown_tx,
     });
@@ -531,15 +539,6 @@ impl Running {
     }
 }
 
-/// The merged statistics of two ranks' parts of a request.
-fn merge(into: &mut RequestStats, from: &RequestStats) {
-    into.bytes += from.bytes;
-    into.fragments += from.fragments;
-    into.writers += from.writers;
-    into.pieces += from.pieces;
-    into.latency_us = into.latency_us.max(from.latency_us);
-}
-
 impl Shared {
     fn tokens_per_block(&self) -> u64 {
         u64::from(self.model.tokens_per_block)
@@ -658,6 +657,20 @@ impl Shared {
                     result: Err(NOT_RECORDING.into()),
                 }
             }
+            (ControlMessage::Memcpy { .. }, Role::Context) if !self.record_plans => {
+                ControlMessage::MemcpyDone {
+                    result: Err(NOT_RECORDING.into()),
+                }
+            }
+            (ControlMessage::Memcpy { requests }, Role::Context) => {
+                let result = self.memcpy(&requests).inspect_err(|e| {
+                    tracing::warn!(error = %e, "bench memcpy failed");
+                });
+                ControlMessage::MemcpyDone { result }
+            }
+            (ControlMessage::Stats { requests }, Role::Context) => ControlMessage::StatsDone {
+                result: self.outgoing_stats(&requests),
+            },
             (ControlMessage::Fragments { requests }, Role::Context) => {
                 ControlMessage::FragmentsDone {
                     result: self.fragments(&requests).and_then(fits_one_frame),
@@ -719,6 +732,7 @@ impl Shared {
                     allocation: allocation.clone(),
                     pending: BTreeSet::new(),
                     released: false,
+                    stats: RequestStats::default(),
                 },
             );
             allocation
@@ -849,7 +863,15 @@ impl Shared {
                     tracing::warn!(request = id, rank, ?peer, %kind, %detail, "send failed");
                 }
                 if let Some(out) = lock(&self.outgoing).get_mut(&id) {
-                    out.pending.remove(&rank);
+                    if out.pending.remove(&rank) {
+                        if let Event::Sent { bytes, stages, .. } = &event {
+                            out.stats.merge(&RequestStats {
+                                bytes: *bytes,
+                                stages: *stages,
+                                ..RequestStats::default()
+                            });
+                        }
+                    }
                 }
                 self.settle_outgoing(id);
             }
@@ -999,7 +1021,7 @@ impl Shared {
                 return;
             }
             match event {
-                Event::Received { stats, .. } => merge(&mut inc.stats, &stats),
+                Event::Received { stats, .. } => inc.stats.merge(&stats),
                 Event::Cancelled { .. } => {
                     let why = inc.cancelled.clone().unwrap_or_else(|| "cancelled".into());
                     inc.errors.push(format!("rank {rank}: cancelled: {why}"));
@@ -1190,6 +1212,11 @@ impl Shared {
             stats.puts += replay.written.puts;
             stats.plans += replay.plans;
             stats.ranks += 1;
+            stats.stages.merge(&Stages {
+                puts_ns: replay.written.puts_ns,
+                flush_ns: replay.written.flush_ns,
+                ..Stages::default()
+            });
             span = Some(match span {
                 None => (replay.started, replay.finished),
                 Some((a, b)) => (a.min(replay.started), b.max(replay.finished)),
@@ -1199,6 +1226,62 @@ impl Shared {
             stats.elapsed_ns = finished.duration_since(started).as_nanos() as u64;
         }
         Ok(stats)
+    }
+
+    /// The recorded fragments of `requests` copied with memcpy between buffers shaped like
+    /// the pools, one thread per context rank, timed from the first copy to the last.
+    fn memcpy(&self, requests: &[u64]) -> Result<BenchStats, String> {
+        let pairs = self.fragments(requests)?;
+        let mut arena = lock(&self.arena);
+        let copied = arena.copy(&pairs).map_err(|e| error_chain(&e))?;
+        Ok(BenchStats {
+            elapsed_ns: copied.finished.duration_since(copied.started).as_nanos() as u64,
+            bytes: copied.bytes,
+            fragments: copied.fragments,
+            puts: copied.fragments,
+            plans: copied.plans,
+            ranks: copied.ranks,
+            stages: Stages {
+                copy_ns: copied.copy_ns,
+                ..Stages::default()
+            },
+        })
+    }
+
+    /// The context side's statistics of `requests`, once every rank here has ended each (a
+    /// request not held here counts nothing).
+    fn outgoing_stats(&self, requests: &[u64]) -> Result<Vec<RequestStats>, String> {
+        let deadline = Instant::now() + self.timeout + REPLAY_GRACE;
+        loop {
+            {
+                let outgoing = lock(&self.outgoing);
+                let mut stats = Vec::with_capacity(requests.len());
+                let mut pending = None;
+                for id in requests {
+                    // Not held: another DP group's (none of its ranks is here), or released.
+                    let Some(out) = outgoing.get(id) else {
+                        stats.push(RequestStats::default());
+                        continue;
+                    };
+                    if !out.pending.is_empty() {
+                        pending = Some(*id);
+                        break;
+                    }
+                    stats.push(out.stats.clone());
+                }
+                match pending {
+                    None => return Ok(stats),
+                    Some(id) if Instant::now() >= deadline => {
+                        return Err(format!(
+                            "request {id} has not ended on every rank here after {} ms",
+                            (self.timeout + REPLAY_GRACE).as_millis()
+                        ));
+                    }
+                    Some(_) => {}
+                }
+            }
+            thread::sleep(Duration::from_millis(1));
+        }
     }
 
     /// The recorded fragments of `requests`, per (context rank, generation rank) pair.

@@ -8,7 +8,7 @@ use std::process::Command;
 
 use kvferry_cli::control::ControlMessage as Message;
 use kvferry_protocol::{encode, read_frame};
-use kvferry_transfer::{BenchStats, PairFragments, PoolFragment};
+use kvferry_transfer::{BenchStats, PairFragments, PoolFragment, RequestStats, Stages};
 use serde_json::Value;
 use support::Kvferry;
 use support::transfer::{REPLY, Server, prefill, release, submit};
@@ -129,10 +129,72 @@ fn positive(v: &Value, key: &str) -> f64 {
     x
 }
 
+/// The stage fields of the report, in seconds.
+const STAGES: [&str; 9] = [
+    "plan_s",
+    "validate_s",
+    "gather_s",
+    "puts_s",
+    "flush_s",
+    "scatter_s",
+    "control_s",
+    "queue_s",
+    "copy_s",
+];
+
+/// A `stages` object: every field a non-negative number of seconds; returns them by name.
+fn stages(v: &Value, at: &str) -> std::collections::BTreeMap<&'static str, f64> {
+    let object = v
+        .as_object()
+        .unwrap_or_else(|| panic!("{at} is not an object: {v}"));
+    assert_eq!(object.len(), STAGES.len(), "{at}: {v}");
+    STAGES
+        .iter()
+        .map(|&k| {
+            let x = v[k]
+                .as_f64()
+                .unwrap_or_else(|| panic!("{at}.{k} missing or not a number: {v}"));
+            assert!(x >= 0.0, "{at}.{k} = {x}");
+            (k, x)
+        })
+        .collect()
+}
+
 fn check_common(v: &Value, transport: &str, planner: &str) {
-    for key in ["ours_gbps", "raw_gbps", "ratio", "mean_fragment_bytes"] {
+    for key in [
+        "ours_gbps",
+        "raw_gbps",
+        "memcpy_gbps",
+        "ratio",
+        "mean_fragment_bytes",
+    ] {
         positive(v, key);
     }
+    // Where the agent path's time went: the planner ran, puts were issued; no bounce path
+    // yet, and no copies on it.
+    let ours = stages(&v["stages"], "stages");
+    assert_eq!(v["stages"], v["ours"]["stages"], "{v}");
+    assert!(ours["plan_s"] > 0.0 && ours["puts_s"] > 0.0, "{v}");
+    assert_eq!(
+        (ours["gather_s"], ours["scatter_s"], ours["copy_s"]),
+        (0.0, 0.0, 0.0)
+    );
+    // The bare loop only puts and flushes; memcpy only copies.
+    let raw = stages(&v["raw"]["stages"], "raw.stages");
+    assert!(raw["puts_s"] > 0.0, "{v}");
+    for k in ["plan_s", "validate_s", "control_s", "queue_s", "copy_s"] {
+        assert_eq!(raw[k], 0.0, "raw.stages.{k}: {v}");
+    }
+    let copy = stages(&v["memcpy"]["stages"], "memcpy.stages");
+    assert!(copy["copy_s"] > 0.0, "{v}");
+    assert!(
+        STAGES
+            .iter()
+            .filter(|&&k| k != "copy_s")
+            .all(|k| copy[k] == 0.0),
+        "{v}"
+    );
+    assert!(v["overhead_per_request_s"].as_f64().is_some(), "{v}");
     let fragments = v["fragments"].as_u64().expect("fragments");
     let bytes = v["bytes"].as_u64().expect("bytes");
     assert!(fragments > 0 && bytes > 0, "{v}");
@@ -149,7 +211,10 @@ fn check_common(v: &Value, transport: &str, planner: &str) {
     );
     assert_eq!(v["verified"], true, "{v}");
     assert!(v["errors"].as_array().is_some_and(Vec::is_empty), "{v}");
-    for path in ["ours", "raw"] {
+    for path in ["ours", "raw", "memcpy"] {
+        let gbps = &v[path]["gbps"];
+        assert!(gbps["min"].as_f64() <= gbps["median"].as_f64(), "{v}");
+        assert!(gbps["median"].as_f64() <= gbps["max"].as_f64(), "{v}");
         let rounds = v[path]["rounds_gbps"].as_array().expect("rounds");
         assert_eq!(rounds.len() as u64, v["rounds"].as_u64().unwrap(), "{v}");
         assert!(rounds.iter().all(|r| r.as_f64().is_some_and(|x| x > 0.0)));
@@ -178,6 +243,45 @@ fn bench_deepseek_shm_reports_both_paths() {
     ]);
     check_common(&v, "shm", MLA);
     assert!(v["perftest_gbps"].is_null(), "{v}");
+}
+
+/// `--requests 1,2` runs the bench once per value: an array of two full reports, in order.
+#[test]
+fn bench_requests_sweep_reports_one_result_per_value() {
+    let v = Kvferry::new()
+        .quiet()
+        .args([
+            "bench",
+            "--model",
+            "deepseek-v3",
+            "--ctx",
+            "dep2",
+            "--gen",
+            "dep2",
+            "--prompt-len",
+            "64",
+            "--requests",
+            "1,2",
+            "--rounds",
+            "1",
+            "--transport",
+            "shm",
+            "--planner",
+            MLA,
+            "--json",
+        ])
+        .json();
+    let runs = v.as_array().unwrap_or_else(|| panic!("not an array: {v}"));
+    assert_eq!(runs.len(), 2, "{v}");
+    for (run, n) in runs.iter().zip([1u64, 2]) {
+        assert_eq!(run["requests"], n, "{run}");
+        check_common(run, "shm", MLA);
+    }
+    // Twice the requests of one shape: twice the bytes.
+    assert_eq!(
+        runs[1]["bytes"].as_u64().unwrap(),
+        2 * runs[0]["bytes"].as_u64().unwrap()
+    );
 }
 
 #[test]
@@ -242,7 +346,7 @@ fn bench_with_perftest_reports_its_bandwidth() {
     );
 }
 
-/// `Bench` and `Fragments` are refused by a context server that does not record plans,
+/// `Bench`, `Fragments` and `Memcpy` are refused by a context server that does not record plans,
 /// naming the flag, and by one that does for a request it does not hold, naming it.
 #[test]
 fn bench_and_fragments_need_a_recording_context_server() {
@@ -250,7 +354,7 @@ fn bench_and_fragments_need_a_recording_context_server() {
     let c = ctx.client();
     let s = submit(1, 64);
     let _ = prefill(&c, &s);
-    let refusal = |c: &kvferry_cli::Client, requests: Vec<u64>| -> [String; 2] {
+    let refusal = |c: &kvferry_cli::Client, requests: Vec<u64>| -> [String; 3] {
         let bench = match c.call(
             Message::Bench {
                 requests: requests.clone(),
@@ -260,11 +364,20 @@ fn bench_and_fragments_need_a_recording_context_server() {
             Ok(Message::BenchDone { result: Err(e) }) => e,
             other => panic!("{other:?}"),
         };
-        let fragments = match c.call(Message::Fragments { requests }, REPLY) {
+        let fragments = match c.call(
+            Message::Fragments {
+                requests: requests.clone(),
+            },
+            REPLY,
+        ) {
             Ok(Message::FragmentsDone { result: Err(e) }) => e,
             other => panic!("{other:?}"),
         };
-        [bench, fragments]
+        let memcpy = match c.call(Message::Memcpy { requests }, REPLY) {
+            Ok(Message::MemcpyDone { result: Err(e) }) => e,
+            other => panic!("{other:?}"),
+        };
+        [bench, fragments, memcpy]
     };
     for e in refusal(&c, vec![1]) {
         assert!(e.contains("--record-plans"), "{e}");
@@ -297,7 +410,56 @@ fn bench_messages_round_trip() {
                 puts: 9,
                 plans: 2,
                 ranks: 2,
+                stages: Stages {
+                    puts_ns: 5,
+                    flush_ns: u64::MAX,
+                    ..Stages::default()
+                },
             }),
+        },
+        Message::Memcpy {
+            requests: vec![0, u64::MAX],
+        },
+        Message::MemcpyDone {
+            result: Ok(BenchStats {
+                elapsed_ns: 1,
+                bytes: 2,
+                fragments: 3,
+                puts: 3,
+                plans: 1,
+                ranks: 1,
+                stages: Stages {
+                    copy_ns: 9,
+                    ..Stages::default()
+                },
+            }),
+        },
+        Message::MemcpyDone {
+            result: Err("fragment 3 outside".into()),
+        },
+        Message::Stats { requests: vec![4] },
+        Message::StatsDone {
+            result: Ok(vec![RequestStats {
+                bytes: 10,
+                fragments: 2,
+                writers: 1,
+                pieces: 1,
+                latency_us: 7,
+                stages: Stages {
+                    plan_ns: 1,
+                    validate_ns: 2,
+                    gather_ns: 3,
+                    puts_ns: 4,
+                    flush_ns: 5,
+                    scatter_ns: 6,
+                    control_ns: 7,
+                    queue_ns: 8,
+                    copy_ns: 9,
+                },
+            }]),
+        },
+        Message::StatsDone {
+            result: Err("request 4 has not ended".into()),
         },
         Message::BenchDone {
             result: Err("not recording".into()),

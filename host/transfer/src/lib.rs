@@ -15,6 +15,7 @@
 //!   allocated by UCX for a host that lets kvferry own it); host or CUDA (module `cuda`, feature `cuda`).
 //! - [`rank`]: one UCX worker and progress thread per rank, executing write jobs.
 //! - [`transport`]: UCX transports and devices; [`conn`]: one connection's writer.
+//! - [`copy`]: the bench's memcpy baseline over buffers shaped like the pools.
 //!
 //! This crate never allocates slots, fills or checks pool contents, or exits the process:
 //! the caller owns which slots a request uses and what they hold, and hears through the
@@ -26,6 +27,7 @@
 pub mod agent;
 pub mod budget;
 pub mod conn;
+pub mod copy;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod memory;
@@ -38,4 +40,4 @@ pub use kvferry_protocol::Role;
 pub use memory::MemoryKind;
 pub use transport::{Transport, TransportSpec, Transports};
 
-pub use outcome::{BenchStats, PairFragments, PoolFragment, RequestStats};
+pub use outcome::{BenchStats, PairFragments, PoolFragment, RequestStats, Stages};

@@ -1,4 +1,4 @@
-//! What a request moved, and the callback that hands its slots back.
+//! What a request moved and where its time went; what the bench's baselines moved.
 
 use serde::{Deserialize, Serialize};
 
@@ -15,6 +15,87 @@ pub struct RequestStats {
     pub pieces: u32,
     /// From the generation server's first `RequestData` to the last completion.
     pub latency_us: u64,
+    /// Where the request's time went, summed over the ranks that report it.
+    pub stages: Stages,
+}
+
+impl RequestStats {
+    /// Adds another rank's part of the same request: counts and stages add up, the latency
+    /// is the longest.
+    pub fn merge(&mut self, other: &RequestStats) {
+        self.bytes += other.bytes;
+        self.fragments += other.fragments;
+        self.writers += other.writers;
+        self.pieces += other.pieces;
+        self.latency_us = self.latency_us.max(other.latency_us);
+        self.stages.merge(&other.stages);
+    }
+}
+
+/// Where one request's time went, in nanoseconds per stage, measured with a few monotonic
+/// clock reads per piece (never per fragment) on the agents that took part, and summed over
+/// the (context rank, generation rank) pairs that write it: pairs run at once, so the sum can
+/// exceed the request's wall time.
+///
+/// Context side, per pair and piece: `plan` (describing both sides' rows and the planner's
+/// `pair`), `validate` (`kvferry_plan::validate`, coalescing included), `puts` (issuing the
+/// puts on the rank thread, waits for a full window included), `flush` (waiting for the
+/// endpoint flush), `queue` (waiting for a planner worker and for the rank thread, where
+/// requests in flight at once line up) and `control`: the rest of the time from the claim
+/// to the completion — the claim and the planner's `targets`, connecting the endpoint, the
+/// completion message. Generation side, per rank: `control` also counts the time from
+/// `expect` until its claims are out and from the last completion to `Received`. What the
+/// messages spend between the processes is in no stage. `gather` and `scatter` are for the
+/// bounce path (one put from a staging region), not built yet: always 0. `copy` is the memcpy
+/// baseline's copying (`kvferry bench`), 0 on the agent path.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stages {
+    /// The planner's `pair`, with describing both sides' rows.
+    pub plan_ns: u64,
+    /// Validation and coalescing of the plan.
+    pub validate_ns: u64,
+    /// Gathering sources into a bounce region (no bounce path yet: 0).
+    pub gather_ns: u64,
+    /// Issuing the puts.
+    pub puts_ns: u64,
+    /// Waiting for the flush that completes them.
+    pub flush_ns: u64,
+    /// Scattering a bounce region into the slots (no bounce path yet: 0).
+    pub scatter_ns: u64,
+    /// Side-channel work: claims, `targets`, connects, completions, `expect` to claim.
+    pub control_ns: u64,
+    /// Waiting for a planner worker or for the rank thread.
+    pub queue_ns: u64,
+    /// memcpy of the fragments (the bench's memcpy baseline only).
+    pub copy_ns: u64,
+}
+
+impl Stages {
+    /// Adds `other`, stage by stage.
+    pub fn merge(&mut self, other: &Stages) {
+        self.plan_ns += other.plan_ns;
+        self.validate_ns += other.validate_ns;
+        self.gather_ns += other.gather_ns;
+        self.puts_ns += other.puts_ns;
+        self.flush_ns += other.flush_ns;
+        self.scatter_ns += other.scatter_ns;
+        self.control_ns += other.control_ns;
+        self.queue_ns += other.queue_ns;
+        self.copy_ns += other.copy_ns;
+    }
+
+    /// Every stage added up.
+    pub fn total_ns(&self) -> u64 {
+        self.plan_ns
+            + self.validate_ns
+            + self.gather_ns
+            + self.puts_ns
+            + self.flush_ns
+            + self.scatter_ns
+            + self.control_ns
+            + self.queue_ns
+            + self.copy_ns
+    }
 }
 
 /// What a context server's bare replay of recorded plans moved, and how long it took
@@ -33,6 +114,23 @@ pub struct BenchStats {
     pub plans: u64,
     /// Context ranks that replayed.
     pub ranks: u32,
+    /// Where the time went, summed over the ranks: `puts` and `flush` for the replay, `copy`
+    /// for the memcpy baseline.
+    pub stages: Stages,
+}
+
+impl BenchStats {
+    /// Adds another server's part of the same run, which ran at the same time: the totals
+    /// add up, the time is the longest.
+    pub fn merge(&mut self, other: &BenchStats) {
+        self.elapsed_ns = self.elapsed_ns.max(other.elapsed_ns);
+        self.bytes += other.bytes;
+        self.fragments += other.fragments;
+        self.puts += other.puts;
+        self.plans += other.plans;
+        self.ranks += other.ranks;
+        self.stages.merge(&other.stages);
+    }
 }
 
 /// One fragment of a recorded plan, relative to the pools it reads and writes: `(source
@@ -73,4 +171,68 @@ pub struct PairFragments {
     pub bytes: u64,
     /// The fragments, plan after plan.
     pub fragments: Vec<PoolFragment>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn merging_adds_counts_and_stages_and_keeps_the_longest_latency() {
+        let stages = |k: u64| Stages {
+            plan_ns: k,
+            validate_ns: 2 * k,
+            gather_ns: 3 * k,
+            puts_ns: 4 * k,
+            flush_ns: 5 * k,
+            scatter_ns: 6 * k,
+            control_ns: 7 * k,
+            queue_ns: 8 * k,
+            copy_ns: 9 * k,
+        };
+        let mut a = RequestStats {
+            bytes: 10,
+            fragments: 2,
+            writers: 1,
+            pieces: 1,
+            latency_us: 50,
+            stages: stages(1),
+        };
+        a.merge(&RequestStats {
+            bytes: 5,
+            fragments: 1,
+            writers: 1,
+            pieces: 2,
+            latency_us: 40,
+            stages: stages(10),
+        });
+        assert_eq!(
+            a,
+            RequestStats {
+                bytes: 15,
+                fragments: 3,
+                writers: 2,
+                pieces: 3,
+                latency_us: 50,
+                stages: stages(11),
+            }
+        );
+        assert_eq!(a.stages.total_ns(), 45 * 11);
+
+        let mut b = BenchStats {
+            elapsed_ns: 7,
+            bytes: 1,
+            fragments: 1,
+            puts: 2,
+            plans: 1,
+            ranks: 1,
+            stages: stages(1),
+        };
+        b.merge(&BenchStats {
+            elapsed_ns: 9,
+            ..b.clone()
+        });
+        assert_eq!((b.elapsed_ns, b.bytes, b.puts, b.ranks), (9, 2, 4, 2));
+        assert_eq!(b.stages, stages(2));
+    }
 }

@@ -145,6 +145,12 @@ pub struct WriteStats {
     pub fragments: u64,
     /// Puts issued (fragments split at [`MAX_PUT_BYTES`]).
     pub puts: u64,
+    /// Nanoseconds spent issuing the puts (waits for a full window included).
+    pub puts_ns: u64,
+    /// Nanoseconds spent waiting for the flush.
+    pub flush_ns: u64,
+    /// Nanoseconds the job held the rank thread: the endpoint and keys, the puts, the flush.
+    pub busy_ns: u64,
 }
 
 /// Why a job did not complete.
@@ -1008,6 +1014,7 @@ impl<'a> Executor<'a> {
     /// Writes one job's plan and flushes. Returns the outcome and, if it gave up with
     /// operations in flight, their window (which holds the endpoint and keys they use).
     fn write(&mut self, job: &WriteJob) -> Written<'a> {
+        let taken = Instant::now();
         let (window, keys) = match self.prepare(job) {
             Ok(Some(conn)) => conn,
             Ok(None) => return (Ok(WriteStats::default()), None),
@@ -1022,7 +1029,12 @@ impl<'a> Executor<'a> {
             started,
             deadline,
         };
-        let result = self.write_plan(&mut window, &mut waiter, &keys, job);
+        let result = self
+            .write_plan(&mut window, &mut waiter, &keys, job)
+            .map(|mut stats| {
+                stats.busy_ns = nanos(taken.elapsed());
+                stats
+            });
         if result.is_err() && !window.is_idle() {
             let hopeless = matches!(
                 result,
@@ -1067,6 +1079,7 @@ impl<'a> Executor<'a> {
         let dest = &*job.dest;
         let pools: &'a RankPools = self.pools;
         let mut stats = WriteStats::default();
+        let issuing = Instant::now();
         for (k, (src, dst, len)) in job.plan.fragments().enumerate() {
             if !dest.alive.load(Ordering::Acquire) {
                 return Err(gone(dest));
@@ -1100,10 +1113,13 @@ impl<'a> Executor<'a> {
             stats.fragments += 1;
             stats.bytes += len;
         }
+        stats.puts_ns = nanos(issuing.elapsed());
         if let Some(hook) = &job.hook {
             hook.before_flush(&job.dest, &job.plan);
         }
+        let flushing = Instant::now();
         waiter.wait(window, PutWindow::flush)?;
+        stats.flush_ns = nanos(flushing.elapsed());
         Ok(stats)
     }
 
@@ -1181,6 +1197,7 @@ impl<'a> Executor<'a> {
         let plans = resolved.len() as u64;
         for plan in resolved {
             let mut window = plan.window.with_deadline(deadline);
+            let issuing = Instant::now();
             let mut outcome = Ok(());
             for put in &plan.puts {
                 outcome = window.put_region(
@@ -1194,9 +1211,11 @@ impl<'a> Executor<'a> {
                     break;
                 }
             }
+            let flushing = Instant::now();
             if outcome.is_ok() {
                 outcome = window.flush();
             }
+            let flushed = Instant::now();
             let dest = &*plan.dest;
             let error = outcome.err().map(|source| {
                 if source.status() == Status::TIMED_OUT {
@@ -1229,7 +1248,10 @@ impl<'a> Executor<'a> {
             written.bytes += plan.bytes;
             written.fragments += plan.fragments;
             written.puts += plan.puts.len() as u64;
+            written.puts_ns += nanos(flushing.duration_since(issuing));
+            written.flush_ns += nanos(flushed.duration_since(flushing));
         }
+        written.busy_ns = nanos(started.elapsed());
         Ok(ReplayStats {
             started,
             finished: Instant::now(),
@@ -1269,6 +1291,11 @@ impl Drop for Executor<'_> {
             unsafe { window.abandon() };
         }
     }
+}
+
+/// `d` in whole nanoseconds (saturating: 584 years).
+pub(crate) fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// Runs window operations under a job's deadline, rechecking the receiver's registration

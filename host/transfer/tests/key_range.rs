@@ -180,13 +180,11 @@ fn vet_accepts_a_correct_declaration_and_the_write_lands() {
     unsafe { sender.pools.write(0, 0, &bytes) }.unwrap();
     let at = receiver.keys[0].base + 4096;
     let (result, released) = write(&sender, dest, plan(&sender, at, 4096));
+    let written = result.expect("write");
     assert_eq!(
-        result.expect("write"),
-        WriteStats {
-            bytes: 4096,
-            fragments: 1,
-            puts: 1
-        }
+        (written.bytes, written.fragments, written.puts),
+        (4096, 1, 1),
+        "{written:?}"
     );
     assert!(released);
     let mut landed = vec![0; 4096];

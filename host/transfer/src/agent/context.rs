@@ -19,9 +19,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use kvferry_plan::{RequestSide, ValidatedPlan, error_chain, plan_transfer};
+use kvferry_plan::{PlanFailure, RequestSide, ValidatedPlan, error_chain};
 use kvferry_planner_abi::ffi::ROption;
-use kvferry_planner_abi::{PairRequest, RankInfo, SlotTable};
+use kvferry_planner_abi::{PairRequest, RankInfo, SlotTable, TransferPlanner};
 use kvferry_protocol::{
     AgentEvent, AgentMessage, AgentSession, Completion, CompletionStatus, PeerIdentity,
     RequestData, encode, read_frame,
@@ -30,7 +30,8 @@ use kvferry_protocol::{
 use super::events::{Event, FailureKind};
 use super::{CallError, HANDSHAKE_TIMEOUT, Inner, Send, lock, nonce};
 use crate::conn::{Outbox, drain, spawn_writer};
-use crate::rank::{PeerId, RemoteRank, WriteJob};
+use crate::outcome::Stages;
+use crate::rank::{PeerId, RemoteRank, WriteJob, nanos};
 use crate::stash::{Stash, request_data_bytes};
 
 /// How long a claim for a request not sent yet is kept at most (the lease bounds it too).
@@ -79,6 +80,10 @@ struct Claim {
     ok: bool,
     /// The receiver cancelled it.
     cancelled: bool,
+    /// When its `RequestData` was taken up (after the send, if it came first).
+    arrived: Instant,
+    /// Where its time went so far (`control` is filled in when it ends).
+    stages: Stages,
 }
 
 #[derive(Debug)]
@@ -96,6 +101,8 @@ pub(crate) struct OutReq {
     cancelled: bool,
     failure: Option<(Option<String>, FailureKind, String)>,
     bytes: u64,
+    /// The stages of its claims that ended well, summed.
+    stages: Stages,
 }
 
 #[derive(Debug)]
@@ -509,6 +516,7 @@ pub(crate) fn send(inner: &Arc<Inner>, s: Send) -> Result<(), CallError> {
                         cancelled: false,
                         failure: None,
                         bytes: 0,
+                        stages: Stages::default(),
                     },
                 );
                 state.stash.take(id)
@@ -619,6 +627,7 @@ fn request_data(inner: &Arc<Inner>, conn: &Arc<GenConn>, data: RequestData) {
 
 /// Binds a claim to a sent request (or refuses it), then plans what is due.
 fn claim(inner: &Arc<Inner>, conn: &Arc<GenConn>, data: RequestData) {
+    let arrived = Instant::now();
     let id = data.request;
     let (c, g) = (data.sender_rank, data.receiver_rank);
     let refusal = {
@@ -709,6 +718,8 @@ fn claim(inner: &Arc<Inner>, conn: &Arc<GenConn>, data: RequestData) {
                 ended: false,
                 ok: false,
                 cancelled: false,
+                arrived,
+                stages: Stages::default(),
             },
         );
     }
@@ -749,8 +760,9 @@ fn pump(inner: &Arc<Inner>, id: u64) {
         let deadline = inner.planning.deadline();
         let planner_id = inner.bound.id().to_string();
         let hung_conn = Arc::clone(&conn);
+        let submitted = Instant::now();
         inner.planning.submit(
-            Box::new(move || plan_and_queue(&worker, id, g, &conn, &data, chunks)),
+            Box::new(move || plan_and_queue(&worker, id, g, &conn, &data, chunks, submitted)),
             Box::new(move || {
                 let reason = format!(
                     "planner {planner_id} did not return within {} ms while planning request {id}",
@@ -785,8 +797,13 @@ fn plan_and_queue(
     conn: &Arc<GenConn>,
     data: &RequestData,
     chunks: Vec<(usize, Arc<Vec<SlotTable>>, PairRequest)>,
+    submitted: Instant,
 ) {
     let _span = tracing::debug_span!("plan", request = id, peer = %conn.name()).entered();
+    let mut stages = Stages {
+        queue_ns: nanos(submitted.elapsed()),
+        ..Stages::default()
+    };
     let mut plans: Vec<(usize, bool, Arc<ValidatedPlan>)> = Vec::with_capacity(chunks.len());
     let mut error = None;
     for (k, tables, piece) in &chunks {
@@ -801,7 +818,7 @@ fn plan_and_queue(
             slot_tables: &data.slot_tables,
             excluded: &data.excluded_views,
         };
-        match plan_transfer(inner.planner.as_ref(), me, them, &piece) {
+        match plan_timed(inner.planner.as_ref(), me, them, &piece, &mut stages) {
             Ok(plan) => plans.push((*k, piece.is_last, Arc::new(plan))),
             Err(e) => {
                 error = Some((*k as u32, format!("piece {k}: {}", error_chain(&e))));
@@ -820,6 +837,7 @@ fn plan_and_queue(
             return;
         };
         claim.planning = false;
+        claim.stages.merge(&stages);
         if !live || claim.ended || claim.cancelled {
             drop(state);
             settle(inner, id);
@@ -840,6 +858,29 @@ fn plan_and_queue(
     pump(inner, id);
 }
 
+/// [`kvferry_plan::plan_transfer`] step by step, timed between the steps: describing both
+/// sides' rows and the planner's `pair` count as `plan`, validation and coalescing as
+/// `validate`. It must take the same steps as `plan_transfer`.
+fn plan_timed(
+    planner: &dyn TransferPlanner,
+    me: RequestSide<'_>,
+    them: RequestSide<'_>,
+    piece: &PairRequest,
+    stages: &mut Stages,
+) -> Result<ValidatedPlan, PlanFailure> {
+    let started = Instant::now();
+    let my_rows = me.rows().map_err(PlanFailure::DescribeLocal)?;
+    let peer_rows = them.rows().map_err(PlanFailure::DescribePeer)?;
+    let plan = planner
+        .pair(me.info, them.info, &my_rows, &peer_rows, piece)
+        .map_err(PlanFailure::Planner)?;
+    let paired = Instant::now();
+    stages.plan_ns += nanos(paired.duration_since(started));
+    let plan = kvferry_plan::validate(plan, &my_rows, &peer_rows)?;
+    stages.validate_ns += nanos(paired.elapsed());
+    Ok(plan)
+}
+
 fn queue(
     inner: &Arc<Inner>,
     id: u64,
@@ -856,6 +897,7 @@ fn queue(
     if inner.config.record_plans {
         lock(&inner.recorded).record(id, &conn.remote, &plan);
     }
+    let queued = Instant::now();
     inner.thread.write(WriteJob {
         request: id,
         dest: Arc::clone(&conn.remote),
@@ -890,6 +932,12 @@ fn queue(
                 if claim.ended {
                     return;
                 }
+                if let Ok(s) = &result {
+                    // Its wait for the rank thread: the job's time there, less its own work.
+                    claim.stages.queue_ns += nanos(queued.elapsed()).saturating_sub(s.busy_ns);
+                    claim.stages.puts_ns += s.puts_ns;
+                    claim.stages.flush_ns += s.flush_ns;
+                }
                 let _ = done_conn.outbox.send(AgentMessage::Completion(Completion {
                     request: id,
                     sender_rank: c,
@@ -905,6 +953,12 @@ fn queue(
                 if ends {
                     claim.ended = true;
                     claim.ok = ok;
+                    if ok {
+                        let mut stages = claim.stages;
+                        stages.control_ns =
+                            nanos(claim.arrived.elapsed()).saturating_sub(stages.total_ns());
+                        req.stages.merge(&stages);
+                    }
                 }
                 if let (CompletionStatus::Failed(reason), None) = (&status, &req.failure) {
                     req.failure = Some((
@@ -1008,6 +1062,7 @@ fn settle(inner: &Arc<Inner>, id: u64) {
             Some(Event::Sent {
                 request: id,
                 bytes: req.bytes,
+                stages: req.stages,
             })
         } else if all_ended && !req.claims.is_empty() && req.claims.values().any(|c| !c.ok) {
             let peer = req.claims.values().find(|c| !c.ok).map(|c| c.conn.name());

@@ -4,7 +4,7 @@ use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Mutex;
 
-use crate::outcome::RequestStats;
+use crate::outcome::{RequestStats, Stages};
 
 /// Why a request failed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, strum::Display, strum::AsRefStr)]
@@ -44,6 +44,8 @@ pub enum Event {
         request: u64,
         /// Bytes written to all receivers.
         bytes: u64,
+        /// Where its time went on this rank (see [`crate::outcome::Stages`]).
+        stages: Stages,
     },
     /// Decode side: every expected writer's last piece landed.
     Received {

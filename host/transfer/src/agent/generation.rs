@@ -27,8 +27,8 @@ use kvferry_protocol::{
 use super::events::{Event, FailureKind};
 use super::{CONNECT_TIMEOUT, CallError, HANDSHAKE_TIMEOUT, Inner, lock, nonce};
 use crate::conn::{Outbox, spawn_writer};
-use crate::outcome::RequestStats;
-use crate::rank::PeerId;
+use crate::outcome::{RequestStats, Stages};
+use crate::rank::{PeerId, nanos};
 
 /// A request this decode rank expects ([`super::Agent::expect`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -87,6 +87,10 @@ pub(crate) struct InReq {
     expected: Option<BTreeMap<u32, u64>>,
     /// Every writer finished before `expected` was known: the stats wait for the check.
     finished: Option<RequestStats>,
+    /// From `expect` until every claim was handed to its link (0 until then).
+    claims_ns: u64,
+    /// When the last completion came, if the stats wait for the check.
+    completed_at: Option<Instant>,
 }
 
 #[derive(Debug, Default)]
@@ -407,6 +411,8 @@ pub(crate) fn expect(inner: &Arc<Inner>, e: Expect) -> Result<(), CallError> {
             reported: BTreeMap::new(),
             expected: None,
             finished: None,
+            claims_ns: 0,
+            completed_at: None,
         });
     }
     let worker = Arc::clone(inner);
@@ -471,6 +477,9 @@ fn dispatch(inner: &Arc<Inner>, e: Expect) {
                     );
                 }
             }
+            if let Some(req) = lock(&inner.decode).requests.get_mut(&id) {
+                req.claims_ns = nanos(req.started.elapsed());
+            }
             // While the writers write: what each must write, by this rank's own plan.
             let (expected, overlap) = expected_bytes(inner, &e, &asked);
             if let Some(detail) = overlap {
@@ -486,8 +495,11 @@ fn dispatch(inner: &Arc<Inner>, e: Expect) {
                     Some(req) => {
                         req.expected = Some(expected);
                         match req.finished.take() {
-                            Some(stats) => match byte_mismatch(req) {
+                            Some(mut stats) => match byte_mismatch(req) {
                                 None => {
+                                    // The wait for this rank's own plan of the request.
+                                    stats.stages.control_ns +=
+                                        req.completed_at.map_or(0, |at| nanos(at.elapsed()));
                                     state.requests.remove(&id);
                                     Some(Event::Received { request: id, stats })
                                 }
@@ -653,9 +665,14 @@ fn completion(inner: &Arc<Inner>, link: &Arc<Link>, c: Completion) {
                     writers: totals.writers,
                     pieces: totals.pieces,
                     latency_us: req.started.elapsed().as_micros() as u64,
+                    stages: Stages {
+                        control_ns: req.claims_ns,
+                        ..Stages::default()
+                    },
                 };
                 if req.expected.is_none() {
                     req.finished = Some(stats);
+                    req.completed_at = Some(Instant::now());
                     None
                 } else if let Some((peer, detail)) = byte_mismatch(req) {
                     req.failure = Some((Some(peer), FailureKind::Protocol, detail));
