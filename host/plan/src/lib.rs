@@ -391,7 +391,7 @@ impl ExactSizeIterator for Fragments<'_> {}
 /// Plans one piece of a request from `me` (the sender) to `peer`: describes both sides with
 /// the default describer, asks `planner.pair_compressed` (then `planner.pair` when it has no
 /// compressed plan), then validates ([`validate_compressed`] or [`validate`]) and coalesces
-/// the result.
+/// the result: [`pair_piece`] then [`Planned::validate`].
 ///
 /// # Errors
 ///
@@ -402,18 +402,68 @@ pub fn plan_transfer(
     peer: RequestSide<'_>,
     request: &PairRequest,
 ) -> Result<ValidatedPlan, PlanFailure> {
+    Ok(pair_piece(planner, me, peer, request)?.validate()?)
+}
+
+/// What a planner answered for one piece, not yet validated, with the rows both sides
+/// described: the first half of [`plan_transfer`], for a host that times the two halves.
+#[derive(Debug)]
+pub struct Planned {
+    plan: PlanForm,
+    my_rows: Vec<LayerGroupRows>,
+    peer_rows: Vec<LayerGroupRows>,
+}
+
+#[derive(Debug)]
+enum PlanForm {
+    Flat(TransferPlan),
+    Compressed(kvferry_planner_abi::CompressedPlan),
+}
+
+impl Planned {
+    /// Validates and coalesces the plan (see [`validate`] and [`validate_compressed`]).
+    ///
+    /// # Errors
+    ///
+    /// The first broken rule.
+    pub fn validate(self) -> Result<ValidatedPlan, PlanRejected> {
+        match self.plan {
+            PlanForm::Flat(plan) => validate(plan, &self.my_rows, &self.peer_rows),
+            PlanForm::Compressed(plan) => validate_compressed(plan, &self.my_rows, &self.peer_rows),
+        }
+    }
+}
+
+/// Describes both sides and asks the planner for one piece (compressed first, then flat),
+/// without validating: see [`plan_transfer`].
+///
+/// # Errors
+///
+/// A describer refusal on either side, or a planner error.
+pub fn pair_piece(
+    planner: &dyn TransferPlanner,
+    me: RequestSide<'_>,
+    peer: RequestSide<'_>,
+    request: &PairRequest,
+) -> Result<Planned, PlanFailure> {
     let my_rows = me.rows().map_err(PlanFailure::DescribeLocal)?;
     let peer_rows = peer.rows().map_err(PlanFailure::DescribePeer)?;
     let compressed = planner
         .pair_compressed(me.info, peer.info, &my_rows, &peer_rows, request)
         .map_err(PlanFailure::Planner)?;
-    if let Some(plan) = compressed {
-        return Ok(validate_compressed(plan, &my_rows, &peer_rows)?);
-    }
-    let plan = planner
-        .pair(me.info, peer.info, &my_rows, &peer_rows, request)
-        .map_err(PlanFailure::Planner)?;
-    Ok(validate(plan, &my_rows, &peer_rows)?)
+    let plan = match compressed {
+        Some(plan) => PlanForm::Compressed(plan),
+        None => PlanForm::Flat(
+            planner
+                .pair(me.info, peer.info, &my_rows, &peer_rows, request)
+                .map_err(PlanFailure::Planner)?,
+        ),
+    };
+    Ok(Planned {
+        plan,
+        my_rows,
+        peer_rows,
+    })
 }
 
 /// Checks `plan` against the rows of both sides (see the module's rules) and coalesces it.

@@ -858,9 +858,9 @@ fn plan_and_queue(
     pump(inner, id);
 }
 
-/// [`kvferry_plan::plan_transfer`] step by step, timed between the steps: describing both
-/// sides' rows and the planner's `pair` count as `plan`, validation and coalescing as
-/// `validate`. It must take the same steps as `plan_transfer`.
+/// [`kvferry_plan::plan_transfer`] in its two halves, timed: describing both sides' rows and
+/// the planner's call ([`kvferry_plan::pair_piece`]) count as `plan`, validation and
+/// coalescing as `validate`.
 fn plan_timed(
     planner: &dyn TransferPlanner,
     me: RequestSide<'_>,
@@ -869,14 +869,10 @@ fn plan_timed(
     stages: &mut Stages,
 ) -> Result<ValidatedPlan, PlanFailure> {
     let started = Instant::now();
-    let my_rows = me.rows().map_err(PlanFailure::DescribeLocal)?;
-    let peer_rows = them.rows().map_err(PlanFailure::DescribePeer)?;
-    let plan = planner
-        .pair(me.info, them.info, &my_rows, &peer_rows, piece)
-        .map_err(PlanFailure::Planner)?;
+    let planned = kvferry_plan::pair_piece(planner, me, them, piece)?;
     let paired = Instant::now();
     stages.plan_ns += nanos(paired.duration_since(started));
-    let plan = kvferry_plan::validate(plan, &my_rows, &peer_rows)?;
+    let plan = planned.validate()?;
     stages.validate_ns += nanos(paired.elapsed());
     Ok(plan)
 }
