@@ -295,59 +295,69 @@ impl LoadedPlanner {
     }
 }
 
+/// The [`TransferPlanner`] methods a loaded planner forwards to its vtable (`self.inner`),
+/// whichever interface version that vtable has: shared by [`LoadedPlanner`] and the 0.2.0
+/// one in `legacy`.
+macro_rules! forward_to_vtable {
+    () => {
+        fn describe(&self) -> Result<Vec<u8>, PlanError> {
+            self.inner.describe().into_result().map(RVec::into_vec)
+        }
+
+        fn check_peer(&self, me: &RankInfo, peer: &RankInfo) -> Result<(), PlanError> {
+            self.inner.check_peer(me, peer).into_result()
+        }
+
+        fn targets(
+            &self,
+            me: &RankInfo,
+            peer: &RankInfo,
+            peer_dp_rank: u32,
+        ) -> Result<PeerTargets, PlanError> {
+            self.inner.targets(me, peer, peer_dp_rank).into_result()
+        }
+
+        fn pair(
+            &self,
+            me: &RankInfo,
+            peer: &RankInfo,
+            my_rows: &[LayerGroupRows],
+            peer_rows: &[LayerGroupRows],
+            request: &PairRequest,
+        ) -> Result<TransferPlan, PlanError> {
+            self.inner
+                .pair(
+                    me,
+                    peer,
+                    RSlice::from_slice(my_rows),
+                    RSlice::from_slice(peer_rows),
+                    request,
+                )
+                .into_result()
+        }
+
+        fn receiver_payload_bytes(
+            &self,
+            me: &RankInfo,
+            peer: &RankInfo,
+            slot_tables: &[SlotTable],
+        ) -> Result<u64, PlanError> {
+            self.inner
+                .receiver_payload_bytes(me, peer, RSlice::from_slice(slot_tables))
+                .into_result()
+        }
+
+        fn forget_peer(&self, peer: &RankInfo) {
+            // A panic inside forget_peer has already been caught and reported as an error; the
+            // caches it failed to drop are the planner's own concern.
+            let _ = self.inner.forget_peer(peer);
+        }
+    };
+}
+pub(crate) use forward_to_vtable;
+
 impl TransferPlanner for LoadedPlanner {
-    fn describe(&self) -> Result<Vec<u8>, PlanError> {
-        self.inner.describe().into_result().map(RVec::into_vec)
-    }
-
-    fn check_peer(&self, me: &RankInfo, peer: &RankInfo) -> Result<(), PlanError> {
-        self.inner.check_peer(me, peer).into_result()
-    }
-
-    fn targets(
-        &self,
-        me: &RankInfo,
-        peer: &RankInfo,
-        peer_dp_rank: u32,
-    ) -> Result<PeerTargets, PlanError> {
-        self.inner.targets(me, peer, peer_dp_rank).into_result()
-    }
-
-    fn pair(
-        &self,
-        me: &RankInfo,
-        peer: &RankInfo,
-        my_rows: &[LayerGroupRows],
-        peer_rows: &[LayerGroupRows],
-        request: &PairRequest,
-    ) -> Result<TransferPlan, PlanError> {
-        self.inner
-            .pair(
-                me,
-                peer,
-                RSlice::from_slice(my_rows),
-                RSlice::from_slice(peer_rows),
-                request,
-            )
-            .into_result()
-    }
-
-    fn receiver_payload_bytes(
-        &self,
-        me: &RankInfo,
-        peer: &RankInfo,
-        slot_tables: &[SlotTable],
-    ) -> Result<u64, PlanError> {
-        self.inner
-            .receiver_payload_bytes(me, peer, RSlice::from_slice(slot_tables))
-            .into_result()
-    }
-
-    fn forget_peer(&self, peer: &RankInfo) {
-        // A panic inside forget_peer has already been caught and reported as an error; the
-        // caches it failed to drop are the planner's own concern.
-        let _ = self.inner.forget_peer(peer);
-    }
+    forward_to_vtable!();
 
     fn pair_compressed(
         &self,
