@@ -374,3 +374,49 @@ fn racing_submits_of_one_id_take_one_and_leak_nothing() {
     // Every slot came back: another request of 44 blocks is served.
     exchange(&ctx, &r#gen, &[submit(8, 1400)]);
 }
+
+/// Two writers whose plans fill the same bytes of the receiver's slots (and leave the rest
+/// unwritten) pass every writer's own checks and the receiver's byte count: the receiver
+/// compares its plans of all the writers and refuses the request, naming both writers,
+/// instead of reporting it received (`tests/fixtures/colliding-writers`).
+#[test]
+fn a_receiver_refuses_writers_whose_plans_overlap() {
+    let fixtures = kvferry_testkit::conformance::build_out_of_tree("tests/fixtures");
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        fixtures.join("libfixture_colliding_writers.so"),
+        dir.path().join("libfixture_colliding_writers.so"),
+    )
+    .unwrap();
+    let out = support::Kvferry::new()
+        .plugin_dir(dir.path())
+        .planner("fixture.colliding_writers")
+        .args([
+            "demo",
+            "--model",
+            "llama-3-70b",
+            "--ctx",
+            "tp2",
+            "--gen",
+            "tp1",
+            "--requests",
+            "1",
+            "--prompt-len",
+            "64",
+            "--timeout-ms",
+            "5000",
+            "--json",
+        ])
+        .output();
+    assert!(!out.status.success());
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+    assert_eq!(report["failed"], 1, "{report}");
+    assert_eq!(report["bytes"], 0, "{report}");
+    let errors = report["errors"].to_string();
+    assert!(
+        errors.contains("rank 0 and ") && errors.contains("rank 1 both write"),
+        "{errors}"
+    );
+    assert!(errors.contains("refusing the request"), "{errors}");
+}
