@@ -287,30 +287,22 @@ fn check_overlap(
             continue;
         }
         // Merge the footprints of the patterns sharing this row.
-        let mut merged: Vec<(u64, u64, usize, u32)> = bucket
+        let mut merged: Vec<(u64, u64, u32, u32)> = bucket
             .iter()
             .enumerate()
             .flat_map(|(b, &(p, _))| {
                 footprints[p as usize]
                     .iter()
-                    .map(move |&(o, e, f)| (o, e, b, f))
+                    .map(move |&(o, e, f)| (o, e, b as u32, f))
             })
             .collect();
         merged.sort_unstable();
-        let mut reach: Option<(u64, usize, u32)> = None;
-        for &(o, e, b, f) in &merged {
-            if let Some((end, rb, rf)) = reach {
-                if o < end {
-                    let at = |b: usize, f: u32| {
-                        let (p, k) = bucket[b];
-                        (p as usize, k as usize, f as usize)
-                    };
-                    return Err(overlap((at(rb, rf), at(b, f))));
-                }
-            }
-            if reach.is_none_or(|(end, _, _)| e > end) {
-                reach = Some((e, b, f));
-            }
+        if let Some(((rb, rf), (b, f), _)) = first_cross_overlap(&merged) {
+            let at = |b: u32, f: u32| {
+                let (p, k) = bucket[b as usize];
+                (p as usize, k as usize, f as usize)
+            };
+            return Err(overlap((at(rb, rf), at(b, f))));
         }
         checked.insert(set);
     }
@@ -517,55 +509,64 @@ fn overlapping_patterns(plans: &[&[Resolved]]) -> Option<WriterOverlap> {
         if !checked.insert(landing.clone()) {
             continue;
         }
-        let mut spans: Vec<(u64, u64, u32)> = landing
+        let mut spans: Vec<(u64, u64, u32, u32)> = landing
             .iter()
             .flat_map(|&(w, p)| {
                 plans[w as usize][p as usize]
                     .frags
                     .iter()
-                    .map(move |&(_, o, n)| (o, o + n, w))
+                    .map(move |&(_, o, n)| (o, o + n, w, 0))
             })
             .collect();
         spans.sort_unstable();
         if let Some(found) = first_cross_overlap(&spans) {
-            return Some(WriterOverlap {
-                address: row + found.address,
-                ..found
-            });
+            return Some(writer_overlap(found, row));
         }
     }
     None
 }
 
 fn overlapping_ranges(plans: &[&ValidatedPlan]) -> Option<WriterOverlap> {
-    let mut spans: Vec<(u64, u64, u32)> = plans
+    let mut spans: Vec<(u64, u64, u32, u32)> = plans
         .iter()
         .enumerate()
-        .flat_map(|(w, p)| p.fragments().map(move |(_, d, n)| (d, d + n, w as u32)))
+        .flat_map(|(w, p)| p.fragments().map(move |(_, d, n)| (d, d + n, w as u32, 0)))
         .collect();
     spans.sort_unstable();
-    first_cross_overlap(&spans)
+    first_cross_overlap(&spans).map(|found| writer_overlap(found, 0))
 }
 
-/// The first overlap between spans of two different writers, in sorted `(start, end,
-/// writer)` spans; `address` is where it starts.
-fn first_cross_overlap(spans: &[(u64, u64, u32)]) -> Option<WriterOverlap> {
-    // The furthest-reaching span so far.
-    let mut reach: Option<(u64, u32)> = None;
-    for &(start, end, w) in spans {
-        if let Some((r_end, r_w)) = reach {
-            if start < r_end && r_w != w {
-                let (first, second) = (r_w.min(w) as usize, r_w.max(w) as usize);
-                return Some(WriterOverlap {
-                    first,
-                    second,
-                    address: start,
-                    len: end.min(r_end) - start,
-                });
+/// The overlap of [`first_cross_overlap`] between two writers' spans, at `base` + its start.
+fn writer_overlap(((a, _), (b, _), (start, len)): Overlap, base: u64) -> WriterOverlap {
+    WriterOverlap {
+        first: a.min(b) as usize,
+        second: a.max(b) as usize,
+        address: base + start,
+        len,
+    }
+}
+
+/// Two `(group, tag)`s whose spans overlap, and where and for how long.
+type Overlap = ((u32, u32), (u32, u32), (u64, u64));
+
+/// The first overlap between spans of two different groups, in sorted `(start, end, group,
+/// tag)` spans whose spans inside one group are disjoint: the furthest-reaching span so far
+/// and the one starting before its end. When the furthest-reaching span belongs to the
+/// current span's group, no earlier span can reach into the current one.
+fn first_cross_overlap(spans: &[(u64, u64, u32, u32)]) -> Option<Overlap> {
+    let mut reach: Option<(u64, u32, u32)> = None;
+    for &(start, end, group, tag) in spans {
+        if let Some((r_end, r_group, r_tag)) = reach {
+            if start < r_end && r_group != group {
+                return Some((
+                    (r_group, r_tag),
+                    (group, tag),
+                    (start, end.min(r_end) - start),
+                ));
             }
         }
-        if reach.is_none_or(|(r_end, _)| end > r_end) {
-            reach = Some((end, w));
+        if reach.is_none_or(|(r_end, _, _)| end > r_end) {
+            reach = Some((end, group, tag));
         }
     }
     None
