@@ -66,6 +66,7 @@ fn instance_info() -> InstanceInfo {
                     .collect(),
                 info,
                 worker_address: vec![9; 145],
+                bounce: None,
             })
             .collect(),
     }
@@ -94,6 +95,7 @@ fn every_peer_message() -> Vec<PeerMessage> {
             prompt_len: 90,
             dst_start_token: Some(64),
             excluded_views: vec![ViewId { group: 1, view: 0 }],
+            bounce: None,
         }),
         PeerMessage::Completion(Completion {
             request: 7,
@@ -104,6 +106,7 @@ fn every_peer_message() -> Vec<PeerMessage> {
             bytes: 1 << 40,
             fragments: 12,
             status: CompletionStatus::Failed("flush failed".into()),
+            bounce: None,
         }),
         PeerMessage::Cancel {
             request: 7,

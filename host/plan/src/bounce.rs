@@ -289,3 +289,68 @@ pub fn reserve(
         extra,
     })
 }
+
+// ---------------------------------------------------------------------------------------
+// The packed image of a bounced piece.
+
+/// The sender's gather list for a bounced piece: its plan's fragments `(src, dst, len)` in
+/// ascending destination order. Copied one after another they make the piece's *packed
+/// image*: the destination bytes the piece writes, in address order, with nothing between.
+///
+/// The image depends only on the set of destination bytes, not on how a plan orders or cuts
+/// its fragments, so a receiver that plans the same piece itself (with stand-in sources,
+/// [`stand_in_tables`]) scatters it with [`scatter_runs`] without trusting anything the
+/// sender says about where bytes go. Fragments of one validated plan never overlap in their
+/// destinations, so the order is total.
+pub fn gather_list(plan: &crate::ValidatedPlan) -> Vec<(u64, u64, u64)> {
+    let mut list: Vec<(u64, u64, u64)> = plan.fragments().collect();
+    list.sort_unstable_by_key(|&(_, dst, _)| dst);
+    list
+}
+
+/// The receiver's scatter runs for a bounced piece: the destination ranges `(address, len)`
+/// its own plan of the piece writes, ascending and merged where they touch. The packed image
+/// ([`gather_list`]) is their concatenation.
+pub fn scatter_runs(plan: &crate::ValidatedPlan) -> Vec<(u64, u64)> {
+    let mut runs: Vec<(u64, u64)> = plan.fragments().map(|(_, dst, len)| (dst, len)).collect();
+    runs.sort_unstable_by_key(|&(dst, _)| dst);
+    let mut merged: Vec<(u64, u64)> = Vec::with_capacity(runs.len());
+    for (dst, len) in runs {
+        match merged.last_mut() {
+            Some((at, n)) if *at + *n == dst => *n += len,
+            _ => merged.push((dst, len)),
+        }
+    }
+    merged
+}
+
+/// Stand-in slot tables of a sender whose real ones a receiver does not know: for every
+/// layer group of `sender`'s page table, one slot per block of a `prompt_len`-token prompt
+/// (paged groups) or one slot (state groups), numbered from 0 and wrapped at the smallest
+/// pool of the group. A plan made with them writes the same destination bytes as the
+/// sender's real plan (planners choose destinations from the receiver's tables and the
+/// token range, and the sender's slots only as sources), so a receiver uses them to check
+/// a writer's byte count and to scatter its bounced pieces.
+pub fn stand_in_tables(sender: &PageTable, prompt_len: u64) -> Vec<SlotTable> {
+    let blocks = prompt_len.div_ceil(u64::from(sender.tokens_per_block.max(1)));
+    sender
+        .groups
+        .iter()
+        .map(|g| {
+            let slots = g
+                .views
+                .iter()
+                .filter_map(|v| sender.pools.get(v.pool as usize))
+                .map(|p| p.num_slots)
+                .min()
+                .unwrap_or(1)
+                .max(1);
+            let n = if g.kind == GroupKind::PAGED {
+                blocks
+            } else {
+                1
+            };
+            SlotTable::new((0..n).map(|i| (i % slots) as i64))
+        })
+        .collect()
+}

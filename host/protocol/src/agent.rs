@@ -666,6 +666,7 @@ mod tests {
             prompt_len: 1,
             dst_start_token: None,
             excluded_views: Vec::new(),
+            bounce: None,
         }
     }
 }

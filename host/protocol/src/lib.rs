@@ -60,7 +60,7 @@ use serde::{Deserialize, Serialize};
 
 /// The protocol version this build speaks; a frame of any other version is refused.
 /// 2: the peer and control message families were split (each with its own magic).
-pub const PROTOCOL_VERSION: u16 = 2;
+pub const PROTOCOL_VERSION: u16 = 3;
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 10;
 /// The largest frame body accepted or sent: 64 MiB.
@@ -201,6 +201,9 @@ pub struct RankDescriptor {
     pub worker_address: Vec<u8>,
     /// One key per pool of `info.page_table.pools`, in order.
     pub pools: Vec<PoolKey>,
+    /// A generation rank's bounce arena, if it has one: writers put bounced pieces into
+    /// the regions of it that [`RequestData::bounce`] offers.
+    pub bounce: Option<PoolKey>,
 }
 
 /// Everything an instance advertises about itself.
@@ -243,6 +246,29 @@ pub struct RequestData {
     pub dst_start_token: Option<u64>,
     /// Receiver views that must not be written.
     pub excluded_views: Vec<ViewId>,
+    /// A region of the receiver's bounce arena reserved for this request, if it offers one.
+    pub bounce: Option<BounceOffer>,
+}
+
+/// A region of a receiver's bounce arena ([`RankDescriptor::bounce`]) that one writer may
+/// fill with the packed images of its pieces of one request, one after another from the
+/// region's start (`transfer-semantics.md` §9).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BounceOffer {
+    /// Where the region starts, in bytes from the arena's base.
+    pub offset: u64,
+    /// Its length.
+    pub len: u64,
+}
+
+/// Where a bounced piece's packed image was put: the receiver scatters it by its own plan
+/// of the piece.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BouncedPiece {
+    /// Bytes from the offered region's start.
+    pub offset: u64,
+    /// The tokens the piece covers (the receiver plans them to know where its bytes go).
+    pub tokens: TokenRange,
 }
 
 /// How one piece of a sender's work ended.
@@ -273,6 +299,9 @@ pub struct Completion {
     pub fragments: u64,
     /// The outcome.
     pub status: CompletionStatus,
+    /// Set when the piece went through the receiver's bounce region instead of straight
+    /// into its slots: `bytes` is then the packed image's length.
+    pub bounce: Option<BouncedPiece>,
 }
 
 /// A family of messages with its own frame magic.

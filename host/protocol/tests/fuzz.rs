@@ -110,6 +110,7 @@ fn rank_infos() -> Vec<RankDescriptor> {
                 len: 1 << 20,
                 rkey: vec![0xab; 40],
             }],
+            bounce: None,
         })
         .collect()
 }
@@ -175,6 +176,7 @@ fn request_data() -> impl Strategy<Value = RequestData> {
                         .into_iter()
                         .map(|(group, view)| ViewId { group, view })
                         .collect(),
+                    bounce: None,
                 }
             },
         )
@@ -205,6 +207,7 @@ fn completion() -> impl Strategy<Value = Completion> {
                     bytes,
                     fragments,
                     status,
+                    bounce: None,
                 }
             },
         )

@@ -36,6 +36,7 @@ fn instance(name: &str, role: Role, ranks: u32) -> InstanceInfo {
                 info: deploy.rank(&model, r),
                 worker_address: vec![r as u8; 8],
                 pools: Vec::new(),
+                bounce: None,
             })
             .collect(),
     }
@@ -52,6 +53,7 @@ fn request_data(request: u64, receiver: &str, receiver_rank: u32, sender_rank: u
         prompt_len: 100,
         dst_start_token: None,
         excluded_views: Vec::new(),
+        bounce: None,
     }
 }
 
@@ -65,12 +67,14 @@ fn ok(request: u64, pair: (u32, u32), piece: u32, is_last: bool, bytes: u64) -> 
         bytes,
         fragments: 1,
         status: CompletionStatus::Ok,
+        bounce: None,
     }
 }
 
 fn failed(request: u64, pair: (u32, u32), piece: u32, is_last: bool) -> Completion {
     Completion {
         status: CompletionStatus::Failed("flush failed".into()),
+        bounce: None,
         bytes: 0,
         fragments: 0,
         ..ok(request, pair, piece, is_last, 0)

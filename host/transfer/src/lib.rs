@@ -16,6 +16,8 @@
 //! - [`rank`]: one UCX worker and progress thread per rank, executing write jobs.
 //! - [`transport`]: UCX transports and devices; [`conn`]: one connection's writer.
 //! - [`copy`]: the bench's memcpy baseline over buffers shaped like the pools.
+//! - [`bounce`]: bounce transfers — a receiver's arena, a sender's staging buffer, the gather
+//!   thread.
 //!
 //! This crate never allocates slots, fills or checks pool contents, or exits the process:
 //! the caller owns which slots a request uses and what they hold, and hears through the
@@ -25,6 +27,7 @@
 #![deny(missing_docs)]
 
 pub mod agent;
+pub mod bounce;
 pub mod budget;
 pub mod conn;
 pub mod copy;

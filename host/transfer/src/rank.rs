@@ -86,6 +86,7 @@ use kvferry_ucx::{
 use kvferry_plan::ValidatedPlan;
 use kvferry_protocol::PoolKey;
 
+use crate::bounce::{GatherTask, Gatherer, Staging};
 use crate::memory::{BindError, RankPools};
 
 /// Puts kept in flight per job (platform-notes §2: bound them, or tcp's final flush collapses).
@@ -122,6 +123,8 @@ pub struct RemoteRank {
     pub pools: Vec<PoolKey>,
     /// Cleared when the peer's registration ends: jobs for it stop issuing puts.
     pub alive: Arc<AtomicBool>,
+    /// Its bounce arena, if it has one (checked against its key like the pools).
+    pub bounce: Option<PoolKey>,
 }
 
 impl RemoteRank {
@@ -151,6 +154,10 @@ pub struct WriteStats {
     pub flush_ns: u64,
     /// Nanoseconds the job held the rank thread: the endpoint and keys, the puts, the flush.
     pub busy_ns: u64,
+    /// Whether the piece went through the receiver's bounce region ([`WriteJob::bounce`]).
+    pub bounced: bool,
+    /// Nanoseconds the rank thread waited for the gather thread (bounced pieces).
+    pub gather_ns: u64,
 }
 
 /// Why a job did not complete.
@@ -350,6 +357,21 @@ pub struct WriteJob {
     pub done: JobDone,
     /// The source-release callback (taken when the job runs).
     pub release: Option<JobRelease>,
+    /// Write the piece through the receiver's bounce region instead of fragment by fragment.
+    pub bounce: Option<BounceJob>,
+}
+
+/// A piece to bounce: its packed image ([`kvferry_plan::bounce::gather_list`]) is gathered
+/// through the rank's staging buffer and put at `remote_addr`, inside the receiver's arena
+/// ([`RemoteRank::bounce`]). Without a staging buffer (or while an earlier bounced window is
+/// quarantined and may still read it) the job writes fragment by fragment instead, and its
+/// [`WriteStats::bounced`] says so.
+#[derive(Debug)]
+pub struct BounceJob {
+    /// Where the image goes.
+    pub remote_addr: u64,
+    /// The plan's fragments `(src, dst, len)` in packed order.
+    pub gather: Vec<(u64, u64, u64)>,
 }
 
 impl std::fmt::Debug for WriteJob {
@@ -491,6 +513,28 @@ impl RankThread {
             worker,
             pools,
             errors,
+            None,
+            RankPools::bind_device_to_thread,
+        )
+    }
+
+    /// [`spawn`](Self::spawn) with a staging buffer for bounced pieces ([`BounceJob`]),
+    /// which the thread owns from now on.
+    pub fn spawn_bouncing(
+        label: &str,
+        rank: u32,
+        worker: Worker,
+        pools: Arc<RankPools>,
+        errors: ErrorMode,
+        staging: Option<Staging>,
+    ) -> Result<RankThread, SpawnError> {
+        Self::spawn_with(
+            label,
+            rank,
+            worker,
+            pools,
+            errors,
+            staging,
             RankPools::bind_device_to_thread,
         )
     }
@@ -502,6 +546,7 @@ impl RankThread {
         worker: Worker,
         pools: Arc<RankPools>,
         errors: ErrorMode,
+        staging: Option<Staging>,
         bind: impl FnOnce(&RankPools) -> Result<(), BindError> + Send + 'static,
     ) -> Result<RankThread, SpawnError> {
         let address = worker
@@ -523,8 +568,20 @@ impl RankThread {
                 let bound = bind(&pools);
                 let ok = bound.is_ok();
                 let _ = ready_tx.send(bound);
+                // Like `pools`, the staging buffer outlives `run`: abandoned puts may read it.
+                let gatherer = match &staging {
+                    Some(_) => match Gatherer::spawn(&format!("r{rank}")) {
+                        Ok(g) => Some(g),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "no gather thread: pieces go fragment by fragment");
+                            None
+                        }
+                    },
+                    None => None,
+                };
+                let staging = staging.as_ref().zip(gatherer);
                 if ok {
-                    run(rank, worker, errors, &pools, rx);
+                    run(rank, worker, errors, &pools, staging, rx);
                 }
             })
             .map_err(|source| SpawnError::Thread { rank, source })?;
@@ -644,7 +701,14 @@ pub enum SpawnError {
     },
 }
 
-fn run(rank: u32, worker: Worker, errors: ErrorMode, pools: &RankPools, rx: Receiver<Command>) {
+fn run(
+    rank: u32,
+    worker: Worker,
+    errors: ErrorMode,
+    pools: &RankPools,
+    staging: Option<(&Staging, Gatherer)>,
+    rx: Receiver<Command>,
+) {
     // Every event of this thread carries its rank.
     let _span = tracing::info_span!("rank", rank).entered();
     // Dropped before `worker`: its `Drop` abandons what is still quarantined, then its
@@ -654,6 +718,7 @@ fn run(rank: u32, worker: Worker, errors: ErrorMode, pools: &RankPools, rx: Rece
         worker: &worker,
         errors,
         pools,
+        staging,
         conns: HashMap::new(),
         stuck: Vec::new(),
     };
@@ -740,6 +805,8 @@ struct Stuck<'a> {
     instance: String,
     rank: u32,
     since: Instant,
+    /// Its job bounced: its puts may still read the staging buffer.
+    bounced: bool,
 }
 
 /// A rank thread's executor state. `'a` is the life of the worker value and of the pools,
@@ -750,6 +817,8 @@ struct Executor<'a> {
     /// The mode new endpoints are created in (falling back to `None` where UCX refuses it).
     errors: ErrorMode,
     pools: &'a RankPools,
+    /// The staging buffer and its gather thread, if the rank bounces.
+    staging: Option<(&'a Staging, Gatherer)>,
     conns: HashMap<(PeerId, u32), Conn>,
     /// Quarantined windows (see the module docs); never dropped while not idle.
     stuck: Vec<Stuck<'a>>,
@@ -828,6 +897,20 @@ impl<'a> Executor<'a> {
                 check_key_range(dest, pool, k, &key)?;
                 Ok(key)
             })
+            .chain(dest.bounce.iter().map(|k| {
+                // The arena's key comes last, after the pools' (index: the pool count).
+                let pool = dest.pools.len();
+                let key = ep
+                    .unpack_rkey(&k.rkey)
+                    .map_err(|source| WriteError::UnpackKey {
+                        instance: dest.instance.clone(),
+                        rank: dest.rank,
+                        pool,
+                        source,
+                    })?;
+                check_key_range(dest, pool, k, &key)?;
+                Ok(key)
+            }))
             .collect::<Result<Vec<_>, WriteError>>()?;
         tracing::debug!(peer = %dest.instance, peer_rank = dest.rank, "connected");
         Ok(slot.insert(Conn {
@@ -941,7 +1024,13 @@ impl<'a> Executor<'a> {
 
     /// Parks `window`, which has operations in flight, in the quarantine; `on_drain` runs
     /// once they have all finished.
-    fn quarantine(&mut self, window: PutWindow<'a>, dest: &RemoteRank, on_drain: OnDrain) {
+    fn quarantine(
+        &mut self,
+        window: PutWindow<'a>,
+        dest: &RemoteRank,
+        bounced: bool,
+        on_drain: OnDrain,
+    ) {
         tracing::warn!(
                         peer = %dest.instance,
             peer_rank = dest.rank,
@@ -955,6 +1044,7 @@ impl<'a> Executor<'a> {
             instance: dest.instance.clone(),
             rank: dest.rank,
             since: Instant::now(),
+            bounced,
         });
     }
 
@@ -993,7 +1083,10 @@ impl<'a> Executor<'a> {
             done(result);
         };
         match stuck {
-            Some(window) => self.quarantine(window, &job.dest, Box::new(report)),
+            Some(window) => {
+                let bounced = job.bounce.is_some();
+                self.quarantine(window, &job.dest, bounced, Box::new(report));
+            }
             // Refused behind a quarantined window: reported after it, so the receiver does not
             // hear of this piece's failure while an earlier piece's bytes may still land.
             None if behind => match self.stuck_on(&job.dest) {
@@ -1076,6 +1169,17 @@ impl<'a> Executor<'a> {
         keys: &[RemoteKey],
         job: &WriteJob,
     ) -> Result<WriteStats, WriteError> {
+        if let Some(bounce) = &job.bounce {
+            if self.stuck.iter().any(|s| s.bounced) {
+                tracing::info!(
+                    request = job.request,
+                    "an earlier bounced window is quarantined and may still read the staging \
+                     buffer: this piece goes fragment by fragment"
+                );
+            } else if let Some((staging, gatherer)) = &self.staging {
+                return self.write_bounced(window, waiter, keys, job, bounce, staging, gatherer);
+            }
+        }
         let dest = &*job.dest;
         let pools: &'a RankPools = self.pools;
         let mut stats = WriteStats::default();
@@ -1112,6 +1216,160 @@ impl<'a> Executor<'a> {
             }
             stats.fragments += 1;
             stats.bytes += len;
+        }
+        stats.puts_ns = nanos(issuing.elapsed());
+        if let Some(hook) = &job.hook {
+            hook.before_flush(&job.dest, &job.plan);
+        }
+        let flushing = Instant::now();
+        waiter.wait(window, PutWindow::flush)?;
+        stats.flush_ns = nanos(flushing.elapsed());
+        Ok(stats)
+    }
+
+    /// Writes one piece through the receiver's bounce region (see [`BounceJob`]): the packed
+    /// image in chunks of one staging half, the gather thread filling one half while the
+    /// other's puts are in flight, then one flush.
+    #[allow(clippy::too_many_arguments)]
+    fn write_bounced(
+        &self,
+        window: &mut PutWindow<'a>,
+        waiter: &mut Waiter<'_>,
+        keys: &[RemoteKey],
+        job: &WriteJob,
+        bounce: &BounceJob,
+        staging: &'a Staging,
+        gatherer: &Gatherer,
+    ) -> Result<WriteStats, WriteError> {
+        let dest = &*job.dest;
+        let mut stats = WriteStats {
+            bounced: true,
+            ..WriteStats::default()
+        };
+        // Every source, resolved to this process's address, before anything moves.
+        let mut sources = Vec::with_capacity(bounce.gather.len());
+        for (k, &(src, _, len)) in bounce.gather.iter().enumerate() {
+            let outside = || WriteError::SourceOutside {
+                fragment: k,
+                rank: self.rank,
+                address: src,
+                len,
+            };
+            let (pool, offset) = self.pools.locate(src, len).ok_or_else(outside)?;
+            let region = self.pools.region(pool).ok_or_else(outside)?;
+            if !region.memory_type().is_host() {
+                return Err(outside());
+            }
+            sources.push((region.as_ptr() as u64 + offset as u64, len));
+            stats.bytes += len;
+        }
+        stats.fragments = sources.len() as u64;
+        let total = stats.bytes;
+        let arena_key = keys.get(dest.pools.len());
+        let inside = dest.bounce.as_ref().is_some_and(|a| {
+            bounce.remote_addr >= a.base
+                && bounce
+                    .remote_addr
+                    .checked_add(total)
+                    .is_some_and(|end| end <= a.base.saturating_add(a.len))
+        });
+        let Some(arena_key) = arena_key.filter(|_| inside) else {
+            return Err(WriteError::DestinationOutside {
+                fragment: 0,
+                instance: dest.instance.clone(),
+                rank: dest.rank,
+                address: bounce.remote_addr,
+                len: total,
+            });
+        };
+        if total == 0 {
+            return Ok(stats);
+        }
+        // The packed stream cut into chunks of one half each.
+        let half = staging.half() as u64;
+        let chunks = total.div_ceil(half) as usize;
+        let mut parts: Vec<Vec<(u64, u64)>> = Vec::with_capacity(chunks);
+        let mut current = Vec::new();
+        let mut room = half;
+        for (mut src, mut len) in sources {
+            while len > 0 {
+                let n = len.min(room);
+                current.push((src, n));
+                (src, len, room) = (src + n, len - n, room - n);
+                if room == 0 {
+                    parts.push(std::mem::take(&mut current));
+                    room = half;
+                }
+            }
+        }
+        if !current.is_empty() {
+            parts.push(current);
+        }
+        let base = staging.region().as_ptr() as usize;
+        let mut outstanding = Outstanding { gatherer, count: 0 };
+        let submit = |j: usize, parts: &mut Vec<Vec<(u64, u64)>>, o: &mut Outstanding<'_>| {
+            let task = GatherTask {
+                parts: std::mem::take(&mut parts[j]),
+                dst: base + (j % 2) * half as usize,
+                id: j,
+            };
+            if o.gatherer.submit(task) {
+                o.count += 1;
+                true
+            } else {
+                false
+            }
+        };
+        let stopped = || WriteError::Stopped { rank: self.rank };
+        for j in 0..chunks.min(2) {
+            if !submit(j, &mut parts, &mut outstanding) {
+                return Err(stopped());
+            }
+        }
+        let issuing = Instant::now();
+        for j in 0..chunks {
+            let waiting = Instant::now();
+            loop {
+                match gatherer.done.try_recv() {
+                    Ok(_) => {
+                        outstanding.count -= 1;
+                        break;
+                    }
+                    Err(TryRecvError::Disconnected) => return Err(stopped()),
+                    Err(TryRecvError::Empty) => {
+                        if !dest.alive.load(Ordering::Acquire) {
+                            return Err(gone(dest));
+                        }
+                        self.worker.progress();
+                    }
+                }
+            }
+            stats.gather_ns += nanos(waiting.elapsed());
+            let at = (j % 2) * half as usize;
+            let len = (total - j as u64 * half).min(half);
+            let mut done = 0;
+            while done < len {
+                let n = (len - done).min(MAX_PUT_BYTES);
+                let to = bounce.remote_addr + j as u64 * half + done;
+                waiter.wait(window, |w| {
+                    w.put_region(
+                        staging.region(),
+                        at + done as usize,
+                        n as usize,
+                        to,
+                        arena_key,
+                    )
+                })?;
+                done += n;
+                stats.puts += 1;
+            }
+            if j + 2 < chunks {
+                // This half is refilled once its puts no longer read it.
+                waiter.wait(window, PutWindow::wait_all)?;
+                if !submit(j + 2, &mut parts, &mut outstanding) {
+                    return Err(stopped());
+                }
+            }
         }
         stats.puts_ns = nanos(issuing.elapsed());
         if let Some(hook) = &job.hook {
@@ -1240,7 +1498,7 @@ impl<'a> Executor<'a> {
                         release();
                     }
                 });
-                self.quarantine(window, dest, on_drain);
+                self.quarantine(window, dest, false, on_drain);
             }
             if let Some(error) = error {
                 return Err(error);
@@ -1289,6 +1547,24 @@ impl Drop for Executor<'_> {
             // ends the operations (gracefully only after a flush that completed them, else by
             // force), and the worker destroyed, before the pools go.
             unsafe { window.abandon() };
+        }
+    }
+}
+
+/// Gather tasks a bounced job submitted and has not seen reported: waited for when the job
+/// ends early, so no task of it still writes the staging buffer (or reports) after it.
+struct Outstanding<'g> {
+    gatherer: &'g Gatherer,
+    count: usize,
+}
+
+impl Drop for Outstanding<'_> {
+    fn drop(&mut self) {
+        while self.count > 0 {
+            if self.gatherer.done.recv().is_err() {
+                return;
+            }
+            self.count -= 1;
         }
     }
 }
@@ -1478,7 +1754,7 @@ mod tests {
     #[test]
     fn a_failed_context_bind_fails_the_start() {
         let (worker, pools) = rank_parts();
-        let err = RankThread::spawn_with("test", 3, worker, pools, ErrorMode::None, |_| {
+        let err = RankThread::spawn_with("test", 3, worker, pools, ErrorMode::None, None, |_| {
             Err(BindError {
                 device: 1,
                 source: "cuCtxSetCurrent failed: CUDA_ERROR_INVALID_CONTEXT".into(),
@@ -1499,7 +1775,7 @@ mod tests {
     #[test]
     fn a_thread_that_dies_before_it_starts_is_an_error() {
         let (worker, pools) = rank_parts();
-        let err = RankThread::spawn_with("test", 0, worker, pools, ErrorMode::None, |_| {
+        let err = RankThread::spawn_with("test", 0, worker, pools, ErrorMode::None, None, |_| {
             panic!("injected")
         })
         .unwrap_err();

@@ -177,6 +177,7 @@ mod tests {
             prompt_len: 1,
             dst_start_token: None,
             excluded_views: vec![],
+            bounce: None,
         };
         assert_eq!(request_data_bytes(&data), 128 + 8000 + 3);
     }

@@ -234,6 +234,19 @@ impl TransportSpec {
     /// 0.35 GB/s (tcp's 0.35) against 1.70 for `shm`. Where UCX refuses an endpoint in peer
     /// mode, the executor connects without it.
     pub fn error_mode(&self) -> ErrorMode {
+        match &self.transports {
+            _ if !self.ucx_peer_errors => ErrorMode::None,
+            Transports::Auto => ErrorMode::None,
+            _ if self.is_node_local() => ErrorMode::None,
+            _ => ErrorMode::Peer,
+        }
+    }
+
+    /// Whether every transport named moves bytes within the node only: the `shm` preset, or
+    /// a `UCX_TLS` list whose every name is one of `posix`, `sysv`, `self`, `sm`, `shm`,
+    /// `cuda_copy`, `cuda_ipc`. There a put already is a copy, so bouncing does not pay
+    /// ([`crate::bounce::BounceMode::Auto`]).
+    pub fn is_node_local(&self) -> bool {
         const SHARED_MEMORY: [&str; 7] = [
             "posix",
             "sysv",
@@ -244,14 +257,11 @@ impl TransportSpec {
             "cuda_ipc",
         ];
         match &self.transports {
-            _ if !self.ucx_peer_errors => ErrorMode::None,
-            Transports::Preset(Transport::Shm) | Transports::Auto => ErrorMode::None,
-            Transports::List(l)
-                if !l.starts_with('^') && l.split(',').all(|t| SHARED_MEMORY.contains(&t)) =>
-            {
-                ErrorMode::None
+            Transports::Preset(Transport::Shm) => true,
+            Transports::List(l) => {
+                !l.starts_with('^') && l.split(',').all(|t| SHARED_MEMORY.contains(&t))
             }
-            _ => ErrorMode::Peer,
+            _ => false,
         }
     }
 

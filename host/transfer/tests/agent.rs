@@ -264,6 +264,7 @@ mod hostile {
             prompt_len: prompt,
             dst_start_token: None,
             excluded_views: Vec::new(),
+            bounce: None,
         })
     }
 
@@ -316,6 +317,7 @@ mod hostile {
                             bytes,
                             fragments: 1,
                             status: CompletionStatus::Ok,
+                            bounce: None,
                         };
                         write_frame(&mut s, &AgentMessage::Completion(lie)).unwrap();
                     }

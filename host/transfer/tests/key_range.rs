@@ -57,6 +57,7 @@ fn remote(receiver: &Rank, peer: u64, pools: Vec<PoolKey>) -> Arc<RemoteRank> {
         worker_address: receiver.thread.address().to_vec(),
         pools,
         alive: Arc::new(AtomicBool::new(true)),
+        bounce: None,
     })
 }
 
@@ -117,6 +118,7 @@ fn write(
         done: Box::new(move |result| {
             let _ = tx.send(result);
         }),
+        bounce: None,
         release: Some(Box::new(move || {
             let _ = released_tx.send(());
         })),
@@ -235,6 +237,7 @@ fn vet_on_a_stopped_thread_replies_at_once() {
         hook: None,
         done: Box::new(|_| panic!("injected: the rank thread ends")),
         release: None,
+        bounce: None,
     });
     let deadline = std::time::Instant::now() + WAIT;
     loop {

@@ -90,6 +90,7 @@ fn remote(receiver: &Rank, peer: u64) -> Arc<RemoteRank> {
         worker_address: receiver.worker_address.clone(),
         pools: receiver.keys.clone(),
         alive: Arc::new(AtomicBool::new(true)),
+        bounce: None,
     })
 }
 
@@ -133,6 +134,7 @@ fn start(
             let _ = tx.send(result);
         }),
         release: None,
+        bounce: None,
     });
     rx
 }

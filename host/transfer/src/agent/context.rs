@@ -23,15 +23,16 @@ use kvferry_plan::{PlanFailure, RequestSide, ValidatedPlan, error_chain};
 use kvferry_planner_abi::ffi::ROption;
 use kvferry_planner_abi::{PairRequest, RankInfo, SlotTable, TransferPlanner};
 use kvferry_protocol::{
-    AgentEvent, AgentMessage, AgentSession, Completion, CompletionStatus, PeerIdentity,
-    RequestData, encode, read_frame,
+    AgentEvent, AgentMessage, AgentSession, BouncedPiece, Completion, CompletionStatus,
+    PeerIdentity, RequestData, encode, read_frame,
 };
 
 use super::events::{Event, FailureKind};
 use super::{CallError, HANDSHAKE_TIMEOUT, Inner, Send, lock, nonce};
+use crate::bounce::{AUTO_MAX_MEAN_FRAGMENT, BounceMode};
 use crate::conn::{Outbox, drain, spawn_writer};
 use crate::outcome::Stages;
-use crate::rank::{PeerId, RemoteRank, WriteJob, nanos};
+use crate::rank::{BounceJob, PeerId, RemoteRank, WriteJob, nanos};
 use crate::stash::{Stash, request_data_bytes};
 
 /// How long a claim for a request not sent yet is kept at most (the lease bounds it too).
@@ -82,6 +83,8 @@ struct Claim {
     cancelled: bool,
     /// When its `RequestData` was taken up (after the send, if it came first).
     arrived: Instant,
+    /// Bytes of the offered bounce region that pieces have been given so far.
+    bounce_cursor: u64,
     /// Where its time went so far (`control` is filled in when it ends).
     stages: Stages,
 }
@@ -137,6 +140,7 @@ fn failed(request: u64, (c, g): (u32, u32), piece: u32, reason: String) -> Agent
         bytes: 0,
         fragments: 0,
         status: CompletionStatus::Failed(reason),
+        bounce: None,
     })
 }
 
@@ -332,6 +336,7 @@ fn admit(
             worker_address: m.rank.worker_address.clone(),
             pools: m.rank.pools.clone(),
             alive: Arc::clone(&alive),
+            bounce: m.rank.bounce.clone(),
         }),
         outbox: spawn_writer(write_half, format!("gen-{identity}")),
         alive,
@@ -588,6 +593,20 @@ fn request_data(inner: &Arc<Inner>, conn: &Arc<GenConn>, data: RequestData) {
     if let Err(e) = check_tables(&conn.info, &data.slot_tables) {
         return refuse(e);
     }
+    if let Some(offer) = data.bounce {
+        let fits = conn.remote.bounce.as_ref().is_some_and(|a| {
+            offer
+                .offset
+                .checked_add(offer.len)
+                .is_some_and(|end| end <= a.len)
+        });
+        if !fits {
+            return refuse(format!(
+                "it offers bounce region {}+{}, which is not inside its declared arena",
+                offer.offset, offer.len
+            ));
+        }
+    }
     if data.prompt_len == 0
         || data.token_range.start >= data.token_range.end
         || data.token_range.end > data.prompt_len
@@ -719,6 +738,7 @@ fn claim(inner: &Arc<Inner>, conn: &Arc<GenConn>, data: RequestData) {
                 ok: false,
                 cancelled: false,
                 arrived,
+                bounce_cursor: 0,
                 stages: Stages::default(),
             },
         );
@@ -804,8 +824,13 @@ fn plan_and_queue(
         queue_ns: nanos(submitted.elapsed()),
         ..Stages::default()
     };
-    let mut plans: Vec<(usize, bool, Arc<ValidatedPlan>)> = Vec::with_capacity(chunks.len());
+    let mut plans: Vec<Queued> = Vec::with_capacity(chunks.len());
     let mut error = None;
+    let mut cursor = lock(&inner.prefill)
+        .requests
+        .get(&id)
+        .and_then(|r| r.claims.get(&g))
+        .map_or(0, |c| c.bounce_cursor);
     for (k, tables, piece) in &chunks {
         let mut piece = *piece;
         piece.dst_start_token = match data.dst_start_token {
@@ -819,7 +844,15 @@ fn plan_and_queue(
             excluded: &data.excluded_views,
         };
         match plan_timed(inner.planner.as_ref(), me, them, &piece, &mut stages) {
-            Ok(plan) => plans.push((*k, piece.is_last, Arc::new(plan))),
+            Ok(plan) => {
+                let bounce = bounce_piece(inner, conn, id, data, &piece, &plan, &mut cursor);
+                plans.push(Queued {
+                    piece: *k as u32,
+                    is_last: piece.is_last,
+                    plan: Arc::new(plan),
+                    bounce,
+                });
+            }
             Err(e) => {
                 error = Some((*k as u32, format!("piece {k}: {}", error_chain(&e))));
                 break;
@@ -845,9 +878,10 @@ fn plan_and_queue(
         }
         claim.planned = last + 1;
         claim.jobs += plans.len();
+        claim.bounce_cursor = cursor;
     }
-    for (k, is_last, plan) in plans {
-        queue(inner, id, g, conn, k as u32, is_last, plan);
+    for q in plans {
+        queue(inner, id, g, conn, q);
     }
     if let Some((piece, reason)) = error {
         tracing::warn!(request = id, %reason, "cannot plan");
@@ -856,6 +890,67 @@ fn plan_and_queue(
         return;
     }
     pump(inner, id);
+}
+
+/// A planned piece, ready for the rank thread.
+struct Queued {
+    piece: u32,
+    is_last: bool,
+    plan: Arc<ValidatedPlan>,
+    /// Its bounce job and what its completion says about it, if it bounces.
+    bounce: Option<(BounceJob, BouncedPiece)>,
+}
+
+/// Whether `plan` (piece `piece` of the claim `data`) goes through the receiver's bounce
+/// region, and where in it: the next `plan.total_bytes()` of the offered region after
+/// `cursor`, which moves on. `None`: no offer, this rank does not bounce, the mode says no,
+/// or the piece does not fit (logged).
+fn bounce_piece(
+    inner: &Arc<Inner>,
+    conn: &GenConn,
+    id: u64,
+    data: &RequestData,
+    piece: &PairRequest,
+    plan: &ValidatedPlan,
+    cursor: &mut u64,
+) -> Option<(BounceJob, BouncedPiece)> {
+    let config = &inner.config.bounce;
+    let offer = data.bounce?;
+    let arena = conn.remote.bounce.as_ref()?;
+    let total = plan.total_bytes();
+    if !inner.bounces || config.mode == BounceMode::Off || total == 0 {
+        return None;
+    }
+    if config.mode == BounceMode::Auto
+        && (inner.config.transport.is_node_local()
+            || total / plan.len().max(1) as u64 >= AUTO_MAX_MEAN_FRAGMENT)
+    {
+        return None;
+    }
+    let offset = *cursor;
+    if offset.checked_add(total).is_none_or(|end| end > offer.len) {
+        tracing::info!(
+            request = id,
+            peer = %conn.name(),
+            bytes = total,
+            offered = offer.len,
+            used = offset,
+            "the piece does not fit the rest of the offered bounce region: it goes fragment \
+             by fragment"
+        );
+        return None;
+    }
+    *cursor = offset + total;
+    Some((
+        BounceJob {
+            remote_addr: arena.base + offer.offset + offset,
+            gather: kvferry_plan::bounce::gather_list(plan),
+        },
+        BouncedPiece {
+            offset,
+            tokens: piece.token_range,
+        },
+    ))
 }
 
 /// [`kvferry_plan::plan_transfer`] in its two halves, timed: describing both sides' rows and
@@ -877,15 +972,14 @@ fn plan_timed(
     Ok(plan)
 }
 
-fn queue(
-    inner: &Arc<Inner>,
-    id: u64,
-    g: u32,
-    conn: &Arc<GenConn>,
-    piece: u32,
-    is_last: bool,
-    plan: Arc<ValidatedPlan>,
-) {
+fn queue(inner: &Arc<Inner>, id: u64, g: u32, conn: &Arc<GenConn>, q: Queued) {
+    let Queued {
+        piece,
+        is_last,
+        plan,
+        bounce,
+    } = q;
+    let (bounce, bounced_piece) = bounce.unzip();
     let c = inner.info.instance_rank;
     let done_inner = Arc::clone(inner);
     let done_conn = Arc::clone(conn);
@@ -900,6 +994,7 @@ fn queue(
         plan,
         timeout: inner.config.timeout,
         hook: inner.config.hook.clone(),
+        bounce,
         release: Some(Box::new(move || {
             let mut state = lock(&release_inner.prefill);
             if let Some(claim) = state
@@ -914,6 +1009,10 @@ fn queue(
             let (bytes, fragments, status) = match &result {
                 Ok(s) => (s.bytes, s.fragments, CompletionStatus::Ok),
                 Err(e) => (0, 0, CompletionStatus::Failed(error_chain(e))),
+            };
+            let bounced = match &result {
+                Ok(s) if s.bounced => bounced_piece,
+                _ => None,
             };
             let ok = result.is_ok();
             let ends = is_last || !ok;
@@ -933,6 +1032,7 @@ fn queue(
                     claim.stages.queue_ns += nanos(queued.elapsed()).saturating_sub(s.busy_ns);
                     claim.stages.puts_ns += s.puts_ns;
                     claim.stages.flush_ns += s.flush_ns;
+                    claim.stages.gather_ns += s.gather_ns;
                 }
                 let _ = done_conn.outbox.send(AgentMessage::Completion(Completion {
                     request: id,
@@ -943,6 +1043,7 @@ fn queue(
                     bytes,
                     fragments,
                     status: status.clone(),
+                    bounce: bounced,
                 }));
                 claim.reported = piece + 1;
                 req.bytes += bytes;

@@ -1,6 +1,7 @@
 //! A fixed pool of threads for the decode side's per-request work (linking peers, asking
 //! the planner for targets, sending `RequestData`, planning the byte check), so `expect`
-//! returns at once and a burst of requests costs a queue entry each, not a thread each.
+//! returns at once and a burst of requests costs a queue entry each, not a thread each; and
+//! a second, smaller one that scatters bounced pieces.
 
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex};
@@ -21,12 +22,17 @@ pub(crate) struct Dispatch {
 
 impl Dispatch {
     pub(crate) fn new(label: &str) -> std::io::Result<Self> {
+        Self::with_threads(label, "dispatch", DISPATCH_THREADS)
+    }
+
+    /// A pool of `threads` threads named `{kind}-{label}-{i}`.
+    pub(crate) fn with_threads(label: &str, kind: &str, threads: usize) -> std::io::Result<Self> {
         let (tx, rx) = mpsc::channel::<Job>();
         let rx = Arc::new(Mutex::new(rx));
-        for i in 0..DISPATCH_THREADS {
+        for i in 0..threads.max(1) {
             let rx = Arc::clone(&rx);
             thread::Builder::new()
-                .name(format!("dispatch-{label}-{i}"))
+                .name(format!("{kind}-{label}-{i}"))
                 .spawn(move || {
                     loop {
                         let job = {

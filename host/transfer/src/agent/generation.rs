@@ -9,7 +9,7 @@
 //! terminal event, and a failed or cancelled one only once every writer that may still
 //! write has answered the `Cancel` with its last piece or its link is gone.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::io::BufReader;
 use std::net::TcpStream;
 use std::sync::Arc;
@@ -20,12 +20,13 @@ use std::time::Instant;
 use kvferry_plan::error_chain;
 use kvferry_planner_abi::{SlotTable, TokenRange, ViewId};
 use kvferry_protocol::{
-    AgentEvent, AgentMessage, AgentMetadata, AgentSession, Completion, PeerIdentity, RequestData,
-    RequestTracker, Role, Tracked, read_frame, write_frame,
+    AgentEvent, AgentMessage, AgentMetadata, AgentSession, BounceOffer, Completion, PeerIdentity,
+    RequestData, RequestTracker, Role, Tracked, read_frame, write_frame,
 };
 
 use super::events::{Event, FailureKind};
 use super::{CONNECT_TIMEOUT, CallError, HANDSHAKE_TIMEOUT, Inner, lock, nonce};
+use crate::bounce::{BounceMode, Region};
 use crate::conn::{Outbox, spawn_writer};
 use crate::outcome::{RequestStats, Stages};
 use crate::rank::{PeerId, nanos};
@@ -91,7 +92,32 @@ pub(crate) struct InReq {
     claims_ns: u64,
     /// When the last completion came, if the stats wait for the check.
     completed_at: Option<Instant>,
+    /// What the engine expects (kept to plan bounced pieces here).
+    expect: Arc<Expect>,
+    /// The bounce region offered to the request's one writer, if any.
+    bounce: Option<Offered>,
+    /// A bounced piece is being scattered: completions wait in `pending`, and the request
+    /// cannot end (the scatter writes its slots).
+    scattering: bool,
+    /// Completions that arrived while a piece was scattered, in arrival order.
+    pending: VecDeque<(Arc<Link>, Completion)>,
+    /// Nanoseconds spent scattering its bounced pieces.
+    scatter_ns: u64,
 }
+
+/// A bounce region offered to one writer of a request.
+#[derive(Debug)]
+struct Offered {
+    region: Region,
+    writer: u32,
+    /// Bytes of the region before which no bounced piece may start (the end of the last
+    /// one scattered): pieces come in order and never overlap.
+    cursor: u64,
+}
+
+/// The most completions held back while a bounced piece is scattered; a writer that sends
+/// more breaks the protocol (each has one piece in flight per chunk of the prompt).
+const MAX_PENDING: usize = 4096;
 
 #[derive(Debug, Default)]
 pub(crate) struct State {
@@ -413,6 +439,11 @@ pub(crate) fn expect(inner: &Arc<Inner>, e: Expect) -> Result<(), CallError> {
             finished: None,
             claims_ns: 0,
             completed_at: None,
+            expect: Arc::new(e.clone()),
+            bounce: None,
+            scattering: false,
+            pending: VecDeque::new(),
+            scatter_ns: 0,
         });
     }
     let worker = Arc::clone(inner);
@@ -433,6 +464,7 @@ fn dispatch(inner: &Arc<Inner>, e: Expect) {
     match link_writers(inner, &e) {
         Ok(writers) => {
             let me = inner.info.instance_rank;
+            let offer = offer_region(inner, &e, &writers);
             let mut sends = Vec::new();
             {
                 let mut state = lock(&inner.decode);
@@ -441,6 +473,17 @@ fn dispatch(inner: &Arc<Inner>, e: Expect) {
                 };
                 let pairs: Vec<(u32, u32)> = writers.keys().map(|&c| (c, me)).collect();
                 req.tracker = Some(RequestTracker::streaming(id, pairs));
+                if let Some((writer, region)) = offer {
+                    if !req.cancelled && req.failure.is_none() {
+                        req.bounce = Some(Offered {
+                            region,
+                            writer,
+                            cursor: 0,
+                        });
+                    } else if let Some(arena) = &inner.arena {
+                        arena.release(region);
+                    }
+                }
                 if !req.cancelled && req.failure.is_none() {
                     for (&c, link) in &writers {
                         sends.push((
@@ -458,6 +501,12 @@ fn dispatch(inner: &Arc<Inner>, e: Expect) {
                                 prompt_len: e.prompt_len,
                                 dst_start_token: e.cached_prefix,
                                 excluded_views: e.excluded_views.clone(),
+                                bounce: req.bounce.as_ref().filter(|b| b.writer == c).map(|b| {
+                                    BounceOffer {
+                                        offset: b.region.offset,
+                                        len: b.region.len,
+                                    }
+                                }),
                             },
                         ));
                     }
@@ -500,7 +549,9 @@ fn dispatch(inner: &Arc<Inner>, e: Expect) {
                                     // The wait for this rank's own plan of the request.
                                     stats.stages.control_ns +=
                                         req.completed_at.map_or(0, |at| nanos(at.elapsed()));
-                                    state.requests.remove(&id);
+                                    if let Some(mut req) = state.requests.remove(&id) {
+                                        retire(inner, &mut req, true);
+                                    }
                                     Some(Event::Received { request: id, stats })
                                 }
                                 Some((peer, detail)) => {
@@ -634,7 +685,7 @@ fn link_writers(inner: &Arc<Inner>, e: &Expect) -> Result<BTreeMap<u32, Arc<Link
 fn completion(inner: &Arc<Inner>, link: &Arc<Link>, c: Completion) {
     let id = c.request;
     let me = inner.info.instance_rank;
-    let event = {
+    {
         let mut state = lock(&inner.decode);
         let Some(req) = state.requests.get_mut(&id) else {
             tracing::debug!(request = id, "completion for a request not held here");
@@ -649,6 +700,218 @@ fn completion(inner: &Arc<Inner>, link: &Arc<Link>, c: Completion) {
             tracing::warn!(request = id, peer = %link.name(), "completion from a rank that does not write it: ignored");
             return;
         }
+        if req.scattering || !req.pending.is_empty() {
+            if req.pending.len() >= MAX_PENDING {
+                if req.failure.is_none() && !req.cancelled {
+                    req.failure = Some((
+                        Some(link.name()),
+                        FailureKind::Protocol,
+                        format!(
+                            "{} sent more than {MAX_PENDING} completions while a bounced piece \
+                             was scattered",
+                            link.name()
+                        ),
+                    ));
+                }
+                link.alive.store(false, Ordering::Release);
+                return;
+            }
+            req.pending.push_back((Arc::clone(link), c));
+            return;
+        }
+    }
+    take_up(inner, link, c);
+}
+
+/// Takes up one completion of a request that is not scattering: a bounced piece that
+/// landed is scattered first (on the scatter pool, which then takes up the rest); any other
+/// goes to the tracker at once.
+fn take_up(inner: &Arc<Inner>, link: &Arc<Link>, c: Completion) {
+    let id = c.request;
+    let scatter =
+        c.bounce.is_some() && matches!(c.status, kvferry_protocol::CompletionStatus::Ok) && {
+            let mut state = lock(&inner.decode);
+            match state.requests.get_mut(&id) {
+                // Nothing lands in the slots of a request that is over: it is only counted.
+                Some(req) if req.failure.is_none() && !req.cancelled => {
+                    req.scattering = true;
+                    true
+                }
+                _ => false,
+            }
+        };
+    if !scatter {
+        track(inner, link, c);
+        return;
+    }
+    let pool = inner.scatter.as_ref();
+    let (worker, job_link) = (Arc::clone(inner), Arc::clone(link));
+    let job: Box<dyn FnOnce() + std::marker::Send> = Box::new(move || {
+        let outcome = scatter_piece(&worker, &job_link, &c);
+        scattered(&worker, &job_link, c, outcome);
+    });
+    let refused = match pool {
+        Some(pool) => pool.run(job).err(),
+        None => Some(job),
+    };
+    if let Some(job) = refused {
+        // No pool to scatter on (no arena here, or the agent is stopping): run it here,
+        // where it fails for want of an offered region or finishes the request.
+        job();
+    }
+}
+
+/// A scatter ended: the piece goes to the tracker (failed, if the scatter refused it),
+/// then the completions held back meanwhile, up to the next bounced one.
+fn scattered(
+    inner: &Arc<Inner>,
+    link: &Arc<Link>,
+    mut c: Completion,
+    outcome: Result<u64, String>,
+) {
+    let id = c.request;
+    {
+        let mut state = lock(&inner.decode);
+        let Some(req) = state.requests.get_mut(&id) else {
+            return;
+        };
+        req.scattering = false;
+        match outcome {
+            Ok(ns) => req.scatter_ns += ns,
+            Err(reason) => {
+                tracing::warn!(request = id, peer = %link.name(), %reason, "bounced piece refused");
+                if req.failure.is_none() && !req.cancelled {
+                    req.failure = Some((Some(link.name()), FailureKind::Protocol, reason.clone()));
+                }
+                c.status = kvferry_protocol::CompletionStatus::Failed(reason);
+            }
+        }
+    }
+    track(inner, link, c);
+    loop {
+        let next = {
+            let mut state = lock(&inner.decode);
+            match state.requests.get_mut(&id) {
+                Some(req) if !req.scattering => req.pending.pop_front(),
+                _ => None,
+            }
+        };
+        let Some((link, c)) = next else { break };
+        let bounced = c.bounce.is_some();
+        take_up(inner, &link, c);
+        if bounced {
+            // Scattering again, or ended: whoever finishes takes up the rest.
+            let held = lock(&inner.decode)
+                .requests
+                .get(&id)
+                .is_some_and(|r| r.scattering);
+            if held {
+                break;
+            }
+        }
+    }
+    settle(inner, id);
+}
+
+/// Scatters one bounced piece: plans it here as its writer's planner would (stand-in
+/// sources, this rank's real tables, the tokens the completion names), checks that the
+/// packed image the writer put is as long as that plan and lies, after the previous piece,
+/// inside the offered region, then copies it into the slots the plan names. Returns the
+/// nanoseconds it took, or why the piece is refused (nothing was copied then).
+fn scatter_piece(inner: &Arc<Inner>, link: &Link, c: &Completion) -> Result<u64, String> {
+    let started = Instant::now();
+    let id = c.request;
+    let Some(piece) = c.bounce else {
+        return Err("not a bounced piece".into());
+    };
+    let (expect, offered) = {
+        let state = lock(&inner.decode);
+        let Some(req) = state.requests.get(&id) else {
+            return Err(format!("request {id} is not held here"));
+        };
+        let offered = req
+            .bounce
+            .as_ref()
+            .filter(|b| b.writer == c.sender_rank)
+            .map(|b| (b.region, b.cursor));
+        (Arc::clone(&req.expect), offered)
+    };
+    let (Some(arena), Some((region, cursor))) = (inner.arena.as_ref(), offered) else {
+        return Err(format!(
+            "{} bounced piece {} of request {id}, but no bounce region was offered to it",
+            link.name(),
+            c.piece
+        ));
+    };
+    let tokens = piece.tokens;
+    if tokens.start >= tokens.end || tokens.end > expect.prompt_len {
+        return Err(format!(
+            "{} bounced tokens {}..{} of a {}-token prompt",
+            link.name(),
+            tokens.start,
+            tokens.end,
+            expect.prompt_len
+        ));
+    }
+    let pair = kvferry_planner_abi::PairRequest {
+        token_range: tokens,
+        prompt_len: expect.prompt_len,
+        dst_start_token: match expect.cached_prefix {
+            Some(t) => kvferry_planner_abi::ffi::ROption::RSome(t),
+            None => kvferry_planner_abi::ffi::ROption::RNone,
+        },
+        is_last: c.is_last,
+    };
+    let plan = plan_as_writer(inner, &expect, c.sender_rank, pair)?;
+    let runs = kvferry_plan::bounce::scatter_runs(&plan);
+    let total: u64 = runs.iter().map(|&(_, n)| n).sum();
+    if total != c.bytes {
+        return Err(format!(
+            "{} bounced {} bytes for tokens {}..{}, but this rank's own plan of them says {total}",
+            link.name(),
+            c.bytes,
+            tokens.start,
+            tokens.end
+        ));
+    }
+    let fits = piece.offset >= cursor
+        && piece
+            .offset
+            .checked_add(total)
+            .is_some_and(|end| end <= region.len);
+    if !fits {
+        return Err(format!(
+            "{} bounced {total} bytes at {} of a {}-byte region whose next free byte is {cursor}",
+            link.name(),
+            piece.offset,
+            region.len
+        ));
+    }
+    if let Some(b) = lock(&inner.decode)
+        .requests
+        .get_mut(&id)
+        .and_then(|r| r.bounce.as_mut())
+    {
+        b.cursor = piece.offset + total;
+    }
+    // SAFETY: `[region.offset + piece.offset, + total)` lies inside the arena (the region is
+    // inside it, and the image inside the region: checked above); every run is a
+    // destination of this rank's own validated plan, so inside its pools, which are host
+    // memory of this process (an arena exists only then) that kvferry holds no reference
+    // into, and which the request's slots may be written in until its terminal event — which
+    // waits for this scatter.
+    unsafe { arena.scatter(region.offset + piece.offset, &runs) };
+    Ok(nanos(started.elapsed()))
+}
+
+/// Feeds one completion to the request's tracker and ends the request if it can.
+fn track(inner: &Arc<Inner>, link: &Arc<Link>, c: Completion) {
+    let id = c.request;
+    let event = {
+        let mut state = lock(&inner.decode);
+        let Some(req) = state.requests.get_mut(&id) else {
+            return;
+        };
         let Some(tracker) = req.tracker.as_mut() else {
             return;
         };
@@ -667,6 +930,7 @@ fn completion(inner: &Arc<Inner>, link: &Arc<Link>, c: Completion) {
                     latency_us: req.started.elapsed().as_micros() as u64,
                     stages: Stages {
                         control_ns: req.claims_ns,
+                        scatter_ns: req.scatter_ns,
                         ..Stages::default()
                     },
                 };
@@ -678,7 +942,9 @@ fn completion(inner: &Arc<Inner>, link: &Arc<Link>, c: Completion) {
                     req.failure = Some((Some(peer), FailureKind::Protocol, detail));
                     None
                 } else {
-                    state.requests.remove(&id);
+                    if let Some(mut req) = state.requests.remove(&id) {
+                        retire(inner, &mut req, true);
+                    }
                     Some(Event::Received { request: id, stats })
                 }
             }
@@ -711,6 +977,87 @@ fn completion(inner: &Arc<Inner>, link: &Arc<Link>, c: Completion) {
     match event {
         Some(e) => inner.events.push(e),
         None => settle(inner, id),
+    }
+}
+
+/// Gives a request's bounce region back at its end, or — when its writer may still write
+/// into it (`clean` false: it did not answer with its last piece) — keeps it out of use.
+fn retire(inner: &Inner, req: &mut InReq, clean: bool) {
+    if let (Some(b), Some(arena)) = (req.bounce.take(), inner.arena.as_ref()) {
+        if clean {
+            arena.release(b.region);
+        } else {
+            arena.quarantine(b.region);
+        }
+    }
+}
+
+/// The region to offer a request's writer, if it is bounced: one writer (multi-writer
+/// bounce is off, `transfer-semantics.md` §9.1), the mode and the gates of
+/// [`kvferry_plan::bounce::reserve`] allow it, and the arena has room (else logged).
+fn offer_region(
+    inner: &Arc<Inner>,
+    e: &Expect,
+    writers: &BTreeMap<u32, Arc<Link>>,
+) -> Option<(u32, Region)> {
+    let arena = inner.arena.as_ref()?;
+    let config = &inner.config.bounce;
+    if config.mode == BounceMode::Off
+        || (config.mode == BounceMode::Auto && inner.config.transport.is_node_local())
+    {
+        return None;
+    }
+    let (&writer, _) = writers.iter().next()?;
+    let sender = {
+        let state = lock(&inner.decode);
+        state
+            .directory
+            .get(&e.peer)
+            .and_then(|r| r.get(&writer))
+            .map(|m| m.rank.info.clone())?
+    };
+    let planner = Arc::clone(&inner.planner);
+    let (me, tables) = (inner.info.clone(), e.tables.clone());
+    let extra = match inner
+        .planning
+        .call(move || planner.receiver_payload_bytes(&me, &sender, &tables))
+    {
+        Ok(Ok(n)) => n,
+        _ => {
+            tracing::info!(
+                request = e.request,
+                "no recurrent-state size from the planner: not bounced"
+            );
+            return None;
+        }
+    };
+    let limits = config.limits(arena.capacity());
+    let writer_count = u32::try_from(writers.len()).unwrap_or(u32::MAX);
+    let reservation = match kvferry_plan::bounce::reserve(
+        &inner.info.page_table,
+        &e.tables,
+        extra,
+        writer_count,
+        writer_count == 1,
+        &limits,
+    ) {
+        Ok(r) => r,
+        Err(why) => {
+            tracing::debug!(request = e.request, reason = %why, "not bounced");
+            return None;
+        }
+    };
+    match arena.reserve(reservation.total) {
+        Some(region) => Some((writer, region)),
+        None => {
+            tracing::info!(
+                request = e.request,
+                bytes = reservation.total,
+                arena = arena.capacity(),
+                "the bounce arena has no free region this large now: not bounced"
+            );
+            None
+        }
     }
 }
 
@@ -751,108 +1098,29 @@ fn expected_bytes(
 ) -> (BTreeMap<u32, u64>, Option<String>) {
     let mut out = BTreeMap::new();
     let mut plans: Vec<(u32, kvferry_plan::ValidatedPlan)> = Vec::new();
+    let whole = kvferry_planner_abi::PairRequest {
+        token_range: TokenRange {
+            start: 0,
+            end: e.prompt_len,
+        },
+        prompt_len: e.prompt_len,
+        dst_start_token: match e.cached_prefix {
+            Some(t) => kvferry_planner_abi::ffi::ROption::RSome(t),
+            None => kvferry_planner_abi::ffi::ROption::RNone,
+        },
+        is_last: true,
+    };
     for &c in asked {
-        let (sender, identity, known) = {
-            let state = lock(&inner.decode);
-            let Some(m) = state.directory.get(&e.peer).and_then(|r| r.get(&c)) else {
-                continue;
-            };
-            let identity = m.identity();
-            let known = state
-                .writer_planners
-                .get(&identity)
-                .map(|p| Arc::clone(&p.0));
-            (m.rank.info.clone(), identity, known)
-        };
-        let bound = inner.bound.clone();
-        let me = inner.info.clone();
-        let (tables, excluded, prompt, cached) = (
-            e.tables.clone(),
-            e.excluded_views.clone(),
-            e.prompt_len,
-            e.cached_prefix,
-        );
-        let planned = inner.planning.call(move || -> Result<_, String> {
-            let planner = match known {
-                Some(p) => p,
-                None => bound.instantiate(&sender).map_err(|e| error_chain(&e))?,
-            };
-            let pt = &sender.page_table;
-            let blocks = prompt.div_ceil(u64::from(pt.tokens_per_block.max(1)));
-            let stand_in: Vec<SlotTable> = pt
-                .groups
-                .iter()
-                .map(|g| {
-                    let slots = g
-                        .views
-                        .iter()
-                        .filter_map(|v| pt.pools.get(v.pool as usize))
-                        .map(|p| p.num_slots)
-                        .min()
-                        .unwrap_or(1)
-                        .max(1);
-                    let n = if g.kind == kvferry_planner_abi::GroupKind::PAGED {
-                        blocks
-                    } else {
-                        1
-                    };
-                    SlotTable::new((0..n).map(|i| (i % slots) as i64))
-                })
-                .collect();
-            let piece = kvferry_planner_abi::PairRequest {
-                token_range: TokenRange {
-                    start: 0,
-                    end: prompt,
-                },
-                prompt_len: prompt,
-                dst_start_token: match cached {
-                    Some(t) => kvferry_planner_abi::ffi::ROption::RSome(t),
-                    None => kvferry_planner_abi::ffi::ROption::RNone,
-                },
-                is_last: true,
-            };
-            let plan = kvferry_plan::plan_transfer(
-                planner.as_ref(),
-                kvferry_plan::RequestSide::new(&sender, &stand_in),
-                kvferry_plan::RequestSide {
-                    info: &me,
-                    slot_tables: &tables,
-                    excluded: &excluded,
-                },
-                &piece,
-            )
-            .map_err(|e| error_chain(&e))?;
-            Ok((plan, planner))
-        });
-        match planned {
-            Ok(Ok((plan, planner))) => {
+        match plan_as_writer(inner, e, c, whole) {
+            Ok(plan) => {
                 out.insert(c, plan.total_bytes());
                 plans.push((c, plan));
-                let mut state = lock(&inner.decode);
-                // Only for a start of that rank still on file.
-                let current = state
-                    .directory
-                    .get(&identity.instance)
-                    .and_then(|r| r.get(&identity.rank))
-                    .is_some_and(|m| m.epoch == identity.epoch);
-                if current {
-                    state
-                        .writer_planners
-                        .entry(identity)
-                        .or_insert(WriterPlanner(planner));
-                }
             }
-            Ok(Err(reason)) => tracing::warn!(
+            Err(reason) => tracing::warn!(
                 request = e.request,
                 ctx_rank = c,
                 %reason,
                 "cannot plan the request here; its writer's byte count goes unchecked"
-            ),
-            Err(_) => tracing::warn!(
-                request = e.request,
-                ctx_rank = c,
-                "the planner did not plan the request here in time; its writer's byte count \
-                 goes unchecked"
             ),
         }
     }
@@ -870,6 +1138,75 @@ fn expected_bytes(
         )
     });
     (out, overlap)
+}
+
+/// This rank's own plan of `piece` as context rank `c` of `e.peer` makes it: that rank's
+/// planner (instantiated here for its rank once, then kept while that start of the rank is
+/// on file) pairs stand-in source slots ([`kvferry_plan::bounce::stand_in_tables`]) with
+/// this rank's real ones, under the planner deadline.
+fn plan_as_writer(
+    inner: &Arc<Inner>,
+    e: &Expect,
+    c: u32,
+    piece: kvferry_planner_abi::PairRequest,
+) -> Result<kvferry_plan::ValidatedPlan, String> {
+    let (sender, identity, known) = {
+        let state = lock(&inner.decode);
+        let Some(m) = state.directory.get(&e.peer).and_then(|r| r.get(&c)) else {
+            return Err(format!("{} rank {c} is not on file here", e.peer));
+        };
+        let identity = m.identity();
+        let known = state
+            .writer_planners
+            .get(&identity)
+            .map(|p| Arc::clone(&p.0));
+        (m.rank.info.clone(), identity, known)
+    };
+    let bound = inner.bound.clone();
+    let me = inner.info.clone();
+    let (tables, excluded, prompt) = (e.tables.clone(), e.excluded_views.clone(), e.prompt_len);
+    let planned = inner.planning.call(move || -> Result<_, String> {
+        let planner = match known {
+            Some(p) => p,
+            None => bound.instantiate(&sender).map_err(|e| error_chain(&e))?,
+        };
+        let stand_in = kvferry_plan::bounce::stand_in_tables(&sender.page_table, prompt);
+        let plan = kvferry_plan::plan_transfer(
+            planner.as_ref(),
+            kvferry_plan::RequestSide::new(&sender, &stand_in),
+            kvferry_plan::RequestSide {
+                info: &me,
+                slot_tables: &tables,
+                excluded: &excluded,
+            },
+            &piece,
+        )
+        .map_err(|e| error_chain(&e))?;
+        Ok((plan, planner))
+    });
+    match planned {
+        Ok(Ok((plan, planner))) => {
+            let mut state = lock(&inner.decode);
+            // Only for a start of that rank still on file.
+            let current = state
+                .directory
+                .get(&identity.instance)
+                .and_then(|r| r.get(&identity.rank))
+                .is_some_and(|m| m.epoch == identity.epoch);
+            if current {
+                state
+                    .writer_planners
+                    .entry(identity)
+                    .or_insert(WriterPlanner(planner));
+            }
+            Ok(plan)
+        }
+        Ok(Err(reason)) => Err(reason),
+        Err(h) => Err(format!(
+            "the planner did not plan it here within {} ms",
+            h.deadline.as_millis()
+        )),
+    }
 }
 
 fn set_failure(
@@ -899,6 +1236,10 @@ fn settle(inner: &Arc<Inner>, id: u64) {
         if !req.cancelled && req.failure.is_none() {
             return;
         }
+        if req.scattering {
+            // The scatter writes the request's slots: it settles again when it is done.
+            return;
+        }
         let Some(tracker) = req.tracker.as_mut() else {
             // Dispatch is still linking: it settles when it is done.
             return;
@@ -920,7 +1261,13 @@ fn settle(inner: &Arc<Inner>, id: u64) {
             }
             None
         } else {
-            let req = state.requests.remove(&id);
+            // Every writer answered with its last piece, or may still write (its link is
+            // gone without one): then its bounce region stays out of use.
+            let clean = tracker.quiescent();
+            let req = state.requests.remove(&id).map(|mut req| {
+                retire(inner, &mut req, clean);
+                req
+            });
             req.map(|req| match req.failure {
                 _ if req.cancelled => Event::Cancelled { request: id },
                 Some((peer, kind, detail)) => Event::Failed {

@@ -47,6 +47,7 @@ mod generation;
 mod planning;
 mod record;
 
+pub use crate::bounce::{BounceConfig, BounceMode};
 pub use events::{Event, FailureKind};
 pub use generation::Expect;
 pub use kvferry_protocol::{AgentMetadata, PeerIdentity, Secret};
@@ -64,6 +65,7 @@ use kvferry_planner_abi::{PlanError, RankInfo, SlotTable, TokenRange};
 use kvferry_protocol::{RankDescriptor, Role};
 use kvferry_ucx::{Context, Worker};
 
+use crate::bounce::{Arena, Staging};
 use crate::memory::{MemoryError, MemoryKind, RankPools};
 use crate::outcome::PairFragments;
 use crate::rank::{RankThread, ReplayStats, SpawnError, WriteError};
@@ -126,6 +128,9 @@ pub struct AgentConfig {
     /// [`Agent::replay`] can write it again with a bare put loop (`kvferry bench`). Off by
     /// default: recorded plans hold memory per request.
     pub record_plans: bool,
+    /// Bounce transfers (see [`crate::bounce`]): the mode, the generation rank's arena and
+    /// the context rank's staging buffer. Default: auto, 256 MiB arena, 2 × 8 MiB staging.
+    pub bounce: BounceConfig,
 }
 
 impl AgentConfig {
@@ -150,6 +155,7 @@ impl AgentConfig {
             cuda_device: None,
             hook: None,
             record_plans: false,
+            bounce: BounceConfig::default(),
         }
     }
 }
@@ -314,11 +320,17 @@ pub(crate) struct Inner {
     pub(crate) planner: Arc<dyn kvferry_planner_abi::TransferPlanner>,
     /// Kept for the agent's life: the rank thread reads and peers write these.
     pub(crate) _pools: Arc<RankPools>,
+    /// A generation rank's bounce arena (peers write it, so it lives as long as the pools).
+    pub(crate) arena: Option<Arc<Arena>>,
+    /// A context rank's rank thread has a staging buffer: it can bounce.
+    pub(crate) bounces: bool,
     pub(crate) thread: RankThread,
     pub(crate) metadata: kvferry_protocol::AgentMetadata,
     pub(crate) events: Events,
     pub(crate) planning: Planning,
     pub(crate) dispatch: dispatch::Dispatch,
+    /// Scatters bounced pieces (generation ranks with an arena).
+    pub(crate) scatter: Option<dispatch::Dispatch>,
     pub(crate) next_peer: AtomicU64,
     pub(crate) stopped: AtomicBool,
     pub(crate) prefill: Mutex<context::State>,
@@ -395,6 +407,18 @@ impl Inner {
         }
         if d.worker_address.is_empty() {
             return Err("empty worker address".into());
+        }
+        if let Some(arena) = &d.bounce {
+            if m.role != Role::Generation || arena.rkey.is_empty() || arena.len == 0 {
+                return Err(format!(
+                    "its bounce arena ({:#x}+{}, {}-byte key) is not one a {} rank may \
+                     declare",
+                    arena.base,
+                    arena.len,
+                    arena.rkey.len(),
+                    m.role
+                ));
+            }
         }
         Ok(())
     }
@@ -551,12 +575,15 @@ impl Agent {
                 source,
             })?);
         let worker = Worker::new(&context).map_err(StartError::Worker)?;
-        let thread = RankThread::spawn(
+        let (arena, staging) = bounce_memory(&config, &context)?;
+        let bounces = staging.is_some();
+        let thread = RankThread::spawn_bouncing(
             &config.instance,
             rank,
             worker,
             Arc::clone(&pools),
             config.transport.error_mode(),
+            staging,
         )?;
 
         let (listener, endpoint) = match config.role {
@@ -585,6 +612,7 @@ impl Agent {
                 info: info.clone(),
                 worker_address: thread.address().to_vec(),
                 pools: keys,
+                bounce: arena.as_ref().map(|a| a.key().clone()),
             },
         };
         let label = format!("{}-r{rank}", config.instance);
@@ -592,6 +620,14 @@ impl Agent {
             events: Events::new()?,
             planning: Planning::new(&label, config.planner_timeout)?,
             dispatch: dispatch::Dispatch::new(&label)?,
+            scatter: match &arena {
+                Some(_) => Some(dispatch::Dispatch::with_threads(
+                    &label,
+                    "scatter",
+                    SCATTER_THREADS,
+                )?),
+                None => None,
+            },
             prefill: Mutex::new(context::State::new(config.max_stashed_bytes)),
             decode: Mutex::new(generation::State::default()),
             recorded: Mutex::new(record::Recorder::default()),
@@ -600,6 +636,8 @@ impl Agent {
             bound,
             planner,
             _pools: pools,
+            arena,
+            bounces,
             thread,
             metadata,
             next_peer: AtomicU64::new(1),
@@ -854,6 +892,39 @@ fn check_config(config: &AgentConfig, bound: &BoundPlanner) -> Result<(), StartE
         .map_err(|e| StartError::Config(format!("invalid page table: {e}")))
 }
 
+/// The bounce memory the rank's role and config ask for: a generation rank's arena, a
+/// context rank's staging buffer, or neither (bounce off, or device pools, which do not
+/// bounce yet).
+fn bounce_memory(
+    config: &AgentConfig,
+    context: &Arc<Context>,
+) -> Result<(Option<Arc<Arena>>, Option<Staging>), StartError> {
+    let b = &config.bounce;
+    if b.mode == BounceMode::Off {
+        return Ok((None, None));
+    }
+    if memory_kind(&config.rank) != MemoryKind::Host {
+        tracing::info!(
+            mode = %b.mode,
+            "device pools do not bounce yet (the gather and scatter copy host memory): \
+             pieces go fragment by fragment"
+        );
+        return Ok((None, None));
+    }
+    let refused = |what: &str, e: String| {
+        StartError::Config(format!("{what} (--bounce off starts without it): {e}"))
+    };
+    match config.role {
+        Role::Generation if b.arena_bytes > 0 => Arena::new(context, b.arena_bytes)
+            .map(|a| (Some(Arc::new(a)), None))
+            .map_err(|e| refused("bounce arena", e)),
+        Role::Context if b.staging_bytes > 0 => Staging::new(context, b.staging_bytes)
+            .map(|s| (None, Some(s)))
+            .map_err(|e| refused("bounce staging buffer", e)),
+        _ => Ok((None, None)),
+    }
+}
+
 /// Device pools need UCX's CUDA transports in the context.
 fn memory_kind(rank: &RankInfo) -> MemoryKind {
     if rank
@@ -868,6 +939,9 @@ fn memory_kind(rank: &RankInfo) -> MemoryKind {
     }
 }
 
+/// Threads scattering bounced pieces on a generation rank with an arena.
+const SCATTER_THREADS: usize = 2;
+
 /// How long dropping an agent waits for its threads to let go of it.
 const DROP_WAIT: Duration = Duration::from_secs(2);
 
@@ -878,6 +952,9 @@ impl Drop for Agent {
     fn drop(&mut self) {
         self.inner.stopped.store(true, Ordering::Release);
         self.inner.dispatch.stop();
+        if let Some(scatter) = &self.inner.scatter {
+            scatter.stop();
+        }
         match self.inner.config.role {
             Role::Context => context::shutdown(&self.inner),
             Role::Generation => generation::shutdown(&self.inner),

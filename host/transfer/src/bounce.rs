@@ -1,0 +1,372 @@
+//! Bounce transfers (`transfer-semantics.md` §9): instead of one put per fragment, a writer
+//! gathers a piece's fragments into a registered staging buffer and puts the packed image
+//! into a region of the receiver's *bounce arena* in a few large puts; the receiver scatters
+//! it into its slots by its own plan of the piece before it reports the request `Received`.
+//!
+//! Thousands of 8 KiB fragments (Llama-3-70B tp4 → tp8) cost a put each, which over `tcp`
+//! is a message each; bounced, they cost one put per MiB. Within a node (shared memory) a
+//! put already is a copy, so bouncing only adds two: [`BounceMode::Auto`] bounces only where
+//! the transports leave the node.
+//!
+//! - The **arena** ([`Arena`]) belongs to a generation rank: registered host memory kvferry
+//!   allocates once, advertised with the rank's metadata. Each request that passes the
+//!   gates of [`kvferry_plan::bounce::reserve`] and fits gets a region of its own for its
+//!   life; a request that does not fit is written fragment by fragment, and the log says
+//!   why. A region is released at the request's terminal event, or — when a writer may
+//!   still write into it (its link died before its last piece) — kept out of use for the
+//!   agent's life (quarantined), so a late put can never land in another request's region.
+//! - The **staging** buffer ([`Staging`]) belongs to a context rank: two halves, so that
+//!   while one half's puts are in flight a gather thread fills the other.
+//! - The packed image is defined by destination addresses alone
+//!   ([`kvferry_plan::bounce::gather_list`], [`kvferry_plan::bounce::scatter_runs`]): the
+//!   receiver never takes a writer's word for where a byte goes.
+//!
+//! Device (VRAM) pools do not bounce yet: the gather and scatter here copy host memory, and
+//! an agent over device pools starts without an arena or staging buffer (logged).
+
+use std::sync::Arc;
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::thread;
+
+use kvferry_plan::bounce::{BounceLimits, DEFAULT_MIN_BLOCKS};
+use kvferry_protocol::PoolKey;
+use kvferry_ucx::{Context, MemRegion};
+
+use crate::agent::lock;
+
+/// Whether an agent bounces.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum BounceMode {
+    /// Never: every piece goes fragment by fragment.
+    Off,
+    /// Whenever the receiver offers a region the piece fits in (and any request with at
+    /// least one block gets an offer).
+    On,
+    /// Where it pays: transports that leave the node, requests of at least
+    /// [`BounceConfig::min_blocks`] blocks, pieces whose mean fragment is below
+    /// [`AUTO_MAX_MEAN_FRAGMENT`].
+    #[default]
+    Auto,
+}
+
+/// Pieces whose fragments average this many bytes or more are not bounced under
+/// [`BounceMode::Auto`]: their puts are few and large already.
+pub const AUTO_MAX_MEAN_FRAGMENT: u64 = 256 << 10;
+
+impl std::str::FromStr for BounceMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "off" => Ok(Self::Off),
+            "on" => Ok(Self::On),
+            "auto" => Ok(Self::Auto),
+            other => Err(format!("bounce mode {other:?}: expected on, off or auto")),
+        }
+    }
+}
+
+impl std::fmt::Display for BounceMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Off => "off",
+            Self::On => "on",
+            Self::Auto => "auto",
+        })
+    }
+}
+
+/// How an agent bounces ([`crate::agent::AgentConfig::bounce`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BounceConfig {
+    /// Off, on or auto.
+    pub mode: BounceMode,
+    /// Generation ranks: bytes of the arena regions are reserved from (allocated at start).
+    pub arena_bytes: u64,
+    /// Context ranks: bytes of each of the two halves of the staging buffer (allocated at
+    /// start); a piece goes out in puts of at most [`crate::rank::MAX_PUT_BYTES`], one half
+    /// at a time.
+    pub staging_bytes: u64,
+    /// Requests with fewer paged blocks are not offered a region under
+    /// [`BounceMode::Auto`] (requests with recurrent state: fewer bytes than
+    /// [`min_bytes`](Self::min_bytes)).
+    pub min_blocks: u64,
+    /// The byte threshold for requests with recurrent state, under [`BounceMode::Auto`].
+    pub min_bytes: u64,
+}
+
+impl Default for BounceConfig {
+    /// Auto, a 256 MiB arena, 2 × 8 MiB of staging, the reference's 96-block threshold and
+    /// 4 MiB for requests with state.
+    fn default() -> Self {
+        Self {
+            mode: BounceMode::Auto,
+            arena_bytes: 256 << 20,
+            staging_bytes: 8 << 20,
+            min_blocks: DEFAULT_MIN_BLOCKS,
+            min_bytes: 4 << 20,
+        }
+    }
+}
+
+impl BounceConfig {
+    /// Bouncing off.
+    pub fn off() -> Self {
+        Self {
+            mode: BounceMode::Off,
+            ..Self::default()
+        }
+    }
+
+    /// The gates a receiver's reservation must pass, for an arena of `capacity` bytes.
+    pub(crate) fn limits(&self, capacity: u64) -> BounceLimits {
+        let forced = self.mode == BounceMode::On;
+        BounceLimits {
+            capacity,
+            min_blocks: if forced { 1 } else { self.min_blocks },
+            min_bytes: if forced { 1 } else { self.min_bytes },
+            fan_in: false,
+        }
+    }
+}
+
+/// Bytes regions are aligned to inside the arena.
+const REGION_ALIGN: u64 = 64;
+
+/// A region of the arena, reserved for one request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Region {
+    /// Bytes from the arena's base.
+    pub(crate) offset: u64,
+    /// Its length.
+    pub(crate) len: u64,
+}
+
+#[derive(Debug, Default)]
+struct Free {
+    /// Free ranges `(offset, len)`, ascending, never touching.
+    ranges: Vec<(u64, u64)>,
+    /// Bytes kept out of use for the agent's life.
+    quarantined: u64,
+}
+
+/// A generation rank's bounce arena (see the module docs).
+#[derive(Debug)]
+pub(crate) struct Arena {
+    region: MemRegion,
+    key: PoolKey,
+    free: std::sync::Mutex<Free>,
+}
+
+impl Arena {
+    /// `bytes` of registered host memory on `context`, and its key for peers.
+    pub(crate) fn new(context: &Arc<Context>, bytes: u64) -> Result<Self, String> {
+        let len = usize::try_from(bytes).map_err(|_| format!("{bytes} bytes do not fit here"))?;
+        let region = MemRegion::allocate(context, len)
+            .map_err(|e| format!("cannot allocate a {bytes}-byte bounce arena: {e}"))?;
+        let rkey = region
+            .pack_rkey()
+            .map_err(|e| format!("cannot pack the bounce arena's key: {e}"))?;
+        let key = PoolKey {
+            base: region.remote_addr(),
+            len: region.len() as u64,
+            rkey: rkey.into_bytes(),
+        };
+        let free = Free {
+            ranges: vec![(0, region.len() as u64)],
+            quarantined: 0,
+        };
+        Ok(Self {
+            region,
+            key,
+            free: std::sync::Mutex::new(free),
+        })
+    }
+
+    /// The key peers write the arena with.
+    pub(crate) fn key(&self) -> &PoolKey {
+        &self.key
+    }
+
+    /// Bytes of the arena.
+    pub(crate) fn capacity(&self) -> u64 {
+        self.key.len
+    }
+
+    /// A free region of `len` bytes (first fit), or `None` while the arena has none.
+    pub(crate) fn reserve(&self, len: u64) -> Option<Region> {
+        let want = len
+            .checked_next_multiple_of(REGION_ALIGN)?
+            .max(REGION_ALIGN);
+        let mut free = lock(&self.free);
+        let i = free.ranges.iter().position(|&(_, n)| n >= want)?;
+        let (offset, n) = free.ranges[i];
+        if n == want {
+            free.ranges.remove(i);
+        } else {
+            free.ranges[i] = (offset + want, n - want);
+        }
+        Some(Region { offset, len: want })
+    }
+
+    /// Gives `region` back: no writer can write into it any more.
+    pub(crate) fn release(&self, region: Region) {
+        let mut free = lock(&self.free);
+        let i = free.ranges.partition_point(|&(o, _)| o < region.offset);
+        free.ranges.insert(i, (region.offset, region.len));
+        // Merge with the neighbours it touches.
+        if i + 1 < free.ranges.len() {
+            let (o, n) = free.ranges[i];
+            if o + n == free.ranges[i + 1].0 {
+                free.ranges[i].1 += free.ranges[i + 1].1;
+                free.ranges.remove(i + 1);
+            }
+        }
+        if i > 0 {
+            let (o, n) = free.ranges[i - 1];
+            if o + n == free.ranges[i].0 {
+                free.ranges[i - 1].1 += free.ranges[i].1;
+                free.ranges.remove(i);
+            }
+        }
+    }
+
+    /// Keeps `region` out of use for the agent's life: a writer that may still write into
+    /// it is not known to have stopped.
+    pub(crate) fn quarantine(&self, region: Region) {
+        let total = {
+            let mut free = lock(&self.free);
+            free.quarantined += region.len;
+            free.quarantined
+        };
+        tracing::warn!(
+            offset = region.offset,
+            bytes = region.len,
+            quarantined_total = total,
+            "a bounce region whose writer may still write is kept out of use for good"
+        );
+    }
+
+    /// Copies `runs` (destination address, length; their concatenation is the packed image)
+    /// from the arena, starting `offset` bytes in, to the addresses they name.
+    ///
+    /// # Safety
+    ///
+    /// `[offset, offset + Σ len)` lies inside the arena, and every run's destination is
+    /// host memory of this process valid for writes of its length that no Rust reference
+    /// points into (the rank's own pools, at addresses its validated plan names).
+    pub(crate) unsafe fn scatter(&self, offset: u64, runs: &[(u64, u64)]) {
+        let mut at = offset as usize;
+        for &(dst, len) in runs {
+            let n = len as usize;
+            // SAFETY: the caller guarantees both ranges (the source inside the arena, which
+            // this value keeps mapped; the destination its own pool memory); they cannot
+            // overlap, the arena being memory no pool shares.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    self.region.as_ptr().add(at).cast_const(),
+                    dst as usize as *mut u8,
+                    n,
+                );
+            }
+            at += n;
+        }
+    }
+}
+
+/// A context rank's staging buffer: two halves of [`BounceConfig::staging_bytes`].
+#[derive(Debug)]
+pub struct Staging {
+    region: MemRegion,
+    half: usize,
+}
+
+impl Staging {
+    /// Two halves of `half_bytes` of registered host memory on `context`.
+    pub(crate) fn new(context: &Arc<Context>, half_bytes: u64) -> Result<Self, String> {
+        let half = usize::try_from(half_bytes)
+            .ok()
+            .filter(|&h| h > 0)
+            .ok_or_else(|| format!("a staging half of {half_bytes} bytes"))?;
+        let region = MemRegion::allocate(context, half * 2)
+            .map_err(|e| format!("cannot allocate a {}-byte staging buffer: {e}", half * 2))?;
+        Ok(Self { region, half })
+    }
+
+    /// The registered memory (puts read from it).
+    pub(crate) fn region(&self) -> &MemRegion {
+        &self.region
+    }
+
+    /// Bytes of one half.
+    pub(crate) fn half(&self) -> usize {
+        self.half
+    }
+}
+
+/// One copy job for the gather thread: `(source address, length)` copied one after the
+/// other to `dst`.
+pub(crate) struct GatherTask {
+    pub(crate) parts: Vec<(u64, u64)>,
+    pub(crate) dst: usize,
+    pub(crate) id: usize,
+}
+
+/// A thread that copies gather tasks, in order, and reports each by its id.
+#[derive(Debug)]
+pub(crate) struct Gatherer {
+    tx: Option<Sender<GatherTask>>,
+    pub(crate) done: Receiver<usize>,
+    thread: Option<thread::JoinHandle<()>>,
+}
+
+impl Gatherer {
+    pub(crate) fn spawn(label: &str) -> std::io::Result<Self> {
+        let (tx, rx) = mpsc::channel::<GatherTask>();
+        let (done_tx, done) = mpsc::channel();
+        let thread = thread::Builder::new()
+            .name(format!("gather-{label}"))
+            .spawn(move || {
+                for task in rx {
+                    let mut at = task.dst;
+                    for (src, len) in task.parts {
+                        // SAFETY: the executor hands over only ranges it checked: sources
+                        // inside this rank's host pools (which outlive the executor, and so
+                        // this thread's work: the executor waits for every task it submitted
+                        // before it returns) and a destination inside one half of the staging
+                        // buffer that no put reads until this task is reported.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                src as usize as *const u8,
+                                at as *mut u8,
+                                len as usize,
+                            );
+                        }
+                        at += len as usize;
+                    }
+                    if done_tx.send(task.id).is_err() {
+                        return;
+                    }
+                }
+            })?;
+        Ok(Self {
+            tx: Some(tx),
+            done,
+            thread: Some(thread),
+        })
+    }
+
+    /// Queues a task; `false` if the thread is gone.
+    pub(crate) fn submit(&self, task: GatherTask) -> bool {
+        self.tx.as_ref().is_some_and(|tx| tx.send(task).is_ok())
+    }
+}
+
+impl Drop for Gatherer {
+    fn drop(&mut self) {
+        self.tx.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}

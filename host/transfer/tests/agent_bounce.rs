@@ -1,0 +1,268 @@
+//! Bounce transfers between two agents in one process (`transfer-semantics.md` §9): the
+//! prefill rank gathers each piece into its staging buffer and puts the packed image into
+//! the decode rank's arena, which scatters it by its own plan. Every destination slot must
+//! hold its source's bytes and every other byte its canary, with bounce on and off, over
+//! tcp and shm; a request too large for the arena goes fragment by fragment; a writer that
+//! lies about a bounced piece fails its request by name and moves no byte into the slots.
+
+mod support;
+
+use std::time::Duration;
+
+use kvferry_planner_abi::TokenRange;
+use kvferry_transfer::Role;
+use kvferry_transfer::Transport;
+use kvferry_transfer::agent::{Agent, BounceConfig, BounceMode, Event, FailureKind, Send};
+
+use support::*;
+
+fn bouncing(role: Role, engine: &Engine, transport: Transport, bounce: BounceConfig) -> Agent {
+    start(role, engine, secret(), bound(), |config| {
+        config.transport = transport.into();
+        config.bounce = bounce;
+    })
+}
+
+fn on() -> BounceConfig {
+    BounceConfig {
+        mode: BounceMode::On,
+        // Small halves, so a request takes several chunks through the staging buffer.
+        staging_bytes: 24 << 10,
+        ..BounceConfig::default()
+    }
+}
+
+/// A chunked 70-token request into scattered slots; the receiver's stats.
+fn chunked_request(prefill: &Agent, decode: &Agent, src: &Engine, dst: &Engine) -> Event {
+    let src_slots = [3i64, 6, 1, 7, 5];
+    let dst_slots = [4i64, 2, 7, 5, 0];
+    let prompt = 70;
+    let endpoint = prefill.endpoint().unwrap().to_string();
+    decode
+        .expect(expecting(7, &endpoint, tables(dst, &dst_slots), prompt))
+        .unwrap();
+    for (slots, tokens) in [
+        (&src_slots[..2], TokenRange { start: 0, end: 32 }),
+        (
+            &src_slots[..],
+            TokenRange {
+                start: 32,
+                end: prompt,
+            },
+        ),
+    ] {
+        prefill
+            .send(Send {
+                request: 7,
+                tables: tables(src, slots),
+                tokens,
+                prompt_len: prompt,
+                is_last: tokens.end == prompt,
+                to: Some("decode".into()),
+            })
+            .unwrap();
+    }
+    let got = wait(decode, 7, Duration::from_secs(20));
+    let sent = wait(prefill, 7, Duration::from_secs(20));
+    assert!(matches!(sent, Event::Sent { .. }), "{sent:?}");
+    got
+}
+
+#[test]
+fn a_chunked_request_bounces_byte_for_byte_over_tcp_and_shm() {
+    for transport in [Transport::Tcp, Transport::Shm] {
+        for bounce in [on(), BounceConfig::off()] {
+            let model = model();
+            let src = Engine::new("prefill", &model, pattern);
+            let dst = Engine::new("decode", &model, |_, _| CANARY);
+            let prefill = bouncing(Role::Context, &src, transport, bounce);
+            let decode = bouncing(Role::Generation, &dst, transport, bounce);
+            let got = chunked_request(&prefill, &decode, &src, &dst);
+            let Event::Received { stats, .. } = got else {
+                panic!("{transport} bounce {}: {got:?}", bounce.mode);
+            };
+            assert_eq!(stats.pieces, 2);
+            // Scattered here exactly when bouncing.
+            assert_eq!(
+                stats.stages.scatter_ns > 0,
+                bounce.mode == BounceMode::On,
+                "{transport} bounce {}: {stats:?}",
+                bounce.mode
+            );
+            drop(decode);
+            drop(prefill);
+            check(&src, &dst, &[3, 6, 1, 7], &[4, 2, 7, 5], Some((5, 0)));
+        }
+    }
+}
+
+#[test]
+fn auto_bounces_over_tcp_and_not_within_the_node() {
+    for (transport, bounced) in [(Transport::Tcp, true), (Transport::Shm, false)] {
+        // Small blocks (16 KiB slots), so the mean fragment is below auto's threshold.
+        let model = kvferry_testkit::builder::Model::gqa(2, 2, 64, 16);
+        let src = Engine::new("prefill", &model, pattern);
+        let dst = Engine::new("decode", &model, |_, _| CANARY);
+        let auto = BounceConfig {
+            mode: BounceMode::Auto,
+            min_blocks: 1,
+            ..BounceConfig::default()
+        };
+        let prefill = bouncing(Role::Context, &src, transport, auto);
+        let decode = bouncing(Role::Generation, &dst, transport, auto);
+        let Event::Received { stats, .. } = chunked_request(&prefill, &decode, &src, &dst) else {
+            panic!("{transport}: not received");
+        };
+        assert_eq!(
+            stats.stages.scatter_ns > 0,
+            bounced,
+            "{transport}: {stats:?}"
+        );
+        drop(decode);
+        drop(prefill);
+        check(&src, &dst, &[3, 6, 1, 7], &[4, 2, 7, 5], Some((5, 0)));
+    }
+}
+
+#[test]
+fn a_request_larger_than_the_arena_goes_fragment_by_fragment() {
+    let model = model();
+    let src = Engine::new("prefill", &model, pattern);
+    let dst = Engine::new("decode", &model, |_, _| CANARY);
+    let small = BounceConfig {
+        arena_bytes: 4096,
+        ..on()
+    };
+    let prefill = bouncing(Role::Context, &src, Transport::Tcp, on());
+    let decode = bouncing(Role::Generation, &dst, Transport::Tcp, small);
+    let Event::Received { stats, .. } = chunked_request(&prefill, &decode, &src, &dst) else {
+        panic!("not received");
+    };
+    assert_eq!(stats.stages.scatter_ns, 0, "{stats:?}");
+    drop(decode);
+    drop(prefill);
+    check(&src, &dst, &[3, 6, 1, 7], &[4, 2, 7, 5], Some((5, 0)));
+}
+
+#[test]
+fn regions_are_reused_request_after_request() {
+    // An arena that holds one request at a time: each must give its region back.
+    let model = model();
+    let src = Engine::new("prefill", &model, pattern);
+    let dst = Engine::new("decode", &model, |_, _| CANARY);
+    let slot_bytes: u64 = dst.info.page_table.pools.iter().map(|p| p.slot_bytes).sum();
+    let one = BounceConfig {
+        arena_bytes: 2 * slot_bytes,
+        ..on()
+    };
+    let prefill = bouncing(Role::Context, &src, Transport::Tcp, on());
+    let decode = bouncing(Role::Generation, &dst, Transport::Tcp, one);
+    let endpoint = prefill.endpoint().unwrap().to_string();
+    for (k, (s, d)) in [([0i64, 1], [2i64, 3]), ([4, 5], [6, 7]), ([2, 3], [0, 1])]
+        .into_iter()
+        .enumerate()
+    {
+        let id = 100 + k as u64;
+        decode
+            .expect(expecting(id, &endpoint, tables(&dst, &d), 32))
+            .unwrap();
+        prefill.send(whole(id, tables(&src, &s), 32)).unwrap();
+        let Event::Received { stats, .. } = wait(&decode, id, Duration::from_secs(20)) else {
+            panic!("request {id} not received");
+        };
+        assert!(stats.stages.scatter_ns > 0, "request {id} did not bounce");
+        assert!(matches!(
+            wait(&prefill, id, Duration::from_secs(20)),
+            Event::Sent { .. }
+        ));
+    }
+    drop(decode);
+    drop(prefill);
+    check(&src, &dst, &[0, 1, 4, 5, 2, 3], &[2, 3, 6, 7, 0, 1], None);
+}
+
+mod hostile {
+    use super::*;
+
+    use kvferry_protocol::{
+        AgentEvent, AgentMessage, AgentMetadata, AgentSession, BouncedPiece, Completion,
+        CompletionStatus, read_frame, write_frame,
+    };
+
+    /// A context rank under a real one's description that answers every claim with a
+    /// successful bounced last piece of `bytes` bytes at `offset`, writing nothing.
+    fn lying_bouncer(real: &Agent, bytes: u64, offset: u64) -> String {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let endpoint = listener.local_addr().unwrap().to_string();
+        let mut me = AgentMetadata::from_bytes(&real.local_metadata().unwrap()).unwrap();
+        me.endpoint = Some(endpoint.clone());
+        std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let mut session = AgentSession::accept(secret(), [3; 32]);
+            loop {
+                let Ok(m) = read_frame::<AgentMessage>(&mut s) else {
+                    return;
+                };
+                match session.receive(m) {
+                    Ok(AgentEvent::Reply(r)) => {
+                        r.iter().for_each(|m| write_frame(&mut s, m).unwrap());
+                    }
+                    Ok(AgentEvent::Metadata(_)) => {
+                        let reply = session.admit(me.clone()).unwrap();
+                        write_frame(&mut s, &reply).unwrap();
+                    }
+                    Ok(AgentEvent::RequestData(d)) => {
+                        assert!(d.bounce.is_some(), "no region offered: {d:?}");
+                        let lie = Completion {
+                            request: d.request,
+                            sender_rank: d.sender_rank,
+                            receiver_rank: d.receiver_rank,
+                            piece: 0,
+                            is_last: true,
+                            bytes,
+                            fragments: 1,
+                            status: CompletionStatus::Ok,
+                            bounce: Some(BouncedPiece {
+                                offset,
+                                tokens: d.token_range,
+                            }),
+                        };
+                        write_frame(&mut s, &AgentMessage::Completion(lie)).unwrap();
+                    }
+                    Ok(_) => {}
+                    Err(_) => return,
+                }
+            }
+        });
+        endpoint
+    }
+
+    #[test]
+    fn a_bounced_piece_of_the_wrong_length_or_place_is_refused_and_scatters_nothing() {
+        let model = model();
+        let src = Engine::new("prefill", &model, pattern);
+        let dst = Engine::new("decode", &model, |_, _| CANARY);
+        let real = bouncing(Role::Context, &src, Transport::Tcp, on());
+        let slot_bytes: u64 = dst.info.page_table.pools.iter().map(|p| p.slot_bytes).sum();
+        let right = 2 * slot_bytes;
+        for (request, bytes, offset, says) in [
+            (21, 4096, 0, "own plan of them says"),
+            (22, right, 1 << 40, "region whose next free byte"),
+        ] {
+            let decode = bouncing(Role::Generation, &dst, Transport::Tcp, on());
+            let endpoint = lying_bouncer(&real, bytes, offset);
+            decode
+                .expect(expecting(request, &endpoint, tables(&dst, &[0, 1]), 32))
+                .unwrap();
+            match wait(&decode, request, Duration::from_secs(10)) {
+                Event::Failed { kind, detail, .. } => {
+                    assert_eq!(kind, FailureKind::Protocol, "{detail}");
+                    assert!(detail.contains(says), "{detail}");
+                }
+                other => panic!("a lying bounce was believed: {other:?}"),
+            }
+        }
+        drop(real);
+        check(&src, &dst, &[], &[], None);
+    }
+}
