@@ -4,11 +4,36 @@
 //!
 //! Each case has a name; rerun one alone with `KVFERRY_CASE='<part of its name>'`.
 
-use kvferry_testkit::conform::{CaseVerdict, DEFAULT_SEED, conform, matrix};
+use kvferry_plan::bounce::BounceLimits;
+use kvferry_testkit::conform::{CaseVerdict, ConformReport, DEFAULT_SEED, conform_with, matrix};
 use kvferry_testkit::conformance::{CASE_FILTER_ENV, PlannerUnderTest};
 
 #[test]
 fn default_planner_moves_every_byte_right() {
+    let report = run(None);
+    assert_eq!(report.cases.iter().map(|c| c.bounced).sum::<usize>(), 0);
+}
+
+/// The same matrix with every single-writer receiver's pieces bounced (transfer-semantics
+/// §9): gathered by the sender's plan into a packed image, scattered by the receiver's own
+/// plan of the piece with stand-in sources, as the agent does.
+#[test]
+fn default_planner_moves_every_byte_right_bounced() {
+    let forced = BounceLimits {
+        min_blocks: 1,
+        min_bytes: 1,
+        ..BounceLimits::default()
+    };
+    let report = run(Some(forced));
+    let bounced = report.cases.iter().filter(|c| c.bounced > 0).count();
+    assert!(
+        bounced >= 100,
+        "only {bounced} of {} cases bounced a piece",
+        report.cases.len()
+    );
+}
+
+fn run(bounce: Option<BounceLimits>) -> ConformReport {
     let cases = matrix(DEFAULT_SEED);
     let total = cases.len();
     let expected_refusals = cases
@@ -24,7 +49,7 @@ fn default_planner_moves_every_byte_right() {
     assert!(reblocked >= 60, "only {reblocked} re-blocking cases");
     let planner = PlannerUnderTest::linked(kvferry_planner_default::planner_module());
     let filter = std::env::var(CASE_FILTER_ENV).ok();
-    let report = conform(&planner, DEFAULT_SEED, filter.as_deref(), |_| {});
+    let report = conform_with(&planner, DEFAULT_SEED, filter.as_deref(), bounce, |_| {});
     // Every case passes, except those the semantics refuse (e.g. block sizes that do not
     // divide): those must be refused, naming the field.
     let failed: Vec<String> = report
@@ -47,4 +72,5 @@ fn default_planner_moves_every_byte_right() {
         assert_eq!(report.refused(), expected_refusals);
     }
     eprintln!("{report}");
+    report
 }

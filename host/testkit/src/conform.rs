@@ -29,6 +29,7 @@
 use std::collections::BTreeSet;
 use std::fmt;
 
+use kvferry_plan::bounce::BounceLimits;
 use kvferry_planner_abi::{Deployment, ErrorKind, Mapping, TokenRange};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -329,6 +330,8 @@ pub struct CaseOutcome {
     pub fragments: usize,
     /// Bytes written; 0 unless the case ran.
     pub bytes: u64,
+    /// Pieces that went through a bounce region ([`conform_with`]); 0 unless the case ran.
+    pub bounced: usize,
     /// The verdict.
     pub verdict: CaseVerdict,
     /// The field the semantics expect a refusal of this case to name ([`Case`]).
@@ -508,9 +511,15 @@ fn first_wrong(report: &ScenarioReport) -> Option<String> {
 fn verdict_of(
     result: Result<ScenarioReport, String>,
     error_kind: Option<ErrorKind>,
-) -> (usize, u64, CaseVerdict) {
+) -> (usize, u64, usize, CaseVerdict) {
+    let bounced = |r: &ScenarioReport| r.pairs.iter().map(|p| p.bounced).sum::<usize>();
     match result {
-        Ok(report) if report.is_ok() => (report.fragments, report.bytes, CaseVerdict::Passed),
+        Ok(report) if report.is_ok() => (
+            report.fragments,
+            report.bytes,
+            bounced(&report),
+            CaseVerdict::Passed,
+        ),
         Ok(report) => {
             let v = &report.verification;
             let reason = if v.is_clean() {
@@ -528,6 +537,7 @@ fn verdict_of(
             (
                 report.fragments,
                 report.bytes,
+                bounced(&report),
                 CaseVerdict::Failed {
                     first_wrong: first_wrong(&report),
                     reason,
@@ -547,7 +557,7 @@ fn verdict_of(
                     first_wrong: None,
                 }
             };
-            (0, 0, verdict)
+            (0, 0, 0, verdict)
         }
     }
 }
@@ -572,11 +582,32 @@ pub fn conform(
     planner: &PlannerUnderTest,
     seed: u64,
     filter: Option<&str>,
+    progress: impl FnMut(&CaseOutcome),
+) -> ConformReport {
+    conform_with(planner, seed, filter, None, progress)
+}
+
+/// [`conform`], each case's pieces bounced where its receiver's region passes `bounce`'s
+/// limits and it has one writer ([`Scenario::bounce`]): the sender's plan gathered into a
+/// packed image and scattered by the receiver's own plan of the piece, as the agent does.
+/// `None`: every piece fragment by fragment.
+pub fn conform_with(
+    planner: &PlannerUnderTest,
+    seed: u64,
+    filter: Option<&str>,
+    bounce: Option<BounceLimits>,
     mut progress: impl FnMut(&CaseOutcome),
 ) -> ConformReport {
     let cases: Vec<Case> = matrix(seed)
         .into_iter()
         .filter(|c| filter.is_none_or(|f| c.name.contains(f)))
+        .map(|mut c| {
+            if let Some(limits) = bounce {
+                c.scenario.bounce = true;
+                c.scenario.bounce_limits = limits;
+            }
+            c
+        })
         .collect();
     let mut asked = BTreeSet::new();
     let mut deployments = Vec::new();
@@ -610,8 +641,8 @@ pub fn conform(
                 });
             }
         }
-        let (fragments, bytes, verdict) = match refusal {
-            Some(verdict) => (0, 0, verdict),
+        let (fragments, bytes, bounced, verdict) = match refusal {
+            Some(verdict) => (0, 0, 0, verdict),
             None => {
                 let (result, kind) = planner.run_scenario(s);
                 verdict_of(result, kind)
@@ -624,6 +655,7 @@ pub fn conform(
             r#gen: s.gen_mapping,
             fragments,
             bytes,
+            bounced,
             verdict,
             expected_refusal: case.expected_refusal.clone(),
         };

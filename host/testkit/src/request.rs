@@ -157,6 +157,7 @@ impl Transfer {
             pieces,
             ctx_dp_rank: self.ctx_dp_rank,
             gen_dp_rank: self.gen_dp_rank,
+            bounce: false,
             seed: self.seed,
             bounce_limits: Default::default(),
         })

@@ -130,6 +130,18 @@ pub enum ScenarioError {
     /// The oracle could not fill or check.
     #[error(transparent)]
     Oracle(#[from] OracleError),
+    /// A bounced piece's packed image does not match the receiver's own plan of it.
+    #[error("ctx rank {ctx_rank} -> gen rank {gen_rank}, piece {piece}: bounce: {detail}")]
+    Bounce {
+        /// The sender.
+        ctx_rank: u32,
+        /// The receiver.
+        gen_rank: u32,
+        /// Index of the piece.
+        piece: usize,
+        /// What does not match.
+        detail: String,
+    },
 }
 
 impl ScenarioError {
@@ -176,6 +188,10 @@ pub struct Scenario {
     pub gen_tokens_per_block: Option<u32>,
     /// The limits each receiver's bounce region is checked against.
     pub bounce_limits: BounceLimits,
+    /// Move the pieces of every receiver whose bounce region passes the limits (one writer)
+    /// as the agent does: the sender's plan gathered into a packed image, scattered by the
+    /// receiver's own plan of the piece with stand-in sources.
+    pub bounce: bool,
 }
 
 impl Scenario {
@@ -202,6 +218,7 @@ impl Scenario {
             planner_id: "kvferry.default".to_string(),
             gen_tokens_per_block: None,
             bounce_limits: BounceLimits::default(),
+            bounce: false,
         }
     }
 
@@ -310,6 +327,7 @@ impl Scenario {
             gen_dp_rank: self.gen_dp_rank,
             seed: self.seed,
             bounce_limits: self.bounce_limits,
+            bounce: self.bounce,
         })
     }
 
@@ -411,6 +429,8 @@ pub struct Exchange {
     pub seed: u64,
     /// The limits each receiver's bounce region is checked against.
     pub bounce_limits: BounceLimits,
+    /// Bounce where a receiver's region passes ([`Scenario::bounce`]).
+    pub bounce: bool,
 }
 
 impl Exchange {
@@ -581,13 +601,45 @@ impl Exchange {
                         })?;
                     plan_time += clock.elapsed();
                     let clock = Instant::now();
-                    memory
-                        .execute(&plan)
-                        .map_err(|source| ScenarioError::Execute {
-                            ctx_rank: c,
-                            gen_rank: g,
-                            source,
+                    let bounced = self.bounce && r.bounce.is_ok() && r.targets.len() == 1;
+                    if bounced {
+                        let runs = {
+                            let stand_in = bounce::stand_in_tables(
+                                &ctx_infos[c as usize].page_table,
+                                piece.prompt_len,
+                            );
+                            let own = plan_transfer(
+                                ctx_planners.get(c).as_ref(),
+                                RequestSide::new(&ctx_infos[c as usize], &stand_in),
+                                receiver,
+                                piece,
+                            )
+                            .map_err(|source| ScenarioError::Plan {
+                                ctx_rank: c,
+                                gen_rank: g,
+                                piece: k,
+                                source,
+                            })?;
+                            bounce::scatter_runs(&own)
+                        };
+                        bounce_piece(&mut memory, &plan, &runs).map_err(|detail| {
+                            ScenarioError::Bounce {
+                                ctx_rank: c,
+                                gen_rank: g,
+                                piece: k,
+                                detail,
+                            }
                         })?;
+                        pair.bounced += 1;
+                    } else {
+                        memory
+                            .execute(&plan)
+                            .map_err(|source| ScenarioError::Execute {
+                                ctx_rank: c,
+                                gen_rank: g,
+                                source,
+                            })?;
+                    }
                     execute_time += clock.elapsed();
                     writes.extend(plan.fragments().map(|(_, d, n)| (d, n, c)));
                     pair.pieces += 1;
@@ -633,6 +685,41 @@ impl Exchange {
         report.backed_bytes = memory.backed_bytes();
         Ok(report)
     }
+}
+
+/// Moves one bounced piece in `memory` as the agent does: gathers `plan` (the sender's) into
+/// its packed image, then writes the image into `runs` (the receiver's own scatter runs of
+/// the piece). The two must describe the same number of bytes.
+fn bounce_piece(
+    memory: &mut LocalMemory,
+    plan: &kvferry_plan::ValidatedPlan,
+    runs: &[(u64, u64)],
+) -> Result<(), String> {
+    let mut image = Vec::with_capacity(plan.total_bytes() as usize);
+    for (src, _, len) in bounce::gather_list(plan) {
+        let bytes = memory
+            .bytes(src, len)
+            .map_err(|e| format!("gathering {src:#x} +{len}: {e}"))?;
+        image.extend_from_slice(bytes);
+    }
+    let want: u64 = runs.iter().map(|&(_, n)| n).sum();
+    if want != image.len() as u64 {
+        return Err(format!(
+            "the sender's plan packs {} bytes, the receiver's own plan of the piece scatters \
+             {want}",
+            image.len()
+        ));
+    }
+    let mut at = 0usize;
+    for &(dst, len) in runs {
+        let n = len as usize;
+        memory
+            .bytes_mut(dst, len)
+            .map_err(|e| format!("scattering to {dst:#x} +{len}: {e}"))?
+            .copy_from_slice(&image[at..at + n]);
+        at += n;
+    }
+    Ok(())
 }
 
 /// Which slot holds which ordinal, shared by every rank of one side.
@@ -827,6 +914,8 @@ pub struct PairReport {
     pub planned_fragments: usize,
     /// Bytes moved.
     pub bytes: u64,
+    /// Pieces that went through the receiver's bounce region.
+    pub bounced: usize,
 }
 
 /// What one receiver waited for.
