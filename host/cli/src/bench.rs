@@ -347,8 +347,16 @@ pub struct BenchReport {
     pub rounds: u32,
     /// Fragments (after coalescing) of one round's transfer set.
     pub fragments: u64,
-    /// Puts of one round (fragments split at the executor's largest put).
+    /// Puts of one round of the bare loop (fragments split at the executor's largest put).
     pub puts: u64,
+    /// `--bounce` of both servers.
+    pub bounce: String,
+    /// Puts of one round on kvferry's path (bounced pieces: one per MiB of packed image).
+    pub ours_puts: u64,
+    /// Pieces of one round: (context rank, generation rank) pairs × chunks.
+    pub pieces: u64,
+    /// `ours_puts / pieces`: puts per (pair, chunk) on kvferry's path.
+    pub puts_per_piece: f64,
     /// Bytes of one round.
     pub bytes: u64,
     /// `bytes / fragments`.
@@ -414,6 +422,12 @@ impl fmt::Display for BenchReport {
             self.puts,
             self.mean_fragment_bytes,
             self.mean_put_bytes
+        )?;
+        writeln!(
+            f,
+            "ours        bounce {}: {} puts per round over {} pieces ({:.1} puts per pair and \
+             chunk)",
+            self.bounce, self.ours_puts, self.pieces, self.puts_per_piece
         )?;
         writeln!(
             f,
@@ -508,6 +522,13 @@ impl Set {
     }
 }
 
+/// Puts and pieces of one round on kvferry's path.
+#[derive(Clone, Copy, Debug, Default)]
+struct Counts {
+    puts: u64,
+    pieces: u64,
+}
+
 /// One sample of one path.
 #[derive(Clone, Copy, Debug)]
 struct Sample {
@@ -564,18 +585,21 @@ impl Pair {
 
     /// kvferry's path: every request of `set` through the agents at once; and each
     /// request's stages, both sides' merged.
-    fn ours(&self, set: &Set) -> Result<(Sample, Vec<Stages>), DemoError> {
+    fn ours(&self, set: &Set) -> Result<(Sample, Vec<Stages>, Counts), DemoError> {
         let started = Instant::now();
         let results = self.r#gen.transfer(&set.submits, &self.peer, self.wait)?;
         let seconds = started.elapsed().as_secs_f64();
         let sent = self.ctx.stats(&set.ids())?;
         let (mut bytes, mut fragments) = (0, 0);
+        let mut counts = Counts::default();
         let mut stages = Vec::with_capacity(results.len());
         for ((s, result), sent) in set.submits.iter().zip(results).zip(sent) {
             let stats: RequestStats = result
                 .map_err(|e| DemoError::Protocol(format!("request {} failed: {e}", s.request)))?;
             bytes += stats.bytes;
             fragments += stats.fragments;
+            counts.puts += sent.puts;
+            counts.pieces += u64::from(stats.pieces);
             let mut both = stats.stages;
             both.merge(&sent.stages);
             stages.push(both);
@@ -587,6 +611,7 @@ impl Pair {
                 fragments,
             },
             stages,
+            counts,
         ))
     }
 
@@ -705,6 +730,7 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
         ctx: config.pair.ctx_spec.clone(),
         r#gen: config.pair.gen_spec.clone(),
         transport: config.pair.transport.to_string(),
+        bounce: config.pair.bounce.to_string(),
         memory: config.pair.memory.to_string(),
         prompt_len: config.prompt_len,
         requests: config.requests,
@@ -722,6 +748,7 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
     // Per counted round: per request (ours) or per request on average (raw, memcpy).
     let (mut ours_stages, mut raw_stages, mut memcpy_stages) = (Vec::new(), Vec::new(), Vec::new());
     let mut total_puts = 0;
+    let mut ours_counts = Counts::default();
     let mut previous: Option<Set> = None;
     let mut problems = Vec::new();
     let total = WARMUP_ROUNDS + config.rounds;
@@ -729,7 +756,7 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
     for round in 0..total {
         let counted = round >= WARMUP_ROUNDS;
         let set = pair.prefill(config, groups)?;
-        let ((ours_sample, stages), (raw_sample, stats), copy) = match previous.take() {
+        let ((ours_sample, stages, counts), (raw_sample, stats), copy) = match previous.take() {
             // Odd rounds: raw and memcpy on the previous set first, then ours on the new one.
             Some(prev) => {
                 let r = pair.raw(&prev)?;
@@ -802,6 +829,8 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
         }
         if counted {
             total_puts += stats.puts;
+            ours_counts.puts += counts.puts;
+            ours_counts.pieces += counts.pieces;
             ours.push(ours_sample);
             raw.push(raw_sample);
             let per_request: Vec<StageSeconds> =
@@ -831,6 +860,9 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
     report.bytes = total_bytes / counted;
     report.fragments = total_fragments / counted;
     report.puts = total_puts / counted;
+    report.ours_puts = ours_counts.puts / counted;
+    report.pieces = ours_counts.pieces / counted;
+    report.puts_per_piece = ours_counts.puts as f64 / ours_counts.pieces.max(1) as f64;
     report.mean_fragment_bytes = total_bytes as f64 / total_fragments.max(1) as f64;
     report.mean_put_bytes = total_bytes as f64 / total_puts.max(1) as f64;
     report.ours = path_report(&ours, &ours_stages);

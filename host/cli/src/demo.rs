@@ -37,6 +37,7 @@ use serde::Serialize;
 
 use kvferry_plan::chunk_ranges;
 use kvferry_testkit::layout::ModelSpec;
+use kvferry_transfer::agent::BounceMode;
 use kvferry_transfer::{MemoryKind, TransportSpec};
 
 use crate::client::ClientError;
@@ -123,6 +124,10 @@ pub struct LoopbackPair {
     pub r#gen: Mapping,
     /// UCX transports and network devices of both servers.
     pub transport: TransportSpec,
+    /// Bounce transfers of both servers (`--bounce`).
+    pub bounce: BounceMode,
+    /// MiB of each generation rank's bounce arena (`--bounce-arena-mb`).
+    pub bounce_arena_mb: u64,
     /// Where both servers' pools live.
     pub memory: MemoryKind,
     /// CUDA pools: the device of every rank (`None`: each server's default).
@@ -369,6 +374,10 @@ pub fn serve_args(
         pair.seed.to_string(),
         "--timeout-ms".to_string(),
         pair.timeout.as_millis().to_string(),
+        "--bounce".to_string(),
+        pair.bounce.to_string(),
+        "--bounce-arena-mb".to_string(),
+        pair.bounce_arena_mb.to_string(),
     ]);
     if let Some(device) = pair.cuda_device {
         args.extend(["--cuda-device".to_string(), device.to_string()]);

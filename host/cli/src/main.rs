@@ -21,6 +21,7 @@ use kvferry_testkit::conformance::PlannerUnderTest;
 use kvferry_testkit::layout::{self, Dtype, ModelSpec, PoolOptions, Preset};
 use kvferry_testkit::oracle::LocalMemory;
 use kvferry_testkit::scenario::Scenario;
+use kvferry_transfer::agent::{BounceConfig, BounceMode};
 use kvferry_transfer::{MemoryKind, Role, TransportSpec};
 use serde_json::json;
 
@@ -145,6 +146,11 @@ enum Command {
         /// Run only the cases whose name contains this text.
         #[arg(long, value_name = "TEXT")]
         case: Option<String>,
+        /// Also move each single-writer receiver's pieces through a bounce region as the
+        /// agent does (`on`: every case; `auto`: where the agent's default thresholds pass,
+        /// 96 blocks; `off`: fragment by fragment).
+        #[arg(long, default_value = "off", value_name = "on|off|auto")]
+        bounce: BounceMode,
         /// Print one JSON object: planner, cases, passed, failed, refused, failures, results.
         #[arg(long)]
         json: bool,
@@ -197,6 +203,8 @@ struct ServeArgs {
     control: String,
     #[command(flatten)]
     transport: TransportArgs,
+    #[command(flatten)]
+    bounce: AgentBounceArgs,
     #[command(flatten)]
     memory: MemoryArgs,
     /// PAGED slots per pool of every rank.
@@ -255,6 +263,8 @@ struct PairArgs {
     #[command(flatten)]
     transport: TransportArgs,
     #[command(flatten)]
+    bounce: AgentBounceArgs,
+    #[command(flatten)]
     memory: MemoryArgs,
     /// Planner id for both servers (default: $KVFERRY_PLANNER, config `planner`,
     /// kvferry.default).
@@ -290,6 +300,8 @@ impl PairArgs {
             ctx,
             r#gen,
             transport: self.transport.spec(),
+            bounce: self.bounce.bounce,
+            bounce_arena_mb: self.bounce.bounce_arena_mb,
             memory: self.memory.memory,
             cuda_device: self.memory.cuda_device,
             planner: self.planner,
@@ -375,6 +387,34 @@ struct BenchArgs {
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
+}
+
+/// Bounce transfers of `serve`, `demo` and `bench` (transfer-semantics §9).
+#[derive(Debug, clap::Args)]
+struct AgentBounceArgs {
+    /// Gather each piece into a staging buffer and put it into the receiver's bounce arena
+    /// in large puts, which scatters it by its own plan: `on` for every request that fits,
+    /// `auto` where it pays (transports that leave the node, requests of 96 blocks or more,
+    /// fragments under 256 KiB on average), `off` never. Both servers of a pair should agree.
+    #[arg(long, default_value = "auto", value_name = "on|off|auto")]
+    bounce: BounceMode,
+    /// Generation side: MiB of each rank's bounce arena (allocated at start when bouncing).
+    #[arg(long, default_value_t = 256, value_name = "MIB")]
+    bounce_arena_mb: u64,
+}
+
+impl AgentBounceArgs {
+    fn config(&self) -> Result<BounceConfig> {
+        let arena_bytes = self
+            .bounce_arena_mb
+            .checked_mul(1 << 20)
+            .ok_or_else(|| anyhow!("--bounce-arena-mb {} overflows", self.bounce_arena_mb))?;
+        Ok(BounceConfig {
+            mode: self.bounce,
+            arena_bytes,
+            ..BounceConfig::default()
+        })
+    }
 }
 
 /// The UCX transports of `serve`, `demo` and `bench`.
@@ -477,6 +517,11 @@ impl Sides {
 /// Bounce-arena limits `plan` checks each receiver's region against (semantics §9.2).
 #[derive(Debug, clap::Args)]
 struct BounceArgs {
+    /// Move each single-writer receiver's pieces through its bounce region where the limits
+    /// pass (`auto`), for every request (`on`: no block or byte threshold), or never
+    /// (`off`): gathered by the sender's plan, scattered by the receiver's own plan.
+    #[arg(long, default_value = "auto", value_name = "on|off|auto")]
+    bounce: BounceMode,
     /// Bounce arena size in MiB (default: unbounded, report the size a region needs).
     #[arg(long, value_name = "MIB")]
     bounce_arena_mb: Option<u64>,
@@ -499,10 +544,11 @@ impl BounceArgs {
                 .checked_mul(1 << 20)
                 .ok_or_else(|| anyhow!("--bounce-arena-mb {mb} overflows 2^64 bytes"))?,
         };
+        let forced = self.bounce == BounceMode::On;
         Ok(BounceLimits {
             capacity,
-            min_blocks: self.bounce_min_blocks,
-            min_bytes: self.bounce_min_bytes,
+            min_blocks: if forced { 1 } else { self.bounce_min_blocks },
+            min_bytes: if forced { 1 } else { self.bounce_min_bytes },
             fan_in: self.bounce_fan_in,
         })
     }
@@ -707,6 +753,7 @@ fn conform(
     planner: Option<&str>,
     seed: u64,
     case: Option<&str>,
+    bounce: BounceMode,
     json: bool,
 ) -> Result<ExitCode> {
     let under_test = match (library, planner) {
@@ -724,11 +771,21 @@ fn conform(
             under_test.source().display()
         );
     }
-    let report = kvferry_testkit::conform::conform(&under_test, seed, case, |outcome| {
-        if !json {
-            println!("{outcome}");
-        }
-    });
+    let limits = match bounce {
+        BounceMode::Off => None,
+        BounceMode::On => Some(BounceLimits {
+            min_blocks: 1,
+            min_bytes: 1,
+            ..BounceLimits::default()
+        }),
+        _ => Some(BounceLimits::default()),
+    };
+    let report =
+        kvferry_testkit::conform::conform_with(&under_test, seed, case, limits, |outcome| {
+            if !json {
+                println!("{outcome}");
+            }
+        });
     if json {
         let results: Vec<serde_json::Value> = report
             .cases
@@ -750,6 +807,7 @@ fn conform(
                     "gen": c.r#gen.to_string(),
                     "fragments": c.fragments,
                     "bytes": c.bytes,
+                    "bounced_pieces": c.bounced,
                     "verdict": verdict,
                     "reason": reason,
                     "first_wrong": first_wrong,
@@ -760,6 +818,7 @@ fn conform(
             "planner": report.planner,
             "source": under_test.source(),
             "seed": report.seed,
+            "bounce": bounce.to_string(),
             "cases": report.ran(),
             "passed": report.passed(),
             "failed": report.failed(),
@@ -807,6 +866,8 @@ struct PlanArgs {
     seed: u64,
     contiguous: bool,
     bounce: BounceLimits,
+    /// Move single-writer receivers' pieces through their regions (`--bounce` on or auto).
+    bounced: bool,
     planner: Option<String>,
     json: bool,
 }
@@ -838,6 +899,7 @@ fn plan(host: &Host, a: PlanArgs) -> Result<ExitCode> {
     scenario.seed = a.seed;
     scenario.contiguous_slots = a.contiguous;
     scenario.bounce_limits = a.bounce;
+    scenario.bounce = a.bounced;
     scenario.planner_id = id.clone();
     scenario.gen_tokens_per_block = a.gen_tokens_per_block;
     if let Some(chunk) = a.chunk {
@@ -871,6 +933,7 @@ fn plan(host: &Host, a: PlanArgs) -> Result<ExitCode> {
                     "fragments": p.fragments,
                     "planned_fragments": p.planned_fragments,
                     "bytes": p.bytes,
+                    "bounced_pieces": p.bounced,
                 })
             })
             .collect();
@@ -995,6 +1058,7 @@ fn serve(host: &Host, a: ServeArgs) -> Result<ExitCode> {
         state_slots: a.state_slots,
         rank: a.rank,
         secret,
+        bounce: a.bounce.config()?,
     };
     let running = kvferry_cli::serve::start(config, model, a.deployment, bound, &options)
         .with_context(|| format!("starting {} instance {name}", a.role))?;
@@ -1110,6 +1174,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             planner,
             seed,
             case,
+            bounce,
             json,
         } => conform(
             cli.config.as_deref(),
@@ -1117,6 +1182,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             planner.as_deref(),
             seed,
             case.as_deref(),
+            bounce,
             json,
         ),
         Command::Plan {
@@ -1150,6 +1216,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 seed,
                 contiguous,
                 bounce: bounce.limits()?,
+                bounced: bounce.bounce != BounceMode::Off,
                 planner,
                 json,
             },

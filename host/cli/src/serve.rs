@@ -27,7 +27,9 @@ use kvferry_protocol::{Frame, MAX_FRAME_BYTES, read_frame};
 use kvferry_testkit::layout::{ModelSpec, PoolOptions, build_rank};
 use kvferry_testkit::oracle::{Oracle, VerifyReport};
 use kvferry_testkit::scenario::slot_tables;
-use kvferry_transfer::agent::{Agent, AgentConfig, Event, Expect, Secret, Send as AgentSend};
+use kvferry_transfer::agent::{
+    Agent, AgentConfig, BounceConfig, Event, Expect, Secret, Send as AgentSend,
+};
 use kvferry_transfer::conn::{Outbox, drain, spawn_writer};
 use kvferry_transfer::copy::CopyArena;
 use kvferry_transfer::memory::{MemoryError, PoolAllocator, RankPools};
@@ -104,6 +106,8 @@ pub struct ServeOptions {
     pub rank: Option<u32>,
     /// The deployment's shared secret (both servers of a pair must hold it).
     pub secret: Secret,
+    /// Bounce transfers: mode, arena and staging sizes.
+    pub bounce: BounceConfig,
 }
 
 /// Why a server could not start.
@@ -357,6 +361,7 @@ pub fn start(
         agent_config.cuda_device = config.cuda_device;
         agent_config.hook = hook.clone();
         agent_config.record_plans = options.record_plans && config.role == Role::Context;
+        agent_config.bounce = options.bounce;
         // SAFETY: the pools were allocated on `context` by the allocator above, made by
         // `config.transport.context_for(config.memory)`; they are kvferry's memory, kept
         // alive by the agent (and by `ranks`), and this module touches their slots only as
@@ -864,9 +869,16 @@ impl Shared {
                 }
                 if let Some(out) = lock(&self.outgoing).get_mut(&id) {
                     if out.pending.remove(&rank) {
-                        if let Event::Sent { bytes, stages, .. } = &event {
+                        if let Event::Sent {
+                            bytes,
+                            puts,
+                            stages,
+                            ..
+                        } = &event
+                        {
                             out.stats.merge(&RequestStats {
                                 bytes: *bytes,
+                                puts: *puts,
                                 stages: *stages,
                                 ..RequestStats::default()
                             });

@@ -130,9 +130,13 @@ fn llama_3_70b_tp4_to_tp2_default_planner_tcp() {
 /// The hybrid preset: paged attention plus recurrent state (conv sections, ssm heads), with
 /// whole, chunked and cached-prefix requests in flight together.
 fn hybrid(transport: &str) {
+    hybrid_with(transport, &[]);
+}
+
+fn hybrid_with(transport: &str, extra: &[&str]) {
     let model = "qwen3-next-80b-a3b";
-    let ctx = Server::start("context", model, "tp2", transport, &[]);
-    let r#gen = Server::start("generation", model, "tp4", transport, &[]);
+    let ctx = Server::start("context", model, "tp2", transport, extra);
+    let r#gen = Server::start("generation", model, "tp4", transport, extra);
     let whole = submit(1, 100);
     let pieces = chunked(submit(2, 150), 64);
     let mut cached = submit(3, 130);
@@ -157,6 +161,45 @@ fn qwen3_next_hybrid_state_chunked_and_cached_shm() {
 #[test]
 fn qwen3_next_hybrid_state_chunked_and_cached_tcp() {
     hybrid("tcp");
+}
+
+/// `--bounce on`: every piece gathered into the sender's staging buffer, put into the
+/// receiver's arena and scattered there by its own plan — Llama-3-70B TP2 -> TP4 chunked
+/// with a cached prefix through the demo, and the hybrid preset's paged blocks plus
+/// recurrent state — over tcp and shm, every byte verified (the bench test shows the puts
+/// and the scatter).
+#[test]
+fn bounce_on_moves_every_byte_over_tcp_and_shm() {
+    for transport in ["tcp", "shm"] {
+        let _ = demo_ok(
+            &[
+                "--model",
+                "llama-3-70b",
+                "--ctx",
+                "tp2",
+                "--gen",
+                "tp4",
+                "--requests",
+                "4",
+                "--prompt-len",
+                "200",
+                "--chunk",
+                "64",
+                "--cached",
+                "32",
+                "--in-flight",
+                "2",
+                "--transport",
+                transport,
+                "--bounce",
+                "on",
+                "--bounce-arena-mb",
+                "16",
+            ],
+            4,
+        );
+        hybrid_with(transport, &["--bounce", "on", "--bounce-arena-mb", "16"]);
+    }
 }
 
 /// The demo's own chunk and cache options, end to end.

@@ -173,6 +173,7 @@ fn every_control_message() -> Vec<ControlMessage> {
                 writers: 1,
                 pieces: 1,
                 latency_us: 3,
+                puts: 2,
                 stages: kvferry_transfer::Stages {
                     plan_ns: 11,
                     control_ns: u64::MAX,

@@ -1033,8 +1033,18 @@ impl fmt::Display for ScenarioReport {
         for p in &self.pairs {
             writeln!(
                 f,
-                "ctx {} -> gen {}: {} pieces, {} fragments ({} planned), {} bytes",
-                p.src_rank, p.dst_rank, p.pieces, p.fragments, p.planned_fragments, p.bytes
+                "ctx {} -> gen {}: {} pieces, {} fragments ({} planned), {} bytes{}",
+                p.src_rank,
+                p.dst_rank,
+                p.pieces,
+                p.fragments,
+                p.planned_fragments,
+                p.bytes,
+                if p.bounced > 0 {
+                    format!(", {} pieces bounced", p.bounced)
+                } else {
+                    String::new()
+                }
             )?;
         }
         writeln!(

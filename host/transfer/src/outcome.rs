@@ -15,6 +15,9 @@ pub struct RequestStats {
     pub pieces: u32,
     /// From the generation server's first `RequestData` to the last completion.
     pub latency_us: u64,
+    /// Puts issued for it (context side; 0 on the generation side, which issues none): one
+    /// per fragment and MiB, or per MiB of packed image for bounced pieces.
+    pub puts: u64,
     /// Where the request's time went, summed over the ranks that report it.
     pub stages: Stages,
 }
@@ -28,6 +31,7 @@ impl RequestStats {
         self.writers += other.writers;
         self.pieces += other.pieces;
         self.latency_us = self.latency_us.max(other.latency_us);
+        self.puts += other.puts;
         self.stages.merge(&other.stages);
     }
 }
@@ -196,6 +200,7 @@ mod tests {
             writers: 1,
             pieces: 1,
             latency_us: 50,
+            puts: 4,
             stages: stages(1),
         };
         a.merge(&RequestStats {
@@ -204,6 +209,7 @@ mod tests {
             writers: 1,
             pieces: 2,
             latency_us: 40,
+            puts: 1,
             stages: stages(10),
         });
         assert_eq!(
@@ -214,6 +220,7 @@ mod tests {
                 writers: 2,
                 pieces: 3,
                 latency_us: 50,
+                puts: 5,
                 stages: stages(11),
             }
         );

@@ -104,6 +104,8 @@ pub(crate) struct OutReq {
     cancelled: bool,
     failure: Option<(Option<String>, FailureKind, String)>,
     bytes: u64,
+    /// Puts issued for it.
+    puts: u64,
     /// The stages of its claims that ended well, summed.
     stages: Stages,
 }
@@ -521,6 +523,7 @@ pub(crate) fn send(inner: &Arc<Inner>, s: Send) -> Result<(), CallError> {
                         cancelled: false,
                         failure: None,
                         bytes: 0,
+                        puts: 0,
                         stages: Stages::default(),
                     },
                 );
@@ -1047,6 +1050,7 @@ fn queue(inner: &Arc<Inner>, id: u64, g: u32, conn: &Arc<GenConn>, q: Queued) {
                 }));
                 claim.reported = piece + 1;
                 req.bytes += bytes;
+                req.puts += result.as_ref().map_or(0, |s| s.puts);
                 if ends {
                     claim.ended = true;
                     claim.ok = ok;
@@ -1159,6 +1163,7 @@ fn settle(inner: &Arc<Inner>, id: u64) {
             Some(Event::Sent {
                 request: id,
                 bytes: req.bytes,
+                puts: req.puts,
                 stages: req.stages,
             })
         } else if all_ended && !req.claims.is_empty() && req.claims.values().any(|c| !c.ok) {

@@ -44,6 +44,8 @@ pub enum Event {
         request: u64,
         /// Bytes written to all receivers.
         bytes: u64,
+        /// Puts issued for it (bounced pieces take one per MiB of their packed image).
+        puts: u64,
         /// Where its time went on this rank (see [`crate::outcome::Stages`]).
         stages: Stages,
     },

@@ -928,6 +928,7 @@ fn track(inner: &Arc<Inner>, link: &Arc<Link>, c: Completion) {
                     writers: totals.writers,
                     pieces: totals.pieces,
                     latency_us: req.started.elapsed().as_micros() as u64,
+                    puts: 0,
                     stages: Stages {
                         control_ns: req.claims_ns,
                         scatter_ns: req.scatter_ns,

@@ -900,7 +900,9 @@ fn bounce_memory(
     context: &Arc<Context>,
 ) -> Result<(Option<Arc<Arena>>, Option<Staging>), StartError> {
     let b = &config.bounce;
-    if b.mode == BounceMode::Off {
+    if b.mode == BounceMode::Off || (b.mode == BounceMode::Auto && config.transport.is_node_local())
+    {
+        // Auto never bounces within the node: nothing to allocate.
         return Ok((None, None));
     }
     if memory_kind(&config.rank) != MemoryKind::Host {
@@ -914,6 +916,22 @@ fn bounce_memory(
     let refused = |what: &str, e: String| {
         StartError::Config(format!("{what} (--bounce off starts without it): {e}"))
     };
+    // Checked before it is touched, like the pools: UCX's allocation is zero-filled here.
+    let want = match config.role {
+        Role::Generation => b.arena_bytes,
+        Role::Context => b.staging_bytes.saturating_mul(2),
+    };
+    if let Some(budget) = crate::budget::HostBudget::measure() {
+        if want > budget.bytes {
+            return Err(refused(
+                match config.role {
+                    Role::Generation => "bounce arena",
+                    Role::Context => "bounce staging buffer",
+                },
+                format!("{want} bytes do not fit: {budget}"),
+            ));
+        }
+    }
     match config.role {
         Role::Generation if b.arena_bytes > 0 => Arena::new(context, b.arena_bytes)
             .map(|a| (Some(Arc::new(a)), None))
