@@ -21,7 +21,7 @@ use kvferry_planner_abi::{
     BufferEntry, DEFAULT_DESCRIBER_ID, Deployment, GroupKind, LayerGroup, LayoutKind, LocalLayer,
     Mapping, MemoryType, PageTable, PhysicalPool, PoolView, RankInfo, RoleLayout,
 };
-use kvferry_transfer::agent::{AgentConfig, Secret};
+use kvferry_transfer::agent::{AgentConfig, BounceMode, Secret};
 use kvferry_transfer::{Role, TransportSpec};
 use serde::Deserialize;
 
@@ -81,6 +81,8 @@ struct ConfigV1 {
     max_connections: Option<usize>,
     max_stashed_bytes: Option<usize>,
     cuda_device: Option<usize>,
+    bounce: Option<String>,
+    bounce_arena_mb: Option<u64>,
 }
 
 /// One plugin directory, or several (scanned in order).
@@ -288,6 +290,15 @@ pub(crate) fn parse(text: &str) -> Result<Parsed, ConfigError> {
         agent.max_stashed_bytes = n;
     }
     agent.cuda_device = c.cuda_device;
+    if let Some(mode) = &c.bounce {
+        agent.bounce.mode = BounceMode::from_str(mode)
+            .map_err(|e| ConfigError::invalid(format!("config: bounce: {e}")))?;
+    }
+    if let Some(mb) = c.bounce_arena_mb {
+        agent.bounce.arena_bytes = mb.checked_mul(1 << 20).ok_or_else(|| {
+            ConfigError::invalid(format!("config: \"bounce_arena_mb\" {mb} overflows"))
+        })?;
+    }
     Ok(Parsed {
         agent,
         deployment: Deployment {
