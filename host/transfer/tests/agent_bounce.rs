@@ -3,7 +3,8 @@
 //! the decode rank's arena, which scatters it by its own plan. Every destination slot must
 //! hold its source's bytes and every other byte its canary, with bounce on and off, over
 //! tcp and shm; a request too large for the arena goes fragment by fragment; a writer that
-//! lies about a bounced piece fails its request by name and moves no byte into the slots.
+//! lies about a bounced piece fails its request by name and moves no byte into the slots; a
+//! cancel with bounced puts in flight ends only after them, and nothing is scattered after it.
 
 mod support;
 
@@ -179,6 +180,63 @@ fn regions_are_reused_request_after_request() {
     drop(decode);
     drop(prefill);
     check(&src, &dst, &[0, 1, 4, 5, 2, 3], &[2, 3, 6, 7, 0, 1], None);
+}
+
+#[test]
+fn a_cancel_with_bounced_puts_in_flight_scatters_nothing_after_cancelled() {
+    let model = model();
+    let src = Engine::new("prefill", &model, pattern);
+    let mut dst = Engine::new("decode", &model, |_, _| CANARY);
+    let hook: std::sync::Arc<dyn kvferry_transfer::rank::WriteHook> =
+        std::sync::Arc::new(SlowFlush(Duration::from_millis(400)));
+    let prefill = start(Role::Context, &src, secret(), bound(), |config| {
+        config.transport = Transport::Tcp.into();
+        config.bounce = on();
+        config.hook = Some(hook);
+    });
+    let decode = bouncing(Role::Generation, &dst, Transport::Tcp, on());
+    let slots = [0i64, 1, 2, 3];
+    decode
+        .expect(expecting(
+            3,
+            prefill.endpoint().unwrap(),
+            tables(&dst, &slots),
+            64,
+        ))
+        .unwrap();
+    prefill.send(whole(3, tables(&src, &slots), 64)).unwrap();
+    // The bounced job is past its puts (into the arena) and sleeping before its flush.
+    std::thread::sleep(Duration::from_millis(150));
+    decode.cancel(3).unwrap();
+    assert_eq!(
+        wait(&decode, 3, Duration::from_secs(10)),
+        Event::Cancelled { request: 3 }
+    );
+    const REUSED: u8 = 0x5A;
+    for p in 0..dst.buffers.len() {
+        dst.bytes_mut(p).fill(REUSED);
+    }
+    let ended = wait(&prefill, 3, Duration::from_secs(10));
+    assert!(
+        matches!(
+            ended,
+            Event::Sent { .. }
+                | Event::Failed {
+                    kind: FailureKind::CancelledByPeer,
+                    ..
+                }
+        ),
+        "{ended:?}"
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    drop(decode);
+    drop(prefill);
+    for p in 0..dst.buffers.len() {
+        assert!(
+            dst.bytes(p).iter().all(|&b| b == REUSED),
+            "pool {p}: a bounced piece was scattered after Cancelled"
+        );
+    }
 }
 
 mod hostile {

@@ -96,8 +96,9 @@ pub(crate) struct InReq {
     expect: Arc<Expect>,
     /// The bounce region offered to the request's one writer, if any.
     bounce: Option<Offered>,
-    /// A bounced piece is being scattered: completions wait in `pending`, and the request
-    /// cannot end (the scatter writes its slots).
+    /// A bounced piece is being scattered, or the completions held back meanwhile are being
+    /// taken up: later completions wait in `pending`, in order, and the request cannot end
+    /// (the scatter writes its slots).
     scattering: bool,
     /// Completions that arrived while a piece was scattered, in arrival order.
     pending: VecDeque<(Arc<Link>, Completion)>,
@@ -727,30 +728,40 @@ fn completion(inner: &Arc<Inner>, link: &Arc<Link>, c: Completion) {
 /// landed is scattered first (on the scatter pool, which then takes up the rest); any other
 /// goes to the tracker at once.
 fn take_up(inner: &Arc<Inner>, link: &Arc<Link>, c: Completion) {
-    let id = c.request;
-    let scatter =
-        c.bounce.is_some() && matches!(c.status, kvferry_protocol::CompletionStatus::Ok) && {
-            let mut state = lock(&inner.decode);
-            match state.requests.get_mut(&id) {
-                // Nothing lands in the slots of a request that is over: it is only counted.
-                Some(req) if req.failure.is_none() && !req.cancelled => {
-                    req.scattering = true;
-                    true
-                }
-                _ => false,
+    let scatter = {
+        let mut state = lock(&inner.decode);
+        match state.requests.get_mut(&c.request) {
+            Some(req) if to_scatter(req, &c) => {
+                req.scattering = true;
+                true
             }
-        };
-    if !scatter {
+            _ => false,
+        }
+    };
+    if scatter {
+        submit_scatter(inner, link, c);
+    } else {
         track(inner, link, c);
-        return;
     }
-    let pool = inner.scatter.as_ref();
+}
+
+/// Whether `c` is a bounced piece that landed for a request still going: its bytes are
+/// scattered into the slots. (A request that is over only counts its pieces.)
+fn to_scatter(req: &InReq, c: &Completion) -> bool {
+    c.bounce.is_some()
+        && matches!(c.status, kvferry_protocol::CompletionStatus::Ok)
+        && req.failure.is_none()
+        && !req.cancelled
+}
+
+/// Scatters `c` on the scatter pool; the request is marked scattering already.
+fn submit_scatter(inner: &Arc<Inner>, link: &Arc<Link>, c: Completion) {
     let (worker, job_link) = (Arc::clone(inner), Arc::clone(link));
     let job: Box<dyn FnOnce() + std::marker::Send> = Box::new(move || {
         let outcome = scatter_piece(&worker, &job_link, &c);
         scattered(&worker, &job_link, c, outcome);
     });
-    let refused = match pool {
+    let refused = match inner.scatter.as_ref() {
         Some(pool) => pool.run(job).err(),
         None => Some(job),
     };
@@ -762,7 +773,7 @@ fn take_up(inner: &Arc<Inner>, link: &Arc<Link>, c: Completion) {
 }
 
 /// A scatter ended: the piece goes to the tracker (failed, if the scatter refused it),
-/// then the completions held back meanwhile, up to the next bounced one.
+/// then the completions held back meanwhile ([`drain`]).
 fn scattered(
     inner: &Arc<Inner>,
     link: &Arc<Link>,
@@ -775,7 +786,6 @@ fn scattered(
         let Some(req) = state.requests.get_mut(&id) else {
             return;
         };
-        req.scattering = false;
         match outcome {
             Ok(ns) => req.scatter_ns += ns,
             Err(reason) => {
@@ -787,27 +797,36 @@ fn scattered(
             }
         }
     }
+    // Still marked scattering: completions arriving meanwhile queue behind this one.
     track(inner, link, c);
+    drain(inner, id);
+}
+
+/// Takes up the completions held back while a piece was scattered, in order, until the
+/// next bounced one (scattered in turn, which drains the rest) or none is left. The request
+/// stays marked scattering until then, so no completion overtakes another.
+fn drain(inner: &Arc<Inner>, id: u64) {
     loop {
         let next = {
             let mut state = lock(&inner.decode);
-            match state.requests.get_mut(&id) {
-                Some(req) if !req.scattering => req.pending.pop_front(),
-                _ => None,
+            let Some(req) = state.requests.get_mut(&id) else {
+                return;
+            };
+            match req.pending.pop_front() {
+                None => {
+                    req.scattering = false;
+                    None
+                }
+                Some((link, c)) => {
+                    let scatter = to_scatter(req, &c);
+                    Some((link, c, scatter))
+                }
             }
         };
-        let Some((link, c)) = next else { break };
-        let bounced = c.bounce.is_some();
-        take_up(inner, &link, c);
-        if bounced {
-            // Scattering again, or ended: whoever finishes takes up the rest.
-            let held = lock(&inner.decode)
-                .requests
-                .get(&id)
-                .is_some_and(|r| r.scattering);
-            if held {
-                break;
-            }
+        match next {
+            None => break,
+            Some((link, c, true)) => return submit_scatter(inner, &link, c),
+            Some((link, c, false)) => track(inner, &link, c),
         }
     }
     settle(inner, id);
