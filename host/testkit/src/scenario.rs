@@ -592,36 +592,26 @@ impl Exchange {
                 };
                 for (k, piece) in self.pieces.iter().enumerate() {
                     let clock = Instant::now();
-                    let plan = plan_transfer(ctx_planners.get(c).as_ref(), sender, receiver, piece)
-                        .map_err(|source| ScenarioError::Plan {
-                            ctx_rank: c,
-                            gen_rank: g,
-                            piece: k,
-                            source,
-                        })?;
-                    plan_time += clock.elapsed();
-                    let clock = Instant::now();
-                    let bounced = self.bounce && r.bounce.is_ok() && r.targets.len() == 1;
-                    if bounced {
-                        let runs = {
-                            let stand_in = bounce::stand_in_tables(
-                                &ctx_infos[c as usize].page_table,
-                                piece.prompt_len,
-                            );
-                            let own = plan_transfer(
-                                ctx_planners.get(c).as_ref(),
-                                RequestSide::new(&ctx_infos[c as usize], &stand_in),
-                                receiver,
-                                piece,
-                            )
+                    let plan_from = |sender: RequestSide<'_>| {
+                        plan_transfer(ctx_planners.get(c).as_ref(), sender, receiver, piece)
                             .map_err(|source| ScenarioError::Plan {
                                 ctx_rank: c,
                                 gen_rank: g,
                                 piece: k,
                                 source,
-                            })?;
-                            bounce::scatter_runs(&own)
-                        };
+                            })
+                    };
+                    let plan = plan_from(sender)?;
+                    plan_time += clock.elapsed();
+                    let clock = Instant::now();
+                    let bounced = self.bounce && r.bounce.is_ok() && r.targets.len() == 1;
+                    if bounced {
+                        let stand_in = bounce::stand_in_tables(
+                            &ctx_infos[c as usize].page_table,
+                            piece.prompt_len,
+                        );
+                        let own = plan_from(RequestSide::new(&ctx_infos[c as usize], &stand_in))?;
+                        let runs = bounce::scatter_runs(&own);
                         bounce_piece(&mut memory, &plan, &runs).map_err(|detail| {
                             ScenarioError::Bounce {
                                 ctx_rank: c,

@@ -881,9 +881,11 @@ impl<'a> Executor<'a> {
             rank: dest.rank,
             source,
         })?;
+        // The bounce arena's key comes last, after the pools' (its index: the pool count).
         let keys = dest
             .pools
             .iter()
+            .chain(dest.bounce.iter())
             .enumerate()
             .map(|(pool, k)| {
                 let key = ep
@@ -897,20 +899,6 @@ impl<'a> Executor<'a> {
                 check_key_range(dest, pool, k, &key)?;
                 Ok(key)
             })
-            .chain(dest.bounce.iter().map(|k| {
-                // The arena's key comes last, after the pools' (index: the pool count).
-                let pool = dest.pools.len();
-                let key = ep
-                    .unpack_rkey(&k.rkey)
-                    .map_err(|source| WriteError::UnpackKey {
-                        instance: dest.instance.clone(),
-                        rank: dest.rank,
-                        pool,
-                        source,
-                    })?;
-                check_key_range(dest, pool, k, &key)?;
-                Ok(key)
-            }))
             .collect::<Result<Vec<_>, WriteError>>()?;
         tracing::debug!(peer = %dest.instance, peer_rank = dest.rank, "connected");
         Ok(slot.insert(Conn {

@@ -195,48 +195,7 @@ fn a_cancel_with_bounced_puts_in_flight_scatters_nothing_after_cancelled() {
         config.hook = Some(hook);
     });
     let decode = bouncing(Role::Generation, &dst, Transport::Tcp, on());
-    let slots = [0i64, 1, 2, 3];
-    decode
-        .expect(expecting(
-            3,
-            prefill.endpoint().unwrap(),
-            tables(&dst, &slots),
-            64,
-        ))
-        .unwrap();
-    prefill.send(whole(3, tables(&src, &slots), 64)).unwrap();
-    // The bounced job is past its puts (into the arena) and sleeping before its flush.
-    std::thread::sleep(Duration::from_millis(150));
-    decode.cancel(3).unwrap();
-    assert_eq!(
-        wait(&decode, 3, Duration::from_secs(10)),
-        Event::Cancelled { request: 3 }
-    );
-    const REUSED: u8 = 0x5A;
-    for p in 0..dst.buffers.len() {
-        dst.bytes_mut(p).fill(REUSED);
-    }
-    let ended = wait(&prefill, 3, Duration::from_secs(10));
-    assert!(
-        matches!(
-            ended,
-            Event::Sent { .. }
-                | Event::Failed {
-                    kind: FailureKind::CancelledByPeer,
-                    ..
-                }
-        ),
-        "{ended:?}"
-    );
-    std::thread::sleep(Duration::from_millis(300));
-    drop(decode);
-    drop(prefill);
-    for p in 0..dst.buffers.len() {
-        assert!(
-            dst.bytes(p).iter().all(|&b| b == REUSED),
-            "pool {p}: a bounced piece was scattered after Cancelled"
-        );
-    }
+    cancel_mid_write(prefill, decode, &src, &mut dst);
 }
 
 mod hostile {

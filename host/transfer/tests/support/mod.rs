@@ -262,3 +262,53 @@ pub fn expecting(request: u64, endpoint: &str, tables: Vec<SlotTable>, prompt_le
         excluded_views: Vec::new(),
     }
 }
+
+/// Cancels a 4-block request on `decode` while `prefill`'s write job for it sleeps before its
+/// flush (a [`SlowFlush`] of 400 ms installed on `prefill`); checks that `Cancelled` comes,
+/// that the prefill side ends it too, and that no byte lands in the slots after the engine
+/// reused them right after `Cancelled`. Drops both agents.
+pub fn cancel_mid_write(prefill: Agent, decode: Agent, src: &Engine, dst: &mut Engine) {
+    let slots = [0i64, 1, 2, 3];
+    decode
+        .expect(expecting(
+            3,
+            prefill.endpoint().unwrap(),
+            tables(dst, &slots),
+            64,
+        ))
+        .unwrap();
+    prefill.send(whole(3, tables(src, &slots), 64)).unwrap();
+    // The job is past its puts and sleeping before its flush by now.
+    std::thread::sleep(Duration::from_millis(150));
+    decode.cancel(3).unwrap();
+    assert_eq!(
+        wait(&decode, 3, Duration::from_secs(10)),
+        Event::Cancelled { request: 3 }
+    );
+    // The engine reuses the slots at once: nothing of the request may land after this.
+    const REUSED: u8 = 0x5A;
+    for p in 0..dst.buffers.len() {
+        dst.bytes_mut(p).fill(REUSED);
+    }
+    let ended = wait(&prefill, 3, Duration::from_secs(10));
+    assert!(
+        matches!(
+            ended,
+            Event::Sent { .. }
+                | Event::Failed {
+                    kind: kvferry_transfer::agent::FailureKind::CancelledByPeer,
+                    ..
+                }
+        ),
+        "{ended:?}"
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    drop(decode);
+    drop(prefill);
+    for p in 0..dst.buffers.len() {
+        assert!(
+            dst.bytes(p).iter().all(|&b| b == REUSED),
+            "pool {p}: a write landed after Cancelled"
+        );
+    }
+}
