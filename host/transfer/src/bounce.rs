@@ -8,7 +8,7 @@
 //! put already is a copy, so bouncing only adds two: [`BounceMode::Auto`] bounces only where
 //! the transports leave the node.
 //!
-//! - The **arena** ([`Arena`]) belongs to a generation rank: registered host memory kvferry
+//! - The **arena** (`Arena`) belongs to a generation rank: registered host memory kvferry
 //!   allocates once, advertised with the rank's metadata. Each request that passes the
 //!   gates of [`kvferry_plan::bounce::reserve`] and fits gets a region of its own for its
 //!   life; a request that does not fit is written fragment by fragment, and the log says
