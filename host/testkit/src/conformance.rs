@@ -218,9 +218,9 @@ pub fn repo_root() -> PathBuf {
 /// fault fixtures: `dir` relative to [`repo_root`]) in the debug profile and returns the
 /// folder holding its `.so` files.
 ///
-/// The build goes to `target/out-of-tree/<dir>` beside this build and uses the workspace's
-/// committed `Cargo.lock` with `--locked`, so nothing is written into the source tree and
-/// no crate version is resolved anew. Call it once per test binary (behind a `OnceLock`):
+/// The build goes to `target/out-of-tree/<dir, with / as +>` beside this build and uses the
+/// workspace's committed `Cargo.lock` with `--locked`, so nothing is written into the source
+/// tree and no crate version is resolved anew. Call it once per test binary (behind a `OnceLock`):
 /// concurrent callers serialise on cargo's own lock of the target folder.
 ///
 /// # Panics
@@ -232,7 +232,10 @@ pub fn build_out_of_tree(dir: &str) -> PathBuf {
         .parent()
         .map_or_else(build_dir, Path::to_path_buf)
         .join("out-of-tree")
-        .join(dir);
+        // One flat folder per workspace: nested ones (`tests/fixtures` holds
+        // `tests/fixtures/abi-0.2.0`) would put one build's target inside another's, and two
+        // cargos creating them at once race (seen in CI: "No such file or directory").
+        .join(dir.replace('/', "+"));
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let status = std::process::Command::new(cargo)
         .arg("build")
