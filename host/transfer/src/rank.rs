@@ -1206,6 +1206,16 @@ impl<'a> Executor<'a> {
             stats.bytes += len;
         }
         stats.puts_ns = nanos(issuing.elapsed());
+        Self::flush_job(window, waiter, job, stats)
+    }
+
+    /// A job's puts are issued: the hook (if any), then the flush, timed into `stats`.
+    fn flush_job(
+        window: &mut PutWindow<'a>,
+        waiter: &mut Waiter<'_>,
+        job: &WriteJob,
+        mut stats: WriteStats,
+    ) -> Result<WriteStats, WriteError> {
         if let Some(hook) = &job.hook {
             hook.before_flush(&job.dest, &job.plan);
         }
@@ -1360,13 +1370,7 @@ impl<'a> Executor<'a> {
             }
         }
         stats.puts_ns = nanos(issuing.elapsed());
-        if let Some(hook) = &job.hook {
-            hook.before_flush(&job.dest, &job.plan);
-        }
-        let flushing = Instant::now();
-        waiter.wait(window, PutWindow::flush)?;
-        stats.flush_ns = nanos(flushing.elapsed());
-        Ok(stats)
+        Self::flush_job(window, waiter, job, stats)
     }
 
     /// Writes recorded plans again with a bare loop (see [`ReplayJob`]); runs its release

@@ -245,46 +245,18 @@ mod hostile {
 
     /// A context rank that answers every claim with a successful last piece of `bytes`
     /// bytes, writing nothing, under the description of a real one.
-    fn lying_context(real: &Agent, bytes: u64) -> String {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let endpoint = listener.local_addr().unwrap().to_string();
-        let mut me = AgentMetadata::from_bytes(&real.local_metadata().unwrap()).unwrap();
-        me.endpoint = Some(endpoint.clone());
-        std::thread::spawn(move || {
-            let (mut s, _) = listener.accept().unwrap();
-            let mut session = AgentSession::accept(secret(), [3; 32]);
-            loop {
-                let Ok(m) = read_frame::<AgentMessage>(&mut s) else {
-                    return;
-                };
-                match session.receive(m) {
-                    Ok(AgentEvent::Reply(r)) => {
-                        r.iter().for_each(|m| write_frame(&mut s, m).unwrap());
-                    }
-                    Ok(AgentEvent::Metadata(_)) => {
-                        let reply = session.admit(me.clone()).unwrap();
-                        write_frame(&mut s, &reply).unwrap();
-                    }
-                    Ok(AgentEvent::RequestData(d)) => {
-                        let lie = kvferry_protocol::Completion {
-                            request: d.request,
-                            sender_rank: d.sender_rank,
-                            receiver_rank: d.receiver_rank,
-                            piece: 0,
-                            is_last: true,
-                            bytes,
-                            fragments: 1,
-                            status: CompletionStatus::Ok,
-                            bounce: None,
-                        };
-                        write_frame(&mut s, &AgentMessage::Completion(lie)).unwrap();
-                    }
-                    Ok(_) => {}
-                    Err(_) => return,
-                }
-            }
-        });
-        endpoint
+    fn lying_about_bytes(real: &Agent, bytes: u64) -> String {
+        lying_context(real, move |d| kvferry_protocol::Completion {
+            request: d.request,
+            sender_rank: d.sender_rank,
+            receiver_rank: d.receiver_rank,
+            piece: 0,
+            is_last: true,
+            bytes,
+            fragments: 1,
+            status: CompletionStatus::Ok,
+            bounce: None,
+        })
     }
 
     #[test]
@@ -294,7 +266,7 @@ mod hostile {
         let dst = Engine::new("decode", &model, |_, _| CANARY);
         let real = agent(Role::Context, &src, secret(), Transport::Tcp);
         let decode = agent(Role::Generation, &dst, secret(), Transport::Tcp);
-        let endpoint = lying_context(&real, 4096);
+        let endpoint = lying_about_bytes(&real, 4096);
         decode
             .expect(expecting(9, &endpoint, tables(&dst, &[0, 1]), 32))
             .unwrap();

@@ -201,57 +201,28 @@ fn a_cancel_with_bounced_puts_in_flight_scatters_nothing_after_cancelled() {
 mod hostile {
     use super::*;
 
-    use kvferry_protocol::{
-        AgentEvent, AgentMessage, AgentMetadata, AgentSession, BouncedPiece, Completion,
-        CompletionStatus, read_frame, write_frame,
-    };
+    use kvferry_protocol::{BouncedPiece, Completion, CompletionStatus};
 
     /// A context rank under a real one's description that answers every claim with a
     /// successful bounced last piece of `bytes` bytes at `offset`, writing nothing.
     fn lying_bouncer(real: &Agent, bytes: u64, offset: u64) -> String {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let endpoint = listener.local_addr().unwrap().to_string();
-        let mut me = AgentMetadata::from_bytes(&real.local_metadata().unwrap()).unwrap();
-        me.endpoint = Some(endpoint.clone());
-        std::thread::spawn(move || {
-            let (mut s, _) = listener.accept().unwrap();
-            let mut session = AgentSession::accept(secret(), [3; 32]);
-            loop {
-                let Ok(m) = read_frame::<AgentMessage>(&mut s) else {
-                    return;
-                };
-                match session.receive(m) {
-                    Ok(AgentEvent::Reply(r)) => {
-                        r.iter().for_each(|m| write_frame(&mut s, m).unwrap());
-                    }
-                    Ok(AgentEvent::Metadata(_)) => {
-                        let reply = session.admit(me.clone()).unwrap();
-                        write_frame(&mut s, &reply).unwrap();
-                    }
-                    Ok(AgentEvent::RequestData(d)) => {
-                        assert!(d.bounce.is_some(), "no region offered: {d:?}");
-                        let lie = Completion {
-                            request: d.request,
-                            sender_rank: d.sender_rank,
-                            receiver_rank: d.receiver_rank,
-                            piece: 0,
-                            is_last: true,
-                            bytes,
-                            fragments: 1,
-                            status: CompletionStatus::Ok,
-                            bounce: Some(BouncedPiece {
-                                offset,
-                                tokens: d.token_range,
-                            }),
-                        };
-                        write_frame(&mut s, &AgentMessage::Completion(lie)).unwrap();
-                    }
-                    Ok(_) => {}
-                    Err(_) => return,
-                }
+        lying_context(real, move |d| {
+            assert!(d.bounce.is_some(), "no region offered: {d:?}");
+            Completion {
+                request: d.request,
+                sender_rank: d.sender_rank,
+                receiver_rank: d.receiver_rank,
+                piece: 0,
+                is_last: true,
+                bytes,
+                fragments: 1,
+                status: CompletionStatus::Ok,
+                bounce: Some(BouncedPiece {
+                    offset,
+                    tokens: d.token_range,
+                }),
             }
-        });
-        endpoint
+        })
     }
 
     #[test]

@@ -312,3 +312,45 @@ pub fn cancel_mid_write(prefill: Agent, decode: Agent, src: &Engine, dst: &mut E
         );
     }
 }
+
+/// A context rank under `real`'s description (its endpoint swapped for a new listener) that
+/// proves the secret, admits the first generation rank to dial it, and answers each of its
+/// claims with `answer`'s completion, writing nothing. Returns the endpoint.
+pub fn lying_context(
+    real: &Agent,
+    answer: impl Fn(&kvferry_protocol::RequestData) -> kvferry_protocol::Completion
+    + std::marker::Send
+    + 'static,
+) -> String {
+    use kvferry_protocol::{
+        AgentEvent, AgentMessage, AgentMetadata, AgentSession, read_frame, write_frame,
+    };
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = listener.local_addr().unwrap().to_string();
+    let mut me = AgentMetadata::from_bytes(&real.local_metadata().unwrap()).unwrap();
+    me.endpoint = Some(endpoint.clone());
+    std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut session = AgentSession::accept(secret(), [3; 32]);
+        loop {
+            let Ok(m) = read_frame::<AgentMessage>(&mut s) else {
+                return;
+            };
+            match session.receive(m) {
+                Ok(AgentEvent::Reply(r)) => {
+                    r.iter().for_each(|m| write_frame(&mut s, m).unwrap());
+                }
+                Ok(AgentEvent::Metadata(_)) => {
+                    let reply = session.admit(me.clone()).unwrap();
+                    write_frame(&mut s, &reply).unwrap();
+                }
+                Ok(AgentEvent::RequestData(d)) => {
+                    write_frame(&mut s, &AgentMessage::Completion(answer(&d))).unwrap();
+                }
+                Ok(_) => {}
+                Err(_) => return,
+            }
+        }
+    });
+    endpoint
+}
