@@ -165,10 +165,11 @@ fn a_cancel_with_puts_in_flight_ends_only_after_the_last_write() {
     let model = model();
     let src = Engine::new("prefill", &model, pattern);
     let mut dst = Engine::new("decode", &model, |_, _| CANARY);
-    let hook: Arc<dyn WriteHook> = Arc::new(SlowFlush(Duration::from_millis(400)));
+    let (gate, flushing) = FlushGate::new(Duration::from_millis(400));
+    let hook: Arc<dyn WriteHook> = gate;
     let prefill = agent_with(Role::Context, &src, secret(), Transport::Tcp, Some(hook));
     let decode = agent(Role::Generation, &dst, secret(), Transport::Tcp);
-    cancel_mid_write(prefill, decode, &src, &mut dst);
+    cancel_mid_write(prefill, decode, &src, &mut dst, flushing);
 }
 
 mod hostile {

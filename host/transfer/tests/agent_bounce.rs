@@ -187,15 +187,15 @@ fn a_cancel_with_bounced_puts_in_flight_scatters_nothing_after_cancelled() {
     let model = model();
     let src = Engine::new("prefill", &model, pattern);
     let mut dst = Engine::new("decode", &model, |_, _| CANARY);
-    let hook: std::sync::Arc<dyn kvferry_transfer::rank::WriteHook> =
-        std::sync::Arc::new(SlowFlush(Duration::from_millis(400)));
+    let (gate, flushing) = FlushGate::new(Duration::from_millis(400));
+    let hook: std::sync::Arc<dyn kvferry_transfer::rank::WriteHook> = gate;
     let prefill = start(Role::Context, &src, secret(), bound(), |config| {
         config.transport = Transport::Tcp.into();
         config.bounce = on();
         config.hook = Some(hook);
     });
     let decode = bouncing(Role::Generation, &dst, Transport::Tcp, on());
-    cancel_mid_write(prefill, decode, &src, &mut dst);
+    cancel_mid_write(prefill, decode, &src, &mut dst, flushing);
 }
 
 mod hostile {

@@ -39,6 +39,32 @@ impl WriteHook for SlowFlush {
     }
 }
 
+/// [`SlowFlush`] that also says when a job has reached its flush (its puts issued).
+#[derive(Debug)]
+pub struct FlushGate {
+    delay: Duration,
+    entered: std::sync::Mutex<std::sync::mpsc::Sender<()>>,
+}
+
+impl FlushGate {
+    /// The hook, holding every job `delay` before its flush, and where it tells of each.
+    pub fn new(delay: Duration) -> (Arc<FlushGate>, std::sync::mpsc::Receiver<()>) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let gate = FlushGate {
+            delay,
+            entered: std::sync::Mutex::new(tx),
+        };
+        (Arc::new(gate), rx)
+    }
+}
+
+impl WriteHook for FlushGate {
+    fn before_flush(&self, _: &RemoteRank, _: &ValidatedPlan) {
+        let _ = self.entered.lock().unwrap().send(());
+        std::thread::sleep(self.delay);
+    }
+}
+
 /// Engine memory: one buffer per pool, kept alive for the agent's life.
 pub struct Engine {
     pub buffers: Vec<Vec<u64>>,
@@ -264,10 +290,17 @@ pub fn expecting(request: u64, endpoint: &str, tables: Vec<SlotTable>, prompt_le
 }
 
 /// Cancels a 4-block request on `decode` while `prefill`'s write job for it sleeps before its
-/// flush (a [`SlowFlush`] of 400 ms installed on `prefill`); checks that `Cancelled` comes,
-/// that the prefill side ends it too, and that no byte lands in the slots after the engine
-/// reused them right after `Cancelled`. Drops both agents.
-pub fn cancel_mid_write(prefill: Agent, decode: Agent, src: &Engine, dst: &mut Engine) {
+/// flush (a [`FlushGate`] of 400 ms installed on `prefill`, which tells `flushing` when the
+/// job gets there); checks that `Cancelled` comes, that the prefill side ends it too, and
+/// that no byte lands in the slots after the engine reused them right after `Cancelled`.
+/// Drops both agents.
+pub fn cancel_mid_write(
+    prefill: Agent,
+    decode: Agent,
+    src: &Engine,
+    dst: &mut Engine,
+    flushing: std::sync::mpsc::Receiver<()>,
+) {
     let slots = [0i64, 1, 2, 3];
     decode
         .expect(expecting(
@@ -278,8 +311,12 @@ pub fn cancel_mid_write(prefill: Agent, decode: Agent, src: &Engine, dst: &mut E
         ))
         .unwrap();
     prefill.send(whole(3, tables(src, &slots), 64)).unwrap();
-    // The job is past its puts and sleeping before its flush by now.
-    std::thread::sleep(Duration::from_millis(150));
+    // The job is past its puts and sleeping before its flush (waiting for that, not for a
+    // fixed time: on a loaded machine the claim may not even have reached the prefill rank
+    // after a while, and a cancel then ends the request before it is claimed).
+    flushing
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the write job reached its flush");
     decode.cancel(3).unwrap();
     assert_eq!(
         wait(&decode, 3, Duration::from_secs(10)),
