@@ -19,12 +19,7 @@ fn default_planner_moves_every_byte_right() {
 /// plan of the piece with stand-in sources, as the agent does.
 #[test]
 fn default_planner_moves_every_byte_right_bounced() {
-    let forced = BounceLimits {
-        min_blocks: 1,
-        min_bytes: 1,
-        ..BounceLimits::default()
-    };
-    let report = run(Some(forced));
+    let report = run(Some(BounceLimits::without_thresholds()));
     let bounced = report.cases.iter().filter(|c| c.bounced > 0).count();
     assert!(
         bounced >= 100,

@@ -544,12 +544,18 @@ impl BounceArgs {
                 .checked_mul(1 << 20)
                 .ok_or_else(|| anyhow!("--bounce-arena-mb {mb} overflows 2^64 bytes"))?,
         };
-        let forced = self.bounce == BounceMode::On;
+        let thresholds = match self.bounce {
+            BounceMode::On => BounceLimits::without_thresholds(),
+            _ => BounceLimits {
+                min_blocks: self.bounce_min_blocks,
+                min_bytes: self.bounce_min_bytes,
+                ..BounceLimits::default()
+            },
+        };
         Ok(BounceLimits {
             capacity,
-            min_blocks: if forced { 1 } else { self.bounce_min_blocks },
-            min_bytes: if forced { 1 } else { self.bounce_min_bytes },
             fan_in: self.bounce_fan_in,
+            ..thresholds
         })
     }
 }
@@ -773,11 +779,7 @@ fn conform(
     }
     let limits = match bounce {
         BounceMode::Off => None,
-        BounceMode::On => Some(BounceLimits {
-            min_blocks: 1,
-            min_bytes: 1,
-            ..BounceLimits::default()
-        }),
+        BounceMode::On => Some(BounceLimits::without_thresholds()),
         _ => Some(BounceLimits::default()),
     };
     let report =

@@ -49,6 +49,18 @@ impl Default for BounceLimits {
     }
 }
 
+impl BounceLimits {
+    /// The default limits without the block and byte thresholds (`--bounce on`): every
+    /// request with at least one block or byte passes them.
+    pub fn without_thresholds() -> Self {
+        BounceLimits {
+            min_blocks: 1,
+            min_bytes: 1,
+            ..BounceLimits::default()
+        }
+    }
+}
+
 /// A region to reserve: `writers` equal shares of `total / writers` bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Reservation {

@@ -120,12 +120,28 @@ impl BounceConfig {
 
     /// The gates a receiver's reservation must pass, for an arena of `capacity` bytes.
     pub(crate) fn limits(&self, capacity: u64) -> BounceLimits {
-        let forced = self.mode == BounceMode::On;
+        let thresholds = match self.mode {
+            BounceMode::On => BounceLimits::without_thresholds(),
+            _ => BounceLimits {
+                min_blocks: self.min_blocks,
+                min_bytes: self.min_bytes,
+                ..BounceLimits::default()
+            },
+        };
         BounceLimits {
             capacity,
-            min_blocks: if forced { 1 } else { self.min_blocks },
-            min_bytes: if forced { 1 } else { self.min_bytes },
             fan_in: false,
+            ..thresholds
+        }
+    }
+
+    /// Whether this mode may bounce at all over `transport`: not when off, and under auto
+    /// not over node-local transports, where a put already is a copy.
+    pub(crate) fn may_bounce_over(&self, transport: &crate::TransportSpec) -> bool {
+        match self.mode {
+            BounceMode::Off => false,
+            BounceMode::On => true,
+            BounceMode::Auto => !transport.is_node_local(),
         }
     }
 }

@@ -507,15 +507,7 @@ impl RankThread {
         pools: Arc<RankPools>,
         errors: ErrorMode,
     ) -> Result<RankThread, SpawnError> {
-        Self::spawn_with(
-            label,
-            rank,
-            worker,
-            pools,
-            errors,
-            None,
-            RankPools::bind_device_to_thread,
-        )
+        Self::spawn_bouncing(label, rank, worker, pools, errors, None)
     }
 
     /// [`spawn`](Self::spawn) with a staging buffer for bounced pieces ([`BounceJob`]),

@@ -247,17 +247,7 @@ mod hostile {
     /// A context rank that answers every claim with a successful last piece of `bytes`
     /// bytes, writing nothing, under the description of a real one.
     fn lying_about_bytes(real: &Agent, bytes: u64) -> String {
-        lying_context(real, move |d| kvferry_protocol::Completion {
-            request: d.request,
-            sender_rank: d.sender_rank,
-            receiver_rank: d.receiver_rank,
-            piece: 0,
-            is_last: true,
-            bytes,
-            fragments: 1,
-            status: CompletionStatus::Ok,
-            bounce: None,
-        })
+        lying_context(real, move |d| made_up_completion(d, bytes, None))
     }
 
     #[test]

@@ -201,27 +201,18 @@ fn a_cancel_with_bounced_puts_in_flight_scatters_nothing_after_cancelled() {
 mod hostile {
     use super::*;
 
-    use kvferry_protocol::{BouncedPiece, Completion, CompletionStatus};
+    use kvferry_protocol::BouncedPiece;
 
     /// A context rank under a real one's description that answers every claim with a
     /// successful bounced last piece of `bytes` bytes at `offset`, writing nothing.
     fn lying_bouncer(real: &Agent, bytes: u64, offset: u64) -> String {
         lying_context(real, move |d| {
             assert!(d.bounce.is_some(), "no region offered: {d:?}");
-            Completion {
-                request: d.request,
-                sender_rank: d.sender_rank,
-                receiver_rank: d.receiver_rank,
-                piece: 0,
-                is_last: true,
-                bytes,
-                fragments: 1,
-                status: CompletionStatus::Ok,
-                bounce: Some(BouncedPiece {
-                    offset,
-                    tokens: d.token_range,
-                }),
-            }
+            let piece = BouncedPiece {
+                offset,
+                tokens: d.token_range,
+            };
+            made_up_completion(d, bytes, Some(piece))
         })
     }
 

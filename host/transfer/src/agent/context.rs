@@ -921,12 +921,10 @@ fn bounce_piece(
     let offer = data.bounce?;
     let arena = conn.remote.bounce.as_ref()?;
     let total = plan.total_bytes();
-    if !inner.bounces || config.mode == BounceMode::Off || total == 0 {
+    if !inner.bounces || !config.may_bounce_over(&inner.config.transport) || total == 0 {
         return None;
     }
-    if config.mode == BounceMode::Auto
-        && (inner.config.transport.is_node_local()
-            || total / plan.len().max(1) as u64 >= AUTO_MAX_MEAN_FRAGMENT)
+    if config.mode == BounceMode::Auto && total / plan.len().max(1) as u64 >= AUTO_MAX_MEAN_FRAGMENT
     {
         return None;
     }

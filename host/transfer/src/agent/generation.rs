@@ -26,7 +26,7 @@ use kvferry_protocol::{
 
 use super::events::{Event, FailureKind};
 use super::{CONNECT_TIMEOUT, CallError, HANDSHAKE_TIMEOUT, Inner, lock, nonce};
-use crate::bounce::{BounceMode, Region};
+use crate::bounce::Region;
 use crate::conn::{Outbox, spawn_writer};
 use crate::outcome::{RequestStats, Stages};
 use crate::rank::{PeerId, nanos};
@@ -1022,9 +1022,7 @@ fn offer_region(
 ) -> Option<(u32, Region)> {
     let arena = inner.arena.as_ref()?;
     let config = &inner.config.bounce;
-    if config.mode == BounceMode::Off
-        || (config.mode == BounceMode::Auto && inner.config.transport.is_node_local())
-    {
+    if !config.may_bounce_over(&inner.config.transport) {
         return None;
     }
     let (&writer, _) = writers.iter().next()?;

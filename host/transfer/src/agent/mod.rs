@@ -900,9 +900,8 @@ fn bounce_memory(
     context: &Arc<Context>,
 ) -> Result<(Option<Arc<Arena>>, Option<Staging>), StartError> {
     let b = &config.bounce;
-    if b.mode == BounceMode::Off || (b.mode == BounceMode::Auto && config.transport.is_node_local())
-    {
-        // Auto never bounces within the node: nothing to allocate.
+    if !b.may_bounce_over(&config.transport) {
+        // Off, or auto within the node: nothing to allocate.
         return Ok((None, None));
     }
     if memory_kind(&config.rank) != MemoryKind::Host {

@@ -391,3 +391,23 @@ pub fn lying_context(
     });
     endpoint
 }
+
+/// A successful last piece of `bytes` bytes for claim `d` (one fragment), bounced as `bounce`
+/// says: what [`lying_context`]s answer.
+pub fn made_up_completion(
+    d: &kvferry_protocol::RequestData,
+    bytes: u64,
+    bounce: Option<kvferry_protocol::BouncedPiece>,
+) -> kvferry_protocol::Completion {
+    kvferry_protocol::Completion {
+        request: d.request,
+        sender_rank: d.sender_rank,
+        receiver_rank: d.receiver_rank,
+        piece: 0,
+        is_last: true,
+        bytes,
+        fragments: 1,
+        status: kvferry_protocol::CompletionStatus::Ok,
+        bounce,
+    }
+}
