@@ -161,6 +161,117 @@ fn an_unclaimed_send_fails_at_its_lease_and_a_cancel_ends_in_one_event() {
 }
 
 #[test]
+fn a_send_its_receiver_cancelled_first_ends_at_once_not_at_its_lease() {
+    let model = model();
+    let src = Engine::new("prefill", &model, pattern);
+    let dst = Engine::new("decode", &model, |_, _| CANARY);
+    let lease = Duration::from_secs(30);
+    let prefill = start(Role::Context, &src, secret(), bound(), |c| c.lease = lease);
+    let decode = agent(Role::Generation, &dst, secret(), Transport::Tcp);
+    let endpoint = prefill.endpoint().unwrap().to_string();
+    let soon = Duration::from_secs(5);
+
+    // Expected, then cancelled at once: the cancel may overtake the expect's linking (no
+    // claim was ever sent) or follow its claim (stashed here, no send yet). Either way the
+    // decode side ends once the prefill rank answered, and the send that comes later ends
+    // at once, as cancelled by that peer.
+    for id in [1, 2, 3] {
+        decode
+            .expect(expecting(id, &endpoint, tables(&dst, &[0]), 16))
+            .unwrap();
+        if id > 1 {
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        decode.cancel(id).unwrap();
+        assert_eq!(wait(&decode, id, soon), Event::Cancelled { request: id });
+        let sent = std::time::Instant::now();
+        prefill.send(whole(id, tables(&src, &[0]), 16)).unwrap();
+        match wait(&prefill, id, soon) {
+            Event::Failed {
+                kind, peer, detail, ..
+            } => {
+                assert_eq!(kind, FailureKind::CancelledByPeer, "{detail}");
+                assert!(peer.is_some_and(|p| p.contains("decode")), "{detail}");
+            }
+            other => panic!("request {id}: {other:?}"),
+        }
+        assert!(sent.elapsed() < lease / 2, "{:?}", sent.elapsed());
+    }
+
+    // Sent first, then expected and cancelled before this rank wrote it: the send ends
+    // with the cancel.
+    prefill.send(whole(4, tables(&src, &[0]), 16)).unwrap();
+    decode
+        .expect(expecting(4, &endpoint, tables(&dst, &[0]), 16))
+        .unwrap();
+    decode.cancel(4).unwrap();
+    assert_eq!(wait(&decode, 4, soon), Event::Cancelled { request: 4 });
+    match wait(&prefill, 4, soon) {
+        Event::Failed { kind, .. } => assert_eq!(kind, FailureKind::CancelledByPeer),
+        Event::Sent { .. } => {} // it was written before the cancel reached the prefill rank
+        other => panic!("{other:?}"),
+    }
+
+    // An id cancelled and then asked for again: the new claim supersedes the cancel, and
+    // the request moves every byte.
+    decode
+        .expect(expecting(5, &endpoint, tables(&dst, &[1]), 16))
+        .unwrap();
+    decode.cancel(5).unwrap();
+    assert_eq!(wait(&decode, 5, soon), Event::Cancelled { request: 5 });
+    decode
+        .expect(expecting(5, &endpoint, tables(&dst, &[1]), 16))
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    prefill.send(whole(5, tables(&src, &[2]), 16)).unwrap();
+    assert!(matches!(wait(&prefill, 5, soon), Event::Sent { .. }));
+    assert!(matches!(wait(&decode, 5, soon), Event::Received { .. }));
+    drop((prefill, decode));
+    check(&src, &dst, &[2], &[1], None);
+}
+
+#[test]
+fn a_cancel_from_another_decode_instance_does_not_end_a_send_bound_to_its_receiver() {
+    let model = model();
+    let src = Engine::new("prefill", &model, pattern);
+    let dst = Engine::new("decode", &model, |_, _| CANARY);
+    let other = Engine::new("intruder", &model, |_, _| CANARY);
+    let prefill = agent(Role::Context, &src, secret(), Transport::Tcp);
+    let decode = agent(Role::Generation, &dst, secret(), Transport::Tcp);
+    // Another instance that holds the secret, expecting and cancelling the victim's id first.
+    let intruder = start(Role::Generation, &other, secret(), bound(), |c| {
+        c.instance = "intruder".into()
+    });
+    let endpoint = prefill.endpoint().unwrap().to_string();
+    let soon = Duration::from_secs(5);
+    intruder
+        .expect(expecting(8, &endpoint, tables(&other, &[0]), 16))
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    intruder.cancel(8).unwrap();
+    assert_eq!(wait(&intruder, 8, soon), Event::Cancelled { request: 8 });
+    // The send names its receiver: the intruder's cancel is not its to give.
+    prefill
+        .send(Send {
+            to: Some("decode".into()),
+            ..whole(8, tables(&src, &[3]), 16)
+        })
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        prefill.poll().is_empty(),
+        "the intruder's cancel ended the send"
+    );
+    decode
+        .expect(expecting(8, &endpoint, tables(&dst, &[6]), 16))
+        .unwrap();
+    assert!(matches!(wait(&prefill, 8, soon), Event::Sent { .. }));
+    assert!(matches!(wait(&decode, 8, soon), Event::Received { .. }));
+    drop((prefill, decode, intruder));
+    check(&src, &dst, &[3], &[6], None);
+}
+
+#[test]
 fn a_cancel_with_puts_in_flight_ends_only_after_the_last_write() {
     let model = model();
     let src = Engine::new("prefill", &model, pattern);

@@ -63,6 +63,26 @@ struct Stashed {
     data: RequestData,
 }
 
+/// A receiver's cancel of a request not sent here yet: the `send` that comes later ends at
+/// once (as cancelled by that peer) instead of waiting for its lease.
+#[derive(Debug)]
+struct Tombstone {
+    /// The decode instance that cancelled (only it, or the send's `to`, may end the send).
+    instance: String,
+    /// The cancelling rank's name, for the event.
+    peer: String,
+    reason: String,
+}
+
+/// The longest cancel reason a tombstone keeps (the rest is cut): the bytes come from a peer.
+const TOMBSTONE_REASON: usize = 256;
+
+impl Tombstone {
+    fn bytes(&self) -> usize {
+        64 + self.instance.len() + self.peer.len() + self.reason.len()
+    }
+}
+
 #[derive(Debug)]
 struct Claim {
     conn: Arc<GenConn>,
@@ -110,11 +130,49 @@ pub(crate) struct OutReq {
     stages: Stages,
 }
 
+impl OutReq {
+    /// A request just sent, with its first chunk.
+    fn new(
+        to: Option<String>,
+        prompt_len: u64,
+        chunk: (Arc<Vec<SlotTable>>, PairRequest),
+        is_last: bool,
+    ) -> Self {
+        Self {
+            to,
+            prompt_len,
+            chunks: vec![chunk],
+            finished: is_last,
+            first_send: Instant::now(),
+            claimed_at: None,
+            owner: None,
+            expected: None,
+            claims: BTreeMap::new(),
+            cancelled: false,
+            failure: None,
+            bytes: 0,
+            puts: 0,
+            stages: Stages::default(),
+        }
+    }
+
+    /// Whether `instance` may claim or cancel it: its owner, or the send's `to`, or anyone
+    /// while it has neither.
+    fn open_to(&self, instance: &str) -> bool {
+        self.owner
+            .as_ref()
+            .or(self.to.as_ref())
+            .is_none_or(|o| o == instance)
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct State {
     pub(crate) requests: HashMap<u64, OutReq>,
     conns: HashMap<PeerId, Arc<GenConn>>,
     stash: Stash<Stashed>,
+    /// Cancels of requests not sent yet, bounded like the stash and expired with it.
+    tombstones: Stash<Tombstone>,
     open: Arc<AtomicUsize>,
     /// Where the side channel listens (to wake its accept loop at shutdown).
     listening: Option<std::net::SocketAddr>,
@@ -126,6 +184,7 @@ impl State {
             requests: HashMap::new(),
             conns: HashMap::new(),
             stash: Stash::new(max_stashed, STASH_TTL),
+            tombstones: Stash::new(max_stashed / 16, STASH_TTL),
             open: Arc::new(AtomicUsize::new(0)),
             listening: None,
         }
@@ -508,24 +567,44 @@ pub(crate) fn send(inner: &Arc<Inner>, s: Send) -> Result<(), CallError> {
                         s.tokens.start
                     )));
                 }
+                // A receiver that may claim it cancelled it already: it ends as cancelled by
+                // that peer (its other ranks' stashed claims are answered as ended).
+                let to = s.to.clone();
+                let cancelled_by = state
+                    .tombstones
+                    .take(id)
+                    .into_iter()
+                    .find(|t| to.as_ref().is_none_or(|to| *to == t.instance));
+                if let Some(t) = cancelled_by {
+                    tracing::debug!(request = id, peer = %t.peer, "sent after its receiver cancelled it");
+                    let detail = format!(
+                        "{} cancelled request {id} before it was sent here: {}",
+                        t.peer, t.reason
+                    );
+                    state.requests.insert(
+                        id,
+                        OutReq {
+                            owner: Some(t.instance),
+                            failure: Some((Some(t.peer), FailureKind::CancelledByPeer, detail)),
+                            ..OutReq::new(
+                                s.to,
+                                s.prompt_len,
+                                (Arc::new(s.tables), piece),
+                                s.is_last,
+                            )
+                        },
+                    );
+                    let stashed = state.stash.take(id);
+                    drop(state);
+                    for s in stashed {
+                        claim(inner, &s.conn, s.data);
+                    }
+                    settle(inner, id);
+                    return Ok(());
+                }
                 state.requests.insert(
                     id,
-                    OutReq {
-                        to: s.to,
-                        prompt_len: s.prompt_len,
-                        chunks: vec![(Arc::new(s.tables), piece)],
-                        finished: s.is_last,
-                        first_send: Instant::now(),
-                        claimed_at: None,
-                        owner: None,
-                        expected: None,
-                        claims: BTreeMap::new(),
-                        cancelled: false,
-                        failure: None,
-                        bytes: 0,
-                        puts: 0,
-                        stages: Stages::default(),
-                    },
+                    OutReq::new(s.to, s.prompt_len, (Arc::new(s.tables), piece), s.is_last),
                 );
                 state.stash.take(id)
             }
@@ -623,6 +702,10 @@ fn request_data(inner: &Arc<Inner>, conn: &Arc<GenConn>, data: RequestData) {
     {
         let mut state = lock(&inner.prefill);
         if !state.requests.contains_key(&request) {
+            // A claim after its own cancel (the id asked for again) supersedes the cancel.
+            state
+                .tombstones
+                .retain_request(request, |t| t.instance != conn.identity.instance);
             let bytes = request_data_bytes(&data);
             let item = Stashed {
                 conn: Arc::clone(conn),
@@ -657,10 +740,9 @@ fn claim(inner: &Arc<Inner>, conn: &Arc<GenConn>, data: RequestData) {
         let Some(req) = state.requests.get_mut(&id) else {
             return;
         };
-        let owner = req.owner.clone().or_else(|| req.to.clone());
         if req.cancelled || req.failure.is_some() {
             Some("the request has ended here".to_string())
-        } else if owner.as_ref().is_some_and(|o| *o != conn.identity.instance) {
+        } else if !req.open_to(&conn.identity.instance) {
             Some(format!(
                 "request {id} belongs to another decode instance; {} cannot claim it",
                 conn.identity.instance
@@ -1199,19 +1281,50 @@ fn peer_cancel(inner: &Arc<Inner>, conn: &Arc<GenConn>, id: u64, reason: &str) {
     let pending = {
         let mut state = lock(&inner.prefill);
         state.stash.retain_request(id, |s| s.conn.id != conn.id);
-        match state
-            .requests
-            .get_mut(&id)
-            .and_then(|r| r.claims.get_mut(&g))
-        {
-            Some(claim) if claim.conn.id == conn.id && !claim.ended => {
-                claim.cancelled = true;
-                Some((claim.jobs == 0 && !claim.planning, claim.reported))
+        let instance = &conn.identity.instance;
+        match state.requests.get_mut(&id) {
+            // Not sent here yet: the send that comes later ends at once.
+            None => {
+                let tomb = Tombstone {
+                    instance: instance.clone(),
+                    peer: conn.name(),
+                    reason: reason.chars().take(TOMBSTONE_REASON).collect(),
+                };
+                let bytes = tomb.bytes();
+                if state
+                    .tombstones
+                    .push(id, tomb, bytes, Instant::now())
+                    .is_err()
+                {
+                    tracing::warn!(request = id, peer = %conn.name(), "too many cancels of unsent requests held: this one is not kept, its send will end at its lease");
+                }
+                Some((true, 0))
             }
-            // Not claimed (yet, or by this peer), or over: nothing is in flight for it. A
-            // receiver that cancels an unclaimed request still gets its answer.
-            Some(_) => None,
-            None => Some((true, 0)),
+            Some(req) => match req.claims.get_mut(&g) {
+                Some(claim) if claim.conn.id == conn.id && !claim.ended => {
+                    claim.cancelled = true;
+                    Some((claim.jobs == 0 && !claim.planning, claim.reported))
+                }
+                // Claimed by another connection, or over: nothing of this peer's is in flight.
+                Some(_) => None,
+                // Sent, but this rank never claimed it: a receiver that gives up on a request
+                // it may claim ends it now (not at the lease); any peer gets its answer.
+                None => {
+                    let targeted = req.expected.as_ref().is_none_or(|e| e.contains(&g));
+                    if targeted && req.open_to(instance) && !req.cancelled && req.failure.is_none()
+                    {
+                        req.failure = Some((
+                            Some(conn.name()),
+                            FailureKind::CancelledByPeer,
+                            format!(
+                                "{} cancelled request {id} before claiming it: {reason}",
+                                conn.name()
+                            ),
+                        ));
+                    }
+                    Some((true, 0))
+                }
+            },
         }
     };
     tracing::debug!(request = id, peer = %conn.name(), %reason, "cancelled by the receiver");
@@ -1274,6 +1387,10 @@ pub(crate) fn reap(inner: &Arc<Inner>) {
             }
             keep
         });
+        let ttl = lease.min(STASH_TTL);
+        state
+            .tombstones
+            .retain(|_, at| now.saturating_duration_since(at) < ttl);
         for (&id, req) in state.requests.iter_mut() {
             if req.failure.is_some() || req.cancelled {
                 // A cancelled claim waiting for its jobs, or an ending request: settle again.

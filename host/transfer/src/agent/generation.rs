@@ -511,8 +511,11 @@ fn dispatch(inner: &Arc<Inner>, e: Expect) {
                             },
                         ));
                     }
-                    req.writers = writers;
                 }
+                // Even a request that ended before it was asked for: its writers hear of the
+                // cancel (a send they hold for it ends now, not at its lease), and it ends
+                // once they answered, so no late answer meets a reused id.
+                req.writers = writers;
             }
             let asked: Vec<u32> = sends.iter().map(|(_, d)| d.sender_rank).collect();
             for (link, data) in sends {
