@@ -2,7 +2,7 @@
 //! registry loads it like any third-party planner.
 //!
 //! The template is its own cargo workspace (with its own committed `Cargo.lock`); it is built
-//! once per test binary into `target/out-of-tree/examples+planner-template`
+//! once per test binary into `target/out-of-tree/shared`
 //! ([`build_out_of_tree`]), never into the source tree.
 
 mod support;

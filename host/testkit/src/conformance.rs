@@ -214,14 +214,26 @@ pub fn repo_root() -> PathBuf {
         .to_path_buf()
 }
 
+/// The target folder of every out-of-tree workspace's build, relative to the repository root
+/// (`scripts/test` and `.ci/run` build the planner template's own tests and lints there too).
+pub const OUT_OF_TREE_TARGET: &str = "target/out-of-tree/shared";
+
+/// The profile setting every out-of-tree build shares, as an environment variable: the
+/// fixtures' workspaces build without debug info and the template's would with it, which
+/// would compile their common dependencies twice.
+pub const OUT_OF_TREE_PROFILE: (&str, &str) = ("CARGO_PROFILE_DEV_DEBUG", "false");
+
 /// Builds a cargo workspace that is not part of this one (the planner template, the loading
 /// fault fixtures: `dir` relative to [`repo_root`]) in the debug profile and returns the
 /// folder holding its `.so` files.
 ///
-/// The build goes to `target/out-of-tree/<dir, with / as +>` beside this build and uses the
-/// workspace's committed `Cargo.lock` with `--locked`, so nothing is written into the source
-/// tree and no crate version is resolved anew. Call it once per test binary (behind a `OnceLock`):
-/// concurrent callers serialise on cargo's own lock of the target folder.
+/// Every such workspace builds into one folder, [`OUT_OF_TREE_TARGET`] beside this build,
+/// with the same profile ([`OUT_OF_TREE_PROFILE`]), so the dependencies they share (abi_stable
+/// and its tree, at the versions their lockfiles agree on) compile once for all of them; the
+/// libraries they build have distinct names. Each uses its committed `Cargo.lock` with
+/// `--locked`, so nothing is written into the source tree and no crate version is resolved
+/// anew. Call it once per test binary (behind a `OnceLock`): concurrent callers serialise on
+/// cargo's own lock of the target folder.
 ///
 /// # Panics
 ///
@@ -231,13 +243,15 @@ pub fn build_out_of_tree(dir: &str) -> PathBuf {
     let target = build_dir()
         .parent()
         .map_or_else(build_dir, Path::to_path_buf)
-        .join("out-of-tree")
-        // One flat folder per workspace: nested ones (`tests/fixtures` holds
-        // `tests/fixtures/abi-0.2.0`) would put one build's target inside another's, and two
-        // cargos creating them at once race (seen in CI: "No such file or directory").
-        .join(dir.replace('/', "+"));
+        .join(
+            OUT_OF_TREE_TARGET
+                .strip_prefix("target/")
+                .unwrap_or(OUT_OF_TREE_TARGET),
+        );
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let (profile_var, profile_value) = OUT_OF_TREE_PROFILE;
     let status = std::process::Command::new(cargo)
+        .env(profile_var, profile_value)
         .arg("build")
         .arg("--locked")
         .arg("--manifest-path")
