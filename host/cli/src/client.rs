@@ -1,6 +1,5 @@
 //! A client of one connection: what the demo controller and the tests use to drive servers
-//! ([`ControlMessage`] on their control listener) or to speak the peer protocol to a context
-//! server ([`kvferry_protocol::PeerMessage`]).
+//! ([`ControlMessage`] on their control listener).
 
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};

@@ -1,4 +1,4 @@
-//! The wire framing of both message families (peer and control: round trips, limits, corrupt
+//! The wire framing of both message families (agent and control: round trips, limits, corrupt
 //! input), and servers facing bad input on their control ports and agent side channels: each
 //! bad control connection is refused with an error naming what is wrong, a side channel says
 //! nothing to a peer that has not proven the secret, and the server keeps serving.
@@ -14,15 +14,16 @@ use kvferry_cli::control::{
 };
 use kvferry_planner_abi::{Mapping, SlotTable, TokenRange, ViewId};
 use kvferry_protocol::{
-    Completion, CompletionStatus, Frame, HEADER_LEN, InstanceInfo, MAX_FRAME_BYTES,
-    PROTOCOL_VERSION, PeerMessage, PoolKey, RankDescriptor, RequestData, Role, WireError,
-    decode_body, encode, header, parse_header, read_frame, write_frame,
+    AgentMessage, Completion, CompletionStatus, Frame, HEADER_LEN, MAX_FRAME_BYTES,
+    PROTOCOL_VERSION, PoolKey, RankDescriptor, RequestData, Role, WireError, decode_body, encode,
+    header, parse_header, read_frame, write_frame,
 };
 use kvferry_testkit::layout::{ModelSpec, PoolOptions, Preset, build_instance};
 use kvferry_transfer::RequestStats;
 use support::transfer::{REPLY, Server, exchange, submit};
 
-fn instance_info() -> InstanceInfo {
+/// Both ranks of a Qwen3-Next dep2 context instance, as its agents describe them.
+fn ranks() -> Vec<RankDescriptor> {
     let mapping = Mapping {
         tp: 2,
         pp: 1,
@@ -44,48 +45,40 @@ fn instance_info() -> InstanceInfo {
         },
     )
     .unwrap();
-    InstanceInfo {
-        instance_name: "ctx-1".into(),
-        role: Role::Context,
-        planner_id: "kvferry.default".into(),
-        describer_id: "kvferry.default_describer".into(),
-        planner_version: "0.1.0".into(),
-        label: "qwen3-next-80b-a3b bf16 tpb32 dep2".into(),
-        ranks: ranks
-            .into_iter()
-            .map(|info| RankDescriptor {
-                pools: info
-                    .page_table
-                    .pools
-                    .iter()
-                    .map(|p| PoolKey {
-                        base: p.base,
-                        len: p.footprint(),
-                        rkey: vec![1, 2, 3, 4],
-                    })
-                    .collect(),
-                info,
-                worker_address: vec![9; 145],
-                bounce: None,
-            })
-            .collect(),
-    }
+    ranks
+        .into_iter()
+        .map(|info| RankDescriptor {
+            pools: info
+                .page_table
+                .pools
+                .iter()
+                .map(|p| PoolKey {
+                    base: p.base,
+                    len: p.footprint(),
+                    rkey: vec![1, 2, 3, 4],
+                })
+                .collect(),
+            info,
+            worker_address: vec![9; 145],
+            bounce: None,
+        })
+        .collect()
 }
 
-fn every_peer_message() -> Vec<PeerMessage> {
-    let info = instance_info();
+fn every_agent_message() -> Vec<AgentMessage> {
     let tables = vec![SlotTable::new([3, -1, 7]), SlotTable::new([1])];
     vec![
-        PeerMessage::InstanceInfoRequest,
-        PeerMessage::InstanceInfo(info.clone()),
-        PeerMessage::Register(info),
-        PeerMessage::Registered {
-            instance: "ctx-1".into(),
+        AgentMessage::Hello { nonce: [7; 32] },
+        AgentMessage::Challenge {
+            nonce: [8; 32],
+            proof: [9; 32],
         },
-        PeerMessage::Refused {
+        AgentMessage::Proof { proof: [10; 32] },
+        AgentMessage::Ping,
+        AgentMessage::Refused {
             reason: "tokens_per_block: ours 32, theirs 64".into(),
         },
-        PeerMessage::RequestData(RequestData {
+        AgentMessage::RequestData(RequestData {
             request: 7,
             receiver_instance: "gen-1".into(),
             receiver_rank: 3,
@@ -97,7 +90,7 @@ fn every_peer_message() -> Vec<PeerMessage> {
             excluded_views: vec![ViewId { group: 1, view: 0 }],
             bounce: None,
         }),
-        PeerMessage::Completion(Completion {
+        AgentMessage::Completion(Completion {
             request: 7,
             sender_rank: 1,
             receiver_rank: 3,
@@ -108,28 +101,27 @@ fn every_peer_message() -> Vec<PeerMessage> {
             status: CompletionStatus::Failed("flush failed".into()),
             bounce: None,
         }),
-        PeerMessage::Cancel {
+        AgentMessage::Cancel {
             request: 7,
             reason: "timed out".into(),
         },
-        PeerMessage::Error {
+        AgentMessage::Error {
             message: "bad magic".into(),
         },
     ]
 }
 
-/// What a context server holding both ranks of [`instance_info`] answers to `InfoRequest`.
+/// What a context server holding both [`ranks`] answers to `InfoRequest`.
 fn server_info() -> ServerInfo {
-    let info = instance_info();
+    let ranks = ranks();
     ServerInfo {
-        instance: info.instance_name,
-        role: info.role,
-        planner_id: info.planner_id,
-        planner_version: info.planner_version,
-        label: info.label,
-        world: info.ranks.len() as u32,
-        ranks: info
-            .ranks
+        instance: "ctx-1".into(),
+        role: Role::Context,
+        planner_id: "kvferry.default".into(),
+        planner_version: "0.1.0".into(),
+        label: "qwen3-next-80b-a3b bf16 tpb32 dep2".into(),
+        world: ranks.len() as u32,
+        ranks: ranks
             .into_iter()
             .enumerate()
             .map(|(r, d)| ServedRank {
@@ -161,7 +153,7 @@ fn every_control_message() -> Vec<ControlMessage> {
             request: 7,
             result: Ok(vec![RankTables {
                 rank: 1,
-                info: instance_info().ranks[1].info.clone(),
+                info: ranks()[1].info.clone(),
                 tables,
             }]),
         },
@@ -240,33 +232,33 @@ fn round_trips<M: Frame + PartialEq + std::fmt::Debug>(messages: impl Fn() -> Ve
 
 #[test]
 fn every_message_round_trips_through_a_frame() {
-    round_trips(every_peer_message);
+    round_trips(every_agent_message);
     round_trips(every_control_message);
 }
 
 #[test]
 fn a_frame_of_one_family_is_refused_by_the_other_naming_both() {
     let frame = encode(&ControlMessage::Shutdown).unwrap();
-    let e = read_frame::<PeerMessage>(&mut Cursor::new(&frame)).unwrap_err();
+    let e = read_frame::<AgentMessage>(&mut Cursor::new(&frame)).unwrap_err();
     assert!(matches!(e, WireError::BadMagic { .. }), "{e}");
-    assert!(e.to_string().contains("not a kvferry peer frame"), "{e}");
-    let frame = encode(&PeerMessage::InstanceInfoRequest).unwrap();
+    assert!(e.to_string().contains("not a kvferry agent frame"), "{e}");
+    let frame = encode(&AgentMessage::Ping).unwrap();
     let e = read_frame::<ControlMessage>(&mut Cursor::new(&frame)).unwrap_err();
     assert!(e.to_string().contains("not a kvferry control frame"), "{e}");
 }
 
 #[test]
 fn headers_are_checked_before_the_body_is_read() {
-    let good = header::<PeerMessage>(10).unwrap();
+    let good = header::<AgentMessage>(10).unwrap();
     let mut bad = good;
     bad[0] = b'X';
-    let e = parse_header::<PeerMessage>(&bad).unwrap_err();
+    let e = parse_header::<AgentMessage>(&bad).unwrap_err();
     assert!(matches!(e, WireError::BadMagic { .. }));
     assert!(e.to_string().contains("bad magic"), "{e}");
 
     let mut version = good;
     version[4..6].copy_from_slice(&(PROTOCOL_VERSION + 1).to_le_bytes());
-    let e = parse_header::<PeerMessage>(&version).unwrap_err();
+    let e = parse_header::<AgentMessage>(&version).unwrap_err();
     assert!(
         matches!(e, WireError::Version { found } if found == PROTOCOL_VERSION + 1),
         "{e}"
@@ -274,16 +266,16 @@ fn headers_are_checked_before_the_body_is_read() {
 
     let mut big = good;
     big[6..].copy_from_slice(&(MAX_FRAME_BYTES as u32 + 1).to_le_bytes());
-    let e = parse_header::<PeerMessage>(&big).unwrap_err();
+    let e = parse_header::<AgentMessage>(&big).unwrap_err();
     assert!(matches!(e, WireError::Oversized { .. }), "{e}");
     // An oversized frame is refused from its header alone: no body follows.
     assert!(matches!(
-        read_frame::<PeerMessage>(&mut Cursor::new(big.to_vec())),
+        read_frame::<AgentMessage>(&mut Cursor::new(big.to_vec())),
         Err(WireError::Oversized { .. })
     ));
-    assert!(header::<PeerMessage>(MAX_FRAME_BYTES).is_ok());
+    assert!(header::<AgentMessage>(MAX_FRAME_BYTES).is_ok());
     assert!(matches!(
-        header::<PeerMessage>(MAX_FRAME_BYTES + 1),
+        header::<AgentMessage>(MAX_FRAME_BYTES + 1),
         Err(WireError::Oversized { .. })
     ));
 }
@@ -291,24 +283,24 @@ fn headers_are_checked_before_the_body_is_read() {
 #[test]
 fn corrupt_bodies_are_refused_without_panicking() {
     // Cut short: in the header, in the body.
-    let frame = encode(&PeerMessage::Cancel {
+    let frame = encode(&AgentMessage::Cancel {
         request: 1,
         reason: "x".into(),
     })
     .unwrap();
     for cut in [3, HEADER_LEN + 1] {
-        let e = read_frame::<PeerMessage>(&mut Cursor::new(frame[..cut].to_vec())).unwrap_err();
+        let e = read_frame::<AgentMessage>(&mut Cursor::new(frame[..cut].to_vec())).unwrap_err();
         assert!(matches!(e, WireError::Io(_)), "cut at {cut}: {e}");
         assert!(e.is_disconnect());
     }
     // An unknown variant.
-    let e = decode_body::<PeerMessage>(&[200]).unwrap_err();
+    let e = decode_body::<AgentMessage>(&[200]).unwrap_err();
     assert!(matches!(e, WireError::Decode { .. }), "{e}");
     // Trailing bytes.
     let mut body = frame[HEADER_LEN..].to_vec();
     body.push(0);
     assert!(matches!(
-        decode_body::<PeerMessage>(&body),
+        decode_body::<AgentMessage>(&body),
         Err(WireError::Trailing { extra: 1 })
     ));
     // A vector claiming 2^40 elements inside a tiny body: bounded by the decode limit, no
@@ -316,15 +308,15 @@ fn corrupt_bodies_are_refused_without_panicking() {
     let mut claim = vec![4u8]; // Refused { reason: String }
     claim.push(253); // varint u64 marker
     claim.extend_from_slice(&(1u64 << 40).to_le_bytes());
-    let e = decode_body::<PeerMessage>(&claim).unwrap_err();
+    let e = decode_body::<AgentMessage>(&claim).unwrap_err();
     assert!(matches!(e, WireError::Decode { .. }), "{e}");
     // Every prefix of every message, and random noise, decodes to an error or a message.
     let mut seed = 0x1234_5678_u64;
-    for m in every_peer_message() {
+    for m in every_agent_message() {
         let frame = encode(&m).unwrap();
         let body = &frame[HEADER_LEN..];
         for cut in 0..body.len().min(300) {
-            let _ = decode_body::<PeerMessage>(&body[..cut]);
+            let _ = decode_body::<AgentMessage>(&body[..cut]);
             let _ = decode_body::<ControlMessage>(&body[..cut]);
         }
         let mut noisy = body.to_vec();
@@ -332,7 +324,7 @@ fn corrupt_bodies_are_refused_without_panicking() {
             seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
             *b ^= (seed >> 56) as u8;
         }
-        let _ = decode_body::<PeerMessage>(&noisy);
+        let _ = decode_body::<AgentMessage>(&noisy);
     }
 }
 
@@ -408,12 +400,12 @@ fn bad_control_input_closes_only_that_connection() {
     );
 
     // The agents' side channels say nothing to a peer that has not proven the secret:
-    // garbage, a control frame, a frame of the old peer protocol — each connection is closed.
+    // garbage, a control frame, an agent frame out of turn — each connection is closed.
     let ep = endpoint(&ctx);
     for bytes in [
         garbage.clone(),
         encode(&ControlMessage::VerifyIdle).unwrap(),
-        encode(&PeerMessage::InstanceInfoRequest).unwrap(),
+        encode(&AgentMessage::Ping).unwrap(),
     ] {
         let mut s = TcpStream::connect(&ep).unwrap();
         s.write_all(&bytes).unwrap();

@@ -1,11 +1,11 @@
 //! kvferry-protocol: the control-plane wire format, sans I/O — versioned, size-capped frames,
-//! the peer-to-peer transfer messages, and the state machines that say which message may come
-//! when ([`session`]) and what a request's completions add up to ([`tracker`]).
+//! the agents' side-channel messages and handshake ([`agent`]), and what a request's
+//! completions add up to ([`tracker`]).
 //!
 //! Every frame is a 10-byte header followed by the body:
 //!
 //! ```text
-//! offset 0  magic    4 bytes  one per message family (Frame::MAGIC): b"KVFR" for PeerMessage
+//! offset 0  magic    4 bytes  one per message family (Frame::MAGIC): b"KVFA" for AgentMessage
 //! offset 4  version  u16 LE   PROTOCOL_VERSION
 //! offset 6  length   u32 LE   body bytes, at most MAX_FRAME_BYTES
 //! offset 10 body     bincode 2 (serde, standard config) of one message
@@ -24,15 +24,12 @@
 //! complete). It stays the body codec this project was specified with, confined to
 //! [`encode`] and [`decode_body`], so swapping it touches this module alone.
 //!
-//! # Peer messages ([`PeerMessage`])
+//! # Agent messages ([`AgentMessage`])
 //!
-//! | message | direction | answer |
-//! |---|---|---|
-//! | [`PeerMessage::InstanceInfoRequest`] | generation → context | [`PeerMessage::InstanceInfo`] |
-//! | [`PeerMessage::Register`] | generation → context | [`PeerMessage::Registered`] or [`PeerMessage::Refused`] |
-//! | [`PeerMessage::RequestData`] | generation → context, per (receiver, sender) rank pair | [`PeerMessage::Completion`], per piece, after the flush |
-//! | [`PeerMessage::Cancel`] | either way | none |
-//! | [`PeerMessage::Error`] | either side | the connection closes |
+//! Between a generation rank and a context rank's side channel: the secret proved both ways
+//! (`Hello`, `Challenge`, `Proof`), `Metadata` both ways, then `RequestData` (a claim, per
+//! receiver and sender rank pair), `Completion` per piece after its flush, `Cancel`, `Ping`;
+//! `Refused` and `Error` end the connection. [`AgentSession`] says which may come when.
 //!
 //! Test and benchmark controllers speak their own message family on their own listener (the
 //! `kvferry` CLI's control protocol), never this one.
@@ -41,14 +38,12 @@
 #![deny(missing_docs)]
 
 pub mod agent;
-pub mod session;
 pub mod tracker;
 
 pub use agent::{
     AgentError, AgentEvent, AgentMessage, AgentMetadata, AgentSession, AgentState, PeerIdentity,
     Secret, SecretError,
 };
-pub use session::{AcceptEvent, AcceptState, Acceptor, DialEvent, DialState, Dialer, SessionError};
 pub use tracker::{Pair, Phase, PieceFailure, RequestTracker, Totals, Tracked, Violation};
 
 use std::io::{self, Read, Write};
@@ -85,7 +80,7 @@ pub enum WireError {
         found: [u8; 4],
         /// The magic expected.
         expected: [u8; 4],
-        /// The message family expected, e.g. `peer`.
+        /// The message family expected, e.g. `agent`.
         family: &'static str,
     },
     /// The frame's protocol version is not [`PROTOCOL_VERSION`].
@@ -206,25 +201,6 @@ pub struct RankDescriptor {
     pub bounce: Option<PoolKey>,
 }
 
-/// Everything an instance advertises about itself.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct InstanceInfo {
-    /// The instance's name (unique per process).
-    pub instance_name: String,
-    /// Context or generation.
-    pub role: Role,
-    /// The bound planner's id.
-    pub planner_id: String,
-    /// The bound planner's describer id.
-    pub describer_id: String,
-    /// The bound planner library's version.
-    pub planner_version: String,
-    /// Model and deployment, for messages (e.g. `deepseek-v3 fp8 tpb32 dep2`).
-    pub label: String,
-    /// Every rank, in instance-rank order.
-    pub ranks: Vec<RankDescriptor>,
-}
-
 /// A receiver rank's request to one sender rank: where the request's bytes must go.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RequestData {
@@ -308,79 +284,13 @@ pub struct Completion {
 pub trait Frame: Serialize + DeserializeOwned {
     /// The first four bytes of every frame of this family.
     const MAGIC: [u8; 4];
-    /// The family's name, for errors (`peer`, `control`).
+    /// The family's name, for errors (`agent`, `control`).
     const FAMILY: &'static str;
     /// The message's name, for logs.
     fn kind(&self) -> &'static str;
     /// The refusal text, if this is the family's "error, closing" message.
     fn error_text(&self) -> Option<&str> {
         None
-    }
-}
-
-/// One message between a context and a generation instance.
-///
-/// New messages are appended, so the encoding of the others does not change.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[non_exhaustive]
-pub enum PeerMessage {
-    /// Asks a context server for its [`InstanceInfo`].
-    InstanceInfoRequest,
-    /// A context server's description.
-    InstanceInfo(InstanceInfo),
-    /// A generation instance registers its ranks with a context server.
-    Register(InstanceInfo),
-    /// The registration was accepted.
-    Registered {
-        /// The context instance's name.
-        instance: String,
-    },
-    /// The registration (or the peer) was refused.
-    Refused {
-        /// Which rank refused which, and the planner's field-level reason.
-        reason: String,
-    },
-    /// A receiver rank's request description, to one target sender rank.
-    RequestData(RequestData),
-    /// A sender's report on one piece.
-    Completion(Completion),
-    /// Abandon a request.
-    Cancel {
-        /// The request.
-        request: u64,
-        /// Why.
-        reason: String,
-    },
-    /// The sender of this message refuses the connection; it closes it next.
-    Error {
-        /// What was wrong.
-        message: String,
-    },
-}
-
-impl Frame for PeerMessage {
-    const MAGIC: [u8; 4] = *b"KVFR";
-    const FAMILY: &'static str = "peer";
-
-    fn kind(&self) -> &'static str {
-        match self {
-            PeerMessage::InstanceInfoRequest => "InstanceInfoRequest",
-            PeerMessage::InstanceInfo(_) => "InstanceInfo",
-            PeerMessage::Register(_) => "Register",
-            PeerMessage::Registered { .. } => "Registered",
-            PeerMessage::Refused { .. } => "Refused",
-            PeerMessage::RequestData(_) => "RequestData",
-            PeerMessage::Completion(_) => "Completion",
-            PeerMessage::Cancel { .. } => "Cancel",
-            PeerMessage::Error { .. } => "Error",
-        }
-    }
-
-    fn error_text(&self) -> Option<&str> {
-        match self {
-            PeerMessage::Error { message } => Some(message),
-            _ => None,
-        }
     }
 }
 
@@ -560,10 +470,10 @@ mod tests {
 
     #[test]
     fn header_round_trips() {
-        let h = header::<PeerMessage>(1234).unwrap();
-        assert_eq!(parse_header::<PeerMessage>(&h).unwrap(), 1234);
+        let h = header::<AgentMessage>(1234).unwrap();
+        assert_eq!(parse_header::<AgentMessage>(&h).unwrap(), 1234);
         assert!(matches!(
-            header::<PeerMessage>(MAX_FRAME_BYTES + 1),
+            header::<AgentMessage>(MAX_FRAME_BYTES + 1),
             Err(WireError::Oversized { .. })
         ));
     }

@@ -1,45 +1,21 @@
-//! The peer protocol run between a simulated generation instance and a simulated context
-//! server, with no sockets: every message goes through the frame codec as bytes, each side
-//! drives its state machine, and the generation side tracks each request's completions.
+//! A request's completions between simulated context and generation ranks, with no
+//! sockets: every message goes through the agent frame codec as bytes, and the generation
+//! side's `RequestTracker` decides what they add up to — in order, interleaved, failed,
+//! hostile, or with bytes flipped on the wire.
 
-use kvferry_planner_abi::{Mapping, TokenRange};
+use kvferry_planner_abi::TokenRange;
 use kvferry_protocol::{
-    AcceptEvent, AcceptState, Acceptor, Completion, CompletionStatus, DialEvent, DialState, Dialer,
-    Frame, HEADER_LEN, InstanceInfo, PeerMessage, Phase, RankDescriptor, RequestData,
-    RequestTracker, Role, SessionError, Totals, Tracked, Violation, decode_body, encode,
-    parse_header,
+    AgentMessage, Completion, CompletionStatus, Frame, HEADER_LEN, Phase, RequestData,
+    RequestTracker, Totals, Tracked, Violation, decode_body, encode, parse_header,
 };
-use kvferry_testkit::builder::{Deploy, Model};
 
 /// One message across the "wire": encoded, header checked, body decoded.
-fn wire(message: &PeerMessage) -> PeerMessage {
+fn wire(message: &AgentMessage) -> AgentMessage {
     let frame = encode(message).expect("encodes");
     let header: [u8; HEADER_LEN] = frame[..HEADER_LEN].try_into().unwrap();
-    let len = parse_header::<PeerMessage>(&header).expect("header");
+    let len = parse_header::<AgentMessage>(&header).expect("header");
     assert_eq!(len, frame.len() - HEADER_LEN);
     decode_body(&frame[HEADER_LEN..]).expect("body")
-}
-
-fn instance(name: &str, role: Role, ranks: u32) -> InstanceInfo {
-    let model = Model::gqa(2, 8, 64, 16);
-    let mapping: Mapping = format!("tp{ranks}").parse().unwrap();
-    let deploy = Deploy::new(name, 1, mapping, &model);
-    InstanceInfo {
-        instance_name: name.into(),
-        role,
-        planner_id: "kvferry.default".into(),
-        describer_id: "kvferry.default.describer".into(),
-        planner_version: "0.1.0".into(),
-        label: format!("test tp{ranks}"),
-        ranks: (0..ranks)
-            .map(|r| RankDescriptor {
-                info: deploy.rank(&model, r),
-                worker_address: vec![r as u8; 8],
-                pools: Vec::new(),
-                bounce: None,
-            })
-            .collect(),
-    }
 }
 
 fn request_data(request: u64, receiver: &str, receiver_rank: u32, sender_rank: u32) -> RequestData {
@@ -81,62 +57,25 @@ fn failed(request: u64, pair: (u32, u32), piece: u32, is_last: bool) -> Completi
     }
 }
 
-/// Runs the handshake; returns both sides registered.
-fn handshake(ctx: &InstanceInfo, gen_info: &InstanceInfo) -> (Dialer, Acceptor) {
-    let (mut dialer, first) = Dialer::new();
-    let mut acceptor = Acceptor::new();
-    assert_eq!(
-        acceptor.receive(wire(&first)).unwrap(),
-        Some(AcceptEvent::InfoRequested)
-    );
-    let answer = PeerMessage::InstanceInfo(ctx.clone());
-    match dialer.receive(wire(&answer)).unwrap() {
-        DialEvent::Info(info) => assert_eq!(*info, *ctx),
-        other => panic!("expected Info, got {other:?}"),
-    }
-    assert_eq!(dialer.state(), &DialState::Vetting);
-    let register = dialer.register(gen_info.clone()).unwrap();
-    match acceptor.receive(wire(&register)).unwrap() {
-        Some(AcceptEvent::Register(info)) => assert_eq!(*info, *gen_info),
-        other => panic!("expected Register, got {other:?}"),
-    }
-    let verdict = acceptor.accept(&ctx.instance_name).unwrap();
-    assert_eq!(
-        dialer.receive(wire(&verdict)).unwrap(),
-        DialEvent::Registered {
-            instance: ctx.instance_name.clone()
-        }
-    );
-    assert_eq!(dialer.state(), &DialState::Ready);
-    assert_eq!(acceptor.registered(), Some(gen_info.instance_name.as_str()));
-    (dialer, acceptor)
-}
-
 #[test]
 fn a_chunked_request_between_two_tp2_instances_completes_once() {
-    let ctx = instance("ctx", Role::Context, 2);
-    let gen_info = instance("gen", Role::Generation, 2);
-    let (mut dialer, mut acceptor) = handshake(&ctx, &gen_info);
-
     // The generation side asks both context ranks for both of its ranks' bytes, in 3 pieces.
     let pairs = [(0, 0), (1, 0), (0, 1), (1, 1)];
     let mut tracker = RequestTracker::new(7, 3, pairs);
     for &(c, g) in &pairs {
-        let msg = PeerMessage::RequestData(request_data(7, "gen", g, c));
-        match acceptor.receive(wire(&msg)).unwrap() {
-            Some(AcceptEvent::RequestData(d)) => {
-                assert_eq!((d.sender_rank, d.receiver_rank), (c, g));
-            }
-            other => panic!("expected RequestData, got {other:?}"),
-        }
+        let msg = AgentMessage::RequestData(request_data(7, "gen", g, c));
+        let AgentMessage::RequestData(d) = wire(&msg) else {
+            panic!("expected RequestData");
+        };
+        assert_eq!((d.sender_rank, d.receiver_rank), (c, g));
     }
 
     // The context side answers each pair in piece order; pairs interleave.
     let mut events = Vec::new();
     for piece in 0..3 {
         for &pair in pairs.iter().rev() {
-            let msg = PeerMessage::Completion(ok(7, pair, piece, piece == 2, 1000));
-            let DialEvent::Completion(c) = dialer.receive(wire(&msg)).unwrap() else {
+            let msg = AgentMessage::Completion(ok(7, pair, piece, piece == 2, 1000));
+            let AgentMessage::Completion(c) = wire(&msg) else {
                 panic!("expected a completion");
             };
             events.push(tracker.on_completion(&c).unwrap());
@@ -197,172 +136,6 @@ fn every_interleaving_of_ordered_pieces_completes_at_the_last_one() {
             }
         }
     }
-}
-
-#[test]
-fn a_refused_registration_closes_both_sessions() {
-    let ctx = instance("ctx", Role::Context, 1);
-    let gen_info = instance("gen", Role::Generation, 1);
-    let (mut dialer, first) = Dialer::new();
-    let mut acceptor = Acceptor::new();
-    acceptor.receive(wire(&first)).unwrap();
-    dialer
-        .receive(wire(&PeerMessage::InstanceInfo(ctx)))
-        .unwrap();
-    let register = dialer.register(gen_info).unwrap();
-    acceptor.receive(wire(&register)).unwrap();
-    let verdict = acceptor.refuse("planner ids differ".into());
-    assert_eq!(acceptor.state(), &AcceptState::Closed);
-    assert_eq!(
-        dialer.receive(wire(&verdict)).unwrap(),
-        DialEvent::Refused {
-            reason: "planner ids differ".into()
-        }
-    );
-    assert_eq!(dialer.state(), &DialState::Closed);
-    // Nothing more is accepted on either side.
-    let late = PeerMessage::Completion(ok(1, (0, 0), 0, true, 1));
-    assert!(dialer.receive(wire(&late)).is_err());
-    let data = PeerMessage::RequestData(request_data(1, "gen", 0, 0));
-    assert!(acceptor.receive(wire(&data)).is_err());
-}
-
-#[test]
-fn request_data_before_register_is_refused_by_name() {
-    let mut acceptor = Acceptor::new();
-    let data = PeerMessage::RequestData(request_data(3, "gen", 0, 0));
-    let err = acceptor.receive(wire(&data)).unwrap_err();
-    assert_eq!(
-        err.to_string(),
-        "RequestData is not expected by a context session before Register"
-    );
-    assert_eq!(acceptor.state(), &AcceptState::Closed);
-}
-
-#[test]
-fn a_cancel_before_register_is_ignored_and_after_is_delivered() {
-    let ctx = instance("ctx", Role::Context, 1);
-    let gen_info = instance("gen", Role::Generation, 1);
-    let mut early = Acceptor::new();
-    let cancel = PeerMessage::Cancel {
-        request: 5,
-        reason: "timed out".into(),
-    };
-    assert_eq!(early.receive(wire(&cancel)).unwrap(), None);
-    assert_eq!(early.state(), &AcceptState::Open);
-
-    let (_dialer, mut acceptor) = handshake(&ctx, &gen_info);
-    assert_eq!(
-        acceptor.receive(wire(&cancel)).unwrap(),
-        Some(AcceptEvent::Cancel {
-            request: 5,
-            reason: "timed out".into()
-        })
-    );
-}
-
-#[test]
-fn request_data_for_another_receiver_or_a_missing_rank_is_refused() {
-    let ctx = instance("ctx", Role::Context, 1);
-    let gen_info = instance("gen", Role::Generation, 2);
-    let (_d, mut acceptor) = handshake(&ctx, &gen_info);
-    let other = PeerMessage::RequestData(request_data(4, "someone-else", 0, 0));
-    let err = acceptor.receive(wire(&other)).unwrap_err();
-    assert!(
-        matches!(err, SessionError::WrongReceiver { request: 4, .. }),
-        "{err}"
-    );
-    assert!(
-        err.to_string().contains("instance someone-else rank 0"),
-        "{err}"
-    );
-
-    let (_d, mut acceptor) = handshake(&ctx, &gen_info);
-    let missing = PeerMessage::RequestData(request_data(4, "gen", 2, 0));
-    let err = acceptor.receive(wire(&missing)).unwrap_err();
-    assert!(
-        err.to_string().contains("instance gen with 2 rank(s)"),
-        "{err}"
-    );
-}
-
-#[test]
-fn re_registering_on_one_connection_replaces_the_first() {
-    let ctx = instance("ctx", Role::Context, 1);
-    let gen_info = instance("gen", Role::Generation, 1);
-    let (_d, mut acceptor) = handshake(&ctx, &gen_info);
-    let again = instance("gen-2", Role::Generation, 1);
-    acceptor
-        .receive(wire(&PeerMessage::Register(again)))
-        .unwrap();
-    acceptor.accept("ctx").unwrap();
-    assert_eq!(acceptor.registered(), Some("gen-2"));
-}
-
-#[test]
-fn messages_out_of_order_on_the_generation_side_close_it() {
-    // A completion before the registration verdict.
-    let ctx = instance("ctx", Role::Context, 1);
-    let (mut dialer, _) = Dialer::new();
-    let early = PeerMessage::Completion(ok(1, (0, 0), 0, true, 1));
-    let err = dialer.receive(wire(&early)).unwrap_err();
-    assert_eq!(
-        err.to_string(),
-        "Completion is not expected by a generation session waiting for InstanceInfo"
-    );
-    assert_eq!(dialer.state(), &DialState::Closed);
-
-    // Register before the peer was described.
-    let (mut dialer, _) = Dialer::new();
-    assert!(
-        dialer
-            .register(instance("gen", Role::Generation, 1))
-            .is_err()
-    );
-
-    // A peer that says it is a generation instance.
-    let (mut dialer, _) = Dialer::new();
-    let wrong = PeerMessage::InstanceInfo(instance("gen-too", Role::Generation, 1));
-    let err = dialer.receive(wire(&wrong)).unwrap_err();
-    assert_eq!(
-        err.to_string(),
-        "the peer gen-too is a generation instance; a context instance was expected"
-    );
-
-    // A message only a generation instance sends.
-    let (mut dialer, _) = Dialer::new();
-    dialer
-        .receive(wire(&PeerMessage::InstanceInfo(ctx)))
-        .unwrap();
-    dialer
-        .register(instance("gen", Role::Generation, 1))
-        .unwrap();
-    let err = dialer
-        .receive(wire(&PeerMessage::InstanceInfoRequest))
-        .unwrap_err();
-    assert!(
-        err.to_string()
-            .contains("waiting for the registration verdict"),
-        "{err}"
-    );
-}
-
-#[test]
-fn a_peer_error_ends_the_session_with_its_text() {
-    let (mut dialer, _) = Dialer::new();
-    let err = dialer
-        .receive(wire(&PeerMessage::Error {
-            message: "bad frame".into(),
-        }))
-        .unwrap_err();
-    assert_eq!(
-        err.to_string(),
-        "the peer reported an error and closed: bad frame"
-    );
-    let mut acceptor = Acceptor::new();
-    let register_ctx = PeerMessage::Register(instance("ctx", Role::Context, 1));
-    let err = acceptor.receive(wire(&register_ctx)).unwrap_err();
-    assert!(matches!(err, SessionError::Role { .. }), "{err}");
 }
 
 #[test]
@@ -498,15 +271,15 @@ fn hostile_completions_are_violations_named_by_request_pair_and_piece() {
 }
 
 #[test]
-fn hostile_byte_flips_never_panic_either_side() {
-    let ctx = instance("ctx", Role::Context, 1);
-    let gen_info = instance("gen", Role::Generation, 1);
+fn hostile_byte_flips_never_panic_the_codec_or_the_tracker() {
     let messages = [
-        PeerMessage::InstanceInfoRequest,
-        PeerMessage::Register(gen_info.clone()),
-        PeerMessage::RequestData(request_data(1, "gen", 0, 0)),
-        PeerMessage::InstanceInfo(ctx.clone()),
-        PeerMessage::Completion(ok(1, (0, 0), 0, true, 3)),
+        AgentMessage::RequestData(request_data(1, "gen", 0, 0)),
+        AgentMessage::Completion(ok(1, (0, 0), 0, true, 3)),
+        AgentMessage::Completion(failed(1, (0, 0), 0, true)),
+        AgentMessage::Cancel {
+            request: 1,
+            reason: "gone".into(),
+        },
     ];
     let mut seed = 0x2545_f491_4f6c_dd1d_u64;
     let mut next = move || {
@@ -523,14 +296,11 @@ fn hostile_byte_flips_never_panic_either_side() {
                 let at = (next() % body.len() as u64) as usize;
                 body[at] ^= 1 << (next() % 8);
             }
-            // Either an error naming the problem, or some well-formed message, which each
-            // state machine then accepts or refuses without panicking.
-            if let Ok(m) = decode_body::<PeerMessage>(&body) {
+            // Either an error naming the problem, or some well-formed message, which the
+            // tracker then accepts or refuses without panicking.
+            if let Ok(m) = decode_body::<AgentMessage>(&body) {
                 let _ = m.kind();
-                let (_, mut acceptor) = handshake(&ctx, &gen_info);
-                let _ = acceptor.receive(m.clone());
-                let (mut dialer, _) = handshake(&ctx, &gen_info);
-                if let Ok(DialEvent::Completion(c)) = dialer.receive(m) {
+                if let AgentMessage::Completion(c) = m {
                     let _ = RequestTracker::new(1, 1, [(0, 0)]).on_completion(&c);
                 }
             }

@@ -8,10 +8,10 @@ use std::sync::mpsc::{self, Receiver, Sender};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use kvferry_protocol::{Frame, PeerMessage, WireError, read_frame, write_frame};
+use kvferry_protocol::{Frame, WireError, read_frame, write_frame};
 
 /// Queue of messages to one connection; dropping every clone closes the sending half.
-pub type Outbox<M = PeerMessage> = Sender<M>;
+pub type Outbox<M> = Sender<M>;
 
 /// Starts the thread that writes every message queued on the returned [`Outbox`] to
 /// `stream`, in order. When every sender is dropped (or a write fails) it shuts the sending

@@ -414,8 +414,10 @@ mod hostile {
         s.write_all(&[0xff; 4096]).unwrap();
         assert!(closed_silently(s));
         let mut s = connect(&endpoint);
-        s.write_all(&encode(&kvferry_protocol::PeerMessage::InstanceInfoRequest).unwrap())
-            .unwrap();
+        // A well-formed frame of another family (the CLI's control family, `KVFC`).
+        let mut other = encode(&AgentMessage::Ping).unwrap();
+        other[..4].copy_from_slice(b"KVFC");
+        s.write_all(&other).unwrap();
         assert!(closed_silently(s));
         // A wrong proof.
         let mut s = connect(&endpoint);
