@@ -187,13 +187,13 @@ pub struct StageSeconds {
     pub plan_s: f64,
     /// Validation and coalescing.
     pub validate_s: f64,
-    /// Gathering into a bounce region (no bounce path yet: 0).
+    /// Waiting for the gather of bounced pieces (0 per fragment).
     pub gather_s: f64,
     /// Issuing the puts.
     pub puts_s: f64,
     /// Waiting for the flush.
     pub flush_s: f64,
-    /// Scattering a bounce region (no bounce path yet: 0).
+    /// Scattering bounced pieces into the slots (0 per fragment).
     pub scatter_s: f64,
     /// Side-channel work: claims, `targets`, connects, completions, `expect` to claim.
     pub control_s: f64,

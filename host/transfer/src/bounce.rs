@@ -21,8 +21,12 @@
 //!   ([`kvferry_plan::bounce::gather_list`], [`kvferry_plan::bounce::scatter_runs`]): the
 //!   receiver never takes a writer's word for where a byte goes.
 //!
-//! Device (VRAM) pools do not bounce yet: the gather and scatter here copy host memory, and
-//! an agent over device pools starts without an arena or staging buffer (logged).
+//! Over **device** pools (cargo feature `cuda`) the arena and the staging buffer are device
+//! memory on the pools' device (one `cuMemAlloc` each, registered with UCX as CUDA memory),
+//! and the gather and scatter are device-to-device copies through the CUDA driver
+//! (`cuda::DeviceCopier`: batched with `cuMemcpyBatchAsync` where the driver has it),
+//! so a bounced byte never crosses PCIe more often than a put of it would. A rank whose pools
+//! mix host and device memory does not bounce (logged).
 
 use std::sync::Arc;
 use std::sync::mpsc::{self, Receiver, Sender};
@@ -146,6 +150,90 @@ impl BounceConfig {
     }
 }
 
+/// How the gather and scatter copy: host memory by the CPU, device memory through the CUDA
+/// driver.
+#[derive(Clone, Debug)]
+pub(crate) enum Copier {
+    /// `memcpy`.
+    Host,
+    /// Device-to-device copies on the pools' device.
+    #[cfg(feature = "cuda")]
+    Device(Arc<crate::cuda::DeviceCopier>),
+}
+
+impl Copier {
+    /// Whether it copies host memory (else device memory).
+    pub(crate) fn is_host(&self) -> bool {
+        matches!(self, Copier::Host)
+    }
+
+    /// Copies every run `(destination, source, length)`.
+    ///
+    /// # Safety
+    ///
+    /// Every source range is memory of this process of the copier's kind (host, or device
+    /// memory the driver knows), readable and not written until this returns; every
+    /// destination range is such memory, valid for writes, that nothing else reads or writes
+    /// until this returns and that no Rust reference points into; no destination overlaps a
+    /// source or another destination.
+    pub(crate) unsafe fn copy(&self, runs: &[(u64, u64, u64)]) -> Result<(), String> {
+        match self {
+            Copier::Host => {
+                for &(dst, src, len) in runs {
+                    // SAFETY: the caller's contract: both ranges are host memory of this
+                    // process, valid for the copy, and they do not overlap.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            src as usize as *const u8,
+                            dst as usize as *mut u8,
+                            len as usize,
+                        );
+                    }
+                }
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            // SAFETY: the caller's contract is `DeviceCopier::copy`'s.
+            Copier::Device(copier) => unsafe { copier.copy(runs) }.map_err(|e| {
+                use std::fmt::Write;
+                let mut s = e.to_string();
+                let mut cause = std::error::Error::source(&e);
+                while let Some(c) = cause {
+                    let _ = write!(s, ": {c}");
+                    cause = c.source();
+                }
+                s
+            }),
+        }
+    }
+}
+
+/// Registered bounce memory: host memory UCX allocated, or (cargo feature `cuda`) one device
+/// allocation on the pools' device registered as CUDA memory. Zero-filled either way.
+fn bounce_region(
+    context: &Arc<Context>,
+    len: usize,
+    copier: &Copier,
+    what: &str,
+) -> Result<MemRegion, String> {
+    match copier {
+        Copier::Host => MemRegion::allocate(context, len)
+            .map_err(|e| format!("cannot allocate a {len}-byte {what}: {e}")),
+        #[cfg(feature = "cuda")]
+        Copier::Device(copier) => {
+            let device = copier.device();
+            let pool = crate::cuda::CudaPool::new(device, len).map_err(|e| {
+                format!(
+                    "cannot allocate a {len}-byte {what} on cuda device {}: {e}",
+                    device.ordinal()
+                )
+            })?;
+            crate::cuda::register_with_ucx(context, &pool)
+                .map_err(|e| format!("cannot register the {what} with UCX: {e}"))
+        }
+    }
+}
+
 /// Bytes regions are aligned to inside the arena.
 const REGION_ALIGN: u64 = 64;
 
@@ -172,14 +260,14 @@ pub(crate) struct Arena {
     region: MemRegion,
     key: PoolKey,
     free: std::sync::Mutex<Free>,
+    copier: Copier,
 }
 
 impl Arena {
-    /// `bytes` of registered host memory on `context`, and its key for peers.
-    pub(crate) fn new(context: &Arc<Context>, bytes: u64) -> Result<Self, String> {
+    /// `bytes` of registered memory of `copier`'s kind on `context`, and its key for peers.
+    pub(crate) fn new(context: &Arc<Context>, bytes: u64, copier: Copier) -> Result<Self, String> {
         let len = usize::try_from(bytes).map_err(|_| format!("{bytes} bytes do not fit here"))?;
-        let region = MemRegion::allocate(context, len)
-            .map_err(|e| format!("cannot allocate a {bytes}-byte bounce arena: {e}"))?;
+        let region = bounce_region(context, len, &copier, "bounce arena")?;
         let rkey = region
             .pack_rkey()
             .map_err(|e| format!("cannot pack the bounce arena's key: {e}"))?;
@@ -196,6 +284,7 @@ impl Arena {
             region,
             key,
             free: std::sync::Mutex::new(free),
+            copier,
         })
     }
 
@@ -264,29 +353,31 @@ impl Arena {
     }
 
     /// Copies `runs` (destination address, length; their concatenation is the packed image)
-    /// from the arena, starting `offset` bytes in, to the addresses they name.
+    /// from the arena, starting `offset` bytes in, to the addresses they name; returns once
+    /// every byte landed, or why the copy failed (device memory only).
     ///
     /// # Safety
     ///
     /// `[offset, offset + Σ len)` lies inside the arena, and every run's destination is
-    /// host memory of this process valid for writes of its length that no Rust reference
-    /// points into (the rank's own pools, at addresses its validated plan names).
-    pub(crate) unsafe fn scatter(&self, offset: u64, runs: &[(u64, u64)]) {
-        let mut at = offset as usize;
-        for &(dst, len) in runs {
-            let n = len as usize;
-            // SAFETY: the caller guarantees both ranges (the source inside the arena, which
-            // this value keeps mapped; the destination its own pool memory); they cannot
-            // overlap, the arena being memory no pool shares.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    self.region.as_ptr().add(at).cast_const(),
-                    dst as usize as *mut u8,
-                    n,
-                );
-            }
-            at += n;
-        }
+    /// memory of this process of the arena's kind (host, or device memory on the arena's
+    /// device), valid for writes of its length, that nothing else touches until this returns
+    /// and no Rust reference points into (the rank's own pools, at addresses its validated
+    /// plan names).
+    pub(crate) unsafe fn scatter(&self, offset: u64, runs: &[(u64, u64)]) -> Result<(), String> {
+        let base = self.region.as_ptr() as u64;
+        let mut at = offset;
+        let copies: Vec<(u64, u64, u64)> = runs
+            .iter()
+            .map(|&(dst, len)| {
+                let copy = (dst, base + at, len);
+                at += len;
+                copy
+            })
+            .collect();
+        // SAFETY: the sources lie inside the arena (the caller's range), which this value
+        // keeps mapped and which no pool shares, so no destination overlaps one; the
+        // destinations are the caller's contract.
+        unsafe { self.copier.copy(&copies) }
     }
 }
 
@@ -295,18 +386,31 @@ impl Arena {
 pub struct Staging {
     region: MemRegion,
     half: usize,
+    copier: Copier,
 }
 
 impl Staging {
-    /// Two halves of `half_bytes` of registered host memory on `context`.
-    pub(crate) fn new(context: &Arc<Context>, half_bytes: u64) -> Result<Self, String> {
+    /// Two halves of `half_bytes` of registered memory of `copier`'s kind on `context`.
+    pub(crate) fn new(
+        context: &Arc<Context>,
+        half_bytes: u64,
+        copier: Copier,
+    ) -> Result<Self, String> {
         let half = usize::try_from(half_bytes)
             .ok()
             .filter(|&h| h > 0)
             .ok_or_else(|| format!("a staging half of {half_bytes} bytes"))?;
-        let region = MemRegion::allocate(context, half * 2)
-            .map_err(|e| format!("cannot allocate a {}-byte staging buffer: {e}", half * 2))?;
-        Ok(Self { region, half })
+        let region = bounce_region(context, half * 2, &copier, "staging buffer")?;
+        Ok(Self {
+            region,
+            half,
+            copier,
+        })
+    }
+
+    /// How its gather copies (and so which pools it gathers from: of the same kind).
+    pub(crate) fn copier(&self) -> &Copier {
+        &self.copier
     }
 
     /// The registered memory (puts read from it).
@@ -324,43 +428,41 @@ impl Staging {
 /// other to `dst`.
 pub(crate) struct GatherTask {
     pub(crate) parts: Vec<(u64, u64)>,
-    pub(crate) dst: usize,
+    pub(crate) dst: u64,
     pub(crate) id: usize,
 }
 
-/// A thread that copies gather tasks, in order, and reports each by its id.
+/// A thread that copies gather tasks, in order, and reports each by its id, with why its copy
+/// failed if it did (device memory only).
 #[derive(Debug)]
 pub(crate) struct Gatherer {
     tx: Option<Sender<GatherTask>>,
-    pub(crate) done: Receiver<usize>,
+    pub(crate) done: Receiver<(usize, Result<(), String>)>,
     thread: Option<thread::JoinHandle<()>>,
 }
 
 impl Gatherer {
-    pub(crate) fn spawn(label: &str) -> std::io::Result<Self> {
+    pub(crate) fn spawn(label: &str, copier: Copier) -> std::io::Result<Self> {
         let (tx, rx) = mpsc::channel::<GatherTask>();
         let (done_tx, done) = mpsc::channel();
         let thread = thread::Builder::new()
             .name(format!("gather-{label}"))
             .spawn(move || {
+                let mut copies = Vec::new();
                 for task in rx {
+                    copies.clear();
                     let mut at = task.dst;
                     for (src, len) in task.parts {
-                        // SAFETY: the executor hands over only ranges it checked: sources
-                        // inside this rank's host pools (which outlive the executor, and so
-                        // this thread's work: the executor waits for every task it submitted
-                        // before it returns) and a destination inside one half of the staging
-                        // buffer that no put reads until this task is reported.
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(
-                                src as usize as *const u8,
-                                at as *mut u8,
-                                len as usize,
-                            );
-                        }
-                        at += len as usize;
+                        copies.push((at, src, len));
+                        at += len;
                     }
-                    if done_tx.send(task.id).is_err() {
+                    // SAFETY: the executor hands over only ranges it checked: sources inside
+                    // this rank's pools of the copier's kind (which outlive the executor, and
+                    // so this thread's work: the executor waits for every task it submitted
+                    // before it returns) and a destination inside one half of the staging
+                    // buffer that no put reads until this task is reported.
+                    let copied = unsafe { copier.copy(&copies) };
+                    if done_tx.send((task.id, copied)).is_err() {
                         return;
                     }
                 }

@@ -21,7 +21,9 @@
 //! of host memory, a host-to-device copy on the far side) would look like it works while
 //! moving every byte three times over PCIe; a deployment that wants it should say so and
 //! measure it, not discover it. Debian's UCX 1.13.1 has no CUDA transports (platform-notes §1),
-//! so on such a machine device pools are refused and host pools are the path.
+//! so on such a machine device pools are refused and host pools are the path. Bounce
+//! transfers over device pools stay on the device: their staging buffer and arena are device
+//! memory, gathered and scattered by [`DeviceCopier`].
 //!
 //! # Allocation
 //!
@@ -311,6 +313,20 @@ impl CudaDevice {
         self.call("cuDeviceTotalMem", || self.ctx.total_mem())
     }
 
+    /// Device memory not in use, in bytes (what an allocation may still take).
+    ///
+    /// Wraps `cuMemGetInfo`.
+    ///
+    /// # Errors
+    ///
+    /// [`CudaError::Driver`] if the driver cannot say.
+    #[doc(alias = "cuMemGetInfo")]
+    pub fn free_memory(&self) -> Result<usize, CudaError> {
+        self.call("cuMemGetInfo", || {
+            result::mem_get_info().map(|(free, _)| free)
+        })
+    }
+
     /// Makes the device's primary context current on the calling thread (as every operation
     /// here does first), for work on this thread that is not a call of this module: UCX's
     /// CUDA transports moving a pool, say.
@@ -544,6 +560,195 @@ impl fmt::Debug for CudaPool {
             .field("ptr", &format_args!("{:#x}", self.alloc.ptr))
             .field("len", &self.alloc.len)
             .finish()
+    }
+}
+
+/// Runs one call of [`DeviceCopier::copy`] queues at most (a bound on its argument arrays).
+const COPY_BATCH: usize = 4096;
+
+/// The first driver version with `cuMemcpyBatchAsync` (CUDA 12.8: 1000 × major + 10 × minor).
+const BATCH_DRIVER_VERSION: i32 = 12080;
+
+/// Copies lists of device-to-device runs: the gather and scatter of bounced pieces over
+/// device pools (`crate::bounce`).
+///
+/// A list is queued in as few driver calls as the driver allows — `cuMemcpyBatchAsync`, up to
+/// 4,096 runs a call, on drivers of CUDA 12.8 and later; one `cuMemcpyDtoDAsync` per run on
+/// older drivers, or once the batch call has refused (logged once) — on a non-blocking stream
+/// of the copier's own, and waited for (`cuStreamSynchronize`, that stream only) before
+/// [`copy`](Self::copy) returns. Streams are pooled: callers on several threads at once (the
+/// scatter threads) each take a stream and wait only for their own copies. `Send + Sync`.
+pub struct DeviceCopier {
+    device: CudaDevice,
+    streams: std::sync::Mutex<Vec<Arc<CudaStream>>>,
+    batched: std::sync::atomic::AtomicBool,
+}
+
+impl DeviceCopier {
+    /// A copier on `device`; asks the driver's version to choose batched or per-run copies.
+    ///
+    /// Wraps `cuDriverGetVersion` and `cuStreamCreate(CU_STREAM_NON_BLOCKING)`.
+    ///
+    /// # Errors
+    ///
+    /// [`CudaError::Driver`] if the first stream cannot be created.
+    pub fn new(device: &CudaDevice) -> Result<DeviceCopier, CudaError> {
+        let version = device
+            .call("cuDriverGetVersion", || {
+                let mut v: std::ffi::c_int = 0;
+                // SAFETY: `v` is a valid out-pointer for the call.
+                unsafe { sys::cuDriverGetVersion(&raw mut v) }
+                    .result()
+                    .map(|()| v)
+            })
+            .unwrap_or(0);
+        let stream = device.call("cuStreamCreate", || device.ctx.new_stream())?;
+        Ok(DeviceCopier {
+            device: device.clone(),
+            streams: std::sync::Mutex::new(vec![stream]),
+            batched: std::sync::atomic::AtomicBool::new(version >= BATCH_DRIVER_VERSION),
+        })
+    }
+
+    /// The device it copies on.
+    pub fn device(&self) -> &CudaDevice {
+        &self.device
+    }
+
+    /// Whether lists go out through `cuMemcpyBatchAsync` (false on drivers before CUDA 12.8,
+    /// or once the batch call refused).
+    pub fn is_batched(&self) -> bool {
+        self.batched.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Copies every run `(destination, source, length)`, device addresses, and returns once
+    /// all of them have landed; on an error, once nothing it queued still runs.
+    ///
+    /// # Safety
+    ///
+    /// Every source range is device memory of this process, readable, that nothing writes
+    /// until this returns; every destination range is device memory of this process that
+    /// nothing else reads or writes until this returns; no destination overlaps a source or
+    /// another destination.
+    ///
+    /// # Errors
+    ///
+    /// [`CudaError::Driver`] naming the call that failed (the copy or the stream wait).
+    pub unsafe fn copy(&self, runs: &[(u64, u64, u64)]) -> Result<(), CudaError> {
+        if runs.is_empty() {
+            return Ok(());
+        }
+        let pooled = crate::agent::lock(&self.streams).pop();
+        let stream = match pooled {
+            Some(s) => s,
+            None => self
+                .device
+                .call("cuStreamCreate", || self.device.ctx.new_stream())?,
+        };
+        // SAFETY: the caller's contract is `queue`'s.
+        let queued = unsafe { self.queue(&stream, runs) };
+        // Waited for even when queueing failed half-way: nothing queued may run on after
+        // this returns.
+        let waited = self
+            .device
+            .call("cuStreamSynchronize", || stream.synchronize());
+        if waited.is_ok() {
+            crate::agent::lock(&self.streams).push(stream);
+        }
+        queued.and(waited)
+    }
+
+    /// Queues `runs` on `stream`, in batches where the driver takes them.
+    ///
+    /// # Safety
+    ///
+    /// As [`copy`](Self::copy), which waits for the stream afterwards.
+    unsafe fn queue(&self, stream: &CudaStream, runs: &[(u64, u64, u64)]) -> Result<(), CudaError> {
+        let n = runs.len().min(COPY_BATCH);
+        let (mut dsts, mut srcs, mut sizes) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
+        for chunk in runs.chunks(COPY_BATCH) {
+            if self.is_batched() {
+                dsts.clear();
+                srcs.clear();
+                sizes.clear();
+                for &(dst, src, len) in chunk {
+                    dsts.push(dst as sys::CUdeviceptr);
+                    srcs.push(src as sys::CUdeviceptr);
+                    sizes.push(len as usize);
+                }
+                let here = sys::CUmemLocation {
+                    type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                    id: self.device.ordinal() as std::ffi::c_int,
+                };
+                let mut attrs = sys::CUmemcpyAttributes {
+                    srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+                    srcLocHint: here,
+                    dstLocHint: here,
+                    flags: 0,
+                };
+                let mut attr_index = [0usize];
+                let mut failed_at = usize::MAX;
+                let batched = self.device.call("cuMemcpyBatchAsync", || {
+                    // SAFETY: the three arrays hold `chunk.len()` elements each and, like
+                    // `attrs`, `attr_index` and `failed_at`, live for the call (the driver
+                    // copies the descriptors before it returns); one attribute set applies
+                    // from run 0 on; the stream is a live non-blocking stream of this
+                    // context. The ranges are the caller's contract.
+                    unsafe {
+                        sys::cuMemcpyBatchAsync(
+                            dsts.as_mut_ptr(),
+                            srcs.as_mut_ptr(),
+                            sizes.as_mut_ptr(),
+                            chunk.len(),
+                            &raw mut attrs,
+                            attr_index.as_mut_ptr(),
+                            1,
+                            &raw mut failed_at,
+                            stream.cu_stream(),
+                        )
+                    }
+                    .result()
+                });
+                match batched {
+                    Ok(()) => continue,
+                    Err(error) => {
+                        // Whatever the batch queued, the same runs again copy the same bytes:
+                        // wait for it, then go run by run from now on.
+                        self.device
+                            .call("cuStreamSynchronize", || stream.synchronize())?;
+                        self.batched
+                            .store(false, std::sync::atomic::Ordering::Relaxed);
+                        tracing::warn!(
+                            device = self.device.ordinal(),
+                            %error,
+                            failed_run = failed_at,
+                            "cuMemcpyBatchAsync refused; bounced pieces copy run by run"
+                        );
+                    }
+                }
+            }
+            for &(dst, src, len) in chunk {
+                self.device.call("cuMemcpyDtoDAsync", || {
+                    // SAFETY: the ranges are the caller's contract; the stream is a live
+                    // non-blocking stream of this context.
+                    unsafe { result::memcpy_dtod_async(dst, src, len as usize, stream.cu_stream()) }
+                })?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for DeviceCopier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceCopier")
+            .field("device", &self.device.ordinal())
+            .field("batched", &self.is_batched())
+            .finish_non_exhaustive()
     }
 }
 
@@ -794,6 +999,77 @@ mod tests {
             "kvferry-gpu: pools copy on private non-blocking streams ({})",
             device.name()
         );
+    }
+
+    /// On a GPU, with `KVFERRY_GPU_TESTS=1`: a list of runs between two pools lands byte for
+    /// byte, batched (where the driver has `cuMemcpyBatchAsync`) and run by run, from two
+    /// threads at once; bytes outside the runs stay as they were.
+    #[test]
+    fn device_copier_copies_runs_batched_and_run_by_run() {
+        let opted_in = std::env::var_os("KVFERRY_GPU_TESTS").is_some_and(|v| v == "1");
+        if !driver_present() || !opted_in {
+            assert!(
+                !opted_in,
+                "KVFERRY_GPU_TESTS=1 but libcuda cannot be loaded"
+            );
+            println!("skipped: no CUDA driver, or KVFERRY_GPU_TESTS unset");
+            return;
+        }
+        let device = CudaDevice::open(0).expect("open device 0");
+        const LEN: usize = 1 << 20;
+        let src = CudaPool::new(&device, LEN).unwrap();
+        let pattern: Vec<u8> = (0..LEN).map(|j| (j % 253) as u8 ^ 0x5a).collect();
+        src.upload(0, &pattern).unwrap();
+        // 5,000 runs of 96 bytes (more than one batch), every other 96 bytes of the source, to
+        // the front of the destination, packed.
+        let runs = |dst: &CudaPool| -> Vec<(u64, u64, u64)> {
+            (0..5000u64)
+                .map(|k| (dst.device_ptr() + k * 96, src.device_ptr() + k * 192, 96))
+                .collect()
+        };
+        for batched in [true, false] {
+            let copier = DeviceCopier::new(&device).unwrap();
+            if !batched {
+                copier
+                    .batched
+                    .store(false, std::sync::atomic::Ordering::Relaxed);
+            }
+            let dsts = [
+                CudaPool::new(&device, LEN).unwrap(),
+                CudaPool::new(&device, LEN).unwrap(),
+            ];
+            std::thread::scope(|scope| {
+                for dst in &dsts {
+                    let (copier, runs) = (&copier, runs(dst));
+                    // SAFETY: every run lies inside `src` or `dst`, live device pools; nothing
+                    // else touches them meanwhile; the destinations are disjoint.
+                    scope.spawn(move || unsafe { copier.copy(&runs) }.unwrap());
+                }
+            });
+            for (i, dst) in dsts.iter().enumerate() {
+                let mut got = vec![0u8; LEN];
+                dst.download(0, &mut got).unwrap();
+                for k in 0..5000 {
+                    let (d, s) = (k * 96, k * 192);
+                    assert!(
+                        got[d..d + 96] == pattern[s..s + 96],
+                        "batched {batched}, pool {i}: run {k} differs"
+                    );
+                }
+                assert!(
+                    got[5000 * 96..].iter().all(|&b| b == 0),
+                    "batched {batched}, pool {i}: bytes after the runs touched"
+                );
+            }
+            println!(
+                "kvferry-gpu: device copier ({}) moved 2 x 5,000 runs",
+                if copier.is_batched() {
+                    "cuMemcpyBatchAsync"
+                } else {
+                    "run by run"
+                }
+            );
+        }
     }
 
     #[test]

@@ -268,18 +268,22 @@ impl RankPools {
     /// [`BindError`], naming the device, if the driver cannot make its context current.
     pub fn bind_device_to_thread(&self) -> Result<(), BindError> {
         #[cfg(feature = "cuda")]
-        if let Some(device) = self
-            .pools
-            .iter()
-            .find_map(|p| p.device.as_ref().map(CudaPool::device))
-            .or(self.engine_device.as_ref())
-        {
+        if let Some(device) = self.device() {
             device.bind_to_thread().map_err(|e| BindError {
                 device: device.ordinal(),
                 source: Box::new(e),
             })?;
         }
         Ok(())
+    }
+
+    /// The device of this rank's device pools, if it has any.
+    #[cfg(feature = "cuda")]
+    pub fn device(&self) -> Option<&CudaDevice> {
+        self.pools
+            .iter()
+            .find_map(|p| p.device.as_ref().map(CudaPool::device))
+            .or(self.engine_device.as_ref())
     }
 
     /// Bytes over all pools.

@@ -49,22 +49,23 @@ impl RequestStats {
 /// to the completion — the claim and the planner's `targets`, connecting the endpoint, the
 /// completion message. Generation side, per rank: `control` also counts the time from
 /// `expect` until its claims are out and from the last completion to `Received`. What the
-/// messages spend between the processes is in no stage. `gather` and `scatter` are for the
-/// bounce path (one put from a staging region), not built yet: always 0. `copy` is the memcpy
-/// baseline's copying (`kvferry bench`), 0 on the agent path.
+/// messages spend between the processes is in no stage. `gather` (context side: the rank
+/// thread waiting for its gather thread) and `scatter` (generation side) are the bounce
+/// path's, 0 for pieces that go fragment by fragment. `copy` is the memcpy baseline's copying
+/// (`kvferry bench`), 0 on the agent path.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Stages {
     /// The planner's `pair`, with describing both sides' rows.
     pub plan_ns: u64,
     /// Validation and coalescing of the plan.
     pub validate_ns: u64,
-    /// Gathering sources into a bounce region (no bounce path yet: 0).
+    /// Waiting for the gather of bounced pieces into the staging buffer.
     pub gather_ns: u64,
     /// Issuing the puts.
     pub puts_ns: u64,
     /// Waiting for the flush that completes them.
     pub flush_ns: u64,
-    /// Scattering a bounce region into the slots (no bounce path yet: 0).
+    /// Scattering bounced pieces from the arena into the slots.
     pub scatter_ns: u64,
     /// Side-channel work: claims, `targets`, connects, completions, `expect` to claim.
     pub control_ns: u64,

@@ -315,6 +315,15 @@ pub enum WriteError {
         /// Peer rank.
         rank: u32,
     },
+    /// Gathering a bounced piece into the staging buffer failed (a device copy the CUDA
+    /// driver refused): the piece fails as a failed put does.
+    #[error("rank {rank}: gathering a bounced piece failed: {detail}")]
+    Gather {
+        /// The rank.
+        rank: u32,
+        /// The driver's error, with its causes.
+        detail: String,
+    },
     /// The rank thread is gone.
     #[error("rank {rank} thread has stopped")]
     Stopped {
@@ -562,7 +571,7 @@ impl RankThread {
                 let _ = ready_tx.send(bound);
                 // Like `pools`, the staging buffer outlives `run`: abandoned puts may read it.
                 let gatherer = match &staging {
-                    Some(_) => match Gatherer::spawn(&format!("r{rank}")) {
+                    Some(s) => match Gatherer::spawn(&format!("r{rank}"), s.copier().clone()) {
                         Ok(g) => Some(g),
                         Err(e) => {
                             tracing::warn!(error = %e, "no gather thread: pieces go fragment by fragment");
@@ -1247,7 +1256,8 @@ impl<'a> Executor<'a> {
             };
             let (pool, offset) = self.pools.locate(src, len).ok_or_else(outside)?;
             let region = self.pools.region(pool).ok_or_else(outside)?;
-            if !region.memory_type().is_host() {
+            // The gather copies one kind of memory: the staging buffer's.
+            if region.memory_type().is_host() != staging.copier().is_host() {
                 return Err(outside());
             }
             sources.push((region.as_ptr() as u64 + offset as u64, len));
@@ -1295,12 +1305,12 @@ impl<'a> Executor<'a> {
         if !current.is_empty() {
             parts.push(current);
         }
-        let base = staging.region().as_ptr() as usize;
+        let base = staging.region().as_ptr() as u64;
         let mut outstanding = Outstanding { gatherer, count: 0 };
         let submit = |j: usize, parts: &mut Vec<Vec<(u64, u64)>>, o: &mut Outstanding<'_>| {
             let task = GatherTask {
                 parts: std::mem::take(&mut parts[j]),
-                dst: base + (j % 2) * half as usize,
+                dst: base + (j % 2) as u64 * half,
                 id: j,
             };
             if o.gatherer.submit(task) {
@@ -1321,8 +1331,14 @@ impl<'a> Executor<'a> {
             let waiting = Instant::now();
             loop {
                 match gatherer.done.try_recv() {
-                    Ok(_) => {
+                    Ok((_, copied)) => {
                         outstanding.count -= 1;
+                        if let Err(detail) = copied {
+                            return Err(WriteError::Gather {
+                                rank: self.rank,
+                                detail,
+                            });
+                        }
                         break;
                     }
                     Err(TryRecvError::Disconnected) => return Err(stopped()),

@@ -1,7 +1,8 @@
 //! The agent over engine-owned **device** memory (cargo feature `cuda`): each "engine"
 //! allocates its pools with the CUDA driver and hands the device pointers to the agent in a
-//! VRAM page table; a request moves GPU to GPU over shm (`cuda_ipc`/`cuda_copy`) and tcp, and
-//! every destination slot is read back from the device and compared with its source.
+//! VRAM page table; a request moves GPU to GPU over shm (`cuda_ipc`/`cuda_copy`) and tcp,
+//! fragment by fragment and bounced (staging buffer and arena in device memory), and every
+//! destination slot is read back from the device and compared with its source.
 //!
 //! Without the CUDA driver it prints `skipped: ...`; with one it runs only when
 //! `KVFERRY_GPU_TESTS=1` (as `scripts/gpu-check` and its bundle set), and then a missing
@@ -14,7 +15,7 @@ use std::time::Duration;
 
 use kvferry_planner_abi::{Mapping, MemoryType, RankInfo};
 use kvferry_testkit::builder::Deploy;
-use kvferry_transfer::agent::Event;
+use kvferry_transfer::agent::{BounceConfig, BounceMode, Event};
 use kvferry_transfer::cuda::{self, CudaDevice, CudaPool};
 use kvferry_transfer::{Role, Transport};
 
@@ -77,61 +78,101 @@ impl DeviceEngine {
     }
 }
 
+/// One 48-token request from device pools to device pools over `transport`, bouncing as
+/// `bounce` says; every destination slot is compared with its source and every other byte
+/// must still be the canary. Returns the receiver's stats.
+fn move_one(
+    device: &CudaDevice,
+    transport: Transport,
+    bounce: BounceConfig,
+) -> kvferry_transfer::outcome::RequestStats {
+    let src = DeviceEngine::new(device, "prefill", pattern);
+    let dst = DeviceEngine::new(device, "decode", |_, _| CANARY);
+    let tweak = |c: &mut kvferry_transfer::agent::AgentConfig| {
+        c.transport = transport.into();
+        c.cuda_device = Some(0);
+        c.bounce = bounce;
+    };
+    let start_on = |role, info: &RankInfo| {
+        let engine = Engine {
+            buffers: Vec::new(),
+            info: info.clone(),
+        };
+        start(role, &engine, secret(), bound(), tweak)
+    };
+    let prefill = start_on(Role::Context, &src.info);
+    let decode = start_on(Role::Generation, &dst.info);
+    let (s, d) = ([2i64, 0, 5], [1i64, 6, 3]);
+    prefill.send(whole(1, src.tables(&s), 48)).unwrap();
+    decode
+        .expect(expecting(
+            1,
+            prefill.endpoint().unwrap(),
+            dst.tables(&d),
+            48,
+        ))
+        .unwrap();
+    let got = wait(&decode, 1, Duration::from_secs(30));
+    let Event::Received { stats, .. } = got else {
+        panic!("{transport} bounce {}: {got:?}", bounce.mode);
+    };
+    drop(decode);
+    drop(prefill);
+    for (p, pool) in dst.info.page_table.pools.iter().enumerate() {
+        let (sb, db) = (src.bytes(p), dst.bytes(p));
+        let (stride, bytes) = (pool.slot_stride as usize, pool.slot_bytes as usize);
+        for (&a, &b) in s.iter().zip(&d) {
+            let (a, b) = (a as usize * stride, b as usize * stride);
+            assert_eq!(&db[b..b + bytes], &sb[a..a + bytes], "{transport} pool {p}");
+        }
+        let written: Vec<usize> = d.iter().map(|&b| b as usize * stride).collect();
+        for (i, &byte) in db.iter().enumerate() {
+            let inside = written.iter().any(|&w| i >= w && i < w + bytes);
+            assert!(
+                inside || byte == CANARY,
+                "{transport} pool {p} byte {i} touched"
+            );
+        }
+    }
+    stats
+}
+
 #[test]
 fn a_request_moves_between_engine_owned_device_pools_over_shm_and_tcp() {
     const TEST: &str = "a_request_moves_between_engine_owned_device_pools_over_shm_and_tcp";
     let Some(device) = gpu(TEST) else { return };
     for transport in [Transport::Shm, Transport::Tcp] {
-        let src = DeviceEngine::new(&device, "prefill", pattern);
-        let dst = DeviceEngine::new(&device, "decode", |_, _| CANARY);
-        let tweak = |c: &mut kvferry_transfer::agent::AgentConfig| {
-            c.transport = transport.into();
-            c.cuda_device = Some(0);
-        };
-        let start_on = |role, info: &RankInfo| {
-            let engine = Engine {
-                buffers: Vec::new(),
-                info: info.clone(),
-            };
-            start(role, &engine, secret(), bound(), tweak)
-        };
-        let prefill = start_on(Role::Context, &src.info);
-        let decode = start_on(Role::Generation, &dst.info);
-        let (s, d) = ([2i64, 0, 5], [1i64, 6, 3]);
-        prefill.send(whole(1, src.tables(&s), 48)).unwrap();
-        decode
-            .expect(expecting(
-                1,
-                prefill.endpoint().unwrap(),
-                dst.tables(&d),
-                48,
-            ))
-            .unwrap();
-        let got = wait(&decode, 1, Duration::from_secs(30));
-        let Event::Received { stats, .. } = got else {
-            panic!("{transport}: {got:?}");
-        };
-        drop(decode);
-        drop(prefill);
-        for (p, pool) in dst.info.page_table.pools.iter().enumerate() {
-            let (sb, db) = (src.bytes(p), dst.bytes(p));
-            let (stride, bytes) = (pool.slot_stride as usize, pool.slot_bytes as usize);
-            for (&a, &b) in s.iter().zip(&d) {
-                let (a, b) = (a as usize * stride, b as usize * stride);
-                assert_eq!(&db[b..b + bytes], &sb[a..a + bytes], "{transport} pool {p}");
-            }
-            let written: Vec<usize> = d.iter().map(|&b| b as usize * stride).collect();
-            for (i, &byte) in db.iter().enumerate() {
-                let inside = written.iter().any(|&w| i >= w && i < w + bytes);
-                assert!(
-                    inside || byte == CANARY,
-                    "{transport} pool {p} byte {i} touched"
-                );
-            }
-        }
+        let stats = move_one(&device, transport, BounceConfig::off());
+        assert_eq!(stats.stages.scatter_ns, 0, "{transport}: {stats:?}");
         println!(
             "kvferry-gpu: agent {transport}: {} bytes device to device verified",
             stats.bytes
+        );
+    }
+}
+
+/// Bounced between device pools: the staging buffer and the arena are device memory, the
+/// gather and scatter device-to-device copies (small staging halves, so the piece takes
+/// several chunks through both halves).
+#[test]
+fn a_request_bounces_between_engine_owned_device_pools_over_shm_and_tcp() {
+    const TEST: &str = "a_request_bounces_between_engine_owned_device_pools_over_shm_and_tcp";
+    let Some(device) = gpu(TEST) else { return };
+    let on = BounceConfig {
+        mode: BounceMode::On,
+        staging_bytes: 24 << 10,
+        ..BounceConfig::default()
+    };
+    for transport in [Transport::Shm, Transport::Tcp] {
+        let stats = move_one(&device, transport, on);
+        assert!(
+            stats.stages.scatter_ns > 0,
+            "{transport}: not bounced: {stats:?}"
+        );
+        println!(
+            "kvferry-gpu: agent {transport} bounced: {} bytes device to device verified \
+             ({} fragments in {} puts)",
+            stats.bytes, stats.fragments, stats.puts
         );
     }
 }

@@ -918,11 +918,18 @@ fn scatter_piece(inner: &Arc<Inner>, link: &Link, c: &Completion) -> Result<u64,
     }
     // SAFETY: `[region.offset + piece.offset, + total)` lies inside the arena (the region is
     // inside it, and the image inside the region: checked above); every run is a
-    // destination of this rank's own validated plan, so inside its pools, which are host
-    // memory of this process (an arena exists only then) that kvferry holds no reference
-    // into, and which the request's slots may be written in until its terminal event — which
-    // waits for this scatter.
-    unsafe { arena.scatter(region.offset + piece.offset, &runs) };
+    // destination of this rank's own validated plan, so inside its pools, which are memory
+    // of this process of the arena's kind (an arena is made only for pools all of one kind,
+    // on their device) that kvferry holds no reference into, and which the request's slots
+    // may be written in until its terminal event — which waits for this scatter.
+    unsafe { arena.scatter(region.offset + piece.offset, &runs) }.map_err(|e| {
+        format!(
+            "scattering the {total} bytes {} bounced for tokens {}..{} failed: {e}",
+            link.name(),
+            tokens.start,
+            tokens.end
+        )
+    })?;
     Ok(nanos(started.elapsed()))
 }
 

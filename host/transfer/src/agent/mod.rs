@@ -576,7 +576,7 @@ impl Agent {
                 source,
             })?);
         let worker = Worker::new(&context).map_err(StartError::Worker)?;
-        let (arena, staging) = bounce_memory(&config, &context)?;
+        let (arena, staging) = bounce_memory(&config, &context, &pools)?;
         let bounces = staging.is_some();
         let thread = RankThread::spawn_bouncing(
             &config.instance,
@@ -894,52 +894,98 @@ fn check_config(config: &AgentConfig, bound: &BoundPlanner) -> Result<(), StartE
 }
 
 /// The bounce memory the rank's role and config ask for: a generation rank's arena, a
-/// context rank's staging buffer, or neither (bounce off, or device pools, which do not
-/// bounce yet).
+/// context rank's staging buffer, or neither (bounce off, or pools that mix host and device
+/// memory). Device pools get device memory on their device (cargo feature `cuda`).
 fn bounce_memory(
     config: &AgentConfig,
     context: &Arc<Context>,
+    pools: &RankPools,
 ) -> Result<(Option<Arc<Arena>>, Option<Staging>), StartError> {
     let b = &config.bounce;
     if !b.may_bounce_over(&config.transport) {
         // Off, or auto within the node: nothing to allocate.
         return Ok((None, None));
     }
-    if memory_kind(&config.rank) != MemoryKind::Host {
-        tracing::info!(
-            mode = %b.mode,
-            "device pools do not bounce yet (the gather and scatter copy host memory): \
-             pieces go fragment by fragment"
-        );
-        return Ok((None, None));
-    }
-    let refused = |what: &str, e: String| {
-        StartError::Config(format!("{what} (--bounce off starts without it): {e}"))
-    };
-    // Checked before it is touched, like the pools: UCX's allocation is zero-filled here.
     let want = match config.role {
         Role::Generation => b.arena_bytes,
         Role::Context => b.staging_bytes.saturating_mul(2),
     };
-    if let Some(budget) = crate::budget::HostBudget::measure() {
-        if want > budget.bytes {
-            return Err(refused(
-                match config.role {
-                    Role::Generation => "bounce arena",
-                    Role::Context => "bounce staging buffer",
-                },
-                format!("{want} bytes do not fit: {budget}"),
+    let what = match config.role {
+        Role::Generation => "bounce arena",
+        Role::Context => "bounce staging buffer",
+    };
+    let refused =
+        |e: String| StartError::Config(format!("{what} (--bounce off starts without it): {e}"));
+    let Some(copier) = bounce_copier(config, pools, want).map_err(refused)? else {
+        return Ok((None, None));
+    };
+    match config.role {
+        Role::Generation if b.arena_bytes > 0 => Arena::new(context, b.arena_bytes, copier)
+            .map(|a| (Some(Arc::new(a)), None))
+            .map_err(refused),
+        Role::Context if b.staging_bytes > 0 => Staging::new(context, b.staging_bytes, copier)
+            .map(|s| (None, Some(s)))
+            .map_err(refused),
+        _ => Ok((None, None)),
+    }
+}
+
+/// How the rank's bounce memory copies, once `want` bytes of it are known to fit (checked
+/// before anything is touched, like the pools): `None` where the rank does not bounce.
+fn bounce_copier(
+    config: &AgentConfig,
+    pools: &RankPools,
+    want: u64,
+) -> Result<Option<crate::bounce::Copier>, String> {
+    let vram = |p: &kvferry_planner_abi::PhysicalPool| {
+        p.memory_type == kvferry_planner_abi::MemoryType::VRAM
+    };
+    let table = &config.rank.page_table.pools;
+    if !table.iter().any(vram) {
+        if let Some(budget) = crate::budget::HostBudget::measure() {
+            if want > budget.bytes {
+                return Err(format!("{want} bytes do not fit: {budget}"));
+            }
+        }
+        return Ok(Some(crate::bounce::Copier::Host));
+    }
+    if !table.iter().all(vram) {
+        tracing::info!(
+            mode = %config.bounce.mode,
+            "pools of host and device memory do not bounce (a gather copies one kind):              pieces go fragment by fragment"
+        );
+        return Ok(None);
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let Some(device) = pools.device() else {
+            return Err("device pools without their device".into());
+        };
+        let free = device.free_memory().map_err(|e| {
+            format!(
+                "cannot ask cuda device {} for its memory: {e}",
+                device.ordinal()
+            )
+        })?;
+        if want > free as u64 {
+            return Err(format!(
+                "{want} bytes do not fit: cuda device {} has {free} bytes free",
+                device.ordinal()
             ));
         }
+        let copier = crate::cuda::DeviceCopier::new(device).map_err(|e| e.to_string())?;
+        tracing::debug!(
+            device = device.ordinal(),
+            batched = copier.is_batched(),
+            "bounced pieces gather and scatter in device memory"
+        );
+        Ok(Some(crate::bounce::Copier::Device(Arc::new(copier))))
     }
-    match config.role {
-        Role::Generation if b.arena_bytes > 0 => Arena::new(context, b.arena_bytes)
-            .map(|a| (Some(Arc::new(a)), None))
-            .map_err(|e| refused("bounce arena", e)),
-        Role::Context if b.staging_bytes > 0 => Staging::new(context, b.staging_bytes)
-            .map(|s| (None, Some(s)))
-            .map_err(|e| refused("bounce staging buffer", e)),
-        _ => Ok((None, None)),
+    #[cfg(not(feature = "cuda"))]
+    {
+        // Unreachable in practice: such a build refuses VRAM pools before this.
+        let _ = pools;
+        Ok(None)
     }
 }
 
