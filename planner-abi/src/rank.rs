@@ -51,6 +51,16 @@ pub struct RankInfo {
 }
 
 impl RankInfo {
+    /// DP groups of the instance: `dp_size` under attention DP, else 1 (the instance serves
+    /// each request on every rank).
+    pub fn dp_groups(&self) -> u32 {
+        if self.attention_dp {
+            self.dp_size.max(1)
+        } else {
+            1
+        }
+    }
+
     /// TP size inside one DP group: 1 under attention DP, else `tp_size`.
     pub fn tp_per_dp(&self) -> u32 {
         if self.attention_dp {
@@ -113,6 +123,11 @@ impl Mapping {
     /// Ranks in one instance.
     pub fn world_size(&self) -> u32 {
         self.tp * self.pp * self.cp
+    }
+
+    /// DP groups: `tp` under attention DP (each TP rank serves its own requests), else 1.
+    pub fn dp_groups(&self) -> u32 {
+        if self.attention_dp { self.tp } else { 1 }
     }
 }
 

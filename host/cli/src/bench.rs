@@ -70,7 +70,6 @@ use std::process::{Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use kvferry_planner_abi::Mapping;
 use serde::Serialize;
 
 use crate::demo::{Children, DemoError, LoopbackPair, serve_args, spawn_server};
@@ -684,8 +683,7 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
         ));
     }
     let tpb = u64::from(config.pair.smallest_block());
-    let groups = |m: &Mapping| if m.attention_dp { m.tp } else { 1 };
-    let groups = (groups(&config.pair.ctx), groups(&config.pair.r#gen));
+    let groups = (config.pair.ctx.dp_groups(), config.pair.r#gen.dp_groups());
     // Requests go round-robin over each side's DP groups, and two sets are held at once (odd
     // rounds replay the previous set).
     let sizing = |dp_groups: u32| {

@@ -103,13 +103,7 @@ impl Side {
 
     /// DP groups of the instance.
     pub fn dp_groups(&self) -> u32 {
-        self.info().ranks.first().map_or(1, |r| {
-            if r.info.attention_dp {
-                r.info.dp_size.max(1)
-            } else {
-                1
-            }
-        })
+        self.info().ranks.first().map_or(1, |r| r.info.dp_groups())
     }
 
     /// How a generation server reaches this (context) instance.

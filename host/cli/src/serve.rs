@@ -385,13 +385,7 @@ pub fn start(
             served.info = agent.rank_info().clone();
         }
     }
-    let dp_groups = ranks.values().next().map_or(1, |s| {
-        if s.info.attention_dp {
-            s.info.dp_size.max(1)
-        } else {
-            1
-        }
-    });
+    let dp_groups = ranks.values().next().map_or(1, |s| s.info.dp_groups());
     let has_state = ranks.values().any(|s| {
         s.info
             .page_table

@@ -478,11 +478,7 @@ impl Deploy {
 
     /// DP groups: TP under attention DP, else 1.
     pub fn dp_groups(&self) -> u32 {
-        if self.mapping.attention_dp {
-            self.mapping.tp
-        } else {
-            1
-        }
+        self.mapping.dp_groups()
     }
 
     /// TP width of one DP group.

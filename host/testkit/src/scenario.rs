@@ -358,7 +358,7 @@ impl Scenario {
             ("ctx", &self.ctx_mapping, self.ctx_dp_rank),
             ("gen", &self.gen_mapping, self.gen_dp_rank),
         ] {
-            let groups = if mapping.attention_dp { mapping.tp } else { 1 };
+            let groups = mapping.dp_groups();
             if dp >= groups {
                 return invalid(format!(
                     "{name}_dp_rank {dp} but mapping {mapping} has {groups} dp groups"
