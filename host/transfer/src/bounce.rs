@@ -193,17 +193,10 @@ impl Copier {
                 Ok(())
             }
             #[cfg(feature = "cuda")]
-            // SAFETY: the caller's contract is `DeviceCopier::copy`'s.
-            Copier::Device(copier) => unsafe { copier.copy(runs) }.map_err(|e| {
-                use std::fmt::Write;
-                let mut s = e.to_string();
-                let mut cause = std::error::Error::source(&e);
-                while let Some(c) = cause {
-                    let _ = write!(s, ": {c}");
-                    cause = c.source();
-                }
-                s
-            }),
+            Copier::Device(copier) => {
+                // SAFETY: the caller's contract is `DeviceCopier::copy`'s.
+                unsafe { copier.copy(runs) }.map_err(|e| kvferry_plan::error_chain(&e))
+            }
         }
     }
 }
@@ -224,12 +217,17 @@ fn bounce_region(
             let device = copier.device();
             let pool = crate::cuda::CudaPool::new(device, len).map_err(|e| {
                 format!(
-                    "cannot allocate a {len}-byte {what} on cuda device {}: {e}",
-                    device.ordinal()
+                    "cannot allocate a {len}-byte {what} on cuda device {}: {}",
+                    device.ordinal(),
+                    kvferry_plan::error_chain(&e)
                 )
             })?;
-            crate::cuda::register_with_ucx(context, &pool)
-                .map_err(|e| format!("cannot register the {what} with UCX: {e}"))
+            crate::cuda::register_with_ucx(context, &pool).map_err(|e| {
+                format!(
+                    "cannot register the {what} with UCX: {}",
+                    kvferry_plan::error_chain(&e)
+                )
+            })
         }
     }
 }

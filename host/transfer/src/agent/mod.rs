@@ -963,8 +963,9 @@ fn bounce_copier(
         };
         let free = device.free_memory().map_err(|e| {
             format!(
-                "cannot ask cuda device {} for its memory: {e}",
-                device.ordinal()
+                "cannot ask cuda device {} for its memory: {}",
+                device.ordinal(),
+                kvferry_plan::error_chain(&e)
             )
         })?;
         if want > free as u64 {
@@ -973,7 +974,8 @@ fn bounce_copier(
                 device.ordinal()
             ));
         }
-        let copier = crate::cuda::DeviceCopier::new(device).map_err(|e| e.to_string())?;
+        let copier =
+            crate::cuda::DeviceCopier::new(device).map_err(|e| kvferry_plan::error_chain(&e))?;
         tracing::debug!(
             device = device.ordinal(),
             batched = copier.is_batched(),
