@@ -14,8 +14,8 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::BufReader;
 use std::net::{TcpListener, TcpStream};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -49,6 +49,10 @@ pub(crate) struct GenConn {
     alive: Arc<AtomicBool>,
     /// The connection's socket, to end its reader at shutdown.
     socket: TcpStream,
+    /// The planner's `targets` for this peer's DP group: which of its ranks this rank writes.
+    /// It depends on the two ranks' descriptions alone, fixed for the connection's life, so
+    /// it is asked once (under the planner deadline) rather than once per request.
+    targets: OnceLock<BTreeSet<u32>>,
 }
 
 impl GenConn {
@@ -390,6 +394,7 @@ fn admit(
         id,
         identity: identity.clone(),
         info: m.rank.info.clone(),
+        targets: OnceLock::new(),
         remote: Arc::new(RemoteRank {
             peer: id,
             instance: m.instance.clone(),
@@ -763,17 +768,23 @@ fn claim(inner: &Arc<Inner>, conn: &Arc<GenConn>, data: RequestData) {
         let _ = conn.outbox.send(failed(id, (c, g), 0, reason));
         return;
     }
-    // Who this rank writes for the claimer's DP group: asked once, under the deadline.
+    // Who this rank writes for the claimer's DP group: asked once per connection, under the
+    // deadline.
     let needs_targets = lock(&inner.prefill)
         .requests
         .get(&id)
         .is_some_and(|r| r.expected.is_none());
     let mut expected = None;
-    if needs_targets {
+    if let Some(t) = conn.targets.get().filter(|_| needs_targets) {
+        expected = Some(t.clone());
+    } else if needs_targets {
         let planner = Arc::clone(&inner.planner);
         let (me, them, dp) = (inner.info.clone(), conn.info.clone(), conn.info.dp_rank);
         match inner.planning.call(move || planner.targets(&me, &them, dp)) {
-            Ok(Ok(t)) => expected = Some(t.ranks.iter().copied().collect::<BTreeSet<u32>>()),
+            Ok(Ok(t)) => {
+                let t: BTreeSet<u32> = t.ranks.iter().copied().collect();
+                expected = Some(conn.targets.get_or_init(|| t).clone());
+            }
             Ok(Err(e)) => {
                 let reason = format!("targets failed: {}", error_chain(&e));
                 let _ = conn.outbox.send(failed(id, (c, g), 0, reason.clone()));

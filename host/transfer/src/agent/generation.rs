@@ -131,6 +131,10 @@ pub(crate) struct State {
     dialing: HashMap<String, Arc<std::sync::Mutex<()>>>,
     /// Each known context rank's planner, instantiated here once for the byte check.
     writer_planners: HashMap<PeerIdentity, WriterPlanner>,
+    /// The planner's `targets` (the context ranks that write this rank), per context rank
+    /// asked about and DP group: they depend on the two ranks' descriptions alone, so
+    /// `expect` asks the planner (a round trip to its worker) once, not once per request.
+    writer_targets: HashMap<(PeerIdentity, u32), Arc<[u32]>>,
 }
 
 /// A context rank's planner, built here (a trait object, shown by name only).
@@ -148,11 +152,13 @@ impl State {
     /// planner, instantiated for the byte check, goes with it).
     fn record(&mut self, m: AgentMetadata) {
         let identity = m.identity();
-        self.writer_planners.retain(|id, _| {
+        let current = |id: &PeerIdentity| {
             id.instance != identity.instance
                 || id.rank != identity.rank
                 || id.epoch == identity.epoch
-        });
+        };
+        self.writer_planners.retain(|id, _| current(id));
+        self.writer_targets.retain(|(id, _), _| current(id));
         self.directory
             .entry(identity.instance)
             .or_default()
@@ -587,6 +593,43 @@ fn dispatch(inner: &Arc<Inner>, e: Expect) {
 
 type Failure = (Option<String>, FailureKind, String);
 
+/// The context ranks of `any`'s instance that write this rank for their DP group `dp`: the
+/// planner's `targets`, asked under its deadline the first time and then kept per
+/// (context rank, DP group) until that rank restarts.
+fn writer_targets(inner: &Arc<Inner>, any: &AgentMetadata, dp: u32) -> Result<Arc<[u32]>, Failure> {
+    let key = (any.identity(), dp);
+    if let Some(known) = lock(&inner.decode).writer_targets.get(&key) {
+        return Ok(Arc::clone(known));
+    }
+    let planner = Arc::clone(&inner.planner);
+    let (me, them) = (inner.info.clone(), any.rank.info.clone());
+    let targets: Arc<[u32]> = match inner.planning.call(move || planner.targets(&me, &them, dp)) {
+        Ok(Ok(t)) => Arc::from(t.ranks.as_slice()),
+        Ok(Err(err)) => {
+            return Err((
+                None,
+                FailureKind::Planner,
+                format!("targets: {}", error_chain(&err)),
+            ));
+        }
+        Err(h) => {
+            return Err((
+                None,
+                FailureKind::Planner,
+                format!(
+                    "planner {} did not answer targets within {} ms",
+                    inner.bound.id(),
+                    h.deadline.as_millis()
+                ),
+            ));
+        }
+    };
+    lock(&inner.decode)
+        .writer_targets
+        .insert(key, Arc::clone(&targets));
+    Ok(targets)
+}
+
 fn link_writers(inner: &Arc<Inner>, e: &Expect) -> Result<BTreeMap<u32, Arc<Link>>, Failure> {
     // Ranks reachable only through the endpoints given: fetch them.
     let known_endpoints: Vec<String> = {
@@ -625,31 +668,9 @@ fn link_writers(inner: &Arc<Inner>, e: &Expect) -> Result<BTreeMap<u32, Arc<Link
             ),
         )));
     };
-    let planner = Arc::clone(&inner.planner);
-    let (me, them, dp) = (inner.info.clone(), any.rank.info.clone(), e.ctx_dp_rank);
-    let targets = match inner.planning.call(move || planner.targets(&me, &them, dp)) {
-        Ok(Ok(t)) => t.ranks.to_vec(),
-        Ok(Err(err)) => {
-            return Err((
-                None,
-                FailureKind::Planner,
-                format!("targets: {}", error_chain(&err)),
-            ));
-        }
-        Err(h) => {
-            return Err((
-                None,
-                FailureKind::Planner,
-                format!(
-                    "planner {} did not answer targets within {} ms",
-                    inner.bound.id(),
-                    h.deadline.as_millis()
-                ),
-            ));
-        }
-    };
+    let targets = writer_targets(inner, &any, e.ctx_dp_rank)?;
     let mut writers = BTreeMap::new();
-    for c in targets {
+    for &c in targets.iter() {
         let existing = {
             let state = lock(&inner.decode);
             let link = state
