@@ -164,7 +164,7 @@ fn an_unclaimed_send_fails_at_its_lease_and_a_cancel_ends_in_one_event() {
 fn a_send_its_receiver_cancelled_first_ends_at_once_not_at_its_lease() {
     let model = model();
     let src = Engine::new("prefill", &model, pattern);
-    let dst = Engine::new("decode", &model, |_, _| CANARY);
+    let mut dst = Engine::new("decode", &model, |_, _| CANARY);
     let lease = Duration::from_secs(30);
     let prefill = start(Role::Context, &src, secret(), bound(), |c| c.lease = lease);
     let decode = agent(Role::Generation, &dst, secret(), Transport::Tcp);
@@ -214,6 +214,12 @@ fn a_send_its_receiver_cancelled_first_ends_at_once_not_at_its_lease() {
         Event::Failed { kind, .. } => assert_eq!(kind, FailureKind::CancelledByPeer),
         Event::Sent { .. } => {} // it was written before the cancel reached the prefill rank
         other => panic!("{other:?}"),
+    }
+    // Both sides ended it, so its slot is the engine's again, written or not: reused here,
+    // and nothing of request 4 may land in it after this (the final check).
+    for p in 0..dst.buffers.len() {
+        let stride = dst.info.page_table.pools[p].slot_stride as usize;
+        dst.bytes_mut(p)[..stride].fill(CANARY);
     }
 
     // An id cancelled and then asked for again: the new claim supersedes the cancel, and
