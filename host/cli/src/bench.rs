@@ -34,7 +34,8 @@
 //! first round on fresh slots ran about 3x slower, most likely the sender's first-touch page
 //! faults in its mapping of the peer's pool). Round 0's destination bytes are checked by the
 //! oracle after ours and raw. Rates are reported as min / median / max over the counted
-//! rounds; the ratio is ours / raw of the medians.
+//! rounds; the ratio is ours / raw of the medians, and beside it the spread of each round's
+//! own ours / raw (`ratio_rounds`).
 //!
 //! **Stages**: each request's [`Stages`] (plan, validate, gather, puts, flush, scatter,
 //! control, queue; see there) come from both sides' agents — the decode side's in `Done`, the
@@ -126,7 +127,7 @@ pub struct BenchConfig {
     pub export_fragments: Option<PathBuf>,
 }
 
-/// Min, median and max of one path's per-round samples.
+/// Min, median and max of per-round values.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct Spread {
     /// The lowest.
@@ -372,6 +373,10 @@ pub struct BenchReport {
     pub memcpy_gbps: f64,
     /// `ours_gbps / raw_gbps`.
     pub ratio: f64,
+    /// Ours / raw GB/s of each counted round (the two paths of a round run back to back, so
+    /// a machine that slows down for a while slows both): how far the ratio of the medians
+    /// can be trusted on a noisy machine.
+    pub ratio_rounds: Spread,
     /// Where one request's time went on kvferry's path (= `ours.stages`).
     pub stages: StageSeconds,
     /// (median seconds of ours − median seconds of raw) / requests: what the agent path
@@ -451,8 +456,12 @@ impl fmt::Display for BenchReport {
         }
         writeln!(
             f,
-            "ratio       {:.3} (ours / raw, medians); memcpy / raw {:.3}",
+            "ratio       {:.3} (ours / raw, medians); per round {:.3} [{:.3} - {:.3}]; \
+             memcpy / raw {:.3}",
             self.ratio,
+            self.ratio_rounds.median,
+            self.ratio_rounds.min,
+            self.ratio_rounds.max,
             if self.raw_gbps > 0.0 {
                 self.memcpy_gbps / self.raw_gbps
             } else {
@@ -877,6 +886,12 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
     } else {
         0.0
     };
+    let per_round: Vec<f64> = ours
+        .iter()
+        .zip(&raw)
+        .map(|(o, r)| o.gbps() / r.gbps().max(1e-9))
+        .collect();
+    report.ratio_rounds = Spread::of(&per_round);
     report.verified = problems.is_empty();
     report.errors = problems;
 

@@ -175,6 +175,13 @@ fn check_paths(v: &Value, transport: &str, planner: &str, bounced: bool) {
     ] {
         positive(v, key);
     }
+    let per_round = &v["ratio_rounds"];
+    assert!(
+        per_round["min"].as_f64() > Some(0.0)
+            && per_round["min"].as_f64() <= per_round["median"].as_f64()
+            && per_round["median"].as_f64() <= per_round["max"].as_f64(),
+        "{v}"
+    );
     // Where the agent path's time went: the planner ran, puts were issued; a scatter only
     // when bouncing (the gather's wait may round to nothing), and no memcpy-baseline copies.
     let ours = stages(&v["stages"], "stages");
