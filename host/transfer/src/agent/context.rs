@@ -736,6 +736,28 @@ fn request_data(inner: &Arc<Inner>, conn: &Arc<GenConn>, data: RequestData) {
 }
 
 /// Binds a claim to a sent request (or refuses it), then plans what is due.
+/// The ranks of `conn`'s instance this rank writes for its DP group: the planner's `targets`,
+/// asked under its deadline the first time and kept for the connection's life; or why not.
+fn targets(inner: &Arc<Inner>, conn: &GenConn) -> Result<BTreeSet<u32>, String> {
+    if let Some(known) = conn.targets.get() {
+        return Ok(known.clone());
+    }
+    let planner = Arc::clone(&inner.planner);
+    let (me, them, dp) = (inner.info.clone(), conn.info.clone(), conn.info.dp_rank);
+    match inner.planning.call(move || planner.targets(&me, &them, dp)) {
+        Ok(Ok(t)) => Ok(conn
+            .targets
+            .get_or_init(|| t.ranks.iter().copied().collect())
+            .clone()),
+        Ok(Err(e)) => Err(format!("targets failed: {}", error_chain(&e))),
+        Err(h) => Err(format!(
+            "planner {} did not answer targets within {} ms",
+            inner.bound.id(),
+            h.deadline.as_millis()
+        )),
+    }
+}
+
 fn claim(inner: &Arc<Inner>, conn: &Arc<GenConn>, data: RequestData) {
     let arrived = Instant::now();
     let id = data.request;
@@ -774,35 +796,18 @@ fn claim(inner: &Arc<Inner>, conn: &Arc<GenConn>, data: RequestData) {
         .requests
         .get(&id)
         .is_some_and(|r| r.expected.is_none());
-    let mut expected = None;
-    if let Some(t) = conn.targets.get().filter(|_| needs_targets) {
-        expected = Some(t.clone());
-    } else if needs_targets {
-        let planner = Arc::clone(&inner.planner);
-        let (me, them, dp) = (inner.info.clone(), conn.info.clone(), conn.info.dp_rank);
-        match inner.planning.call(move || planner.targets(&me, &them, dp)) {
-            Ok(Ok(t)) => {
-                let t: BTreeSet<u32> = t.ranks.iter().copied().collect();
-                expected = Some(conn.targets.get_or_init(|| t).clone());
-            }
-            Ok(Err(e)) => {
-                let reason = format!("targets failed: {}", error_chain(&e));
-                let _ = conn.outbox.send(failed(id, (c, g), 0, reason.clone()));
-                fail(inner, id, Some(conn.name()), FailureKind::Planner, reason);
-                return;
-            }
-            Err(h) => {
-                let reason = format!(
-                    "planner {} did not answer targets within {} ms",
-                    inner.bound.id(),
-                    h.deadline.as_millis()
-                );
+    let expected = if needs_targets {
+        match targets(inner, conn) {
+            Ok(t) => Some(t),
+            Err(reason) => {
                 let _ = conn.outbox.send(failed(id, (c, g), 0, reason.clone()));
                 fail(inner, id, Some(conn.name()), FailureKind::Planner, reason);
                 return;
             }
         }
-    }
+    } else {
+        None
+    };
     {
         let mut state = lock(&inner.prefill);
         let Some(req) = state.requests.get_mut(&id) else {
