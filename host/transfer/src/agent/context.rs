@@ -735,29 +735,20 @@ fn request_data(inner: &Arc<Inner>, conn: &Arc<GenConn>, data: RequestData) {
     claim(inner, conn, data);
 }
 
-/// Binds a claim to a sent request (or refuses it), then plans what is due.
 /// The ranks of `conn`'s instance this rank writes for its DP group: the planner's `targets`,
-/// asked under its deadline the first time and kept for the connection's life; or why not.
-fn targets(inner: &Arc<Inner>, conn: &GenConn) -> Result<BTreeSet<u32>, String> {
+/// asked the first time and kept for the connection's life; or why not.
+fn targets(inner: &Inner, conn: &GenConn) -> Result<BTreeSet<u32>, String> {
     if let Some(known) = conn.targets.get() {
         return Ok(known.clone());
     }
-    let planner = Arc::clone(&inner.planner);
-    let (me, them, dp) = (inner.info.clone(), conn.info.clone(), conn.info.dp_rank);
-    match inner.planning.call(move || planner.targets(&me, &them, dp)) {
-        Ok(Ok(t)) => Ok(conn
-            .targets
-            .get_or_init(|| t.ranks.iter().copied().collect())
-            .clone()),
-        Ok(Err(e)) => Err(format!("targets failed: {}", error_chain(&e))),
-        Err(h) => Err(format!(
-            "planner {} did not answer targets within {} ms",
-            inner.bound.id(),
-            h.deadline.as_millis()
-        )),
-    }
+    let asked = inner.ask_targets(&conn.info, conn.info.dp_rank)?;
+    Ok(conn
+        .targets
+        .get_or_init(|| asked.into_iter().collect())
+        .clone())
 }
 
+/// Binds a claim to a sent request (or refuses it), then plans what is due.
 fn claim(inner: &Arc<Inner>, conn: &Arc<GenConn>, data: RequestData) {
     let arrived = Instant::now();
     let id = data.request;

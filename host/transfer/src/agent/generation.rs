@@ -594,36 +594,17 @@ fn dispatch(inner: &Arc<Inner>, e: Expect) {
 type Failure = (Option<String>, FailureKind, String);
 
 /// The context ranks of `any`'s instance that write this rank for their DP group `dp`: the
-/// planner's `targets`, asked under its deadline the first time and then kept per
-/// (context rank, DP group) until that rank restarts.
-fn writer_targets(inner: &Arc<Inner>, any: &AgentMetadata, dp: u32) -> Result<Arc<[u32]>, Failure> {
+/// planner's `targets`, asked the first time and then kept per (context rank, DP group)
+/// until that rank restarts.
+fn writer_targets(inner: &Inner, any: &AgentMetadata, dp: u32) -> Result<Arc<[u32]>, Failure> {
     let key = (any.identity(), dp);
     if let Some(known) = lock(&inner.decode).writer_targets.get(&key) {
         return Ok(Arc::clone(known));
     }
-    let planner = Arc::clone(&inner.planner);
-    let (me, them) = (inner.info.clone(), any.rank.info.clone());
-    let targets: Arc<[u32]> = match inner.planning.call(move || planner.targets(&me, &them, dp)) {
-        Ok(Ok(t)) => Arc::from(t.ranks.as_slice()),
-        Ok(Err(err)) => {
-            return Err((
-                None,
-                FailureKind::Planner,
-                format!("targets: {}", error_chain(&err)),
-            ));
-        }
-        Err(h) => {
-            return Err((
-                None,
-                FailureKind::Planner,
-                format!(
-                    "planner {} did not answer targets within {} ms",
-                    inner.bound.id(),
-                    h.deadline.as_millis()
-                ),
-            ));
-        }
-    };
+    let targets: Arc<[u32]> = inner
+        .ask_targets(&any.rank.info, dp)
+        .map_err(|reason| (None, FailureKind::Planner, reason))?
+        .into();
     lock(&inner.decode)
         .writer_targets
         .insert(key, Arc::clone(&targets));

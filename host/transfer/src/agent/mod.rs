@@ -356,6 +356,23 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Inner {
+    /// The planner's `targets` for peer rank `them` and DP group `dp` (which ranks this
+    /// rank writes, or is written by), asked on the planner worker under its deadline; or
+    /// why there is no answer. Both sides keep the answer per peer rank.
+    pub(crate) fn ask_targets(&self, them: &RankInfo, dp: u32) -> Result<Vec<u32>, String> {
+        let planner = Arc::clone(&self.planner);
+        let (me, them) = (self.info.clone(), them.clone());
+        match self.planning.call(move || planner.targets(&me, &them, dp)) {
+            Ok(Ok(t)) => Ok(t.ranks.to_vec()),
+            Ok(Err(e)) => Err(format!("targets failed: {}", kvferry_plan::error_chain(&e))),
+            Err(h) => Err(format!(
+                "planner {} did not answer targets within {} ms",
+                self.bound.id(),
+                h.deadline.as_millis()
+            )),
+        }
+    }
+
     pub(crate) fn me(&self) -> String {
         format!("{} rank {}", self.config.instance, self.info.instance_rank)
     }
