@@ -132,7 +132,7 @@ impl<'a> Request<'a> {
             if let Some(result) = self.poll() {
                 return result;
             }
-            self.worker().progress();
+            self.worker().progress_or_yield();
         }
     }
 
@@ -151,7 +151,8 @@ impl<'a> Request<'a> {
         self.wait_until(Instant::now() + timeout)
     }
 
-    /// Progresses the worker until the operation finishes or `deadline` passes.
+    /// Progresses the worker until the operation finishes or `deadline` passes, yielding the
+    /// thread after each progress that did nothing ([`crate::Worker::progress_or_yield`]).
     ///
     /// Returns `Ok(true)` if it finished successfully, `Ok(false)` if it is still in flight (it
     /// is checked once more after the deadline, so a deadline in the past still polls). A
@@ -173,7 +174,7 @@ impl<'a> Request<'a> {
             if Instant::now() >= deadline {
                 return Ok(false);
             }
-            self.worker().progress();
+            self.worker().progress_or_yield();
         }
     }
 
@@ -183,7 +184,7 @@ impl<'a> Request<'a> {
             if let Some(result) = self.poll() {
                 return result.map(|()| true);
             }
-            self.worker().progress();
+            self.worker().progress_or_yield();
         }
     }
 

@@ -310,6 +310,22 @@ impl Worker {
         progressed
     }
 
+    /// [`progress`](Worker::progress), then, if nothing progressed, gives the rest of the
+    /// thread's time slice to another runnable thread (`sched_yield`): what every wait loop
+    /// calls, so that a thread waiting on its peer does not take the CPU from the threads
+    /// that peer's progress needs when there are fewer cores than busy threads.
+    ///
+    /// # Panics
+    ///
+    /// As [`Worker::progress`].
+    pub fn progress_or_yield(&self) -> bool {
+        let progressed = self.progress();
+        if !progressed {
+            std::thread::yield_now();
+        }
+        progressed
+    }
+
     /// Installs `handler` for active messages with `id`, replacing any previous handler.
     ///
     /// The handler gets `(header, data)` of each message, both inline whatever protocol the
