@@ -70,10 +70,11 @@
 //! growing steps (at most [`MAX_IDLE_SLEEP`]) waiting for a command, so idle ranks cost little
 //! CPU on small machines while busy ones progress without pause. Every spin — this loop's,
 //! and the waits for puts, flushes and the gather thread — gives up the rest of its time
-//! slice after a progress that did nothing ([`Worker::progress_or_yield`]): over `tcp` a
-//! sender waiting for its puts and a receiver waiting for the next bytes would otherwise
-//! take turns burning the cores the kernel's copies and the other side's progress need
-//! (on a 2-core machine, yielding moved tcp transfers 25–80 % faster; README "Measured").
+//! slice after [`kvferry_ucx::SPIN_BEFORE_YIELD`] progress calls in a row that did nothing
+//! ([`Worker::progress_or_yield`]): over `tcp` a sender waiting for its puts and a receiver
+//! waiting for the next bytes would otherwise take turns burning the cores the kernel's
+//! copies and the other side's progress need (on a 2-core machine, 1.5× faster tcp
+//! transfers when eight share the cores; README "Measured").
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
@@ -734,14 +735,13 @@ fn run(
             Ok(c) => Some(c),
             Err(TryRecvError::Disconnected) => return,
             Err(TryRecvError::Empty) => {
-                if worker.progress() {
+                if worker.progress_or_yield() {
                     exec.poll_stuck();
                     idle = 0;
                     continue;
                 }
                 idle = idle.saturating_add(1);
                 if idle < SPIN_ROUNDS {
-                    std::thread::yield_now();
                     continue;
                 }
                 exec.poll_stuck();

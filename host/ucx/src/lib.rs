@@ -101,7 +101,7 @@ pub use memtype::{MemoryType, MemoryTypes};
 pub use request::Request;
 pub use status::{Error, Op, Status};
 pub use window::PutWindow;
-pub use worker::{SendWorker, Worker};
+pub use worker::{SPIN_BEFORE_YIELD, SendWorker, Worker};
 
 /// The version of the loaded UCX library, e.g. `"1.22.0"` ([`library`] says which file).
 #[doc(alias = "ucp_get_version_string")]
