@@ -73,8 +73,8 @@
 //! slice after [`kvferry_ucx::SPIN_BEFORE_YIELD`] progress calls in a row that did nothing
 //! ([`Worker::progress_or_yield`]): over `tcp` a sender waiting for its puts and a receiver
 //! waiting for the next bytes would otherwise take turns burning the cores the kernel's
-//! copies and the other side's progress need (on a 2-core machine, 1.5× faster tcp
-//! transfers when eight share the cores; README "Measured").
+//! copies and the other side's progress need (on a 2-core machine, 1.1–1.35× faster tcp
+//! transfers when 4–8 share the cores; README "Measured").
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;

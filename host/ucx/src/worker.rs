@@ -51,7 +51,7 @@ use crate::{Context, Error, Op, Status};
 /// shared-memory one's. Measured on the 2-core machine (README "Measured"): yielding at once
 /// made one tcp stream 16 % slower (nothing else wanted the core, and every gap between
 /// packets handed it to some waking thread); yielding after 64 kept that stream (−4 %, within
-/// noise) and the 1.5× of yielding when eight transfers share two cores.
+/// noise) and the 1.1–1.35× of yielding when 4–8 transfers share two cores.
 pub const SPIN_BEFORE_YIELD: u32 = 64;
 
 /// A boxed active-message handler: `(header, data)`.
