@@ -49,8 +49,8 @@ use crate::{Context, Error, Op, Status};
 /// Progress calls in a row that find nothing before [`Worker::progress_or_yield`] starts
 /// yielding: about 0.1 ms of a tcp worker's polling (each call an `epoll_wait`), a few µs of a
 /// shared-memory one's. Measured on the 2-core machine (README "Measured"): yielding at once
-/// made one tcp stream 16 % slower (nothing else wanted the core, and every gap between
-/// packets handed it to some waking thread); yielding after 64 kept that stream (−4 %, within
+/// made one tcp stream 16 % slower (it had a core to itself, and every gap between packets
+/// handed that core to some waking thread); yielding after 64 kept that stream (−4 %, within
 /// noise) and the 1.1–1.35× of yielding when 4–8 transfers share two cores.
 pub const SPIN_BEFORE_YIELD: u32 = 64;
 
