@@ -151,8 +151,8 @@ impl<'a> Request<'a> {
         self.wait_until(Instant::now() + timeout)
     }
 
-    /// Progresses the worker until the operation finishes or `deadline` passes, yielding the
-    /// thread after each progress that did nothing ([`crate::Worker::progress_or_yield`]).
+    /// Progresses the worker until the operation finishes or `deadline` passes (with
+    /// [`crate::Worker::progress_or_yield`]: a long wait yields the thread between polls).
     ///
     /// Returns `Ok(true)` if it finished successfully, `Ok(false)` if it is still in flight (it
     /// is checked once more after the deadline, so a deadline in the past still polls). A

@@ -12,9 +12,10 @@ const DEFAULT_CAPACITY: usize = 32;
 ///
 /// When the window is full, [`put`](PutWindow::put) progresses the worker and retires finished
 /// puts before issuing the next one (every wait here progresses with
-/// [`Worker::progress_or_yield`](crate::Worker::progress_or_yield)). Bounding the outstanding work matters over `tcp`, where UCX
-/// emulates puts with active messages: an unbounded queue made the final flush collapse to
-/// about 0.3 GB/s against 1.7 GB/s sustained with a window of 32 (platform-notes §2, §4d).
+/// [`Worker::progress_or_yield`](crate::Worker::progress_or_yield)). Bounding the outstanding
+/// work matters over `tcp`, where UCX emulates puts with active messages: an unbounded queue
+/// made the final flush collapse to about 0.3 GB/s against 1.7 GB/s sustained with a window
+/// of 32 (platform-notes §2, §4d).
 ///
 /// The window borrows every source buffer for `'a`, like [`Endpoint::put`], and nothing else:
 /// it holds a handle on the endpoint, and each put in flight one on its remote key, so a window
