@@ -695,12 +695,30 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
     let groups = (config.pair.ctx.dp_groups(), config.pair.r#gen.dp_groups());
     // Requests go round-robin over each side's DP groups, and two sets are held at once (odd
     // rounds replay the previous set).
+    let sized_by = format!(
+        "--prompt-len {} with --requests {}",
+        config.prompt_len, config.requests
+    );
     let sizing = |dp_groups: u32| {
-        let held = 2 * config.requests.div_ceil(u64::from(dp_groups.max(1)));
-        (held * config.prompt_len.div_ceil(tpb) + 4, held + 2)
+        let held = config
+            .requests
+            .div_ceil(u64::from(dp_groups.max(1)))
+            .saturating_mul(2);
+        let slots = held
+            .checked_mul(config.prompt_len.div_ceil(tpb))
+            .and_then(|n| n.checked_add(4))
+            .ok_or_else(|| {
+                DemoError::Invalid(format!(
+                    "{sized_by}: more than 2^64 slots per pool ({tpb} tokens per block)"
+                ))
+            })?;
+        Ok::<_, DemoError>((slots, held.saturating_add(2)))
     };
-    let (ctx_slots, ctx_state) = sizing(groups.0);
-    let (gen_slots, gen_state) = sizing(groups.1);
+    let (ctx_slots, ctx_state) = sizing(groups.0)?;
+    let (gen_slots, gen_state) = sizing(groups.1)?;
+    config
+        .pair
+        .check_pools((ctx_slots, ctx_state), (gen_slots, gen_state), &sized_by)?;
     let mut ctx_args = serve_args(
         &config.pair,
         "context",

@@ -36,8 +36,10 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
 use kvferry_plan::chunk_ranges;
-use kvferry_testkit::layout::ModelSpec;
+use kvferry_testkit::layout::{ModelSpec, PoolOptions, build_instance, bytes_text};
+use kvferry_testkit::oracle::LocalMemory;
 use kvferry_transfer::agent::BounceMode;
+use kvferry_transfer::budget::HostBudget;
 use kvferry_transfer::{MemoryKind, TransportSpec};
 
 use crate::client::ClientError;
@@ -155,6 +157,72 @@ impl LoopbackPair {
             .unwrap_or(self.model.tokens_per_block)
             .min(self.model.tokens_per_block)
             .max(1)
+    }
+
+    /// Refuses, before either server starts, a pair whose pools cannot be laid out or would
+    /// not fit this host together: both servers run here, and each checks only its own pools
+    /// against what is available when it starts (pools are touched later), so two that fit
+    /// alone could still exhaust the machine together. `ctx` and `gen` are each side's
+    /// (PAGED, STATE) slots per pool; `sized_by` names the flags that sized them. Device pools
+    /// (`--memory cuda`) are left to the servers.
+    ///
+    /// # Errors
+    ///
+    /// [`DemoError::Invalid`] naming `sized_by`, the bytes and the budget.
+    pub fn check_pools(
+        &self,
+        ctx: (u64, u64),
+        r#gen: (u64, u64),
+        sized_by: &str,
+    ) -> Result<(), DemoError> {
+        let tpb = self.model.tokens_per_block;
+        let sized_by = match self.gen_tokens_per_block {
+            Some(g) => {
+                format!("{sized_by} and --ctx-tokens-per-block {tpb} --gen-tokens-per-block {g}")
+            }
+            None => format!("{sized_by} and --tokens-per-block {tpb}"),
+        };
+        let gen_model = match self.gen_tokens_per_block {
+            Some(tpb) => self.model.clone().with_tokens_per_block(tpb),
+            None => self.model.clone(),
+        };
+        let sides = [
+            ("context", &self.ctx, &self.model, ctx),
+            ("generation", &self.r#gen, &gen_model, r#gen),
+        ];
+        let mut bytes = [0u64; 2];
+        for (i, (role, mapping, model, (paged, state))) in sides.into_iter().enumerate() {
+            let options = PoolOptions {
+                paged_slots: paged,
+                state_slots: state,
+                ..PoolOptions::default()
+            };
+            // Addresses only: nothing is allocated.
+            let mut space = LocalMemory::new();
+            let mut alloc = |rank: u32, pool: usize, n: u64| {
+                bytes[i] = bytes[i].saturating_add(n);
+                space.reserve(n, format!("rank {rank} pool {pool}"))
+            };
+            build_instance(model, mapping, role, "check", &options, &mut alloc)
+                .map_err(|e| DemoError::Invalid(format!("{sized_by}: {e}")))?;
+        }
+        if self.memory != MemoryKind::Host {
+            return Ok(());
+        }
+        let Some(budget) = HostBudget::measure() else {
+            return Ok(());
+        };
+        let total = bytes[0].saturating_add(bytes[1]);
+        if total > budget.bytes {
+            return Err(DemoError::Invalid(format!(
+                "{sized_by}: the two servers' host pools would not fit: {} in all (context {}, \
+                 generation {}), {budget}",
+                bytes_text(u128::from(total)),
+                bytes_text(u128::from(bytes[0])),
+                bytes_text(u128::from(bytes[1])),
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -595,8 +663,24 @@ pub fn run(config: &DemoConfig) -> Result<DemoReport, DemoError> {
     let in_flight = config.in_flight.max(1);
     // Blocks of the side with the smaller ones (each side's pools take that many slots).
     let smallest = u64::from(config.pair.smallest_block());
-    let slots = in_flight as u64 * config.max_prompt_len.div_ceil(smallest) + 4;
-    let state = in_flight as u64 + 2;
+    let sized_by = format!(
+        "--prompt-len {} with --in-flight {in_flight}",
+        config.max_prompt_len
+    );
+    let slots = (in_flight as u64)
+        .checked_mul(config.max_prompt_len.div_ceil(smallest))
+        .and_then(|n| n.checked_add(4))
+        .ok_or_else(|| {
+            DemoError::Invalid(format!(
+                "{sized_by}: more than 2^64 slots per pool ({smallest} tokens per block)"
+            ))
+        })?;
+    let state = (in_flight as u64).saturating_add(2);
+    if config.ctx_at.is_empty() {
+        config
+            .pair
+            .check_pools((slots, state), (slots, state), &sized_by)?;
+    }
 
     let mut children = Children(Vec::new());
     let (ctx_at, gen_at) = match (&config.ctx_at[..], &config.gen_at[..]) {

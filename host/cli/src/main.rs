@@ -5,7 +5,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
 use clap::{Parser, Subcommand};
@@ -18,9 +18,9 @@ use kvferry_plan::bounce::{self, BounceLimits};
 use kvferry_planner_abi::{Deployment, Mapping, PlanError, RankInfo, TokenRange, TransferPlanner};
 use kvferry_testkit::conform::CaseVerdict;
 use kvferry_testkit::conformance::PlannerUnderTest;
-use kvferry_testkit::layout::{self, Dtype, ModelSpec, PoolOptions, Preset};
+use kvferry_testkit::layout::{self, Dtype, LayoutError, ModelSpec, PoolOptions, Preset};
 use kvferry_testkit::oracle::LocalMemory;
-use kvferry_testkit::scenario::Scenario;
+use kvferry_testkit::scenario::{MemoryBudget, Scenario, ScenarioError};
 use kvferry_transfer::agent::{BounceConfig, BounceMode};
 use kvferry_transfer::{MemoryKind, Role, TransportSpec};
 use serde_json::json;
@@ -290,6 +290,8 @@ impl PairArgs {
             .r#gen
             .parse::<Mapping>()
             .map_err(|e| anyhow!("--gen: {e}"))?;
+        check_width("--ctx", &ctx)?;
+        check_width("--gen", &r#gen)?;
         Ok(LoopbackPair {
             exe: std::env::current_exe().context("locating the kvferry executable")?,
             config_file,
@@ -574,6 +576,22 @@ fn parse_spec(s: &str) -> Result<Mapping, String> {
     s.parse::<Mapping>().map_err(|e| e.to_string())
 }
 
+/// Refuses a deployment wider than an instance may be ([`layout::check_mapping`]), naming
+/// the flag that gave it, before anything is sized by its rank count.
+fn check_width(flag: &str, mapping: &Mapping) -> Result<()> {
+    layout::check_mapping(mapping).with_context(|| format!("{flag} {mapping}"))?;
+    Ok(())
+}
+
+/// What this process may still allocate, as `serve` checks its pools against it
+/// ([`kvferry_transfer::budget::HostBudget`]), for the testkit's in-process pools.
+fn memory_budget() -> Option<MemoryBudget> {
+    kvferry_transfer::budget::HostBudget::measure().map(|b| MemoryBudget {
+        bytes: b.bytes,
+        available: b.to_string(),
+    })
+}
+
 /// The loaded configuration and plugin registry.
 struct Host {
     config: Config,
@@ -617,7 +635,8 @@ fn instantiate_all(
         space.reserve(bytes, format!("rank {rank} pool {pool}"))
     };
     let options = PoolOptions::default();
-    let ranks = layout::build_instance(model, mapping, "check", bound.id(), &options, &mut alloc)?;
+    let ranks = layout::build_instance(model, mapping, "check", bound.id(), &options, &mut alloc)
+        .with_context(|| format!("--deployment {mapping}"))?;
     for rank in &ranks {
         bound
             .instantiate(rank)
@@ -876,7 +895,30 @@ struct PlanArgs {
     json: bool,
 }
 
+/// `e`, naming the flags that sized the request when it says the request cannot fit (its
+/// pools past what one rank may hold, or past what this host has available).
+fn plan_error(e: ScenarioError, a: &PlanArgs) -> anyhow::Error {
+    let too_large = matches!(
+        e,
+        ScenarioError::Memory { .. } | ScenarioError::Layout(LayoutError::RankTooLarge(_))
+    );
+    if !too_large {
+        return e.into();
+    }
+    let tpb = a.model.tokens_per_block;
+    let sized_by = match a.gen_tokens_per_block {
+        Some(g) => format!("--ctx-tokens-per-block {tpb} --gen-tokens-per-block {g}"),
+        None => format!("--tokens-per-block {tpb}"),
+    };
+    anyhow::Error::new(e).context(format!(
+        "--prompt-len {} with {sized_by} cannot fit",
+        a.prompt_len
+    ))
+}
+
 fn plan(host: &Host, a: PlanArgs) -> Result<ExitCode> {
+    check_width("--ctx", &a.ctx)?;
+    check_width("--gen", &a.r#gen)?;
     let id = host.planner_id(a.planner.as_deref());
     let ctx_bound = host
         .bind(&id, &a.model, a.ctx)
@@ -906,25 +948,35 @@ fn plan(host: &Host, a: PlanArgs) -> Result<ExitCode> {
     scenario.bounce = a.bounced;
     scenario.planner_id = id.clone();
     scenario.gen_tokens_per_block = a.gen_tokens_per_block;
-    if let Some(chunk) = a.chunk {
-        if chunk == 0 {
-            bail!("--chunk must be positive");
-        }
-        let starts = (0..a.prompt_len).step_by(chunk as usize);
-        scenario.chunks = Some(
-            starts
-                .map(|start| TokenRange {
-                    start,
-                    end: (start + chunk).min(a.prompt_len),
-                })
-                .collect(),
-        );
+    scenario.memory_budget = memory_budget();
+    if a.chunk == Some(0) {
+        bail!("--chunk must be positive");
     }
+    // Laid out, and the receivers' pools checked against the budget, before the chunks (as
+    // many as the prompt's blocks) are listed.
+    let started = Instant::now();
+    let mut exchange = scenario.exchange().map_err(|e| plan_error(e, &a))?;
+    if let Some(chunk) = a.chunk {
+        let starts = (0..a.prompt_len).step_by(usize::try_from(chunk).unwrap_or(usize::MAX));
+        let chunks: Vec<TokenRange> = starts
+            .map(|start| TokenRange {
+                start,
+                end: start.saturating_add(chunk).min(a.prompt_len),
+            })
+            .collect();
+        exchange.pieces =
+            kvferry_plan::pieces(a.prompt_len, a.model.tokens_per_block, Some(&chunks))
+                .map_err(|e| anyhow!("--chunk {chunk}: {e}"))?;
+    }
+    let layout = started.elapsed();
     let ctx_factory =
         |r: &RankInfo| -> Result<Arc<dyn TransferPlanner>, PlanError> { ctx_bound.instantiate(r) };
     let gen_factory =
         |r: &RankInfo| -> Result<Arc<dyn TransferPlanner>, PlanError> { gen_bound.instantiate(r) };
-    let report = scenario.run(&ctx_factory, &gen_factory)?;
+    let mut report = exchange
+        .run(&ctx_factory, &gen_factory)
+        .map_err(|e| plan_error(e, &a))?;
+    report.timings.setup += layout;
     let verified = report.is_ok();
     if a.json {
         let pairs: Vec<_> = report

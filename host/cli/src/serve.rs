@@ -262,7 +262,9 @@ pub fn start(
         let addr = addr.to_string();
         move |source| ServeError::Listen { addr, source }
     };
-    let world = mapping.world_size();
+    // Before anything is sized by the rank count (the list of ranks hosted here).
+    let world = kvferry_testkit::layout::check_mapping(&mapping)
+        .map_err(|e| ServeError::Config(format!("--deployment {mapping}: {e}")))?;
     let hosted: Vec<u32> = match options.rank {
         Some(r) if r >= world => {
             return Err(ServeError::Config(format!(

@@ -473,3 +473,191 @@ fn plan_takes_a_block_size_per_side() {
     assert!(!out.status.success());
     assert!(stderr.contains("48 is not a multiple of 32"), "{stderr}");
 }
+
+/// Address space a run that refuses a size may take: far more than the binary needs to start,
+/// load the planners and lay out a few ranks, far less than any of the refused sizes. An
+/// allocation the refusal failed to prevent aborts (exit 134) instead of taking the machine.
+const REFUSAL_ADDRESS_SPACE: libc::rlim_t = 1 << 30;
+
+/// Limits this process's address space to [`REFUSAL_ADDRESS_SPACE`]; what a child runs
+/// between fork and exec, so it only makes async-signal-safe calls and allocates nothing.
+fn limit_address_space() -> std::io::Result<()> {
+    let limit = libc::rlimit {
+        rlim_cur: REFUSAL_ADDRESS_SPACE,
+        rlim_max: REFUSAL_ADDRESS_SPACE,
+    };
+    // SAFETY: `limit` is a valid rlimit that outlives the call, which only reads it.
+    if unsafe { libc::setrlimit(libc::RLIMIT_AS, &limit) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// `kvferry ARGS` under [`REFUSAL_ADDRESS_SPACE`] (`RLIMIT_AS`): asserts that it exits 1
+/// with every one of `says` in its error, and returns the error.
+fn refused_within_a_gib(args: &[&str], says: &[&str]) -> String {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Kvferry::new().quiet().args(args).command();
+    // SAFETY: pre_exec runs `limit_address_space` in the forked child before exec, where only
+    // async-signal-safe calls are allowed: it calls setrlimit (async-signal-safe) and reads
+    // errno, touching no lock or heap memory of the parent's.
+    unsafe {
+        cmd.pre_exec(limit_address_space);
+    }
+    let out = cmd.output().expect("run kvferry");
+    let (stdout, stderr) = text(&out);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "kvferry {args:?} ({}):\n{stdout}\n{stderr}",
+        out.status
+    );
+    for s in says {
+        assert!(stderr.contains(s), "{s:?} not in:\n{stderr}");
+    }
+    stderr
+}
+
+#[test]
+fn plan_refuses_a_prompt_whose_pools_exceed_the_host_with_the_numbers() {
+    // 100M tokens of Llama-3-70B at tp1: 34.8 TB of receiver pools, past any host's memory
+    // but under what one rank may hold, so the host budget is what refuses it (a million
+    // tokens, 348 GB, would fit a large host).
+    let stderr = refused_within_a_gib(
+        &[
+            "plan",
+            "--model",
+            "llama-3-70b",
+            "--ctx",
+            "tp1",
+            "--gen",
+            "tp1",
+            "--prompt-len",
+            "100000000",
+        ],
+        &[
+            "kvferry: --prompt-len 100000000 with --tokens-per-block 32 cannot fit: backing the \
+             pools of 1 receiving generation rank needs 34816.02 GB (34816015728640 bytes); ",
+            " available (",
+        ],
+    );
+    println!("seen: {}", stderr.trim());
+}
+
+#[test]
+fn plan_refuses_a_block_size_whose_pools_no_rank_can_hold() {
+    let stderr = refused_within_a_gib(
+        &[
+            "plan",
+            "--model",
+            "llama-3-70b",
+            "--ctx",
+            "tp1",
+            "--gen",
+            "tp1",
+            "--prompt-len",
+            "1000",
+            "--tokens-per-block",
+            "4000000000",
+        ],
+        &[
+            "kvferry: --prompt-len 1000 with --tokens-per-block 4000000000 cannot fit: ctx rank \
+             0 (tp1): its pools would take 3932160.00 GB (3932160000000000 bytes)",
+            "one rank may hold at most 64 TiB (70368744177664 bytes)",
+        ],
+    );
+    println!("seen: {}", stderr.trim());
+}
+
+#[test]
+fn check_refuses_a_deployment_wider_than_the_largest_instance() {
+    let stderr = refused_within_a_gib(
+        &[
+            "check",
+            "--model",
+            "llama-3-70b",
+            "--deployment",
+            "tp4000000000",
+        ],
+        &[
+            "kvferry: --deployment tp4000000000: deployment tp4000000000 has 4000000000 ranks \
+             (tp 4000000000 × pp 1 × cp 1): the largest instance supported has 65536",
+        ],
+    );
+    println!("seen: {}", stderr.trim());
+    // The rank count overflowing the ABI's u32 is refused the same way.
+    refused_within_a_gib(
+        &[
+            "check",
+            "--model",
+            "llama-3-70b",
+            "--deployment",
+            "tp65536pp65536",
+        ],
+        &["has 4294967296 ranks (tp 65536 × pp 65536 × cp 1)"],
+    );
+}
+
+#[test]
+fn every_command_refuses_a_deployment_wider_than_the_largest_instance() {
+    let pair = [
+        "--model",
+        "llama-3-70b",
+        "--ctx",
+        "tp1",
+        "--gen",
+        "dep100000",
+    ];
+    for command in ["plan", "demo", "bench"] {
+        let mut args = vec![command, "--prompt-len", "64"];
+        args.extend_from_slice(&pair);
+        let stderr = refused_within_a_gib(
+            &args,
+            &["kvferry: --gen dep100000: deployment dep100000 has 100000 ranks"],
+        );
+        // Refused by the controller itself: no server child was started.
+        assert!(!stderr.contains("server:"), "{command}: {stderr}");
+    }
+    refused_within_a_gib(
+        &[
+            "serve",
+            "--role",
+            "generation",
+            "--model",
+            "llama-3-70b",
+            "--deployment",
+            "tp4000000000",
+        ],
+        &["--deployment tp4000000000: deployment tp4000000000 has 4000000000 ranks"],
+    );
+}
+
+#[test]
+fn demo_and_bench_refuse_pools_the_two_servers_cannot_hold_before_starting_them() {
+    // 10M tokens: about 26 TB (demo, 8 in flight) and 52 TB (bench, two sets of 8) of pools
+    // per server, each under what one rank may hold, both past any host's memory.
+    for (command, sized_by) in [
+        ("demo", "--prompt-len 10000000 with --in-flight 8"),
+        ("bench", "--prompt-len 10000000 with --requests 8"),
+    ] {
+        let stderr = refused_within_a_gib(
+            &[
+                command,
+                "--model",
+                "llama-3-70b",
+                "--ctx",
+                "tp1",
+                "--gen",
+                "tp1",
+                "--prompt-len",
+                "10000000",
+            ],
+            &[
+                &format!("kvferry: {sized_by} and --tokens-per-block 32: "),
+                "the two servers' host pools would not fit: ",
+                " available (",
+            ],
+        );
+        assert!(!stderr.contains("server:"), "{command}: {stderr}");
+    }
+}

@@ -215,6 +215,49 @@ pub fn page_table(
     }
 }
 
+/// Bytes [`page_table`] would lay `groups` out in: the sum of its pools' footprints, in
+/// `u128` (saturating) so that a layout too large for `u64` addresses is measured rather than
+/// overflowed. A caller checks it before [`page_table`] hands the footprints to an allocator.
+pub fn pools_bytes(groups: &[GroupSpec], options: &PoolOptions) -> u128 {
+    let mut total: u128 = 0;
+    for spec in groups.iter().filter(|s| !s.layers.is_empty()) {
+        let slots = u128::from(if spec.kind == GroupKind::STATE {
+            options.state_slots
+        } else {
+            options.paged_slots
+        });
+        for view in &spec.views {
+            let slot = (spec.layers.len() as u128)
+                .saturating_mul(u128::from(view.buffers))
+                .saturating_mul(u128::from(view.buffer_bytes));
+            let footprint = match slots.checked_sub(1) {
+                None => 0,
+                Some(rest) => rest
+                    .saturating_mul(slot.saturating_add(u128::from(options.slot_padding)))
+                    .saturating_add(slot),
+            };
+            total = total.saturating_add(footprint);
+        }
+    }
+    total
+}
+
+/// Bytes of the largest slot of any view of `groups` (`u64::MAX` where one would not fit).
+pub fn largest_slot(groups: &[GroupSpec]) -> u64 {
+    groups
+        .iter()
+        .flat_map(|spec| {
+            spec.views.iter().map(|view| {
+                (spec.layers.len() as u64)
+                    .checked_mul(u64::from(view.buffers))
+                    .and_then(|n| n.checked_mul(view.buffer_bytes))
+                    .unwrap_or(u64::MAX)
+            })
+        })
+        .max()
+        .unwrap_or(0)
+}
+
 /// The [`RankInfo`] of instance rank `rank` of `mapping`, holding `page_table`.
 ///
 /// Coordinates are CP-minor ([`rank_coords`]); under attention DP every TP rank is its own

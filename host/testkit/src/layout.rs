@@ -81,6 +81,24 @@ pub enum LayoutError {
         /// Ranks in the mapping.
         world: u32,
     },
+    /// An instance of more ranks than [`MAX_INSTANCE_RANKS`] (every rank would be laid out,
+    /// and `tp × pp × cp` may not even fit the ABI's `u32`).
+    #[error(
+        "deployment {mapping} has {world} ranks (tp {tp} × pp {pp} × cp {cp}): the largest \
+         instance supported has {MAX_INSTANCE_RANKS}",
+        world = ranks_of(mapping),
+        tp = mapping.tp,
+        pp = mapping.pp,
+        cp = mapping.cp
+    )]
+    TooManyRanks {
+        /// The mapping.
+        mapping: Mapping,
+    },
+    /// A rank whose pools would hold more than [`MAX_RANK_BYTES`] (boxed: its `u128` would
+    /// widen every error that holds a `LayoutError`).
+    #[error(transparent)]
+    RankTooLarge(Box<RankTooLarge>),
     /// The built page table failed its structural check (a bug in this module).
     #[error("page table of rank {rank} is invalid")]
     InvalidPageTable {
@@ -89,6 +107,45 @@ pub enum LayoutError {
         /// The check that failed.
         source: PlanError,
     },
+}
+
+/// The most ranks an instance may have: far more GPUs than one serving instance runs, and
+/// every rank of one is laid out (`check` and `plan` build all of them, a few KiB each), so a
+/// wider mapping is refused before the first rank is.
+pub const MAX_INSTANCE_RANKS: u32 = 65_536;
+
+/// The most bytes the pools of one rank may take: 64 TiB, more than any machine's memory
+/// (host or device) and half of x86-64's 128 TiB user address space, so a rank past it can
+/// never be allocated, and sums over the ranks of an instance stay far from `u64::MAX`.
+pub const MAX_RANK_BYTES: u64 = 1 << 46;
+
+/// Bytes as GB (10^9) with two decimals and the exact count, as the transfer library's host
+/// budget prints them.
+pub fn bytes_text(n: u128) -> String {
+    format!("{:.2} GB ({n} bytes)", n as f64 / 1e9)
+}
+
+/// A rank whose pools would hold more than [`MAX_RANK_BYTES`]: what it would take.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{instance} rank {rank} ({mapping}): its pools would take {} ({slots} PAGED slots per \
+     pool, the largest slot {slot_bytes} bytes); one rank may hold at most 64 TiB \
+     ({MAX_RANK_BYTES} bytes), more than any machine's memory",
+    bytes_text(*bytes)
+)]
+pub struct RankTooLarge {
+    /// The instance's name.
+    pub instance: String,
+    /// The rank.
+    pub rank: u32,
+    /// The mapping.
+    pub mapping: Mapping,
+    /// Bytes of all its pools (`u128`: they may pass `u64`).
+    pub bytes: u128,
+    /// PAGED slots per pool.
+    pub slots: u64,
+    /// Bytes of its largest slot (`u64::MAX` past it).
+    pub slot_bytes: u64,
 }
 
 /// A model whose cache layout kvferry knows, by its command-line name (e.g. `deepseek-v3`).
@@ -322,8 +379,8 @@ pub fn build_instance(
     options: &PoolOptions,
     alloc: &mut dyn FnMut(u32, usize, u64) -> u64,
 ) -> Result<Vec<RankInfo>, LayoutError> {
-    check_mapping(mapping)?;
-    (0..mapping.world_size())
+    let world = check_mapping(mapping)?;
+    (0..world)
         .map(|rank| {
             build_rank(
                 model,
@@ -342,8 +399,9 @@ pub fn build_instance(
 ///
 /// # Errors
 ///
-/// A zero size in the mapping or a zero block size, a PP split that does not fit, a TP width
-/// the model's heads cannot be split over (e.g. Llama's 8 KV heads over 3 ranks), or a rank
+/// A zero size in the mapping or a zero block size, more than [`MAX_INSTANCE_RANKS`] ranks,
+/// a PP split that does not fit, a TP width the model's heads cannot be split over (e.g.
+/// Llama's 8 KV heads over 3 ranks), pools of more than [`MAX_RANK_BYTES`], or a rank
 /// outside the mapping.
 pub fn build_rank(
     model: &ModelSpec,
@@ -354,11 +412,10 @@ pub fn build_rank(
     options: &PoolOptions,
     alloc: &mut dyn FnMut(u32, usize, u64) -> u64,
 ) -> Result<RankInfo, LayoutError> {
-    check_mapping(mapping)?;
+    let world = check_mapping(mapping)?;
     if model.tokens_per_block == 0 {
         return Err(LayoutError::ZeroTokensPerBlock);
     }
-    let world = mapping.world_size();
     if rank >= world {
         return Err(LayoutError::RankOutOfRange {
             rank,
@@ -394,6 +451,17 @@ pub fn build_rank(
         Preset::Qwen3Next80bA3b => qwen3_next(&geometry, &stage)?,
         Preset::GptOss120b => gpt_oss(&geometry, &stage)?,
     };
+    let bytes = crate::builder::pools_bytes(&groups, options);
+    if bytes > u128::from(MAX_RANK_BYTES) {
+        return Err(LayoutError::RankTooLarge(Box::new(RankTooLarge {
+            instance: instance_name.to_string(),
+            rank,
+            mapping: *mapping,
+            bytes,
+            slots: options.paged_slots,
+            slot_bytes: crate::builder::largest_slot(&groups),
+        })));
+    }
     let page_table = page_table(
         model.tokens_per_block,
         groups,
@@ -413,7 +481,15 @@ pub fn build_rank(
     ))
 }
 
-fn check_mapping(mapping: &Mapping) -> Result<(), LayoutError> {
+/// The ranks of `mapping` (`tp × pp × cp`), once every size is at least 1 and the product
+/// at most [`MAX_INSTANCE_RANKS`]: what [`build_instance`] and [`build_rank`] check first,
+/// and what a caller that sizes anything by the rank count (a server's rank list) checks
+/// before it does.
+///
+/// # Errors
+///
+/// [`LayoutError::ZeroSize`] or [`LayoutError::TooManyRanks`].
+pub fn check_mapping(mapping: &Mapping) -> Result<u32, LayoutError> {
     for (what, size) in [("tp", mapping.tp), ("pp", mapping.pp), ("cp", mapping.cp)] {
         if size == 0 {
             return Err(LayoutError::ZeroSize {
@@ -422,7 +498,18 @@ fn check_mapping(mapping: &Mapping) -> Result<(), LayoutError> {
             });
         }
     }
-    Ok(())
+    match u32::try_from(ranks_of(mapping)) {
+        Ok(w) if w <= MAX_INSTANCE_RANKS => Ok(w),
+        _ => Err(LayoutError::TooManyRanks { mapping: *mapping }),
+    }
+}
+
+/// `tp × pp × cp`, exact (`u128`: three `u32` sizes can pass `u64`).
+fn ranks_of(mapping: &Mapping) -> u128 {
+    [mapping.tp, mapping.pp, mapping.cp]
+        .iter()
+        .map(|&n| u128::from(n))
+        .product()
 }
 
 /// The layers one PP stage holds: global ids `start .. start + len`.

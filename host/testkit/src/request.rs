@@ -160,6 +160,7 @@ impl Transfer {
             bounce: false,
             seed: self.seed,
             bounce_limits: Default::default(),
+            memory_budget: None,
         })
     }
 

@@ -130,6 +130,21 @@ pub enum ScenarioError {
     /// The oracle could not fill or check.
     #[error(transparent)]
     Oracle(#[from] OracleError),
+    /// The pools to back would not fit in the memory the scenario may take
+    /// ([`Scenario::memory_budget`]): refused before anything is allocated.
+    #[error(
+        "backing the pools of {ranks} needs {}; {}",
+        crate::layout::bytes_text(u128::from(*needed)),
+        budget.available
+    )]
+    Memory {
+        /// Which ranks' pools, e.g. `4 receiving generation ranks`.
+        ranks: String,
+        /// Bytes of those pools.
+        needed: u64,
+        /// What may be taken, and what limits it.
+        budget: MemoryBudget,
+    },
     /// A bounced piece's packed image does not match the receiver's own plan of it.
     #[error("ctx rank {ctx_rank} -> gen rank {gen_rank}, piece {piece}: bounce: {detail}")]
     Bounce {
@@ -153,6 +168,41 @@ impl ScenarioError {
             _ => None,
         }
     }
+}
+
+/// What the pools a scenario backs may take in all, as the caller measured it (the CLI
+/// passes `kvferry_transfer::budget::HostBudget`, the figure `serve` checks its pools
+/// against; the testkit does not link UCX).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemoryBudget {
+    /// Bytes.
+    pub bytes: u64,
+    /// The figure as a person reads it, with what limits it: `23.90 GB (... bytes) available
+    /// (MemAvailable)`.
+    pub available: String,
+}
+
+impl MemoryBudget {
+    /// Refuses `needed` bytes of `ranks`' pools beyond the budget.
+    fn check(&self, ranks: impl FnOnce() -> String, needed: u64) -> Result<(), ScenarioError> {
+        if needed <= self.bytes {
+            return Ok(());
+        }
+        Err(ScenarioError::Memory {
+            ranks: ranks(),
+            needed,
+            budget: self.clone(),
+        })
+    }
+}
+
+/// Bytes of every pool of `ranks` (saturating: the layout keeps each rank's pools under
+/// [`crate::layout::MAX_RANK_BYTES`]).
+fn pool_bytes<'r>(ranks: impl IntoIterator<Item = &'r RankInfo>) -> u64 {
+    ranks
+        .into_iter()
+        .flat_map(|info| info.page_table.pools.iter())
+        .fold(0u64, |sum, pool| sum.saturating_add(pool.footprint()))
 }
 
 /// One request between two instances.
@@ -192,6 +242,11 @@ pub struct Scenario {
     /// as the agent does: the sender's plan gathered into a packed image, scattered by the
     /// receiver's own plan of the piece with stand-in sources.
     pub bounce: bool,
+    /// What the pools backed for the request may take in all (`None`: unchecked). Checked
+    /// before anything sized by the prompt is allocated: the receivers' pools once both
+    /// instances are laid out (addresses only), every pool to back once the senders are
+    /// known.
+    pub memory_budget: Option<MemoryBudget>,
 }
 
 impl Scenario {
@@ -219,6 +274,7 @@ impl Scenario {
             gen_tokens_per_block: None,
             bounce_limits: BounceLimits::default(),
             bounce: false,
+            memory_budget: None,
         }
     }
 
@@ -272,7 +328,7 @@ impl Scenario {
         let side_options = |model: &ModelSpec| {
             let blocks = self.prompt_len.div_ceil(u64::from(model.tokens_per_block));
             let options = PoolOptions {
-                paged_slots: blocks + 2 + blocks / 16,
+                paged_slots: blocks.saturating_add(2 + blocks / 16),
                 state_slots: STATE_SLOTS,
                 slot_padding: if self.padded { PADDING_BYTES } else { 0 },
                 ..PoolOptions::default()
@@ -297,6 +353,13 @@ impl Scenario {
             &gen_options,
             &mut space,
         )?;
+        // The receivers' pools are backed whatever the planner targets: refused here, before
+        // the slot lists and tables (sized by the prompt, like the pools) are made.
+        if let Some(budget) = &self.memory_budget {
+            let receivers = dp_group(&generation, self.gen_dp_rank);
+            let needed = pool_bytes(receivers.iter().map(|&g| &generation[g as usize]));
+            budget.check(|| receiving_ranks(receivers.len()), needed)?;
+        }
         let ctx_slots = SlotAssignment::new(self, 0x00c0_17e7, ctx_blocks, &ctx_options);
         let gen_slots = SlotAssignment::new(self, 0x0009_e4e7, gen_blocks, &gen_options);
         let ctx_tables = dp_group(&ctx, self.ctx_dp_rank)
@@ -328,6 +391,7 @@ impl Scenario {
             seed: self.seed,
             bounce_limits: self.bounce_limits,
             bounce: self.bounce,
+            memory_budget: self.memory_budget.clone(),
         })
     }
 
@@ -431,6 +495,9 @@ pub struct Exchange {
     pub bounce_limits: BounceLimits,
     /// Bounce where a receiver's region passes ([`Scenario::bounce`]).
     pub bounce: bool,
+    /// What the pools of the ranks taking part may take in all, checked before any is
+    /// backed (`None`: unchecked).
+    pub memory_budget: Option<MemoryBudget>,
 }
 
 impl Exchange {
@@ -554,7 +621,25 @@ impl Exchange {
             }
         }
 
-        // Memory for the ranks that take part, then tags and canaries.
+        // Memory for the ranks that take part, once it is known to fit, then tags and
+        // canaries.
+        if let Some(budget) = &self.memory_budget {
+            let needed = pool_bytes(
+                senders
+                    .iter()
+                    .map(|&c| &ctx_infos[c as usize])
+                    .chain(receivers.iter().map(|&g| &gen_infos[g as usize])),
+            );
+            let ranks = || {
+                let n = senders.len();
+                format!(
+                    "{n} sending context rank{} and {}",
+                    if n == 1 { "" } else { "s" },
+                    receiving_ranks(receivers.len())
+                )
+            };
+            budget.check(ranks, needed)?;
+        }
         let mut memory = LocalMemory::new();
         for &c in &senders {
             map_pools(&mut memory, &ctx_infos[c as usize])?;
@@ -797,6 +882,14 @@ pub fn slot_tables(
             )
         })
         .collect()
+}
+
+/// `N receiving generation rank(s)`, for a refusal.
+fn receiving_ranks(n: usize) -> String {
+    format!(
+        "{n} receiving generation rank{}",
+        if n == 1 { "" } else { "s" }
+    )
 }
 
 /// Ranks of the DP group `dp_rank` (all ranks without attention DP).

@@ -2,8 +2,8 @@
 
 use kvferry_planner_abi::{DEFAULT_DESCRIBER_ID, GroupKind, LayoutKind, Mapping, RankInfo};
 use kvferry_testkit::layout::{
-    Dtype, LayoutError, ModelSpec, PoolOptions, Preset, RankCoords, build_instance, build_rank,
-    instance_rank, rank_coords,
+    Dtype, LayoutError, MAX_INSTANCE_RANKS, MAX_RANK_BYTES, ModelSpec, PoolOptions, Preset,
+    RankCoords, build_instance, build_rank, check_mapping, instance_rank, rank_coords,
 };
 use strum::IntoEnumIterator;
 
@@ -355,4 +355,121 @@ fn padded_pools_have_a_larger_stride() {
     let pool = &info.page_table.pools[0];
     assert_eq!(pool.slot_stride, pool.slot_bytes + 4096);
     assert_eq!(sizes, [3 * pool.slot_stride + pool.slot_bytes]);
+}
+
+#[test]
+fn instances_wider_than_the_largest_supported_are_refused_before_any_rank_is_built() {
+    let model = ModelSpec::new(Preset::DeepseekV3);
+    assert_eq!(
+        check_mapping(&mapping(MAX_INSTANCE_RANKS, 1, 1, true)).unwrap(),
+        65_536
+    );
+    let mut alloc = |_: u32, _: usize, _: u64| -> u64 { panic!("nothing may be laid out") };
+    for (m, world) in [
+        (mapping(MAX_INSTANCE_RANKS + 1, 1, 1, true), 65_537u128),
+        (mapping(4_000_000_000, 1, 1, false), 4_000_000_000),
+        // The product overflows the ABI's u32 `world_size`.
+        (mapping(65_536, 65_536, 1, false), 1 << 32),
+        (
+            mapping(u32::MAX, u32::MAX, u32::MAX, false),
+            u128::from(u32::MAX).pow(3),
+        ),
+    ] {
+        let err = check_mapping(&m).unwrap_err();
+        assert!(
+            matches!(err, LayoutError::TooManyRanks { mapping: got } if got == m),
+            "{err}"
+        );
+        let text = err.to_string();
+        assert!(
+            text.contains(&format!("deployment {m} has {world} ranks")),
+            "{text}"
+        );
+        assert!(
+            text.contains("the largest instance supported has 65536"),
+            "{text}"
+        );
+        let options = PoolOptions::default();
+        let built = build_instance(&model, &m, "x", "y", &options, &mut alloc);
+        assert!(matches!(built, Err(LayoutError::TooManyRanks { .. })));
+        let built = build_rank(&model, &m, "x", "y", 0, &options, &mut alloc);
+        assert!(matches!(built, Err(LayoutError::TooManyRanks { .. })));
+    }
+}
+
+#[test]
+fn a_rank_whose_pools_exceed_what_one_rank_may_hold_is_refused_before_allocating() {
+    let mut alloc = |_: u32, _: usize, _: u64| -> u64 { panic!("nothing may be allocated") };
+    // 4e9 tokens per block: a Llama slot of 1.3 PB at tp1.
+    let model = ModelSpec::new(Preset::Llama3_70b).with_tokens_per_block(4_000_000_000);
+    let options = PoolOptions {
+        paged_slots: 3,
+        ..PoolOptions::default()
+    };
+    let err = build_rank(
+        &model,
+        &mapping(1, 1, 1, false),
+        "ctx",
+        "y",
+        0,
+        &options,
+        &mut alloc,
+    )
+    .unwrap_err();
+    let LayoutError::RankTooLarge(large) = &err else {
+        panic!("{err}");
+    };
+    assert_eq!(large.slot_bytes, 80 * 2 * 8 * 128 * 2 * 4_000_000_000);
+    assert_eq!(large.bytes, 3 * u128::from(large.slot_bytes));
+    let text = err.to_string();
+    assert!(
+        text.starts_with("ctx rank 0 (tp1): its pools would take "),
+        "{text}"
+    );
+    assert!(text.contains("(3932160000000000 bytes)"), "{text}");
+    assert!(text.contains(&format!("{MAX_RANK_BYTES} bytes")), "{text}");
+
+    // Slots past u64 are measured, not overflowed.
+    let options = PoolOptions {
+        paged_slots: u64::MAX,
+        ..PoolOptions::default()
+    };
+    let model = ModelSpec::new(Preset::Llama3_70b);
+    let err = build_rank(
+        &model,
+        &mapping(1, 1, 1, false),
+        "ctx",
+        "y",
+        0,
+        &options,
+        &mut alloc,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(&err, LayoutError::RankTooLarge(l) if l.bytes > u128::from(u64::MAX)),
+        "{err}"
+    );
+
+    // Just under the limit lays out.
+    let slot = 80 * 2 * 8 * 128 * 2 * 32;
+    let options = PoolOptions {
+        paged_slots: MAX_RANK_BYTES / slot,
+        ..PoolOptions::default()
+    };
+    let mut sizes = Vec::new();
+    let mut alloc = |_: u32, _: usize, bytes: u64| {
+        sizes.push(bytes);
+        0x10_0000
+    };
+    build_rank(
+        &model,
+        &mapping(1, 1, 1, false),
+        "ctx",
+        "y",
+        0,
+        &options,
+        &mut alloc,
+    )
+    .unwrap();
+    assert!(sizes.iter().sum::<u64>() <= MAX_RANK_BYTES);
 }

@@ -14,7 +14,7 @@ use kvferry_testkit::oracle::{
     Delivery, LocalMemory, Logical, MemoryError, Oracle, OracleError, Side,
 };
 use kvferry_testkit::request::Transfer;
-use kvferry_testkit::scenario::{Exchange, Scenario, ScenarioError, ScenarioReport};
+use kvferry_testkit::scenario::{Exchange, MemoryBudget, Scenario, ScenarioError, ScenarioReport};
 use strum::IntoEnumIterator;
 
 type Mutation = Box<dyn Fn(&mut TransferPlan) + Send + Sync>;
@@ -206,6 +206,50 @@ fn every_preset_single_rank() {
         assert!(report.verification.bytes_checked > report.verification.bytes_covered);
         assert!(report.verification.source_bytes_checked > 0);
     }
+}
+
+#[test]
+fn pools_past_the_memory_budget_are_refused_before_any_is_backed() {
+    let model = ModelSpec::new(Preset::Llama3_70b);
+    // 100 tokens: 4 blocks + 2 slack = 6 slots of 10 MiB per rank.
+    let pool = 6 * slot_bytes(Preset::Llama3_70b);
+    let budget = |bytes: u64| MemoryBudget {
+        bytes,
+        available: format!("{bytes} bytes available (test)"),
+    };
+    let mut s = Scenario::new(model, tp1(), tp1(), 100);
+    // Less than the receiver's pools: refused once laid out, before the slot tables.
+    s.memory_budget = Some(budget(pool - 1));
+    let err = s.exchange().unwrap_err();
+    let ScenarioError::Memory { needed, .. } = &err else {
+        panic!("{err}");
+    };
+    assert_eq!(*needed, pool);
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "backing the pools of 1 receiving generation rank needs {:.2} GB ({pool} bytes); \
+             {} bytes available (test)",
+            pool as f64 / 1e9,
+            pool - 1
+        )
+    );
+    // Room for the receiver but not the sender too: refused once the targets are known.
+    s.memory_budget = Some(budget(2 * pool - 1));
+    let err = run_with(&s, Mirror::default()).unwrap_err();
+    assert!(
+        matches!(err, ScenarioError::Memory { needed, .. } if needed == 2 * pool),
+        "{err}"
+    );
+    assert!(
+        err.to_string()
+            .contains("1 sending context rank and 1 receiving generation rank"),
+        "{err}"
+    );
+    // Both fit: the request runs and backs exactly that.
+    s.memory_budget = Some(budget(2 * pool));
+    let report = run(&s);
+    assert_eq!(report.backed_bytes, 2 * pool);
 }
 
 #[test]
