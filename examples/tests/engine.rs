@@ -173,6 +173,12 @@ fn engines(ptp: u32, dtp: u32, transport: &str, seed: u64, requests: usize) {
     let dir = tempfile::tempdir().unwrap();
     let secret_file = dir.path().join("secret");
     std::fs::write(&secret_file, format!("{SECRET}\n")).unwrap();
+    // A secret file must be readable by its owner alone.
+    std::fs::set_permissions(
+        &secret_file,
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .unwrap();
     let secret_file = secret_file.display().to_string();
     let common = |tp: u32, rank: u32| {
         args(&[

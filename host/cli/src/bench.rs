@@ -740,8 +740,9 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
     children.0.push(ctx_child);
     let (gen_child, gen_addr) = spawn_server(&config.pair.exe, &gen_args, "generation")?;
     children.0.push(gen_child);
-    let ctx = Side::connect("context", &[ctx_addr.control])?;
-    let r#gen = Side::connect("generation", &[gen_addr.control])?;
+    let secret = crate::demo::controller_secret()?;
+    let ctx = Side::connect("context", &[ctx_addr.control], &secret)?;
+    let r#gen = Side::connect("generation", &[gen_addr.control], &secret)?;
     let mut pair = Pair {
         peer: ctx.peer(),
         ctx,

@@ -3,10 +3,13 @@
 
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use kvferry_protocol::{Frame, WireError};
-use kvferry_transfer::conn::{Outbox, spawn_reader, spawn_writer};
+use kvferry_protocol::secure::HandshakeError;
+use kvferry_protocol::{Frame, Secret, WireError};
+use kvferry_transfer::conn::{
+    HANDSHAKE_TIMEOUT, Outbox, Secured, secure_dial, spawn_reader, spawn_writer,
+};
 
 use crate::control::ControlMessage;
 
@@ -39,6 +42,15 @@ pub enum ClientError {
         /// How long we waited.
         waited: Duration,
     },
+    /// The secure handshake failed (another secret, or not a kvferry server).
+    #[error("cannot authenticate to {addr}")]
+    Handshake {
+        /// The server's address.
+        addr: String,
+        /// Why.
+        #[source]
+        source: HandshakeError,
+    },
     /// The server refused the connection.
     #[error("{addr} refused the connection: {message}")]
     Refused {
@@ -58,12 +70,13 @@ pub struct Client<M: Frame = ControlMessage> {
 }
 
 impl<M: Frame + Send + 'static> Client<M> {
-    /// Connects to `addr` (`host:port`).
+    /// Connects to `addr` (`host:port`) and proves `secret` (the deployment's: servers
+    /// answer nothing before).
     ///
     /// # Errors
     ///
-    /// The address does not resolve or the connection is refused.
-    pub fn connect(addr: &str) -> Result<Client<M>, ClientError> {
+    /// The address does not resolve, the connection is refused, or the handshake fails.
+    pub fn connect(addr: &str, secret: &Secret) -> Result<Client<M>, ClientError> {
         let connect = |source| ClientError::Connect {
             addr: addr.to_string(),
             source,
@@ -80,10 +93,20 @@ impl<M: Frame + Send + 'static> Client<M> {
             })?;
         let stream = TcpStream::connect_timeout(&sock, Duration::from_secs(5)).map_err(connect)?;
         let _ = stream.set_nodelay(true);
-        let reader = stream.try_clone().map_err(connect)?;
+        let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
+        let Secured {
+            mut reader, writer, ..
+        } = secure_dial::<M>(stream, secret, addr, deadline).map_err(|source| {
+            ClientError::Handshake {
+                addr: addr.to_string(),
+                source,
+            }
+        })?;
+        // Replies may be long in coming (a whole benchmark round): no read deadline.
+        let _ = reader.get_mut().get_mut().settle(None);
         Ok(Client {
             addr: addr.to_string(),
-            outbox: spawn_writer(stream, format!("client-{addr}")),
+            outbox: spawn_writer(writer, format!("client-{addr}")),
             inbox: spawn_reader(reader, format!("client-{addr}")),
         })
     }

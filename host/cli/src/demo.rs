@@ -71,6 +71,23 @@ pub fn session_secret() -> String {
         .clone()
 }
 
+/// The secret a controller proves to the servers it drives: [`SECRET_ENV`] when set (servers
+/// it did not start hold the deployment's), else the [`session_secret`] of the servers it
+/// starts itself.
+///
+/// # Errors
+///
+/// [`SECRET_ENV`] holds an unusable secret.
+pub fn controller_secret() -> Result<kvferry_protocol::Secret, DemoError> {
+    let secret = if std::env::var_os(SECRET_ENV).is_some() {
+        kvferry_transfer::agent::load_secret(None)
+    } else {
+        kvferry_protocol::Secret::new(session_secret()).map_err(Into::into)
+    };
+    secret
+        .map_err(|e| DemoError::Invalid(format!("{SECRET_ENV}: {}", kvferry_plan::error_chain(&e))))
+}
+
 /// The addresses a `kvferry serve` process listens on.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServerAddrs {
@@ -714,8 +731,9 @@ pub fn run(config: &DemoConfig) -> Result<DemoReport, DemoError> {
             ));
         }
     };
-    let ctx = Side::connect("context", &ctx_at)?;
-    let r#gen = Side::connect("generation", &gen_at)?;
+    let secret = controller_secret()?;
+    let ctx = Side::connect("context", &ctx_at, &secret)?;
+    let r#gen = Side::connect("generation", &gen_at, &secret)?;
     check_side(&ctx, &config.pair.ctx)?;
     check_side(&r#gen, &config.pair.r#gen)?;
     let peer = ctx.peer();

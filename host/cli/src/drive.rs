@@ -24,14 +24,18 @@ pub struct Side {
 }
 
 impl Side {
-    /// Connects to every control address and asks each server what it serves; they must be
+    /// Connects to every control address, proves `secret`, and asks each server what it serves; they must be
     /// ranks of one instance, of the role `role` names, each rank served once.
     ///
     /// # Errors
     ///
     /// A server that cannot be reached or answers out of protocol, servers of different
     /// instances or planners, or a rank served twice or by none.
-    pub fn connect(role: &'static str, addrs: &[String]) -> Result<Side, DemoError> {
+    pub fn connect(
+        role: &'static str,
+        addrs: &[String],
+        secret: &kvferry_protocol::Secret,
+    ) -> Result<Side, DemoError> {
         let expected = if role == "context" {
             Role::Context
         } else {
@@ -39,7 +43,7 @@ impl Side {
         };
         let mut servers = Vec::with_capacity(addrs.len());
         for addr in addrs {
-            let client = Client::connect(addr)?;
+            let client = Client::connect(addr, secret)?;
             let info = match client.call(Message::InfoRequest, REPLY_TIMEOUT)? {
                 Message::Info(info) => info,
                 other => {

@@ -12,9 +12,8 @@
 //! agents' side channels are what peers reach, behind the deployment's secret.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::io::BufReader;
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::thread::{self, JoinHandle};
@@ -30,7 +29,9 @@ use kvferry_testkit::scenario::slot_tables;
 use kvferry_transfer::agent::{
     Agent, AgentConfig, BounceConfig, Event, Expect, Secret, Send as AgentSend,
 };
-use kvferry_transfer::conn::{Outbox, drain, spawn_writer};
+use kvferry_transfer::conn::{
+    HANDSHAKE_TIMEOUT, Outbox, Pending, Secured, Unproven, drain, secure_accept, spawn_writer,
+};
 use kvferry_transfer::copy::CopyArena;
 use kvferry_transfer::memory::{MemoryError, PoolAllocator, RankPools};
 use kvferry_transfer::rank::{RemoteRank, WriteHook};
@@ -228,7 +229,16 @@ struct Shared {
     arena: Mutex<CopyArena>,
     stopping: AtomicBool,
     shutdown: Sender<()>,
+    /// Controllers prove it as peers do (the same secure channel, the control family).
+    secret: Secret,
+    /// Control connections not proven yet.
+    unproven: Unproven,
+    /// Control connections open.
+    open: AtomicUsize,
 }
+
+/// The most control connections a server serves at once; one more is closed unanswered.
+const MAX_CONTROL_CONNECTIONS: usize = 64;
 
 /// A started server: the agents run, the control listener is bound.
 #[derive(Debug)]
@@ -421,6 +431,9 @@ pub fn start(
         arena: Mutex::new(CopyArena::new()),
         stopping: AtomicBool::new(false),
         shutdown: shutdown_tx,
+        secret: options.secret.clone(),
+        unproven: Unproven::new(),
+        open: AtomicUsize::new(0),
     });
     let mut pumps = Vec::new();
     for (r, agent) in shared.agents_now() {
@@ -515,10 +528,23 @@ impl Running {
                             continue;
                         }
                     };
+                    if accept_shared.open.fetch_add(1, Ordering::AcqRel) >= MAX_CONTROL_CONNECTIONS
+                    {
+                        accept_shared.open.fetch_sub(1, Ordering::AcqRel);
+                        tracing::warn!(
+                            limit = MAX_CONTROL_CONNECTIONS,
+                            "control listener full: connection refused"
+                        );
+                        continue;
+                    }
+                    let pending = accept_shared.unproven.admit(&stream);
                     let shared = Arc::clone(&accept_shared);
                     let spawned = thread::Builder::new()
                         .name("control".into())
-                        .spawn(move || connection(&shared, stream));
+                        .spawn(move || {
+                            connection(&shared, stream, pending);
+                            shared.open.fetch_sub(1, Ordering::AcqRel);
+                        });
                     if let Err(e) = spawned {
                         tracing::warn!(error = %e, "cannot spawn a connection thread");
                     }
@@ -1318,24 +1344,39 @@ pub fn summary(report: &VerifyReport) -> VerifySummary {
     }
 }
 
-/// Serves one control connection until it closes or misbehaves.
-fn connection(shared: &Arc<Shared>, stream: TcpStream) {
+/// Serves one control connection until it closes or misbehaves: first the secure handshake
+/// under the deployment's secret (a controller without it learns nothing and can do
+/// nothing), then messages.
+fn connection(shared: &Arc<Shared>, stream: TcpStream, pending: Pending) {
     let peer = stream
         .peer_addr()
         .map_or_else(|_| "unknown".to_string(), |a| a.to_string());
     let _span = tracing::info_span!("control", %peer).entered();
     let _ = stream.set_nodelay(true);
-    let writer = match stream.try_clone() {
-        Ok(w) => w,
+    let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
+    let Secured {
+        mut reader, writer, ..
+    } = match secure_accept::<ControlMessage>(stream, &shared.secret, deadline) {
+        Ok((secured, _intent)) => secured,
         Err(e) => {
-            tracing::warn!(error = %e, "cannot clone a connection socket");
+            tracing::info!(error = %error_chain(&e), "control handshake failed");
             return;
         }
     };
+    // The first frame proves the controller holds the secret (its first record opens).
+    let first = read_frame::<ControlMessage>(&mut reader);
+    drop(pending);
+    if first.is_err() && reader.records_opened() == 0 {
+        // Not proven: it learns nothing.
+        tracing::info!("control connection ended before it was proven");
+        return;
+    }
     let outbox = spawn_writer::<ControlMessage>(writer, peer.clone());
-    let mut reader = BufReader::new(stream);
+    // Proven: control connections may idle between requests.
+    let _ = reader.get_mut().get_mut().settle(None);
+    let mut next = first;
     let refusal = loop {
-        let message: ControlMessage = match read_frame(&mut reader) {
+        let message: ControlMessage = match next {
             Ok(m) => m,
             Err(e) if e.is_disconnect() => break None,
             Err(e) => break Some(error_chain(&e)),
@@ -1344,6 +1385,7 @@ fn connection(shared: &Arc<Shared>, stream: TcpStream) {
         if !shared.handle(&outbox, message) {
             break None;
         }
+        next = read_frame(&mut reader);
     };
     if let Some(reason) = refusal {
         tracing::warn!(%reason, "refusing connection");
@@ -1352,7 +1394,7 @@ fn connection(shared: &Arc<Shared>, stream: TcpStream) {
         });
         drop(outbox);
         let stream = reader.get_mut();
-        let _ = stream.set_read_timeout(Some(DRAIN));
+        let _ = stream.get_mut().settle(Some(DRAIN));
         drain(stream, DRAIN);
     }
 }

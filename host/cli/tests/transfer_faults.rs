@@ -279,7 +279,7 @@ fn a_generation_server_with_another_secret_is_refused_and_nothing_moves() {
         .env("KVFERRY_SECRET", "not the deployment's secret at all"),
         |line| eprintln!("[stranger] {line}"),
     );
-    let g = stranger.client();
+    let g = stranger.client_with("not the deployment's secret at all");
     let s = submit(1, 100);
     let _ = prefill(&ctx.client(), &s);
     start(&g, &s, &ctx);

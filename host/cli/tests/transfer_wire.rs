@@ -7,12 +7,13 @@ mod support;
 
 use std::io::{Cursor, Read, Write};
 use std::net::TcpStream;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvferry_cli::control::{
     ControlMessage, PeerRef, RankTables, ServedRank, ServerInfo, Submit, VerifySummary,
 };
 use kvferry_planner_abi::{Mapping, SlotTable, TokenRange, ViewId};
+use kvferry_protocol::Secret;
 use kvferry_protocol::{
     AgentMessage, Completion, CompletionStatus, Frame, HEADER_LEN, MAX_FRAME_BYTES,
     PROTOCOL_VERSION, PoolKey, RankDescriptor, RequestData, Role, WireError, decode_body, encode,
@@ -20,6 +21,7 @@ use kvferry_protocol::{
 };
 use kvferry_testkit::layout::{ModelSpec, PoolOptions, Preset, build_instance};
 use kvferry_transfer::RequestStats;
+use kvferry_transfer::conn::{Secured, secure_dial};
 use support::transfer::{REPLY, Server, exchange, submit};
 
 /// Both ranks of a Qwen3-Next dep2 context instance, as its agents describe them.
@@ -68,12 +70,6 @@ fn ranks() -> Vec<RankDescriptor> {
 fn every_agent_message() -> Vec<AgentMessage> {
     let tables = vec![SlotTable::new([3, -1, 7]), SlotTable::new([1])];
     vec![
-        AgentMessage::Hello { nonce: [7; 32] },
-        AgentMessage::Challenge {
-            nonce: [8; 32],
-            proof: [9; 32],
-        },
-        AgentMessage::Proof { proof: [10; 32] },
         AgentMessage::Ping,
         AgentMessage::Refused {
             reason: "tokens_per_block: ours 32, theirs 64".into(),
@@ -328,29 +324,39 @@ fn corrupt_bodies_are_refused_without_panicking() {
     }
 }
 
-/// Sends raw bytes on a fresh connection and returns the server's error message, read as a
-/// frame of family `M`.
+/// Sends raw bytes inside an authenticated control connection (a controller holding the
+/// secret) and returns the server's error message, read as a frame of family `M`.
 fn refused<M: Frame + std::fmt::Debug>(addr: &str, bytes: &[u8]) -> String {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(REPLY)).unwrap();
-    s.write_all(bytes).unwrap();
-    let reply = read_frame::<M>(&mut s);
+    let stream = TcpStream::connect(addr).unwrap();
+    let secret = Secret::new(support::SECRET).unwrap();
+    let Secured {
+        mut reader,
+        mut writer,
+        ..
+    } = secure_dial::<M>(stream, &secret, addr, Instant::now() + REPLY).unwrap();
+    reader.get_mut().get_mut().settle(Some(REPLY)).unwrap();
+    writer.write_all(bytes).unwrap();
+    writer.flush().unwrap();
+    let reply = read_frame::<M>(&mut reader);
     let Some(message) = reply.as_ref().ok().and_then(|m| m.error_text()) else {
         panic!("expected an Error frame, got {reply:?}");
     };
     let message = message.to_string();
     // Then the server closes the connection.
     let mut rest = Vec::new();
-    let _ = s.read_to_end(&mut rest);
+    let _ = reader.read_to_end(&mut rest);
     assert!(rest.is_empty());
     message
 }
 
-/// Whether the server closed `s` without a word (within `REPLY`).
+/// Whether the server closed `s` (within `REPLY`) saying nothing but, at most, the
+/// handshake's refusal (an empty reply, `[0, 0]`).
 fn closed_silently(mut s: TcpStream) -> bool {
     s.set_read_timeout(Some(REPLY)).unwrap();
     let mut rest = Vec::new();
-    s.read_to_end(&mut rest).is_ok() && rest.is_empty()
+    // A reset (unread bytes at the close) is a close too.
+    let _ = s.read_to_end(&mut rest);
+    rest.is_empty() || rest == [0, 0]
 }
 
 /// The first agent endpoint of a context server.
@@ -399,17 +405,21 @@ fn bad_control_input_closes_only_that_connection() {
         "{m}"
     );
 
-    // The agents' side channels say nothing to a peer that has not proven the secret:
-    // garbage, a control frame, an agent frame out of turn — each connection is closed.
+    // The agents' side channels and the control listeners say nothing to a peer that has
+    // not proven the secret: garbage, a control frame, an agent frame, a `Shutdown` in the
+    // clear — each connection is closed unanswered, and both servers go on.
     let ep = endpoint(&ctx);
-    for bytes in [
-        garbage.clone(),
-        encode(&ControlMessage::VerifyIdle).unwrap(),
-        encode(&AgentMessage::Ping).unwrap(),
-    ] {
-        let mut s = TcpStream::connect(&ep).unwrap();
-        s.write_all(&bytes).unwrap();
-        assert!(closed_silently(s), "the side channel answered a stranger");
+    for addr in [&ep, &ctx.control, &r#gen.control] {
+        for bytes in [
+            garbage.clone(),
+            encode(&ControlMessage::VerifyIdle).unwrap(),
+            encode(&ControlMessage::Shutdown).unwrap(),
+            encode(&AgentMessage::Ping).unwrap(),
+        ] {
+            let mut s = TcpStream::connect(addr).unwrap();
+            s.write_all(&bytes).unwrap();
+            assert!(closed_silently(s), "{addr} answered a stranger");
+        }
     }
 
     // Both servers still serve: the old connection, new ones, and a whole transfer.

@@ -1,8 +1,12 @@
-//! kvferry-protocol: the control-plane wire format, sans I/O — versioned, size-capped frames,
-//! the agents' side-channel messages and handshake ([`agent`]), and what a request's
-//! completions add up to ([`tracker`]).
+//! kvferry-protocol: the control-plane wire format, sans I/O — the secure channel every
+//! connection runs in ([`secure`]), versioned, size-capped frames inside it, the agents'
+//! side-channel messages ([`agent`]), and what a request's completions add up to
+//! ([`tracker`]).
 //!
-//! Every frame is a 10-byte header followed by the body:
+//! A connection starts with a Noise handshake keyed by the deployment's [`Secret`]
+//! ([`secure::dial`], [`secure::accept`]); after it, the frames below travel inside encrypted,
+//! authenticated records ([`secure::SecureReader`], [`secure::SecureWriter`]). Every frame is
+//! a 10-byte header followed by the body:
 //!
 //! ```text
 //! offset 0  magic    4 bytes  one per message family (Frame::MAGIC): b"KVFA" for AgentMessage
@@ -26,8 +30,8 @@
 //!
 //! # Agent messages ([`AgentMessage`])
 //!
-//! Between a generation rank and a context rank's side channel: the secret proved both ways
-//! (`Hello`, `Challenge`, `Proof`), `Metadata` both ways, then `RequestData` (a claim, per
+//! Between a generation rank and a context rank's side channel, inside the secure channel:
+//! `Metadata` both ways, then `RequestData` (a claim, per
 //! receiver and sender rank pair), `Completion` per piece after its flush, `Cancel`, `Ping`;
 //! `Refused` and `Error` end the connection. [`AgentSession`] says which may come when.
 //!
@@ -38,12 +42,13 @@
 #![deny(missing_docs)]
 
 pub mod agent;
+pub mod secure;
 pub mod tracker;
 
 pub use agent::{
     AgentError, AgentEvent, AgentMessage, AgentMetadata, AgentSession, AgentState, PeerIdentity,
-    Secret, SecretError,
 };
+pub use secure::{Secret, SecretError};
 pub use tracker::{Pair, Phase, PieceFailure, RequestTracker, Totals, Tracked, Violation};
 
 use std::io::{self, Read, Write};
@@ -55,7 +60,9 @@ use serde::{Deserialize, Serialize};
 
 /// The protocol version this build speaks; a frame of any other version is refused.
 /// 2: the peer and control message families were split (each with its own magic).
-pub const PROTOCOL_VERSION: u16 = 3;
+/// 4: every connection runs in the Noise channel ([`secure`]); the agent's own proofs
+/// (`Hello`, `Challenge`, `Proof`) are gone.
+pub const PROTOCOL_VERSION: u16 = 4;
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 10;
 /// The largest frame body accepted or sent: 64 MiB.

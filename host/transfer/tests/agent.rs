@@ -309,24 +309,24 @@ mod hostile {
         s
     }
 
-    /// Whether the server closed the connection without answering a single byte.
+    /// Whether the server closed the connection answering nothing but, at most, the
+    /// handshake's refusal (an empty reply, `[0, 0]`).
     fn closed_silently(mut s: TcpStream) -> bool {
-        let mut buf = [0u8; 64];
-        matches!(s.read(&mut buf), Ok(0) | Err(_))
+        let mut rest = Vec::new();
+        let _ = s.read_to_end(&mut rest);
+        rest.is_empty() || rest == [0, 0]
     }
 
     /// An authenticated session posing as `decode`'s rank (it holds the secret).
-    fn authenticated(endpoint: &str, decode: &Agent) -> (TcpStream, AgentSession) {
-        let mut s = connect(endpoint);
+    fn authenticated(endpoint: &str, decode: &Agent) -> (SecurePeer, AgentSession) {
+        let mut s = SecurePeer::dial(endpoint, &secret()).unwrap();
         let me = AgentMetadata::from_bytes(&decode.local_metadata().unwrap()).unwrap();
-        let (mut session, hello) = AgentSession::dial(secret(), [7; 32], me);
-        write_frame(&mut s, &hello).unwrap();
+        let (mut session, own) = AgentSession::dial(me);
+        write_frame(&mut s, &own).unwrap();
         loop {
             let m: AgentMessage = read_frame(&mut s).unwrap();
-            match session.receive(m).unwrap() {
-                AgentEvent::Reply(r) => r.iter().for_each(|m| write_frame(&mut s, m).unwrap()),
-                AgentEvent::Metadata(_) => break,
-                _ => {}
+            if let AgentEvent::Metadata(_) = session.receive(m).unwrap() {
+                break;
             }
         }
         session.ready().unwrap();
@@ -348,7 +348,7 @@ mod hostile {
         })
     }
 
-    fn refusal(s: &mut TcpStream, session: &mut AgentSession) -> String {
+    fn refusal(s: &mut SecurePeer, session: &mut AgentSession) -> String {
         loop {
             let m: AgentMessage = read_frame(s).unwrap();
             match session.receive(m).unwrap() {
@@ -409,7 +409,7 @@ mod hostile {
         };
         prefill.send(send(1)).unwrap();
 
-        // Unauthenticated: a request before any proof, a shutdown-like error frame, garbage,
+        // Unauthenticated: a request in the clear, a shutdown-like error frame, garbage,
         // a frame of another family: each connection is closed and told nothing.
         let mut s = connect(&endpoint);
         write_frame(&mut s, &claim(1, tables(&dst, &[0, 1]), 32, 32)).unwrap();
@@ -429,12 +429,13 @@ mod hostile {
         other[..4].copy_from_slice(b"KVFC");
         s.write_all(&other).unwrap();
         assert!(closed_silently(s));
-        // A wrong proof.
-        let mut s = connect(&endpoint);
-        write_frame(&mut s, &AgentMessage::Hello { nonce: [1; 32] }).unwrap();
-        let _challenge: AgentMessage = read_frame(&mut s).unwrap();
-        write_frame(&mut s, &AgentMessage::Proof { proof: [0; 32] }).unwrap();
-        assert!(closed_silently(s));
+        // Another secret: the handshake is refused, nothing more is said.
+        let other = Secret::new(b"not this deployment's secret".to_vec()).unwrap();
+        let e = SecurePeer::dial(&endpoint, &other).err();
+        assert!(
+            matches!(e, Some(kvferry_protocol::secure::HandshakeError::Refused)),
+            "{e:?}"
+        );
 
         // Authenticated but hostile: slots outside the pool, tokens outside the prompt,
         // another instance's claim — each refused by name, no byte written.

@@ -67,8 +67,15 @@ impl Server {
         }
     }
 
+    /// A controller holding the tests' secret.
     pub fn client(&self) -> Client {
-        Client::connect(&self.control).expect("connect to the server")
+        self.client_with(super::SECRET)
+    }
+
+    /// A controller holding `secret`.
+    pub fn client_with(&self, secret: &str) -> Client {
+        let secret = kvferry_protocol::Secret::new(secret).expect("a usable secret");
+        Client::connect(&self.control, &secret).expect("connect to the server")
     }
 
     /// What the server says it is and serves.

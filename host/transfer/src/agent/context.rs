@@ -12,8 +12,7 @@
 //! [`TransferPlanner::targets`]: kvferry_planner_abi::TransferPlanner::targets
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::io::BufReader;
-use std::net::{TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread;
@@ -24,13 +23,13 @@ use kvferry_planner_abi::ffi::ROption;
 use kvferry_planner_abi::{PairRequest, RankInfo, SlotTable, TransferPlanner};
 use kvferry_protocol::{
     AgentEvent, AgentMessage, AgentSession, BouncedPiece, Completion, CompletionStatus,
-    PeerIdentity, RequestData, encode, read_frame,
+    PeerIdentity, RequestData, read_frame,
 };
 
 use super::events::{Event, FailureKind};
-use super::{CallError, HANDSHAKE_TIMEOUT, Inner, Send, lock, nonce};
+use super::{CallError, HANDSHAKE_TIMEOUT, Inner, Send, lock};
 use crate::bounce::{AUTO_MAX_MEAN_FRAGMENT, BounceMode};
-use crate::conn::{Outbox, drain, spawn_writer};
+use crate::conn::{Outbox, Pending, Reader, Secured, Unproven, drain, secure_accept, spawn_writer};
 use crate::outcome::Stages;
 use crate::rank::{BounceJob, PeerId, RemoteRank, WriteJob, nanos};
 use crate::stash::{Stash, request_data_bytes};
@@ -220,6 +219,7 @@ pub(crate) fn listen(inner: &Arc<Inner>, listener: TcpListener) -> std::io::Resu
         Arc::clone(&state.open)
     };
     let max = inner.config.max_connections;
+    let unproven = Unproven::new();
     thread::Builder::new()
         .name(format!("side-{}", inner.info.instance_rank))
         .spawn(move || {
@@ -250,10 +250,11 @@ pub(crate) fn listen(inner: &Arc<Inner>, listener: TcpListener) -> std::io::Resu
                     continue;
                 }
                 let open = Arc::clone(&open);
+                let pending = unproven.admit(&stream);
                 let spawned = thread::Builder::new()
                     .name(format!("gen-conn-{}", inner.info.instance_rank))
                     .spawn(move || {
-                        serve_connection(&inner, stream);
+                        serve_connection(&inner, stream, pending);
                         open.fetch_sub(1, Ordering::AcqRel);
                     });
                 if let Err(e) = spawned {
@@ -264,77 +265,87 @@ pub(crate) fn listen(inner: &Arc<Inner>, listener: TcpListener) -> std::io::Resu
     Ok(())
 }
 
-fn serve_connection(inner: &Arc<Inner>, stream: TcpStream) {
+fn serve_connection(inner: &Arc<Inner>, stream: TcpStream, pending: Pending) {
     let addr = stream
         .peer_addr()
         .map_or_else(|_| "?".to_string(), |a| a.to_string());
     let _span = tracing::info_span!("gen_conn", %addr).entered();
     let _ = stream.set_nodelay(true);
-    let Ok(n) = nonce() else { return };
-    let mut session = AgentSession::accept(inner.config.secret.clone(), n);
-    let Ok(write_half) = stream.try_clone() else {
-        return;
-    };
-    let mut write_half = write_half;
-    let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
-    let mut reader = BufReader::new(stream);
-    // The handshake: written directly, in order, before a writer thread exists.
-    let conn = loop {
-        let message: AgentMessage = match read_frame(&mut reader) {
-            Ok(m) => m,
+    let local = stream.local_addr().ok();
+    let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
+    let (secured, intent) =
+        match secure_accept::<AgentMessage>(stream, &inner.config.secret, deadline) {
+            Ok(s) => s,
             Err(e) => {
-                tracing::info!(error = %error_chain(&e), "side-channel connection ended during the handshake");
+                // An unauthenticated peer learns nothing.
+                tracing::info!(error = %error_chain(&e), "side-channel handshake failed");
                 return;
             }
         };
-        match session.receive(message) {
-            Ok(AgentEvent::Reply(replies)) => {
-                for r in replies {
-                    if write_all(&mut write_half, &r).is_err() {
-                        return;
-                    }
-                }
-            }
-            Ok(AgentEvent::Nothing) => {}
-            Ok(AgentEvent::Metadata(m)) => match admit(inner, &m, &write_half) {
-                Ok(conn) => {
-                    let reply = match session.admit(inner.metadata.clone()) {
-                        Ok(r) => r,
-                        Err(_) => return,
-                    };
-                    let _ = conn.outbox.send(reply);
-                    break conn;
-                }
-                Err(reason) => {
-                    tracing::info!(peer = %m.identity(), %reason, "generation rank refused");
-                    let refusal = session.refuse(reason);
-                    let _ = write_all(&mut write_half, &refusal);
-                    drain(&mut reader, Duration::from_millis(200));
-                    return;
-                }
-            },
-            Ok(other) => {
-                tracing::warn!(?other, "unexpected handshake event");
-                return;
-            }
-            Err(e) => {
-                // An unauthenticated peer learns nothing; an authenticated one hears why.
-                tracing::warn!(error = %e, "side-channel handshake failed");
-                if session.authenticated() {
-                    let _ = write_all(
-                        &mut write_half,
-                        &AgentMessage::Error {
-                            message: e.to_string(),
-                        },
-                    );
-                }
-                return;
-            }
+    let Secured {
+        mut reader,
+        writer,
+        socket,
+        ..
+    } = secured;
+    let mut session = AgentSession::accept();
+    // The first frame: the first record that opens proves the dialer holds the secret.
+    let first = read_frame::<AgentMessage>(&mut reader);
+    drop(pending);
+    let first = match first {
+        Ok(m) => m,
+        Err(e) => {
+            tracing::info!(error = %error_chain(&e), "side-channel connection ended during the handshake");
+            return;
         }
     };
-    let _ = reader
-        .get_ref()
-        .set_read_timeout(Some(inner.config.peer_timeout));
+    let outbox = spawn_writer::<AgentMessage>(writer, format!("gen-{addr}"));
+    let refuse = |session: &mut AgentSession, reason: String, mut reader: Reader| {
+        let _ = outbox.send(session.refuse(reason));
+        drain(&mut reader, Duration::from_millis(200));
+    };
+    if let Err(reason) = check_intent(inner, local, &intent.endpoint) {
+        tracing::warn!(%reason, "generation rank refused");
+        refuse(&mut session, reason, reader);
+        return;
+    }
+    let conn = match session.receive(first) {
+        Ok(AgentEvent::Metadata(m)) => match admit(inner, &m, outbox.clone(), socket) {
+            Ok(conn) => match session.admit(inner.metadata.clone()) {
+                Ok(reply) => {
+                    let _ = conn.outbox.send(reply);
+                    conn
+                }
+                Err(_) => return,
+            },
+            Err(reason) => {
+                tracing::info!(peer = %m.identity(), %reason, "generation rank refused");
+                refuse(&mut session, reason, reader);
+                return;
+            }
+        },
+        Ok(other) => {
+            tracing::warn!(?other, "unexpected handshake event");
+            return;
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "side-channel handshake failed");
+            let _ = outbox.send(AgentMessage::Error {
+                message: e.to_string(),
+            });
+            return;
+        }
+    };
+    drop(outbox);
+    if let Err(e) = reader
+        .get_mut()
+        .get_mut()
+        .settle(Some(inner.config.peer_timeout))
+    {
+        tracing::warn!(error = %e, "cannot set the connection's read timeout");
+        lost(inner, &conn, "could not be served");
+        return;
+    }
     tracing::info!(peer = %conn.name(), "generation rank connected");
     let why = loop {
         let message: AgentMessage = match read_frame(&mut reader) {
@@ -367,26 +378,31 @@ fn serve_connection(inner: &Arc<Inner>, stream: TcpStream) {
     lost(inner, &conn, &why);
 }
 
-fn write_all(stream: &mut TcpStream, message: &AgentMessage) -> std::io::Result<()> {
-    use std::io::Write as _;
-    let frame = encode(message).map_err(std::io::Error::other)?;
-    stream.write_all(&frame)
+/// Whether the endpoint the dialer meant to reach is this rank's: its advertised endpoint,
+/// or the address the connection arrived at. A dialer that was sent elsewhere (a relay that
+/// forwards its handshake here) is refused, naming both.
+fn check_intent(inner: &Inner, local: Option<SocketAddr>, meant: &str) -> Result<(), String> {
+    let advertised = inner.metadata.endpoint.as_deref();
+    if advertised == Some(meant) || local.is_some_and(|l| l.to_string() == meant) {
+        return Ok(());
+    }
+    Err(format!(
+        "it meant to reach {meant}, but this is {} (arrived at {}): a relay, or an endpoint \
+         this rank does not advertise",
+        advertised.unwrap_or("a rank with no advertised endpoint"),
+        local.map_or_else(|| "?".to_string(), |l| l.to_string()),
+    ))
 }
 
 /// Vets a generation rank's metadata and registers its connection.
 fn admit(
     inner: &Arc<Inner>,
     m: &kvferry_protocol::AgentMetadata,
-    stream: &TcpStream,
+    outbox: Outbox<AgentMessage>,
+    socket: TcpStream,
 ) -> Result<Arc<GenConn>, String> {
     inner.vet_shape(m)?;
     inner.check_peer(&m.rank.info)?;
-    let clone = || {
-        stream
-            .try_clone()
-            .map_err(|e| format!("cannot clone the socket: {e}"))
-    };
-    let (write_half, socket) = (clone()?, clone()?);
     let id = inner.next_peer.fetch_add(1, Ordering::Relaxed);
     let alive = Arc::new(AtomicBool::new(true));
     let identity = m.identity();
@@ -404,7 +420,7 @@ fn admit(
             alive: Arc::clone(&alive),
             bounce: m.rank.bounce.clone(),
         }),
-        outbox: spawn_writer(write_half, format!("gen-{identity}")),
+        outbox,
         alive,
         socket,
     });

@@ -10,7 +10,6 @@
 //! write has answered the `Cancel` with its last piece or its link is gone.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::io::BufReader;
 use std::net::TcpStream;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,15 +18,16 @@ use std::time::Instant;
 
 use kvferry_plan::error_chain;
 use kvferry_planner_abi::{SlotTable, TokenRange, ViewId};
+use kvferry_protocol::secure::HandshakeError;
 use kvferry_protocol::{
     AgentEvent, AgentMessage, AgentMetadata, AgentSession, BounceOffer, Completion, PeerIdentity,
     RequestData, RequestTracker, Role, Tracked, read_frame, write_frame,
 };
 
 use super::events::{Event, FailureKind};
-use super::{CONNECT_TIMEOUT, CallError, HANDSHAKE_TIMEOUT, Inner, lock, nonce};
+use super::{CONNECT_TIMEOUT, CallError, HANDSHAKE_TIMEOUT, Inner, lock};
 use crate::bounce::Region;
-use crate::conn::{Outbox, spawn_writer};
+use crate::conn::{Outbox, Reader, Secured, secure_dial, spawn_writer};
 use crate::outcome::{RequestStats, Stages};
 use crate::rank::{PeerId, nanos};
 
@@ -222,31 +222,34 @@ fn link_to(inner: &Arc<Inner>, endpoint: &str) -> Result<Arc<Link>, (FailureKind
     }
 }
 
-/// Dials a context rank's side channel, proves the secret, vets it, links it.
+/// Dials a context rank's side channel, runs the secure handshake, vets the rank, links it.
 fn dial(inner: &Arc<Inner>, endpoint: &str) -> Result<Arc<Link>, (FailureKind, String)> {
     let unreachable = |problem: String| (FailureKind::Peer, format!("{endpoint}: {problem}"));
-    let mut stream =
+    let stream =
         crate::conn::dial(endpoint, CONNECT_TIMEOUT, HANDSHAKE_TIMEOUT).map_err(unreachable)?;
-    let n = nonce().map_err(|e| unreachable(e.to_string()))?;
-    let (mut session, hello) =
-        AgentSession::dial(inner.config.secret.clone(), n, inner.metadata.clone());
-    write_frame(&mut stream, &hello).map_err(|e| unreachable(error_chain(&e)))?;
-    let mut reader = BufReader::new(stream.try_clone().map_err(|e| unreachable(e.to_string()))?);
+    let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
+    let Secured {
+        mut reader,
+        mut writer,
+        socket,
+        ..
+    } = secure_dial::<AgentMessage>(stream, &inner.config.secret, endpoint, deadline).map_err(
+        |e| match e {
+            HandshakeError::Refused | HandshakeError::Unauthenticated => {
+                (FailureKind::Refused, format!("{endpoint}: {e}"))
+            }
+            e => unreachable(format!("handshake: {}", error_chain(&e))),
+        },
+    )?;
+    let (mut session, own) = AgentSession::dial(inner.metadata.clone());
+    write_frame(&mut writer, &own).map_err(|e| unreachable(error_chain(&e)))?;
     let metadata = loop {
         let message: AgentMessage = read_frame(&mut reader)
             .map_err(|e| unreachable(format!("handshake: {}", error_chain(&e))))?;
         match session.receive(message) {
-            Ok(AgentEvent::Reply(replies)) => {
-                for r in &replies {
-                    write_frame(&mut stream, r).map_err(|e| unreachable(error_chain(&e)))?;
-                }
-            }
             Ok(AgentEvent::Metadata(m)) => break *m,
             Ok(AgentEvent::Nothing) => {}
             Ok(other) => return Err(unreachable(format!("handshake: unexpected {other:?}"))),
-            Err(e @ kvferry_protocol::AgentError::Unauthenticated) => {
-                return Err((FailureKind::Refused, format!("{endpoint}: {e}")));
-            }
             Err(e @ kvferry_protocol::AgentError::Refused { .. }) => {
                 return Err((
                     FailureKind::Refused,
@@ -265,7 +268,7 @@ fn dial(inner: &Arc<Inner>, endpoint: &str) -> Result<Arc<Link>, (FailureKind, S
             .and_then(|()| inner.check_peer(&metadata.rank.info)),
     };
     if let Err(reason) = verdict {
-        let _ = write_frame(&mut stream, &session.refuse(reason.clone()));
+        let _ = write_frame(&mut writer, &session.refuse(reason.clone()));
         lock(&inner.decode)
             .refused
             .insert(identity.clone(), reason.clone());
@@ -275,14 +278,15 @@ fn dial(inner: &Arc<Inner>, endpoint: &str) -> Result<Arc<Link>, (FailureKind, S
         ));
     }
     session.ready().map_err(|e| unreachable(e.to_string()))?;
-    let _ = reader
-        .get_ref()
-        .set_read_timeout(Some(inner.config.peer_timeout));
-    let socket = stream.try_clone().map_err(|e| unreachable(e.to_string()))?;
+    reader
+        .get_mut()
+        .get_mut()
+        .settle(Some(inner.config.peer_timeout))
+        .map_err(|e| unreachable(e.to_string()))?;
     let link = Arc::new(Link {
         id: inner.next_peer.fetch_add(1, Ordering::Relaxed),
         identity: identity.clone(),
-        outbox: spawn_writer(stream, format!("ctx-{identity}")),
+        outbox: spawn_writer(writer, format!("ctx-{identity}")),
         alive: AtomicBool::new(true),
         socket,
     });
@@ -308,7 +312,7 @@ fn read_link(
     weak: &std::sync::Weak<Inner>,
     link: &Arc<Link>,
     mut session: AgentSession,
-    mut reader: BufReader<TcpStream>,
+    mut reader: Reader,
 ) {
     let why = loop {
         let message: AgentMessage = match read_frame(&mut reader) {

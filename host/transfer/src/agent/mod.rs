@@ -4,7 +4,7 @@
 //! ```text
 //!  prefill engine rank                              decode engine rank
 //!  Agent (Role::Context) ◀── side channel (TCP) ──  Agent (Role::Generation)
-//!   listens on endpoint()     Hello/Challenge/Proof   dials the ranks its planner targets
+//!   listens on endpoint()     Noise NNpsk0 handshake  dials the ranks its planner targets
 //!   send(id, slots, range)    Metadata both ways      expect(id, peer, slots, range)
 //!     ... chunks ...          ◀──── RequestData ────
 //!   plan, put × n, flush ═══════ UCX RMA ════════════▶ (into the engine's pools)
@@ -23,8 +23,9 @@
 //!   request ([`Expect::endpoints`]) or through [`Agent::add_peer`] with the bytes of the
 //!   peer's [`Agent::local_metadata`], for engines that exchange metadata on their own
 //!   channel.
-//! - **Trust**: both sides prove the deployment's [`Secret`] before anything else (an HMAC
-//!   over both nonces; the secret never travels), then vet each other: planner and describer
+//! - **Trust**: every connection runs in a Noise channel keyed by the deployment's [`Secret`]
+//!   (it never travels; everything after the handshake is encrypted and authenticated, and a
+//!   relay holds no key), then both sides vet each other: planner and describer
 //!   ids, page tables, pool keys, then the planner's `check_peer`. A refusal is cached for
 //!   that peer's identity (instance, rank, epoch), so a restarted peer is vetted anew. Every
 //!   field a peer sends is range-checked before use. A request is bound to the peer that
@@ -79,8 +80,7 @@ use planning::Planning;
 pub const MAX_CONNECTIONS: usize = 256;
 /// How long a TCP connect to a peer's side channel may take.
 pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-/// How long the handshake (proofs and metadata) may take.
-pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) use crate::conn::HANDSHAKE_TIMEOUT;
 /// How often deadlines, leases and wedged planner calls are checked.
 const REAPER_PERIOD: Duration = Duration::from_millis(20);
 
@@ -163,6 +163,9 @@ impl AgentConfig {
 
 /// Where [`load_secret`] looks when no file is given.
 pub const SECRET_ENV: &str = "KVFERRY_SECRET";
+/// A file holding the previous secret during a change of secret: [`load_secret`] accepts
+/// peers that still prove it (see [`Secret::also_accepting`]).
+pub const PREVIOUS_SECRET_FILE_ENV: &str = "KVFERRY_PREVIOUS_SECRET_FILE";
 
 /// Why [`load_secret`] found no usable secret.
 #[derive(Debug, thiserror::Error)]
@@ -176,6 +179,19 @@ pub enum LoadSecretError {
         /// The OS error.
         source: std::io::Error,
     },
+    /// The file may be read by others than its owner.
+    #[error(
+        "the secret file {} is readable by its group or others (mode {mode:04o}); run \
+         `chmod 600 {}`",
+        path.display(),
+        path.display()
+    )]
+    Exposed {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Its permission bits.
+        mode: u32,
+    },
     /// Neither a file nor the variable.
     #[error(
         "no secret: pass a secret file or set {SECRET_ENV} (at least {} bytes, the same for \
@@ -183,34 +199,54 @@ pub enum LoadSecretError {
         kvferry_protocol::agent::MIN_SECRET_LEN
     )]
     Missing,
-    /// Too short.
+    /// Too short, or blank.
     #[error(transparent)]
-    Short(#[from] kvferry_protocol::agent::SecretError),
+    Invalid(#[from] kvferry_protocol::SecretError),
 }
 
 /// The deployment's secret as hosts take it: the bytes of `file` (a trailing newline
-/// dropped), else of the environment variable [`SECRET_ENV`].
+/// dropped; the file must not be readable by group or others), else of the environment
+/// variable [`SECRET_ENV`]. During a change of secret, the file named by
+/// [`PREVIOUS_SECRET_FILE_ENV`] holds the previous one, which is then accepted from peers too.
 ///
 /// # Errors
 ///
 /// See [`LoadSecretError`].
 pub fn load_secret(file: Option<&std::path::Path>) -> Result<Secret, LoadSecretError> {
     let bytes = match file {
-        Some(path) => {
-            let mut b = std::fs::read(path).map_err(|source| LoadSecretError::Read {
-                path: path.to_path_buf(),
-                source,
-            })?;
-            while b.last().is_some_and(|c| *c == b'\n' || *c == b'\r') {
-                b.pop();
-            }
-            b
-        }
+        Some(path) => read_secret_file(path)?,
         None => std::env::var_os(SECRET_ENV)
             .ok_or(LoadSecretError::Missing)?
             .into_encoded_bytes(),
     };
-    Ok(Secret::new(bytes)?)
+    let secret = Secret::new(bytes)?;
+    match std::env::var_os(PREVIOUS_SECRET_FILE_ENV) {
+        Some(previous) if !previous.is_empty() => {
+            let bytes = read_secret_file(std::path::Path::new(&previous))?;
+            Ok(secret.also_accepting(Secret::new(bytes)?))
+        }
+        _ => Ok(secret),
+    }
+}
+
+fn read_secret_file(path: &std::path::Path) -> Result<Vec<u8>, LoadSecretError> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let read = |source| LoadSecretError::Read {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mode = std::fs::metadata(path).map_err(read)?.permissions().mode();
+    if mode & 0o077 != 0 {
+        return Err(LoadSecretError::Exposed {
+            path: path.to_path_buf(),
+            mode: mode & 0o7777,
+        });
+    }
+    let mut b = std::fs::read(path).map_err(read)?;
+    while b.last().is_some_and(|c| *c == b'\n' || *c == b'\r') {
+        b.pop();
+    }
+    Ok(b)
 }
 
 /// Why an agent could not start.
@@ -1072,12 +1108,6 @@ fn random_u64() -> std::io::Result<u64> {
     Ok(u64::from_le_bytes(b))
 }
 
-pub(crate) fn nonce() -> std::io::Result<kvferry_protocol::agent::Nonce> {
-    let mut b = [0u8; kvferry_protocol::agent::NONCE_LEN];
-    getrandom::getrandom(&mut b).map_err(|e| std::io::Error::other(e.to_string()))?;
-    Ok(b)
-}
-
 /// The `host:port` to advertise for a listener bound to `local`.
 fn advertised(local: SocketAddr, advertise: Option<&str>) -> Result<String, StartError> {
     if let Some(host) = advertise {
@@ -1146,6 +1176,26 @@ fn first_interface_address(v6: bool) -> Option<IpAddr> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn secret_files_readable_by_others_or_blank_are_refused_naming_the_fix() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("secret");
+        std::fs::write(&path, "a deployment secret of 32 bytes.\n").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let e = load_secret(Some(&path)).unwrap_err();
+        assert!(
+            matches!(e, LoadSecretError::Exposed { mode: 0o644, .. }),
+            "{e}"
+        );
+        assert!(e.to_string().contains("chmod 600"), "{e}");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert!(load_secret(Some(&path)).is_ok());
+        std::fs::write(&path, " ".repeat(20)).unwrap();
+        let e = load_secret(Some(&path)).unwrap_err();
+        assert!(e.to_string().contains("whitespace"), "{e}");
+    }
 
     #[test]
     fn advertised_endpoints_are_never_unspecified() {

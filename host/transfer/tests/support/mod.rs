@@ -350,8 +350,66 @@ pub fn cancel_mid_write(
     }
 }
 
+/// One end of a secured side-channel connection, read and written as one stream (for tests
+/// that speak the agent protocol by hand).
+pub struct SecurePeer {
+    reader: kvferry_transfer::conn::Reader,
+    writer: kvferry_transfer::conn::Writer,
+}
+
+impl std::io::Read for SecurePeer {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.reader.read(buf)
+    }
+}
+
+impl std::io::Write for SecurePeer {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.writer.write(buf)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.writer.flush()
+    }
+}
+
+impl SecurePeer {
+    fn new(secured: kvferry_transfer::conn::Secured) -> SecurePeer {
+        let kvferry_transfer::conn::Secured {
+            mut reader, writer, ..
+        } = secured;
+        reader
+            .get_mut()
+            .get_mut()
+            .settle(Some(Duration::from_secs(10)))
+            .unwrap();
+        SecurePeer { reader, writer }
+    }
+
+    /// Dials `endpoint` and runs the handshake with `secret`.
+    pub fn dial(
+        endpoint: &str,
+        secret: &Secret,
+    ) -> Result<SecurePeer, kvferry_protocol::secure::HandshakeError> {
+        let s = std::net::TcpStream::connect(endpoint).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        kvferry_transfer::conn::secure_dial::<kvferry_protocol::AgentMessage>(
+            s, secret, endpoint, deadline,
+        )
+        .map(SecurePeer::new)
+    }
+
+    /// Accepts one connection on `listener` and runs the handshake with `secret`.
+    pub fn accept(listener: &std::net::TcpListener, secret: &Secret) -> Option<SecurePeer> {
+        let (s, _) = listener.accept().ok()?;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        kvferry_transfer::conn::secure_accept::<kvferry_protocol::AgentMessage>(s, secret, deadline)
+            .ok()
+            .map(|(secured, _)| SecurePeer::new(secured))
+    }
+}
+
 /// A context rank under `real`'s description (its endpoint swapped for a new listener) that
-/// proves the secret, admits the first generation rank to dial it, and answers each of its
+/// holds the secret, admits the first generation rank to dial it, and answers each of its
 /// claims with `answer`'s completion, writing nothing. Returns the endpoint.
 pub fn lying_context(
     real: &Agent,
@@ -367,16 +425,15 @@ pub fn lying_context(
     let mut me = AgentMetadata::from_bytes(&real.local_metadata().unwrap()).unwrap();
     me.endpoint = Some(endpoint.clone());
     std::thread::spawn(move || {
-        let (mut s, _) = listener.accept().unwrap();
-        let mut session = AgentSession::accept(secret(), [3; 32]);
+        let Some(mut s) = SecurePeer::accept(&listener, &secret()) else {
+            return;
+        };
+        let mut session = AgentSession::accept();
         loop {
             let Ok(m) = read_frame::<AgentMessage>(&mut s) else {
                 return;
             };
             match session.receive(m) {
-                Ok(AgentEvent::Reply(r)) => {
-                    r.iter().for_each(|m| write_frame(&mut s, m).unwrap());
-                }
                 Ok(AgentEvent::Metadata(_)) => {
                     let reply = session.admit(me.clone()).unwrap();
                     write_frame(&mut s, &reply).unwrap();

@@ -1,0 +1,226 @@
+//! The side channel against attackers on the same host or network: a relay between an
+//! honest generation rank and an honest context rank, connections that stall or dribble
+//! before authentication, oversized handshakes. Each case is followed by an honest transfer
+//! checked byte for byte.
+
+mod support;
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::sync::{Arc, Mutex};
+use std::thread;
+use std::time::Duration;
+
+use kvferry_transfer::Role;
+use kvferry_transfer::Transport;
+use kvferry_transfer::agent::{Event, FailureKind};
+
+use support::*;
+
+/// What a relay kept of one direction.
+type Seen = Arc<Mutex<Vec<u8>>>;
+
+/// A TCP relay on a new loopback port that forwards every byte both ways between whoever
+/// dials it and `target`, keeping a copy of what passes in each direction (dialer → target,
+/// target → dialer). Returns its address and the two copies.
+fn relay(target: String) -> (String, Seen, Seen) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let (up, down): (Seen, Seen) = (Arc::default(), Arc::default());
+    let (up2, down2) = (Arc::clone(&up), Arc::clone(&down));
+    thread::spawn(move || {
+        for dialer in listener.incoming() {
+            let Ok(dialer) = dialer else { return };
+            let Ok(target) = TcpStream::connect(&target) else {
+                return;
+            };
+            let pipe = |mut from: TcpStream, mut to: TcpStream, copy: Seen| {
+                thread::spawn(move || {
+                    let mut buf = [0u8; 16 << 10];
+                    while let Ok(n) = from.read(&mut buf) {
+                        if n == 0 || to.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                        copy.lock().unwrap().extend_from_slice(&buf[..n]);
+                    }
+                    let _ = to.shutdown(Shutdown::Write);
+                })
+            };
+            pipe(
+                dialer.try_clone().unwrap(),
+                target.try_clone().unwrap(),
+                Arc::clone(&up2),
+            );
+            pipe(target, dialer, Arc::clone(&down2));
+        }
+    });
+    (addr, up, down)
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
+}
+
+/// A relay that forwards a real handshake between a generation rank and a context rank
+/// (the generation rank was sent to the relay's address) gets no session: the context rank
+/// refuses a dialer that meant to reach another endpoint, nothing is written, and nothing
+/// either side said — instance names, worker addresses, the refusal — passed in the clear.
+/// The same ranks then transfer directly.
+#[test]
+fn a_relay_that_forwards_a_real_handshake_gets_nothing() {
+    let model = model();
+    let src = Engine::new("prefill", &model, pattern);
+    let dst = Engine::new("decode", &model, |_, _| CANARY);
+    let prefill = agent(Role::Context, &src, secret(), Transport::Tcp);
+    let decode = agent(Role::Generation, &dst, secret(), Transport::Tcp);
+    let endpoint = prefill.endpoint().unwrap().to_string();
+    let (relay_addr, up, down) = relay(endpoint.clone());
+
+    decode
+        .expect(expecting(1, &relay_addr, tables(&dst, &[0, 1]), 32))
+        .unwrap();
+    prefill.send(whole(1, tables(&src, &[0, 1]), 32)).unwrap();
+    match wait(&decode, 1, Duration::from_secs(20)) {
+        Event::Failed { kind, detail, .. } => {
+            assert_eq!(kind, FailureKind::Refused, "{detail}");
+            assert!(detail.contains("meant to reach"), "{detail}");
+        }
+        other => panic!("a relayed handshake was served: {other:?}"),
+    }
+    let (up, down) = (up.lock().unwrap().clone(), down.lock().unwrap().clone());
+    assert!(
+        !up.is_empty() && !down.is_empty(),
+        "the relay saw no traffic"
+    );
+    let gen_meta = decode.local_metadata().unwrap();
+    let gen_worker = &gen_meta[gen_meta.len() - 64..];
+    for (what, needle) in [
+        ("the decode instance's name", &b"decode"[..]),
+        ("the prefill instance's name", b"prefill"),
+        ("the refusal", b"meant to reach"),
+        ("the decode rank's metadata", gen_worker),
+    ] {
+        assert!(
+            !contains(&up, needle) && !contains(&down, needle),
+            "{what} crossed the relay in the clear"
+        );
+    }
+    // Nothing was written into the decode rank's slots; the prefill side still holds the
+    // send, which the direct transfer now claims.
+    check(&src, &dst, &[], &[], None);
+    decode
+        .expect(expecting(2, &endpoint, tables(&dst, &[0, 1]), 32))
+        .unwrap();
+    prefill.send(whole(2, tables(&src, &[0, 1]), 32)).unwrap();
+    let got = wait(&decode, 2, Duration::from_secs(20));
+    assert!(matches!(got, Event::Received { .. }), "{got:?}");
+    drop(decode);
+    drop(prefill);
+    check(&src, &dst, &[0, 1], &[0, 1], None);
+}
+
+/// A relay that completes the handshake by forwarding it, then speaks for itself — a
+/// metadata frame of its own in the clear, or the dialer's records altered — gets the
+/// connection closed: its bytes open as no record.
+#[test]
+fn a_relay_that_injects_after_the_handshake_is_cut_off() {
+    let model = model();
+    let src = Engine::new("prefill", &model, pattern);
+    let dst = Engine::new("decode", &model, |_, _| CANARY);
+    let prefill = agent(Role::Context, &src, secret(), Transport::Tcp);
+    let decode = agent(Role::Generation, &dst, secret(), Transport::Tcp);
+    let endpoint = prefill.endpoint().unwrap().to_string();
+    for inject in [true, false] {
+        // Handshake bytes come from a real dialer's first message, through a hand relay.
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let hand = listener.local_addr().unwrap().to_string();
+        let target = endpoint.clone();
+        let relay = thread::spawn(move || {
+            let (mut dialer, _) = listener.accept().unwrap();
+            let mut ctx = TcpStream::connect(&target).unwrap();
+            ctx.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            let mut pre = [0u8; 8];
+            dialer.read_exact(&mut pre).unwrap();
+            let mut first = vec![0u8; usize::from(u16::from_le_bytes([pre[6], pre[7]]))];
+            dialer.read_exact(&mut first).unwrap();
+            ctx.write_all(&pre).unwrap();
+            ctx.write_all(&first).unwrap();
+            let mut l = [0u8; 2];
+            ctx.read_exact(&mut l).unwrap();
+            let mut reply = vec![0u8; usize::from(u16::from_le_bytes(l))];
+            ctx.read_exact(&mut reply).unwrap();
+            dialer.write_all(&l).unwrap();
+            dialer.write_all(&reply).unwrap();
+            // The dialer's metadata record, altered or replaced.
+            let mut buf = vec![0u8; 64 << 10];
+            let n = dialer.read(&mut buf).unwrap();
+            if inject {
+                let forged =
+                    kvferry_protocol::encode(&kvferry_protocol::AgentMessage::Ping).unwrap();
+                ctx.write_all(&forged).unwrap();
+            } else {
+                buf[n / 2] ^= 1;
+                ctx.write_all(&buf[..n]).unwrap();
+            }
+            let mut rest = Vec::new();
+            let _ = ctx.read_to_end(&mut rest);
+            rest
+        });
+        decode
+            .expect(expecting(1, &hand, tables(&dst, &[0, 1]), 32))
+            .unwrap();
+        let got = wait(&decode, 1, Duration::from_secs(20));
+        assert!(matches!(got, Event::Failed { .. }), "{got:?}");
+        let answered = relay.join().unwrap();
+        assert!(
+            answered.is_empty(),
+            "the context rank answered an injected record: {answered:?}"
+        );
+    }
+    check(&src, &dst, &[], &[], None);
+}
+
+/// Connections that say nothing or dribble bytes of a handshake — more than the connection
+/// cap — cannot keep an honest generation rank out: the oldest unproven ones are closed for
+/// newer ones, and each ends at the handshake's deadline. A first message that claims more
+/// than a handshake may hold is closed unread.
+#[test]
+fn stalled_and_dribbling_connections_cannot_keep_an_honest_peer_out() {
+    let model = model();
+    let src = Engine::new("prefill", &model, pattern);
+    let dst = Engine::new("decode", &model, |_, _| CANARY);
+    let prefill = agent(Role::Context, &src, secret(), Transport::Tcp);
+    let decode = agent(Role::Generation, &dst, secret(), Transport::Tcp);
+    let endpoint = prefill.endpoint().unwrap().to_string();
+
+    let mut oversized = b"KVFA".to_vec();
+    oversized.extend_from_slice(&kvferry_protocol::PROTOCOL_VERSION.to_le_bytes());
+    oversized.extend_from_slice(&u16::MAX.to_le_bytes());
+    let mut s = TcpStream::connect(&endpoint).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(&oversized).unwrap();
+    let mut rest = Vec::new();
+    let _ = s.read_to_end(&mut rest);
+    assert!(rest.is_empty(), "{rest:?}");
+
+    // More stalled connections than the side channel serves (256), each holding a byte of
+    // a preamble.
+    let stalled: Vec<TcpStream> = (0..300)
+        .filter_map(|_| {
+            let mut s = TcpStream::connect(&endpoint).ok()?;
+            s.write_all(b"K").ok()?;
+            Some(s)
+        })
+        .collect();
+    assert!(stalled.len() >= 256, "{} connections", stalled.len());
+    decode
+        .expect(expecting(1, &endpoint, tables(&dst, &[0, 1]), 32))
+        .unwrap();
+    prefill.send(whole(1, tables(&src, &[0, 1]), 32)).unwrap();
+    let got = wait(&decode, 1, Duration::from_secs(20));
+    assert!(matches!(got, Event::Received { .. }), "{got:?}");
+    drop(stalled);
+    drop(decode);
+    drop(prefill);
+    check(&src, &dst, &[0, 1], &[0, 1], None);
+}
