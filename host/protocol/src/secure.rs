@@ -612,13 +612,9 @@ impl<W: Write> Write for SecureWriter<W> {
         if !self.pending.is_empty() {
             self.seal(self.pending.len())?;
         }
-        if !self.out.is_empty() {
-            let out = std::mem::take(&mut self.out);
-            let written = self.inner.write_all(&out);
-            self.out = out;
-            self.out.clear();
-            written?;
-        }
+        let written = self.inner.write_all(&self.out);
+        self.out.clear();
+        written?;
         self.inner.flush()
     }
 }

@@ -212,16 +212,6 @@ impl Unproven {
             id,
         }
     }
-
-    /// Connections not yet proven.
-    pub fn len(&self) -> usize {
-        self.lock().conns.len()
-    }
-
-    /// Whether there are none.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
 }
 
 /// Starts the thread that writes every message queued on the returned [`Outbox`] to
