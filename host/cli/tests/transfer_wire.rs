@@ -97,6 +97,17 @@ fn every_agent_message() -> Vec<AgentMessage> {
             status: CompletionStatus::Failed("flush failed".into()),
             bounce: None,
         }),
+        AgentMessage::Completion(Completion {
+            request: 8,
+            sender_rank: 0,
+            receiver_rank: 0,
+            piece: 0,
+            is_last: true,
+            bytes: 0,
+            fragments: 0,
+            status: CompletionStatus::Cancelled("prefill-0 cancelled request 8".into()),
+            bounce: None,
+        }),
         AgentMessage::Cancel {
             request: 7,
             reason: "timed out".into(),

@@ -261,6 +261,9 @@ pub enum CompletionStatus {
     Ok,
     /// Nothing may be assumed about the piece's bytes.
     Failed(String),
+    /// The sender's engine cancelled the request: this is the pair's last piece, and nothing
+    /// may be assumed about its bytes.
+    Cancelled(String),
 }
 
 /// A sender's report on one piece, sent only after the piece's flush completed.

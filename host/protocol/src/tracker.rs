@@ -69,6 +69,8 @@ pub struct PieceFailure {
     pub piece: u32,
     /// The writer's reason.
     pub reason: String,
+    /// The writer's engine cancelled the request (not a failure of the write).
+    pub cancelled: bool,
 }
 
 /// What one completion meant.
@@ -390,7 +392,7 @@ impl RequestTracker {
                     Ok(Tracked::Progress)
                 }
             }
-            CompletionStatus::Failed(reason) => {
+            CompletionStatus::Failed(reason) | CompletionStatus::Cancelled(reason) => {
                 if self.phase != Phase::InFlight {
                     return Ok(Tracked::Late);
                 }
@@ -400,6 +402,7 @@ impl RequestTracker {
                     receiver,
                     piece,
                     reason: reason.clone(),
+                    cancelled: matches!(c.status, CompletionStatus::Cancelled(_)),
                 }))
             }
         }

@@ -184,6 +184,7 @@ fn completion() -> impl Strategy<Value = Completion> {
         prop_oneof![
             3 => Just(CompletionStatus::Ok),
             1 => "[a-z ]{0,12}".prop_map(CompletionStatus::Failed),
+            1 => "[a-z ]{0,12}".prop_map(CompletionStatus::Cancelled),
         ],
     )
         .prop_map(

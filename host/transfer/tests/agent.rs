@@ -357,7 +357,7 @@ mod hostile {
                         assert!(c.is_last && c.bytes == 0, "{c:?}");
                         return reason.clone();
                     }
-                    CompletionStatus::Ok => panic!("a hostile claim was written: {c:?}"),
+                    other => panic!("a hostile claim was answered {other:?}: {c:?}"),
                 },
                 AgentEvent::Nothing => {}
                 other => panic!("{other:?}"),

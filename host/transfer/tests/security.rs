@@ -224,3 +224,43 @@ fn stalled_and_dribbling_connections_cannot_keep_an_honest_peer_out() {
     drop(prefill);
     check(&src, &dst, &[0, 1], &[0, 1], None);
 }
+
+/// A cancel on the prefill side reaches the decode side at once, as a cancel by that peer
+/// (not as a failed write, nor at a lease or timeout).
+#[test]
+fn a_prefill_side_cancel_reaches_the_decode_side_at_once() {
+    let model = model();
+    let src = Engine::new("prefill", &model, pattern);
+    let dst = Engine::new("decode", &model, |_, _| CANARY);
+    let prefill = agent(Role::Context, &src, secret(), Transport::Tcp);
+    let decode = agent(Role::Generation, &dst, secret(), Transport::Tcp);
+    let endpoint = prefill.endpoint().unwrap().to_string();
+    decode
+        .expect(expecting(3, &endpoint, tables(&dst, &[0, 1]), 32))
+        .unwrap();
+    // The first of two chunks: the request stays open on the prefill side.
+    prefill
+        .send(kvferry_transfer::agent::Send {
+            request: 3,
+            tables: tables(&src, &[0]),
+            tokens: kvferry_planner_abi::TokenRange { start: 0, end: 16 },
+            prompt_len: 32,
+            is_last: false,
+            to: Some("decode".into()),
+        })
+        .unwrap();
+    thread::sleep(Duration::from_millis(200));
+    prefill.cancel(3).unwrap();
+    assert_eq!(
+        wait(&prefill, 3, Duration::from_secs(5)),
+        Event::Cancelled { request: 3 }
+    );
+    // The decode side's own timeout is 30 s: five is "at once" here.
+    match wait(&decode, 3, Duration::from_secs(5)) {
+        Event::Failed { kind, detail, .. } => {
+            assert_eq!(kind, FailureKind::CancelledByPeer, "{detail}");
+            assert!(detail.contains("cancelled request 3"), "{detail}");
+        }
+        other => panic!("{other:?}"),
+    }
+}

@@ -194,7 +194,17 @@ impl State {
     }
 }
 
-fn failed(request: u64, (c, g): (u32, u32), piece: u32, reason: String) -> AgentMessage {
+fn failed(request: u64, pair: (u32, u32), piece: u32, reason: String) -> AgentMessage {
+    last_piece(request, pair, piece, CompletionStatus::Failed(reason))
+}
+
+/// A pair's last piece that carries no bytes: failed, or cancelled by this side's engine.
+fn last_piece(
+    request: u64,
+    (c, g): (u32, u32),
+    piece: u32,
+    status: CompletionStatus,
+) -> AgentMessage {
     AgentMessage::Completion(Completion {
         request,
         sender_rank: c,
@@ -203,7 +213,7 @@ fn failed(request: u64, (c, g): (u32, u32), piece: u32, reason: String) -> Agent
         is_last: true,
         bytes: 0,
         fragments: 0,
-        status: CompletionStatus::Failed(reason),
+        status,
         bounce: None,
     })
 }
@@ -1231,18 +1241,23 @@ fn settle(inner: &Arc<Inner>, id: u64) {
         let ending = req.cancelled || req.failure.is_some();
         if ending && !busy {
             // Every claim still open hears it is over; nothing of theirs is in flight.
-            let reason = match &req.failure {
-                Some((_, _, d)) => d.clone(),
-                None => format!("{} cancelled request {id}", inner.me()),
+            // A cancel by this side's engine reaches the receivers as one, so they end
+            // `CancelledByPeer` at once rather than as a failed write.
+            let status = match &req.failure {
+                Some((_, _, d)) => CompletionStatus::Failed(d.clone()),
+                None => {
+                    CompletionStatus::Cancelled(format!("{} cancelled request {id}", inner.me()))
+                }
             };
             for (&g, claim) in req.claims.iter_mut() {
                 if !claim.ended {
                     claim.ended = true;
-                    let _ =
-                        claim
-                            .conn
-                            .outbox
-                            .send(failed(id, (c, g), claim.reported, reason.clone()));
+                    let _ = claim.conn.outbox.send(last_piece(
+                        id,
+                        (c, g),
+                        claim.reported,
+                        status.clone(),
+                    ));
                 }
             }
         }

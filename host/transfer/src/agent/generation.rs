@@ -986,11 +986,15 @@ fn track(inner: &Arc<Inner>, link: &Arc<Link>, c: Completion) {
             }
             Ok(Tracked::Failed(f)) => {
                 if req.failure.is_none() && !req.cancelled {
-                    req.failure = Some((
-                        Some(link.name()),
-                        FailureKind::Write,
-                        format!("{} piece {} failed: {}", link.name(), f.piece, f.reason),
-                    ));
+                    req.failure = Some(if f.cancelled {
+                        (Some(link.name()), FailureKind::CancelledByPeer, f.reason)
+                    } else {
+                        (
+                            Some(link.name()),
+                            FailureKind::Write,
+                            format!("{} piece {} failed: {}", link.name(), f.piece, f.reason),
+                        )
+                    });
                 }
                 None
             }
