@@ -224,6 +224,45 @@ fn over_tcp_the_sender_does_not_translate_so_vet_passes() {
     vet(&sender, remote(&receiver, 1, declared_at(&receiver, WILD))).expect("not mappable: passes");
 }
 
+/// A key cut short is refused at vet, naming what is wrong with it, over tcp and shm: UCX
+/// parses a key without a length, and the first 4 bytes of a real 9-byte tcp key crashed the
+/// sender inside `ucp_ep_rkey_unpack`. So is a bounce arena's short key (its index: the pool
+/// count), and the thread goes on serving.
+#[test]
+fn vet_refuses_a_truncated_key_by_name() {
+    for transport in [Transport::Tcp, Transport::Shm] {
+        let receiver = rank("gen", transport);
+        let sender = rank("ctx", transport);
+        let mut short = receiver.keys.clone();
+        short[0].rkey.truncate(4);
+        let err = vet(&sender, remote(&receiver, 1, short)).unwrap_err();
+        assert_eq!(
+            error_chain(&err),
+            "cannot unpack the remote key of gen rank 0 pool 0: ucp_ep_rkey_unpack not called: \
+             malformed remote key: 4 bytes, fewer than the 9 of its header (a 64-bit md map and \
+             a memory type)",
+            "{transport:?}"
+        );
+
+        let mut bounce = receiver.keys[0].clone();
+        bounce.rkey.truncate(1);
+        let dest = Arc::new(RemoteRank {
+            bounce: Some(bounce),
+            ..Arc::unwrap_or_clone(remote(&receiver, 2, receiver.keys.clone()))
+        });
+        match vet(&sender, dest) {
+            Err(WriteError::UnpackKey {
+                pool: 1, source, ..
+            }) => assert!(
+                source.key_format().is_some(),
+                "{transport:?}: refused by UCX, not by the layout check: {source:?}"
+            ),
+            other => panic!("{transport:?}: expected UnpackKey for pool 1, got {other:?}"),
+        }
+        vet(&sender, remote(&receiver, 3, receiver.keys.clone())).expect("still serving");
+    }
+}
+
 #[test]
 fn vet_on_a_stopped_thread_replies_at_once() {
     let receiver = rank("gen", Transport::Shm);

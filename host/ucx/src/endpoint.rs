@@ -21,11 +21,21 @@ use ucx_sys as sys;
 use crate::ffi::{RawRequest, check, check_ptr};
 use crate::library::shared_rw_mapping_covers;
 use crate::request::Request;
+use crate::rkey_format::{KeyLayout, check_packed_rkey};
 use crate::status::WithOp;
 use crate::{Error, MemRegion, Op, Status, Worker};
 
 /// How long `Drop` lets an endpoint flush before closing it with `UCP_EP_CLOSE_FLAG_FORCE`.
 const DROP_CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Zero bytes after the copy of a peer's key that [`Endpoint::unpack_rkey`] hands UCX. Each
+/// transport's `rkey_unpack` reads its own fixed struct from where its entry starts (inside
+/// the checked key), whatever the entry's size byte says: the largest, 1.22.0's extended
+/// `cuda_ipc` key (`uct_cuda_ipc_extended_rkey_t`, `src/uct/cuda/cuda_ipc/cuda_ipc_md.h:139-157`,
+/// 200 bytes with CUDA fabric handles; read at `cuda_ipc_md.c:474-483`), ends in the padding.
+/// `posix` reads a NUL-terminated directory after its 24 bytes when its segment id says so
+/// (`src/uct/sm/mm/posix/mm_posix.c:412-429`): the padding ends it.
+const KEY_PADDING: usize = 256;
 
 /// A connection from a [`Worker`] to one peer worker (`ucp_ep_h`).
 ///
@@ -292,24 +302,47 @@ impl Endpoint {
     /// endpoint. The key holds a handle on the endpoint, which stays open until the key is
     /// destroyed.
     ///
+    /// UCX parses the bytes without a length and reads past the end of a short key (a
+    /// truncated one crashed the process), so they are first checked against the packed
+    /// layout of the UCX loaded here ([`KeyLayout::loaded`]): header, every memory domain's
+    /// entry, and (UCX 1.20 and later) the system device and its distances must fill the bytes
+    /// exactly. UCX then gets a writable copy (1.13.1's `cuda_ipc` unpack writes into the
+    /// buffer, `src/uct/cuda/cuda_ipc/cuda_ipc_md.c:147` by way of `:196`) followed by 256 zero
+    /// bytes: a transport that reads more than its entry declares (its fixed struct is
+    /// longer than a forged size byte says, or `posix`'s directory string has no end) reads
+    /// zeros this crate owns rather than whatever follows on the heap.
+    ///
     /// Wraps `ucp_ep_rkey_unpack`.
     ///
     /// # Errors
     ///
-    /// [`Op::RkeyUnpack`] if UCX cannot reach the key's memory over this endpoint's transports,
-    /// or [`Status::INVALID_PARAM`] for empty bytes. Like worker addresses, the bytes are parsed
-    /// without a length and must be delivered intact.
+    /// - [`Op::RkeyUnpack`] with [`Status::INVALID_PARAM`] and a [`KeyFormatError`]
+    ///   ([`Error::key_format`]) if the bytes are not a complete key of that layout (empty
+    ///   bytes included); UCX is not called.
+    /// - [`Op::RkeyUnpack`] with UCX's status if UCX cannot reach the key's memory over this
+    ///   endpoint's transports, or a transport refuses its part of the key.
+    ///
+    /// [`KeyLayout::loaded`]: crate::rkey_format::KeyLayout::loaded
+    /// [`KeyFormatError`]: crate::rkey_format::KeyFormatError
     #[doc(alias = "ucp_ep_rkey_unpack")]
     pub fn unpack_rkey(&self, packed: &[u8]) -> Result<RemoteKey, Error> {
-        if packed.is_empty() {
-            return Err(Error::new(Op::RkeyUnpack, Status::INVALID_PARAM));
-        }
+        check_packed_rkey(packed, KeyLayout::loaded()).map_err(Error::refused_key)?;
+        let mut owned = Vec::with_capacity(packed.len() + KEY_PADDING);
+        owned.extend_from_slice(packed);
+        owned.resize(packed.len() + KEY_PADDING, 0);
         let mut handle = ptr::null_mut();
         // SAFETY: the endpoint is open (it is closed only once its last handle, `self` among
-        // them, is gone) and used on its worker's thread (no handle is `Send`); `packed` is
-        // readable for the call and UCX copies what it keeps; `handle` is a valid out-pointer.
+        // them, is gone) and used on its worker's thread (no handle is `Send`). `owned` is a
+        // complete key of the loaded UCX's layout (checked above), so UCP's parse of it stays
+        // inside it; it is readable and writable (UCX may write into it) and nothing else
+        // refers to it during the call; UCX copies what it keeps, and the copy is freed after.
+        // `handle` is a valid out-pointer.
         check(unsafe {
-            sys::ucp_ep_rkey_unpack(self.handle(), packed.as_ptr().cast(), &mut handle)
+            sys::ucp_ep_rkey_unpack(
+                self.handle(),
+                owned.as_mut_ptr().cast_const().cast(),
+                &mut handle,
+            )
         })
         .op(Op::RkeyUnpack)?;
         Ok(RemoteKey {

@@ -69,9 +69,28 @@ on a worker converts), and [`SendWorker::into_worker`] takes it back on the othe
 
 # Trust
 
-Worker addresses and packed remote keys are parsed by UCX without a length: they must be bytes
-produced by a peer's [`Worker::address`] / [`MemRegion::pack_rkey`], delivered intact. A peer
-is trusted anyway: holding a remote key, it can write the memory the key describes.
+Worker addresses and packed remote keys are parsed by UCX without a length. An address must be
+bytes produced by a peer's [`Worker::address`], delivered intact (only its version byte is
+checked). A packed remote key is checked before UCX sees it ([`rkey_format`]): one that is
+truncated, has bytes left over, or whose md map, entry sizes, memory type or distance list
+disagree with its length or with the loaded UCX's layout is refused with a [`KeyFormatError`]
+naming the field, instead of being read past its end.
+
+A key that passes that check has a sound container, not sound contents: each transport reads
+its own part without a size and believes it. A peer that forges one can still
+- make a transport read past its entry (a size byte smaller than the transport's struct): it
+  reads the zero padding [`Endpoint::unpack_rkey`] adds, not the heap beyond;
+- stop the process where UCX is built with assertions: Debian's 1.13.1 aborts on a `posix` key
+  whose length is 0 (`mm_posix.c:360`, measured by the `rkey_fuzz` test's forged mode);
+- at unpack, make `posix` open and map a file of its choice that this user can open (any
+  `/proc/<pid>/fd/<fd>`, any `shm_open` name, with a length of its choice), `sysv` attach any
+  segment this user can, and `cuda_ipc` import another process's handle;
+- over shared memory (and `gdr_copy`), choose where puts through the key land in this process:
+  the key carries the owner's address, which UCX subtracts. [`RemoteKey::check_range`] only
+  confines a declared range to one shared, writable mapping of this process: a forged owner
+  address can aim it at another one, such as this process's own UCX-allocated pools.
+
+A peer is trusted anyway: holding a remote key, it can write the memory the key describes.
 
 The addresses a peer says its keys cover are not trusted: UCX translates any address through a
 shared-memory key, inside its segment or not, and this process copies the put there.
@@ -88,6 +107,7 @@ pub mod library;
 mod memory;
 mod memtype;
 mod request;
+pub mod rkey_format;
 mod status;
 mod window;
 mod worker;
@@ -99,6 +119,7 @@ pub use endpoint::{AmProto, Endpoint, ErrorMode, RangeCheck, RemoteKey};
 pub use memory::{MemRegion, PackedRkey};
 pub use memtype::{MemoryType, MemoryTypes};
 pub use request::Request;
+pub use rkey_format::{KeyFormatError, KeyLayout};
 pub use status::{Error, Op, Status};
 pub use window::PutWindow;
 pub use worker::{SPIN_BEFORE_YIELD, SendWorker, Worker};

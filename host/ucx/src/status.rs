@@ -5,6 +5,8 @@ use std::fmt;
 
 use ucx_sys::ucs_status_t;
 
+use crate::rkey_format::KeyFormatError;
+
 /// A UCX status code (`ucs_status_t`), as returned by a failed call or a failed request.
 ///
 /// Any code is representable, including ones this crate does not name. `Display` prints UCX's
@@ -176,18 +178,34 @@ impl fmt::Display for Op {
 /// A failed UCX operation: which call failed ([`Op`]) and the status it failed with.
 ///
 /// `Display` names the call ("ucp_put_nbx failed"); the UCX status is the error's `source()`.
-#[derive(Clone, Copy, Debug, Eq, PartialEq, thiserror::Error)]
-#[error("{op} failed")]
+/// A peer's remote key that this crate refused before UCX saw it is the exception: the call
+/// was not made ("ucp_ep_rkey_unpack not called: malformed remote key"), the status is
+/// [`Status::INVALID_PARAM`], and the source is what is wrong with the key
+/// ([`key_format`](Self::key_format)).
+#[derive(Clone, Copy, Debug, Eq, PartialEq)]
 pub struct Error {
     op: Op,
-    #[source]
     status: Status,
+    malformed_key: Option<KeyFormatError>,
 }
 
 impl Error {
     /// An error for `op` failing with `status`.
     pub fn new(op: Op, status: Status) -> Error {
-        Error { op, status }
+        Error {
+            op,
+            status,
+            malformed_key: None,
+        }
+    }
+
+    /// [`Op::RkeyUnpack`] refused before the call: the key's layout is wrong.
+    pub(crate) fn refused_key(why: KeyFormatError) -> Error {
+        Error {
+            op: Op::RkeyUnpack,
+            status: Status::INVALID_PARAM,
+            malformed_key: Some(why),
+        }
     }
 
     /// The call that failed.
@@ -198,6 +216,30 @@ impl Error {
     /// The status it failed with.
     pub fn status(&self) -> Status {
         self.status
+    }
+
+    /// What is wrong with a peer's packed remote key, when the error is that key's refusal
+    /// (before `ucp_ep_rkey_unpack`, which would have read past its end).
+    pub fn key_format(&self) -> Option<&KeyFormatError> {
+        self.malformed_key.as_ref()
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.malformed_key {
+            Some(_) => write!(f, "{} not called: malformed remote key", self.op),
+            None => write!(f, "{} failed", self.op),
+        }
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match &self.malformed_key {
+            Some(why) => Some(why),
+            None => Some(&self.status),
+        }
     }
 }
 
@@ -236,6 +278,28 @@ mod tests {
         );
         assert_eq!(Status(ucs_status_t(-99)).message(), "Unknown error");
         assert_eq!(Status(ucs_status_t(7)).message(), "Unknown error");
+    }
+
+    #[test]
+    fn a_refused_key_names_what_is_wrong_with_it() {
+        let why = KeyFormatError::HeaderTruncated { len: 4 };
+        let err = Error::refused_key(why);
+        assert_eq!(
+            err.to_string(),
+            "ucp_ep_rkey_unpack not called: malformed remote key"
+        );
+        assert_eq!(
+            err.source().unwrap().to_string(),
+            "4 bytes, fewer than the 9 of its header (a 64-bit md map and a memory type)"
+        );
+        assert_eq!(
+            (err.op(), err.status(), err.key_format()),
+            (Op::RkeyUnpack, Status::INVALID_PARAM, Some(&why))
+        );
+        assert_eq!(
+            Error::new(Op::RkeyUnpack, Status::UNREACHABLE).key_format(),
+            None
+        );
     }
 
     #[test]
