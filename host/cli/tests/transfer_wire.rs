@@ -112,6 +112,10 @@ fn every_agent_message() -> Vec<AgentMessage> {
             request: 7,
             reason: "timed out".into(),
         },
+        AgentMessage::ProveWorker,
+        AgentMessage::WorkerProof {
+            challenge: vec![5; 32],
+        },
         AgentMessage::Error {
             message: "bad magic".into(),
         },

@@ -11,7 +11,11 @@
 //! generation (AgentSession::dial)              context (AgentSession::accept)
 //!   ══ secure::dial(secret, intent) ════════▶  secure::accept(secret): checks the intent
 //!   ── Metadata(gen) ────────────────────────▶  vet the metadata (the first record proves
-//!   vet the metadata ◀── Metadata(ctx) | Refused    the dialer holds the secret)
+//!                                                  the dialer holds the secret); connect to
+//!   its worker takes ◀═ UCX AM: tag(session)‖c ══  the declared worker, send it a challenge
+//!   ◀── ProveWorker ─────────────────────────────  ask for it back
+//!   ── WorkerProof{c} ───────────────────────▶  c matches: the worker is the dialer's own
+//!   vet the metadata ◀── Metadata(ctx) | Refused
 //!   Ready ── RequestData, Cancel, Ping ──────▶  Ready
 //!         ◀──────────── Completion, Ping ────
 //! ```
@@ -155,6 +159,34 @@ pub enum AgentMessage {
         /// What was wrong.
         message: String,
     },
+    /// The context rank sent a challenge to the worker address the generation rank declared,
+    /// as a UCX active message ([`WORKER_CHALLENGE_AM`]): the generation rank answers with
+    /// the challenge its worker received for this session.
+    ProveWorker,
+    /// The generation rank's answer: the challenge its worker received for this session
+    /// (empty if none arrived in time).
+    WorkerProof {
+        /// The challenge's random bytes.
+        challenge: Vec<u8>,
+    },
+}
+
+/// The UCX active-message id of a worker challenge.
+pub const WORKER_CHALLENGE_AM: u16 = 0x4b46;
+/// Bytes of a worker challenge's random part.
+pub const WORKER_CHALLENGE_LEN: usize = 32;
+
+/// The tag that ties a worker challenge to one session: a hash of the session's handshake
+/// hash ([`crate::secure::Channel::binding`]), which only its two ends know. A worker that
+/// receives challenges answers, on a session, only the one tagged for that session — so a
+/// peer cannot have another process's worker answer for it, even through a session of its
+/// own with that process.
+pub fn worker_challenge_tag(binding: &[u8; 32]) -> [u8; 32] {
+    use sha2::Digest as _;
+    let mut h = sha2::Sha256::new();
+    h.update(b"kvferry worker challenge v1\0");
+    h.update(binding);
+    h.finalize().into()
 }
 
 impl Frame for AgentMessage {
@@ -170,6 +202,8 @@ impl Frame for AgentMessage {
             AgentMessage::Cancel { .. } => "Cancel",
             AgentMessage::Ping => "Ping",
             AgentMessage::Error { .. } => "Error",
+            AgentMessage::ProveWorker => "ProveWorker",
+            AgentMessage::WorkerProof { .. } => "WorkerProof",
         }
     }
 
@@ -226,6 +260,8 @@ pub enum AgentState {
     AwaitMetadata,
     /// The peer's metadata arrived; the caller vets it.
     Vetting,
+    /// Acceptor: the worker challenge is out, waiting for the dialer's proof.
+    AwaitWorkerProof,
     /// Requests may flow.
     Ready,
     /// Ended.
@@ -237,6 +273,7 @@ impl AgentState {
         match self {
             AgentState::AwaitMetadata => "waiting for metadata",
             AgentState::Vetting => "vetting the peer",
+            AgentState::AwaitWorkerProof => "waiting for the worker's proof",
             AgentState::Ready => "ready",
             AgentState::Closed => "closed",
         }
@@ -255,6 +292,10 @@ pub enum AgentEvent {
     RequestData(Box<RequestData>),
     /// A context rank's report (dialer only).
     Completion(Completion),
+    /// The acceptor asks for the challenge the dialer's worker received (dialer only).
+    ProveWorker,
+    /// The dialer's answer to [`AgentSession::challenge`] (acceptor only).
+    WorkerProof(Vec<u8>),
     /// A generation rank abandons a request (acceptor only).
     Cancel {
         /// The request.
@@ -307,6 +348,18 @@ impl AgentSession {
         self.expect_vetting(Role::Context, "Metadata")?;
         self.state = AgentState::Ready;
         Ok(AgentMessage::Metadata(Box::new(own)))
+    }
+
+    /// The acceptor, vetting, has sent a challenge to the dialer's declared worker: the
+    /// message asking for it back. The dialer's [`AgentMessage::WorkerProof`] follows.
+    ///
+    /// # Errors
+    ///
+    /// Not vetting, or this is the dialer.
+    pub fn challenge(&mut self) -> Result<AgentMessage, AgentError> {
+        self.expect_vetting(Role::Context, "ProveWorker")?;
+        self.state = AgentState::AwaitWorkerProof;
+        Ok(AgentMessage::ProveWorker)
     }
 
     /// The dialer has vetted the acceptor's metadata: requests may go out.
@@ -379,6 +432,11 @@ impl AgentSession {
             }
             (Role::Generation, S::AwaitMetadata, M::Refused { reason }) => {
                 Err(AgentError::Refused { reason })
+            }
+            (Role::Generation, S::AwaitMetadata, M::ProveWorker) => Ok(AgentEvent::ProveWorker),
+            (Role::Context, S::AwaitWorkerProof, M::WorkerProof { challenge }) => {
+                self.state = S::Vetting;
+                Ok(AgentEvent::WorkerProof(challenge))
             }
             (_, S::Ready, M::Ping) => Ok(AgentEvent::Nothing),
             (Role::Context, S::Ready, M::RequestData(data)) => {

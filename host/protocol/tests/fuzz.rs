@@ -357,6 +357,9 @@ fn agent_message() -> impl Strategy<Value = AgentMessage> {
             .prop_map(|(request, reason)| AgentMessage::Cancel { request, reason }),
         Just(AgentMessage::Ping),
         "[a-z]{0,8}".prop_map(|message| AgentMessage::Error { message }),
+        Just(AgentMessage::ProveWorker),
+        proptest::collection::vec(any::<u8>(), 0..40)
+            .prop_map(|challenge| AgentMessage::WorkerProof { challenge }),
     ]
 }
 
@@ -694,16 +697,26 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 1024, ..ProptestConfig::default() })]
 
     /// An acceptor's session under any message sequence: it takes metadata only from a
-    /// generation rank and only first, requests and cancels only once it admitted that rank,
-    /// never a completion, and nothing once closed.
+    /// generation rank and only first, a worker proof only after asking for one, requests
+    /// and cancels only once it admitted that rank, never a completion, and nothing once
+    /// closed.
     #[test]
     fn agent_acceptor_takes_requests_only_after_admitting_metadata(
         messages in proptest::collection::vec(agent_message(), 0..12),
         admit_at in proptest::option::of(0usize..12),
+        challenge_at in proptest::option::of(0usize..12),
     ) {
         let mut acceptor = AgentSession::accept();
         prop_assert_eq!(acceptor.state(), AgentState::AwaitMetadata);
         for (i, message) in messages.into_iter().enumerate() {
+            if challenge_at == Some(i) {
+                let before = acceptor.state();
+                let out = acceptor.challenge();
+                prop_assert_eq!(out.is_ok(), before == AgentState::Vetting);
+                if out.is_ok() {
+                    prop_assert_eq!(acceptor.state(), AgentState::AwaitWorkerProof);
+                }
+            }
             if admit_at == Some(i) {
                 let before = acceptor.state();
                 let out = acceptor.admit(context_self());
@@ -722,8 +735,12 @@ proptest! {
                 Ok(AgentEvent::RequestData(_) | AgentEvent::Cancel { .. } | AgentEvent::Nothing) => {
                     prop_assert_eq!(before, AgentState::Ready);
                 }
-                Ok(AgentEvent::Completion(_)) => {
-                    return Err(TestCaseError::fail("an acceptor took a completion"));
+                Ok(AgentEvent::WorkerProof(_)) => {
+                    prop_assert_eq!(before, AgentState::AwaitWorkerProof);
+                    prop_assert_eq!(acceptor.state(), AgentState::Vetting);
+                }
+                Ok(AgentEvent::Completion(_) | AgentEvent::ProveWorker) => {
+                    return Err(TestCaseError::fail("an acceptor took a dialer's message"));
                 }
                 Err(AgentError::PeerError { .. } | AgentError::Unexpected { .. } | AgentError::Role { .. }) => {}
                 Err(e) => return Err(TestCaseError::fail(format!("unexpected {e}"))),
@@ -760,6 +777,10 @@ proptest! {
                 }
                 Ok(AgentEvent::Completion(_) | AgentEvent::Nothing) => {
                     prop_assert_eq!(before, AgentState::Ready);
+                }
+                Ok(AgentEvent::ProveWorker) => {
+                    prop_assert_eq!(before, AgentState::AwaitMetadata);
+                    prop_assert_eq!(dialer.state(), AgentState::AwaitMetadata);
                 }
                 Ok(other) => return Err(TestCaseError::fail(format!("a dialer took {other:?}"))),
                 Err(_) => {}

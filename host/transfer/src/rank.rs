@@ -86,7 +86,7 @@ use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use kvferry_ucx::{
-    Endpoint, ErrorMode, MemRegion, Op, PutWindow, RangeCheck, RemoteKey, Status, Worker,
+    Endpoint, ErrorMode, MemRegion, Op, PutWindow, RangeCheck, RemoteKey, Request, Status, Worker,
 };
 
 use kvferry_plan::ValidatedPlan;
@@ -472,7 +472,7 @@ impl Drop for VetReply {
 enum Command {
     Write(WriteJob),
     Replay(ReplayJob),
-    Vet(Arc<RemoteRank>, VetReply),
+    Vet(Arc<RemoteRank>, Option<Vec<u8>>, VetReply),
     Forget(PeerId),
 }
 
@@ -646,13 +646,17 @@ impl RankThread {
     /// declared pools ([`WriteError::KeyRange`]) before accepting it. Queued behind earlier
     /// commands; if the thread is gone, replies [`WriteError::Stopped`] at once (and so if it
     /// ends before it gets to the command).
-    pub fn vet(&self, dest: Arc<RemoteRank>, reply: VetDone) {
+    ///
+    /// With `challenge`, once connected it also sends those bytes to the peer's worker as an
+    /// active message of id [`WORKER_CHALLENGE_AM`](kvferry_protocol::agent::WORKER_CHALLENGE_AM)
+    /// (see `agent::worker_proof`): the reply comes once the send is under way, not delivered.
+    pub fn vet(&self, dest: Arc<RemoteRank>, challenge: Option<Vec<u8>>, reply: VetDone) {
         let reply = VetReply {
             rank: self.rank,
             reply: Some(reply),
         };
         // A refused send drops the command, and so replies `Stopped`.
-        let _ = self.tx.send(Command::Vet(dest, reply));
+        let _ = self.tx.send(Command::Vet(dest, challenge, reply));
     }
 
     /// Drops the endpoints and keys kept for `peer`: each endpoint is closed then, or, while a
@@ -728,6 +732,7 @@ fn run(
         staging,
         conns: HashMap::new(),
         stuck: Vec::new(),
+        challenges: Vec::new(),
     };
     let mut idle = 0u32;
     loop {
@@ -758,8 +763,14 @@ fn run(
         idle = 0;
         match command {
             Command::Forget(peer) => exec.forget(peer),
-            Command::Vet(dest, reply) => {
-                let result = exec.connect(&dest).map(|_| ());
+            Command::Vet(dest, challenge, reply) => {
+                let result = exec
+                    .connect(&dest)
+                    .map(|_| ())
+                    .and_then(|()| match challenge {
+                        Some(payload) => exec.challenge(&dest, payload),
+                        None => Ok(()),
+                    });
                 if let Err(e) = &result {
                     tracing::warn!(
                         peer = %dest.instance,
@@ -828,6 +839,8 @@ struct Executor<'a> {
     conns: HashMap<(PeerId, u32), Conn>,
     /// Quarantined windows (see the module docs); never dropped while not idle.
     stuck: Vec<Stuck<'a>>,
+    /// Worker challenges still being sent (each owns its payload).
+    challenges: Vec<Request<'static>>,
 }
 
 /// One put of a replay, resolved before the clock starts.
@@ -969,7 +982,32 @@ impl<'a> Executor<'a> {
     }
 
     /// Releases quarantined windows whose operations have all finished.
+    /// Sends `payload` to `dest`'s worker as a worker challenge, on the connection
+    /// [`connect`](Self::connect) made; the send is kept until it completes.
+    fn challenge(&mut self, dest: &RemoteRank, payload: Vec<u8>) -> Result<(), WriteError> {
+        let Some(conn) = self.conns.get(&(dest.peer, dest.rank)) else {
+            return Err(WriteError::Stopped { rank: self.rank });
+        };
+        let mut send = conn
+            .ep
+            .am_send_owned(
+                kvferry_protocol::agent::WORKER_CHALLENGE_AM,
+                Vec::new(),
+                payload,
+            )
+            .map_err(|source| WriteError::Connect {
+                instance: dest.instance.clone(),
+                rank: dest.rank,
+                source,
+            })?;
+        if !send.is_done() {
+            self.challenges.push(send);
+        }
+        Ok(())
+    }
+
     fn poll_stuck(&mut self) {
+        self.challenges.retain_mut(|send| !send.is_done());
         if self.stuck.is_empty() {
             return;
         }
@@ -1526,6 +1564,15 @@ impl<'a> Executor<'a> {
 
 impl Drop for Executor<'_> {
     fn drop(&mut self) {
+        for mut send in self.challenges.drain(..) {
+            if !send.is_done() {
+                // A challenge to a worker that never took it: forgotten rather than waited
+                // for (its drop would wait for the peer). Sound: the request owns its
+                // payload and holds its endpoint, both leaked with it, so nothing UCX may
+                // still read is freed.
+                std::mem::forget(send);
+            }
+        }
         for stuck in self.stuck.drain(..) {
             let Stuck {
                 mut window,

@@ -317,20 +317,28 @@ mod hostile {
         rest.is_empty() || rest == [0, 0]
     }
 
-    /// An authenticated session posing as `decode`'s rank (it holds the secret).
-    fn authenticated(endpoint: &str, decode: &Agent) -> (SecurePeer, AgentSession) {
+    /// An authenticated session posing as `decode`'s rank (it holds the secret), declaring
+    /// (and proving) a worker of its own.
+    fn authenticated(endpoint: &str, decode: &Agent) -> (SecurePeer, AgentSession, HandWorker) {
         let mut s = SecurePeer::dial(endpoint, &secret()).unwrap();
-        let me = AgentMetadata::from_bytes(&decode.local_metadata().unwrap()).unwrap();
+        let hand = HandWorker::start();
+        let mut me = AgentMetadata::from_bytes(&decode.local_metadata().unwrap()).unwrap();
+        me.rank.worker_address = hand.address.clone();
         let (mut session, own) = AgentSession::dial(me);
         write_frame(&mut s, &own).unwrap();
         loop {
             let m: AgentMessage = read_frame(&mut s).unwrap();
-            if let AgentEvent::Metadata(_) = session.receive(m).unwrap() {
-                break;
+            match session.receive(m).unwrap() {
+                AgentEvent::Metadata(_) => break,
+                AgentEvent::ProveWorker => {
+                    let challenge = hand.challenge_for(&s.binding);
+                    write_frame(&mut s, &AgentMessage::WorkerProof { challenge }).unwrap();
+                }
+                other => panic!("{other:?}"),
             }
         }
         session.ready().unwrap();
-        (s, session)
+        (s, session, hand)
     }
 
     fn claim(request: u64, tables: Vec<SlotTable>, end: u64, prompt: u64) -> AgentMessage {
@@ -439,7 +447,7 @@ mod hostile {
 
         // Authenticated but hostile: slots outside the pool, tokens outside the prompt,
         // another instance's claim — each refused by name, no byte written.
-        let (mut s, mut session) = authenticated(&endpoint, &decode);
+        let (mut s, mut session, _hand) = authenticated(&endpoint, &decode);
         let slots = dst.info.page_table.pools[0].num_slots as i64;
         write_frame(&mut s, &claim(1, tables(&dst, &[0, slots]), 32, 32)).unwrap();
         let reason = refusal(&mut s, &mut session);

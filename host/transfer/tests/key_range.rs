@@ -72,6 +72,7 @@ fn vet(sender: &Rank, dest: Arc<RemoteRank>) -> Result<(), WriteError> {
     let (tx, rx) = mpsc::channel();
     sender.thread.vet(
         dest,
+        None,
         Box::new(move |result| {
             let _ = tx.send(result);
         }),

@@ -264,3 +264,56 @@ fn a_prefill_side_cancel_reaches_the_decode_side_at_once() {
         other => panic!("{other:?}"),
     }
 }
+
+/// A peer holding the secret that declares another process's worker address and keys (here
+/// the real decode rank's) cannot answer the challenge the context rank sends that worker for
+/// its session: it is refused before anything is written, over tcp and shm, and the real
+/// rank is served afterwards.
+#[test]
+fn a_peer_declaring_another_process_worker_is_refused_and_nothing_lands_there() {
+    use kvferry_protocol::{AgentEvent, AgentMessage, AgentMetadata, AgentSession};
+    use kvferry_protocol::{read_frame, write_frame};
+    for transport in [Transport::Tcp, Transport::Shm] {
+        let model = model();
+        let src = Engine::new("prefill", &model, pattern);
+        let dst = Engine::new("decode", &model, |_, _| CANARY);
+        let prefill = agent(Role::Context, &src, secret(), transport);
+        let victim = agent(Role::Generation, &dst, secret(), transport);
+        let endpoint = prefill.endpoint().unwrap().to_string();
+        let mut s = SecurePeer::dial(&endpoint, &secret()).unwrap();
+        let theirs = AgentMetadata::from_bytes(&victim.local_metadata().unwrap()).unwrap();
+        let (mut session, own) = AgentSession::dial(theirs);
+        write_frame(&mut s, &own).unwrap();
+        let refusal = loop {
+            let m: AgentMessage = read_frame(&mut s).unwrap();
+            match session.receive(m) {
+                Ok(AgentEvent::ProveWorker) => {
+                    // It does not own the worker: it never saw the challenge.
+                    let guess = AgentMessage::WorkerProof {
+                        challenge: vec![0; 32],
+                    };
+                    write_frame(&mut s, &guess).unwrap();
+                }
+                Ok(other) => panic!("{transport}: a forged worker was accepted: {other:?}"),
+                Err(e) => break e.to_string(),
+            }
+        };
+        assert!(refusal.contains("does not own that worker"), "{refusal}");
+        drop(s);
+        prefill.send(whole(1, tables(&src, &[0, 1]), 32)).unwrap();
+        thread::sleep(Duration::from_millis(200));
+        check(&src, &dst, &[], &[], None);
+        // The real owner proves it and is served.
+        victim
+            .expect(expecting(1, &endpoint, tables(&dst, &[0, 1]), 32))
+            .unwrap();
+        let got = wait(&victim, 1, Duration::from_secs(20));
+        assert!(
+            matches!(got, Event::Received { .. }),
+            "{transport}: {got:?}"
+        );
+        drop(victim);
+        drop(prefill);
+        check(&src, &dst, &[0, 1], &[0, 1], None);
+    }
+}

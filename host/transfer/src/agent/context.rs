@@ -296,7 +296,7 @@ fn serve_connection(inner: &Arc<Inner>, stream: TcpStream, pending: Pending) {
         mut reader,
         writer,
         socket,
-        ..
+        binding,
     } = secured;
     let mut session = AgentSession::accept();
     // The first frame: the first record that opens proves the dialer holds the secret.
@@ -320,20 +320,41 @@ fn serve_connection(inner: &Arc<Inner>, stream: TcpStream, pending: Pending) {
         return;
     }
     let conn = match session.receive(first) {
-        Ok(AgentEvent::Metadata(m)) => match admit(inner, &m, outbox.clone(), socket) {
-            Ok(conn) => match session.admit(inner.metadata.clone()) {
-                Ok(reply) => {
-                    let _ = conn.outbox.send(reply);
-                    conn
-                }
-                Err(_) => return,
-            },
-            Err(reason) => {
-                tracing::info!(peer = %m.identity(), %reason, "generation rank refused");
-                refuse(&mut session, reason, reader);
+        Ok(AgentEvent::Metadata(m)) => {
+            let Ok((expected, challenge)) = super::worker_proof::new_challenge(&binding) else {
                 return;
+            };
+            match admit(inner, &m, outbox.clone(), socket, challenge) {
+                Ok(conn) => {
+                    // Nothing is written to the worker it declared before it proves it owns it.
+                    if let Err(reason) = prove_worker(&mut session, &outbox, &mut reader, &expected)
+                    {
+                        tracing::warn!(peer = %m.identity(), %reason, "generation rank refused");
+                        lost(inner, &conn, &reason);
+                        refuse(&mut session, reason, reader);
+                        return;
+                    }
+                    match session.admit(inner.metadata.clone()) {
+                        Ok(reply) => {
+                            lock(&inner.prefill)
+                                .conns
+                                .insert(conn.id, Arc::clone(&conn));
+                            let _ = conn.outbox.send(reply);
+                            conn
+                        }
+                        Err(_) => {
+                            lost(inner, &conn, "broke the handshake");
+                            return;
+                        }
+                    }
+                }
+                Err(reason) => {
+                    tracing::info!(peer = %m.identity(), %reason, "generation rank refused");
+                    refuse(&mut session, reason, reader);
+                    return;
+                }
             }
-        },
+        }
         Ok(other) => {
             tracing::warn!(?other, "unexpected handshake event");
             return;
@@ -404,12 +425,40 @@ fn check_intent(inner: &Inner, local: Option<SocketAddr>, meant: &str) -> Result
     ))
 }
 
-/// Vets a generation rank's metadata and registers its connection.
+/// The dialer's proof that it owns the worker it declared: the challenge `admit` sent that
+/// worker, asked back on the session (see `worker_proof`).
+fn prove_worker(
+    session: &mut AgentSession,
+    outbox: &Outbox<AgentMessage>,
+    reader: &mut Reader,
+    expected: &[u8],
+) -> Result<(), String> {
+    let ask = session.challenge().map_err(|e| e.to_string())?;
+    outbox
+        .send(ask)
+        .map_err(|_| "its connection closed".to_string())?;
+    let answer = read_frame::<AgentMessage>(reader)
+        .map_err(|e| format!("it sent no worker proof: {}", error_chain(&e)))?;
+    match session.receive(answer) {
+        Ok(AgentEvent::WorkerProof(c)) if c.as_slice() == expected => Ok(()),
+        Ok(AgentEvent::WorkerProof(_)) => Err(
+            "the worker at the address it declared did not receive this session's challenge: \
+             it does not own that worker"
+                .into(),
+        ),
+        Ok(other) => Err(format!("it sent {other:?} instead of its worker's proof")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Vets a generation rank's metadata, connects to its worker and sends it `challenge`;
+/// the connection is registered once the worker's proof came ([`prove_worker`]).
 fn admit(
     inner: &Arc<Inner>,
     m: &kvferry_protocol::AgentMetadata,
     outbox: Outbox<AgentMessage>,
     socket: TcpStream,
+    challenge: Vec<u8>,
 ) -> Result<Arc<GenConn>, String> {
     inner.vet_shape(m)?;
     inner.check_peer(&m.rank.info)?;
@@ -439,6 +488,7 @@ fn admit(
     let (tx, rx) = std::sync::mpsc::sync_channel(1);
     inner.thread.vet(
         Arc::clone(&conn.remote),
+        Some(challenge),
         Box::new(move |result| {
             let _ = tx.send(result);
         }),
@@ -458,7 +508,6 @@ fn admit(
             ));
         }
     }
-    lock(&inner.prefill).conns.insert(id, Arc::clone(&conn));
     Ok(conn)
 }
 

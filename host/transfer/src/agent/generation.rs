@@ -232,7 +232,7 @@ fn dial(inner: &Arc<Inner>, endpoint: &str) -> Result<Arc<Link>, (FailureKind, S
         mut reader,
         mut writer,
         socket,
-        ..
+        binding,
     } = secure_dial::<AgentMessage>(stream, &inner.config.secret, endpoint, deadline).map_err(
         |e| match e {
             HandshakeError::Refused | HandshakeError::Unauthenticated => {
@@ -248,6 +248,18 @@ fn dial(inner: &Arc<Inner>, endpoint: &str) -> Result<Arc<Link>, (FailureKind, S
             .map_err(|e| unreachable(format!("handshake: {}", error_chain(&e))))?;
         match session.receive(message) {
             Ok(AgentEvent::Metadata(m)) => break *m,
+            Ok(AgentEvent::ProveWorker) => {
+                // The challenge the context rank sent our worker for this session, if it
+                // came (by the handshake's deadline); nothing else.
+                let tag = super::worker_proof::worker_challenge_tag(&binding);
+                let challenge = inner
+                    .challenges
+                    .take(&tag, deadline)
+                    .map(Vec::from)
+                    .unwrap_or_default();
+                write_frame(&mut writer, &AgentMessage::WorkerProof { challenge })
+                    .map_err(|e| unreachable(error_chain(&e)))?;
+            }
             Ok(AgentEvent::Nothing) => {}
             Ok(other) => return Err(unreachable(format!("handshake: unexpected {other:?}"))),
             Err(e @ kvferry_protocol::AgentError::Refused { .. }) => {

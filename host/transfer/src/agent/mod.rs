@@ -48,6 +48,7 @@ mod events;
 mod generation;
 mod planning;
 mod record;
+mod worker_proof;
 
 pub use crate::bounce::{BounceConfig, BounceMode};
 pub use events::{Event, FailureKind};
@@ -374,6 +375,8 @@ pub(crate) struct Inner {
     pub(crate) decode: Mutex<generation::State>,
     /// Plans kept for [`Agent::replay`] ([`AgentConfig::record_plans`]).
     pub(crate) recorded: Mutex<record::Recorder>,
+    /// Worker challenges this (generation) rank's worker received, by session.
+    pub(crate) challenges: Arc<worker_proof::Challenges>,
     _context: Arc<Context>,
 }
 
@@ -629,6 +632,18 @@ impl Agent {
                 source,
             })?);
         let worker = Worker::new(&context).map_err(StartError::Worker)?;
+        // A generation rank's worker keeps the challenges context ranks send it, which the
+        // rank answers on their sessions (see `worker_proof`).
+        let challenges = Arc::new(worker_proof::Challenges::default());
+        if config.role == Role::Generation {
+            let store = Arc::clone(&challenges);
+            worker
+                .set_am_handler(
+                    worker_proof::WORKER_CHALLENGE_AM,
+                    move |_header, payload| store.record(payload),
+                )
+                .map_err(StartError::Worker)?;
+        }
         let (arena, staging) = bounce_memory(&config, &context, &pools)?;
         let bounces = staging.is_some();
         let thread = RankThread::spawn_bouncing(
@@ -685,6 +700,7 @@ impl Agent {
             prefill: Mutex::new(context::State::new(config.max_stashed_bytes)),
             decode: Mutex::new(generation::State::default()),
             recorded: Mutex::new(record::Recorder::default()),
+            challenges,
             config,
             info,
             bound,

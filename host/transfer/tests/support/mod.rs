@@ -355,6 +355,8 @@ pub fn cancel_mid_write(
 pub struct SecurePeer {
     reader: kvferry_transfer::conn::Reader,
     writer: kvferry_transfer::conn::Writer,
+    /// The session's handshake hash.
+    pub binding: [u8; 32],
 }
 
 impl std::io::Read for SecurePeer {
@@ -375,14 +377,21 @@ impl std::io::Write for SecurePeer {
 impl SecurePeer {
     fn new(secured: kvferry_transfer::conn::Secured) -> SecurePeer {
         let kvferry_transfer::conn::Secured {
-            mut reader, writer, ..
+            mut reader,
+            writer,
+            binding,
+            ..
         } = secured;
         reader
             .get_mut()
             .get_mut()
             .settle(Some(Duration::from_secs(10)))
             .unwrap();
-        SecurePeer { reader, writer }
+        SecurePeer {
+            reader,
+            writer,
+            binding,
+        }
     }
 
     /// Dials `endpoint` and runs the handshake with `secret`.
@@ -405,6 +414,76 @@ impl SecurePeer {
         kvferry_transfer::conn::secure_accept::<kvferry_protocol::AgentMessage>(s, secret, deadline)
             .ok()
             .map(|(secured, _)| SecurePeer::new(secured))
+    }
+}
+
+/// A UCX worker of the test's own (tcp), progressed on its own thread, that keeps the
+/// worker challenges sent to it: the worker a hand-written generation rank declares, and
+/// proves it owns.
+pub struct HandWorker {
+    /// Its UCX address.
+    pub address: Vec<u8>,
+    challenges: std::sync::mpsc::Receiver<Vec<u8>>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl HandWorker {
+    pub fn start() -> HandWorker {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let (address_tx, address_rx) = std::sync::mpsc::channel();
+        let (tx, challenges) = std::sync::mpsc::channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopping = Arc::clone(&stop);
+        let thread = std::thread::spawn(move || {
+            let ctx = Transport::Tcp.context().expect("UCX context");
+            let worker = kvferry_ucx::Worker::new(&ctx).expect("worker");
+            worker
+                .set_am_handler(
+                    kvferry_protocol::agent::WORKER_CHALLENGE_AM,
+                    move |_, payload| {
+                        let _ = tx.send(payload.to_vec());
+                    },
+                )
+                .expect("handler");
+            address_tx.send(worker.address().expect("address")).unwrap();
+            while !stopping.load(Ordering::Acquire) {
+                if !worker.progress() {
+                    std::thread::sleep(Duration::from_micros(100));
+                }
+            }
+        });
+        HandWorker {
+            address: address_rx.recv().expect("the worker started"),
+            challenges,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    /// The challenge this worker received for the session bound by `binding` (empty if
+    /// none came within 5 s).
+    pub fn challenge_for(&self, binding: &[u8; 32]) -> Vec<u8> {
+        let tag = kvferry_protocol::agent::worker_challenge_tag(binding);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while let Ok(p) = self
+            .challenges
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+        {
+            if p.len() == 64 && p[..32] == tag {
+                return p[32..].to_vec();
+            }
+        }
+        Vec::new()
+    }
+}
+
+impl Drop for HandWorker {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
     }
 }
 
