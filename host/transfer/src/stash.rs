@@ -87,6 +87,15 @@ impl<T> Stash<T> {
         entries.into_iter().map(|e| e.item).collect()
     }
 
+    /// The first entry of `request` for which `pick` holds.
+    pub(crate) fn find(&self, request: u64, mut pick: impl FnMut(&T) -> bool) -> Option<&T> {
+        self.by_request
+            .get(&request)?
+            .iter()
+            .map(|e| &e.item)
+            .find(|item| pick(item))
+    }
+
     /// Keeps the entries of `request` for which `keep` holds.
     pub(crate) fn retain_request(&mut self, request: u64, mut keep: impl FnMut(&T) -> bool) {
         if let Some(entries) = self.by_request.get_mut(&request) {

@@ -267,8 +267,8 @@ fn a_prefill_side_cancel_reaches_the_decode_side_at_once() {
 
 /// A peer holding the secret that declares another process's worker address and keys (here
 /// the real decode rank's) cannot answer the challenge the context rank sends that worker for
-/// its session: it is refused before anything is written, over tcp and shm, and the real
-/// rank is served afterwards.
+/// its session: it is refused before anything is written, over tcp and shm; the send bound to
+/// that instance ends at once as refused, and the real rank is served afterwards.
 #[test]
 fn a_peer_declaring_another_process_worker_is_refused_and_nothing_lands_there() {
     use kvferry_protocol::{AgentEvent, AgentMessage, AgentMetadata, AgentSession};
@@ -280,6 +280,11 @@ fn a_peer_declaring_another_process_worker_is_refused_and_nothing_lands_there() 
         let prefill = agent(Role::Context, &src, secret(), transport);
         let victim = agent(Role::Generation, &dst, secret(), transport);
         let endpoint = prefill.endpoint().unwrap().to_string();
+        let to_decode = kvferry_transfer::agent::Send {
+            to: Some("decode".into()),
+            ..whole(1, tables(&src, &[0, 1]), 32)
+        };
+        prefill.send(to_decode).unwrap();
         let mut s = SecurePeer::dial(&endpoint, &secret()).unwrap();
         let theirs = AgentMetadata::from_bytes(&victim.local_metadata().unwrap()).unwrap();
         let (mut session, own) = AgentSession::dial(theirs);
@@ -300,14 +305,21 @@ fn a_peer_declaring_another_process_worker_is_refused_and_nothing_lands_there() 
         };
         assert!(refusal.contains("does not own that worker"), "{refusal}");
         drop(s);
-        prefill.send(whole(1, tables(&src, &[0, 1]), 32)).unwrap();
-        thread::sleep(Duration::from_millis(200));
+        // The send bound to the refused rank's instance ends at once (its lease is 60 s).
+        match wait(&prefill, 1, Duration::from_secs(5)) {
+            Event::Failed { kind, detail, .. } => {
+                assert_eq!(kind, FailureKind::Refused, "{detail}");
+                assert!(detail.contains("was refused"), "{detail}");
+            }
+            other => panic!("{transport}: {other:?}"),
+        }
         check(&src, &dst, &[], &[], None);
         // The real owner proves it and is served.
+        prefill.send(whole(2, tables(&src, &[0, 1]), 32)).unwrap();
         victim
-            .expect(expecting(1, &endpoint, tables(&dst, &[0, 1]), 32))
+            .expect(expecting(2, &endpoint, tables(&dst, &[0, 1]), 32))
             .unwrap();
-        let got = wait(&victim, 1, Duration::from_secs(20));
+        let got = wait(&victim, 2, Duration::from_secs(20));
         assert!(
             matches!(got, Event::Received { .. }),
             "{transport}: {got:?}"
@@ -316,4 +328,37 @@ fn a_peer_declaring_another_process_worker_is_refused_and_nothing_lands_there() 
         drop(prefill);
         check(&src, &dst, &[0, 1], &[0, 1], None);
     }
+}
+
+/// A claim for a request that already ended on the prefill side (here at its lease) is
+/// refused at once, naming how it ended, instead of waiting out the claimer's timeout.
+#[test]
+fn a_claim_for_an_ended_request_is_refused_at_once() {
+    let model = model();
+    let src = Engine::new("prefill", &model, pattern);
+    let dst = Engine::new("decode", &model, |_, _| CANARY);
+    let prefill = start(Role::Context, &src, secret(), bound(), |config| {
+        config.lease = Duration::from_millis(200);
+    });
+    let decode = agent(Role::Generation, &dst, secret(), Transport::Tcp);
+    let endpoint = prefill.endpoint().unwrap().to_string();
+    prefill.send(whole(4, tables(&src, &[0, 1]), 32)).unwrap();
+    match wait(&prefill, 4, Duration::from_secs(5)) {
+        Event::Failed { kind, .. } => assert_eq!(kind, FailureKind::Lease),
+        other => panic!("{other:?}"),
+    }
+    decode
+        .expect(expecting(4, &endpoint, tables(&dst, &[0, 1]), 32))
+        .unwrap();
+    // The decode side's own timeout is 30 s.
+    match wait(&decode, 4, Duration::from_secs(5)) {
+        Event::Failed { detail, .. } => {
+            assert!(detail.contains("already ended here"), "{detail}");
+            assert!(detail.contains("lease"), "{detail}");
+        }
+        other => panic!("{other:?}"),
+    }
+    drop(decode);
+    drop(prefill);
+    check(&src, &dst, &[], &[], None);
 }

@@ -22,7 +22,7 @@ use kvferry_plan::{PlanFailure, RequestSide, ValidatedPlan, error_chain};
 use kvferry_planner_abi::ffi::ROption;
 use kvferry_planner_abi::{PairRequest, RankInfo, SlotTable, TransferPlanner};
 use kvferry_protocol::{
-    AgentEvent, AgentMessage, AgentSession, BouncedPiece, Completion, CompletionStatus,
+    AgentError, AgentEvent, AgentMessage, AgentSession, BouncedPiece, Completion, CompletionStatus,
     PeerIdentity, RequestData, read_frame,
 };
 
@@ -75,6 +75,21 @@ struct Tombstone {
     /// The cancelling rank's name, for the event.
     peer: String,
     reason: String,
+}
+
+/// A request that ended here: who could have claimed it, and how it ended.
+#[derive(Debug)]
+struct Ended {
+    /// The instance it was bound to (its owner, else the send's `to`); `None`: anyone.
+    instance: Option<String>,
+    /// How it ended, for the refusal.
+    how: String,
+}
+
+impl Ended {
+    fn bytes(&self) -> usize {
+        64 + self.instance.as_ref().map_or(0, String::len) + self.how.len()
+    }
 }
 
 /// The longest cancel reason a tombstone keeps (the rest is cut): the bytes come from a peer.
@@ -176,6 +191,9 @@ pub(crate) struct State {
     stash: Stash<Stashed>,
     /// Cancels of requests not sent yet, bounded like the stash and expired with it.
     tombstones: Stash<Tombstone>,
+    /// Requests that ended here lately, so a claim that comes after the end is refused at
+    /// once instead of waiting in the stash; bounded and expired like the tombstones.
+    ended: Stash<Ended>,
     open: Arc<AtomicUsize>,
     /// Where the side channel listens (to wake its accept loop at shutdown).
     listening: Option<std::net::SocketAddr>,
@@ -188,6 +206,7 @@ impl State {
             conns: HashMap::new(),
             stash: Stash::new(max_stashed, STASH_TTL),
             tombstones: Stash::new(max_stashed / 16, STASH_TTL),
+            ended: Stash::new(max_stashed / 16, STASH_TTL),
             open: Arc::new(AtomicUsize::new(0)),
             listening: None,
         }
@@ -331,6 +350,7 @@ fn serve_connection(inner: &Arc<Inner>, stream: TcpStream, pending: Pending) {
                     {
                         tracing::warn!(peer = %m.identity(), %reason, "generation rank refused");
                         lost(inner, &conn, &reason);
+                        receiver_refused(inner, &m.identity(), &m.rank.info, &reason);
                         refuse(&mut session, reason, reader);
                         return;
                     }
@@ -350,6 +370,7 @@ fn serve_connection(inner: &Arc<Inner>, stream: TcpStream, pending: Pending) {
                 }
                 Err(reason) => {
                     tracing::info!(peer = %m.identity(), %reason, "generation rank refused");
+                    receiver_refused(inner, &m.identity(), &m.rank.info, &reason);
                     refuse(&mut session, reason, reader);
                     return;
                 }
@@ -397,6 +418,11 @@ fn serve_connection(inner: &Arc<Inner>, stream: TcpStream, pending: Pending) {
             }
             Ok(AgentEvent::Nothing) => {}
             Ok(other) => break format!("sent {other:?}"),
+            Err(AgentError::PeerError { message }) => {
+                // It refused this rank after its own vetting: it will not claim.
+                receiver_refused(inner, &conn.identity, &conn.info, &message);
+                break format!("refused this rank: {message}");
+            }
             Err(e) => {
                 let _ = conn.outbox.send(AgentMessage::Error {
                     message: e.to_string(),
@@ -407,6 +433,46 @@ fn serve_connection(inner: &Arc<Inner>, stream: TcpStream, pending: Pending) {
     };
     tracing::info!(peer = %conn.name(), reason = %why, "generation rank gone");
     lost(inner, &conn, &why);
+}
+
+/// A generation rank was refused, by this rank or by itself: every open send bound to its
+/// instance (`to`) that this rank writes to it and that it has not claimed can never be
+/// completed, so it fails at once as refused rather than at its lease. A rank this rank does
+/// not write (the planner's `targets` for its DP group leave it out) changes nothing.
+fn receiver_refused(inner: &Arc<Inner>, who: &PeerIdentity, info: &RankInfo, reason: &str) {
+    let bound = |r: &OutReq| {
+        r.to.as_deref() == Some(who.instance.as_str())
+            && r.failure.is_none()
+            && !r.cancelled
+            && !r.claims.contains_key(&who.rank)
+    };
+    if !lock(&inner.prefill).requests.values().any(bound) {
+        return;
+    }
+    if let Ok(targets) = inner.ask_targets(info, info.dp_rank) {
+        if !targets.contains(&who.rank) {
+            return;
+        }
+    }
+    let ids: Vec<u64> = {
+        let mut state = lock(&inner.prefill);
+        state
+            .requests
+            .iter_mut()
+            .filter(|(_, r)| bound(r))
+            .map(|(&id, r)| {
+                r.failure = Some((
+                    Some(who.to_string()),
+                    FailureKind::Refused,
+                    format!("{who}, its receiver, was refused: {reason}"),
+                ));
+                id
+            })
+            .collect()
+    };
+    for id in ids {
+        settle(inner, id);
+    }
 }
 
 /// Whether the endpoint the dialer meant to reach is this rank's: its advertised endpoint,
@@ -647,6 +713,8 @@ pub(crate) fn send(inner: &Arc<Inner>, s: Send) -> Result<(), CallError> {
                         s.tokens.start
                     )));
                 }
+                // The id is sent again: claims are for this request now.
+                let _ = state.ended.take(id);
                 // A receiver that may claim it cancelled it already: it ends as cancelled by
                 // that peer (its other ranks' stashed claims are answered as ended).
                 let to = s.to.clone();
@@ -782,6 +850,15 @@ fn request_data(inner: &Arc<Inner>, conn: &Arc<GenConn>, data: RequestData) {
     {
         let mut state = lock(&inner.prefill);
         if !state.requests.contains_key(&request) {
+            let instance = &conn.identity.instance;
+            let ended = state.ended.find(request, |e| {
+                e.instance.as_ref().is_none_or(|i| i == instance)
+            });
+            if let Some(e) = ended {
+                let reason = format!("request {request} already ended here: {}", e.how);
+                drop(state);
+                return refuse(reason);
+            }
             // A claim after its own cancel (the id asked for again) supersedes the cancel.
             state
                 .tombstones
@@ -1351,8 +1428,21 @@ fn settle(inner: &Arc<Inner>, id: u64) {
         } else {
             None
         };
-        if event.is_some() {
-            state.requests.remove(&id);
+        if let Some(e) = &event {
+            if let Some(req) = state.requests.remove(&id) {
+                let how = match e {
+                    Event::Sent { .. } => "it was sent".to_string(),
+                    Event::Cancelled { .. } => "the engine cancelled it".to_string(),
+                    Event::Failed { kind, detail, .. } => format!("failed[{kind}]: {detail}"),
+                    _ => "it ended".to_string(),
+                };
+                let ended = Ended {
+                    instance: req.owner.or(req.to),
+                    how,
+                };
+                let bytes = ended.bytes();
+                let _ = state.ended.push(id, ended, bytes, Instant::now());
+            }
         }
         event
     };
@@ -1477,6 +1567,9 @@ pub(crate) fn reap(inner: &Arc<Inner>) {
         let ttl = lease.min(STASH_TTL);
         state
             .tombstones
+            .retain(|_, at| now.saturating_duration_since(at) < ttl);
+        state
+            .ended
             .retain(|_, at| now.saturating_duration_since(at) < ttl);
         for (&id, req) in state.requests.iter_mut() {
             if req.failure.is_some() || req.cancelled {
