@@ -414,6 +414,27 @@ pub fn write_frame<M: Frame>(w: &mut impl Write, message: &M) -> Result<(), Wire
     Ok(())
 }
 
+/// Fills `buf` from `r`: `Ok(false)` when the stream ended cleanly before its first byte, an
+/// [`io::ErrorKind::UnexpectedEof`] naming `what` when it ended part way.
+pub(crate) fn read_start(r: &mut impl Read, buf: &mut [u8], what: &str) -> io::Result<bool> {
+    let mut got = 0;
+    while got < buf.len() {
+        match r.read(&mut buf[got..]) {
+            Ok(0) if got == 0 => return Ok(false),
+            Ok(0) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!("{what} cut short after {got} bytes"),
+                ));
+            }
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(true)
+}
+
 /// Reads one frame and decodes it.
 ///
 /// # Errors
@@ -422,20 +443,8 @@ pub fn write_frame<M: Frame>(w: &mut impl Write, message: &M) -> Result<(), Wire
 /// or the read failing (a frame cut short is [`io::ErrorKind::UnexpectedEof`]).
 pub fn read_frame<M: Frame>(r: &mut impl Read) -> Result<M, WireError> {
     let mut h = [0u8; HEADER_LEN];
-    let mut got = 0;
-    while got < HEADER_LEN {
-        match r.read(&mut h[got..]) {
-            Ok(0) if got == 0 => return Err(WireError::Closed),
-            Ok(0) => {
-                return Err(WireError::Io(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    format!("frame header cut short after {got} bytes"),
-                )));
-            }
-            Ok(n) => got += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(WireError::Io(e)),
-        }
+    if !read_start(r, &mut h, "frame header")? {
+        return Err(WireError::Closed);
     }
     let len = parse_header::<M>(&h)?;
     // The body buffer grows with the bytes that actually arrive: a header claiming 64 MiB

@@ -36,7 +36,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use snow::{HandshakeState, StatelessTransportState};
 
-use crate::{Frame, PROTOCOL_VERSION, WireError};
+use crate::{Frame, PROTOCOL_VERSION, WireError, read_start};
 
 /// The Noise protocol: pattern `NNpsk0`, X25519, ChaCha20-Poly1305, SHA-256.
 pub const NOISE_PARAMS: &str = "Noise_NNpsk0_25519_ChaChaPoly_SHA256";
@@ -363,21 +363,8 @@ pub fn accept<M: Frame>(
     secret: &Secret,
 ) -> Result<(Channel, Intent), HandshakeError> {
     let mut pre = [0u8; PREAMBLE_LEN];
-    let mut got = 0;
-    while got < PREAMBLE_LEN {
-        match stream.read(&mut pre[got..]) {
-            Ok(0) if got == 0 => return Err(WireError::Closed.into()),
-            Ok(0) => {
-                return Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    format!("handshake preamble cut short after {got} bytes"),
-                )
-                .into());
-            }
-            Ok(n) => got += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e.into()),
-        }
+    if !read_start(stream, &mut pre, "handshake preamble")? {
+        return Err(WireError::Closed.into());
     }
     let mut magic = [0u8; 4];
     magic.copy_from_slice(&pre[..4]);
@@ -497,20 +484,8 @@ impl<R: Read> SecureReader<R> {
     /// Reads and opens the next record; `false` at a clean end of stream between records.
     fn next_record(&mut self) -> io::Result<bool> {
         let mut l = [0u8; 2];
-        let mut got = 0;
-        while got < 2 {
-            match self.inner.read(&mut l[got..]) {
-                Ok(0) if got == 0 => return Ok(false),
-                Ok(0) => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        "record header cut short",
-                    ));
-                }
-                Ok(n) => got += n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
+        if !read_start(&mut self.inner, &mut l, "record header")? {
+            return Ok(false);
         }
         let len = usize::from(u16::from_le_bytes(l));
         if len < TAG_LEN {
