@@ -11,13 +11,23 @@
 //! with no tables (context) or an empty `Done` (generation), so a controller may send every
 //! message to every server of a side and merge the answers.
 //!
+//! A request belongs to the control connection that submitted it (its `Submit` made a record
+//! here): every other message naming it — `Release`, `Cancel`, `Verify`, `Stats`, `Bench`,
+//! `Fragments`, `Memcpy`, a second `Submit` of its id — is refused on any other connection,
+//! naming the request and saying it belongs to another controller; in the message's own
+//! answer where it has a result, as [`ControlMessage::Refused`] for `Release` and `Cancel`.
+//! The refusal leaves the request and both connections as they were. A request outlives the
+//! connection that submitted it and stays its own: no other connection takes it over. A
+//! request no record here holds (not submitted here, or released) belongs to nobody:
+//! `Release` answers `Released`, `Cancel` nothing, the others as before.
+//!
 //! | message | to | answer |
 //! |---|---|---|
 //! | [`ControlMessage::InfoRequest`] | either | [`ControlMessage::Info`] |
 //! | [`ControlMessage::Submit`] | context, then generation | [`ControlMessage::Submitted`] (context) or [`ControlMessage::Done`] (generation) |
 //! | [`ControlMessage::Verify`] | generation | [`ControlMessage::Verified`] |
-//! | [`ControlMessage::Release`] | either | [`ControlMessage::Released`] |
-//! | [`ControlMessage::Cancel`] | generation | none (the request's `Done` reports it) |
+//! | [`ControlMessage::Release`] | either | [`ControlMessage::Released`], or [`ControlMessage::Refused`] (another controller's) |
+//! | [`ControlMessage::Cancel`] | generation | none (the request's `Done` reports it), or [`ControlMessage::Refused`] (another controller's) |
 //! | [`ControlMessage::VerifyIdle`] | generation | [`ControlMessage::IdleVerified`] |
 //! | [`ControlMessage::Bench`] | context | [`ControlMessage::BenchDone`] |
 //! | [`ControlMessage::Fragments`] | context | [`ControlMessage::FragmentsDone`] |
@@ -176,7 +186,10 @@ pub enum ControlMessage {
         /// The verdict, or why it could not be reached.
         result: Result<VerifySummary, String>,
     },
-    /// Free a request's slots (once kvferry lets go of them).
+    /// Let go of a request: its slots are free once kvferry lets go of them (they may be
+    /// already: a context server frees them once every rank here ended the request, unless
+    /// its plans are recorded for a replay; a generation server once it failed on every rank
+    /// here), and its record (statistics, verdict) is gone.
     Release {
         /// The request.
         request: u64,
@@ -234,7 +247,8 @@ pub enum ControlMessage {
     },
     /// Send the context side's statistics of these requests (bytes sent and the stages of
     /// its ranks, [`kvferry_transfer::Stages`]) once every rank here has ended them. A
-    /// request not held here (another DP group's, or released) counts nothing.
+    /// request not held here (another DP group's, or released) counts nothing; one another
+    /// controller submitted refuses the whole answer.
     Stats {
         /// The requests.
         requests: Vec<u64>,
@@ -256,6 +270,15 @@ pub enum ControlMessage {
     MemcpyDone {
         /// The totals, or the reason.
         result: Result<BenchStats, String>,
+    },
+    /// The answer to a [`ControlMessage::Release`] or [`ControlMessage::Cancel`] of a request
+    /// another control connection submitted: nothing was done, and this connection stays
+    /// open.
+    Refused {
+        /// The request.
+        request: u64,
+        /// Why (it names the request and says it belongs to another controller).
+        message: String,
     },
 }
 
@@ -287,6 +310,7 @@ impl Frame for ControlMessage {
             ControlMessage::StatsDone { .. } => "StatsDone",
             ControlMessage::Memcpy { .. } => "Memcpy",
             ControlMessage::MemcpyDone { .. } => "MemcpyDone",
+            ControlMessage::Refused { .. } => "Refused",
         }
     }
 

@@ -291,6 +291,12 @@ impl Side {
                 REPLY_TIMEOUT,
             )? {
                 Message::Released { .. } => {}
+                Message::Refused { message, .. } => {
+                    return Err(DemoError::Protocol(format!(
+                        "{} refused Release: {message}",
+                        client.addr()
+                    )));
+                }
                 other => {
                     return Err(DemoError::Protocol(format!(
                         "{} answered {} to Release",

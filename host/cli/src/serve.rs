@@ -10,10 +10,19 @@
 //! again whenever a request's slots come back), checks delivered bytes with the oracle, and
 //! stops when told to. Its control listener is bound to loopback unless told otherwise; the
 //! agents' side channels are what peers reach, behind the deployment's secret.
+//!
+//! A request belongs to the control connection that submitted it, for good: any other
+//! connection's message about it is refused, naming it (see [`crate::control`]); nothing is
+//! released when a connection closes. A request's slots come back as an engine's would: on
+//! the context side once every rank here has ended it (its terminal event, whatever it is:
+//! sent, lease lapsed, failed, cancelled), unless its plans are recorded for a replay; on the
+//! generation side once it failed on every rank here (a received request keeps them for
+//! `Verify`); else at its release. Its record — statistics, outcome — stays until the
+//! release.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::thread::{self, JoinHandle};
@@ -182,10 +191,19 @@ struct Served {
     pools: Arc<RankPools>,
 }
 
+/// A control connection, numbered from 1 in the order they were proven (never reused, so a
+/// closed connection's number names nobody else).
+type ControllerId = u64;
+
 /// A context-side request: sent on `pending` ranks, whose terminal events have not come.
 #[derive(Debug)]
 struct Outgoing {
-    allocation: Allocation,
+    /// The control connection that submitted it: the only one that may act on it.
+    owner: ControllerId,
+    /// Its slots, until they are free again: once every rank here has ended the request
+    /// (its terminal event: no write reads them any more), unless its plans are recorded for
+    /// a replay (then at its release); the record itself stays until the release.
+    allocation: Option<Allocation>,
     pending: BTreeSet<u32>,
     released: bool,
     /// The `Sent` events' bytes and stages, merged over the ranks.
@@ -195,7 +213,13 @@ struct Outgoing {
 /// A generation-side request: expected on `pending` ranks.
 #[derive(Debug)]
 struct Incoming {
-    allocation: Allocation,
+    /// The control connection that submitted it: the only one that may act on it (and the
+    /// one its `Done` goes to).
+    owner: ControllerId,
+    /// Its slots, until they are re-primed and free again: once it failed on every rank here
+    /// (nothing in them is worth a check) or is released. A received request keeps them for
+    /// `Verify` until its release.
+    allocation: Option<Allocation>,
     tables: BTreeMap<u32, Vec<SlotTable>>,
     pieces: Vec<PairRequest>,
     pending: BTreeSet<u32>,
@@ -235,6 +259,13 @@ struct Shared {
     unproven: Unproven,
     /// Control connections open.
     open: AtomicUsize,
+    /// The number of the next control connection proven.
+    next_controller: AtomicU64,
+    /// The proven control connections still open.
+    controllers: Mutex<HashSet<ControllerId>>,
+    /// Generation side: released or failed requests whose slots are being re-primed (taken
+    /// out of their record, not yet back in the free lists); `VerifyIdle` waits for them.
+    repriming: AtomicUsize,
 }
 
 /// The most control connections a server serves at once; one more is closed unanswered.
@@ -378,8 +409,8 @@ pub fn start(
         // `config.transport.context_for(config.memory)`; they are kvferry's memory, kept
         // alive by the agent (and by `ranks`), and this module touches their slots only as
         // the protocol allows: source slots are filled before `send` and left alone until the
-        // request's terminal event and its release; destination slots are read and re-primed
-        // only after theirs.
+        // request's terminal event on every rank holding it (then they may be filled for
+        // another); destination slots are read and re-primed only after theirs.
         let agent = unsafe {
             Agent::start_on(
                 agent_config,
@@ -434,6 +465,9 @@ pub fn start(
         secret: options.secret.clone(),
         unproven: Unproven::new(),
         open: AtomicUsize::new(0),
+        next_controller: AtomicU64::new(1),
+        controllers: Mutex::new(HashSet::new()),
+        repriming: AtomicUsize::new(0),
     });
     let mut pumps = Vec::new();
     for (r, agent) in shared.agents_now() {
@@ -627,7 +661,13 @@ impl Shared {
         }
     }
 
-    fn handle(self: &Arc<Self>, outbox: &Outbox<ControlMessage>, message: ControlMessage) -> bool {
+    /// Answers one message of the control connection `controller`.
+    fn handle(
+        self: &Arc<Self>,
+        outbox: &Outbox<ControlMessage>,
+        controller: ControllerId,
+        message: ControlMessage,
+    ) -> bool {
         let reply = match (message, self.role) {
             (ControlMessage::InfoRequest, _) => ControlMessage::Info(self.info()),
             (ControlMessage::Shutdown, _) => {
@@ -637,14 +677,14 @@ impl Shared {
             }
             (ControlMessage::Submit(submit), Role::Context) => {
                 let request = submit.request;
-                let result = self.prefill(submit).inspect_err(|e| {
+                let result = self.prefill(submit, controller).inspect_err(|e| {
                     tracing::warn!(request, error = %e, "prefill refused");
                 });
                 ControlMessage::Submitted { request, result }
             }
             (ControlMessage::Submit(submit), Role::Generation) => {
                 let request = submit.request;
-                match self.expect(submit, outbox) {
+                match self.expect(submit, outbox, controller) {
                     Ok(()) => return true,
                     Err(e) => {
                         tracing::warn!(request, error = %e, "request refused");
@@ -656,19 +696,25 @@ impl Shared {
                 }
             }
             (ControlMessage::Release { request }, Role::Context) => {
-                self.release_outgoing(request);
-                ControlMessage::Released { request }
+                match self.release_outgoing(request, controller) {
+                    Ok(()) => ControlMessage::Released { request },
+                    Err(message) => refused(request, message),
+                }
             }
             (ControlMessage::Release { request }, Role::Generation) => {
-                self.release_incoming(request);
-                ControlMessage::Released { request }
+                match self.release_incoming(request, controller) {
+                    Ok(()) => ControlMessage::Released { request },
+                    Err(message) => refused(request, message),
+                }
             }
             (ControlMessage::Cancel { request, reason }, Role::Generation) => {
-                self.cancel_incoming(request, reason);
-                return true;
+                match self.cancel_incoming(request, reason, Some(controller)) {
+                    Ok(()) => return true,
+                    Err(message) => refused(request, message),
+                }
             }
             (ControlMessage::Verify { request, context }, Role::Generation) => {
-                let result = self.verify(request, &context);
+                let result = self.verify(request, &context, controller);
                 ControlMessage::Verified { request, result }
             }
             (ControlMessage::VerifyIdle, Role::Generation) => ControlMessage::IdleVerified {
@@ -690,21 +736,23 @@ impl Shared {
                 }
             }
             (ControlMessage::Memcpy { requests }, Role::Context) => {
-                let result = self.memcpy(&requests).inspect_err(|e| {
+                let result = self.memcpy(&requests, controller).inspect_err(|e| {
                     tracing::warn!(error = %e, "bench memcpy failed");
                 });
                 ControlMessage::MemcpyDone { result }
             }
             (ControlMessage::Stats { requests }, Role::Context) => ControlMessage::StatsDone {
-                result: self.outgoing_stats(&requests),
+                result: self.outgoing_stats(&requests, controller),
             },
             (ControlMessage::Fragments { requests }, Role::Context) => {
                 ControlMessage::FragmentsDone {
-                    result: self.fragments(&requests).and_then(fits_one_frame),
+                    result: self
+                        .fragments(&requests, controller)
+                        .and_then(fits_one_frame),
                 }
             }
             (ControlMessage::Bench { requests }, Role::Context) => {
-                let result = self.replay(&requests).inspect_err(|e| {
+                let result = self.replay(&requests, controller).inspect_err(|e| {
                     tracing::warn!(error = %e, "bench replay failed");
                 });
                 ControlMessage::BenchDone { result }
@@ -727,8 +775,13 @@ impl Shared {
     }
 
     /// The context side's "prefill": slots for the DP group's ranks served here, tags from
-    /// the oracle, then every chunk handed to each rank's agent.
-    fn prefill(self: &Arc<Self>, submit: Submit) -> Result<Vec<RankTables>, String> {
+    /// the oracle, then every chunk handed to each rank's agent. The request is
+    /// `controller`'s.
+    fn prefill(
+        self: &Arc<Self>,
+        submit: Submit,
+        controller: ControllerId,
+    ) -> Result<Vec<RankTables>, String> {
         let id = submit.request;
         let pieces = kvferry_plan::pieces(
             submit.prompt_len,
@@ -747,8 +800,8 @@ impl Shared {
         // racing each other must not both allocate (one would leak).
         let allocation = {
             let mut outgoing = lock(&self.outgoing);
-            if outgoing.contains_key(&id) {
-                return Err(format!("request {id} already exists"));
+            if let Some(out) = outgoing.get(&id) {
+                return Err(self.duplicate(id, out.owner, controller));
             }
             let allocation = lock(&self.slots)
                 .allocate(submit.ctx_dp_rank, blocks, id ^ 0x00c0_17e7)
@@ -756,7 +809,8 @@ impl Shared {
             outgoing.insert(
                 id,
                 Outgoing {
-                    allocation: allocation.clone(),
+                    owner: controller,
+                    allocation: Some(allocation.clone()),
                     pending: BTreeSet::new(),
                     released: false,
                     stats: RequestStats::default(),
@@ -770,8 +824,11 @@ impl Shared {
             let served = &self.ranks[&r];
             let t = slot_tables(&served.info, submit.prompt_len, 0, &allocation.assignment);
             if let Err(e) = fill_slots(&self.oracle, &served.info, &served.pools, &t) {
-                if let Some(out) = lock(&self.outgoing).remove(&id) {
-                    lock(&self.slots).free(&out.allocation);
+                if let Some(allocation) = lock(&self.outgoing)
+                    .remove(&id)
+                    .and_then(|out| out.allocation)
+                {
+                    lock(&self.slots).free(&allocation);
                 }
                 return Err(format!(
                     "request {id}: filling rank {r}: {}",
@@ -833,6 +890,10 @@ impl Shared {
             out.released = true;
             out.pending.iter().copied().collect()
         };
+        // What a rank that took a chunk recorded goes with the request.
+        for (_, agent) in self.agents_now() {
+            agent.forget_recorded(&[id]);
+        }
         for r in cancel {
             if let Some(agent) = self.agent(r) {
                 let _ = agent.cancel(id);
@@ -841,14 +902,18 @@ impl Shared {
         self.settle_outgoing(id);
     }
 
-    /// Lets go of a context request: once every rank's terminal event is in, its slots are
-    /// free; a rank still sending is cancelled.
-    fn release_outgoing(&self, id: u64) {
+    /// Lets go of `controller`'s context request: once every rank's terminal event is in,
+    /// its slots are free (they may be already) and its record is gone; a rank still sending
+    /// is cancelled. Another controller's request is refused, untouched.
+    fn release_outgoing(&self, id: u64, controller: ControllerId) -> Result<(), String> {
         let cancel: Vec<u32> = {
             let mut outgoing = lock(&self.outgoing);
             let Some(out) = outgoing.get_mut(&id) else {
-                return;
+                return Ok(());
             };
+            if out.owner != controller {
+                return Err(self.foreign(id, out.owner));
+            }
             out.released = true;
             out.pending.iter().copied().collect()
         };
@@ -861,17 +926,46 @@ impl Shared {
             }
         }
         self.settle_outgoing(id);
+        Ok(())
+    }
+
+    /// Whether a rank here keeps plans recorded for `id` (a replay would read its source
+    /// slots).
+    fn recorded(&self, id: u64) -> bool {
+        self.record_plans && self.agents_now().iter().any(|(_, a)| a.has_recorded(id))
     }
 
     fn settle_outgoing(&self, id: u64) {
+        let recorded = self.recorded(id);
         let mut outgoing = lock(&self.outgoing);
-        if outgoing
-            .get(&id)
-            .is_some_and(|o| o.released && o.pending.is_empty())
-        {
-            if let Some(out) = outgoing.remove(&id) {
-                lock(&self.slots).free(&out.allocation);
-            }
+        self.settle_outgoing_locked(&mut outgoing, id, recorded);
+    }
+
+    /// Once every rank here has ended request `id` (no write reads its source slots any
+    /// more), frees its slots — unless `recorded` (a replay may still read them) and it is
+    /// not released — and drops the record of a released one. Under the `outgoing` lock, so
+    /// whoever sees no rank pending sees the slots free too.
+    fn settle_outgoing_locked(
+        &self,
+        outgoing: &mut HashMap<u64, Outgoing>,
+        id: u64,
+        recorded: bool,
+    ) {
+        let Some(out) = outgoing.get_mut(&id) else {
+            return;
+        };
+        if !out.pending.is_empty() {
+            return;
+        }
+        let freed = if out.released {
+            outgoing.remove(&id).and_then(|out| out.allocation)
+        } else if recorded {
+            None
+        } else {
+            out.allocation.take()
+        };
+        if let Some(allocation) = freed {
+            lock(&self.slots).free(&allocation);
         }
     }
 
@@ -889,37 +983,74 @@ impl Shared {
                 {
                     tracing::warn!(request = id, rank, ?peer, %kind, %detail, "send failed");
                 }
-                if let Some(out) = lock(&self.outgoing).get_mut(&id) {
-                    if out.pending.remove(&rank) {
-                        if let Event::Sent {
-                            bytes,
-                            puts,
-                            stages,
-                            ..
-                        } = &event
-                        {
-                            out.stats.merge(&RequestStats {
-                                bytes: *bytes,
-                                puts: *puts,
-                                stages: *stages,
-                                ..RequestStats::default()
-                            });
-                        }
-                    }
+                let recorded = self.recorded(id);
+                let mut outgoing = lock(&self.outgoing);
+                let Some(out) = outgoing.get_mut(&id) else {
+                    return;
+                };
+                // Not this rank's to end (it never took the request, or ended it already).
+                if !out.pending.remove(&rank) {
+                    return;
                 }
-                self.settle_outgoing(id);
+                if let Event::Sent {
+                    bytes,
+                    puts,
+                    stages,
+                    ..
+                } = &event
+                {
+                    out.stats.merge(&RequestStats {
+                        bytes: *bytes,
+                        puts: *puts,
+                        stages: *stages,
+                        ..RequestStats::default()
+                    });
+                }
+                self.settle_outgoing_locked(&mut outgoing, id, recorded);
             }
             Role::Generation => self.on_incoming_event(rank, event),
         }
     }
 
+    /// Why a controller may not act on request `id`, which `owner` submitted.
+    fn foreign(&self, id: u64, owner: ControllerId) -> String {
+        format!(
+            "request {id} belongs to another controller{}: only the control connection that \
+             submitted it may act on it",
+            self.closed(owner)
+        )
+    }
+
+    /// Why `controller`'s `Submit` of an id held here (submitted by `owner`) is refused.
+    fn duplicate(&self, id: u64, owner: ControllerId, controller: ControllerId) -> String {
+        if owner == controller {
+            format!("request {id} already exists")
+        } else {
+            format!(
+                "request {id} already exists: it belongs to another controller{}",
+                self.closed(owner)
+            )
+        }
+    }
+
+    /// What a refusal adds when `owner`'s connection has closed.
+    fn closed(&self, owner: ControllerId) -> &'static str {
+        if lock(&self.controllers).contains(&owner) {
+            ""
+        } else {
+            " (its connection has closed)"
+        }
+    }
+
     /// The generation side of a request: slots for the DP group's ranks served here (they
     /// hold the canary), then each rank's agent expects it; the outcome goes to the
-    /// controller as [`ControlMessage::Done`] once every rank's terminal event is in.
+    /// controller as [`ControlMessage::Done`] once every rank's terminal event is in. The
+    /// request is `controller`'s (whose connection `outbox` writes to).
     fn expect(
         self: &Arc<Self>,
         submit: Submit,
         outbox: &Outbox<ControlMessage>,
+        controller: ControllerId,
     ) -> Result<(), String> {
         let id = submit.request;
         let PeerRef {
@@ -959,8 +1090,8 @@ impl Shared {
         }
         let tables = {
             let mut incoming = lock(&self.incoming);
-            if incoming.contains_key(&id) {
-                return Err(format!("request {id} already exists"));
+            if let Some(inc) = incoming.get(&id) {
+                return Err(self.duplicate(id, inc.owner, controller));
             }
             let blocks = submit.prompt_len.div_ceil(tpb);
             let allocation = lock(&self.slots)
@@ -983,7 +1114,8 @@ impl Shared {
             incoming.insert(
                 id,
                 Incoming {
-                    allocation,
+                    owner: controller,
+                    allocation: Some(allocation),
                     tables: tables.clone(),
                     pieces,
                     pending: group.iter().copied().collect(),
@@ -1029,7 +1161,10 @@ impl Shared {
             let refused = lock(&self.incoming).remove(&id);
             let reason = match refused {
                 Some(inc) => {
-                    lock(&self.slots).free(&inc.allocation);
+                    // No rank took it: nothing was written to its slots.
+                    if let Some(allocation) = &inc.allocation {
+                        lock(&self.slots).free(allocation);
+                    }
                     inc.errors.join("; ")
                 }
                 None => "refused".into(),
@@ -1038,7 +1173,7 @@ impl Shared {
         }
         if accepted < tables.len() {
             // Half a request is no request: the ranks that took it are cancelled.
-            self.cancel_incoming(id, "another rank refused it".into());
+            let _ = self.cancel_incoming(id, "another rank refused it".into(), None);
         }
         self.settle_incoming(id);
         Ok(())
@@ -1073,8 +1208,9 @@ impl Shared {
         self.settle_incoming(id);
     }
 
-    /// Reports a request whose ranks have all ended, and frees the slots of one that is
-    /// also released.
+    /// Once every rank here has ended a request: re-primes and frees its slots if it is
+    /// released, or failed (its record, with the reason, stays until the release), then
+    /// reports it — so a controller told of a failure finds its slots free again.
     fn settle_incoming(&self, id: u64) {
         let mut incoming = lock(&self.incoming);
         let Some(inc) = incoming.get_mut(&id) else {
@@ -1083,42 +1219,70 @@ impl Shared {
         if !inc.pending.is_empty() {
             return;
         }
-        if let Some(reply) = inc.reply.take() {
+        let done = inc.reply.take().map(|reply| {
             let result = if inc.errors.is_empty() {
                 Ok(inc.stats.clone())
             } else {
                 Err(inc.errors.join("; "))
             };
+            (reply, result)
+        });
+        let freed = if inc.released {
+            incoming
+                .remove(&id)
+                .and_then(|inc| Some((inc.allocation?, inc.tables)))
+        } else if !inc.errors.is_empty() {
+            inc.allocation.take().map(|a| (a, inc.tables.clone()))
+        } else {
+            None
+        };
+        if freed.is_some() {
+            // Counted before the lock goes, so `VerifyIdle` sees the slots held one way or
+            // the other.
+            self.repriming.fetch_add(1, Ordering::AcqRel);
+        }
+        drop(incoming);
+        if let Some((allocation, tables)) = freed {
+            self.reprime_and_free(&allocation, &tables);
+            self.repriming.fetch_sub(1, Ordering::AcqRel);
+        }
+        if let Some((reply, result)) = done {
             let _ = reply.send(ControlMessage::Done {
                 request: id,
                 result,
             });
         }
-        if inc.released {
-            if let Some(inc) = incoming.remove(&id) {
-                drop(incoming);
-                self.reprime_and_free(inc);
-            }
-        }
     }
 
-    fn reprime_and_free(&self, inc: Incoming) {
-        for (r, tables) in &inc.tables {
+    /// Gives the slots of an ended request the canary again and returns them to the free
+    /// lists.
+    fn reprime_and_free(&self, allocation: &Allocation, tables: &BTreeMap<u32, Vec<SlotTable>>) {
+        for (r, tables) in tables {
             let served = &self.ranks[r];
             if let Err(e) = prime_slots(&self.oracle, &served.info, &served.pools, tables) {
                 tracing::warn!(rank = r, error = %error_chain(&e), "cannot re-prime released slots");
             }
         }
-        lock(&self.slots).free(&inc.allocation);
+        lock(&self.slots).free(allocation);
     }
 
-    /// Cancels a request on every rank still expecting it; its `Done` reports it.
-    fn cancel_incoming(&self, id: u64, reason: String) {
+    /// Cancels a request on every rank still expecting it; its `Done` reports it. `by`: the
+    /// controller asking (`None`: the server itself); another controller's request is
+    /// refused, untouched.
+    fn cancel_incoming(
+        &self,
+        id: u64,
+        reason: String,
+        by: Option<ControllerId>,
+    ) -> Result<(), String> {
         let ranks: Vec<u32> = {
             let mut incoming = lock(&self.incoming);
             let Some(inc) = incoming.get_mut(&id) else {
-                return;
+                return Ok(());
             };
+            if by.is_some_and(|c| c != inc.owner) {
+                return Err(self.foreign(id, inc.owner));
+            }
             inc.cancelled.get_or_insert(reason);
             inc.pending.iter().copied().collect()
         };
@@ -1127,27 +1291,38 @@ impl Shared {
                 let _ = agent.cancel(id);
             }
         }
+        Ok(())
     }
 
-    /// Lets go of a generation request; once every rank's terminal event is in, its slots
-    /// get the canary again and return to the free lists.
-    fn release_incoming(&self, id: u64) {
+    /// Lets go of `controller`'s generation request; once every rank's terminal event is in,
+    /// its slots get the canary again and return to the free lists (they may be already) and
+    /// its record is gone. Another controller's request is refused, untouched.
+    fn release_incoming(&self, id: u64, controller: ControllerId) -> Result<(), String> {
         let pending = {
             let mut incoming = lock(&self.incoming);
             let Some(inc) = incoming.get_mut(&id) else {
-                return;
+                return Ok(());
             };
+            if inc.owner != controller {
+                return Err(self.foreign(id, inc.owner));
+            }
             inc.released = true;
             !inc.pending.is_empty()
         };
         if pending {
-            self.cancel_incoming(id, "released".into());
+            self.cancel_incoming(id, "released".into(), None)?;
         }
         self.settle_incoming(id);
+        Ok(())
     }
 
-    /// Checks a completed request's destination slots with the oracle.
-    fn verify(&self, request: u64, context: &[RankTables]) -> Result<VerifySummary, String> {
+    /// Checks `controller`'s completed request's destination slots with the oracle.
+    fn verify(
+        &self,
+        request: u64,
+        context: &[RankTables],
+        controller: ControllerId,
+    ) -> Result<VerifySummary, String> {
         // What the check needs, copied out: the oracle reads gigabytes, and the event pumps
         // must not wait for it.
         let (tables, pieces) = {
@@ -1155,6 +1330,9 @@ impl Shared {
             let inc = incoming
                 .get(&request)
                 .ok_or_else(|| format!("request {request} is not held here"))?;
+            if inc.owner != controller {
+                return Err(self.foreign(request, inc.owner));
+            }
             if !inc.pending.is_empty() {
                 return Err(format!("request {request} has not completed"));
             }
@@ -1188,14 +1366,28 @@ impl Shared {
     }
 
     fn verify_idle(&self) -> Result<VerifySummary, String> {
-        let held: usize = self
+        let agents: usize = self
             .agents_now()
             .iter()
             .map(|(_, a)| a.requests_held())
-            .sum::<usize>()
-            .max(lock(&self.incoming).len());
+            .sum();
+        // A request that failed keeps its record (and reason) until released, not its slots.
+        let held = agents.max(
+            lock(&self.incoming)
+                .values()
+                .filter(|inc| inc.allocation.is_some())
+                .count(),
+        );
         if held > 0 {
             return Err(format!("{held} requests still hold slots"));
+        }
+        // Slots taken from an ended request are free once they hold the canary again.
+        let deadline = Instant::now() + self.timeout + REPLAY_GRACE;
+        while self.repriming.load(Ordering::Acquire) > 0 {
+            if Instant::now() >= deadline {
+                return Err("released slots are still being re-primed".into());
+            }
+            thread::sleep(Duration::from_millis(1));
         }
         let ranks: Vec<_> = self
             .ranks
@@ -1204,6 +1396,18 @@ impl Shared {
             .collect();
         let report = verify_idle(&self.oracle, &ranks).map_err(|e| error_chain(&e))?;
         Ok(summary(&report))
+    }
+
+    /// None of `requests` is held here for another controller than `controller`.
+    fn check_owner(&self, requests: &[u64], controller: ControllerId) -> Result<(), String> {
+        let outgoing = lock(&self.outgoing);
+        match requests
+            .iter()
+            .find_map(|id| Some((*id, outgoing.get(id)?.owner)).filter(|&(_, o)| o != controller))
+        {
+            Some((id, owner)) => Err(self.foreign(id, owner)),
+            None => Ok(()),
+        }
     }
 
     /// Every one of `requests` was written (and recorded) by some rank here.
@@ -1223,7 +1427,8 @@ impl Shared {
 
     /// The bare replay of `requests`' recorded plans on every rank at once, timed from the
     /// first rank's first put to the last rank's last flush.
-    fn replay(&self, requests: &[u64]) -> Result<BenchStats, String> {
+    fn replay(&self, requests: &[u64], controller: ControllerId) -> Result<BenchStats, String> {
+        self.check_owner(requests, controller)?;
         self.check_recorded(requests)?;
         let mut waiting = Vec::new();
         for (r, agent) in self.agents_now() {
@@ -1264,8 +1469,8 @@ impl Shared {
 
     /// The recorded fragments of `requests` copied with memcpy between buffers shaped like
     /// the pools, one thread per context rank, timed from the first copy to the last.
-    fn memcpy(&self, requests: &[u64]) -> Result<BenchStats, String> {
-        let pairs = self.fragments(requests)?;
+    fn memcpy(&self, requests: &[u64], controller: ControllerId) -> Result<BenchStats, String> {
+        let pairs = self.fragments(requests, controller)?;
         let mut arena = lock(&self.arena);
         let copied = arena.copy(&pairs).map_err(|e| error_chain(&e))?;
         Ok(BenchStats {
@@ -1283,8 +1488,13 @@ impl Shared {
     }
 
     /// The context side's statistics of `requests`, once every rank here has ended each (a
-    /// request not held here counts nothing).
-    fn outgoing_stats(&self, requests: &[u64]) -> Result<Vec<RequestStats>, String> {
+    /// request not held here counts nothing; one another controller submitted refuses them
+    /// all).
+    fn outgoing_stats(
+        &self,
+        requests: &[u64],
+        controller: ControllerId,
+    ) -> Result<Vec<RequestStats>, String> {
         let deadline = Instant::now() + self.timeout + REPLAY_GRACE;
         loop {
             {
@@ -1297,6 +1507,9 @@ impl Shared {
                         stats.push(RequestStats::default());
                         continue;
                     };
+                    if out.owner != controller {
+                        return Err(self.foreign(*id, out.owner));
+                    }
                     if !out.pending.is_empty() {
                         pending = Some(*id);
                         break;
@@ -1319,7 +1532,12 @@ impl Shared {
     }
 
     /// The recorded fragments of `requests`, per (context rank, generation rank) pair.
-    fn fragments(&self, requests: &[u64]) -> Result<Vec<PairFragments>, String> {
+    fn fragments(
+        &self,
+        requests: &[u64],
+        controller: ControllerId,
+    ) -> Result<Vec<PairFragments>, String> {
+        self.check_owner(requests, controller)?;
         self.check_recorded(requests)?;
         let mut pairs = Vec::new();
         for (r, agent) in self.agents_now() {
@@ -1374,6 +1592,9 @@ fn connection(shared: &Arc<Shared>, stream: TcpStream, pending: Pending) {
     let outbox = spawn_writer::<ControlMessage>(writer, peer.clone());
     // Proven: control connections may idle between requests.
     let _ = reader.get_mut().get_mut().settle(None);
+    // The requests this connection submits are its own, also after it closes.
+    let controller = Controller::open(shared);
+    tracing::debug!(controller = controller.id, "control connection proven");
     let mut next = first;
     let refusal = loop {
         let message: ControlMessage = match next {
@@ -1382,7 +1603,7 @@ fn connection(shared: &Arc<Shared>, stream: TcpStream, pending: Pending) {
             Err(e) => break Some(error_chain(&e)),
         };
         tracing::trace!(kind = message.kind(), "message");
-        if !shared.handle(&outbox, message) {
+        if !shared.handle(&outbox, controller.id, message) {
             break None;
         }
         next = read_frame(&mut reader);
@@ -1397,6 +1618,33 @@ fn connection(shared: &Arc<Shared>, stream: TcpStream, pending: Pending) {
         let _ = stream.get_mut().settle(Some(DRAIN));
         drain(stream, DRAIN);
     }
+}
+
+/// A proven control connection while it is open (its number leaves the open set when it is
+/// dropped).
+struct Controller<'a> {
+    shared: &'a Shared,
+    id: ControllerId,
+}
+
+impl<'a> Controller<'a> {
+    fn open(shared: &'a Shared) -> Self {
+        let id = shared.next_controller.fetch_add(1, Ordering::AcqRel);
+        lock(&shared.controllers).insert(id);
+        Controller { shared, id }
+    }
+}
+
+impl Drop for Controller<'_> {
+    fn drop(&mut self) {
+        lock(&self.shared.controllers).remove(&self.id);
+    }
+}
+
+/// The answer to a `Release` or `Cancel` of another controller's request.
+fn refused(request: u64, message: String) -> ControlMessage {
+    tracing::warn!(request, %message, "refused");
+    ControlMessage::Refused { request, message }
 }
 
 /// `pairs`, unless their [`ControlMessage::FragmentsDone`] could exceed one control frame

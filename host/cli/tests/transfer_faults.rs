@@ -48,11 +48,13 @@ fn incompatible_peers_are_refused_with_their_reason_while_a_compatible_peer_work
 
     let fail = |peer: &Server, id: u64| -> String {
         let s = submit(id, 100);
-        let _ = prefill(&peer.client(), &s);
+        // The request is this connection's: only it may release it.
+        let c = peer.client();
+        let _ = prefill(&c, &s);
         start(&g, &s, peer);
         let (_, result) = wait_done(&g, &[id]).remove(0);
         release(&g, id);
-        release(&peer.client(), id);
+        release(&c, id);
         result.expect_err("a request to an incompatible peer must fail")
     };
 
@@ -281,7 +283,8 @@ fn a_generation_server_with_another_secret_is_refused_and_nothing_moves() {
     );
     let g = stranger.client_with("not the deployment's secret at all");
     let s = submit(1, 100);
-    let _ = prefill(&ctx.client(), &s);
+    let c = ctx.client();
+    let _ = prefill(&c, &s);
     start(&g, &s, &ctx);
     let (_, result) = wait_done(&g, &[1]).remove(0);
     let error = result.expect_err("a peer without the secret must be refused");
@@ -290,7 +293,7 @@ fn a_generation_server_with_another_secret_is_refused_and_nothing_moves() {
         "{error}"
     );
     release(&g, 1);
-    release(&ctx.client(), 1);
+    release(&c, 1);
     let idle = verify_idle(&g);
     assert!(
         idle.ok,
@@ -340,11 +343,12 @@ fn racing_submits_of_one_id_take_one_and_leak_nothing() {
     let ctx = deepseek("context", "dep2", "shm", &[]);
     // 1,400 tokens: 44 of each pool's 48 slots, so a leaked allocation starves the next.
     let s = submit(7, 1400);
-    let tables = prefill(&ctx.client(), &s);
+    let c = ctx.client();
+    let tables = prefill(&c, &s);
     let clients: Vec<Client> = (0..4).map(|_| r#gen.client()).collect();
     let peer = ctx.peer();
     let barrier = std::sync::Barrier::new(clients.len());
-    let results: Vec<Result<RequestStats, String>> = thread::scope(|scope| {
+    let results: Vec<(Client, Result<RequestStats, String>)> = thread::scope(|scope| {
         let handles: Vec<_> = clients
             .into_iter()
             .map(|g| {
@@ -352,25 +356,27 @@ fn racing_submits_of_one_id_take_one_and_leak_nothing() {
                 scope.spawn(move || {
                     barrier.wait();
                     start_from(&g, s, peer);
-                    wait_done(&g, &[7]).remove(0).1
+                    let result = wait_done(&g, &[7]).remove(0).1;
+                    (g, result)
                 })
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    let taken: Vec<_> = results.iter().filter(|r| r.is_ok()).collect();
+    let taken: Vec<_> = results.iter().filter(|(_, r)| r.is_ok()).collect();
     assert_eq!(taken.len(), 1, "{results:?}");
-    for refused in results.iter().filter_map(|r| r.as_ref().err()) {
+    for refused in results.iter().filter_map(|(_, r)| r.as_ref().err()) {
         assert!(
             refused.contains("already exists") || refused.contains("duplicate"),
             "{refused}"
         );
     }
-    let g = r#gen.client();
-    verify(&g, 7, &tables);
-    release(&g, 7);
-    release(&ctx.client(), 7);
-    verify_idle(&g);
+    // The request belongs to the connection that took it.
+    let g = &taken[0].0;
+    verify(g, 7, &tables);
+    release(g, 7);
+    release(&c, 7);
+    verify_idle(g);
     // Every slot came back: another request of 44 blocks is served.
     exchange(&ctx, &r#gen, &[submit(8, 1400)]);
 }

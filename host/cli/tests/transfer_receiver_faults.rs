@@ -76,12 +76,19 @@ fn gen_name(server: &Server) -> String {
 
 /// Request `s`, submitted on `client` (a connection to `r#gen`, which gets its `Done`),
 /// reaches the context server before its prefill (its claim is stashed); then `r#gen` is
-/// frozen, and the prefill starts the write.
-fn freeze_then_prefill(ctx: &Logged, r#gen: &Server, client: &Client, s: &Submit) -> Instant {
+/// frozen, and the prefill on `ctx_client` (a connection to `ctx`, the only one that may
+/// release it) starts the write.
+fn freeze_then_prefill(
+    ctx: &Logged,
+    ctx_client: &Client,
+    r#gen: &Server,
+    client: &Client,
+    s: &Submit,
+) -> Instant {
     start(client, s, &ctx.server);
     ctx.wait_for(&["claim stashed until its send"], REPLY);
     signal(r#gen, "-STOP");
-    let _ = prefill(&ctx.server.client(), s);
+    let _ = prefill(ctx_client, s);
     Instant::now()
 }
 
@@ -107,9 +114,10 @@ fn hung_receiver_times_out_and_the_context_moves_on_tcp() {
         &["--planner", MLA, "--timeout-ms", "60000"],
     );
     let g = hung.client();
+    let c = ctx.server.client();
     let name = gen_name(&hung);
 
-    let queued = freeze_then_prefill(&ctx, &hung, &g, &chunked(submit(1, 300), 64));
+    let queued = freeze_then_prefill(&ctx, &c, &hung, &g, &chunked(submit(1, 300), 64));
     let line = ctx.wait_for(&["write job failed", &name, "timed out"], REPLY);
     let waited = queued.elapsed();
     // Its puts may still read the source slots: the request ends once they drain.
@@ -131,7 +139,7 @@ fn hung_receiver_times_out_and_the_context_moves_on_tcp() {
     let error = result.expect_err("the timed-out write must fail the request");
     assert!(error.contains(&ctx.server.info().instance), "{error}");
     release(&g, 1);
-    release(&ctx.server.client(), 1);
+    release(&c, 1);
 
     // And it is served again.
     exchange(&ctx.server, &hung, &[submit(4, 128)]);
@@ -150,7 +158,8 @@ fn killed_receiver_fails_its_job_and_the_context_moves_on_tcp() {
     let mut doomed = Server::start("generation", DEEPSEEK, "dep4", "tcp", &["--planner", MLA]);
     let name = gen_name(&doomed);
 
-    freeze_then_prefill(&ctx, &doomed, &doomed.client(), &submit(1, 300));
+    let c = ctx.server.client();
+    freeze_then_prefill(&ctx, &c, &doomed, &doomed.client(), &submit(1, 300));
     thread::sleep(Duration::from_millis(200));
     doomed.child.kill().unwrap();
     let killed = Instant::now();
@@ -161,7 +170,7 @@ fn killed_receiver_fails_its_job_and_the_context_moves_on_tcp() {
         waited < Duration::from_secs(15),
         "failed {waited:?} after the kill (deadline 30 s): {line}"
     );
-    release(&ctx.server.client(), 1);
+    release(&c, 1);
 
     let other = Server::start("generation", DEEPSEEK, "dep4", "tcp", &["--planner", MLA]);
     exchange(&ctx.server, &other, &[submit(2, 200), submit(3, 77)]);

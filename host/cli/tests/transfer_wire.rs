@@ -201,6 +201,10 @@ fn every_control_message() -> Vec<ControlMessage> {
         },
         ControlMessage::Release { request: 7 },
         ControlMessage::Released { request: 7 },
+        ControlMessage::Refused {
+            request: 7,
+            message: "request 7 belongs to another controller".into(),
+        },
         ControlMessage::VerifyIdle,
         ControlMessage::IdleVerified {
             result: Err("busy".into()),
