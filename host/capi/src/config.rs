@@ -74,6 +74,8 @@ struct ConfigV1 {
     advertise: Option<String>,
     secret: Option<String>,
     secret_hex: Option<String>,
+    previous_secret: Option<String>,
+    previous_secret_hex: Option<String>,
     timeout_ms: Option<u64>,
     lease_ms: Option<u64>,
     peer_timeout_ms: Option<u64>,
@@ -245,7 +247,16 @@ pub(crate) fn parse(text: &str) -> Result<Parsed, ConfigError> {
         .parse()
         .map_err(|e| ConfigError::invalid(format!("config: rank.mapping: {e}")))?;
     let rank = rank_info(&c.instance, &mapping, &c.rank)?;
-    let secret = secret(c.secret.as_deref(), c.secret_hex.as_deref())?;
+    let mut secret = secret(c.secret.as_deref(), c.secret_hex.as_deref(), "secret")?;
+    if c.previous_secret.is_some() || c.previous_secret_hex.is_some() {
+        // During a change of secret: peers that still prove the previous one are accepted.
+        let previous = self::secret(
+            c.previous_secret.as_deref(),
+            c.previous_secret_hex.as_deref(),
+            "previous_secret",
+        )?;
+        secret = secret.also_accepting(previous);
+    }
     let mut agent = AgentConfig::new(&c.instance, role, rank, secret);
     agent.label = c.label;
     let mut transport = match &c.transport {
@@ -373,24 +384,26 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
     text
 }
 
-fn secret(text: Option<&str>, hex: Option<&str>) -> Result<Secret, ConfigError> {
+/// The secret named `name` (`secret` or `previous_secret`), as text or as `{name}_hex`.
+fn secret(text: Option<&str>, hex: Option<&str>, name: &str) -> Result<Secret, ConfigError> {
     let bytes = match (text, hex) {
         (Some(_), Some(_)) => {
-            return Err(ConfigError::invalid(
-                "config: give \"secret\" or \"secret_hex\", not both",
-            ));
+            return Err(ConfigError::invalid(format!(
+                "config: give \"{name}\" or \"{name}_hex\", not both"
+            )));
         }
         (None, None) => {
-            return Err(ConfigError::invalid(
-                "config: no \"secret\" (or \"secret_hex\"): every agent of a deployment proves \
-                 one shared secret",
-            ));
+            return Err(ConfigError::invalid(format!(
+                "config: no \"{name}\" (or \"{name}_hex\"): every agent of a deployment \
+                 proves one shared secret"
+            )));
         }
         (Some(t), None) => t.as_bytes().to_vec(),
-        (None, Some(h)) => decode_hex(h)
-            .ok_or_else(|| ConfigError::invalid("config: \"secret_hex\" is not hexadecimal"))?,
+        (None, Some(h)) => decode_hex(h).ok_or_else(|| {
+            ConfigError::invalid(format!("config: \"{name}_hex\" is not hexadecimal"))
+        })?,
     };
-    Secret::new(bytes).map_err(|e| ConfigError::invalid(format!("config: secret: {e}")))
+    Secret::new(bytes).map_err(|e| ConfigError::invalid(format!("config: {name}: {e}")))
 }
 
 fn decode_hex(text: &str) -> Option<Vec<u8>> {
@@ -676,6 +689,15 @@ mod tests {
         assert!(refusal(&short).contains("at least 16 bytes"));
         let both = refusal(&minimal(r#", "secret_hex": "00""#));
         assert!(both.contains("not both"), "{both}");
+        let blank = refusal(&minimal(r#", "previous_secret": "                ""#));
+        assert!(
+            blank.contains("previous_secret") && blank.contains("whitespace"),
+            "{blank}"
+        );
+        let rotating = parse(&minimal(
+            r#", "previous_secret": "the previous secret, 32 bytes.""#,
+        ));
+        assert!(format!("{:?}", rotating.unwrap().agent.secret).contains("1 more accepted"));
         let rank = minimal("").replace("\"instance_rank\": 1", "\"instance_rank\": 2");
         assert!(refusal(&rank).contains("not below the 2 ranks"));
         let role = refusal(&minimal("").replace("\"context\"", "\"prefill\""));
@@ -697,7 +719,7 @@ mod tests {
         assert_eq!(decode_hex("00ff10"), Some(vec![0, 255, 16]));
         assert_eq!(decode_hex("0g"), None);
         assert_eq!(decode_hex("abc"), None);
-        assert!(secret(None, Some(&"ab".repeat(16))).is_ok());
-        assert!(secret(None, Some("abab")).is_err());
+        assert!(secret(None, Some(&"ab".repeat(16)), "secret").is_ok());
+        assert!(secret(None, Some("abab"), "secret").is_err());
     }
 }
