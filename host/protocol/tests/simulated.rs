@@ -307,3 +307,107 @@ fn hostile_byte_flips_never_panic_the_codec_or_the_tracker() {
         }
     }
 }
+
+/// A failed piece may skip ahead (a plan that cannot be made is reported at the piece it
+/// failed on), up to the request's last piece and no further; it may not go back. A failed
+/// piece that repeats one already reported — the one just before, or any earlier — is out
+/// of order and does not end the writer: the receiver keeps the slots on the word of a peer
+/// that just broke the protocol.
+#[test]
+fn a_failed_piece_may_skip_ahead_to_the_last_piece_but_never_repeat_one() {
+    let pair = (0, 0);
+    let pieces = 3;
+    // Pieces 0 and 1 reported Ok: piece 2 is next.
+    let two_done = || {
+        let mut t = RequestTracker::new(5, pieces, [pair, (1, 0)]);
+        t.on_completion(&ok(5, pair, 0, false, 1)).unwrap();
+        t.on_completion(&ok(5, pair, 1, false, 1)).unwrap();
+        t
+    };
+    for repeated in [1, 0] {
+        for is_last in [true, false] {
+            let mut t = two_done();
+            let v = t
+                .on_completion(&failed(5, pair, repeated, is_last))
+                .unwrap_err();
+            assert_eq!(
+                v,
+                Violation::OutOfOrder {
+                    request: 5,
+                    sender: 0,
+                    receiver: 0,
+                    piece: repeated,
+                    expected: 2
+                },
+                "a repeated failed piece {repeated}, last {is_last}"
+            );
+            assert_eq!(t.phase(), &Phase::Failed);
+            assert!(t.open_pairs().any(|p| p == pair), "the writer is not ended");
+            assert!(!t.quiescent());
+            // Its real last piece still ends it.
+            assert_eq!(
+                t.on_completion(&failed(5, pair, 2, true)).unwrap(),
+                Tracked::Late
+            );
+            assert!(!t.open_pairs().any(|p| p == pair));
+        }
+    }
+    // The next piece itself may fail, and so may the last one (skipping ahead to it).
+    let mut t = two_done();
+    assert!(matches!(
+        t.on_completion(&failed(5, pair, 2, true)).unwrap(),
+        Tracked::Failed(f) if f.piece == 2
+    ));
+    let mut t = RequestTracker::new(5, pieces, [pair]);
+    assert!(matches!(
+        t.on_completion(&failed(5, pair, pieces - 1, true)).unwrap(),
+        Tracked::Failed(f) if f.piece == pieces - 1
+    ));
+    assert!(t.quiescent());
+    // One past the last piece is no piece of the request, failed or not.
+    for status in [true, false] {
+        let mut t = RequestTracker::new(5, pieces, [pair]);
+        let c = if status {
+            failed(5, pair, pieces, true)
+        } else {
+            ok(5, pair, pieces, true, 1)
+        };
+        assert_eq!(
+            t.on_completion(&c).unwrap_err(),
+            Violation::PieceOutOfRange {
+                request: 5,
+                sender: 0,
+                receiver: 0,
+                piece: pieces,
+                pieces
+            }
+        );
+        assert!(!t.quiescent());
+    }
+}
+
+/// The same for a streamed request (no piece count): a failed piece repeating the one just
+/// reported is a violation, not the writer's end.
+#[test]
+fn a_streamed_writer_cannot_end_on_a_repeated_failed_piece() {
+    let pair = (2, 1);
+    let mut t = RequestTracker::streaming(6, [pair]);
+    t.on_completion(&ok(6, pair, 0, false, 1)).unwrap();
+    t.on_completion(&ok(6, pair, 1, false, 1)).unwrap();
+    assert_eq!(
+        t.on_completion(&failed(6, pair, 1, true)).unwrap_err(),
+        Violation::OutOfOrder {
+            request: 6,
+            sender: 2,
+            receiver: 1,
+            piece: 1,
+            expected: 2
+        }
+    );
+    assert!(!t.quiescent());
+    assert_eq!(
+        t.on_completion(&failed(6, pair, 2, true)).unwrap(),
+        Tracked::Late
+    );
+    assert!(t.quiescent());
+}

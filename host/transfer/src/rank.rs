@@ -1851,3 +1851,6 @@ mod tests {
         assert!(!thread.address().is_empty());
     }
 }
+
+#[cfg(test)]
+mod bounds_tests;
