@@ -299,8 +299,8 @@ mod hostile {
     use std::net::TcpStream;
 
     use kvferry_protocol::{
-        AgentEvent, AgentMessage, AgentMetadata, AgentSession, CompletionStatus, RequestData,
-        encode, read_frame, write_frame,
+        AgentEvent, AgentMessage, AgentSession, CompletionStatus, RequestData, encode, read_frame,
+        write_frame,
     };
 
     fn connect(endpoint: &str) -> TcpStream {
@@ -315,30 +315,6 @@ mod hostile {
         let mut rest = Vec::new();
         let _ = s.read_to_end(&mut rest);
         rest.is_empty() || rest == [0, 0]
-    }
-
-    /// An authenticated session posing as `decode`'s rank (it holds the secret), declaring
-    /// (and proving) a worker of its own.
-    fn authenticated(endpoint: &str, decode: &Agent) -> (SecurePeer, AgentSession, HandWorker) {
-        let mut s = SecurePeer::dial(endpoint, &secret()).unwrap();
-        let hand = HandWorker::start();
-        let mut me = AgentMetadata::from_bytes(&decode.local_metadata().unwrap()).unwrap();
-        me.rank.worker_address = hand.address.clone();
-        let (mut session, own) = AgentSession::dial(me);
-        write_frame(&mut s, &own).unwrap();
-        loop {
-            let m: AgentMessage = read_frame(&mut s).unwrap();
-            match session.receive(m).unwrap() {
-                AgentEvent::Metadata(_) => break,
-                AgentEvent::ProveWorker => {
-                    let challenge = hand.challenge_for(&s.binding);
-                    write_frame(&mut s, &AgentMessage::WorkerProof { challenge }).unwrap();
-                }
-                other => panic!("{other:?}"),
-            }
-        }
-        session.ready().unwrap();
-        (s, session, hand)
     }
 
     fn claim(request: u64, tables: Vec<SlotTable>, end: u64, prompt: u64) -> AgentMessage {

@@ -15,7 +15,7 @@ use kvferry_protocol::{
 };
 use kvferry_transfer::Role;
 use kvferry_transfer::Transport;
-use kvferry_transfer::agent::{Agent, BounceConfig, BounceMode, CallError, Event, Send};
+use kvferry_transfer::agent::{BounceConfig, BounceMode, CallError, Event, Send};
 
 use support::*;
 
@@ -68,31 +68,6 @@ fn a_pool_key_one_byte_short_of_its_pool_is_refused() {
             }
         }
     }
-}
-
-/// An authenticated session posing as `decode`'s rank (it holds the secret), to `endpoint`,
-/// declaring (and proving) a worker of its own: the context rank's puts go to that worker,
-/// at the addresses of `decode`'s keys (in this process).
-fn authenticated(endpoint: &str, decode: &Agent) -> (SecurePeer, AgentSession, HandWorker) {
-    let mut s = SecurePeer::dial(endpoint, &secret()).unwrap();
-    let hand = HandWorker::start();
-    let mut me = AgentMetadata::from_bytes(&decode.local_metadata().unwrap()).unwrap();
-    me.rank.worker_address = hand.address.clone();
-    let (mut session, own) = AgentSession::dial(me);
-    write_frame(&mut s, &own).unwrap();
-    loop {
-        let m: AgentMessage = read_frame(&mut s).unwrap();
-        match session.receive(m).unwrap() {
-            AgentEvent::Metadata(_) => break,
-            AgentEvent::ProveWorker => {
-                let challenge = hand.challenge_for(&s.binding);
-                write_frame(&mut s, &AgentMessage::WorkerProof { challenge }).unwrap();
-            }
-            other => panic!("{other:?}"),
-        }
-    }
-    session.ready().unwrap();
-    (s, session, hand)
 }
 
 /// A claim of a 32-token request for 33 tokens, offering `bounce`: refused either way, and

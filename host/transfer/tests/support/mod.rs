@@ -487,6 +487,37 @@ impl Drop for HandWorker {
     }
 }
 
+/// An authenticated session to `endpoint` posing as `decode`'s rank (it holds the secret),
+/// declaring (and proving) a worker of its own: the context rank's puts go to that worker,
+/// at the addresses of `decode`'s keys (in this process).
+pub fn authenticated(
+    endpoint: &str,
+    decode: &Agent,
+) -> (SecurePeer, kvferry_protocol::AgentSession, HandWorker) {
+    use kvferry_protocol::{
+        AgentEvent, AgentMessage, AgentMetadata, AgentSession, read_frame, write_frame,
+    };
+    let mut s = SecurePeer::dial(endpoint, &secret()).unwrap();
+    let hand = HandWorker::start();
+    let mut me = AgentMetadata::from_bytes(&decode.local_metadata().unwrap()).unwrap();
+    me.rank.worker_address = hand.address.clone();
+    let (mut session, own) = AgentSession::dial(me);
+    write_frame(&mut s, &own).unwrap();
+    loop {
+        let m: AgentMessage = read_frame(&mut s).unwrap();
+        match session.receive(m).unwrap() {
+            AgentEvent::Metadata(_) => break,
+            AgentEvent::ProveWorker => {
+                let challenge = hand.challenge_for(&s.binding);
+                write_frame(&mut s, &AgentMessage::WorkerProof { challenge }).unwrap();
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    session.ready().unwrap();
+    (s, session, hand)
+}
+
 /// A context rank under `real`'s description (its endpoint swapped for a new listener) that
 /// holds the secret, admits the first generation rank to dial it, and answers each of its
 /// claims with `answer`'s completion, writing nothing. Returns the endpoint.
