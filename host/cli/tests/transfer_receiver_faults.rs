@@ -92,18 +92,24 @@ fn freeze_then_prefill(
     Instant::now()
 }
 
-/// A hung receiver: the write times out at the context's deadline naming the receiver, its
-/// puts quarantined; a second generation server is served by the same context rank
-/// meanwhile; once the receiver runs again the puts drain, the send fails (only now: until
-/// then they may read its source slots), the receiver hears of the failure, and it is
-/// served again.
+/// A hung receiver that stays registered (its keep-alives still flow, as from a peer that
+/// stopped reading only its UCX socket) is modelled by a peer timeout longer than the test:
+/// the write times out at the context's deadline naming the receiver, its puts quarantined;
+/// a second generation server is served by the same context rank meanwhile; once the
+/// receiver runs again the puts drain, the send fails (only now: until then they may read
+/// its source slots), the receiver hears of the failure, and it is served again.
 #[test]
 fn hung_receiver_times_out_and_the_context_moves_on_tcp() {
     const TIMEOUT_MS: u64 = 1500;
     let ctx = Logged::start(
         "context",
         "dep2",
-        &["--timeout-ms", &TIMEOUT_MS.to_string()],
+        &[
+            "--timeout-ms",
+            &TIMEOUT_MS.to_string(),
+            "--peer-timeout-ms",
+            "120000",
+        ],
         "kvferry=info,kvferry_transfer::agent=debug",
     );
     let hung = Server::start(
@@ -143,6 +149,131 @@ fn hung_receiver_times_out_and_the_context_moves_on_tcp() {
 
     // And it is served again.
     exchange(&ctx.server, &hung, &[submit(4, 128)]);
+}
+
+/// A receiver that stays stopped, under UCX's peer error mode (`--ucx-peer-errors`, which a
+/// forced close requires): the context declares it gone at the peer timeout, closes
+/// the endpoint its stuck puts wait on by force (`rank::GONE_DRAIN_GRACE` later), and the
+/// send fails, its source slots back, within the peer timeout plus that grace, while the
+/// receiver is still stopped and long before the write's own deadline. Once the receiver
+/// runs again it has lost its link (its request failed) and is served afresh.
+#[test]
+fn stopped_receiver_gives_the_context_slots_back_at_the_peer_timeout_tcp() {
+    const PEER_TIMEOUT_MS: u64 = 2000;
+    let ctx = Logged::start(
+        "context",
+        "dep2",
+        &[
+            "--timeout-ms",
+            "60000",
+            "--peer-timeout-ms",
+            &PEER_TIMEOUT_MS.to_string(),
+            "--ucx-peer-errors",
+        ],
+        "kvferry=info,kvferry_transfer::agent=debug",
+    );
+    let stopped = Server::start(
+        "generation",
+        DEEPSEEK,
+        "dep4",
+        "tcp",
+        &["--planner", MLA, "--timeout-ms", "60000"],
+    );
+    let g = stopped.client();
+    let c = ctx.server.client();
+    let name = gen_name(&stopped);
+
+    let frozen = freeze_then_prefill(&ctx, &c, &stopped, &g, &chunked(submit(1, 300), 64));
+    let forced = ctx.wait_for(
+        &[
+            "closing the endpoint of a quarantined window by force",
+            &name,
+        ],
+        REPLY,
+    );
+    let line = ctx.wait_for(&["send failed", &name], REPLY);
+    let waited = frozen.elapsed();
+    assert!(forced.contains("registration ended"), "{forced}");
+    // The bound: the peer timeout, the grace, and a loaded 2-core machine's slack.
+    let bound = Duration::from_millis(PEER_TIMEOUT_MS) + Duration::from_millis(500);
+    assert!(
+        waited >= Duration::from_millis(PEER_TIMEOUT_MS) && waited < bound + Duration::from_secs(4),
+        "the send ended {waited:?} after the receiver stopped (bound {bound:?}): {line}"
+    );
+    eprintln!(
+        "send failed {waited:?} after the receiver stopped (peer timeout {PEER_TIMEOUT_MS} ms)"
+    );
+    release(&c, 1);
+
+    // The rank thread goes on: another generation server is served meanwhile.
+    let other = Server::start("generation", DEEPSEEK, "dep4", "tcp", &["--planner", MLA]);
+    exchange(&ctx.server, &other, &[submit(2, 200)]);
+
+    // The stopped receiver comes back: its request failed (its link ended), and it is served
+    // again over a fresh connection.
+    signal(&stopped, "-CONT");
+    let (_, result) = wait_done(&g, &[1]).remove(0);
+    assert!(result.is_err(), "request 1 cannot have completed");
+    release(&g, 1);
+    exchange(&ctx.server, &stopped, &[submit(3, 128)]);
+}
+
+/// A receiver that stopped draining while its registration stays up (modelled, as above, by
+/// a peer timeout longer than the test), under peer error mode: once nothing in the stuck
+/// window finished for `rank::STALL_LIMIT` (10 s) after the write's own deadline, the context
+/// gives the receiver up, closes the endpoint by force and the send fails, its source slots
+/// back, while the receiver is still stopped. When it runs again its next keep-alive is
+/// answered with an error naming why, and it is served afresh.
+#[test]
+fn stalled_receiver_is_given_up_after_the_stall_limit_tcp() {
+    const TIMEOUT_MS: u64 = 1000;
+    let ctx = Logged::start(
+        "context",
+        "dep2",
+        &[
+            "--timeout-ms",
+            &TIMEOUT_MS.to_string(),
+            "--peer-timeout-ms",
+            "120000",
+            "--ucx-peer-errors",
+        ],
+        "kvferry=info,kvferry_transfer::agent=debug",
+    );
+    let stalled = Server::start(
+        "generation",
+        DEEPSEEK,
+        "dep4",
+        "tcp",
+        &["--planner", MLA, "--timeout-ms", "60000"],
+    );
+    let g = stalled.client();
+    let c = ctx.server.client();
+    let name = gen_name(&stalled);
+
+    let frozen = freeze_then_prefill(&ctx, &c, &stalled, &g, &chunked(submit(1, 300), 64));
+    let forced = ctx.wait_for(
+        &[
+            "closing the endpoint of a quarantined window by force",
+            &name,
+        ],
+        REPLY,
+    );
+    ctx.wait_for(&["send failed", &name], REPLY);
+    let waited = frozen.elapsed();
+    assert!(forced.contains("not draining"), "{forced}");
+    assert!(
+        waited >= Duration::from_secs(10) && waited < Duration::from_secs(25),
+        "the send ended {waited:?} after the receiver stopped (deadline {TIMEOUT_MS} ms, \
+         stall limit 10 s)"
+    );
+    eprintln!("send failed {waited:?} after the receiver stopped draining");
+    release(&c, 1);
+
+    signal(&stalled, "-CONT");
+    let (_, result) = wait_done(&g, &[1]).remove(0);
+    assert!(result.is_err(), "request 1 cannot have completed");
+    release(&g, 1);
+    exchange(&ctx.server, &stalled, &[submit(3, 128)]);
 }
 
 /// A receiver killed while the context writes into it: the job fails long before the

@@ -62,6 +62,17 @@
 //! keeps the slots quarantined until that report, as for any late writer). Until then further
 //! jobs for that peer rank fail at once ([`WriteError::Stuck`]) instead of queueing behind the
 //! stuck puts, and are reported after the quarantined job, in order.
+//! A quarantined window whose receiver cannot drain it is cut, in peer error mode: once the
+//! receiver's registration has ended for [`GONE_DRAIN_GRACE`] (a stopped receiver is declared
+//! gone at the agent's peer timeout), or while it is still registered once nothing in the
+//! window finished for [`STALL_LIMIT`] (a peer that keeps its session alive but stopped
+//! reading its UCX socket; its registration is then ended here), the endpoint is closed by
+//! force ([`Endpoint::force_close`]): UCX completes the puts with errors, the window drains,
+//! and the job reports, its slots back — within the peer timeout plus the grace for a stopped
+//! receiver. Bytes the kernel had already taken into the socket may still reach the receiver
+//! if it resumes; it has lost its link to this rank by then and failed the request. Without
+//! peer error mode UCX forbids a forced close, so such a window waits for the receiver to
+//! resume or die (a warning says so when its registration ends).
 //! When the thread ends, windows still quarantined are abandoned (their keys are then never
 //! destroyed), before the endpoints are closed (forced once their flush times out) and the
 //! worker destroyed, all before the pools go (see `Executor`'s `Drop`).
@@ -110,6 +121,18 @@ pub const ALIVE_CHECK: Duration = Duration::from_millis(20);
 /// job on it was flushed already (or is quarantined, which keeps the endpoint open), so the
 /// flush has nothing to wait for unless the peer is gone.
 const FORGET_CLOSE_TIMEOUT: Duration = Duration::from_millis(100);
+
+/// How long a quarantined window to a peer whose registration ended may still drain on its
+/// own before its endpoint is closed by force (peer error mode only): long enough for puts
+/// that were about to complete when the registration ended (a receiver that closed its
+/// session, a newer start) to finish cleanly, short against the peer timeout that declares
+/// a stopped receiver gone.
+pub const GONE_DRAIN_GRACE: Duration = Duration::from_millis(500);
+/// How long a quarantined window to a peer that is still registered may go without any of its
+/// operations finishing before the peer is given up: its registration is ended (the agent
+/// closes its session at the next keep-alive) and the endpoint closed by force. Its job gave
+/// up at its own deadline before the window was quarantined.
+pub const STALL_LIMIT: Duration = Duration::from_secs(10);
 
 /// Identifies one registration of a peer instance (a new connection gets a new id).
 pub type PeerId = u64;
@@ -824,6 +847,90 @@ struct Stuck<'a> {
     since: Instant,
     /// Its job bounced: its puts may still read the staging buffer.
     bounced: bool,
+    /// The peer's registration flag ([`RemoteRank::alive`]).
+    alive: Arc<AtomicBool>,
+    /// When the registration was first seen ended.
+    gone_since: Option<Instant>,
+    /// When an operation of the window last finished (or the window was parked), and how
+    /// many were in flight then.
+    progressed: (Instant, usize),
+}
+
+impl Stuck<'_> {
+    /// Closes the window's endpoint by force (see [`Endpoint::force_close`]) once its peer
+    /// cannot drain it: the registration ended [`GONE_DRAIN_GRACE`] ago, or nothing finished
+    /// for [`STALL_LIMIT`] while it is still registered (then its registration is ended here,
+    /// so the agent drops the peer). UCX then completes what is in flight with errors, the
+    /// window drains, and its job reports. Returns the connection to drop when it closed one.
+    ///
+    /// Only an endpoint in peer error mode can be closed so (UCX refuses a forced close
+    /// otherwise: it "requires" peer mode "to avoid undefined behavior"). The others stay
+    /// quarantined until they drain, with a warning once their peer is gone: over shared
+    /// memory this thread copies every put itself, so a stopped receiver cannot hold them up;
+    /// over `tcp` without `ucx_peer_errors` it can, until it resumes or its process ends (the
+    /// kernel then resets the connection and UCX fails the puts).
+    fn close_if_stalled(&mut self) -> Option<(PeerId, u32)> {
+        let ep = self.window.endpoint();
+        if ep.is_closed() {
+            return None;
+        }
+        let now = Instant::now();
+        if ep.error_mode() != ErrorMode::Peer {
+            if self.gone_since.is_none() && !self.alive.load(Ordering::Acquire) {
+                self.gone_since = Some(now);
+                tracing::warn!(
+                    peer = %self.instance,
+                    peer_rank = self.rank,
+                    in_flight = self.window.in_flight() + usize::from(self.window.is_flushing()),
+                    "a receiver declared gone still holds puts in flight; without UCX's peer \
+                     error mode (ucx_peer_errors) they cannot be cut, so the job's source slots \
+                     stay held until the receiver drains them or its process ends"
+                );
+            }
+            return None;
+        }
+        let in_flight = self.window.in_flight() + usize::from(self.window.is_flushing());
+        if in_flight < self.progressed.1 {
+            self.progressed = (now, in_flight);
+        }
+        let why = if self.alive.load(Ordering::Acquire) {
+            let stalled = now.duration_since(self.progressed.0);
+            if stalled < STALL_LIMIT {
+                return None;
+            }
+            self.alive.store(false, Ordering::Release);
+            format!(
+                "nothing finished for {} ms: the receiver is not draining; giving it up",
+                stalled.as_millis()
+            )
+        } else {
+            let gone = *self.gone_since.get_or_insert(now);
+            if now.duration_since(gone) < GONE_DRAIN_GRACE {
+                return None;
+            }
+            format!(
+                "its registration ended {} ms ago",
+                now.duration_since(gone).as_millis()
+            )
+        };
+        tracing::warn!(
+            peer = %self.instance,
+            peer_rank = self.rank,
+            in_flight,
+            quarantined_ms = self.since.elapsed().as_millis(),
+            reason = %why,
+            "closing the endpoint of a quarantined window by force"
+        );
+        if let Err(e) = ep.force_close() {
+            tracing::warn!(
+                peer = %self.instance,
+                peer_rank = self.rank,
+                error = %e,
+                "forced endpoint close failed"
+            );
+        }
+        Some((self.peer, self.rank))
+    }
 }
 
 /// A rank thread's executor state. `'a` is the life of the worker value and of the pools,
@@ -1011,6 +1118,16 @@ impl<'a> Executor<'a> {
         if self.stuck.is_empty() {
             return;
         }
+        let mut closed = Vec::new();
+        for s in &mut self.stuck {
+            if let Some(key) = s.close_if_stalled() {
+                closed.push(key);
+            }
+        }
+        // Connect afresh next time: the cached endpoint may be the one closed.
+        for key in closed {
+            self.drop_conn(key);
+        }
         self.stuck.retain_mut(|s| {
             // Settled, not merely idle: a put completes locally, and over tcp its bytes may
             // still be on the way; reporting the failure before a flush proves they landed
@@ -1069,14 +1186,19 @@ impl<'a> Executor<'a> {
             puts = window.in_flight(),
             "quarantining a window with operations in flight"
         );
+        let now = Instant::now();
+        let in_flight = window.in_flight() + usize::from(window.is_flushing());
         self.stuck.push(Stuck {
             window,
             on_drain: vec![on_drain],
             peer: dest.peer,
             instance: dest.instance.clone(),
             rank: dest.rank,
-            since: Instant::now(),
+            since: now,
             bounced,
+            alive: Arc::clone(&dest.alive),
+            gone_since: None,
+            progressed: (now, in_flight),
         });
     }
 

@@ -56,8 +56,8 @@ pub struct Endpoint {
 
 /// The UCX endpoint, shared by the [`Endpoint`] and what was made from it.
 struct EndpointInner {
-    /// Null once closed.
-    handle: sys::ucp_ep_h,
+    /// Null once closed (by the last handle, or by [`Endpoint::force_close`] from any).
+    handle: Cell<sys::ucp_ep_h>,
     /// What the error handler records ([`ErrorMode::Peer`] only): the `arg` UCX holds. Freed
     /// only once the endpoint's close has finished (UCX then knows the endpoint no more), or,
     /// if it did not, handed to the worker to be freed after `ucp_worker_destroy`.
@@ -250,7 +250,7 @@ impl Endpoint {
             .op(Op::EpCreate)?;
         Ok(Endpoint {
             inner: Rc::new(EndpointInner {
-                handle,
+                handle: Cell::new(handle),
                 failure,
                 worker: worker.share(),
             }),
@@ -294,8 +294,80 @@ impl Endpoint {
         }
     }
 
-    fn handle(&self) -> sys::ucp_ep_h {
-        self.inner.handle
+    /// The open UCX endpoint, or [`Status::NOT_CONNECTED`] (for `op`) once
+    /// [`force_close`](Self::force_close) closed it: nothing is issued on a closed endpoint.
+    fn handle(&self, op: Op) -> Result<sys::ucp_ep_h, Error> {
+        let handle = self.inner.handle.get();
+        if handle.is_null() {
+            Err(Error::new(op, Status::NOT_CONNECTED))
+        } else {
+            Ok(handle)
+        }
+    }
+
+    /// Whether [`force_close`](Self::force_close) closed the endpoint.
+    pub fn is_closed(&self) -> bool {
+        self.inner.handle.get().is_null()
+    }
+
+    /// Closes the endpoint now, without the peer, whatever other handles on it exist: UCX
+    /// completes every operation still in flight on it with [`Status::CANCELED`] (at once or
+    /// at the worker's next progress) and sends nothing more to the peer. Every later
+    /// operation through any handle fails with [`Status::NOT_CONNECTED`] before reaching UCX,
+    /// and [`failure`](Self::failure) reports [`Status::CANCELED`] if UCX had reported no
+    /// failure before. Closing an endpoint that is already closed does nothing.
+    ///
+    /// For an endpoint whose peer stopped draining: a receiver that is stopped (or stopped
+    /// reading its socket) leaves puts over `tcp` in flight for ever, holding their sources.
+    /// The operations' [`Request`]s, windows and remote keys stay valid; they are released as
+    /// usual once they see their (cancelled) completion. Remote keys unpacked on the endpoint
+    /// may outlive it: `ucp_rkey_destroy` releases the key's transport keys and returns it to
+    /// the worker's pool without touching the endpoint (`src/ucp/core/ucp_rkey.c`, 1.13.1 and
+    /// 1.22.0), although the header asks for keys to be destroyed first.
+    ///
+    /// Wraps `ucp_ep_close_nbx` with `UCP_EP_CLOSE_FLAG_FORCE`.
+    ///
+    /// # Errors
+    ///
+    /// [`Op::EpClose`] with [`Status::UNSUPPORTED`] for an [`ErrorMode::None`] endpoint (UCX
+    /// allows a forced close only with peer error handling, which shared memory lacks; the
+    /// endpoint is left open), or UCX's status if the close failed (the endpoint is then
+    /// closed as far as this crate is concerned: nothing more is issued on it).
+    #[doc(alias = "ucp_ep_close_nbx")]
+    pub fn force_close(&self) -> Result<(), Error> {
+        if self.is_closed() {
+            return Ok(());
+        }
+        let Some(cell) = &self.inner.failure else {
+            return Err(Error::new(Op::EpClose, Status::UNSUPPORTED));
+        };
+        let handle = self.inner.handle.replace(ptr::null_mut());
+        let param = sys::ucp_request_param_t {
+            op_attr_mask: sys::UCP_OP_ATTR_FIELD_FLAGS,
+            flags: sys::UCP_EP_CLOSE_FLAG_FORCE,
+            ..Default::default()
+        };
+        // SAFETY: `handle` was open (not null) and is used on its worker's thread (no handle
+        // is `Send`); it is never used again (the cell now holds null, and every operation
+        // checks it). The endpoint was created with peer error handling, which a forced close
+        // requires. Requests still in flight on it stay valid: UCX completes them with
+        // `UCS_ERR_CANCELED` and they are released by their owners as usual; remote keys
+        // unpacked on it do not refer to it (see above).
+        let close = check_ptr(unsafe { sys::ucp_ep_close_nbx(handle, &param) });
+        // A forced close completes at once (the header: it "forces immediate completion").
+        let result = match close {
+            Ok(None) => Ok(()),
+            Ok(Some(req)) => {
+                // SAFETY: a close request references no memory of ours; released once, here,
+                // and `ucp_request_free` accepts a request in any state (UCX finishes the close
+                // internally).
+                unsafe { sys::ucp_request_free(req.as_ptr()) };
+                Ok(())
+            }
+            Err(status) => Err(Error::new(Op::EpClose, status)),
+        };
+        cell.slot().record(sys::ucs_status_t::UCS_ERR_CANCELED);
+        result
     }
 
     /// Unpacks a peer's packed remote key (from [`MemRegion::pack_rkey`]) for use on this
@@ -339,7 +411,7 @@ impl Endpoint {
         // `handle` is a valid out-pointer.
         check(unsafe {
             sys::ucp_ep_rkey_unpack(
-                self.handle(),
+                self.handle(Op::RkeyUnpack)?,
                 owned.as_mut_ptr().cast_const().cast(),
                 &mut handle,
             )
@@ -429,7 +501,7 @@ impl Endpoint {
         // `param` is initialised.
         let ptr = unsafe {
             sys::ucp_put_nbx(
-                self.handle(),
+                self.handle(Op::Put)?,
                 src.cast(),
                 len,
                 remote_addr,
@@ -452,7 +524,7 @@ impl Endpoint {
     pub fn flush(&self) -> Result<Request<'static>, Error> {
         let param = sys::ucp_request_param_t::default();
         // SAFETY: the endpoint is open and used on its worker's thread; `param` is initialised.
-        let ptr = unsafe { sys::ucp_ep_flush_nbx(self.handle(), &param) };
+        let ptr = unsafe { sys::ucp_ep_flush_nbx(self.handle(Op::Flush)?, &param) };
         Request::new(self.share(), None, Op::Flush, check_ptr(ptr))
     }
 
@@ -495,7 +567,7 @@ impl Endpoint {
         proto: AmProto,
     ) -> Result<Request<'a>, Error> {
         // SAFETY: both slices are borrowed for `'a` by the returned request.
-        let ptr = unsafe { self.am_send_raw(id, header, data, proto) };
+        let ptr = unsafe { self.am_send_raw(id, header, data, proto) }?;
         Request::new(self.share(), None, Op::AmSend, check_ptr(ptr))
     }
 
@@ -516,7 +588,7 @@ impl Endpoint {
     ) -> Result<Request<'static>, Error> {
         // SAFETY: the heap buffers of `header` and `data` do not move when the vectors move into
         // the request, which keeps them until UCX has finished with them.
-        let ptr = unsafe { self.am_send_raw(id, &header, &data, AmProto::Eager) };
+        let ptr = unsafe { self.am_send_raw(id, &header, &data, AmProto::Eager) }?;
         Ok(Request::new(self.share(), None, Op::AmSend, check_ptr(ptr))?.keep(header, data))
     }
 
@@ -524,13 +596,15 @@ impl Endpoint {
     ///
     /// `header` and `data` must stay valid and unchanged until the operation completes (the
     /// returned pointer is null, an error, or a request that has left `UCS_INPROGRESS`).
+    /// Nothing is sent (an error) once the endpoint is closed.
     unsafe fn am_send_raw(
         &self,
         id: u16,
         header: &[u8],
         data: &[u8],
         proto: AmProto,
-    ) -> sys::ucs_status_ptr_t {
+    ) -> Result<sys::ucs_status_ptr_t, Error> {
+        let handle = self.handle(Op::AmSend)?;
         let flags = match proto {
             AmProto::Eager => sys::UCP_AM_SEND_FLAG_EAGER,
             AmProto::Rendezvous => sys::UCP_AM_SEND_FLAG_RNDV,
@@ -550,9 +624,9 @@ impl Endpoint {
         // SAFETY: the endpoint is open and used on its worker's thread; the buffers are readable
         // for their lengths and, by this function's contract, stay so until completion; `param`
         // is initialised.
-        unsafe {
+        Ok(unsafe {
             sys::ucp_am_send_nbx(
-                self.handle(),
+                handle,
                 id.into(),
                 header_ptr.cast(),
                 header.len(),
@@ -560,7 +634,7 @@ impl Endpoint {
                 data.len(),
                 &param,
             )
-        }
+        })
     }
 
     /// Closes the endpoint, reporting how: flushes it (progressing the worker) for up to
@@ -593,7 +667,7 @@ impl Endpoint {
 impl EndpointInner {
     /// [`Endpoint::close`] for the last handle (or its drop).
     fn close(&mut self, timeout: Duration) -> Result<(), Error> {
-        let handle = std::mem::replace(&mut self.handle, ptr::null_mut());
+        let handle = self.handle.replace(ptr::null_mut());
         if handle.is_null() {
             return Ok(());
         }
@@ -708,7 +782,7 @@ impl Drop for EndpointInner {
 impl fmt::Debug for Endpoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Endpoint")
-            .field("handle", &self.inner.handle)
+            .field("handle", &self.inner.handle.get())
             .field("error_mode", &self.error_mode())
             .field("failure", &self.failure())
             .field("handles", &Rc::strong_count(&self.inner))

@@ -10,7 +10,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{DEADLINE, Progressor, Transport, pattern};
-use kvferry_ucx::{MemRegion, Op, PutWindow, Status, Worker};
+use kvferry_ucx::{ErrorMode, MemRegion, Op, PutWindow, Status, Worker};
 
 const LEN: usize = 8 << 20;
 const FRAG: usize = 16 << 10;
@@ -208,4 +208,99 @@ fn no_put_is_issued_after_the_deadline_shm() {
     let mut got = vec![0; FRAG];
     target.read_at(0, &mut got);
     assert_eq!(got, src);
+}
+
+/// A window stuck on a target that stopped progressing (its socket no longer drains) is ended
+/// by closing its endpoint by force: every put in flight completes with an error at the next
+/// progress, the window becomes idle and can be dropped without waiting, nothing more is
+/// issued on the endpoint, and `failure` reports the cancellation.
+#[test]
+fn a_forced_close_ends_a_window_stuck_on_a_hung_target_tcp() {
+    let ctx = Transport::Tcp.context();
+    let b = Worker::new(&ctx).unwrap();
+    let target = MemRegion::allocate(&ctx, LEN).unwrap();
+    let (address, packed, base) = (
+        b.address().unwrap(),
+        target.pack_rkey().unwrap(),
+        target.remote_addr(),
+    );
+    let progressor = Progressor::spawn(b);
+    let a = Worker::new(&ctx).unwrap();
+    let ep = a.connect_with(&address, ErrorMode::Peer).unwrap();
+    let rkey = ep.unpack_rkey(packed.as_bytes()).unwrap();
+    ep.flush().unwrap().wait().unwrap(); // wire-up while the target progresses
+    progressor.pause();
+
+    let src = pattern(LEN, 0x4B);
+    let mut window = PutWindow::with_capacity(&ep, 32)
+        .with_deadline(Instant::now() + Duration::from_millis(300));
+    let mut outcome = Ok(());
+    for (i, fragment) in src.chunks(FRAG).enumerate() {
+        outcome = window.put(fragment, base + (i * FRAG) as u64, &rkey);
+        if outcome.is_err() {
+            break;
+        }
+    }
+    if outcome.is_ok() {
+        outcome = window.flush();
+    }
+    assert!(is_timeout(&outcome.unwrap_err()));
+    assert!(!window.is_idle(), "puts must be stuck in flight");
+    let stuck = window.in_flight();
+
+    ep.force_close().unwrap();
+    assert!(ep.is_closed());
+    ep.force_close().unwrap(); // closing twice does nothing
+    assert_eq!(ep.failure(), Some(Status::CANCELED));
+    let deadline = Instant::now() + DEADLINE;
+    let mut failed = 0;
+    loop {
+        match window.poll() {
+            Ok(true) => break,
+            Ok(false) => {}
+            Err(e) => {
+                failed += 1;
+                assert_eq!(e.status(), Status::CANCELED, "{e:?}");
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "puts still in flight after the close"
+        );
+        a.progress();
+    }
+    eprintln!("{stuck} puts in flight ended by the forced close");
+    assert!(failed > 0, "the cancelled puts must report an error");
+    // Nothing is issued on a closed endpoint, through any handle.
+    let refused = ep.put(&src[..FRAG], base, &rkey).unwrap_err();
+    assert_eq!(
+        (refused.op(), refused.status()),
+        (Op::Put, Status::NOT_CONNECTED)
+    );
+    assert_eq!(ep.flush().unwrap_err().status(), Status::NOT_CONNECTED);
+    assert_eq!(
+        ep.unpack_rkey(packed.as_bytes()).unwrap_err().status(),
+        Status::NOT_CONNECTED
+    );
+    drop(window);
+    drop(rkey);
+    drop(ep);
+    let _b = progressor.stop();
+}
+
+/// Shared memory has no peer error handling, so UCX forbids a forced close: refused, and the
+/// endpoint stays usable.
+#[test]
+fn a_forced_close_needs_peer_error_mode_shm() {
+    let ctx = Transport::Shm.context();
+    let b = Worker::new(&ctx).unwrap();
+    let a = Worker::new(&ctx).unwrap();
+    let ep = a.connect(&b.address().unwrap()).unwrap();
+    let refused = ep.force_close().unwrap_err();
+    assert_eq!(
+        (refused.op(), refused.status()),
+        (Op::EpClose, Status::UNSUPPORTED)
+    );
+    assert!(!ep.is_closed());
+    common::drive(ep.flush().unwrap(), &[&a, &b]).unwrap();
 }

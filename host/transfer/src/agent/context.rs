@@ -400,7 +400,18 @@ fn serve_connection(inner: &Arc<Inner>, stream: TcpStream, pending: Pending) {
     }
     tracing::info!(peer = %conn.name(), "generation rank connected");
     let why = loop {
-        let message: AgentMessage = match read_frame(&mut reader) {
+        let read = read_frame::<AgentMessage>(&mut reader);
+        if !conn.alive.load(Ordering::Acquire) && !inner.stopped.load(Ordering::Acquire) {
+            // While this loop runs only the rank thread ends a registration: puts to the
+            // peer's worker stalled (see `rank::STALL_LIMIT`). The reaper then cuts this read
+            // short, so the peer hears of it now, not at its next message.
+            let why = "stopped draining this rank's puts: given up";
+            let _ = conn.outbox.send(AgentMessage::Error {
+                message: format!("{} gave this rank up: it {why}", inner.me()),
+            });
+            break why.to_string();
+        }
+        let message: AgentMessage = match read {
             Ok(m) => m,
             Err(e) if e.is_disconnect() => break "closed its connection".to_string(),
             Err(e) if super::is_timeout(&e) => {
@@ -1552,6 +1563,13 @@ pub(crate) fn reap(inner: &Arc<Inner>) {
     let mut expired = Vec::new();
     {
         let mut state = lock(&inner.prefill);
+        // A registration the rank thread ended (its peer stalled): end the reader's wait, so
+        // the connection goes now (its reader says why).
+        for c in state.conns.values() {
+            if !c.alive.load(Ordering::Acquire) {
+                let _ = c.socket.shutdown(std::net::Shutdown::Read);
+            }
+        }
         state.stash.retain(|s, at| {
             let keep = now.saturating_duration_since(at) < lease.min(STASH_TTL);
             if !keep {
