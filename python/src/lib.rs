@@ -218,7 +218,7 @@ struct Event {
     /// `received`: the pieces that landed; else 0.
     pieces: u32,
     /// `failed`: why (`invalid`, `peer`, `refused`, `planner`, `timeout`, `lease`,
-    /// `protocol`, `write`, `cancelled_by_peer`, `other`); else None.
+    /// `protocol`, `write`, `cancelled_by_peer`, `integrity`, `other`); else None.
     failure_kind: Option<String>,
     /// `failed`: the peer concerned (`instance rank N (epoch ...)`), if one is.
     peer: Option<String>,

@@ -147,6 +147,10 @@ enum kvferry_failure_kind
    */
   KVFERRY_FAILURE_CANCELLED_BY_PEER = 9,
   /**
+   * A piece's bytes in this rank's slots do not match its writer's digest (`integrity`).
+   */
+  KVFERRY_FAILURE_INTEGRITY = 10,
+  /**
    * A kind this version of the C API does not know (`detail` has the text).
    */
   KVFERRY_FAILURE_OTHER = 255,

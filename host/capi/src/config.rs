@@ -85,6 +85,7 @@ struct ConfigV1 {
     cuda_device: Option<usize>,
     bounce: Option<String>,
     bounce_arena_mb: Option<u64>,
+    integrity: Option<String>,
 }
 
 /// One plugin directory, or several (scanned in order).
@@ -309,6 +310,15 @@ pub(crate) fn parse(text: &str) -> Result<Parsed, ConfigError> {
         agent.bounce.arena_bytes = mb.checked_mul(1 << 20).ok_or_else(|| {
             ConfigError::invalid(format!("config: \"bounce_arena_mb\" {mb} overflows"))
         })?;
+    }
+    match c.integrity.as_deref() {
+        None | Some("off") => {}
+        Some(name) => {
+            agent.integrity =
+                Some(name.parse().map_err(|e| {
+                    ConfigError::invalid(format!("config: integrity: {e} or `off`"))
+                })?);
+        }
     }
     Ok(Parsed {
         agent,
@@ -640,7 +650,7 @@ mod tests {
                "transport": "shm", "net_devices": "eth0", "listen": "127.0.0.1:0",
                "advertise": "127.0.0.1", "timeout_ms": 1000, "lease_ms": 2000,
                "peer_timeout_ms": 3000, "planner_timeout_ms": 4000, "max_connections": 7,
-               "max_stashed_bytes": 1024, "cuda_device": 1"#,
+               "max_stashed_bytes": 1024, "cuda_device": 1, "integrity": "crc32c""#,
         ))
         .unwrap();
         let a = &p.agent;
@@ -657,6 +667,10 @@ mod tests {
         assert_eq!(a.max_connections, 7);
         assert_eq!(a.max_stashed_bytes, 1024);
         assert_eq!(a.cuda_device, Some(1));
+        assert_eq!(
+            a.integrity,
+            Some(kvferry_transfer::agent::Integrity::Crc32c)
+        );
     }
 
     fn refusal(text: &str) -> String {

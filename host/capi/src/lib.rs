@@ -122,6 +122,8 @@ pub enum kvferry_failure_kind {
     KVFERRY_FAILURE_WRITE = 8,
     /// The peer cancelled it.
     KVFERRY_FAILURE_CANCELLED_BY_PEER = 9,
+    /// A piece's bytes in this rank's slots do not match its writer's digest (`integrity`).
+    KVFERRY_FAILURE_INTEGRITY = 10,
     /// A kind this version of the C API does not know (`detail` has the text).
     KVFERRY_FAILURE_OTHER = 255,
 }
@@ -231,6 +233,7 @@ fn failure_kind(kind: FailureKind) -> kvferry_failure_kind {
         FailureKind::Protocol => KVFERRY_FAILURE_PROTOCOL,
         FailureKind::Write => KVFERRY_FAILURE_WRITE,
         FailureKind::CancelledByPeer => KVFERRY_FAILURE_CANCELLED_BY_PEER,
+        FailureKind::Integrity => KVFERRY_FAILURE_INTEGRITY,
         _ => KVFERRY_FAILURE_OTHER,
     }
 }

@@ -38,7 +38,7 @@
 //! own ours / raw (`ratio_rounds`).
 //!
 //! **Stages**: each request's [`Stages`] (plan, validate, gather, puts, flush, scatter,
-//! control, queue; see there) come from both sides' agents — the decode side's in `Done`, the
+//! digest, control, queue; see there) come from both sides' agents — the decode side's in `Done`, the
 //! context side's fetched with [`ControlMessage::Stats`](crate::control::ControlMessage::Stats)
 //! — merged per request; per stage the report gives the median over the rounds of the median
 //! over each round's requests. The raw loop's puts and flush and memcpy's copies are
@@ -193,8 +193,11 @@ pub struct StageSeconds {
     pub puts_s: f64,
     /// Waiting for the flush.
     pub flush_s: f64,
-    /// Scattering bounced pieces into the slots (0 per fragment).
+    /// Scattering bounced pieces into the slots (0 per fragment), and checking the pieces'
+    /// integrity digests (`--integrity`).
     pub scatter_s: f64,
+    /// The sender's integrity digests of its pieces (`--integrity`).
+    pub digest_s: f64,
     /// Side-channel work: claims, `targets`, connects, completions, `expect` to claim.
     pub control_s: f64,
     /// Waiting for a planner worker or the rank thread.
@@ -214,6 +217,7 @@ impl StageSeconds {
             puts_s: s(stages.puts_ns),
             flush_s: s(stages.flush_ns),
             scatter_s: s(stages.scatter_ns),
+            digest_s: s(stages.digest_ns),
             control_s: s(stages.control_ns),
             queue_s: s(stages.queue_ns),
             copy_s: s(stages.copy_ns),
@@ -231,6 +235,7 @@ impl StageSeconds {
             puts_s: m(|s| s.puts_s),
             flush_s: m(|s| s.flush_s),
             scatter_s: m(|s| s.scatter_s),
+            digest_s: m(|s| s.digest_s),
             control_s: m(|s| s.control_s),
             queue_s: m(|s| s.queue_s),
             copy_s: m(|s| s.copy_s),
@@ -238,7 +243,7 @@ impl StageSeconds {
     }
 
     /// The stages, named, in report order.
-    pub fn named(&self) -> [(&'static str, f64); 9] {
+    pub fn named(&self) -> [(&'static str, f64); 10] {
         [
             ("plan", self.plan_s),
             ("validate", self.validate_s),
@@ -246,6 +251,7 @@ impl StageSeconds {
             ("puts", self.puts_s),
             ("flush", self.flush_s),
             ("scatter", self.scatter_s),
+            ("digest", self.digest_s),
             ("control", self.control_s),
             ("queue", self.queue_s),
             ("copy", self.copy_s),

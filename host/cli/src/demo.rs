@@ -157,6 +157,8 @@ pub struct LoopbackPair {
     pub seed: u64,
     /// Per-request timeout (`--timeout-ms`) of both servers.
     pub timeout: Duration,
+    /// The generation server's integrity digest (`--integrity`), if any.
+    pub integrity: Option<kvferry_transfer::agent::Integrity>,
 }
 
 impl LoopbackPair {
@@ -472,6 +474,9 @@ pub fn serve_args(
     }
     if pair.transport.ucx_peer_errors {
         args.push("--ucx-peer-errors".to_string());
+    }
+    if let Some(digest) = pair.integrity {
+        args.extend(["--integrity".to_string(), digest.to_string()]);
     }
     if let Some(p) = &pair.planner {
         args.extend(["--planner".to_string(), p.to_string()]);

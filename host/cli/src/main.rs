@@ -21,7 +21,7 @@ use kvferry_testkit::conformance::PlannerUnderTest;
 use kvferry_testkit::layout::{self, Dtype, LayoutError, ModelSpec, PoolOptions, Preset};
 use kvferry_testkit::oracle::LocalMemory;
 use kvferry_testkit::scenario::{MemoryBudget, Scenario, ScenarioError};
-use kvferry_transfer::agent::{BounceConfig, BounceMode};
+use kvferry_transfer::agent::{BounceConfig, BounceMode, Integrity};
 use kvferry_transfer::{MemoryKind, Role, TransportSpec};
 use serde_json::json;
 
@@ -223,6 +223,10 @@ struct ServeArgs {
     /// Fail the requests of a peer that sent nothing (keep-alives included) for this long.
     #[arg(long, default_value_t = 10_000, value_name = "N")]
     peer_timeout_ms: u64,
+    /// Generation side: ask every writer for a digest of each piece (`xxh3` or `crc32c`) and
+    /// check the bytes that landed before a request is received (host memory only).
+    #[arg(long, value_name = "DIGEST")]
+    integrity: Option<Integrity>,
     /// Salt of the oracle's tags and canaries (both servers of a pair must agree).
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -276,6 +280,10 @@ struct PairArgs {
     /// Per-request timeout of both servers.
     #[arg(long, default_value_t = 30_000, value_name = "N")]
     timeout_ms: u64,
+    /// End-to-end integrity digests (`xxh3` or `crc32c`): the generation server checks every
+    /// piece against its writer's digest (host memory only).
+    #[arg(long, value_name = "DIGEST")]
+    integrity: Option<Integrity>,
 }
 
 impl PairArgs {
@@ -309,6 +317,7 @@ impl PairArgs {
             planner: self.planner,
             seed: self.seed,
             timeout: Duration::from_millis(self.timeout_ms),
+            integrity: self.integrity,
         })
     }
 }
@@ -1106,6 +1115,7 @@ fn serve(host: &Host, a: ServeArgs) -> Result<ExitCode> {
         timeout: Duration::from_millis(a.timeout_ms),
         lease: Duration::from_millis(a.lease_ms),
         peer_timeout: Duration::from_millis(a.peer_timeout_ms),
+        integrity: a.integrity,
         seed: a.seed,
         stall: Duration::from_millis(a.debug_stall_ms),
         max_peer_connections: a.max_peer_connections,

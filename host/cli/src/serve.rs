@@ -99,6 +99,8 @@ pub struct ServeOptions {
     pub lease: Duration,
     /// How long a peer may stay silent before its requests fail.
     pub peer_timeout: Duration,
+    /// Generation side: the integrity digest asked of every piece (`AgentConfig::integrity`).
+    pub integrity: Option<kvferry_transfer::agent::Integrity>,
     /// Salt of the oracle's tags and canaries; both servers of a pair must agree.
     pub seed: u64,
     /// Fault injection, context side: sleep this long before every flush.
@@ -405,6 +407,7 @@ pub fn start(
         agent_config.hook = hook.clone();
         agent_config.record_plans = options.record_plans && config.role == Role::Context;
         agent_config.bounce = options.bounce;
+        agent_config.integrity = options.integrity;
         // SAFETY: the pools were allocated on `context` by the allocator above, made by
         // `config.transport.context_for(config.memory)`; they are kvferry's memory, kept
         // alive by the agent (and by `ranks`), and this module touches their slots only as

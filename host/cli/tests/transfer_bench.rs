@@ -514,6 +514,7 @@ fn bench_messages_round_trip() {
                     control_ns: 7,
                     queue_ns: 8,
                     copy_ns: 9,
+                    digest_ns: 10,
                 },
             }]),
         },

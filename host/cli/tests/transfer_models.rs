@@ -130,10 +130,10 @@ fn llama_3_70b_tp4_to_tp2_default_planner_tcp() {
 /// The hybrid preset: paged attention plus recurrent state (conv sections, ssm heads), with
 /// whole, chunked and cached-prefix requests in flight together.
 fn hybrid(transport: &str) {
-    hybrid_with(transport, &[]);
+    let _ = hybrid_with(transport, &[]);
 }
 
-fn hybrid_with(transport: &str, extra: &[&str]) {
+fn hybrid_with(transport: &str, extra: &[&str]) -> Vec<kvferry_transfer::outcome::RequestStats> {
     let model = "qwen3-next-80b-a3b";
     let ctx = Server::start("context", model, "tp2", transport, extra);
     let r#gen = Server::start("generation", model, "tp4", transport, extra);
@@ -151,6 +151,7 @@ fn hybrid_with(transport: &str, extra: &[&str]) {
     assert_eq!(stats[3].pieces, 4 * 7, "{:?}", stats[3]);
     // A cached prefix is not sent again.
     assert!(stats[2].bytes < stats[0].bytes * 130 / 100, "{stats:?}");
+    stats
 }
 
 #[test]
@@ -373,4 +374,37 @@ fn llama_3_70b_differing_tokens_per_block_both_ways() {
     };
     run("16", "32", "shm");
     run("64", "32", "tcp");
+}
+
+/// `--integrity`: the generation server checks every piece against its writer's digest —
+/// the hybrid preset's paged blocks and recurrent state, chunked and with cached prefixes,
+/// over tcp with XXH3, and DeepSeek-V3's latent cache through the demo over shm with CRC-32C
+/// — every byte verified by the oracle as well.
+#[test]
+fn integrity_digests_check_every_piece_over_tcp_and_shm() {
+    let stats = hybrid_with("tcp", &["--integrity", "xxh3"]);
+    // Nothing bounces at these sizes: the receiver's time after the puts is the checks'.
+    assert!(stats.iter().all(|s| s.stages.scatter_ns > 0), "{stats:?}");
+    let v = demo_ok(
+        &[
+            "--model",
+            "deepseek-v3",
+            "--ctx",
+            "dep2",
+            "--gen",
+            "dep4",
+            "--planner",
+            "kvferry.deepseek_mla_latent",
+            "--requests",
+            "4",
+            "--prompt-len",
+            "300",
+            "--transport",
+            "shm",
+            "--integrity",
+            "crc32c",
+        ],
+        4,
+    );
+    assert_eq!(v["transport"], "shm");
 }

@@ -85,6 +85,7 @@ fn every_agent_message() -> Vec<AgentMessage> {
             dst_start_token: Some(64),
             excluded_views: vec![ViewId { group: 1, view: 0 }],
             bounce: None,
+            integrity: None,
         }),
         AgentMessage::Completion(Completion {
             request: 7,
@@ -96,6 +97,7 @@ fn every_agent_message() -> Vec<AgentMessage> {
             fragments: 12,
             status: CompletionStatus::Failed("flush failed".into()),
             bounce: None,
+            digest: None,
         }),
         AgentMessage::Completion(Completion {
             request: 8,
@@ -107,6 +109,7 @@ fn every_agent_message() -> Vec<AgentMessage> {
             fragments: 0,
             status: CompletionStatus::Cancelled("prefill-0 cancelled request 8".into()),
             bounce: None,
+            digest: None,
         }),
         AgentMessage::Cancel {
             request: 7,

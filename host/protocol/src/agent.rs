@@ -490,6 +490,7 @@ mod tests {
             dst_start_token: None,
             excluded_views: Vec::new(),
             bounce: None,
+            integrity: None,
         }
     }
 }

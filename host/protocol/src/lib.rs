@@ -51,6 +51,7 @@ pub use agent::{
 pub use secure::{Secret, SecretError};
 pub use tracker::{Pair, Phase, PieceFailure, RequestTracker, Totals, Tracked, Violation};
 
+use std::fmt;
 use std::io::{self, Read, Write};
 
 use bincode::error::DecodeError;
@@ -62,7 +63,7 @@ use serde::{Deserialize, Serialize};
 /// 2: the peer and control message families were split (each with its own magic).
 /// 4: every connection runs in the Noise channel ([`secure`]); the agent's own proofs
 /// (`Hello`, `Challenge`, `Proof`) are gone.
-pub const PROTOCOL_VERSION: u16 = 4;
+pub const PROTOCOL_VERSION: u16 = 5;
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 10;
 /// The largest frame body accepted or sent: 64 MiB.
@@ -231,6 +232,59 @@ pub struct RequestData {
     pub excluded_views: Vec<ViewId>,
     /// A region of the receiver's bounce arena reserved for this request, if it offers one.
     pub bounce: Option<BounceOffer>,
+    /// The digest the receiver asks of every piece ([`Completion::digest`]), if any.
+    pub integrity: Option<Integrity>,
+}
+
+/// An end-to-end integrity digest of a piece's bytes: the hash of its *packed image*, the
+/// bytes the piece writes in the order of their destination addresses. A sender computes it
+/// over its source bytes in that order, a receiver over the bytes that landed in its slots by
+/// its own plan of the piece, so neither the plan's cuts nor its order matter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Integrity {
+    /// XXH3, 64 bits (`xxhash-rust`).
+    Xxh3,
+    /// CRC-32C (Castagnoli, `crc32c`; hardware instructions where the CPU has them).
+    Crc32c,
+}
+
+impl Integrity {
+    /// The configuration and command-line spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Integrity::Xxh3 => "xxh3",
+            Integrity::Crc32c => "crc32c",
+        }
+    }
+}
+
+impl fmt::Display for Integrity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Integrity {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "xxh3" => Ok(Integrity::Xxh3),
+            "crc32c" => Ok(Integrity::Crc32c),
+            other => Err(format!(
+                "unknown integrity digest `{other}` (expected `xxh3` or `crc32c`)"
+            )),
+        }
+    }
+}
+
+/// A sender's digest of one piece ([`Integrity`]): what the receiver recomputes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PieceDigest {
+    /// The tokens the piece covers (the receiver plans them to know which bytes to hash).
+    pub tokens: TokenRange,
+    /// The digest of the piece's packed image (a CRC-32C in the low 32 bits).
+    pub value: u64,
 }
 
 /// A region of a receiver's bounce arena ([`RankDescriptor::bounce`]) that one writer may
@@ -288,6 +342,9 @@ pub struct Completion {
     /// Set when the piece went through the receiver's bounce region instead of straight
     /// into its slots: `bytes` is then the packed image's length.
     pub bounce: Option<BouncedPiece>,
+    /// The piece's digest, when the receiver asked for one ([`RequestData::integrity`]) and
+    /// the piece was written.
+    pub digest: Option<PieceDigest>,
 }
 
 /// A family of messages with its own frame magic.

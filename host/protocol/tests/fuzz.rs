@@ -167,6 +167,7 @@ fn request_data() -> impl Strategy<Value = RequestData> {
                         .map(|(group, view)| ViewId { group, view })
                         .collect(),
                     bounce: None,
+                    integrity: None,
                 }
             },
         )
@@ -199,6 +200,7 @@ fn completion() -> impl Strategy<Value = Completion> {
                     fragments,
                     status,
                     bounce: None,
+                    digest: None,
                 }
             },
         )

@@ -30,6 +30,7 @@ fn request_data(request: u64, receiver: &str, receiver_rank: u32, sender_rank: u
         dst_start_token: None,
         excluded_views: Vec::new(),
         bounce: None,
+        integrity: None,
     }
 }
 
@@ -44,6 +45,7 @@ fn ok(request: u64, pair: (u32, u32), piece: u32, is_last: bool, bytes: u64) -> 
         fragments: 1,
         status: CompletionStatus::Ok,
         bounce: None,
+        digest: None,
     }
 }
 

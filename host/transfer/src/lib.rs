@@ -33,6 +33,7 @@ pub mod conn;
 pub mod copy;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod integrity;
 pub mod memory;
 pub mod outcome;
 pub mod rank;

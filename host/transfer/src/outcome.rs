@@ -65,8 +65,11 @@ pub struct Stages {
     pub puts_ns: u64,
     /// Waiting for the flush that completes them.
     pub flush_ns: u64,
-    /// Scattering bounced pieces from the arena into the slots.
+    /// Scattering bounced pieces from the arena into the slots, and (receiver) checking the
+    /// pieces' integrity digests.
     pub scatter_ns: u64,
+    /// Sender: computing the pieces' integrity digests its receivers asked for.
+    pub digest_ns: u64,
     /// Side-channel work: claims, `targets`, connects, completions, `expect` to claim.
     pub control_ns: u64,
     /// Waiting for a planner worker or for the rank thread.
@@ -84,6 +87,7 @@ impl Stages {
         self.puts_ns += other.puts_ns;
         self.flush_ns += other.flush_ns;
         self.scatter_ns += other.scatter_ns;
+        self.digest_ns += other.digest_ns;
         self.control_ns += other.control_ns;
         self.queue_ns += other.queue_ns;
         self.copy_ns += other.copy_ns;
@@ -97,6 +101,7 @@ impl Stages {
             + self.puts_ns
             + self.flush_ns
             + self.scatter_ns
+            + self.digest_ns
             + self.control_ns
             + self.queue_ns
             + self.copy_ns
@@ -194,6 +199,7 @@ mod tests {
             control_ns: 7 * k,
             queue_ns: 8 * k,
             copy_ns: 9 * k,
+            digest_ns: 10 * k,
         };
         let mut a = RequestStats {
             bytes: 10,
@@ -225,7 +231,7 @@ mod tests {
                 stages: stages(11),
             }
         );
-        assert_eq!(a.stages.total_ns(), 45 * 11);
+        assert_eq!(a.stages.total_ns(), 55 * 11);
 
         let mut b = BenchStats {
             elapsed_ns: 7,

@@ -187,6 +187,7 @@ mod tests {
             dst_start_token: None,
             excluded_views: vec![],
             bounce: None,
+            integrity: None,
         };
         assert_eq!(request_data_bytes(&data), 128 + 8000 + 3);
     }

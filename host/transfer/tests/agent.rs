@@ -329,6 +329,7 @@ mod hostile {
             dst_start_token: None,
             excluded_views: Vec::new(),
             bounce: None,
+            integrity: None,
         })
     }
 

@@ -10,10 +10,9 @@ mod support;
 
 use std::time::Duration;
 
-use kvferry_planner_abi::TokenRange;
 use kvferry_transfer::Role;
 use kvferry_transfer::Transport;
-use kvferry_transfer::agent::{Agent, BounceConfig, BounceMode, Event, FailureKind, Send};
+use kvferry_transfer::agent::{Agent, BounceConfig, BounceMode, Event, FailureKind};
 
 use support::*;
 
@@ -31,42 +30,6 @@ fn on() -> BounceConfig {
         staging_bytes: 24 << 10,
         ..BounceConfig::default()
     }
-}
-
-/// A chunked 70-token request into scattered slots; the receiver's stats.
-fn chunked_request(prefill: &Agent, decode: &Agent, src: &Engine, dst: &Engine) -> Event {
-    let src_slots = [3i64, 6, 1, 7, 5];
-    let dst_slots = [4i64, 2, 7, 5, 0];
-    let prompt = 70;
-    let endpoint = prefill.endpoint().unwrap().to_string();
-    decode
-        .expect(expecting(7, &endpoint, tables(dst, &dst_slots), prompt))
-        .unwrap();
-    for (slots, tokens) in [
-        (&src_slots[..2], TokenRange { start: 0, end: 32 }),
-        (
-            &src_slots[..],
-            TokenRange {
-                start: 32,
-                end: prompt,
-            },
-        ),
-    ] {
-        prefill
-            .send(Send {
-                request: 7,
-                tables: tables(src, slots),
-                tokens,
-                prompt_len: prompt,
-                is_last: tokens.end == prompt,
-                to: Some("decode".into()),
-            })
-            .unwrap();
-    }
-    let got = wait(decode, 7, Duration::from_secs(20));
-    let sent = wait(prefill, 7, Duration::from_secs(20));
-    assert!(matches!(sent, Event::Sent { .. }), "{sent:?}");
-    got
 }
 
 #[test]

@@ -84,6 +84,7 @@ fn claim(tables: Vec<SlotTable>, bounce: Option<BounceOffer>) -> AgentMessage {
         dst_start_token: None,
         excluded_views: Vec::new(),
         bounce,
+        integrity: None,
     })
 }
 
@@ -258,6 +259,7 @@ fn a_piece_bounces_only_into_an_offered_region_it_fits_to_the_byte() {
             dst_start_token: None,
             excluded_views: Vec::new(),
             bounce: Some(offer),
+            integrity: None,
         });
         write_frame(&mut s, &claim).unwrap();
         let c = completion(&mut s, &mut session);

@@ -23,7 +23,7 @@ use kvferry_planner_abi::ffi::ROption;
 use kvferry_planner_abi::{PairRequest, RankInfo, SlotTable, TransferPlanner};
 use kvferry_protocol::{
     AgentError, AgentEvent, AgentMessage, AgentSession, BouncedPiece, Completion, CompletionStatus,
-    PeerIdentity, RequestData, read_frame,
+    Integrity, PeerIdentity, PieceDigest, RequestData, read_frame,
 };
 
 use super::events::{Event, FailureKind};
@@ -234,6 +234,7 @@ fn last_piece(
         fragments: 0,
         status,
         bounce: None,
+        digest: None,
     })
 }
 
@@ -1100,12 +1101,26 @@ fn plan_and_queue(
         };
         match plan_timed(inner.planner.as_ref(), me, them, &piece, &mut stages) {
             Ok(plan) => {
+                let digest = match data.integrity {
+                    None => None,
+                    Some(algorithm) => match piece_digest(inner, algorithm, &piece, &plan) {
+                        Ok((digest, ns)) => {
+                            stages.digest_ns += ns;
+                            Some(digest)
+                        }
+                        Err(reason) => {
+                            error = Some((*k as u32, format!("piece {k}: {reason}")));
+                            break;
+                        }
+                    },
+                };
                 let bounce = bounce_piece(inner, conn, id, data, &piece, &plan, &mut cursor);
                 plans.push(Queued {
                     piece: *k as u32,
                     is_last: piece.is_last,
                     plan: Arc::new(plan),
                     bounce,
+                    digest,
                 });
             }
             Err(e) => {
@@ -1147,6 +1162,43 @@ fn plan_and_queue(
     pump(inner, id);
 }
 
+/// The digest of `plan`'s source bytes in the order of their destinations (the piece's
+/// packed image, see [`kvferry_protocol::Integrity`]), and the nanoseconds it took; or why it
+/// cannot be made (device pools: the CPU reads the bytes).
+fn piece_digest(
+    inner: &Arc<Inner>,
+    algorithm: Integrity,
+    piece: &PairRequest,
+    plan: &ValidatedPlan,
+) -> Result<(PieceDigest, u64), String> {
+    let started = Instant::now();
+    let device = inner
+        .info
+        .page_table
+        .pools
+        .iter()
+        .any(|p| p.memory_type == kvferry_planner_abi::MemoryType::VRAM);
+    if device {
+        return Err(format!(
+            "the receiver asked for an {algorithm} digest of each piece, which the CPU computes, \
+             and this rank's pools are device memory"
+        ));
+    }
+    let runs = kvferry_plan::bounce::gather_list(plan)
+        .into_iter()
+        .map(|(src, _, len)| (src, len));
+    // SAFETY: every source of this rank's validated plan lies inside its pools, host memory
+    // of this process (checked above) live for the agent's life; they are the request's
+    // source slots, which the engine leaves unchanged from `send` to the terminal event
+    // (`Agent::start`'s contract), and kvferry only reads.
+    let value = unsafe { crate::integrity::digest_runs(algorithm, runs) };
+    let digest = PieceDigest {
+        tokens: piece.token_range,
+        value,
+    };
+    Ok((digest, nanos(started.elapsed())))
+}
+
 /// A planned piece, ready for the rank thread.
 struct Queued {
     piece: u32,
@@ -1154,6 +1206,8 @@ struct Queued {
     plan: Arc<ValidatedPlan>,
     /// Its bounce job and what its completion says about it, if it bounces.
     bounce: Option<(BounceJob, BouncedPiece)>,
+    /// Its digest, when the receiver asked for one.
+    digest: Option<PieceDigest>,
 }
 
 /// Whether `plan` (piece `piece` of the claim `data`) goes through the receiver's bounce
@@ -1231,6 +1285,7 @@ fn queue(inner: &Arc<Inner>, id: u64, g: u32, conn: &Arc<GenConn>, q: Queued) {
         is_last,
         plan,
         bounce,
+        digest,
     } = q;
     let (bounce, bounced_piece) = bounce.unzip();
     let c = inner.info.instance_rank;
@@ -1297,6 +1352,7 @@ fn queue(inner: &Arc<Inner>, id: u64, g: u32, conn: &Arc<GenConn>, q: Queued) {
                     fragments,
                     status: status.clone(),
                     bounce: bounced,
+                    digest: digest.filter(|_| ok),
                 }));
                 claim.reported = piece + 1;
                 req.bytes += bytes;

@@ -30,6 +30,9 @@ pub enum FailureKind {
     Write,
     /// The peer cancelled it.
     CancelledByPeer,
+    /// A piece's bytes in this rank's slots do not match its writer's digest
+    /// ([`crate::agent::AgentConfig::integrity`]).
+    Integrity,
 }
 
 /// What happened to a request. Each request ends in exactly one terminal event per side

@@ -20,8 +20,8 @@ use kvferry_plan::error_chain;
 use kvferry_planner_abi::{SlotTable, TokenRange, ViewId};
 use kvferry_protocol::secure::HandshakeError;
 use kvferry_protocol::{
-    AgentEvent, AgentMessage, AgentMetadata, AgentSession, BounceOffer, Completion, PeerIdentity,
-    RequestData, RequestTracker, Role, Tracked, read_frame, write_frame,
+    AgentEvent, AgentMessage, AgentMetadata, AgentSession, BounceOffer, Completion, Integrity,
+    PeerIdentity, RequestData, RequestTracker, Role, Tracked, read_frame, write_frame,
 };
 
 use super::events::{Event, FailureKind};
@@ -102,8 +102,10 @@ pub(crate) struct InReq {
     scattering: bool,
     /// Completions that arrived while a piece was scattered, in arrival order.
     pending: VecDeque<(Arc<Link>, Completion)>,
-    /// Nanoseconds spent scattering its bounced pieces.
+    /// Nanoseconds spent scattering its bounced pieces and checking its pieces' digests.
     scatter_ns: u64,
+    /// The digest asked of every writer's pieces ([`super::AgentConfig::integrity`]).
+    integrity: Option<Integrity>,
 }
 
 /// A bounce region offered to one writer of a request.
@@ -467,6 +469,7 @@ pub(crate) fn expect(inner: &Arc<Inner>, e: Expect) -> Result<(), CallError> {
             scattering: false,
             pending: VecDeque::new(),
             scatter_ns: 0,
+            integrity: inner.config.integrity,
         });
     }
     let worker = Arc::clone(inner);
@@ -530,6 +533,7 @@ fn dispatch(inner: &Arc<Inner>, e: Expect) {
                                         len: b.region.len,
                                     }
                                 }),
+                                integrity: req.integrity,
                             },
                         ));
                     }
@@ -769,7 +773,7 @@ fn take_up(inner: &Arc<Inner>, link: &Arc<Link>, c: Completion) {
 /// Whether `c` is a bounced piece that landed for a request still going: its bytes are
 /// scattered into the slots. (A request that is over only counts its pieces.)
 fn to_scatter(req: &InReq, c: &Completion) -> bool {
-    c.bounce.is_some()
+    (c.bounce.is_some() || req.integrity.is_some())
         && matches!(c.status, kvferry_protocol::CompletionStatus::Ok)
         && req.failure.is_none()
         && !req.cancelled
@@ -779,7 +783,7 @@ fn to_scatter(req: &InReq, c: &Completion) -> bool {
 fn submit_scatter(inner: &Arc<Inner>, link: &Arc<Link>, c: Completion) {
     let (worker, job_link) = (Arc::clone(inner), Arc::clone(link));
     let job: Box<dyn FnOnce() + std::marker::Send> = Box::new(move || {
-        let outcome = scatter_piece(&worker, &job_link, &c);
+        let outcome = check_piece(&worker, &job_link, &c);
         scattered(&worker, &job_link, c, outcome);
     });
     let refused = match inner.scatter.as_ref() {
@@ -799,7 +803,7 @@ fn scattered(
     inner: &Arc<Inner>,
     link: &Arc<Link>,
     mut c: Completion,
-    outcome: Result<u64, String>,
+    outcome: Result<u64, (FailureKind, String)>,
 ) {
     let id = c.request;
     {
@@ -809,10 +813,10 @@ fn scattered(
         };
         match outcome {
             Ok(ns) => req.scatter_ns += ns,
-            Err(reason) => {
-                tracing::warn!(request = id, peer = %link.name(), %reason, "bounced piece refused");
+            Err((kind, reason)) => {
+                tracing::warn!(request = id, peer = %link.name(), %kind, %reason, "piece refused");
                 if req.failure.is_none() && !req.cancelled {
-                    req.failure = Some((Some(link.name()), FailureKind::Protocol, reason.clone()));
+                    req.failure = Some((Some(link.name()), kind, reason.clone()));
                 }
                 c.status = kvferry_protocol::CompletionStatus::Failed(reason);
             }
@@ -857,9 +861,12 @@ fn drain(inner: &Arc<Inner>, id: u64) {
 /// sources, this rank's real tables, the tokens the completion names), checks that the
 /// packed image the writer put is as long as that plan and lies, after the previous piece,
 /// inside the offered region, then copies it into the slots the plan names. Returns the
-/// nanoseconds it took, or why the piece is refused (nothing was copied then).
-fn scatter_piece(inner: &Arc<Inner>, link: &Link, c: &Completion) -> Result<u64, String> {
-    let started = Instant::now();
+/// runs it wrote (ascending), or why the piece is refused (nothing was copied then).
+fn scatter_piece(
+    inner: &Arc<Inner>,
+    link: &Link,
+    c: &Completion,
+) -> Result<Vec<(u64, u64)>, String> {
     let id = c.request;
     let Some(piece) = c.bounce else {
         return Err("not a bounced piece".into());
@@ -948,7 +955,125 @@ fn scatter_piece(inner: &Arc<Inner>, link: &Link, c: &Completion) -> Result<u64,
             tokens.end
         )
     })?;
+    Ok(runs)
+}
+
+/// Takes a piece in before the tracker: scatters it if it was bounced, then checks its
+/// digest if the request asked for one. Returns the nanoseconds it took, or why the piece is
+/// refused and as what.
+fn check_piece(
+    inner: &Arc<Inner>,
+    link: &Link,
+    c: &Completion,
+) -> Result<u64, (FailureKind, String)> {
+    let started = Instant::now();
+    let runs = match c.bounce {
+        Some(_) => Some(scatter_piece(inner, link, c).map_err(|r| (FailureKind::Protocol, r))?),
+        None => None,
+    };
+    let integrity = lock(&inner.decode)
+        .requests
+        .get(&c.request)
+        .and_then(|r| r.integrity);
+    if let Some(algorithm) = integrity {
+        check_digest(inner, link, c, algorithm, runs)?;
+    }
     Ok(nanos(started.elapsed()))
+}
+
+/// Checks a piece's digest ([`kvferry_protocol::Integrity`]) against the bytes in this rank's
+/// slots, by this rank's own plan of the piece (`runs`, when the scatter made it already).
+fn check_digest(
+    inner: &Arc<Inner>,
+    link: &Link,
+    c: &Completion,
+    algorithm: Integrity,
+    runs: Option<Vec<(u64, u64)>>,
+) -> Result<(), (FailureKind, String)> {
+    let protocol = |reason: String| (FailureKind::Protocol, reason);
+    let Some(digest) = c.digest else {
+        return Err(protocol(format!(
+            "{} reported piece {} of request {} without the {algorithm} digest this rank asked \
+             for",
+            link.name(),
+            c.piece,
+            c.request
+        )));
+    };
+    let tokens = digest.tokens;
+    let runs = match runs {
+        Some(runs) => {
+            if c.bounce.is_some_and(|b| b.tokens != tokens) {
+                return Err(protocol(format!(
+                    "{} bounced tokens {}..{} but its digest covers {}..{}",
+                    link.name(),
+                    c.bounce.map_or(0, |b| b.tokens.start),
+                    c.bounce.map_or(0, |b| b.tokens.end),
+                    tokens.start,
+                    tokens.end
+                )));
+            }
+            runs
+        }
+        None => {
+            let expect = match lock(&inner.decode).requests.get(&c.request) {
+                Some(req) => Arc::clone(&req.expect),
+                None => return Err(protocol(format!("request {} is not held here", c.request))),
+            };
+            if tokens.start >= tokens.end || tokens.end > expect.prompt_len {
+                return Err(protocol(format!(
+                    "{} digested tokens {}..{} of a {}-token prompt",
+                    link.name(),
+                    tokens.start,
+                    tokens.end,
+                    expect.prompt_len
+                )));
+            }
+            let pair = kvferry_planner_abi::PairRequest {
+                token_range: tokens,
+                prompt_len: expect.prompt_len,
+                dst_start_token: match expect.cached_prefix {
+                    Some(t) => kvferry_planner_abi::ffi::ROption::RSome(t),
+                    None => kvferry_planner_abi::ffi::ROption::RNone,
+                },
+                is_last: c.is_last,
+            };
+            let plan = plan_as_writer(inner, &expect, c.sender_rank, pair).map_err(protocol)?;
+            kvferry_plan::bounce::scatter_runs(&plan)
+        }
+    };
+    let total: u64 = runs.iter().map(|&(_, n)| n).sum();
+    if c.bounce.is_none() && total != c.bytes {
+        return Err(protocol(format!(
+            "{} wrote {} bytes for tokens {}..{}, but this rank's own plan of them says {total}",
+            link.name(),
+            c.bytes,
+            tokens.start,
+            tokens.end
+        )));
+    }
+    // SAFETY: every run is a destination of this rank's own validated plan of the piece, so
+    // inside its pools: host memory (an agent with integrity has no device pools, checked at
+    // start) of this process, live for the agent's life. The writer flushed before it
+    // reported, so the piece's bytes are in place; its completions are taken in one at a
+    // time (a scatter of this piece was this very job), and other writers of the request
+    // write other bytes (their plans are checked not to overlap).
+    let landed = unsafe { crate::integrity::digest_runs(algorithm, runs.iter().copied()) };
+    if landed != digest.value {
+        return Err((
+            FailureKind::Integrity,
+            format!(
+                "{} piece {} (tokens {}..{}): the {algorithm} digest of the {total} bytes that \
+                 landed here is {landed:#018x}, the writer's is {:#018x}",
+                link.name(),
+                c.piece,
+                tokens.start,
+                tokens.end,
+                digest.value
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Feeds one completion to the request's tracker and ends the request if it can.

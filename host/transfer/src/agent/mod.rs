@@ -53,7 +53,7 @@ mod worker_proof;
 pub use crate::bounce::{BounceConfig, BounceMode};
 pub use events::{Event, FailureKind};
 pub use generation::Expect;
-pub use kvferry_protocol::{AgentMetadata, PeerIdentity, Secret};
+pub use kvferry_protocol::{AgentMetadata, Integrity, PeerIdentity, Secret};
 
 use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::os::fd::RawFd;
@@ -133,6 +133,11 @@ pub struct AgentConfig {
     /// Bounce transfers (see [`crate::bounce`]): the mode, the generation rank's arena and
     /// the context rank's staging buffer. Default: auto, 256 MiB arena, 2 × 8 MiB staging.
     pub bounce: BounceConfig,
+    /// Generation ranks: ask every writer for a digest of each piece and check it against
+    /// the bytes that landed before `Received` (a mismatch fails the request as
+    /// [`FailureKind::Integrity`]). Context ranks compute what their receivers ask whatever
+    /// this says. Host pools only. Default: off.
+    pub integrity: Option<kvferry_protocol::Integrity>,
 }
 
 impl AgentConfig {
@@ -158,6 +163,7 @@ impl AgentConfig {
             hook: None,
             record_plans: false,
             bounce: BounceConfig::default(),
+            integrity: None,
         }
     }
 }
@@ -959,7 +965,16 @@ fn check_config(config: &AgentConfig, bound: &BoundPlanner) -> Result<(), StartE
         .rank
         .page_table
         .validate()
-        .map_err(|e| StartError::Config(format!("invalid page table: {e}")))
+        .map_err(|e| StartError::Config(format!("invalid page table: {e}")))?;
+    if let Some(algorithm) = config.integrity {
+        if config.role == Role::Generation && memory_kind(&config.rank) != MemoryKind::Host {
+            return Err(StartError::Config(format!(
+                "integrity {algorithm} reads the bytes that landed with the CPU: it needs host \
+                 (DRAM) pools, and this rank has device pools"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The bounce memory the rank's role and config ask for: a generation rank's arena, a

@@ -576,5 +576,44 @@ pub fn made_up_completion(
         fragments: 1,
         status: kvferry_protocol::CompletionStatus::Ok,
         bounce,
+        digest: None,
     }
+}
+
+/// A 70-token request sent in two chunks from slots `[3, 6, 1, 7, 5]` into `[4, 2, 7, 5, 0]`
+/// (request 7, to instance `decode`): the receiver's terminal event, once the sender's is
+/// `Sent`.
+pub fn chunked_request(prefill: &Agent, decode: &Agent, src: &Engine, dst: &Engine) -> Event {
+    let src_slots = [3i64, 6, 1, 7, 5];
+    let dst_slots = [4i64, 2, 7, 5, 0];
+    let prompt = 70;
+    let endpoint = prefill.endpoint().unwrap().to_string();
+    decode
+        .expect(expecting(7, &endpoint, tables(dst, &dst_slots), prompt))
+        .unwrap();
+    for (slots, tokens) in [
+        (&src_slots[..2], TokenRange { start: 0, end: 32 }),
+        (
+            &src_slots[..],
+            TokenRange {
+                start: 32,
+                end: prompt,
+            },
+        ),
+    ] {
+        prefill
+            .send(Send {
+                request: 7,
+                tables: tables(src, slots),
+                tokens,
+                prompt_len: prompt,
+                is_last: tokens.end == prompt,
+                to: Some("decode".into()),
+            })
+            .unwrap();
+    }
+    let got = wait(decode, 7, Duration::from_secs(20));
+    let sent = wait(prefill, 7, Duration::from_secs(20));
+    assert!(matches!(sent, Event::Sent { .. }), "{sent:?}");
+    got
 }
