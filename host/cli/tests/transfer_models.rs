@@ -19,27 +19,33 @@ fn demo_ok(args: &[&str], requests: u64) -> serde_json::Value {
     v
 }
 
-fn deepseek_dep2_to_dep4(transport: &str) {
+/// DeepSeek-V3 dep2 -> dep4 through the demo with the MLA planner: 8 requests of 300 tokens,
+/// 4 in flight, plus `extra` flags.
+fn deepseek_dep2_to_dep4(transport: &str, extra: &[&str]) {
     let args = [
-        "--model",
-        "deepseek-v3",
-        "--ctx",
-        "dep2",
-        "--gen",
-        "dep4",
-        "--planner",
-        "kvferry.deepseek_mla_latent",
-        "--requests",
-        "8",
-        "--prompt-len",
-        "300",
-        "--in-flight",
-        "4",
-        "--transport",
-        transport,
-        "--seed",
-        "3",
-    ];
+        &[
+            "--model",
+            "deepseek-v3",
+            "--ctx",
+            "dep2",
+            "--gen",
+            "dep4",
+            "--planner",
+            "kvferry.deepseek_mla_latent",
+            "--requests",
+            "8",
+            "--prompt-len",
+            "300",
+            "--in-flight",
+            "4",
+            "--transport",
+            transport,
+            "--seed",
+            "3",
+        ][..],
+        extra,
+    ]
+    .concat();
     let v = demo_ok(&args, 8);
     assert_eq!(v["planner"], "kvferry.deepseek_mla_latent");
     assert_eq!(v["transport"], transport);
@@ -47,12 +53,12 @@ fn deepseek_dep2_to_dep4(transport: &str) {
 
 #[test]
 fn deepseek_v3_dep2_to_dep4_mla_planner_shm() {
-    deepseek_dep2_to_dep4("shm");
+    deepseek_dep2_to_dep4("shm", &[]);
 }
 
 #[test]
 fn deepseek_v3_dep2_to_dep4_mla_planner_tcp() {
-    deepseek_dep2_to_dep4("tcp");
+    deepseek_dep2_to_dep4("tcp", &[]);
 }
 
 fn llama(ctx: &str, r#gen: &str, transport: &str) {
@@ -385,26 +391,5 @@ fn integrity_digests_check_every_piece_over_tcp_and_shm() {
     let stats = hybrid_with("tcp", &["--integrity", "xxh3"]);
     // Nothing bounces at these sizes: the receiver's time after the puts is the checks'.
     assert!(stats.iter().all(|s| s.stages.scatter_ns > 0), "{stats:?}");
-    let v = demo_ok(
-        &[
-            "--model",
-            "deepseek-v3",
-            "--ctx",
-            "dep2",
-            "--gen",
-            "dep4",
-            "--planner",
-            "kvferry.deepseek_mla_latent",
-            "--requests",
-            "4",
-            "--prompt-len",
-            "300",
-            "--transport",
-            "shm",
-            "--integrity",
-            "crc32c",
-        ],
-        4,
-    );
-    assert_eq!(v["transport"], "shm");
+    deepseek_dep2_to_dep4("shm", &["--integrity", "crc32c"]);
 }

@@ -92,6 +92,49 @@ fn freeze_then_prefill(
     Instant::now()
 }
 
+/// A context server (dep2, its extra flags `ctx_args`) and a generation server (dep4) whose
+/// request 1 (300 tokens in chunks of 64) is prefilled once the generation server is frozen.
+struct Frozen {
+    ctx: Logged,
+    r#gen: Server,
+    /// Connections to the generation and the context server.
+    g: Client,
+    c: Client,
+    /// The generation server's instance name.
+    name: String,
+    /// When the prefill started the write.
+    since: Instant,
+}
+
+impl Frozen {
+    fn start(ctx_args: &[&str]) -> Frozen {
+        let ctx = Logged::start(
+            "context",
+            "dep2",
+            ctx_args,
+            "kvferry=info,kvferry_transfer::agent=debug",
+        );
+        let r#gen = Server::start(
+            "generation",
+            DEEPSEEK,
+            "dep4",
+            "tcp",
+            &["--planner", MLA, "--timeout-ms", "60000"],
+        );
+        let (g, c) = (r#gen.client(), ctx.server.client());
+        let name = gen_name(&r#gen);
+        let since = freeze_then_prefill(&ctx, &c, &r#gen, &g, &chunked(submit(1, 300), 64));
+        Frozen {
+            ctx,
+            r#gen,
+            g,
+            c,
+            name,
+            since,
+        }
+    }
+}
+
 /// A hung receiver that stays registered (its keep-alives still flow, as from a peer that
 /// stopped reading only its UCX socket) is modelled by a peer timeout longer than the test:
 /// the write times out at the context's deadline naming the receiver, its puts quarantined;
@@ -101,29 +144,19 @@ fn freeze_then_prefill(
 #[test]
 fn hung_receiver_times_out_and_the_context_moves_on_tcp() {
     const TIMEOUT_MS: u64 = 1500;
-    let ctx = Logged::start(
-        "context",
-        "dep2",
-        &[
-            "--timeout-ms",
-            &TIMEOUT_MS.to_string(),
-            "--peer-timeout-ms",
-            "120000",
-        ],
-        "kvferry=info,kvferry_transfer::agent=debug",
-    );
-    let hung = Server::start(
-        "generation",
-        DEEPSEEK,
-        "dep4",
-        "tcp",
-        &["--planner", MLA, "--timeout-ms", "60000"],
-    );
-    let g = hung.client();
-    let c = ctx.server.client();
-    let name = gen_name(&hung);
-
-    let queued = freeze_then_prefill(&ctx, &c, &hung, &g, &chunked(submit(1, 300), 64));
+    let Frozen {
+        ctx,
+        r#gen: hung,
+        g,
+        c,
+        name,
+        since: queued,
+    } = Frozen::start(&[
+        "--timeout-ms",
+        &TIMEOUT_MS.to_string(),
+        "--peer-timeout-ms",
+        "120000",
+    ]);
     let line = ctx.wait_for(&["write job failed", &name, "timed out"], REPLY);
     let waited = queued.elapsed();
     // Its puts may still read the source slots: the request ends once they drain.
@@ -160,30 +193,20 @@ fn hung_receiver_times_out_and_the_context_moves_on_tcp() {
 #[test]
 fn stopped_receiver_gives_the_context_slots_back_at_the_peer_timeout_tcp() {
     const PEER_TIMEOUT_MS: u64 = 2000;
-    let ctx = Logged::start(
-        "context",
-        "dep2",
-        &[
-            "--timeout-ms",
-            "60000",
-            "--peer-timeout-ms",
-            &PEER_TIMEOUT_MS.to_string(),
-            "--ucx-peer-errors",
-        ],
-        "kvferry=info,kvferry_transfer::agent=debug",
-    );
-    let stopped = Server::start(
-        "generation",
-        DEEPSEEK,
-        "dep4",
-        "tcp",
-        &["--planner", MLA, "--timeout-ms", "60000"],
-    );
-    let g = stopped.client();
-    let c = ctx.server.client();
-    let name = gen_name(&stopped);
-
-    let frozen = freeze_then_prefill(&ctx, &c, &stopped, &g, &chunked(submit(1, 300), 64));
+    let Frozen {
+        ctx,
+        r#gen: stopped,
+        g,
+        c,
+        name,
+        since: frozen,
+    } = Frozen::start(&[
+        "--timeout-ms",
+        "60000",
+        "--peer-timeout-ms",
+        &PEER_TIMEOUT_MS.to_string(),
+        "--ucx-peer-errors",
+    ]);
     let forced = ctx.wait_for(
         &[
             "closing the endpoint of a quarantined window by force",
@@ -227,30 +250,20 @@ fn stopped_receiver_gives_the_context_slots_back_at_the_peer_timeout_tcp() {
 #[test]
 fn stalled_receiver_is_given_up_after_the_stall_limit_tcp() {
     const TIMEOUT_MS: u64 = 1000;
-    let ctx = Logged::start(
-        "context",
-        "dep2",
-        &[
-            "--timeout-ms",
-            &TIMEOUT_MS.to_string(),
-            "--peer-timeout-ms",
-            "120000",
-            "--ucx-peer-errors",
-        ],
-        "kvferry=info,kvferry_transfer::agent=debug",
-    );
-    let stalled = Server::start(
-        "generation",
-        DEEPSEEK,
-        "dep4",
-        "tcp",
-        &["--planner", MLA, "--timeout-ms", "60000"],
-    );
-    let g = stalled.client();
-    let c = ctx.server.client();
-    let name = gen_name(&stalled);
-
-    let frozen = freeze_then_prefill(&ctx, &c, &stalled, &g, &chunked(submit(1, 300), 64));
+    let Frozen {
+        ctx,
+        r#gen: stalled,
+        g,
+        c,
+        name,
+        since: frozen,
+    } = Frozen::start(&[
+        "--timeout-ms",
+        &TIMEOUT_MS.to_string(),
+        "--peer-timeout-ms",
+        "120000",
+        "--ucx-peer-errors",
+    ]);
     let forced = ctx.wait_for(
         &[
             "closing the endpoint of a quarantined window by force",

@@ -9,8 +9,8 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{DEADLINE, Progressor, Transport, pattern};
-use kvferry_ucx::{ErrorMode, MemRegion, Op, PutWindow, Status, Worker};
+use common::{DEADLINE, Progressor, Target, Transport, pattern};
+use kvferry_ucx::{ErrorMode, Op, PutWindow, Status, Worker};
 
 const LEN: usize = 8 << 20;
 const FRAG: usize = 16 << 10;
@@ -28,19 +28,16 @@ fn is_timeout(e: &kvferry_ucx::Error) -> bool {
 #[test]
 fn window_times_out_while_the_target_hangs_then_recovers_tcp() {
     let ctx = Transport::Tcp.context();
-    let b = Worker::new(&ctx).unwrap();
-    let target = MemRegion::allocate(&ctx, LEN).unwrap();
-    let (address, packed, base) = (
-        b.address().unwrap(),
-        target.pack_rkey().unwrap(),
-        target.remote_addr(),
-    );
-    let progressor = Progressor::spawn(b);
+    let t = Target::start(&ctx, LEN);
 
     let a = Worker::new(&ctx).unwrap();
-    let ep = a.connect(&address).unwrap();
-    let rkey = ep.unpack_rkey(packed.as_bytes()).unwrap();
-    ep.flush().unwrap().wait().unwrap(); // wire-up while the target progresses
+    let (ep, rkey) = t.connect(&a, ErrorMode::None); // wired up while the target progresses
+    let Target {
+        progressor,
+        region: target,
+        base,
+        ..
+    } = t;
 
     // The target hangs from here on.
     let b = progressor.stop();
@@ -109,20 +106,17 @@ fn window_times_out_while_the_target_hangs_then_recovers_tcp() {
 #[test]
 fn window_gives_up_when_the_target_is_gone_tcp() {
     let ctx_b = Transport::Tcp.context();
-    let b = Worker::new(&ctx_b).unwrap();
-    let target = MemRegion::allocate(&ctx_b, LEN).unwrap();
-    let (address, packed, base) = (
-        b.address().unwrap(),
-        target.pack_rkey().unwrap(),
-        target.remote_addr(),
-    );
-    let progressor = Progressor::spawn(b);
+    let t = Target::start(&ctx_b, LEN);
 
     let ctx_a = Transport::Tcp.context();
     let a = Worker::new(&ctx_a).unwrap();
-    let ep = a.connect(&address).unwrap();
-    let rkey = ep.unpack_rkey(packed.as_bytes()).unwrap();
-    ep.flush().unwrap().wait().unwrap(); // wire-up
+    let (ep, rkey) = t.connect(&a, ErrorMode::None); // wired up while the target progresses
+    let Target {
+        progressor,
+        region: target,
+        base,
+        ..
+    } = t;
 
     let src = pattern(LEN, 0x5E);
     let budget = Duration::from_millis(500);
@@ -179,18 +173,15 @@ fn window_gives_up_when_the_target_is_gone_tcp() {
 #[test]
 fn no_put_is_issued_after_the_deadline_shm() {
     let ctx = Transport::Shm.context();
-    let b = Worker::new(&ctx).unwrap();
-    let target = MemRegion::allocate(&ctx, FRAG).unwrap();
-    let (address, packed, base) = (
-        b.address().unwrap(),
-        target.pack_rkey().unwrap(),
-        target.remote_addr(),
-    );
-    let progressor = Progressor::spawn(b);
+    let t = Target::start(&ctx, FRAG);
     let a = Worker::new(&ctx).unwrap();
-    let ep = a.connect(&address).unwrap();
-    let rkey = ep.unpack_rkey(packed.as_bytes()).unwrap();
-    ep.flush().unwrap().wait().unwrap();
+    let (ep, rkey) = t.connect(&a, ErrorMode::None); // wired up while the target progresses
+    let Target {
+        progressor,
+        region: target,
+        base,
+        ..
+    } = t;
 
     let src = pattern(FRAG, 0x21);
     let mut window = PutWindow::new(&ep).with_deadline(Instant::now());
@@ -217,18 +208,16 @@ fn no_put_is_issued_after_the_deadline_shm() {
 #[test]
 fn a_forced_close_ends_a_window_stuck_on_a_hung_target_tcp() {
     let ctx = Transport::Tcp.context();
-    let b = Worker::new(&ctx).unwrap();
-    let target = MemRegion::allocate(&ctx, LEN).unwrap();
-    let (address, packed, base) = (
-        b.address().unwrap(),
-        target.pack_rkey().unwrap(),
-        target.remote_addr(),
-    );
-    let progressor = Progressor::spawn(b);
+    let t = Target::start(&ctx, LEN);
     let a = Worker::new(&ctx).unwrap();
-    let ep = a.connect_with(&address, ErrorMode::Peer).unwrap();
-    let rkey = ep.unpack_rkey(packed.as_bytes()).unwrap();
-    ep.flush().unwrap().wait().unwrap(); // wire-up while the target progresses
+    let (ep, rkey) = t.connect(&a, ErrorMode::Peer); // wired up while the target progresses
+    let Target {
+        progressor,
+        region: _target,
+        base,
+        packed,
+        ..
+    } = t;
     progressor.pause();
 
     let src = pattern(LEN, 0x4B);

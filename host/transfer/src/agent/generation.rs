@@ -891,26 +891,7 @@ fn scatter_piece(
         ));
     };
     let tokens = piece.tokens;
-    if tokens.start >= tokens.end || tokens.end > expect.prompt_len {
-        return Err(format!(
-            "{} bounced tokens {}..{} of a {}-token prompt",
-            link.name(),
-            tokens.start,
-            tokens.end,
-            expect.prompt_len
-        ));
-    }
-    let pair = kvferry_planner_abi::PairRequest {
-        token_range: tokens,
-        prompt_len: expect.prompt_len,
-        dst_start_token: match expect.cached_prefix {
-            Some(t) => kvferry_planner_abi::ffi::ROption::RSome(t),
-            None => kvferry_planner_abi::ffi::ROption::RNone,
-        },
-        is_last: c.is_last,
-    };
-    let plan = plan_as_writer(inner, &expect, c.sender_rank, pair)?;
-    let runs = kvferry_plan::bounce::scatter_runs(&plan);
+    let runs = writer_runs(inner, link, &expect, c, tokens, "bounced")?;
     let total: u64 = runs.iter().map(|&(_, n)| n).sum();
     if total != c.bytes {
         return Err(format!(
@@ -956,6 +937,39 @@ fn scatter_piece(
         )
     })?;
     Ok(runs)
+}
+
+/// The destination runs (ascending, merged) of `c`'s writer's piece for `tokens`, by this
+/// rank's own plan of it ([`plan_as_writer`]); `what` the writer did with the tokens, for the
+/// refusal of a range outside the prompt.
+fn writer_runs(
+    inner: &Arc<Inner>,
+    link: &Link,
+    expect: &Expect,
+    c: &Completion,
+    tokens: TokenRange,
+    what: &str,
+) -> Result<Vec<(u64, u64)>, String> {
+    if tokens.start >= tokens.end || tokens.end > expect.prompt_len {
+        return Err(format!(
+            "{} {what} tokens {}..{} of a {}-token prompt",
+            link.name(),
+            tokens.start,
+            tokens.end,
+            expect.prompt_len
+        ));
+    }
+    let pair = kvferry_planner_abi::PairRequest {
+        token_range: tokens,
+        prompt_len: expect.prompt_len,
+        dst_start_token: match expect.cached_prefix {
+            Some(t) => kvferry_planner_abi::ffi::ROption::RSome(t),
+            None => kvferry_planner_abi::ffi::ROption::RNone,
+        },
+        is_last: c.is_last,
+    };
+    let plan = plan_as_writer(inner, expect, c.sender_rank, pair)?;
+    Ok(kvferry_plan::bounce::scatter_runs(&plan))
 }
 
 /// Takes a piece in before the tracker: scatters it if it was bounced, then checks its
@@ -1020,26 +1034,7 @@ fn check_digest(
                 Some(req) => Arc::clone(&req.expect),
                 None => return Err(protocol(format!("request {} is not held here", c.request))),
             };
-            if tokens.start >= tokens.end || tokens.end > expect.prompt_len {
-                return Err(protocol(format!(
-                    "{} digested tokens {}..{} of a {}-token prompt",
-                    link.name(),
-                    tokens.start,
-                    tokens.end,
-                    expect.prompt_len
-                )));
-            }
-            let pair = kvferry_planner_abi::PairRequest {
-                token_range: tokens,
-                prompt_len: expect.prompt_len,
-                dst_start_token: match expect.cached_prefix {
-                    Some(t) => kvferry_planner_abi::ffi::ROption::RSome(t),
-                    None => kvferry_planner_abi::ffi::ROption::RNone,
-                },
-                is_last: c.is_last,
-            };
-            let plan = plan_as_writer(inner, &expect, c.sender_rank, pair).map_err(protocol)?;
-            kvferry_plan::bounce::scatter_runs(&plan)
+            writer_runs(inner, link, &expect, c, tokens, "digested").map_err(protocol)?
         }
     };
     let total: u64 = runs.iter().map(|&(_, n)| n).sum();

@@ -7,7 +7,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-use kvferry_ucx::{Context, Error, Request, SendWorker, Worker};
+use kvferry_ucx::{
+    Context, Endpoint, Error, ErrorMode, MemRegion, PackedRkey, RemoteKey, Request, SendWorker,
+    Worker,
+};
 
 /// How long any single wait in these tests may take before the test fails instead of hanging.
 pub const DEADLINE: Duration = Duration::from_secs(10);
@@ -135,5 +138,44 @@ impl Progressor {
             .join()
             .expect("progress thread panicked")
             .into_worker()
+    }
+}
+
+/// A target process's half of a test: a worker progressed on its own thread and a region of
+/// its memory, with what an initiator needs to write there.
+pub struct Target {
+    pub progressor: Progressor,
+    pub region: MemRegion,
+    pub address: Vec<u8>,
+    pub packed: PackedRkey,
+    pub base: u64,
+}
+
+impl Target {
+    /// A worker and a `len`-byte region on `ctx`, the worker progressed from now on.
+    pub fn start(ctx: &Arc<Context>, len: usize) -> Target {
+        let worker = Worker::new(ctx).unwrap();
+        let region = MemRegion::allocate(ctx, len).unwrap();
+        let (address, packed, base) = (
+            worker.address().unwrap(),
+            region.pack_rkey().unwrap(),
+            region.remote_addr(),
+        );
+        Target {
+            progressor: Progressor::spawn(worker),
+            region,
+            address,
+            packed,
+            base,
+        }
+    }
+
+    /// An endpoint from `worker` to this target in `mode`, wired up (while the target
+    /// progresses), and the region's key unpacked on it.
+    pub fn connect(&self, worker: &Worker, mode: ErrorMode) -> (Endpoint, RemoteKey) {
+        let ep = worker.connect_with(&self.address, mode).unwrap();
+        let rkey = ep.unpack_rkey(self.packed.as_bytes()).unwrap();
+        ep.flush().unwrap().wait().unwrap();
+        (ep, rkey)
     }
 }
