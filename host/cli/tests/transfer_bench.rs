@@ -130,13 +130,14 @@ fn positive(v: &Value, key: &str) -> f64 {
 }
 
 /// The stage fields of the report, in seconds.
-const STAGES: [&str; 9] = [
+const STAGES: [&str; 10] = [
     "plan_s",
     "validate_s",
     "gather_s",
     "puts_s",
     "flush_s",
     "scatter_s",
+    "digest_s",
     "control_s",
     "queue_s",
     "copy_s",

@@ -91,7 +91,7 @@ use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::rc::Rc;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
@@ -506,7 +506,38 @@ pub struct RankThread {
     address: Vec<u8>,
     tx: Sender<Command>,
     thread: Option<JoinHandle<()>>,
+    activity: Arc<Activity>,
 }
+
+/// When the rank thread's worker last had something to do, and when it last went idle
+/// (nanoseconds since `base`): how a receiver knows that bytes already on the way to it
+/// have landed ([`RankThread::quiet_for`]).
+#[derive(Debug)]
+struct Activity {
+    base: Instant,
+    /// The last progress round that found work.
+    busy: AtomicU64,
+    /// The last time the loop went to sleep after a run of idle rounds.
+    idle: AtomicU64,
+}
+
+impl Activity {
+    fn new() -> Activity {
+        Activity {
+            base: Instant::now(),
+            busy: AtomicU64::new(0),
+            idle: AtomicU64::new(0),
+        }
+    }
+
+    fn now(&self) -> u64 {
+        u64::try_from(self.base.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+}
+
+/// How recently the loop must have gone idle for [`RankThread::quiet_for`] to answer: a
+/// thread that has not reached its idle sleep since is busy, or not running at all.
+const IDLE_FRESH: Duration = Duration::from_millis(50);
 
 impl Drop for RankThread {
     /// Ends the thread and waits for it, so UCX is torn down (quarantined puts abandoned,
@@ -587,6 +618,8 @@ impl RankThread {
             .map_err(|_| SpawnError::Shared { rank })?;
         let (tx, rx) = mpsc::channel();
         let (ready_tx, ready_rx) = mpsc::sync_channel(1);
+        let activity = Arc::new(Activity::new());
+        let thread_activity = Arc::clone(&activity);
         let thread = thread::Builder::new()
             .name(format!("{label}-rank{rank}"))
             // `pools` outlives `run`, and so every handle on the worker, which `run` drops:
@@ -611,7 +644,7 @@ impl RankThread {
                 };
                 let staging = staging.as_ref().zip(gatherer);
                 if ok {
-                    run(rank, worker, errors, &pools, staging, rx);
+                    run(rank, worker, errors, &pools, staging, rx, &thread_activity);
                 }
             })
             .map_err(|source| SpawnError::Thread { rank, source })?;
@@ -630,12 +663,29 @@ impl RankThread {
             address,
             tx,
             thread: Some(thread),
+            activity,
         })
     }
 
     /// The rank.
     pub fn rank(&self) -> u32 {
         self.rank
+    }
+
+    /// How long the worker has had nothing to do, as of its last idle round: `None` while it
+    /// is busy or has not gone idle lately (a thread starved of CPU has not looked). A
+    /// receiver's bytes arrive only through its worker's progress, so a receiver whose
+    /// worker went idle with nothing arriving for a while has taken in whatever had already
+    /// reached its sockets.
+    pub fn quiet_for(&self) -> Option<Duration> {
+        let a = &self.activity;
+        let (busy, idle, now) = (
+            a.busy.load(Ordering::Acquire),
+            a.idle.load(Ordering::Acquire),
+            a.now(),
+        );
+        let fresh = Duration::from_nanos(now.saturating_sub(idle)) < IDLE_FRESH;
+        (fresh && idle > busy).then(|| Duration::from_nanos(idle - busy))
     }
 
     /// The worker's UCX address.
@@ -742,6 +792,7 @@ fn run(
     pools: &RankPools,
     staging: Option<(&Staging, Gatherer)>,
     rx: Receiver<Command>,
+    activity: &Activity,
 ) {
     // Every event of this thread carries its rank.
     let _span = tracing::info_span!("rank", rank).entered();
@@ -764,6 +815,7 @@ fn run(
             Err(TryRecvError::Disconnected) => return,
             Err(TryRecvError::Empty) => {
                 if worker.progress_or_yield() {
+                    activity.busy.store(activity.now(), Ordering::Release);
                     exec.poll_stuck();
                     idle = 0;
                     continue;
@@ -772,6 +824,7 @@ fn run(
                 if idle < SPIN_ROUNDS {
                     continue;
                 }
+                activity.idle.store(activity.now(), Ordering::Release);
                 exec.poll_stuck();
                 let step = (idle - SPIN_ROUNDS).min(16);
                 let sleep = Duration::from_micros(10 * u64::from(step + 1)).min(MAX_IDLE_SLEEP);

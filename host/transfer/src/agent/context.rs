@@ -1342,18 +1342,25 @@ fn queue(inner: &Arc<Inner>, id: u64, g: u32, conn: &Arc<GenConn>, q: Queued) {
                     claim.stages.flush_ns += s.flush_ns;
                     claim.stages.gather_ns += s.gather_ns;
                 }
-                let _ = done_conn.outbox.send(AgentMessage::Completion(Completion {
-                    request: id,
-                    sender_rank: c,
-                    receiver_rank: g,
-                    piece,
-                    is_last: ends,
-                    bytes,
-                    fragments,
-                    status: status.clone(),
-                    bounce: bounced,
-                    digest: digest.filter(|_| ok),
-                }));
+                // A registration that ended (the peer lost, or given up for not draining)
+                // hears nothing more: after a forced close its slots may still receive bytes
+                // the network holds, and only the end of its link without this report makes
+                // the receiver wait for them (`generation::LATE_WRITE_GRACE`).
+                let registered = done_conn.alive.load(Ordering::Acquire);
+                if registered {
+                    let _ = done_conn.outbox.send(AgentMessage::Completion(Completion {
+                        request: id,
+                        sender_rank: c,
+                        receiver_rank: g,
+                        piece,
+                        is_last: ends,
+                        bytes,
+                        fragments,
+                        status: status.clone(),
+                        bounce: bounced,
+                        digest: digest.filter(|_| ok),
+                    }));
+                }
                 claim.reported = piece + 1;
                 req.bytes += bytes;
                 req.puts += result.as_ref().map_or(0, |s| s.puts);

@@ -14,7 +14,7 @@ use std::net::TcpStream;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvferry_plan::error_chain;
 use kvferry_planner_abi::{SlotTable, TokenRange, ViewId};
@@ -106,6 +106,9 @@ pub(crate) struct InReq {
     scatter_ns: u64,
     /// The digest asked of every writer's pieces ([`super::AgentConfig::integrity`]).
     integrity: Option<Integrity>,
+    /// When the request was first ready to end with a writer whose link is gone without its
+    /// last piece: its terminal event waits from then ([`LATE_WRITE_GRACE`]).
+    late_until: Option<Instant>,
 }
 
 /// A bounce region offered to one writer of a request.
@@ -121,6 +124,20 @@ struct Offered {
 /// The most completions held back while a bounced piece is scattered; a writer that sends
 /// more breaks the protocol (each has one piece in flight per chunk of the prompt).
 const MAX_PENDING: usize = 4096;
+/// How long a failed or cancelled request whose writer's link ended without its last piece
+/// waits before its terminal event: bytes that writer had already handed to the network (the
+/// kernel's buffers of a connection it cut, see `rank::GONE_DRAIN_GRACE`) land first instead
+/// of in slots the engine has taken back. Measured: a generation server stopped (SIGSTOP)
+/// past its writer's peer timeout received 2.2 MB of the request's bytes after it resumed,
+/// some more than a second later on a loaded machine; so the event also waits until this
+/// rank's worker went idle with nothing arriving for [`LATE_WRITE_QUIET`] (bytes reach the
+/// slots only through its progress), at most [`LATE_WRITE_LIMIT`].
+const LATE_WRITE_GRACE: Duration = Duration::from_secs(1);
+/// See [`LATE_WRITE_GRACE`].
+const LATE_WRITE_QUIET: Duration = Duration::from_millis(250);
+/// See [`LATE_WRITE_GRACE`]: past it the event goes out with a warning (other writers may
+/// keep the worker busy).
+const LATE_WRITE_LIMIT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Default)]
 pub(crate) struct State {
@@ -470,6 +487,7 @@ pub(crate) fn expect(inner: &Arc<Inner>, e: Expect) -> Result<(), CallError> {
             pending: VecDeque::new(),
             scatter_ns: 0,
             integrity: inner.config.integrity,
+            late_until: None,
         });
     }
     let worker = Arc::clone(inner);
@@ -1432,8 +1450,29 @@ fn settle(inner: &Arc<Inner>, id: u64) {
             None
         } else {
             // Every writer answered with its last piece, or may still write (its link is
-            // gone without one): then its bounce region stays out of use.
+            // gone without one): then its bounce region stays out of use, and its bytes
+            // already on the way land before the slots go back (the reaper settles again).
             let clean = tracker.quiescent();
+            if !clean {
+                let now = Instant::now();
+                let since = *req.late_until.get_or_insert(now);
+                let waited = now.saturating_duration_since(since);
+                let quiet = inner
+                    .thread
+                    .quiet_for()
+                    .is_some_and(|q| q >= LATE_WRITE_QUIET);
+                if waited < LATE_WRITE_GRACE || (!quiet && waited < LATE_WRITE_LIMIT) {
+                    return;
+                }
+                if !quiet {
+                    tracing::warn!(
+                        request = id,
+                        waited_ms = waited.as_millis(),
+                        "a writer of this request may still write (its link ended without its \
+                         last piece) and this rank's worker has not gone quiet: ending it anyway"
+                    );
+                }
+            }
             let req = state.requests.remove(&id).map(|mut req| {
                 retire(inner, &mut req, clean);
                 req
