@@ -71,8 +71,10 @@
 //! and the job reports, its slots back — within the peer timeout plus the grace for a stopped
 //! receiver. Bytes the kernel had already taken into the socket may still reach the receiver
 //! if it resumes; it has lost its link to this rank by then and failed the request. Without
-//! peer error mode UCX forbids a forced close, so such a window waits for the receiver to
-//! resume or die (a warning says so when its registration ends).
+//! peer error mode UCX forbids a forced close, so such a window is marked due to be cut and,
+//! once every quarantined window's receiver is gone, the thread replaces its worker
+//! (`Executor::replace_worker`): destroying the old one destroys its endpoints and ends
+//! their puts.
 //! When the thread ends, windows still quarantined are abandoned (their keys are then never
 //! destroyed), before the endpoints are closed (forced once their flush times out) and the
 //! worker destroyed, all before the pools go (see `Executor`'s `Drop`).
@@ -796,11 +798,11 @@ fn run(
 ) {
     // Every event of this thread carries its rank.
     let _span = tracing::info_span!("rank", rank).entered();
-    // Dropped before `worker`: its `Drop` abandons what is still quarantined, then its
-    // connections close their endpoints; the UCX worker goes with the last handle on it.
+    // Its `Drop` abandons what is still quarantined, then its connections close their
+    // endpoints; the UCX worker goes with the last handle on it.
     let mut exec = Executor {
         rank,
-        worker: &worker,
+        worker,
         errors,
         pools,
         staging,
@@ -814,7 +816,7 @@ fn run(
             Ok(c) => Some(c),
             Err(TryRecvError::Disconnected) => return,
             Err(TryRecvError::Empty) => {
-                if worker.progress_or_yield() {
+                if exec.worker.progress_or_yield() {
                     activity.busy.store(activity.now(), Ordering::Release);
                     exec.poll_stuck();
                     idle = 0;
@@ -907,6 +909,9 @@ struct Stuck<'a> {
     /// When an operation of the window last finished (or the window was parked), and how
     /// many were in flight then.
     progressed: (Instant, usize),
+    /// Its endpoint cannot be closed by force (no peer error mode) and its peer cannot drain
+    /// it: it waits for the worker to be replaced.
+    cut_due: bool,
 }
 
 impl Stuck<'_> {
@@ -917,31 +922,15 @@ impl Stuck<'_> {
     /// window drains, and its job reports. Returns the connection to drop when it closed one.
     ///
     /// Only an endpoint in peer error mode can be closed so (UCX refuses a forced close
-    /// otherwise: it "requires" peer mode "to avoid undefined behavior"). The others stay
-    /// quarantined until they drain, with a warning once their peer is gone: over shared
-    /// memory this thread copies every put itself, so a stopped receiver cannot hold them up;
-    /// over `tcp` without `ucx_peer_errors` it can, until it resumes or its process ends (the
-    /// kernel then resets the connection and UCX fails the puts).
+    /// otherwise: it "requires" peer mode "to avoid undefined behavior"). The others are
+    /// marked due to be cut ([`cut_due`](Self::cut_due)): the executor replaces its worker
+    /// once every quarantined window's peer is gone ([`Executor::replace_worker`]).
     fn close_if_stalled(&mut self) -> Option<(PeerId, u32)> {
         let ep = self.window.endpoint();
-        if ep.is_closed() {
+        if ep.is_closed() || self.cut_due {
             return None;
         }
         let now = Instant::now();
-        if ep.error_mode() != ErrorMode::Peer {
-            if self.gone_since.is_none() && !self.alive.load(Ordering::Acquire) {
-                self.gone_since = Some(now);
-                tracing::warn!(
-                    peer = %self.instance,
-                    peer_rank = self.rank,
-                    in_flight = self.window.in_flight() + usize::from(self.window.is_flushing()),
-                    "a receiver declared gone still holds puts in flight; without UCX's peer \
-                     error mode (ucx_peer_errors) they cannot be cut, so the job's source slots \
-                     stay held until the receiver drains them or its process ends"
-                );
-            }
-            return None;
-        }
         let in_flight = self.window.in_flight() + usize::from(self.window.is_flushing());
         if in_flight < self.progressed.1 {
             self.progressed = (now, in_flight);
@@ -966,6 +955,19 @@ impl Stuck<'_> {
                 now.duration_since(gone).as_millis()
             )
         };
+        if ep.error_mode() != ErrorMode::Peer {
+            tracing::warn!(
+                peer = %self.instance,
+                peer_rank = self.rank,
+                in_flight,
+                quarantined_ms = self.since.elapsed().as_millis(),
+                reason = %why,
+                "a quarantined window cannot be closed by force without peer error mode: \
+                 the worker is replaced once every quarantined window's peer is gone"
+            );
+            self.cut_due = true;
+            return None;
+        }
         tracing::warn!(
             peer = %self.instance,
             peer_rank = self.rank,
@@ -990,7 +992,9 @@ impl Stuck<'_> {
 /// which puts borrow their sources from.
 struct Executor<'a> {
     rank: u32,
-    worker: &'a Worker,
+    /// Replaced when stuck puts without peer error mode must be cut
+    /// ([`replace_worker`](Self::replace_worker)).
+    worker: Worker,
     /// The mode new endpoints are created in (falling back to `None` where UCX refuses it).
     errors: ErrorMode,
     pools: &'a RankPools,
@@ -1036,7 +1040,7 @@ impl<'a> Executor<'a> {
             self.drop_conn(key);
         }
         let errors = self.errors;
-        let worker = self.worker;
+        let worker = &self.worker;
         let slot = match self.conns.entry(key) {
             Entry::Occupied(e) => return Ok(e.into_mut()),
             Entry::Vacant(slot) => slot,
@@ -1181,6 +1185,11 @@ impl<'a> Executor<'a> {
         for key in closed {
             self.drop_conn(key);
         }
+        let due = self.stuck.iter().any(|s| s.cut_due);
+        if due && self.stuck.iter().all(|s| !s.alive.load(Ordering::Acquire)) {
+            self.replace_worker();
+            return;
+        }
         self.stuck.retain_mut(|s| {
             // Settled, not merely idle: a put completes locally, and over tcp its bytes may
             // still be on the way; reporting the failure before a flush proves they landed
@@ -1208,6 +1217,60 @@ impl<'a> Executor<'a> {
                 true
             }
         });
+    }
+
+    /// Cuts every quarantined window by replacing the worker, for windows whose endpoints
+    /// cannot be closed by force (no peer error mode) and whose peers are all gone: every
+    /// endpoint of the old worker is left to it ([`Endpoint::leave_to_worker`]), the windows
+    /// and worker challenges abandoned, the connection cache emptied (live peers are
+    /// connected afresh by their next job), and the old worker destroyed, which closes its
+    /// connections and ends what was in flight; then the quarantined jobs report, in order.
+    /// Receivers never dial a sender's worker, so its new address matters to no one.
+    fn replace_worker(&mut self) {
+        let fresh = match Worker::new(self.worker.context()) {
+            Ok(w) => w,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot make a new worker: quarantined puts stay");
+                for s in &mut self.stuck {
+                    s.cut_due = false;
+                }
+                return;
+            }
+        };
+        for conn in self.conns.values() {
+            let _ = conn.ep.leave_to_worker();
+        }
+        for s in &self.stuck {
+            let _ = s.window.endpoint().leave_to_worker();
+        }
+        self.conns.clear();
+        for send in self.challenges.drain(..) {
+            send.forget();
+        }
+        let stuck = std::mem::take(&mut self.stuck);
+        let old = std::mem::replace(&mut self.worker, fresh);
+        let mut reports = Vec::new();
+        for s in stuck {
+            tracing::warn!(
+                peer = %s.instance,
+                peer_rank = s.rank,
+                puts = s.window.in_flight(),
+                quarantined_ms = s.since.elapsed().as_millis(),
+                "cutting quarantined puts: replacing this rank's worker"
+            );
+            reports.extend(s.on_drain);
+            // SAFETY: the abandoned puts read this rank's pools or its staging buffer, which
+            // outlive this thread. The worker they were issued on is destroyed just below,
+            // before this thread does anything else: its last handles are this window's
+            // (released by `abandon`), the cached connections' (dropped above; every endpoint
+            // left to the worker, so none is closed on its own) and `old`. Its destruction
+            // destroys the endpoints and ends the operations.
+            unsafe { s.window.abandon() };
+        }
+        drop(old);
+        for report in reports {
+            report();
+        }
     }
 
     /// Fails fast if an earlier job to `dest` is still quarantined.
@@ -1252,6 +1315,7 @@ impl<'a> Executor<'a> {
             alive: Arc::clone(&dest.alive),
             gone_since: None,
             progressed: (now, in_flight),
+            cut_due: false,
         });
     }
 

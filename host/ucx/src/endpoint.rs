@@ -305,7 +305,28 @@ impl Endpoint {
         }
     }
 
-    /// Whether [`force_close`](Self::force_close) closed the endpoint.
+    /// Stops using the endpoint without closing it, whatever other handles on it exist:
+    /// every later operation through any handle fails with [`Status::NOT_CONNECTED`] before
+    /// reaching UCX, dropping the last handle closes nothing, and the UCX endpoint is
+    /// destroyed with its worker (`ucp_worker_destroy` destroys every endpoint it still has,
+    /// `src/ucp/core/ucp_worker.c`, 1.13.1 and 1.22.0), which ends whatever is still in
+    /// flight on it. For an endpoint in [`ErrorMode::None`] whose peer stopped draining, where
+    /// UCX allows no forced close: the caller then lets the worker go. A peer-mode endpoint is
+    /// closed by force instead ([`force_close`](Self::force_close)).
+    ///
+    /// # Errors
+    ///
+    /// As [`force_close`](Self::force_close), for a peer-mode endpoint.
+    pub fn leave_to_worker(&self) -> Result<(), Error> {
+        if self.inner.failure.is_some() {
+            return self.force_close();
+        }
+        self.inner.handle.set(ptr::null_mut());
+        Ok(())
+    }
+
+    /// Whether [`force_close`](Self::force_close) closed the endpoint, or
+    /// [`leave_to_worker`](Self::leave_to_worker) left it.
     pub fn is_closed(&self) -> bool {
         self.inner.handle.get().is_null()
     }

@@ -223,6 +223,17 @@ impl<'a> Request<'a> {
     }
 }
 
+impl Request<'static> {
+    /// Forgets the operation if it is still in flight, without waiting for it (see
+    /// [`crate::PutWindow::abandon`]): its UCX request is never released, and the buffers it
+    /// owns and the remote key it uses are leaked, as UCX may go on using them until the
+    /// endpoint is closed or its worker destroyed. Safe for a request that borrows nothing
+    /// shorter than `'static`: nothing it may read can be freed.
+    pub fn forget(self) {
+        self.abandon();
+    }
+}
+
 impl Drop for Request<'_> {
     fn drop(&mut self) {
         if matches!(self.state, State::Pending(_)) {
