@@ -12,7 +12,7 @@
 //!
 //! proptest rather than cargo-fuzz, so it runs on a stable toolchain on every commit; the
 //! case counts keep it to seconds. For a longer hunt:
-//! `PROPTEST_CASES=200000 cargo test --release -p kvferry-protocol --test fuzz`.
+//! `PROPTEST_CASES=200000 cargo test --release -p kvferry-protocol --test suite fuzz::`.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;

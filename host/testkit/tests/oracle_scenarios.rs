@@ -780,7 +780,7 @@ fn corrupted_source_and_unmapped_execution_are_reported() {
     ));
 }
 
-/// `cargo test --release -p kvferry --test oracle_scenarios -- --ignored --nocapture`
+/// `cargo test --release -p kvferry-testkit --test suite oracle_scenarios:: -- --ignored --nocapture`
 #[test]
 #[ignore = "timing; run in release"]
 fn deepseek_8k_timing() {

@@ -3,7 +3,7 @@
 //! source slot's bytes afterwards and every other destination byte its canary; a wrong
 //! secret is refused by name and moves nothing; a cancel ends in exactly one event.
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::time::Duration;

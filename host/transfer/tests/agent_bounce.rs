@@ -6,7 +6,7 @@
 //! lies about a bounced piece fails its request by name and moves no byte into the slots; a
 //! cancel with bounced puts in flight ends only after them, and nothing is scattered after it.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

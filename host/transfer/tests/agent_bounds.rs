@@ -4,7 +4,7 @@
 //! declared (an offer ending on the arena's last byte is taken, one byte past is refused),
 //! and a piece bounces only into an offered region it fits to the byte.
 
-mod support;
+use crate::support;
 
 use kvferry_planner_abi::{SlotTable, TokenRange};
 use std::time::Duration;

@@ -3,7 +3,7 @@
 //! which planner hung, replaces the wedged planner thread, and keeps serving the same peer
 //! connection — a second request on it gets its answer the same way.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -4,7 +4,7 @@
 //! whose bytes never landed, though it reports every one of them, fails the request as
 //! `FailureKind::Integrity`, naming the piece.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -10,7 +10,7 @@
 //! children (`KVFERRY_NS_CHILD=prefill|decode`), which talk to the parent by lines on their
 //! standard input and output.
 
-mod support;
+use crate::support;
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
@@ -131,7 +131,8 @@ fn spawn(role: usize) -> Child {
             "netns", "exec", NS[role], "unshare", "--ipc", "--pid", "--fork", "--",
         ])
         .arg(exe)
-        .args(["--exact", "child", "--nocapture", "--test-threads=1"])
+        .args(["--exact", &support::test_named(module_path!(), "child")])
+        .args(["--nocapture", "--test-threads=1"])
         .env(
             "KVFERRY_NS_CHILD",
             if role == 0 { "prefill" } else { "decode" },

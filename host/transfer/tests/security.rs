@@ -3,7 +3,7 @@
 //! before authentication, oversized handshakes. Each case is followed by an honest transfer
 //! checked byte for byte.
 
-mod support;
+use crate::support;
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};

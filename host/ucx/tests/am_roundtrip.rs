@@ -5,7 +5,7 @@
 //! directions over tcp, UCX 1.13 needs the peer to progress even to flush an idle endpoint, so
 //! each side closes its endpoint while the other is still progressing.
 
-mod common;
+use crate::common;
 
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -10,7 +10,7 @@
 //! real peer would be, but paused while the puts are posted: a fast peer could otherwise drain
 //! every put before the drop (CI saw exactly that), and the test would prove nothing.
 
-mod common;
+use crate::common;
 
 use common::{Progressor, Transport, pattern};
 use kvferry_ucx::{MemRegion, PutWindow, Worker};

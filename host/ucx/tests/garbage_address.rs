@@ -3,7 +3,7 @@
 //! Each case runs in a child process (this test binary re-executed), so a regression fails
 //! the test instead of killing the test run.
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 
@@ -49,7 +49,8 @@ fn child() {
 /// Runs `case` in a child; returns its outcome line, or panics naming how the child died.
 fn run(case: &str) -> String {
     let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child", "--nocapture", "--test-threads=1"])
+        .args(["--exact", &common::test_named(module_path!(), "child")])
+        .args(["--nocapture", "--test-threads=1"])
         .env(CHILD, case)
         .output()
         .unwrap();

@@ -6,7 +6,7 @@
 //! `Worker::into_send` succeeds only on the last handle on a UCX worker, which makes it the
 //! observable proof that every endpoint, key and request made from a worker is gone.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -4,7 +4,7 @@
 //! killed with SIGKILL (this test binary re-executed as the peer, as garbage_address.rs
 //! does). Waits are bounded only so that a regression fails instead of hanging.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Command, Stdio};
@@ -148,7 +148,8 @@ fn child() {
 #[test]
 fn a_killed_peer_process_fails_puts_and_is_reported_tcp() {
     let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child", "--nocapture", "--test-threads=1"])
+        .args(["--exact", &common::test_named(module_path!(), "child")])
+        .args(["--nocapture", "--test-threads=1"])
         .env(CHILD, "1")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())

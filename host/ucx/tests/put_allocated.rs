@@ -1,7 +1,7 @@
 //! Two workers in one process: puts into a UCX-allocated target region (the one-sided fast
 //! path), checked byte for byte.
 
-mod common;
+use crate::common;
 
 use common::{Progressor, Transport, drive, pattern};
 use kvferry_ucx::{MemRegion, PutWindow, Worker};

@@ -5,7 +5,7 @@
 //! Over tcp UCX emulates puts with active messages, so puts and flushes complete only while
 //! the target worker progresses: stopping its progress thread is a receiver that hangs.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

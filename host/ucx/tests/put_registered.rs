@@ -1,7 +1,7 @@
 //! Two workers in one process: puts into caller-owned (`register`ed) memory. UCX emulates these
 //! puts with active messages on every transport, so the target worker must be progressed.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

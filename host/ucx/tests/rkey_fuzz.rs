@@ -13,7 +13,7 @@
 //!
 //! proptest rather than cargo-fuzz, so it runs on a stable toolchain on every commit; the
 //! case count keeps it to seconds. For a longer hunt:
-//! `PROPTEST_CASES=100000 cargo test -p kvferry-ucx --test rkey_fuzz`, adding
+//! `PROPTEST_CASES=100000 cargo test -p kvferry-ucx --test suite rkey_fuzz::`, adding
 //! `KVFERRY_RKEY_FUZZ_FORGED=1` to unpack forged transport keys too.
 
 use std::cell::Cell;

@@ -2,7 +2,7 @@
 //! range that its key does not map (a hostile declaration would otherwise make our puts write
 //! at a wild address: over shared memory the sender copies them itself).
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

@@ -1,7 +1,7 @@
 //! Byte-level checks: every destination byte of every generation rank is written exactly
 //! once with the right bytes, or left untouched, across TP / PP / CP / attention-DP pairings.
 
-mod common;
+use crate::common;
 
 use common::run;
 use kvferry_planner_abi::{

@@ -1,7 +1,7 @@
 //! Recurrent state (semantics §7, §13.19–21, 26–31): shard pairing on the state grid, the
 //! last piece, and the receiver payload.
 
-mod common;
+use crate::common;
 
 use common::run;
 use kvferry_planner_abi::{PlannerPlugin, RankInfo, SlotTable, TransferPlan, TransferPlanner};

@@ -617,3 +617,12 @@ pub fn chunked_request(prefill: &Agent, decode: &Agent, src: &Engine, dst: &Engi
     assert!(matches!(sent, Event::Sent { .. }), "{sent:?}");
     got
 }
+
+/// The name libtest gives test `test` of the module at `module_path` (`module_path!()` there):
+/// the path below the crate, for re-running this binary on that test alone (`--exact`).
+pub fn test_named(module_path: &str, test: &str) -> String {
+    match module_path.split_once("::") {
+        Some((_, module)) => format!("{module}::{test}"),
+        None => test.to_string(),
+    }
+}

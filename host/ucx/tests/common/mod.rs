@@ -179,3 +179,12 @@ impl Target {
         (ep, rkey)
     }
 }
+
+/// The name libtest gives test `test` of the module at `module_path` (`module_path!()` there):
+/// the path below the crate, for re-running this binary on that test alone (`--exact`).
+pub fn test_named(module_path: &str, test: &str) -> String {
+    match module_path.split_once("::") {
+        Some((_, module)) => format!("{module}::{test}"),
+        None => test.to_string(),
+    }
+}
