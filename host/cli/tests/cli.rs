@@ -1,7 +1,7 @@
 //! The `kvferry` command line as a user runs it: planners found next to the binary, selection
 //! by environment, refusals with reasons, and the dry-run plan with its oracle.
 
-mod support;
+use crate::support;
 
 use std::process::Output;
 

@@ -2,7 +2,7 @@
 //! per case, a summary, and `--json`; a wrong byte fails the run naming the case and where
 //! the first wrong byte is.
 
-mod support;
+use crate::support;
 
 use std::path::{Path, PathBuf};
 use std::process::Output;

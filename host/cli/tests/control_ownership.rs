@@ -3,7 +3,7 @@
 //! the same secret cannot release, cancel, verify, time or replay it, also once its owner has
 //! gone), and slots whose request an agent ended on every rank come back without a release.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -1,6 +1,6 @@
 //! `kvferry doctor` reports the UCX this binary really loads, and what each transport selects.
 
-mod support;
+use crate::support;
 
 use std::path::Path;
 

@@ -3,7 +3,7 @@
 //! stub `nvidia-smi` listing a GPU but no usable libcuda it fails — never skips — and says why.
 //! On a machine with a real GPU or driver both checks print why they do not apply.
 
-mod support;
+use crate::support;
 
 use std::fs;
 use std::os::unix::fs::{PermissionsExt, symlink};

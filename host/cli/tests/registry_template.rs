@@ -5,7 +5,7 @@
 //! once per test binary into `target/out-of-tree/shared`
 //! ([`build_out_of_tree`]), never into the source tree.
 
-mod support;
+use crate::support;
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;

@@ -2,7 +2,7 @@
 //! without the `cuda` feature, `--memory cuda` is refused up front with the rebuild
 //! instruction (host/tests/cuda.rs covers the feature build).
 
-mod support;
+use crate::support;
 
 use std::process::Output;
 

@@ -1,7 +1,7 @@
 //! `kvferry bench` smoke tests: tiny transfers over both transports, both paths measured, the
 //! JSON fields present. Timings are never asserted on (only that they are positive).
 
-mod support;
+use crate::support;
 
 use std::io::Cursor;
 use std::process::Command;

@@ -3,7 +3,7 @@
 //! only the requests addressed to the bad peer fail, with an error naming it, and the
 //! servers keep serving.
 
-mod support;
+use crate::support;
 
 use std::thread;
 use std::time::{Duration, Instant};

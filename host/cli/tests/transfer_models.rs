@@ -2,7 +2,7 @@
 //! cache through `kvferry serve` pairs driven by the bound planner, and the oracle checks
 //! every destination byte (each request's slots, then the idle pools).
 
-mod support;
+use crate::support;
 
 use support::transfer::{Server, chunked, demo, exchange, submit};
 

@@ -9,7 +9,7 @@
 //! receiver is stopped, then the prefill makes the context rank write to a worker that
 //! cannot answer.
 
-mod support;
+use crate::support;
 
 use std::process::Command;
 use std::sync::mpsc::{self, Receiver};

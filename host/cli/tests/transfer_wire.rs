@@ -3,7 +3,7 @@
 //! bad control connection is refused with an error naming what is wrong, a side channel says
 //! nothing to a peer that has not proven the secret, and the server keeps serving.
 
-mod support;
+use crate::support;
 
 use std::io::{Cursor, Read, Write};
 use std::net::TcpStream;
