@@ -955,27 +955,25 @@ impl Stuck<'_> {
                 now.duration_since(gone).as_millis()
             )
         };
-        if ep.error_mode() != ErrorMode::Peer {
-            tracing::warn!(
-                peer = %self.instance,
-                peer_rank = self.rank,
-                in_flight,
-                quarantined_ms = self.since.elapsed().as_millis(),
-                reason = %why,
-                "a quarantined window cannot be closed by force without peer error mode: \
-                 the worker is replaced once every quarantined window's peer is gone"
-            );
-            self.cut_due = true;
-            return None;
-        }
+        let forced = ep.error_mode() == ErrorMode::Peer;
         tracing::warn!(
             peer = %self.instance,
             peer_rank = self.rank,
             in_flight,
             quarantined_ms = self.since.elapsed().as_millis(),
             reason = %why,
-            "closing the endpoint of a quarantined window by force"
+            "{}",
+            if forced {
+                "closing the endpoint of a quarantined window by force"
+            } else {
+                "a quarantined window cannot be closed by force without peer error mode: the \
+                 worker is replaced once every quarantined window's peer is gone"
+            }
         );
+        if !forced {
+            self.cut_due = true;
+            return None;
+        }
         if let Err(e) = ep.force_close() {
             tracing::warn!(
                 peer = %self.instance,
