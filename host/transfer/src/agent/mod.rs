@@ -60,7 +60,7 @@ use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvferry_loader::BoundPlanner;
 use kvferry_planner_abi::ffi::RVec;
@@ -724,21 +724,23 @@ impl Agent {
         thread::Builder::new()
             .name(format!("reap-{label}"))
             .spawn(move || {
-                let mut tick = 0u64;
+                // By the clock, not by counting loops: on a loaded host each 20 ms sleep
+                // overshoots, and a ping every N loops reached the peer after its timeout
+                // (measured: two vLLM CPU instances on 2 cores, keep-alives 10 s apart).
+                let mut last_ping: Option<Instant> = None;
                 while let Some(inner) = weak.upgrade() {
                     if inner.stopped.load(Ordering::Acquire) {
                         break;
                     }
                     inner.reap();
                     let ping_every = (inner.config.peer_timeout / 3).max(REAPER_PERIOD);
-                    let ticks = (ping_every.as_millis() / REAPER_PERIOD.as_millis()).max(1);
-                    if u128::from(tick) % ticks == 0 {
+                    if last_ping.is_none_or(|at| at.elapsed() >= ping_every) {
+                        last_ping = Some(Instant::now());
                         match inner.config.role {
                             Role::Context => context::ping(&inner),
                             Role::Generation => generation::ping(&inner),
                         }
                     }
-                    tick += 1;
                     drop(inner);
                     thread::sleep(REAPER_PERIOD);
                 }
@@ -1109,9 +1111,9 @@ impl Drop for Agent {
             Role::Context => context::shutdown(&self.inner),
             Role::Generation => generation::shutdown(&self.inner),
         }
-        let deadline = std::time::Instant::now() + DROP_WAIT;
+        let deadline = Instant::now() + DROP_WAIT;
         while Arc::strong_count(&self.inner) > 1 {
-            if std::time::Instant::now() >= deadline {
+            if Instant::now() >= deadline {
                 tracing::warn!(
                     agent = %self.inner.me(),
                     holders = Arc::strong_count(&self.inner) - 1,
