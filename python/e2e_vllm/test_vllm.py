@@ -1,0 +1,210 @@
+"""kvferry inside real vLLM (the CPU build): a prefill instance and a decode instance, each its
+own vLLM with ``kvferry.vllm.KvferryConnector`` loaded by module path, must produce exactly the
+greedy tokens of one co-located vLLM, and the decode instance must have computed no prompt
+token (vLLM's own ``vllm:prompt_tokens_by_source``: every one loaded or a local prefix-cache
+hit; vLLM counts at admission, before it replays the last prompt token to sample the next).
+
+Models: tiny random GQA models (``models.py``): Llama (4 layers) and Qwen3 (3 layers, q/k
+norms, tied embeddings), 2 KV heads of 64, blocks of 32 tokens. TP pairs 1 -> 1, 2 -> 1 and
+1 -> 2 (the planner re-shards KV heads). Prompts in two waves: the second shares prefixes with
+the first, so the decode instance meets them in its own prefix cache and loads only the rest
+(``cached_prefix``), and the prefill instance reuses its own cached blocks.
+
+Run by ``scripts/e2e-vllm`` (its venv, the planner, the package); each case prints its time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import models  # noqa: E402
+
+MAX_TOKENS = 12
+SECRET = "kvferry vllm end-to-end secret"
+TIMEOUT_S = 900
+
+
+def _words(rng: random.Random, n: int) -> list[str]:
+    return [rng.choice(models.WORDS) for _ in range(n)]
+
+
+def _prompts() -> list[list[str]]:
+    """Two waves of prompts (as text; every word is one token)."""
+    rng = random.Random(7)
+    base = {n: _words(rng, n) for n in (5, 31, 32, 33, 45, 64, 96, 100, 150, 1000)}
+    wave1 = [" ".join(base[n]) for n in sorted(base)]
+    wave2 = [
+        " ".join(base[32] + _words(rng, 32)),  # a one-block hit, then an exact multiple
+        " ".join(base[64] + _words(rng, 1)),  # a two-block hit, then one token
+        " ".join(base[96] + _words(rng, 20)),  # three blocks hit, ends mid-block
+        " ".join(base[45] + _words(rng, 40)),  # one block hit (45 is not block-aligned)
+        " ".join(base[100][:70] + _words(rng, 3)),  # two blocks of a longer prompt
+        " ".join(_words(rng, 7)),
+        " ".join(_words(rng, 63)),
+        " ".join(_words(rng, 128)),
+    ]
+    return [wave1, wave2]
+
+
+WAVES = _prompts()
+
+
+def _run(spec: dict, path: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
+    path.write_text(json.dumps(spec))
+    return subprocess.Popen(
+        [sys.executable, str(HERE / "instance.py"), str(path)],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+
+
+def _wait(proc: subprocess.Popen, name: str, log: Path, timeout: float = TIMEOUT_S) -> None:
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        code = "killed after timeout"
+    if code != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+        pytest.fail(f"{name} exited {code}; the end of {log}:\n{tail}")
+
+
+_COLOCATED: dict[str, list] = {}
+
+
+def colocated(name: str, root: Path, tmp: Path, env: dict[str, str]) -> list:
+    """The co-located instance's tokens for model ``name`` (computed once)."""
+    if name not in _COLOCATED:
+        model, tokenizer = models.make(root, name)
+        spec = {
+            "role": "colocated",
+            "model": str(model),
+            "tokenizer": str(tokenizer),
+            "tp": 1,
+            "waves": WAVES,
+            "max_tokens": MAX_TOKENS,
+            "out": str(tmp / f"{name}-colocated.json"),
+        }
+        log = tmp / f"{name}-colocated.log"
+        _wait(_run(spec, tmp / f"{name}-colocated.spec", env, log), "colocated", log)
+        _COLOCATED[name] = json.loads(Path(spec["out"]).read_text())["outputs"]
+    return _COLOCATED[name]
+
+
+@pytest.mark.parametrize("tp_prefill,tp_decode", [(1, 1), (2, 1), (1, 2)])
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_disaggregated_equals_colocated(name, tp_prefill, tp_decode, env, model_root, tmp_path):
+    t0 = time.monotonic()
+    want = colocated(name, model_root, tmp_path, env)
+    model, tokenizer = models.make(model_root, name)
+    extra = {
+        "plugin_dir": env["KVFERRY_E2E_PLUGIN_DIR"],
+        "secret": SECRET,
+        "listen": "127.0.0.1:0",
+        "advertise": "127.0.0.1",
+        "transport": os.environ.get("KVFERRY_E2E_TRANSPORT", "tcp"),
+    }
+    common = {"model": str(model), "tokenizer": str(tokenizer), "waves": WAVES}
+    prefill = {
+        **common,
+        "role": "prefill",
+        "tp": tp_prefill,
+        "extra": {**extra, "instance": f"prefill-{name}"},
+        "out": str(tmp_path / "params.json"),
+        "out_after": str(tmp_path / "prefill-after.json"),
+        "release": str(tmp_path / "release"),
+    }
+    decode = {
+        **common,
+        "role": "decode",
+        "tp": tp_decode,
+        "max_tokens": MAX_TOKENS,
+        "extra": {**extra, "instance": f"decode-{name}"},
+        "params": prefill["out"],
+        "out": str(tmp_path / "decode.json"),
+    }
+    plog, dlog = tmp_path / "prefill.log", tmp_path / "decode.log"
+    p = _run(prefill, tmp_path / "prefill.spec", env, plog)
+    d = _run(decode, tmp_path / "decode.spec", env, dlog)
+    try:
+        _wait(d, "decode", dlog)
+    finally:
+        Path(prefill["release"]).touch()
+        if d.poll() is None:
+            d.kill()
+    _wait(p, "prefill", plog, timeout=120)
+
+    got = json.loads(Path(decode["out"]).read_text())
+    for w, (want_wave, got_wave) in enumerate(zip(want, got["outputs"], strict=True)):
+        for i, (a, b) in enumerate(zip(want_wave, got_wave, strict=True)):
+            assert b["tokens"] == a["tokens"], (
+                f"wave {w} prompt {i} ({a['prompt_tokens']} tokens): decode gave {b['tokens']}, "
+                f"co-located {a['tokens']}"
+            )
+    metrics = got["metrics"]
+    prompts = sum(len(w) for w in WAVES)
+    total = sum(o["prompt_tokens"] for wave in got["outputs"] for o in wave)
+    computed = metrics.get("vllm:prompt_tokens_by_source{source=local_compute}")
+    loaded = metrics.get("vllm:prompt_tokens_by_source{source=external_kv_transfer}")
+    hits = metrics.get("vllm:prompt_tokens_by_source{source=local_cache_hit}", 0)
+    print(
+        f"\n{name} TP {tp_prefill} -> TP {tp_decode}: {prompts} prompts identical; decode "
+        f"prompt tokens: {loaded} loaded, {hits} prefix-cache hits, {computed} computed, "
+        f"of {total}; {time.monotonic() - t0:.0f} s"
+    )
+    # vLLM counts at admission, before it replays each prompt's last token to sample the
+    # next one: every prompt token came from the prefix cache or from the prefill instance.
+    assert computed == 0, metrics
+    assert loaded + hits == total, metrics
+    assert hits > 0, metrics  # the second wave met the first in the decode's prefix cache
+
+
+@pytest.mark.parametrize(
+    "extra,expected",
+    [
+        ({"bogus_key": 1}, "unknown kv_connector_extra_config key 'bogus_key'"),
+        ({"cpus": "some"}, 'cpus must be "all", "inherit" or a list of CPU ids'),
+        # The MLA-latent planner serves DeepSeek's latent caches, not Llama's heads.
+        ({"planner": "kvferry.deepseek_mla_latent"}, "planner"),
+    ],
+    ids=["unknown-key", "bad-value", "planner-refuses"],
+)
+def test_bad_configuration_stops_vllm_at_start(extra, expected, env, model_root, tmp_path):
+    model, tokenizer = models.make(model_root, "llama")
+    spec = {
+        "role": "decode",
+        "model": str(model),
+        "tokenizer": str(tokenizer),
+        "tp": 1,
+        "waves": [["w1 w2"]],
+        "max_tokens": 1,
+        "extra": {
+            "plugin_dir": env["KVFERRY_E2E_PLUGIN_DIR"],
+            "secret": SECRET,
+            "instance": "decode-bad",
+            **extra,
+        },
+        "params": str(tmp_path / "never.json"),
+        "out": str(tmp_path / "out.json"),
+        "wait_s": 1,
+    }
+    log = tmp_path / "decode.log"
+    proc = _run(spec, tmp_path / "decode.spec", env, log)
+    code = proc.wait(timeout=TIMEOUT_S)
+    text = log.read_text(errors="replace")
+    assert code != 0
+    assert "kvferry" in text and expected in text, text[-3000:]
+    line = next(line for line in text.splitlines() if expected in line)
+    print(f"\n{extra}: vLLM stopped at start: {line.strip()[:200]}")

@@ -1,0 +1,873 @@
+"""kvferry as a vLLM KV connector: disaggregated prefill with vLLM's own request flow.
+
+Load it by module path (needs ``pip install kvferry[vllm]``, i.e. vLLM itself)::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvferryConnector",
+        "kv_connector_module_path": "kvferry.vllm", "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"plugin_dir": "/opt/kvferry/planners",
+                                      "secret_file": "/etc/kvferry/secret"}}'
+
+and the same with ``"kv_role": "kv_consumer"`` on the decode instance (``kv_both``: either,
+per request). The flow is vLLM's disaggregated prefill, as its NIXL connector has it, so
+vLLM's proxies and clients work unchanged:
+
+1. The prefill instance gets the request with ``kv_transfer_params={"do_remote_decode":
+   true}`` (and ``max_tokens=1``). When it finishes, :meth:`KvferryConnector.request_finished`
+   keeps its blocks (``delay_free``), its workers' agents ``send`` the prompt's blocks, and the
+   request's output carries the ``kv_transfer_params`` for the decode: this instance's name,
+   its ranks' side-channel endpoints, kvferry's id of the transfer, the prompt's length and a
+   digest of its tokens.
+2. The decode instance gets the request with those ``kv_transfer_params``. The scheduler
+   reports the prompt's tokens beyond its own prefix-cache hits as loadable asynchronously;
+   once vLLM allocated their blocks, every worker's agent ``expect``\\ s them (the planner maps
+   the prefill's ranks, layout and head shards onto this worker's); the context ranks write
+   them with UCX; the request runs once every worker reported it received. A prompt whose
+   tokens differ from the prefill's (digest) is prefilled locally instead.
+3. The prefill instance frees the blocks once kvferry no longer reads them (``sent``, or the
+   send failed, was cancelled, or its lease ran out unclaimed).
+
+Failures: a load that fails (peer gone, refused, timed out) is reported in
+``failed_recving``; vLLM then recomputes the prompt or fails the request, as its
+``kv_load_failure_policy`` says. A decode request aborted while loading is cancelled and its
+blocks freed only after kvferry's terminal event (nothing lands after that).
+
+``kv_connector_extra_config`` (unknown keys are refused at start):
+
+==================  ====================================================================
+``plugin_dir``      where planner ``.so`` files are (default ``KVFERRY_PLUGIN_DIR``)
+``secret``,         the deployment's shared secret (text, hex, or a file holding it);
+``secret_hex``,     default ``KVFERRY_SECRET``. At least 16 bytes, the same on every
+``secret_file``     instance of a deployment.
+``instance``        this instance's name (default: vLLM's ``engine_id``)
+``planner``         planner id (default ``KVFERRY_PLANNER``, else ``kvferry.default``)
+``architecture``    the architecture the planner is bound for (default: the model's)
+``transport``       ``tcp`` (default), ``shm``, ``auto`` or a ``UCX_TLS`` list
+``net_devices``,    passed to the agent (``host/capi/README.md``, "The configuration")
+``listen``,
+``advertise``,
+``timeout_ms``,
+``lease_ms``,
+``peer_timeout_ms``,
+``integrity``,
+``ucx_peer_errors``
+``cpus``            where kvferry's threads run: ``"all"`` (default: every CPU the process's
+                    cgroup allows, not the core vLLM bound the worker's thread to),
+                    ``"inherit"`` (the worker's binding) or a list of CPU ids
+``agent``           more agent configuration fields, verbatim
+==================  ====================================================================
+
+Supported: one KV cache group of full attention (Llama, Qwen, Mistral and the like), in vLLM's
+CPU backend's layout (``LBHNC``: each block holds ``[head][token][K|V]``) or ``LBNHC``
+(``[token][head][K|V]``), host memory; TP on both sides, different TP sizes included. Not
+yet: pipeline parallelism, hybrid models (several KV cache groups), CUDA tensors, layer-wise
+sends (each request is sent whole when its prefill ends), lease renewal for decode requests
+queued longer than the prefill's ``lease_ms``.
+
+Metrics (vLLM's ``/metrics``, from the agents' terminal events): ``vllm:kvferry_transfers_total``
+(``side``: ``send`` or ``load``; ``outcome``: ``sent``, ``received``, ``cancelled``,
+``failed:KIND``, ``refused:KIND``), ``vllm:kvferry_bytes_total`` (``side``) and
+``vllm:kvferry_load_seconds`` (a decode worker's ``expect`` to the last piece).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from . import CONFIG_VERSION, Agent, Error
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = [
+    "KvferryConnector",
+    "KvferryConnectorMetadata",
+    "KvferryHandshake",
+    "KvferryPromMetrics",
+    "KvferryStats",
+]
+
+# Under vLLM's logger, so its handlers and level apply.
+logger = logging.getLogger("vllm.kvferry")
+
+#: kv_connector_extra_config keys taken as they are into the agent's configuration.
+_AGENT_KEYS = (
+    "planner",
+    "transport",
+    "net_devices",
+    "listen",
+    "advertise",
+    "timeout_ms",
+    "lease_ms",
+    "peer_timeout_ms",
+    "integrity",
+    "ucx_peer_errors",
+)
+_KEYS = frozenset(
+    _AGENT_KEYS
+    + ("plugin_dir", "secret", "secret_hex", "secret_file", "instance", "architecture", "cpus")
+    + ("agent",)
+)
+_DTYPES = {
+    torch.float32: ("fp32", 32),
+    torch.float16: ("fp16", 16),
+    torch.bfloat16: ("bf16", 16),
+    torch.float8_e4m3fn: ("fp8_e4m3", 8),
+    torch.float8_e5m2: ("fp8_e5m2", 8),
+    torch.uint8: ("u8", 8),
+}
+#: The block interiors this connector describes: vLLM's layout name -> kvferry's layout kind.
+_LAYOUTS = {"LBHNC": "hnd", "BLHNC": "hnd", "LBNHC": "nhd", "BLNHC": "nhd"}
+
+
+def transfer_id(instance: str, request_id: str) -> int:
+    """kvferry's id of a request (63 bits of a hash of the prefill instance's name and vLLM's
+    request id); the decode side reads it from ``kv_transfer_params``."""
+    digest = hashlib.blake2b(f"{instance}/{request_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def prompt_digest(token_ids: Any) -> str:
+    """A digest of a prompt's token ids: the decode instance loads the prefill's KV only for
+    the same tokens."""
+    data = b"".join(int(t).to_bytes(4, "little", signed=True) for t in token_ids)
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def layer_index(name: str) -> int:
+    """The layer index in a vLLM layer name (``model.layers.3.self_attn.attn`` -> 3)."""
+    numbers = [int(part) for part in name.split(".") if re.fullmatch(r"\d+", part)]
+    if len(numbers) != 1:
+        raise ValueError(f"kvferry: layer name {name!r} has {len(numbers)} integer parts, not one")
+    return numbers[0]
+
+
+@contextlib.contextmanager
+def _threads_on(cpus: set[int] | None):
+    """Runs the block with the calling thread allowed on ``cpus``, so the threads the agent
+    starts there inherit that mask instead of the worker's: vLLM's CPU workers bind their
+    thread to the cores its kernels use (``VLLM_CPU_OMP_THREADS_BIND``), and kvferry's side
+    channel and UCX progress threads pinned to a core a busy engine loop spins on answered a
+    handshake in a minute instead of milliseconds (measured with two ``vllm serve`` instances
+    on this 2-core machine)."""
+    if cpus is None or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as e:
+        logger.warning("kvferry: cannot run its threads on CPUs %s: %s", sorted(cpus), e)
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def _cpu_list(value: Any) -> set[int] | None:
+    """``cpus``: ``"inherit"``, ``"all"`` or a list of CPU ids."""
+    if value == "inherit":
+        return None
+    if value == "all":
+        allowed = _cgroup_cpus()
+        return allowed or set(range(os.cpu_count() or 1))
+    if isinstance(value, list) and value and all(isinstance(c, int) and c >= 0 for c in value):
+        return set(value)
+    raise ValueError(f'kvferry: cpus must be "all", "inherit" or a list of CPU ids, not {value!r}')
+
+
+def _cgroup_cpus() -> set[int]:
+    """The CPUs this process's cgroup allows (cgroup v2), or nothing if that is not known."""
+    try:
+        with open("/sys/fs/cgroup/cpuset.cpus.effective", encoding="ascii") as f:
+            text = f.read().strip()
+    except OSError:
+        return set()
+    cpus: set[int] = set()
+    for part in filter(None, text.split(",")):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+class _Settings:
+    """``kv_connector_extra_config``, checked."""
+
+    def __init__(self, vllm_config: VllmConfig):
+        transfer = vllm_config.kv_transfer_config
+        extra = dict(transfer.kv_connector_extra_config or {})
+        unknown = sorted(set(extra) - _KEYS)
+        if unknown:
+            raise ValueError(
+                f"kvferry: unknown kv_connector_extra_config key {unknown[0]!r} "
+                f"(known: {', '.join(sorted(_KEYS))})"
+            )
+        self.extra = extra
+        self.role = transfer.kv_role
+        if self.role not in ("kv_producer", "kv_consumer", "kv_both"):
+            raise ValueError(
+                f"kvferry: kv_role must be kv_producer, kv_consumer or kv_both, not {self.role!r}"
+            )
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size != 1:
+            raise ValueError(
+                "kvferry: pipeline parallelism is not supported by the vLLM connector yet "
+                f"(pipeline_parallel_size={parallel.pipeline_parallel_size})"
+            )
+        self.tp_size = parallel.tensor_parallel_size
+        instance = extra.get("instance", transfer.engine_id)
+        if not isinstance(instance, str) or not instance:
+            raise ValueError(f"kvferry: instance must be a non-empty string, not {instance!r}")
+        if parallel.data_parallel_size > 1:
+            instance = f"{instance}-dp{parallel.data_parallel_rank}"
+        self.instance = instance
+        self.plugin_dir = extra.get("plugin_dir") or os.environ.get("KVFERRY_PLUGIN_DIR")
+        if not self.plugin_dir:
+            raise ValueError(
+                "kvferry: no planner directory: set kv_connector_extra_config plugin_dir "
+                "or KVFERRY_PLUGIN_DIR"
+            )
+        self.secret = self._secret(extra)
+        architectures = getattr(vllm_config.model_config.hf_config, "architectures", None) or []
+        self.architecture = extra.get("architecture") or (architectures[0] if architectures else "")
+        if not self.architecture:
+            raise ValueError(
+                "kvferry: the model's config names no architecture; set "
+                "kv_connector_extra_config architecture"
+            )
+        self.cpus = _cpu_list(extra.get("cpus", "all"))
+        agent = extra.get("agent", {})
+        if not isinstance(agent, dict):
+            raise ValueError(f"kvferry: agent must be an object, not {agent!r}")
+        self.agent = agent
+
+    @staticmethod
+    def _secret(extra: dict[str, Any]) -> dict[str, str]:
+        given = [k for k in ("secret", "secret_hex", "secret_file") if k in extra]
+        if len(given) > 1:
+            raise ValueError(f"kvferry: give one of {' and '.join(given)}, not both")
+        if not given:
+            env = os.environ.get("KVFERRY_SECRET")
+            if not env:
+                raise ValueError(
+                    "kvferry: no secret: set kv_connector_extra_config secret, secret_hex or "
+                    "secret_file, or KVFERRY_SECRET"
+                )
+            return {"secret": env}
+        key = given[0]
+        if key == "secret_file":
+            path = extra[key]
+            try:
+                with open(path, encoding="utf-8") as f:
+                    return {"secret": f.read().strip()}
+            except OSError as e:
+                raise ValueError(f"kvferry: secret_file {path!r}: {e.strerror}") from e
+        return {key: str(extra[key])}
+
+    @property
+    def sends(self) -> bool:
+        return self.role in ("kv_producer", "kv_both")
+
+    @property
+    def receives(self) -> bool:
+        return self.role in ("kv_consumer", "kv_both")
+
+
+@dataclass
+class KvferryHandshake(KVConnectorHandshakeMetadata):
+    """What a worker tells its scheduler at start: its context agent's side-channel endpoint."""
+
+    tp_rank: int
+    endpoint: str | None
+
+
+@dataclass
+class _Recv:
+    request_id: str
+    transfer_id: int
+    block_ids: list[int]
+    prompt_len: int
+    cached_tokens: int
+    remote_instance: str
+    remote_endpoints: list[str]
+    remote_dp_rank: int
+
+
+@dataclass
+class _Send:
+    request_id: str
+    transfer_id: int
+    block_ids: list[int]
+    prompt_len: int
+
+
+@dataclass
+class KvferryConnectorMetadata(KVConnectorMetadata):
+    """One step's orders from the scheduler to every worker."""
+
+    recv: list[_Recv] = field(default_factory=list)
+    send: list[_Send] = field(default_factory=list)
+    #: Decode requests aborted while loading: cancel them.
+    cancel: list[str] = field(default_factory=list)
+
+
+def _empty_stats() -> dict[str, Any]:
+    return {"transfers": {}, "bytes": {}, "load_seconds": []}
+
+
+@dataclass
+class KvferryStats(KVConnectorStats):
+    """One interval's transfers, from the agents' terminal events: ``transfers`` counts by
+    ``"side/outcome"`` (side ``send`` or ``load``; outcome ``sent``, ``received``,
+    ``cancelled``, ``failed:KIND`` or ``refused:KIND``), ``bytes`` by side, ``load_seconds``
+    one entry per received load (from ``expect`` to the last piece)."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.data = _empty_stats()
+
+    def reset(self) -> None:
+        self.data = _empty_stats()
+
+    def aggregate(self, other: KVConnectorStats) -> KvferryStats:
+        if other.is_empty():
+            return self
+        for key in ("transfers", "bytes"):
+            mine = self.data[key]
+            for name, value in other.data[key].items():
+                mine[name] = mine.get(name, 0) + value
+        self.data["load_seconds"] = self.data["load_seconds"] + other.data["load_seconds"]
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        loads = self.data["load_seconds"]
+        reduced: dict[str, int | float] = dict(sorted(self.data["transfers"].items()))
+        for side, count in self.data["bytes"].items():
+            reduced[f"{side}_MB"] = round(count / 1e6, 3)
+        if loads:
+            reduced["load_ms_avg"] = round(1e3 * sum(loads) / len(loads), 3)
+            reduced["load_ms_max"] = round(1e3 * max(loads), 3)
+        return reduced
+
+    def is_empty(self) -> bool:
+        return not self.data["transfers"]
+
+    def count(self, side: str, outcome: str, nbytes: int = 0) -> None:
+        transfers = self.data["transfers"]
+        key = f"{side}/{outcome}"
+        transfers[key] = transfers.get(key, 0) + 1
+        if nbytes:
+            self.data["bytes"][side] = self.data["bytes"].get(side, 0) + nbytes
+
+
+class KvferryPromMetrics(KVConnectorPromMetrics):
+    """kvferry's Prometheus metrics in vLLM's registry: ``vllm:kvferry_transfers_total``
+    (``side``, ``outcome``), ``vllm:kvferry_bytes_total`` (``side``) and the histogram
+    ``vllm:kvferry_load_seconds``."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._transfers = self._counter_cls(
+            name="vllm:kvferry_transfers",
+            documentation="kvferry transfers ended, by side (send, load) and outcome",
+            labelnames=[*labelnames, "side", "outcome"],
+        )
+        self._bytes = self._counter_cls(
+            name="vllm:kvferry_bytes",
+            documentation="KV cache bytes kvferry moved, by side (send, load)",
+            labelnames=[*labelnames, "side"],
+        )
+        self._load_seconds = self._histogram_cls(
+            name="vllm:kvferry_load_seconds",
+            documentation="Time from a decode worker's expect to the last piece landing",
+            buckets=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0],
+            labelnames=labelnames,
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for key, count in transfer_stats_data.get("transfers", {}).items():
+            side, _, outcome = key.partition("/")
+            self._transfers.labels(*labels, side, outcome).inc(count)
+        for side, count in transfer_stats_data.get("bytes", {}).items():
+            self._bytes.labels(*labels, side).inc(count)
+        histogram = self._load_seconds.labels(*labels)
+        for seconds in transfer_stats_data.get("load_seconds", []):
+            histogram.observe(seconds)
+
+
+class KvferryConnector(KVConnectorBase_V1):
+    """The connector vLLM makes twice: in the engine core (``SCHEDULER``) and in every worker
+    (``WORKER``). See the module's documentation."""
+
+    #: Loaded tokens came from another vLLM instance (``vllm:prompt_tokens_cached_by_source``).
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._settings = _Settings(vllm_config)
+        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
+            raise ValueError(
+                f"kvferry: {len(kv_cache_config.kv_cache_groups)} KV cache groups (a hybrid "
+                "model); the vLLM connector handles one group of full attention"
+            )
+        self._block_size = vllm_config.cache_config.block_size
+        # Scheduler side.
+        self._endpoints: list[str] = []
+        self._pending_recv: dict[str, _Recv] = {}
+        self._pending_send: dict[str, _Send] = {}
+        self._pending_cancel: list[str] = []
+        self._loading: set[str] = set()  # handed to the workers, not finished yet
+        # Worker side.
+        self._sender: Agent | None = None
+        self._receiver: Agent | None = None
+        self._tp_rank = 0
+        self._in_flight: dict[int, tuple[str, str]] = {}  # transfer id -> (request id, role)
+        self._recv_ids: dict[str, int] = {}  # request id -> transfer id, loading
+        self._done_sending: set[str] = set()
+        self._done_recving: set[str] = set()
+        self._failed_recving: set[str] = set()
+        self._finished_seen: set[str] = set()
+        self._stats = KvferryStats()
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Describes vLLM's paged caches to kvferry (one pool per layer, slot = block, in
+        place: nothing is copied) and starts this worker's agents."""
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        self._tp_rank = get_tensor_model_parallel_rank()
+        rank = self._describe(kv_caches)
+        base = {
+            "version": CONFIG_VERSION,
+            "instance": self._settings.instance,
+            "architecture": self._settings.architecture,
+            "plugin_dir": self._settings.plugin_dir,
+            "rank": rank,
+            "label": f"vllm {self._settings.instance} tp rank {self._tp_rank}",
+            **self._settings.secret,
+        }
+        for key in _AGENT_KEYS:
+            if key in self._settings.extra:
+                base[key] = self._settings.extra[key]
+        base.update(self._settings.agent)
+        keep = list(kv_caches.values())
+        with _threads_on(self._settings.cpus):
+            if self._settings.sends:
+                self._sender = Agent(json.dumps({**base, "role": "context"}), keep_alive=keep)
+            if self._settings.receives:
+                self._receiver = Agent(
+                    json.dumps({**base, "role": "generation"}), keep_alive=keep
+                )
+        logger.info(
+            "kvferry: %s tp rank %d: %s over %d layers%s",
+            self._settings.instance,
+            self._tp_rank,
+            self._settings.role,
+            len(kv_caches),
+            f", listening on {self._sender.endpoint()}" if self._sender else "",
+        )
+
+    def _describe(self, kv_caches: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """This worker's rank description: pools, the layer group and its view."""
+        config = self._kv_cache_config
+        spec = config.kv_cache_groups[0].kv_cache_spec
+        layout = str(getattr(config, "kv_cache_layout", "LBHNC"))
+        kind = _LAYOUTS.get(layout)
+        if kind is None:
+            raise ValueError(
+                f"kvferry: KV cache layout {layout} is not supported (a block's heads must be "
+                f"contiguous: {', '.join(_LAYOUTS)})"
+            )
+        layers = sorted(kv_caches.items(), key=lambda item: layer_index(item[0]))
+        first = layers[0][1]
+        if first.device.type != "cpu":
+            raise ValueError(
+                f"kvferry: KV caches on {first.device}; the vLLM connector takes host memory "
+                "for now"
+            )
+        if first.dtype not in _DTYPES:
+            raise ValueError(f"kvferry: KV cache dtype {first.dtype} is not supported")
+        dtype, bits = _DTYPES[first.dtype]
+        elem = first.element_size()
+        heads, block_size = spec.num_kv_heads, spec.block_size
+        content = spec.head_size + getattr(spec, "head_size_v", spec.head_size)
+        want = (config.num_blocks, heads, block_size, content)
+        # The per-layer view is [block, head, token, K|V]; its strides say where things are.
+        inner = (heads, block_size, content) if kind == "hnd" else (block_size, heads, content)
+        pools = []
+        for name, cache in layers:
+            if tuple(cache.shape) != want or cache.dtype != first.dtype:
+                raise ValueError(
+                    f"kvferry: {name}: KV cache {tuple(cache.shape)} {cache.dtype}, expected "
+                    f"{want} {first.dtype} (vLLM's [block, head, token, K|V])"
+                )
+            page = heads * block_size * content * elem
+            dims = (1, 2) if kind == "hnd" else (2, 1)
+            strides = cache.stride()
+            contiguous = (
+                strides[3] == 1
+                and strides[dims[1]] == content
+                and strides[dims[0]] == inner[1] * content
+            )
+            if not contiguous:
+                raise ValueError(
+                    f"kvferry: {name}: a block's {layout} interior is not contiguous "
+                    f"(strides {tuple(strides)})"
+                )
+            pools.append({
+                "base": cache.data_ptr(),
+                "slot_bytes": page,
+                "slot_stride": strides[0] * elem,
+                "num_slots": config.num_blocks,
+                "memory_type": "dram",
+            })
+        total_heads = self._vllm_config.model_config.get_total_num_kv_heads()
+        tp, tp_rank = self._settings.tp_size, self._tp_rank
+        shards = min(total_heads, tp)
+        replicas = tp // shards
+        if heads * shards != total_heads:
+            raise ValueError(
+                f"kvferry: {heads} KV heads on this worker, {total_heads} in the model at TP {tp}"
+            )
+        role_layout = {
+            "kind": kind,
+            "dtype": dtype,
+            "elem_bits": bits,
+            "num_shards": shards,
+            "shard_index": tp_rank // replicas,
+            "num_replicas": replicas,
+            "replica_index": tp_rank % replicas,
+            # HND: one head's [token][K|V] of a block; NHD: one head of one token.
+            "shard_unit_bytes": (block_size if kind == "hnd" else 1) * content * elem,
+        }
+        page = heads * block_size * content * elem
+        return {
+            "mapping": f"tp{tp}",
+            "instance_rank": tp_rank,
+            "layers_per_pp": [self._vllm_config.model_config.get_num_layers(
+                self._vllm_config.parallel_config)],
+            "page_table": {
+                "tokens_per_block": block_size,
+                "pools": pools,
+                "groups": [{
+                    "kind": "paged",
+                    "layers": [
+                        {"local": local, "global": layer_index(name)}
+                        for local, (name, _) in enumerate(layers)
+                    ],
+                    "views": [
+                        {
+                            "pool": local,
+                            "roles": ["key", "value"],
+                            "entries": [{"local_layer": local, "offset": 0, "size": page}],
+                            "layout": role_layout,
+                        }
+                        for local in range(len(layers))
+                    ],
+                }],
+            },
+        }
+
+    def get_handshake_metadata(self) -> KvferryHandshake:
+        return KvferryHandshake(
+            tp_rank=self._tp_rank,
+            endpoint=self._sender.endpoint() if self._sender is not None else None,
+        )
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Hands this step's requests to the agents; returns at once (the bytes move on the
+        agents' threads, and :meth:`get_transfer_results` reports them)."""
+        meta = self._connector_metadata
+        if not isinstance(meta, KvferryConnectorMetadata):
+            return
+        for request_id in meta.cancel:
+            tid = self._recv_ids.get(request_id)
+            if tid is not None and self._receiver is not None:
+                try:
+                    self._receiver.cancel(tid)
+                except Error as e:  # it ended already; its event reports it
+                    logger.debug("kvferry: cancel %s: %s", request_id, e)
+        for req in meta.recv:
+            self._expect(req)
+        for req in meta.send:
+            self._send(req)
+
+    def _table(self, block_ids: list[int], prompt_len: int) -> torch.Tensor:
+        blocks = -(-prompt_len // self._block_size)
+        return torch.tensor(block_ids[:blocks], dtype=torch.int32).numpy()
+
+    def _expect(self, req: _Recv) -> None:
+        if self._receiver is None:
+            raise RuntimeError("kvferry: a load order reached a worker that does not receive")
+        try:
+            self._receiver.expect(
+                req.transfer_id,
+                req.remote_instance,
+                req.remote_endpoints,
+                req.remote_dp_rank,
+                req.prompt_len,
+                [self._table(req.block_ids, req.prompt_len)],
+                cached_prefix=req.cached_tokens or None,
+            )
+        except Error as e:
+            logger.error("kvferry: load of %s refused: %s", req.request_id, e)
+            self._stats.count("load", f"refused:{e.kind}")
+            self._failed_recving.add(req.request_id)
+            self._done_recving.add(req.request_id)
+            return
+        self._in_flight[req.transfer_id] = (req.request_id, "recv")
+        self._recv_ids[req.request_id] = req.transfer_id
+
+    def _send(self, req: _Send) -> None:
+        if self._sender is None:
+            raise RuntimeError("kvferry: a send order reached a worker that does not send")
+        table = self._table(req.block_ids, req.prompt_len)
+        try:
+            self._sender.send(req.transfer_id, [table], 0, req.prompt_len, req.prompt_len, True)
+        except Error as e:
+            logger.error("kvferry: send of %s refused: %s", req.request_id, e)
+            self._stats.count("send", f"refused:{e.kind}")
+            self._done_sending.add(req.request_id)
+            return
+        self._in_flight[req.transfer_id] = (req.request_id, "send")
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: a request runs only after its whole load was reported."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """Nothing to copy: kvferry reads the paged cache in place when the request is sent."""
+
+    def wait_for_save(self) -> None:
+        """Nothing to wait for: a sent request's blocks stay kvferry's until it reports them
+        in ``finished_sending``."""
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        self._finished_seen |= finished_req_ids
+        for agent in (self._sender, self._receiver):
+            if agent is None:
+                continue
+            for event in agent.poll():
+                owner = self._in_flight.pop(event.request, None)
+                if owner is None:
+                    logger.warning("kvferry: an event for no request of ours: %s", event.kind)
+                    continue
+                request_id, side = owner
+                outcome = (
+                    event.kind
+                    if event.kind in ("sent", "received", "cancelled")
+                    else f"failed:{event.failure_kind or event.kind}"
+                )
+                self._stats.count("send" if side == "send" else "load", outcome, event.bytes)
+                if event.kind == "received":
+                    self._stats.data["load_seconds"].append(event.latency_us / 1e6)
+                logger.debug(
+                    "kvferry: %s %s: %s, %d bytes", side, request_id, event.kind, event.bytes
+                )
+                if side == "send":
+                    if event.kind != "sent":
+                        logger.warning(
+                            "kvferry: send of %s ended %s (%s): %s",
+                            request_id, event.kind, event.failure_kind, event.detail,
+                        )
+                    self._done_sending.add(request_id)
+                else:
+                    del self._recv_ids[request_id]
+                    if event.kind != "received":
+                        logger.error(
+                            "kvferry: load of %s ended %s (%s): %s",
+                            request_id, event.kind, event.failure_kind, event.detail,
+                        )
+                        self._failed_recving.add(request_id)
+                    self._done_recving.add(request_id)
+        # vLLM takes a finished send only for a request it has finished.
+        sending = self._done_sending & self._finished_seen
+        self._done_sending -= sending
+        self._finished_seen -= sending
+        self._finished_seen &= self._done_sending | {
+            r for r, side in self._in_flight.values() if side == "send"
+        }
+        results = KVConnectorTransferResults(
+            finished_sending=sending,
+            finished_recving=self._done_recving,
+            failed_recving=self._failed_recving,
+        )
+        self._done_recving, self._failed_recving = set(), set()
+        return results
+
+    def get_kv_connector_stats(self) -> KvferryStats | None:
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, KvferryStats()
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvferryStats:
+        return KvferryStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config, metric_types, labelnames, per_engine_labelvalues
+    ) -> KvferryPromMetrics:
+        return KvferryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def shutdown(self) -> None:
+        for agent in (self._sender, self._receiver):
+            if agent is not None and not agent.closed:
+                agent.close()
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        endpoints = {
+            rank: meta.endpoint
+            for rank, meta in metadata.items()
+            if isinstance(meta, KvferryHandshake) and meta.endpoint
+        }
+        if self._settings.sends and sorted(endpoints) != list(range(self._settings.tp_size)):
+            raise RuntimeError(
+                f"kvferry: endpoints of TP ranks {sorted(endpoints)} reached the scheduler, "
+                f"not all {self._settings.tp_size}"
+            )
+        self._endpoints = [endpoints[r] for r in sorted(endpoints)]
+
+    def _remote(self, request: Request) -> dict[str, Any] | None:
+        """The kvferry ``kv_transfer_params`` of a decode request, if it should load."""
+        params = request.kv_transfer_params
+        if not self._settings.receives or not params or not params.get("do_remote_prefill"):
+            return None
+        if "kvferry_request" not in params:
+            return None  # another connector's parameters
+        return params
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        params = self._remote(request)
+        if params is None:
+            return 0, False
+        prompt = request.prompt_token_ids or []
+        if len(prompt) != params.get("prompt_len") or prompt_digest(prompt) != params.get(
+            "prompt_digest"
+        ):
+            logger.error(
+                "kvferry: %s: the prompt (%d tokens) is not the one %s prefilled (%s tokens); "
+                "prefilling it here",
+                request.request_id, len(prompt), params.get("remote_instance"),
+                params.get("prompt_len"),
+            )
+            params["do_remote_prefill"] = False
+            return 0, False
+        count = len(prompt) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int):
+        params = self._remote(request)
+        if params is None or num_external_tokens == 0:
+            return
+        block_ids = list(blocks.get_block_ids()[0])
+        prompt_len = len(request.prompt_token_ids)
+        cached = prompt_len - num_external_tokens
+        self._pending_recv[request.request_id] = _Recv(
+            request_id=request.request_id,
+            transfer_id=int(params["kvferry_request"]),
+            block_ids=block_ids,
+            prompt_len=prompt_len,
+            cached_tokens=cached,
+            remote_instance=str(params["remote_instance"]),
+            remote_endpoints=[str(e) for e in params["remote_endpoints"]],
+            remote_dp_rank=int(params.get("remote_dp_rank", 0)),
+        )
+        params["do_remote_prefill"] = False  # loaded once
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvferryConnectorMetadata:
+        meta = KvferryConnectorMetadata(
+            recv=list(self._pending_recv.values()),
+            send=list(self._pending_send.values()),
+            cancel=self._pending_cancel,
+        )
+        self._loading |= set(self._pending_recv)
+        self._pending_recv, self._pending_send, self._pending_cancel = {}, {}, []
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._loading -= set(connector_output.finished_recving or ())
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        rid = request.request_id
+        # A decode request that ends (aborted) while loading: cancel it; vLLM frees its
+        # blocks once the workers report the load ended.
+        if self._pending_recv.pop(rid, None) is not None:
+            return False, None
+        if rid in self._loading:
+            self._pending_cancel.append(rid)
+            return True, None
+        params = request.kv_transfer_params
+        if not self._settings.sends or not params or not params.get("do_remote_decode"):
+            return False, None
+        if request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
+            return False, None  # aborted or stopped early: nothing to hand over
+        prompt = request.prompt_token_ids or []
+        blocks = list(block_ids[0] if isinstance(block_ids, tuple) else block_ids)
+        if not prompt or len(blocks) * self._block_size < len(prompt):
+            logger.warning(
+                "kvferry: %s: %d blocks for a %d-token prompt; not sent",
+                rid, len(blocks), len(prompt),
+            )
+            return False, None
+        if not self._endpoints:
+            raise RuntimeError("kvferry: no worker endpoints reached the scheduler")
+        tid = transfer_id(self._settings.instance, rid)
+        self._pending_send[rid] = _Send(rid, tid, blocks, len(prompt))
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_instance": self._settings.instance,
+            "remote_endpoints": self._endpoints,
+            "remote_dp_rank": 0,
+            "remote_request_id": rid,
+            "kvferry_request": tid,
+            "prompt_len": len(prompt),
+            "prompt_digest": prompt_digest(prompt),
+        }
