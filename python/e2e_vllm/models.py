@@ -34,38 +34,29 @@ def _tokenizer(folder: Path) -> None:
     fast.save_pretrained(folder)
 
 
-#: name -> (transformers config class, model class, config keywords). Both GQA: 4 query heads
-#: over 2 KV heads, head size 64, so TP 2 holds one KV head per rank.
+#: What both models share: GQA, 4 query heads over 2 KV heads of 64, so TP 2 holds one KV
+#: head per rank.
+_SHAPE = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=2048,
+    rope_theta=10000.0,
+)
+#: name -> (transformers config class, model class, config keywords).
 MODELS = {
     "llama": (
         "LlamaConfig",
         "LlamaForCausalLM",
-        dict(
-            hidden_size=256,
-            intermediate_size=512,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            max_position_embeddings=2048,
-            rope_theta=10000.0,
-            tie_word_embeddings=False,
-        ),
+        dict(_SHAPE, num_hidden_layers=4, tie_word_embeddings=False),
     ),
+    # q/k norms, tied embeddings
     "qwen3": (
         "Qwen3Config",
         "Qwen3ForCausalLM",
-        dict(
-            hidden_size=256,
-            intermediate_size=512,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            max_position_embeddings=2048,
-            rope_theta=10000.0,
-            tie_word_embeddings=True,
-        ),
+        dict(_SHAPE, num_hidden_layers=3, tie_word_embeddings=True),
     ),
 }
 
@@ -82,7 +73,7 @@ def make(root: Path, name: str) -> tuple[Path, Path]:
         return model_dir, tok_dir
     config_cls, model_cls, kwargs = MODELS[name]
     config = getattr(transformers, config_cls)(
-        vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, torch_dtype="float32", **kwargs
+        vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, dtype="float32", **kwargs
     )
     torch.manual_seed(20261203)
     model = getattr(transformers, model_cls)(config)
