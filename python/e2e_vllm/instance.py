@@ -112,7 +112,9 @@ def _metrics(llm) -> dict[str, float]:
         if not metric.name.startswith(("vllm:prompt_tokens", "vllm:kvferry", "vllm:kv_cache")):
             continue
         labels = ",".join(
-            f"{k}={v}" for k, v in sorted(metric.labels.items()) if k not in ("model_name", "engine")
+            f"{k}={v}"
+            for k, v in sorted(metric.labels.items())
+            if k not in ("model_name", "engine")
         )
         key = f"{metric.name}{{{labels}}}" if labels else metric.name
         value = getattr(metric, "value", None)

@@ -130,7 +130,8 @@ def _serve_args(model: Path, tokenizer: Path, role: str, extra: dict, policy: st
         "kv_connector_extra_config": extra,
     }
     return [
-        "--model", str(model), "--tokenizer", str(tokenizer), "--dtype", "float32", "--block-size", "32",
+        "--model", str(model), "--tokenizer", str(tokenizer), "--dtype", "float32",
+        "--block-size", "32",
         "--enforce-eager", "--max-model-len", "2048", "--enable-prefix-caching", "--seed", "0",
         "--kv-transfer-config", json.dumps(kv),
     ]
@@ -142,12 +143,7 @@ def deployment(request, env, model_root, tmp_path):
     ``kv_load_failure_policy``."""
     policy = getattr(request, "param", "fail")
     model, tokenizer = models.make(model_root, "llama")
-    extra = {
-        "plugin_dir": env["KVFERRY_E2E_PLUGIN_DIR"],
-        "secret": test_vllm.SECRET,
-        "listen": "127.0.0.1:0",
-        "advertise": "127.0.0.1",
-    }
+    extra = test_vllm.connector_config(env)
     prefill = Server(
         "prefill", _serve_args(model, tokenizer, "kv_producer",
                                {**extra, "instance": "prefill-serve"}, policy),

@@ -81,6 +81,22 @@ def _wait(proc: subprocess.Popen, name: str, log: Path, timeout: float = TIMEOUT
         pytest.fail(f"{name} exited {code}; the end of {log}:\n{tail}")
 
 
+def connector_config(env: dict[str, str]) -> dict:
+    """The ``kv_connector_extra_config`` every instance here shares."""
+    return {
+        "plugin_dir": env["KVFERRY_E2E_PLUGIN_DIR"],
+        "secret": SECRET,
+        "listen": "127.0.0.1:0",
+        "advertise": "127.0.0.1",
+        "transport": os.environ.get("KVFERRY_E2E_TRANSPORT", "tcp"),
+        # Two vLLM instances oversubscribe this 2-core machine (each engine core and worker
+        # spins between steps, OMP threads spin in forward passes): kvferry's threads went
+        # unscheduled for seconds (a keep-alive 6.9 s late, measured), and the default 10 s
+        # cut healthy links.
+        "peer_timeout_ms": 30000,
+    }
+
+
 _COLOCATED: dict[str, list] = {}
 
 
@@ -109,13 +125,7 @@ def test_disaggregated_equals_colocated(name, tp_prefill, tp_decode, env, model_
     t0 = time.monotonic()
     want = colocated(name, model_root, tmp_path, env)
     model, tokenizer = models.make(model_root, name)
-    extra = {
-        "plugin_dir": env["KVFERRY_E2E_PLUGIN_DIR"],
-        "secret": SECRET,
-        "listen": "127.0.0.1:0",
-        "advertise": "127.0.0.1",
-        "transport": os.environ.get("KVFERRY_E2E_TRANSPORT", "tcp"),
-    }
+    extra = connector_config(env)
     common = {"model": str(model), "tokenizer": str(tokenizer), "waves": WAVES}
     prefill = {
         **common,
@@ -177,7 +187,7 @@ def test_disaggregated_equals_colocated(name, tp_prefill, tp_decode, env, model_
         ({"bogus_key": 1}, "unknown kv_connector_extra_config key 'bogus_key'"),
         ({"cpus": "some"}, 'cpus must be "all", "inherit" or a list of CPU ids'),
         # The MLA-latent planner serves DeepSeek's latent caches, not Llama's heads.
-        ({"planner": "kvferry.deepseek_mla_latent"}, "planner"),
+        ({"planner": "kvferry.deepseek_mla_latent"}, "does not support LlamaForCausalLM tp1"),
     ],
     ids=["unknown-key", "bad-value", "planner-refuses"],
 )
@@ -190,12 +200,7 @@ def test_bad_configuration_stops_vllm_at_start(extra, expected, env, model_root,
         "tp": 1,
         "waves": [["w1 w2"]],
         "max_tokens": 1,
-        "extra": {
-            "plugin_dir": env["KVFERRY_E2E_PLUGIN_DIR"],
-            "secret": SECRET,
-            "instance": "decode-bad",
-            **extra,
-        },
+        "extra": {**connector_config(env), "instance": "decode-bad", **extra},
         "params": str(tmp_path / "never.json"),
         "out": str(tmp_path / "out.json"),
         "wait_s": 1,

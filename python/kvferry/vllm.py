@@ -58,10 +58,11 @@ blocks freed only after kvferry's terminal event (nothing lands after that).
 
 Supported: one KV cache group of full attention (Llama, Qwen, Mistral and the like), in vLLM's
 CPU backend's layout (``LBHNC``: each block holds ``[head][token][K|V]``) or ``LBNHC``
-(``[token][head][K|V]``), host memory; TP on both sides, different TP sizes included. Not
-yet: pipeline parallelism, hybrid models (several KV cache groups), CUDA tensors, layer-wise
-sends (each request is sent whole when its prefill ends), lease renewal for decode requests
-queued longer than the prefill's ``lease_ms``.
+(``[token][head][K|V]``; described, but untested: the CPU backend uses ``LBHNC``), host
+memory; TP on both sides, different TP sizes included. Not yet: pipeline parallelism, hybrid
+models (several KV cache groups), CUDA tensors, layer-wise sends (each request is sent whole
+when its prefill ends), lease renewal for decode requests queued longer than the prefill's
+``lease_ms``.
 
 Metrics (vLLM's ``/metrics``, from the agents' terminal events): ``vllm:kvferry_transfers_total``
 (``side``: ``send`` or ``load``; ``outcome``: ``sent``, ``received``, ``cancelled``,
@@ -755,7 +756,9 @@ class KvferryConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ scheduler side
 
-    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
         endpoints = {
             rank: meta.endpoint
             for rank, meta in metadata.items()
