@@ -525,8 +525,11 @@ class KvferryConnector(KVConnectorBase_V1):
         heads, block_size = spec.num_kv_heads, spec.block_size
         content = spec.head_size + getattr(spec, "head_size_v", spec.head_size)
         want = (config.num_blocks, heads, block_size, content)
-        # The per-layer view is [block, head, token, K|V]; its strides say where things are.
-        inner = (heads, block_size, content) if kind == "hnd" else (block_size, heads, content)
+        # The per-layer view is [block, head, token, K|V]; its strides say where things are:
+        # HND has the token dimension inside the head's, NHD the other way round.
+        page = heads * block_size * content * elem
+        outer, inner = (1, 2) if kind == "hnd" else (2, 1)
+        outer_stride = (block_size if kind == "hnd" else heads) * content
         pools = []
         for name, cache in layers:
             if tuple(cache.shape) != want or cache.dtype != first.dtype:
@@ -534,13 +537,9 @@ class KvferryConnector(KVConnectorBase_V1):
                     f"kvferry: {name}: KV cache {tuple(cache.shape)} {cache.dtype}, expected "
                     f"{want} {first.dtype} (vLLM's [block, head, token, K|V])"
                 )
-            page = heads * block_size * content * elem
-            dims = (1, 2) if kind == "hnd" else (2, 1)
             strides = cache.stride()
             contiguous = (
-                strides[3] == 1
-                and strides[dims[1]] == content
-                and strides[dims[0]] == inner[1] * content
+                strides[3] == 1 and strides[inner] == content and strides[outer] == outer_stride
             )
             if not contiguous:
                 raise ValueError(
@@ -573,7 +572,6 @@ class KvferryConnector(KVConnectorBase_V1):
             # HND: one head's [token][K|V] of a block; NHD: one head of one token.
             "shard_unit_bytes": (block_size if kind == "hnd" else 1) * content * elem,
         }
-        page = heads * block_size * content * elem
         return {
             "mapping": f"tp{tp}",
             "instance_rank": tp_rank,
@@ -625,9 +623,9 @@ class KvferryConnector(KVConnectorBase_V1):
         for req in meta.send:
             self._send(req)
 
-    def _table(self, block_ids: list[int], prompt_len: int) -> torch.Tensor:
-        blocks = -(-prompt_len // self._block_size)
-        return torch.tensor(block_ids[:blocks], dtype=torch.int32).numpy()
+    def _table(self, block_ids: list[int], prompt_len: int) -> list[int]:
+        """The prompt's blocks (the agent takes a list of ints as a slot table)."""
+        return block_ids[: -(-prompt_len // self._block_size)]
 
     def _expect(self, req: _Recv) -> None:
         if self._receiver is None:
