@@ -454,6 +454,7 @@ impl Agent {
                 prompt_len,
                 is_last,
                 to,
+                views: None,
             })?)
         })
     }

@@ -186,6 +186,7 @@ fn main() -> Result<()> {
             prompt_len: prompt,
             is_last: true,
             to: None,
+            views: None,
         })?;
         let received = wait_terminal(&r#gen, id)?;
         let sent = wait_terminal(&ctx, id)?;

@@ -260,6 +260,7 @@ fn run(args: &Args) -> Result<Tally> {
                 prompt_len: a.spec.prompt_len,
                 is_last: tokens.end == a.spec.prompt_len,
                 to: None,
+                views: None,
             };
             a.next += 1;
             match agent.send(send) {

@@ -580,6 +580,7 @@ pub unsafe extern "C" fn kvferry_agent_send(
             prompt_len,
             is_last,
             to,
+            views: None,
         })?;
         Ok(())
     })

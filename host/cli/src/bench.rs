@@ -582,6 +582,7 @@ impl Pair {
                     ctx_dp_rank: (k % u64::from(groups.0)) as u32,
                     gen_dp_rank: (k % u64::from(groups.1)) as u32,
                     chunks: None,
+                    layer_parts: 0,
                     cached: 0,
                     peer: None,
                 }

@@ -54,6 +54,9 @@ pub struct Submit {
     pub gen_dp_rank: u32,
     /// Sender-side chunks (block-aligned); `None` sends the prompt in one piece.
     pub chunks: Option<Vec<TokenRange>>,
+    /// Layer-wise sends: each chunk goes in this many sends, each carrying the next run of
+    /// the context rank's views (page-table order); 0 or 1 sends every view at once.
+    pub layer_parts: u32,
     /// Prompt tokens the receiver already holds.
     pub cached: u64,
     /// Generation side only: the context instance that sends it.

@@ -256,6 +256,8 @@ pub struct DemoConfig {
     pub max_prompt_len: u64,
     /// Send in chunks of this many tokens.
     pub chunk: Option<u64>,
+    /// Send each chunk in this many layer-wise parts (0 or 1: whole).
+    pub layer_parts: u32,
     /// Prompt tokens the receiver already caches (clamped to each prompt).
     pub cached: u64,
     /// Requests in flight at once.
@@ -778,6 +780,7 @@ pub fn run(config: &DemoConfig) -> Result<DemoReport, DemoError> {
                     ctx_dp_rank: (id % u64::from(ctx_groups)) as u32,
                     gen_dp_rank: (id % u64::from(gen_groups)) as u32,
                     chunks: config.chunk.map(|c| chunk_ranges(prompt_len, c)),
+                    layer_parts: config.layer_parts,
                     cached: config.cached.min(prompt_len),
                     peer: None,
                 }

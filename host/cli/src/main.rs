@@ -336,6 +336,11 @@ struct DemoArgs {
     /// Send each request in chunks of this many tokens (a multiple of the block size).
     #[arg(long, value_name = "TOKENS")]
     chunk: Option<u64>,
+    /// Send each chunk layer-wise in N parts: each part carries the next run of the
+    /// context ranks' views (page-table order), as an engine sends layers as it computes
+    /// them (a model whose views each hold every layer has fewer parts).
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    layer_wise: u32,
     /// Prompt tokens the receiver already caches.
     #[arg(long, default_value_t = 0, value_name = "TOKENS")]
     cached: u64,
@@ -1161,6 +1166,7 @@ fn run_demo(config_file: Option<PathBuf>, a: DemoArgs) -> Result<ExitCode> {
         requests: a.requests,
         max_prompt_len: a.prompt_len,
         chunk: a.chunk,
+        layer_parts: a.layer_wise,
         cached: a.cached,
         in_flight: a.in_flight,
         ctx_at: a.ctx_at,

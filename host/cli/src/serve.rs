@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use kvferry_loader::BoundPlanner;
 use kvferry_plan::error_chain;
-use kvferry_planner_abi::{GroupKind, Mapping, PairRequest, RankInfo, SlotTable};
+use kvferry_planner_abi::{GroupKind, Mapping, PairRequest, RankInfo, SlotTable, ViewId};
 use kvferry_protocol::{Frame, MAX_FRAME_BYTES, read_frame};
 use kvferry_testkit::layout::{ModelSpec, PoolOptions, build_rank};
 use kvferry_testkit::oracle::{Oracle, VerifyReport};
@@ -843,25 +843,31 @@ impl Shared {
         if let Some(out) = lock(&self.outgoing).get_mut(&id) {
             out.pending = group.iter().copied().collect();
         }
-        // (rank, why, whether it took an earlier chunk).
+        // (rank, why, whether it took an earlier send).
         let mut refused = None;
         'ranks: for (&r, t) in &tables {
             let Some(agent) = self.agent(r) else {
                 refused = Some((r, "the server is stopping".to_string(), false));
                 break;
             };
-            for (k, piece) in pieces.iter().enumerate() {
-                let sent = agent.send(AgentSend {
-                    request: id,
-                    tables: t.clone(),
-                    tokens: piece.token_range,
-                    prompt_len: submit.prompt_len,
-                    is_last: piece.is_last,
-                    to: None,
-                });
-                if let Err(e) = sent {
-                    refused = Some((r, e.to_string(), k > 0));
-                    break 'ranks;
+            let parts = layer_parts(&self.ranks[&r].info, submit.layer_parts);
+            let mut took = false;
+            for piece in &pieces {
+                for (j, views) in parts.iter().enumerate() {
+                    let sent = agent.send(AgentSend {
+                        request: id,
+                        tables: t.clone(),
+                        tokens: piece.token_range,
+                        prompt_len: submit.prompt_len,
+                        is_last: piece.is_last && j + 1 == parts.len(),
+                        to: None,
+                        views: views.clone(),
+                    });
+                    if let Err(e) = sent {
+                        refused = Some((r, e.to_string(), took));
+                        break 'ranks;
+                    }
+                    took = true;
                 }
             }
         }
@@ -1667,4 +1673,29 @@ fn fits_one_frame(pairs: Vec<PairFragments>) -> Result<Vec<PairFragments>, Strin
         ));
     }
     Ok(pairs)
+}
+
+/// The views of each layer-wise send of a chunk on a rank described by `info`: its views in
+/// page-table order, split into `parts` runs as even as they go (at most one run per view);
+/// one send of every view when `parts` is 0 or 1.
+fn layer_parts(info: &RankInfo, parts: u32) -> Vec<Option<Vec<ViewId>>> {
+    let views: Vec<ViewId> = info
+        .page_table
+        .groups
+        .iter()
+        .enumerate()
+        .flat_map(|(g, group)| {
+            (0..group.views.len()).map(move |v| ViewId {
+                group: g as u32,
+                view: v as u32,
+            })
+        })
+        .collect();
+    let n = (parts as usize).min(views.len());
+    if n <= 1 {
+        return vec![None];
+    }
+    (0..n)
+        .map(|k| Some(views[k * views.len() / n..(k + 1) * views.len() / n].to_vec()))
+        .collect()
 }

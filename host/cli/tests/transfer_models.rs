@@ -140,6 +140,16 @@ fn hybrid(transport: &str) {
 }
 
 fn hybrid_with(transport: &str, extra: &[&str]) -> Vec<kvferry_transfer::outcome::RequestStats> {
+    hybrid_in_parts(transport, extra, 1)
+}
+
+/// The hybrid requests, each chunk sent in `parts` layer-wise sends (the context ranks have
+/// three views: attention, conv, ssm).
+fn hybrid_in_parts(
+    transport: &str,
+    extra: &[&str],
+    parts: u32,
+) -> Vec<kvferry_transfer::outcome::RequestStats> {
     let model = "qwen3-next-80b-a3b";
     let ctx = Server::start("context", model, "tp2", transport, extra);
     let r#gen = Server::start("generation", model, "tp4", transport, extra);
@@ -149,12 +159,16 @@ fn hybrid_with(transport: &str, extra: &[&str]) -> Vec<kvferry_transfer::outcome
     cached.cached = 70;
     let mut both = chunked(submit(4, 200), 32);
     both.cached = 64;
-    let stats = exchange(&ctx, &r#gen, &[whole, pieces, cached, both]);
+    let mut submits = [whole, pieces, cached, both];
+    for s in &mut submits {
+        s.layer_parts = parts;
+    }
+    let stats = exchange(&ctx, &r#gen, &submits);
     // tp2 -> tp4: every receiver rank has one writer.
     assert!(stats.iter().all(|s| s.writers == 4), "{stats:?}");
-    // Chunked requests report one completion per piece per writer.
-    assert_eq!(stats[1].pieces, 4 * 3, "{:?}", stats[1]);
-    assert_eq!(stats[3].pieces, 4 * 7, "{:?}", stats[3]);
+    // Chunked requests report one completion per send per writer.
+    assert_eq!(stats[1].pieces, 4 * 3 * parts, "{:?}", stats[1]);
+    assert_eq!(stats[3].pieces, 4 * 7 * parts, "{:?}", stats[3]);
     // A cached prefix is not sent again.
     assert!(stats[2].bytes < stats[0].bytes * 130 / 100, "{stats:?}");
     stats
@@ -392,4 +406,53 @@ fn integrity_digests_check_every_piece_over_tcp_and_shm() {
     // Nothing bounces at these sizes: the receiver's time after the puts is the checks'.
     assert!(stats.iter().all(|s| s.stages.scatter_ns > 0), "{stats:?}");
     deepseek_dep2_to_dep4("shm", &["--integrity", "crc32c"]);
+}
+
+/// Layer-wise sends through two servers, every byte verified by the oracle: the hybrid
+/// preset's chunks each in three sends (attention blocks, conv state, ssm state: the state
+/// rides on the last chunk's parts), chunked and with cached prefixes, over shm, then over
+/// tcp with XXH3 digests and bounce transfers (the receiver plans each part over the views
+/// it names); and GPT-OSS-120B's sliding and full attention groups in two parts through the
+/// demo, chunked with a cached prefix.
+#[test]
+fn layer_wise_sends_move_every_byte() {
+    let stats = hybrid_in_parts("shm", &[], 3);
+    assert!(stats.iter().all(|s| s.bytes > 0), "{stats:?}");
+    let _ = hybrid_in_parts(
+        "tcp",
+        &[
+            "--integrity",
+            "xxh3",
+            "--bounce",
+            "on",
+            "--bounce-arena-mb",
+            "16",
+        ],
+        3,
+    );
+    let _ = demo_ok(
+        &[
+            "--model",
+            "gpt-oss-120b",
+            "--ctx",
+            "tp2",
+            "--gen",
+            "tp1",
+            "--requests",
+            "6",
+            "--prompt-len",
+            "300",
+            "--chunk",
+            "64",
+            "--cached",
+            "64",
+            "--layer-wise",
+            "2",
+            "--in-flight",
+            "3",
+            "--transport",
+            "tcp",
+        ],
+        6,
+    );
 }

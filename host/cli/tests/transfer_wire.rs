@@ -98,6 +98,7 @@ fn every_agent_message() -> Vec<AgentMessage> {
             status: CompletionStatus::Failed("flush failed".into()),
             bounce: None,
             digest: None,
+            views: None,
         }),
         AgentMessage::Completion(Completion {
             request: 8,
@@ -110,6 +111,7 @@ fn every_agent_message() -> Vec<AgentMessage> {
             status: CompletionStatus::Cancelled("prefill-0 cancelled request 8".into()),
             bounce: None,
             digest: None,
+            views: None,
         }),
         AgentMessage::Cancel {
             request: 7,
@@ -157,6 +159,7 @@ fn every_control_message() -> Vec<ControlMessage> {
             ctx_dp_rank: 1,
             gen_dp_rank: 0,
             chunks: Some(vec![TokenRange { start: 0, end: 64 }]),
+            layer_parts: 2,
             cached: 40,
             peer: Some(PeerRef {
                 instance: "ctx".into(),

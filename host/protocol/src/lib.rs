@@ -63,7 +63,8 @@ use serde::{Deserialize, Serialize};
 /// 2: the peer and control message families were split (each with its own magic).
 /// 4: every connection runs in the Noise channel ([`secure`]); the agent's own proofs
 /// (`Hello`, `Challenge`, `Proof`) are gone.
-pub const PROTOCOL_VERSION: u16 = 5;
+/// 6: a [`Completion`] names the views of a layer-wise piece.
+pub const PROTOCOL_VERSION: u16 = 6;
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 10;
 /// The largest frame body accepted or sent: 64 MiB.
@@ -345,6 +346,11 @@ pub struct Completion {
     /// The piece's digest, when the receiver asked for one ([`RequestData::integrity`]) and
     /// the piece was written.
     pub digest: Option<PieceDigest>,
+    /// The sender's views the piece carries, when it carries only some of them (a layer-wise
+    /// send: the layers computed so far); `None`, every view. The receiver plans a bounced
+    /// or digested piece over these views only, so they must be the sender's own and
+    /// distinct.
+    pub views: Option<Vec<ViewId>>,
 }
 
 /// A family of messages with its own frame magic.

@@ -201,6 +201,7 @@ fn completion() -> impl Strategy<Value = Completion> {
                     status,
                     bounce: None,
                     digest: None,
+                    views: None,
                 }
             },
         )

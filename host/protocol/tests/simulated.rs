@@ -46,6 +46,7 @@ fn ok(request: u64, pair: (u32, u32), piece: u32, is_last: bool, bytes: u64) -> 
         status: CompletionStatus::Ok,
         bounce: None,
         digest: None,
+        views: None,
     }
 }
 

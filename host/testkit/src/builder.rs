@@ -361,6 +361,9 @@ pub struct Model {
     pub slots: u64,
     /// Bytes of padding after every slot.
     pub slot_padding: u64,
+    /// Each attention layer a group of its own (one view, one pool per layer), as vLLM
+    /// keeps one tensor per layer: what layer-wise sends split by.
+    pub layer_groups: bool,
 }
 
 impl Model {
@@ -381,6 +384,7 @@ impl Model {
             state: None,
             slots: 8,
             slot_padding: 0,
+            layer_groups: false,
         }
     }
 
@@ -657,12 +661,23 @@ impl Deploy {
                 ..RoleLayout::whole(model.layout, model.dtype, model.elem_bytes * 8)
             };
             let buffer = tpb * u64::from(heads) * model.head_token_bytes();
-            groups.push(GroupSpec {
-                kind: GroupKind::PAGED,
-                window: model.window,
-                layers: local_layers(&attn).to_vec(),
-                views: vec![ViewSpec::new(roles, layout, roles.len() as u32, buffer)],
-            });
+            let view = ViewSpec::new(roles, layout, roles.len() as u32, buffer);
+            let layers = local_layers(&attn).to_vec();
+            if model.layer_groups {
+                groups.extend(layers.into_iter().map(|layer| GroupSpec {
+                    kind: GroupKind::PAGED,
+                    window: model.window,
+                    layers: vec![layer],
+                    views: vec![view.clone()],
+                }));
+            } else {
+                groups.push(GroupSpec {
+                    kind: GroupKind::PAGED,
+                    window: model.window,
+                    layers,
+                    views: vec![view],
+                });
+            }
         }
         let Some(state) = &model.state else {
             return groups;

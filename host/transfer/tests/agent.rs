@@ -42,6 +42,7 @@ fn a_chunked_request_lands_byte_for_byte_over_tcp_and_shm() {
                 prompt_len: prompt,
                 is_last: false,
                 to: Some("decode".into()),
+                views: None,
             })
             .unwrap();
         prefill
@@ -55,6 +56,7 @@ fn a_chunked_request_lands_byte_for_byte_over_tcp_and_shm() {
                 prompt_len: prompt,
                 is_last: true,
                 to: Some("decode".into()),
+                views: None,
             })
             .unwrap();
         let got = wait(&decode, 7, Duration::from_secs(20));
@@ -128,6 +130,7 @@ fn bad_requests_are_refused_before_anything_is_taken() {
             prompt_len: 16,
             is_last: true,
             to: None,
+            views: None,
         })
         .unwrap_err();
     assert!(err.to_string().contains("16-token prompt"), "{err}");
@@ -391,6 +394,7 @@ mod hostile {
             prompt_len: 32,
             is_last: true,
             to: Some("decode".into()),
+            views: None,
         };
         prefill.send(send(1)).unwrap();
 

@@ -242,6 +242,7 @@ fn a_piece_bounces_only_into_an_offered_region_it_fits_to_the_byte() {
                 prompt_len: 32,
                 is_last: true,
                 to: Some("decode".into()),
+                views: None,
             })
             .unwrap();
         let offer = BounceOffer {

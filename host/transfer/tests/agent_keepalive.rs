@@ -69,6 +69,7 @@ fn send(request: u64, start: u64, end: u64) -> Send {
         prompt_len: 32,
         is_last: end == 32,
         to: None,
+        views: None,
     }
 }
 

@@ -247,6 +247,7 @@ fn a_prefill_side_cancel_reaches_the_decode_side_at_once() {
             prompt_len: 32,
             is_last: false,
             to: Some("decode".into()),
+            views: None,
         })
         .unwrap();
     thread::sleep(Duration::from_millis(200));

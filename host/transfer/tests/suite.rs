@@ -7,6 +7,7 @@ mod agent;
 mod agent_bounce;
 mod agent_bounds;
 mod agent_keepalive;
+mod agent_layers;
 mod agent_planner;
 mod integrity;
 mod key_range;

@@ -133,6 +133,7 @@ pub fn submit(request: u64, prompt_len: u64) -> Submit {
         ctx_dp_rank: 0,
         gen_dp_rank: 0,
         chunks: None,
+        layer_parts: 0,
         cached: 0,
         peer: None,
     }

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use kvferry_plan::{PlanFailure, RequestSide, ValidatedPlan, error_chain};
 use kvferry_planner_abi::ffi::ROption;
-use kvferry_planner_abi::{PairRequest, RankInfo, SlotTable, TransferPlanner};
+use kvferry_planner_abi::{PairRequest, RankInfo, SlotTable, TransferPlanner, ViewId};
 use kvferry_protocol::{
     AgentError, AgentEvent, AgentMessage, AgentSession, BouncedPiece, Completion, CompletionStatus,
     Integrity, PeerIdentity, PieceDigest, RequestData, read_frame,
@@ -127,11 +127,29 @@ struct Claim {
     stages: Stages,
 }
 
+/// One piece of a request as its `send` gave it: planned for every claim, in order.
+#[derive(Clone, Debug)]
+struct Chunk {
+    tables: Arc<Vec<SlotTable>>,
+    /// For the planner: `is_last` when the tokens reach the prompt's end (recurrent state
+    /// rides on every view of such a piece).
+    piece: PairRequest,
+    /// The views it carries when only some (a layer-wise send), else `None`.
+    views: Option<Arc<Vec<ViewId>>>,
+    /// The rest of this rank's views, which its plans leave out.
+    excluded: Arc<Vec<ViewId>>,
+    /// The request's last piece: its completion ends the pair.
+    last: bool,
+}
+
 #[derive(Debug)]
 pub(crate) struct OutReq {
     to: Option<String>,
     prompt_len: u64,
-    chunks: Vec<(Arc<Vec<SlotTable>>, PairRequest)>,
+    chunks: Vec<Chunk>,
+    /// Views of the latest chunk's tokens no send has carried yet (layer-wise sends); the
+    /// next send repeats those tokens until it is empty.
+    unsent: BTreeSet<ViewId>,
     finished: bool,
     first_send: Instant,
     claimed_at: Option<Instant>,
@@ -150,17 +168,13 @@ pub(crate) struct OutReq {
 
 impl OutReq {
     /// A request just sent, with its first chunk.
-    fn new(
-        to: Option<String>,
-        prompt_len: u64,
-        chunk: (Arc<Vec<SlotTable>>, PairRequest),
-        is_last: bool,
-    ) -> Self {
+    fn new(to: Option<String>, prompt_len: u64, chunk: Chunk, unsent: BTreeSet<ViewId>) -> Self {
         Self {
             to,
             prompt_len,
+            finished: chunk.last,
             chunks: vec![chunk],
-            finished: is_last,
+            unsent,
             first_send: Instant::now(),
             claimed_at: None,
             owner: None,
@@ -235,6 +249,7 @@ fn last_piece(
         status,
         bounce: None,
         digest: None,
+        views: None,
     })
 }
 
@@ -665,7 +680,7 @@ pub(crate) fn shutdown(inner: &Arc<Inner>) {
 // ---------------------------------------------------------------------------------------
 // Requests.
 
-pub(crate) fn send(inner: &Arc<Inner>, s: Send) -> Result<(), CallError> {
+pub(crate) fn send(inner: &Arc<Inner>, mut s: Send) -> Result<(), CallError> {
     let id = s.request;
     let invalid = |reason: String| CallError::Invalid {
         request: id,
@@ -686,36 +701,55 @@ pub(crate) fn send(inner: &Arc<Inner>, s: Send) -> Result<(), CallError> {
             s.tokens.start, s.tokens.end
         )));
     }
-    if s.is_last != (s.tokens.end == s.prompt_len) {
-        return Err(invalid(
-            "is_last must mark exactly the chunk that ends at the prompt's end".into(),
-        ));
-    }
-    let piece = PairRequest {
-        token_range: s.tokens,
-        prompt_len: s.prompt_len,
-        dst_start_token: ROption::RNone,
-        is_last: s.is_last,
+    let carried = match &s.views {
+        Some(views) => Some(check_views(&inner.info, views).map_err(invalid)?),
+        None => None,
     };
+    let tables = Arc::new(std::mem::take(&mut s.tables));
     let stashed = {
         let mut state = lock(&inner.prefill);
         match state.requests.get_mut(&id) {
             Some(req) => {
-                let end = req.chunks.last().map_or(0, |(_, p)| p.token_range.end);
                 if req.finished || req.cancelled || req.failure.is_some() {
                     return Err(CallError::Unknown { request: id });
                 }
-                if s.prompt_len != req.prompt_len || s.tokens.start != end {
-                    return Err(invalid(format!(
-                        "chunk {}..{} of a {}-token prompt does not follow {end} of {}",
-                        s.tokens.start, s.tokens.end, s.prompt_len, req.prompt_len
-                    )));
-                }
+                let latest = req.chunks.last().map(|c| c.piece.token_range);
+                let pending = match latest {
+                    Some(t) if !req.unsent.is_empty() => {
+                        if s.tokens != t || s.prompt_len != req.prompt_len {
+                            return Err(invalid(format!(
+                                "tokens {}..{}: {} view(s) of tokens {}..{} are not sent yet \
+                                 (a layer-wise send repeats its chunk's tokens until every view \
+                                 went)",
+                                s.tokens.start,
+                                s.tokens.end,
+                                req.unsent.len(),
+                                t.start,
+                                t.end
+                            )));
+                        }
+                        req.unsent.clone()
+                    }
+                    _ => {
+                        let end = latest.map_or(0, |t| t.end);
+                        if s.prompt_len != req.prompt_len || s.tokens.start != end {
+                            return Err(invalid(format!(
+                                "chunk {}..{} of a {}-token prompt does not follow {end} of {}",
+                                s.tokens.start, s.tokens.end, s.prompt_len, req.prompt_len
+                            )));
+                        }
+                        all_views(&inner.info)
+                    }
+                };
                 if s.to != req.to {
                     return Err(invalid("a later chunk names another receiver".into()));
                 }
-                req.chunks.push((Arc::new(s.tables), piece));
-                req.finished = s.is_last;
+                let (chunk, unsent) =
+                    next_chunk(&inner.info, &s, Arc::clone(&tables), pending, carried)
+                        .map_err(invalid)?;
+                req.finished = chunk.last;
+                req.chunks.push(chunk);
+                req.unsent = unsent;
                 Vec::new()
             }
             None => {
@@ -725,6 +759,14 @@ pub(crate) fn send(inner: &Arc<Inner>, s: Send) -> Result<(), CallError> {
                         s.tokens.start
                     )));
                 }
+                let (chunk, unsent) = next_chunk(
+                    &inner.info,
+                    &s,
+                    Arc::clone(&tables),
+                    all_views(&inner.info),
+                    carried,
+                )
+                .map_err(invalid)?;
                 // The id is sent again: claims are for this request now.
                 let _ = state.ended.take(id);
                 // A receiver that may claim it cancelled it already: it ends as cancelled by
@@ -746,12 +788,7 @@ pub(crate) fn send(inner: &Arc<Inner>, s: Send) -> Result<(), CallError> {
                         OutReq {
                             owner: Some(t.instance),
                             failure: Some((Some(t.peer), FailureKind::CancelledByPeer, detail)),
-                            ..OutReq::new(
-                                s.to,
-                                s.prompt_len,
-                                (Arc::new(s.tables), piece),
-                                s.is_last,
-                            )
+                            ..OutReq::new(s.to, s.prompt_len, chunk, unsent)
                         },
                     );
                     let stashed = state.stash.take(id);
@@ -762,10 +799,9 @@ pub(crate) fn send(inner: &Arc<Inner>, s: Send) -> Result<(), CallError> {
                     settle(inner, id);
                     return Ok(());
                 }
-                state.requests.insert(
-                    id,
-                    OutReq::new(s.to, s.prompt_len, (Arc::new(s.tables), piece), s.is_last),
-                );
+                state
+                    .requests
+                    .insert(id, OutReq::new(s.to, s.prompt_len, chunk, unsent));
                 state.stash.take(id)
             }
         }
@@ -775,6 +811,89 @@ pub(crate) fn send(inner: &Arc<Inner>, s: Send) -> Result<(), CallError> {
     }
     pump(inner, id);
     Ok(())
+}
+
+/// Every view of `info`'s page table.
+pub(crate) fn all_views(info: &RankInfo) -> BTreeSet<ViewId> {
+    let mut all = BTreeSet::new();
+    for (group, g) in info.page_table.groups.iter().enumerate() {
+        for view in 0..g.views.len() {
+            all.insert(ViewId {
+                group: group as u32,
+                view: view as u32,
+            });
+        }
+    }
+    all
+}
+
+/// The views a layer-wise send names, as a set: at least one, each a view of this rank's
+/// page table, none twice.
+pub(crate) fn check_views(info: &RankInfo, views: &[ViewId]) -> Result<BTreeSet<ViewId>, String> {
+    if views.is_empty() {
+        return Err("a layer-wise send names no view (pass None for every view)".into());
+    }
+    let all = all_views(info);
+    let mut set = BTreeSet::new();
+    for v in views {
+        if !all.contains(v) {
+            return Err(format!(
+                "view (group {}, view {}) is not a view of this rank's page table",
+                v.group, v.view
+            ));
+        }
+        if !set.insert(*v) {
+            return Err(format!(
+                "view (group {}, view {}) is named twice",
+                v.group, v.view
+            ));
+        }
+    }
+    Ok(set)
+}
+
+/// The chunk `s` makes of its tokens' views not sent yet (`pending`): the views it carries
+/// (`carried`, or all of `pending`) and the views still pending after it; or why it may not.
+fn next_chunk(
+    info: &RankInfo,
+    s: &Send,
+    tables: Arc<Vec<SlotTable>>,
+    pending: BTreeSet<ViewId>,
+    carried: Option<BTreeSet<ViewId>>,
+) -> Result<(Chunk, BTreeSet<ViewId>), String> {
+    let carried = carried.unwrap_or_else(|| pending.clone());
+    if let Some(v) = carried.difference(&pending).next() {
+        return Err(format!(
+            "view (group {}, view {}) of tokens {}..{} was sent already",
+            v.group, v.view, s.tokens.start, s.tokens.end
+        ));
+    }
+    let unsent: BTreeSet<ViewId> = pending.difference(&carried).copied().collect();
+    let at_end = s.tokens.end == s.prompt_len;
+    let last = at_end && unsent.is_empty();
+    if s.is_last != last {
+        return Err(
+            "is_last must mark exactly the send that ends at the prompt's end and carries the \
+             last of its views"
+                .into(),
+        );
+    }
+    let all = all_views(info);
+    let excluded: Vec<ViewId> = all.difference(&carried).copied().collect();
+    let views = (!excluded.is_empty()).then(|| Arc::new(carried.into_iter().collect()));
+    let chunk = Chunk {
+        tables,
+        piece: PairRequest {
+            token_range: s.tokens,
+            prompt_len: s.prompt_len,
+            dst_start_token: ROption::RNone,
+            is_last: at_end,
+        },
+        views,
+        excluded: Arc::new(excluded),
+        last,
+    };
+    Ok((chunk, unsent))
 }
 
 /// One table per layer group of `info`'s page table, every slot inside its pools.
@@ -1020,11 +1139,10 @@ fn pump(inner: &Arc<Inner>, id: u64) {
             {
                 continue;
             }
-            let chunks: Vec<(usize, Arc<Vec<SlotTable>>, PairRequest)> = req.chunks
-                [claim.planned..]
+            let chunks: Vec<(usize, Chunk)> = req.chunks[claim.planned..]
                 .iter()
                 .enumerate()
-                .map(|(k, (t, p))| (claim.planned + k, Arc::clone(t), *p))
+                .map(|(k, c)| (claim.planned + k, c.clone()))
                 .collect();
             claim.planning = true;
             tasks.push((g, Arc::clone(&claim.conn), claim.data.clone(), chunks));
@@ -1072,7 +1190,7 @@ fn plan_and_queue(
     g: u32,
     conn: &Arc<GenConn>,
     data: &RequestData,
-    chunks: Vec<(usize, Arc<Vec<SlotTable>>, PairRequest)>,
+    chunks: Vec<(usize, Chunk)>,
     submitted: Instant,
 ) {
     let _span = tracing::debug_span!("plan", request = id, peer = %conn.name()).entered();
@@ -1087,13 +1205,17 @@ fn plan_and_queue(
         .get(&id)
         .and_then(|r| r.claims.get(&g))
         .map_or(0, |c| c.bounce_cursor);
-    for (k, tables, piece) in &chunks {
-        let mut piece = *piece;
+    for (k, chunk) in &chunks {
+        let mut piece = chunk.piece;
         piece.dst_start_token = match data.dst_start_token {
             Some(t) => ROption::RSome(t),
             None => ROption::RNone,
         };
-        let me = RequestSide::new(&inner.info, tables);
+        let me = RequestSide {
+            info: &inner.info,
+            slot_tables: &chunk.tables,
+            excluded: &chunk.excluded,
+        };
         let them = RequestSide {
             info: &conn.info,
             slot_tables: &data.slot_tables,
@@ -1117,7 +1239,8 @@ fn plan_and_queue(
                 let bounce = bounce_piece(inner, conn, id, data, &piece, &plan, &mut cursor);
                 plans.push(Queued {
                     piece: *k as u32,
-                    is_last: piece.is_last,
+                    is_last: chunk.last,
+                    views: chunk.views.clone(),
                     plan: Arc::new(plan),
                     bounce,
                     digest,
@@ -1203,6 +1326,8 @@ fn piece_digest(
 struct Queued {
     piece: u32,
     is_last: bool,
+    /// The views it carries, when only some.
+    views: Option<Arc<Vec<ViewId>>>,
     plan: Arc<ValidatedPlan>,
     /// Its bounce job and what its completion says about it, if it bounces.
     bounce: Option<(BounceJob, BouncedPiece)>,
@@ -1283,6 +1408,7 @@ fn queue(inner: &Arc<Inner>, id: u64, g: u32, conn: &Arc<GenConn>, q: Queued) {
     let Queued {
         piece,
         is_last,
+        views,
         plan,
         bounce,
         digest,
@@ -1359,6 +1485,7 @@ fn queue(inner: &Arc<Inner>, id: u64, g: u32, conn: &Arc<GenConn>, q: Queued) {
                         status: status.clone(),
                         bounce: bounced,
                         digest: digest.filter(|_| ok),
+                        views: views.as_ref().map(|v| v.to_vec()),
                     }));
                 }
                 claim.reported = piece + 1;

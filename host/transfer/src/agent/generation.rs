@@ -984,9 +984,10 @@ fn writer_runs(
             Some(t) => kvferry_planner_abi::ffi::ROption::RSome(t),
             None => kvferry_planner_abi::ffi::ROption::RNone,
         },
-        is_last: c.is_last,
+        // Recurrent state rides on pieces that reach the prompt's end, as the writer planned.
+        is_last: tokens.end == expect.prompt_len,
     };
-    let plan = plan_as_writer(inner, expect, c.sender_rank, pair)?;
+    let plan = plan_as_writer(inner, expect, c.sender_rank, pair, c.views.as_deref())?;
     Ok(kvferry_plan::bounce::scatter_runs(&plan))
 }
 
@@ -1299,7 +1300,7 @@ fn expected_bytes(
         is_last: true,
     };
     for &c in asked {
-        match plan_as_writer(inner, e, c, whole) {
+        match plan_as_writer(inner, e, c, whole, None) {
             Ok(plan) => {
                 out.insert(c, plan.total_bytes());
                 plans.push((c, plan));
@@ -1331,12 +1332,15 @@ fn expected_bytes(
 /// This rank's own plan of `piece` as context rank `c` of `e.peer` makes it: that rank's
 /// planner (instantiated here for its rank once, then kept while that start of the rank is
 /// on file) pairs stand-in source slots ([`kvferry_plan::bounce::stand_in_tables`]) with
-/// this rank's real ones, under the planner deadline.
+/// this rank's real ones, under the planner deadline. `views`: the writer's views the piece
+/// carries, when only some (a layer-wise piece); refused unless they are that rank's and
+/// distinct.
 fn plan_as_writer(
     inner: &Arc<Inner>,
     e: &Expect,
     c: u32,
     piece: kvferry_planner_abi::PairRequest,
+    views: Option<&[ViewId]>,
 ) -> Result<kvferry_plan::ValidatedPlan, String> {
     let (sender, identity, known) = {
         let state = lock(&inner.decode);
@@ -1350,6 +1354,17 @@ fn plan_as_writer(
             .map(|p| Arc::clone(&p.0));
         (m.rank.info.clone(), identity, known)
     };
+    let writer_excluded: Vec<ViewId> = match views {
+        None => Vec::new(),
+        Some(views) => {
+            let carried = super::context::check_views(&sender, views)
+                .map_err(|r| format!("{} rank {c} names a piece's views wrongly: {r}", e.peer))?;
+            super::context::all_views(&sender)
+                .difference(&carried)
+                .copied()
+                .collect()
+        }
+    };
     let bound = inner.bound.clone();
     let me = inner.info.clone();
     let (tables, excluded, prompt) = (e.tables.clone(), e.excluded_views.clone(), e.prompt_len);
@@ -1361,7 +1376,11 @@ fn plan_as_writer(
         let stand_in = kvferry_plan::bounce::stand_in_tables(&sender.page_table, prompt);
         let plan = kvferry_plan::plan_transfer(
             planner.as_ref(),
-            kvferry_plan::RequestSide::new(&sender, &stand_in),
+            kvferry_plan::RequestSide {
+                info: &sender,
+                slot_tables: &stand_in,
+                excluded: &writer_excluded,
+            },
             kvferry_plan::RequestSide {
                 info: &me,
                 slot_tables: &tables,

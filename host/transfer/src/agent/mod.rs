@@ -31,7 +31,8 @@
 //!   field a peer sends is range-checked before use. A request is bound to the peer that
 //!   claimed it: no other peer can claim, cancel or be written it.
 //! - **Requests**: one id both engines agree on. Prefill: [`Agent::send`] (chunked prefill is
-//!   a sequence of sends, the last marked `is_last`). Decode: [`Agent::expect`]. Either may
+//!   a sequence of sends, the last marked `is_last`; a layer-wise send carries only the views
+//!   computed so far, and the rest follow). Decode: [`Agent::expect`]. Either may
 //!   come first. [`Agent::poll`] returns [`Event`]s; [`Agent::wake_fd`] is readable while
 //!   events wait. Exactly one terminal event per request and side, and after it kvferry
 //!   never touches that request's slots again: a decode-side `Failed` or `Cancelled` comes
@@ -64,7 +65,7 @@ use std::time::{Duration, Instant};
 
 use kvferry_loader::BoundPlanner;
 use kvferry_planner_abi::ffi::RVec;
-use kvferry_planner_abi::{PlanError, RankInfo, SlotTable, TokenRange};
+use kvferry_planner_abi::{PlanError, RankInfo, SlotTable, TokenRange, ViewId};
 use kvferry_protocol::{RankDescriptor, Role};
 use kvferry_ucx::{Context, Worker};
 
@@ -338,7 +339,14 @@ pub enum CallError {
     Stopped,
 }
 
-/// One chunk of a prefill-side request ([`Agent::send`]).
+/// One chunk of a prefill-side request ([`Agent::send`]), or one layer-wise part of a chunk.
+///
+/// Chunked prefill: each send's tokens start where the previous send's ended. Layer-wise
+/// sends: a send may carry only some of this rank's views (`views`, the layers computed so
+/// far), and then the next sends repeat the same tokens with views not sent yet until every
+/// view went (`views: None` on such a send carries all the rest). Each part leaves as soon
+/// as it is claimed and planned, while the engine computes later layers; the receiver
+/// completes once every view of every chunk landed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Send {
     /// The request id both engines agree on.
@@ -346,14 +354,20 @@ pub struct Send {
     /// The request's slot tables on this rank (one per layer group), as of this chunk:
     /// they cover every token up to `tokens.end`.
     pub tables: Vec<SlotTable>,
-    /// The tokens this chunk makes available: `start` is where the previous chunk ended.
+    /// The tokens this chunk makes available: `start` is where the previous chunk ended
+    /// (or, while views of the previous chunk are not sent yet, that chunk's tokens again).
     pub tokens: TokenRange,
     /// The prompt's length.
     pub prompt_len: u64,
-    /// Whether this is the last chunk (recurrent state rides on it).
+    /// Whether this is the request's last send: its tokens end at the prompt's end and no
+    /// view is left to send after it (recurrent state rides on the views of the sends that
+    /// end at the prompt's end).
     pub is_last: bool,
     /// Only this decode instance may claim it (`None`: the first to claim it owns it).
     pub to: Option<String>,
+    /// The views (of this rank's page table) this send carries: `None`, every view not sent
+    /// yet for these tokens.
+    pub views: Option<Vec<ViewId>>,
 }
 
 /// Bookkeeping both sides share.

@@ -271,6 +271,7 @@ pub fn whole(request: u64, tables: Vec<SlotTable>, prompt_len: u64) -> Send {
         prompt_len,
         is_last: true,
         to: None,
+        views: None,
     }
 }
 
@@ -577,6 +578,7 @@ pub fn made_up_completion(
         status: kvferry_protocol::CompletionStatus::Ok,
         bounce,
         digest: None,
+        views: None,
     }
 }
 
@@ -609,6 +611,7 @@ pub fn chunked_request(prefill: &Agent, decode: &Agent, src: &Engine, dst: &Engi
                 prompt_len: prompt,
                 is_last: tokens.end == prompt,
                 to: Some("decode".into()),
+                views: None,
             })
             .unwrap();
     }
