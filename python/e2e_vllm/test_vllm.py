@@ -169,11 +169,18 @@ def test_disaggregated_equals_colocated(name, tp_prefill, tp_decode, env, model_
     computed = metrics.get("vllm:prompt_tokens_by_source{source=local_compute}")
     loaded = metrics.get("vllm:prompt_tokens_by_source{source=external_kv_transfer}")
     hits = metrics.get("vllm:prompt_tokens_by_source{source=local_cache_hit}", 0)
+    sent = json.loads(Path(prefill["out"]).read_text())["metrics"]
+    parts = sum(v for k, v in sent.items() if k.startswith("vllm:kvferry_layer_parts"))
     print(
         f"\n{name} TP {tp_prefill} -> TP {tp_decode}: {prompts} prompts identical; decode "
         f"prompt tokens: {loaded} loaded, {hits} prefix-cache hits, {computed} computed, "
-        f"of {total}; {time.monotonic() - t0:.0f} s"
+        f"of {total}; prefill: {parts:.0f} layer-wise sends over {tp_prefill} worker(s); "
+        f"{time.monotonic() - t0:.0f} s"
     )
+    # Layer-wise sends are on: every prefill worker handed each prompt over layer by layer,
+    # as its forward pass computed the layers (every prompt is prefilled in one step here).
+    layers = models.MODELS[name][2]["num_hidden_layers"]
+    assert parts == prompts * layers * tp_prefill, sent
     # vLLM counts at admission, before it replays each prompt's last token to sample the
     # next one: every prompt token came from the prefix cache or from the prefill instance.
     assert computed == 0, metrics

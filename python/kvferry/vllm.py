@@ -12,11 +12,14 @@ per request). The flow is vLLM's disaggregated prefill, as its NIXL connector ha
 vLLM's proxies and clients work unchanged:
 
 1. The prefill instance gets the request with ``kv_transfer_params={"do_remote_decode":
-   true}`` (and ``max_tokens=1``). When it finishes, :meth:`KvferryConnector.request_finished`
-   keeps its blocks (``delay_free``), its workers' agents ``send`` the prompt's blocks, and the
-   request's output carries the ``kv_transfer_params`` for the decode: this instance's name,
-   its ranks' side-channel endpoints, kvferry's id of the transfer, the prompt's length and a
-   digest of its tokens.
+   true}`` (and ``max_tokens=1``). In the step that computes the rest of its prompt, each
+   layer's blocks are handed to the workers' agents as the layer is computed
+   (:meth:`KvferryConnector.save_kv_layer`: layer-wise sends, which leave while later layers
+   compute; a prompt that takes several steps is sent whole when it finishes instead). When
+   it finishes, :meth:`KvferryConnector.request_finished` keeps its blocks (``delay_free``),
+   and the request's output carries the ``kv_transfer_params`` for the decode: this
+   instance's name, its ranks' side-channel endpoints, kvferry's id of the transfer, the
+   prompt's length and a digest of its tokens.
 2. The decode instance gets the request with those ``kv_transfer_params``. The scheduler
    reports the prompt's tokens beyond its own prefix-cache hits as loadable asynchronously;
    once vLLM allocated their blocks, every worker's agent ``expect``\\ s them (the planner maps
@@ -54,20 +57,23 @@ blocks freed only after kvferry's terminal event (nothing lands after that).
                     cgroup allows, not the core vLLM bound the worker's thread to),
                     ``"inherit"`` (the worker's binding) or a list of CPU ids
 ``agent``           more agent configuration fields, verbatim
+``layer_wise``      send each layer as it is computed (default ``true``); ``false``: every
+                    request whole when its prefill ends
 ==================  ====================================================================
 
 Supported: one KV cache group of full attention (Llama, Qwen, Mistral and the like), in vLLM's
 CPU backend's layout (``LBHNC``: each block holds ``[head][token][K|V]``) or ``LBNHC``
 (``[token][head][K|V]``; described, but untested: the CPU backend uses ``LBHNC``), host
-memory; TP on both sides, different TP sizes included. Not yet: pipeline parallelism, hybrid
-models (several KV cache groups), CUDA tensors, layer-wise sends (each request is sent whole
-when its prefill ends), lease renewal for decode requests queued longer than the prefill's
-``lease_ms``.
+memory; TP on both sides, different TP sizes included; layer-wise sends. Not yet: pipeline
+parallelism, hybrid models (several KV cache groups), CUDA tensors, lease renewal for decode
+requests queued longer than the prefill's ``lease_ms``.
 
 Metrics (vLLM's ``/metrics``, from the agents' terminal events): ``vllm:kvferry_transfers_total``
 (``side``: ``send`` or ``load``; ``outcome``: ``sent``, ``received``, ``cancelled``,
 ``failed:KIND``, ``refused:KIND``), ``vllm:kvferry_bytes_total`` (``side``) and
-``vllm:kvferry_load_seconds`` (a decode worker's ``expect`` to the last piece).
+``vllm:kvferry_load_seconds`` (a decode worker's ``expect`` to the last piece). The
+connector's stats in vLLM's log also give ``send_tail_ms_avg`` (from the last bytes handed to
+the agent to ``sent``) and ``layer_parts``.
 """
 
 from __future__ import annotations
@@ -78,6 +84,7 @@ import json
 import logging
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -130,7 +137,7 @@ _AGENT_KEYS = (
 _KEYS = frozenset(
     _AGENT_KEYS
     + ("plugin_dir", "secret", "secret_hex", "secret_file", "instance", "architecture", "cpus")
-    + ("agent",)
+    + ("agent", "layer_wise")
 )
 _DTYPES = {
     torch.float32: ("fp32", 32),
@@ -262,6 +269,9 @@ class _Settings:
                 "kv_connector_extra_config architecture"
             )
         self.cpus = _cpu_list(extra.get("cpus", "all"))
+        self.layer_wise = extra.get("layer_wise", True)
+        if not isinstance(self.layer_wise, bool):
+            raise ValueError(f"kvferry: layer_wise must be true or false, not {self.layer_wise!r}")
         agent = extra.get("agent", {})
         if not isinstance(agent, dict):
             raise ValueError(f"kvferry: agent must be an object, not {agent!r}")
@@ -325,6 +335,9 @@ class _Send:
     transfer_id: int
     block_ids: list[int]
     prompt_len: int
+    #: Sent layer by layer from ``save_kv_layer`` during this step's forward pass (its prompt
+    #: ends in this step), else at once.
+    layer_wise: bool = False
 
 
 @dataclass
@@ -335,10 +348,13 @@ class KvferryConnectorMetadata(KVConnectorMetadata):
     send: list[_Send] = field(default_factory=list)
     #: Decode requests aborted while loading: cancel them.
     cancel: list[str] = field(default_factory=list)
+    #: Prefill requests sent layer-wise that ended without handing over (aborted, stopped
+    #: early): cancel their sends.
+    cancel_send: list[str] = field(default_factory=list)
 
 
 def _empty_stats() -> dict[str, Any]:
-    return {"transfers": {}, "bytes": {}, "load_seconds": []}
+    return {"transfers": {}, "bytes": {}, "load_seconds": [], "send_tail_seconds": [], "layer_parts": 0}
 
 
 @dataclass
@@ -346,7 +362,10 @@ class KvferryStats(KVConnectorStats):
     """One interval's transfers, from the agents' terminal events: ``transfers`` counts by
     ``"side/outcome"`` (side ``send`` or ``load``; outcome ``sent``, ``received``,
     ``cancelled``, ``failed:KIND`` or ``refused:KIND``), ``bytes`` by side, ``load_seconds``
-    one entry per received load (from ``expect`` to the last piece)."""
+    one entry per received load (from ``expect`` to the last piece), ``send_tail_seconds`` one
+    entry per request sent, from the moment its last bytes were handed to the agent (its last
+    layer computed, layer-wise; the send order reaching the worker, whole) to ``sent``, and
+    ``layer_parts`` the layer-wise sends made."""
 
     def __post_init__(self) -> None:
         if not self.data:
@@ -362,7 +381,9 @@ class KvferryStats(KVConnectorStats):
             mine = self.data[key]
             for name, value in other.data[key].items():
                 mine[name] = mine.get(name, 0) + value
-        self.data["load_seconds"] = self.data["load_seconds"] + other.data["load_seconds"]
+        for key in ("load_seconds", "send_tail_seconds"):
+            self.data[key] = self.data[key] + other.data[key]
+        self.data["layer_parts"] += other.data["layer_parts"]
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -373,10 +394,15 @@ class KvferryStats(KVConnectorStats):
         if loads:
             reduced["load_ms_avg"] = round(1e3 * sum(loads) / len(loads), 3)
             reduced["load_ms_max"] = round(1e3 * max(loads), 3)
+        tails = self.data["send_tail_seconds"]
+        if tails:
+            reduced["send_tail_ms_avg"] = round(1e3 * sum(tails) / len(tails), 3)
+        if self.data["layer_parts"]:
+            reduced["layer_parts"] = self.data["layer_parts"]
         return reduced
 
     def is_empty(self) -> bool:
-        return not self.data["transfers"]
+        return not self.data["transfers"] and not self.data["layer_parts"]
 
     def count(self, side: str, outcome: str, nbytes: int = 0) -> None:
         transfers = self.data["transfers"]
@@ -388,8 +414,9 @@ class KvferryStats(KVConnectorStats):
 
 class KvferryPromMetrics(KVConnectorPromMetrics):
     """kvferry's Prometheus metrics in vLLM's registry: ``vllm:kvferry_transfers_total``
-    (``side``, ``outcome``), ``vllm:kvferry_bytes_total`` (``side``) and the histogram
-    ``vllm:kvferry_load_seconds``."""
+    (``side``, ``outcome``), ``vllm:kvferry_bytes_total`` (``side``),
+    ``vllm:kvferry_layer_parts_total`` and the histograms ``vllm:kvferry_load_seconds`` and
+    ``vllm:kvferry_send_tail_seconds``."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
@@ -409,6 +436,18 @@ class KvferryPromMetrics(KVConnectorPromMetrics):
             buckets=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0],
             labelnames=labelnames,
         )
+        self._layer_parts = self._counter_cls(
+            name="vllm:kvferry_layer_parts",
+            documentation="Layer-wise sends made (one per layer a prefill step handed over)",
+            labelnames=labelnames,
+        )
+        self._send_tail_seconds = self._histogram_cls(
+            name="vllm:kvferry_send_tail_seconds",
+            documentation="Time from a request's last bytes handed to kvferry to its send "
+            "ending (layer-wise: after its last layer was computed)",
+            buckets=[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0],
+            labelnames=labelnames,
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
@@ -420,6 +459,12 @@ class KvferryPromMetrics(KVConnectorPromMetrics):
         histogram = self._load_seconds.labels(*labels)
         for seconds in transfer_stats_data.get("load_seconds", []):
             histogram.observe(seconds)
+        tails = self._send_tail_seconds.labels(*labels)
+        for seconds in transfer_stats_data.get("send_tail_seconds", []):
+            tails.observe(seconds)
+        parts = transfer_stats_data.get("layer_parts", 0)
+        if parts:
+            self._layer_parts.labels(*labels).inc(parts)
 
 
 class KvferryConnector(KVConnectorBase_V1):
@@ -448,7 +493,10 @@ class KvferryConnector(KVConnectorBase_V1):
         self._pending_recv: dict[str, _Recv] = {}
         self._pending_send: dict[str, _Send] = {}
         self._pending_cancel: list[str] = []
+        self._pending_cancel_send: list[str] = []
         self._loading: set[str] = set()  # handed to the workers, not finished yet
+        self._may_send_layer_wise: dict[str, int] = {}  # request id -> prompt length
+        self._sent_layer_wise: set[str] = set()
         # Worker side.
         self._sender: Agent | None = None
         self._receiver: Agent | None = None
@@ -460,6 +508,10 @@ class KvferryConnector(KVConnectorBase_V1):
         self._failed_recving: set[str] = set()
         self._finished_seen: set[str] = set()
         self._stats = KvferryStats()
+        self._layer_of: dict[str, int] = {}  # layer name -> its view in the page table
+        self._layer_sends: dict[int, tuple[_Send, set[int]]] = {}  # this step's, views sent
+        self._handed: dict[int, float] = {}  # transfer id -> when its last send was made
+        self._layer_orders_taken = False  # this step's layer-wise orders are in _layer_sends
 
     # ------------------------------------------------------------------ worker side
 
@@ -553,6 +605,7 @@ class KvferryConnector(KVConnectorBase_V1):
                 "num_slots": config.num_blocks,
                 "memory_type": "dram",
             })
+        self._layer_of = {name: local for local, (name, _) in enumerate(layers)}
         total_heads = self._vllm_config.model_config.get_total_num_kv_heads()
         tp, tp_rank = self._settings.tp_size, self._tp_rank
         shards = min(total_heads, tp)
@@ -586,6 +639,7 @@ class KvferryConnector(KVConnectorBase_V1):
                         {"local": local, "global": layer_index(name)}
                         for local, (name, _) in enumerate(layers)
                     ],
+                    # (self._layer_of, below, maps each layer's name to its view.)
                     "views": [
                         {
                             "pool": local,
@@ -618,10 +672,19 @@ class KvferryConnector(KVConnectorBase_V1):
                     self._receiver.cancel(tid)
                 except Error as e:  # it ended already; its event reports it
                     logger.debug("kvferry: cancel %s: %s", request_id, e)
+        for request_id in meta.cancel_send:
+            tid = transfer_id(self._settings.instance, request_id)
+            if tid in self._in_flight and self._sender is not None:
+                try:
+                    self._sender.cancel(tid)
+                except Error as e:  # it ended already; its event reports it
+                    logger.debug("kvferry: cancel send %s: %s", request_id, e)
         for req in meta.recv:
             self._expect(req)
+        self._take_layer_orders()
         for req in meta.send:
-            self._send(req)
+            if not req.layer_wise:
+                self._send(req)
 
     def _table(self, block_ids: list[int], prompt_len: int) -> list[int]:
         """The prompt's blocks (the agent takes a list of ints as a slot table)."""
@@ -661,18 +724,77 @@ class KvferryConnector(KVConnectorBase_V1):
             self._done_sending.add(req.request_id)
             return
         self._in_flight[req.transfer_id] = (req.request_id, "send")
+        self._handed[req.transfer_id] = time.monotonic()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: a request runs only after its whole load was reported."""
 
+    def _take_layer_orders(self) -> None:
+        """This step's layer-wise send orders, taken once per step from the metadata vLLM
+        bound before the forward pass (it may start the step's loads after the pass)."""
+        if self._layer_orders_taken:
+            return
+        self._layer_orders_taken = True
+        meta = self._connector_metadata
+        if not isinstance(meta, KvferryConnectorMetadata) or self._sender is None:
+            return
+        for req in meta.send:
+            if req.layer_wise:
+                self._layer_sends[req.transfer_id] = (req, set())
+
+    def _send_views(self, tid: int, views: list[int] | None) -> None:
+        """Sends the layers ``views`` (all not sent yet: None) of this step's layer-wise
+        request ``tid``; the one that sends its last layer is its last send."""
+        req, sent = self._layer_sends[tid]
+        todo = set(range(len(self._layer_of))) - sent if views is None else set(views) - sent
+        if not todo:
+            return
+        table = self._table(req.block_ids, req.prompt_len)
+        last = len(sent) + len(todo) == len(self._layer_of)
+        try:
+            self._sender.send(
+                tid, [table], 0, req.prompt_len, req.prompt_len, last,
+                views=[(0, v) for v in sorted(todo)],
+            )
+        except Error as e:
+            logger.error("kvferry: layer-wise send of %s refused: %s", req.request_id, e)
+            self._stats.count("send", f"refused:{e.kind}")
+            del self._layer_sends[tid]
+            if sent:  # its earlier layers went: end it, and its event frees the blocks
+                with contextlib.suppress(Error):
+                    self._sender.cancel(tid)
+            else:
+                self._done_sending.add(req.request_id)
+            return
+        if not sent:
+            self._in_flight[tid] = (req.request_id, "send")
+        sent |= todo
+        self._stats.data["layer_parts"] += 1
+        if last:
+            self._handed[tid] = time.monotonic()
+
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        """Nothing to copy: kvferry reads the paged cache in place when the request is sent."""
+        """Layer-wise sends: this layer of every request whose prompt this step completes is
+        in the paged cache now, so it leaves while later layers compute (kvferry reads the
+        cache in place; nothing is copied)."""
+        view = self._layer_of.get(layer_name)
+        if view is None or self._sender is None:
+            return
+        self._take_layer_orders()
+        for tid in list(self._layer_sends):
+            self._send_views(tid, [view])
 
     def wait_for_save(self) -> None:
-        """Nothing to wait for: a sent request's blocks stay kvferry's until it reports them
-        in ``finished_sending``."""
+        """The forward pass is over: any layer of this step's layer-wise requests that no
+        ``save_kv_layer`` sent goes now. A sent request's blocks stay kvferry's until it
+        reports them in ``finished_sending``."""
+        self._take_layer_orders()
+        for tid in list(self._layer_sends):
+            self._send_views(tid, None)
+        self._layer_sends.clear()
+        self._layer_orders_taken = False
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         self._finished_seen |= finished_req_ids
@@ -693,6 +815,9 @@ class KvferryConnector(KVConnectorBase_V1):
                 self._stats.count("send" if side == "send" else "load", outcome, event.bytes)
                 if event.kind == "received":
                     self._stats.data["load_seconds"].append(event.latency_us / 1e6)
+                handed = self._handed.pop(event.request, None)
+                if event.kind == "sent" and handed is not None:
+                    self._stats.data["send_tail_seconds"].append(time.monotonic() - handed)
                 logger.debug(
                     "kvferry: %s %s: %s, %d bytes", side, request_id, event.kind, event.bytes
                 )
@@ -781,6 +906,11 @@ class KvferryConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
+        handing_over = request.kv_transfer_params or {}
+        if self._settings.sends and self._settings.layer_wise and handing_over.get(
+            "do_remote_decode"
+        ):
+            self._may_send_layer_wise[request.request_id] = len(request.prompt_token_ids or [])
         params = self._remote(request)
         if params is None:
             return 0, False
@@ -823,9 +953,25 @@ class KvferryConnector(KVConnectorBase_V1):
             recv=list(self._pending_recv.values()),
             send=list(self._pending_send.values()),
             cancel=self._pending_cancel,
+            cancel_send=self._pending_cancel_send,
         )
         self._loading |= set(self._pending_recv)
-        self._pending_recv, self._pending_send, self._pending_cancel = {}, {}, []
+        self._pending_recv, self._pending_send = {}, {}
+        self._pending_cancel, self._pending_cancel_send = [], []
+        # Layer-wise sends: a prefill whose whole prompt this step computes goes layer by
+        # layer during the step's forward pass. One whose prompt takes several steps
+        # (chunked prefill, or preempted) is sent whole when it finishes.
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            prompt_len = self._may_send_layer_wise.pop(new.req_id, None)
+            if prompt_len is None or not self._endpoints:
+                continue
+            blocks = list(new.block_ids[0])
+            whole = new.num_computed_tokens + scheduled.get(new.req_id, 0) >= prompt_len
+            if prompt_len and whole and len(blocks) * self._block_size >= prompt_len:
+                tid = transfer_id(self._settings.instance, new.req_id)
+                meta.send.append(_Send(new.req_id, tid, blocks, prompt_len, layer_wise=True))
+                self._sent_layer_wise.add(new.req_id)
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -844,11 +990,19 @@ class KvferryConnector(KVConnectorBase_V1):
         if rid in self._loading:
             self._pending_cancel.append(rid)
             return True, None
+        self._may_send_layer_wise.pop(rid, None)
         params = request.kv_transfer_params
         if not self._settings.sends or not params or not params.get("do_remote_decode"):
             return False, None
+        layer_wise = rid in self._sent_layer_wise
+        self._sent_layer_wise.discard(rid)
         if request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
-            return False, None  # aborted or stopped early: nothing to hand over
+            # Aborted or stopped early: nothing to hand over. A send that went layer-wise is
+            # cancelled, and its blocks wait for the agent to let them go.
+            if layer_wise:
+                self._pending_cancel_send.append(rid)
+                return True, None
+            return False, None
         prompt = request.prompt_token_ids or []
         blocks = list(block_ids[0] if isinstance(block_ids, tuple) else block_ids)
         if not prompt or len(blocks) * self._block_size < len(prompt):
@@ -860,7 +1014,8 @@ class KvferryConnector(KVConnectorBase_V1):
         if not self._endpoints:
             raise RuntimeError("kvferry: no worker endpoints reached the scheduler")
         tid = transfer_id(self._settings.instance, rid)
-        self._pending_send[rid] = _Send(rid, tid, blocks, len(prompt))
+        if not layer_wise:
+            self._pending_send[rid] = _Send(rid, tid, blocks, len(prompt))
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,

@@ -429,8 +429,14 @@ impl Agent {
     }
 
     /// Prefill ranks: makes tokens `[token_start, token_end)` of request `request` available.
+    /// `views`: a layer-wise send carries only these `(group, view)` pairs (the layers
+    /// computed so far); the next sends repeat the tokens with the views not sent yet, and
+    /// `is_last` marks the one that ends the prompt and its views. None: every view not sent
+    /// yet for these tokens.
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (request, tables, token_start, token_end, prompt_len, is_last, to = None))]
+    #[pyo3(signature = (
+        request, tables, token_start, token_end, prompt_len, is_last, to = None, views = None
+    ))]
     fn send(
         &self,
         py: Python<'_>,
@@ -441,8 +447,14 @@ impl Agent {
         prompt_len: u64,
         is_last: bool,
         to: Option<String>,
+        views: Option<Vec<(u32, u32)>>,
     ) -> PyResult<()> {
         let tables = slot_tables(tables, "tables")?;
+        let views = views.map(|v| {
+            v.into_iter()
+                .map(|(group, view)| ViewId { group, view })
+                .collect()
+        });
         self.with(py, "Agent.send", move |a| {
             Ok(a.send(SendChunk {
                 request,
@@ -454,7 +466,7 @@ impl Agent {
                 prompt_len,
                 is_last,
                 to,
-                views: None,
+                views,
             })?)
         })
     }

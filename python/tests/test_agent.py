@@ -357,6 +357,14 @@ def test_call_refusals(pair):
     e = error_of(ctx.send, 9, [[99]], 0, 16, 16, True)
     assert e.kind == "invalid", e
 
+    # Layer-wise sends name views of the rank's page table (it has one: group 0, view 0).
+    table = [np.array([3], dtype=np.int32)]
+    e = error_of(ctx.send, 11, table, 0, 16, 16, True, views=[(4, 0)])
+    assert e.kind == "invalid" and "(group 4, view 0)" in e.detail, e
+    e = error_of(ctx.send, 11, table, 0, 16, 16, True, views=[])
+    assert e.kind == "invalid" and "names no view" in e.detail, e
+    ctx.send(11, table, 0, 16, 16, True, views=[(0, 0)])
+
 
 def test_tables_must_be_int32(pair):
     ctx, _ = pair

@@ -436,7 +436,8 @@ int kvferry_agent_add_peer(struct kvferry_agent *agent, const uint8_t *bytes, si
  * per layer group of this rank's page table, covering every token up to `token_end`).
  * Chunked prefill is a sequence of sends, each starting where the previous ended, the last
  * with `is_last`. `to`: only this decode instance may claim it (NULL: the first to claim it
- * owns it). Ends in `SENT`, `CANCELLED` or `FAILED`.
+ * owns it). Ends in `SENT`, `CANCELLED` or `FAILED`. The same as `kvferry_agent_send_views`
+ * with no views named.
  *
  * # Safety
  *
@@ -453,6 +454,31 @@ int kvferry_agent_send(struct kvferry_agent *agent,
                        uint64_t prompt_len,
                        bool is_last,
                        const char *to);
+
+/**
+ * Prefill ranks: a layer-wise send — as `kvferry_agent_send`, carrying only the views
+ * `views` (`n_views` of them; NULL with 0: every view not sent yet for these tokens), the
+ * layers computed so far. The next sends repeat the same tokens with views not sent yet
+ * until every view went; then the next chunk may start. `is_last` marks the send that ends
+ * the prompt and carries the last of its views. Each send leaves as soon as it is claimed;
+ * the decode rank completes once every view of every chunk landed.
+ *
+ * # Safety
+ *
+ * As `kvferry_agent_send`; `views` is NULL or readable for `n_views` entries, read during
+ * the call only.
+ */
+int kvferry_agent_send_views(struct kvferry_agent *agent,
+                             uint64_t request,
+                             const struct kvferry_slot_table *tables,
+                             size_t n_tables,
+                             uint64_t token_start,
+                             uint64_t token_end,
+                             uint64_t prompt_len,
+                             bool is_last,
+                             const char *to,
+                             const struct kvferry_view_id *views,
+                             size_t n_views);
 
 /**
  * Decode ranks: expects request `request` from prefill instance `peer` into this rank's

@@ -539,7 +539,8 @@ pub unsafe extern "C" fn kvferry_agent_add_peer(
 /// per layer group of this rank's page table, covering every token up to `token_end`).
 /// Chunked prefill is a sequence of sends, each starting where the previous ended, the last
 /// with `is_last`. `to`: only this decode instance may claim it (NULL: the first to claim it
-/// owns it). Ends in `SENT`, `CANCELLED` or `FAILED`.
+/// owns it). Ends in `SENT`, `CANCELLED` or `FAILED`. The same as `kvferry_agent_send_views`
+/// with no views named.
 ///
 /// # Safety
 ///
@@ -559,7 +560,79 @@ pub unsafe extern "C" fn kvferry_agent_send(
     is_last: bool,
     to: *const c_char,
 ) -> c_int {
-    guard("kvferry_agent_send", || {
+    // SAFETY: the same contract, with no views.
+    unsafe {
+        send_views(
+            "kvferry_agent_send",
+            agent,
+            request,
+            (tables, n_tables),
+            (token_start, token_end, prompt_len),
+            is_last,
+            to,
+            None,
+        )
+    }
+}
+
+/// Prefill ranks: a layer-wise send — as `kvferry_agent_send`, carrying only the views
+/// `views` (`n_views` of them; NULL with 0: every view not sent yet for these tokens), the
+/// layers computed so far. The next sends repeat the same tokens with views not sent yet
+/// until every view went; then the next chunk may start. `is_last` marks the send that ends
+/// the prompt and carries the last of its views. Each send leaves as soon as it is claimed;
+/// the decode rank completes once every view of every chunk landed.
+///
+/// # Safety
+///
+/// As `kvferry_agent_send`; `views` is NULL or readable for `n_views` entries, read during
+/// the call only.
+#[allow(clippy::too_many_arguments)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvferry_agent_send_views(
+    agent: *mut kvferry_agent,
+    request: u64,
+    tables: *const kvferry_slot_table,
+    n_tables: usize,
+    token_start: u64,
+    token_end: u64,
+    prompt_len: u64,
+    is_last: bool,
+    to: *const c_char,
+    views: *const kvferry_view_id,
+    n_views: usize,
+) -> c_int {
+    // SAFETY: the caller's contract.
+    unsafe {
+        send_views(
+            "kvferry_agent_send_views",
+            agent,
+            request,
+            (tables, n_tables),
+            (token_start, token_end, prompt_len),
+            is_last,
+            to,
+            Some((views, n_views)),
+        )
+    }
+}
+
+/// Both sends; `views` NULL with 0 entries is every view not sent yet.
+///
+/// # Safety
+///
+/// As `kvferry_agent_send_views`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn send_views(
+    call: &'static str,
+    agent: *mut kvferry_agent,
+    request: u64,
+    (tables, n_tables): (*const kvferry_slot_table, usize),
+    (token_start, token_end, prompt_len): (u64, u64, u64),
+    is_last: bool,
+    to: *const c_char,
+    views: Option<(*const kvferry_view_id, usize)>,
+) -> c_int {
+    guard(call, || {
         // SAFETY: NULL or a live handle (the caller's contract).
         let a = unsafe { deref(agent, "agent") }?;
         // SAFETY: the caller's contract for the tables.
@@ -569,6 +642,21 @@ pub unsafe extern "C" fn kvferry_agent_send(
         } else {
             // SAFETY: non-NULL and NUL-terminated (the caller's contract).
             Some(unsafe { text(to, "to") }?.to_string())
+        };
+        let views = match views {
+            Some((views, n)) if !(views.is_null() && n == 0) => {
+                // SAFETY: the caller's contract for the views.
+                let list = unsafe { array(views, n, "views") }?;
+                Some(
+                    list.iter()
+                        .map(|v| ViewId {
+                            group: v.group,
+                            view: v.view,
+                        })
+                        .collect(),
+                )
+            }
+            _ => None,
         };
         a.agent.send(SendChunk {
             request,
@@ -580,7 +668,7 @@ pub unsafe extern "C" fn kvferry_agent_send(
             prompt_len,
             is_last,
             to,
-            views: None,
+            views,
         })?;
         Ok(())
     })

@@ -471,3 +471,42 @@ fn events_that_do_not_fit_wait_for_the_next_poll() {
     // SAFETY: a live handle, destroyed once.
     unsafe { kvferry_agent_destroy(agent) };
 }
+
+#[test]
+fn layer_wise_sends_name_views_of_the_page_table() {
+    let pool = Pool::new(8 * 2048);
+    let plugins = support::plugin_dir();
+    let agent = start(&config("context", &pool, plugins.path(), "")).unwrap();
+    let slots = [0i32, 1];
+    let table = kvferry_slot_table {
+        slots: slots.as_ptr(),
+        len: 2,
+    };
+    let send = |request: u64, views: *const kvferry_view_id, n: usize| {
+        // SAFETY: a live handle, a valid table, `views` as each case gives it.
+        unsafe {
+            kvferry_agent_send_views(agent, request, &table, 1, 0, 32, 32, true, null(), views, n)
+        }
+    };
+    let unknown = [kvferry_view_id { group: 5, view: 0 }];
+    assert_eq!(
+        send(1, unknown.as_ptr(), 1),
+        status(KVFERRY_ERR_INVALID_REQUEST)
+    );
+    assert_eq!(
+        last_error(),
+        "kvferry_agent_send_views: request 1: view (group 5, view 0) is not a view of this \
+         rank's page table"
+    );
+    assert_eq!(send(1, null(), 2), status(KVFERRY_ERR_NULL_POINTER));
+    assert_eq!(
+        last_error(),
+        "kvferry_agent_send_views: views (with 2 entries) is NULL"
+    );
+    // The rank's one view by name, and NULL with none: every view.
+    let only = [kvferry_view_id { group: 0, view: 0 }];
+    assert_eq!(send(1, only.as_ptr(), 1), status(KVFERRY_OK));
+    assert_eq!(send(2, null(), 0), status(KVFERRY_OK));
+    // SAFETY: a live handle, destroyed once.
+    unsafe { kvferry_agent_destroy(agent) };
+}

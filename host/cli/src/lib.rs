@@ -17,6 +17,7 @@ pub mod control;
 pub mod demo;
 pub mod doctor;
 pub mod drive;
+pub mod overlap;
 pub mod serve;
 pub mod slots;
 pub mod verify;

@@ -402,6 +402,14 @@ struct BenchArgs {
     /// dst_offset, len]` per fragment (format `kvferry-fragments/1`; `scripts/bench-peers`).
     #[arg(long, value_name = "FILE")]
     export_fragments: Option<PathBuf>,
+    /// Measure layer-wise sends instead: both instances' agents in this process, each layer
+    /// in a pool of its own (vLLM's layout), the prefill's compute simulated as US
+    /// microseconds per model layer for the batch; reports the time from the last layer's
+    /// compute to every byte landed, whole-request sends against layer-wise ones (the first
+    /// of --requests, --rounds counted rounds; --transport, --planner and the model options
+    /// apply).
+    #[arg(long, value_name = "US")]
+    layer_compute_us: Option<u64>,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -1177,6 +1185,26 @@ fn run_demo(config_file: Option<PathBuf>, a: DemoArgs) -> Result<ExitCode> {
 }
 
 fn run_bench(config_file: Option<PathBuf>, a: BenchArgs) -> Result<ExitCode> {
+    if let Some(us) = a.layer_compute_us {
+        let host = Host::load(config_file.as_deref())?;
+        let pair = a.pair.resolve(config_file)?;
+        if pair.memory != MemoryKind::Host || pair.gen_tokens_per_block.is_some() {
+            bail!("--layer-compute-us measures host memory and one block size on both sides");
+        }
+        let id = host.planner_id(pair.planner.as_deref());
+        let config = kvferry_cli::overlap::OverlapConfig {
+            ctx: (pair.ctx, host.bind(&id, &pair.model, pair.ctx)?),
+            r#gen: (pair.r#gen, host.bind(&id, &pair.model, pair.r#gen)?),
+            model: pair.model,
+            transport: pair.transport,
+            prompt_len: a.prompt_len,
+            requests: a.requests.first().copied().unwrap_or(0),
+            rounds: a.rounds,
+            layer_compute: Duration::from_micros(us),
+        };
+        let report = kvferry_cli::overlap::run(&config)?;
+        return print_report(&report, a.json, true);
+    }
     let config = BenchConfig {
         pair: a.pair.resolve(config_file)?,
         prompt_len: a.prompt_len,

@@ -553,3 +553,43 @@ fn bench_messages_round_trip() {
         );
     }
 }
+
+/// `--layer-compute-us`: both modes measured in one process over per-layer pools, TP 2 ->
+/// TP 1 (each generation rank written by both context ranks), every send and every
+/// reception accounted for; the tails are times, never asserted on.
+#[test]
+fn bench_measures_the_layer_wise_tail() {
+    let v = Kvferry::new()
+        .quiet()
+        .args([
+            "bench",
+            "--model",
+            "gpt-oss-120b",
+            "--ctx",
+            "tp2",
+            "--gen",
+            "tp1",
+            "--transport",
+            "shm",
+            "--prompt-len",
+            "64",
+            "--requests",
+            "2",
+            "--rounds",
+            "2",
+            "--layer-compute-us",
+            "200",
+            "--json",
+        ])
+        .json();
+    assert_eq!(v["layers"], 36, "{v}");
+    // Two context ranks, each sending 36 layers of 2 requests.
+    assert_eq!(v["sends_per_round"], 2 * 36 * 2, "{v}");
+    // 64 tokens x 36 layers x 8 KV heads x 64 x 2 bytes, K and V, 2 requests.
+    assert_eq!(v["bytes_per_round"], 64 * 36 * 8 * 64 * 2 * 2 * 2, "{v}");
+    assert_eq!(v["compute_ms"], 7.2, "{v}");
+    for mode in ["whole", "layer_wise"] {
+        assert_eq!(v[mode]["rounds_ms"].as_array().unwrap().len(), 2, "{v}");
+    }
+    assert!(v["ratio"].as_f64().unwrap() > 0.0, "{v}");
+}

@@ -279,6 +279,10 @@ pub struct ModelSpec {
     /// PP sizes (and `None`) split evenly, earlier stages taking the remainder. One spec can
     /// so describe both sides of a pair whose PP sizes differ.
     pub layers_per_pp: Option<Vec<u32>>,
+    /// Each layer in a group, view and pool of its own, as vLLM and SGLang keep one tensor
+    /// per layer (what layer-wise sends split by), instead of a slot holding every layer of
+    /// its group (TensorRT-LLM's block).
+    pub pool_per_layer: bool,
 }
 
 impl ModelSpec {
@@ -289,7 +293,14 @@ impl ModelSpec {
             dtype: preset.default_dtype(),
             tokens_per_block: 32,
             layers_per_pp: None,
+            pool_per_layer: false,
         }
+    }
+
+    /// The same spec with each layer in a pool of its own.
+    pub fn with_pool_per_layer(mut self) -> Self {
+        self.pool_per_layer = true;
+        self
     }
 
     /// The same spec with another dtype.
@@ -450,6 +461,22 @@ pub fn build_rank(
         Preset::Llama3_70b => llama_3_70b(&geometry, &stage)?,
         Preset::Qwen3Next80bA3b => qwen3_next(&geometry, &stage)?,
         Preset::GptOss120b => gpt_oss(&geometry, &stage)?,
+    };
+    let groups = if model.pool_per_layer {
+        groups
+            .into_iter()
+            .flat_map(|g| {
+                g.layers
+                    .iter()
+                    .map(|&layer| GroupSpec {
+                        layers: vec![layer],
+                        ..g.clone()
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    } else {
+        groups
     };
     let bytes = crate::builder::pools_bytes(&groups, options);
     if bytes > u128::from(MAX_RANK_BYTES) {
