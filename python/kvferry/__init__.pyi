@@ -115,13 +115,23 @@ class Agent:
         prompt_len: int,
         is_last: bool,
         to: str | None = ...,
+        views: Sequence[tuple[int, int]] | None = ...,
     ) -> None:
         """Prefill ranks: makes tokens ``[token_start, token_end)`` of a ``prompt_len``-token
         prompt available from the slots of ``tables`` (one per layer group, covering every
         token up to ``token_end``). Chunked prefill is a sequence of sends, the last with
-        ``is_last``. ``to``: only this decode instance may claim it. Ends in ``sent``,
+        ``is_last``. ``to``: only this decode instance may claim it. ``views``: a layer-wise
+        send carries only these ``(group, view)`` pairs (the layers computed so far); the next
+        sends repeat its tokens with the views not sent yet, ``is_last`` on the one that ends
+        the prompt and its views (None: every view not sent yet). Ends in ``sent``,
         ``cancelled`` or ``failed``. Kinds ``role``, ``invalid``, ``duplicate``, ``stopped``;
         ``TypeError`` for tables that are not int32."""
+
+    def hold(self, peer: str, endpoints: Sequence[str], requests: Sequence[int]) -> None:
+        """Decode ranks: tells prefill instance ``peer`` (through ``endpoints``, or the ranks
+        added with :meth:`add_peer` when empty) that this instance still wants ``requests``,
+        which its engine queued: their leases run again from now, up to ten leases after their
+        send. Returns at once; call it well within the lease while they stay queued."""
 
     def expect(
         self,

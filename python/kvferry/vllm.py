@@ -64,9 +64,11 @@ blocks freed only after kvferry's terminal event (nothing lands after that).
 Supported: one KV cache group of full attention (Llama, Qwen, Mistral and the like), in vLLM's
 CPU backend's layout (``LBHNC``: each block holds ``[head][token][K|V]``) or ``LBNHC``
 (``[token][head][K|V]``; described, but untested: the CPU backend uses ``LBHNC``), host
-memory; TP on both sides, different TP sizes included; layer-wise sends. Not yet: pipeline
-parallelism, hybrid models (several KV cache groups), CUDA tensors, lease renewal for decode
-requests queued longer than the prefill's ``lease_ms``.
+memory; TP on both sides, different TP sizes included; layer-wise sends; decode requests
+queued longer than the prefill's ``lease_ms`` keep their data (the decode holds them every
+third of ``lease_ms``, its own setting, so both instances should agree on it; up to ten
+leases). Not yet: pipeline parallelism, hybrid models (several KV cache groups), CUDA
+tensors.
 
 Metrics (vLLM's ``/metrics``, from the agents' terminal events): ``vllm:kvferry_transfers_total``
 (``side``: ``send`` or ``load``; ``outcome``: ``sent``, ``received``, ``cancelled``,
@@ -351,6 +353,8 @@ class KvferryConnectorMetadata(KVConnectorMetadata):
     #: Prefill requests sent layer-wise that ended without handing over (aborted, stopped
     #: early): cancel their sends.
     cancel_send: list[str] = field(default_factory=list)
+    #: Decode requests still queued: (prefill instance, its endpoints, transfer ids) to hold.
+    hold: list[tuple[str, list[str], list[int]]] = field(default_factory=list)
 
 
 def _empty_stats() -> dict[str, Any]:
@@ -497,6 +501,11 @@ class KvferryConnector(KVConnectorBase_V1):
         self._loading: set[str] = set()  # handed to the workers, not finished yet
         self._may_send_layer_wise: dict[str, int] = {}  # request id -> prompt length
         self._sent_layer_wise: set[str] = set()
+        # Decode requests queued before their load: request id -> (instance, endpoints, id).
+        self._queued: dict[str, tuple[str, tuple[str, ...], int]] = {}
+        self._next_hold = 0.0
+        lease_ms = self._settings.extra.get("lease_ms", 60_000)
+        self._hold_every = max(float(lease_ms) / 3e3, 0.05)
         # Worker side.
         self._sender: Agent | None = None
         self._receiver: Agent | None = None
@@ -672,6 +681,12 @@ class KvferryConnector(KVConnectorBase_V1):
                     self._receiver.cancel(tid)
                 except Error as e:  # it ended already; its event reports it
                     logger.debug("kvferry: cancel %s: %s", request_id, e)
+        if meta.hold and self._receiver is not None and self._tp_rank == 0:
+            for instance, endpoints, tids in meta.hold:
+                try:
+                    self._receiver.hold(instance, endpoints, tids)
+                except Error as e:
+                    logger.warning("kvferry: holding %d requests of %s: %s", len(tids), instance, e)
         for request_id in meta.cancel_send:
             tid = transfer_id(self._settings.instance, request_id)
             if tid in self._in_flight and self._sender is not None:
@@ -903,6 +918,18 @@ class KvferryConnector(KVConnectorBase_V1):
             return None  # another connector's parameters
         return params
 
+    def on_new_request(self, request: Request) -> None:
+        """A decode request that will load: held at the prefill (its lease renewed) for as long
+        as it stays queued here."""
+        params = self._remote(request)
+        if params is None:
+            return
+        self._queued[request.request_id] = (
+            str(params["remote_instance"]),
+            tuple(str(e) for e in params["remote_endpoints"]),
+            int(params["kvferry_request"]),
+        )
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
@@ -925,6 +952,7 @@ class KvferryConnector(KVConnectorBase_V1):
                 params.get("prompt_len"),
             )
             params["do_remote_prefill"] = False
+            self._queued.pop(request.request_id, None)
             return 0, False
         count = len(prompt) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
@@ -933,6 +961,7 @@ class KvferryConnector(KVConnectorBase_V1):
         params = self._remote(request)
         if params is None or num_external_tokens == 0:
             return
+        self._queued.pop(request.request_id, None)
         block_ids = list(blocks.get_block_ids()[0])
         prompt_len = len(request.prompt_token_ids)
         cached = prompt_len - num_external_tokens
@@ -958,6 +987,15 @@ class KvferryConnector(KVConnectorBase_V1):
         self._loading |= set(self._pending_recv)
         self._pending_recv, self._pending_send = {}, {}
         self._pending_cancel, self._pending_cancel_send = [], []
+        # Decode requests still queued keep their prefill's data: a hold every third of the
+        # lease, from the first TP worker.
+        now = time.monotonic()
+        if self._queued and now >= self._next_hold:
+            grouped: dict[tuple[str, tuple[str, ...]], list[int]] = {}
+            for instance, endpoints, tid in self._queued.values():
+                grouped.setdefault((instance, endpoints), []).append(tid)
+            meta.hold = [(i, list(e), tids) for (i, e), tids in grouped.items()]
+            self._next_hold = now + self._hold_every
         # Layer-wise sends: a prefill whose whole prompt this step computes goes layer by
         # layer during the step's forward pass. One whose prompt takes several steps
         # (chunked prefill, or preempted) is sent whole when it finishes.
@@ -983,6 +1021,7 @@ class KvferryConnector(KVConnectorBase_V1):
         from vllm.v1.request import RequestStatus
 
         rid = request.request_id
+        self._queued.pop(rid, None)
         # A decode request that ends (aborted) while loading: cancel it; vLLM frees its
         # blocks once the workers report the load ended.
         if self._pending_recv.pop(rid, None) is not None:

@@ -471,6 +471,22 @@ impl Agent {
         })
     }
 
+    /// Decode ranks: tells prefill instance `peer` (through `endpoints`, or the ranks added
+    /// with `add_peer` when empty) that this instance still wants `requests`, which its engine
+    /// queued: their leases run again from now, up to ten leases after their send. Returns at
+    /// once.
+    fn hold(
+        &self,
+        py: Python<'_>,
+        peer: String,
+        endpoints: Vec<String>,
+        requests: Vec<u64>,
+    ) -> PyResult<()> {
+        self.with(py, "Agent.hold", move |a| {
+            Ok(a.hold(&peer, &endpoints, &requests)?)
+        })
+    }
+
     /// Decode ranks: expects request `request` from prefill instance `peer` into `tables`.
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (

@@ -510,6 +510,27 @@ int kvferry_agent_expect(struct kvferry_agent *agent,
                          size_t n_excluded);
 
 /**
+ * Decode ranks: tells prefill instance `peer` that this instance still wants `requests`
+ * (`n_requests` ids), which it has not expected yet because the engine queued them: each of
+ * that instance's ranks reached through `endpoints` (or, with none, those added with
+ * `kvferry_agent_add_peer`) that holds one unclaimed runs its lease from now again, up to ten
+ * leases after its send. Returns at once; nothing is reported. Call it periodically, well
+ * within the lease, while requests stay queued.
+ *
+ * # Safety
+ *
+ * `agent` is NULL or a live handle; `peer` is NULL or a NUL-terminated string; `endpoints`
+ * is NULL or readable for `n_endpoints` pointers to NUL-terminated strings; `requests` is
+ * NULL or readable for `n_requests` ids. All are read during the call only.
+ */
+int kvferry_agent_hold(struct kvferry_agent *agent,
+                       const char *peer,
+                       const char *const *endpoints,
+                       size_t n_endpoints,
+                       const uint64_t *requests,
+                       size_t n_requests);
+
+/**
  * Cancels a request; accepted while it has not ended, and answered by its terminal event
  * (`CANCELLED`, or the event that beat the cancel). On a decode rank that event comes only
  * once every writer acknowledged or is gone. `KVFERRY_ERR_UNKNOWN_REQUEST` if the request is

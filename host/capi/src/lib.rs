@@ -741,6 +741,47 @@ pub unsafe extern "C" fn kvferry_agent_expect(
     })
 }
 
+/// Decode ranks: tells prefill instance `peer` that this instance still wants `requests`
+/// (`n_requests` ids), which it has not expected yet because the engine queued them: each of
+/// that instance's ranks reached through `endpoints` (or, with none, those added with
+/// `kvferry_agent_add_peer`) that holds one unclaimed runs its lease from now again, up to ten
+/// leases after its send. Returns at once; nothing is reported. Call it periodically, well
+/// within the lease, while requests stay queued.
+///
+/// # Safety
+///
+/// `agent` is NULL or a live handle; `peer` is NULL or a NUL-terminated string; `endpoints`
+/// is NULL or readable for `n_endpoints` pointers to NUL-terminated strings; `requests` is
+/// NULL or readable for `n_requests` ids. All are read during the call only.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvferry_agent_hold(
+    agent: *mut kvferry_agent,
+    peer: *const c_char,
+    endpoints: *const *const c_char,
+    n_endpoints: usize,
+    requests: *const u64,
+    n_requests: usize,
+) -> c_int {
+    guard("kvferry_agent_hold", || {
+        // SAFETY: NULL or a live handle (the caller's contract).
+        let a = unsafe { deref(agent, "agent") }?;
+        // SAFETY: NULL or NUL-terminated (the caller's contract).
+        let peer = unsafe { text(peer, "peer") }?.to_string();
+        // SAFETY: the caller's contract for the endpoint list.
+        let list = unsafe { array(endpoints, n_endpoints, "endpoints") }?;
+        let endpoints = list
+            .iter()
+            .enumerate()
+            // SAFETY: each entry is NULL or NUL-terminated (the caller's contract).
+            .map(|(i, &e)| unsafe { text(e, &format!("endpoints[{i}]")) }.map(str::to_string))
+            .collect::<Result<Vec<_>, _>>()?;
+        // SAFETY: the caller's contract for the ids.
+        let requests = unsafe { array(requests, n_requests, "requests") }?;
+        a.agent.hold(&peer, &endpoints, requests)?;
+        Ok(())
+    })
+}
+
 /// Cancels a request; accepted while it has not ended, and answered by its terminal event
 /// (`CANCELLED`, or the event that beat the cancel). On a decode rank that event comes only
 /// once every writer acknowledged or is gone. `KVFERRY_ERR_UNKNOWN_REQUEST` if the request is

@@ -473,7 +473,7 @@ fn events_that_do_not_fit_wait_for_the_next_poll() {
 }
 
 #[test]
-fn layer_wise_sends_name_views_of_the_page_table() {
+fn layer_wise_sends_name_views_and_holds_are_for_decode_ranks() {
     let pool = Pool::new(8 * 2048);
     let plugins = support::plugin_dir();
     let agent = start(&config("context", &pool, plugins.path(), "")).unwrap();
@@ -507,6 +507,17 @@ fn layer_wise_sends_name_views_of_the_page_table() {
     let only = [kvferry_view_id { group: 0, view: 0 }];
     assert_eq!(send(1, only.as_ptr(), 1), status(KVFERRY_OK));
     assert_eq!(send(2, null(), 0), status(KVFERRY_OK));
+    // Holding is for decode ranks; a NULL peer is named.
+    let peer = CString::new("prefill-t").unwrap();
+    let ids = [1u64];
+    // SAFETY: a live handle, a NUL-terminated peer, no endpoints, one id.
+    let rc = unsafe { kvferry_agent_hold(agent, peer.as_ptr(), null(), 0, ids.as_ptr(), 1) };
+    assert_eq!(rc, status(KVFERRY_ERR_ROLE));
+    assert!(last_error().contains("hold is for generation ranks"), "{}", last_error());
+    // SAFETY: a NULL peer is what is tested.
+    let rc = unsafe { kvferry_agent_hold(agent, null(), null(), 0, ids.as_ptr(), 1) };
+    assert_eq!(rc, status(KVFERRY_ERR_NULL_POINTER));
+    assert_eq!(last_error(), "kvferry_agent_hold: peer is NULL");
     // SAFETY: a live handle, destroyed once.
     unsafe { kvferry_agent_destroy(agent) };
 }

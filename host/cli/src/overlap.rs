@@ -6,14 +6,16 @@
 //! transport asked for. Each round prefills `requests` requests of `prompt_len` tokens at
 //! once, twice: the compute is simulated as `T` per model layer for the whole batch (layer
 //! `l` of every request is computed at `t0 + (l + 1) T`, deadlines on one clock, so a late
-//! wake-up does not shift the later layers), and
+//! wake-up does not shift the later layers; the thread sleeps meanwhile, as an engine's does
+//! while its GPU computes), and
 //!
 //! - **whole-request**: every context rank sends each request whole once the last layer is
 //!   computed;
 //! - **layer-wise**: each context rank sends each request's layer `l` as soon as it is
 //!   computed ([`kvferry_transfer::agent::Send::views`]), the last layer marked last.
 //!
-//! The measure is the **tail**: from the end of the last layer's compute to the moment every
+//! The measure is the **tail**: from the end of the last layer's compute (its deadline, or the
+//! moment the thread woke up after it if that was later) to the moment every
 //! generation rank has reported every request `Received` (each generation rank checks that
 //! its writers' byte counts match its own plan of the request before it does). Rounds
 //! alternate which mode goes first. The report gives each mode's tail over the rounds (min /
@@ -198,19 +200,12 @@ fn views_by_layer(info: &RankInfo) -> BTreeMap<u32, Vec<ViewId>> {
     out
 }
 
-/// Sleeps (then spins the last stretch) until `deadline`.
+/// Sleeps until `deadline` (never spins: a GPU computes while the engine's thread waits, and
+/// on a small host a spinning thread would take the core kvferry's threads need).
 fn wait_until(deadline: Instant) {
-    loop {
-        let now = Instant::now();
-        if now >= deadline {
-            return;
-        }
-        let left = deadline - now;
-        if left > Duration::from_micros(300) {
-            std::thread::sleep(left - Duration::from_micros(200));
-        } else {
-            std::hint::spin_loop();
-        }
+    let now = Instant::now();
+    if deadline > now {
+        std::thread::sleep(deadline - now);
     }
 }
 
@@ -274,7 +269,9 @@ fn round(
             }
         }
     }
-    let computed = t0 + config.layer_compute * layers;
+    // The end of the last layer's compute: its deadline, or later when the wake-up was late
+    // (the layer-wise sends of earlier layers happen on this thread, as in an engine).
+    let computed = Instant::now().max(t0 + config.layer_compute * layers);
     if !layer_wise {
         for (agent, info) in ctx.agents.iter().zip(&ctx.infos) {
             send(agent, info, None, true)?;

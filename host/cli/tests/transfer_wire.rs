@@ -71,6 +71,7 @@ fn every_agent_message() -> Vec<AgentMessage> {
     let tables = vec![SlotTable::new([3, -1, 7]), SlotTable::new([1])];
     vec![
         AgentMessage::Ping,
+        AgentMessage::Hold { request: 7 },
         AgentMessage::Refused {
             reason: "tokens_per_block: ours 32, theirs 64".into(),
         },

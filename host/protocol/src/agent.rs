@@ -16,7 +16,7 @@
 //!   ◀── ProveWorker ─────────────────────────────  ask for it back
 //!   ── WorkerProof{c} ───────────────────────▶  c matches: the worker is the dialer's own
 //!   vet the metadata ◀── Metadata(ctx) | Refused
-//!   Ready ── RequestData, Cancel, Ping ──────▶  Ready
+//!   Ready ── RequestData, Cancel, Hold, Ping ▶  Ready
 //!         ◀──────────── Completion, Ping ────
 //! ```
 //!
@@ -154,6 +154,12 @@ pub enum AgentMessage {
     },
     /// Keep-alive.
     Ping,
+    /// The generation rank's instance still wants a request it has not claimed (its engine
+    /// queued it): the context rank extends the request's lease, within a bound of its own.
+    Hold {
+        /// The request.
+        request: u64,
+    },
     /// The sender refuses the connection; it closes it next.
     Error {
         /// What was wrong.
@@ -201,6 +207,7 @@ impl Frame for AgentMessage {
             AgentMessage::Completion(_) => "Completion",
             AgentMessage::Cancel { .. } => "Cancel",
             AgentMessage::Ping => "Ping",
+            AgentMessage::Hold { .. } => "Hold",
             AgentMessage::Error { .. } => "Error",
             AgentMessage::ProveWorker => "ProveWorker",
             AgentMessage::WorkerProof { .. } => "WorkerProof",
@@ -302,6 +309,11 @@ pub enum AgentEvent {
         request: u64,
         /// Why.
         reason: String,
+    },
+    /// A generation rank's instance still wants a request (acceptor only).
+    Hold {
+        /// The request.
+        request: u64,
     },
 }
 
@@ -445,6 +457,7 @@ impl AgentSession {
             (Role::Context, S::Ready, M::Cancel { request, reason }) => {
                 Ok(AgentEvent::Cancel { request, reason })
             }
+            (Role::Context, S::Ready, M::Hold { request }) => Ok(AgentEvent::Hold { request }),
             (Role::Generation, S::Ready, M::Completion(c)) => Ok(AgentEvent::Completion(c)),
             (side, state, message) => Err(AgentError::Unexpected {
                 side,

@@ -359,6 +359,7 @@ fn agent_message() -> impl Strategy<Value = AgentMessage> {
         (0u64..4, "[a-z]{0,8}")
             .prop_map(|(request, reason)| AgentMessage::Cancel { request, reason }),
         Just(AgentMessage::Ping),
+        any::<u64>().prop_map(|request| AgentMessage::Hold { request }),
         "[a-z]{0,8}".prop_map(|message| AgentMessage::Error { message }),
         Just(AgentMessage::ProveWorker),
         proptest::collection::vec(any::<u8>(), 0..40)
@@ -735,7 +736,12 @@ proptest! {
                     prop_assert_eq!(before, AgentState::AwaitMetadata);
                     prop_assert_eq!(m.role, Role::Generation);
                 }
-                Ok(AgentEvent::RequestData(_) | AgentEvent::Cancel { .. } | AgentEvent::Nothing) => {
+                Ok(
+                    AgentEvent::RequestData(_)
+                    | AgentEvent::Cancel { .. }
+                    | AgentEvent::Hold { .. }
+                    | AgentEvent::Nothing,
+                ) => {
                     prop_assert_eq!(before, AgentState::Ready);
                 }
                 Ok(AgentEvent::WorkerProof(_)) => {

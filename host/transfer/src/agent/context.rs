@@ -36,6 +36,9 @@ use crate::stash::{Stash, request_data_bytes};
 
 /// How long a claim for a request not sent yet is kept at most (the lease bounds it too).
 const STASH_TTL: Duration = Duration::from_secs(120);
+/// How far holds may push an unclaimed request's lease: this many leases after its first
+/// send, whatever its receiver says.
+pub(crate) const MAX_HELD_LEASES: u32 = 10;
 
 /// An authenticated, vetted generation rank connected to this context rank.
 #[derive(Debug)]
@@ -152,6 +155,9 @@ pub(crate) struct OutReq {
     unsent: BTreeSet<ViewId>,
     finished: bool,
     first_send: Instant,
+    /// Until when a receiver's holds keep it unclaimed (the lease otherwise ends at
+    /// `first_send + lease`).
+    held_until: Option<Instant>,
     claimed_at: Option<Instant>,
     owner: Option<String>,
     /// Receiver ranks this rank writes, once the first claim told who claims.
@@ -176,6 +182,7 @@ impl OutReq {
             chunks: vec![chunk],
             unsent,
             first_send: Instant::now(),
+            held_until: None,
             claimed_at: None,
             owner: None,
             expected: None,
@@ -443,6 +450,7 @@ fn serve_connection(inner: &Arc<Inner>, stream: TcpStream, pending: Pending) {
             Ok(AgentEvent::Cancel { request, reason }) => {
                 peer_cancel(inner, &conn, request, &reason)
             }
+            Ok(AgentEvent::Hold { request }) => hold(inner, &conn, request),
             Ok(AgentEvent::Nothing) => {}
             Ok(other) => break format!("sent {other:?}"),
             Err(AgentError::PeerError { message }) => {
@@ -1731,6 +1739,28 @@ fn peer_cancel(inner: &Arc<Inner>, conn: &Arc<GenConn>, id: u64, reason: &str) {
     }
 }
 
+/// A receiver's instance still wants request `id`, which nothing claimed yet (its engine
+/// queued it): the lease runs from now again, at most [`MAX_HELD_LEASES`] leases after the
+/// first send. A hold for a request it may not claim, one already claimed or ended, or one
+/// not sent here is ignored (a claim then gets its answer as it would have).
+fn hold(inner: &Arc<Inner>, conn: &Arc<GenConn>, id: u64) {
+    let lease = inner.config.lease;
+    let mut state = lock(&inner.prefill);
+    let Some(req) = state.requests.get_mut(&id) else {
+        tracing::debug!(request = id, peer = %conn.name(), "hold for a request not held here");
+        return;
+    };
+    let open = req.open_to(&conn.identity.instance);
+    if !open || req.claimed_at.is_some() || req.cancelled || req.failure.is_some() {
+        tracing::debug!(request = id, peer = %conn.name(), open, "hold ignored");
+        return;
+    }
+    let bound = req.first_send + lease * MAX_HELD_LEASES;
+    let until = (Instant::now() + lease).min(bound);
+    req.held_until = Some(req.held_until.map_or(until, |h| h.max(until)));
+    tracing::debug!(request = id, peer = %conn.name(), "held");
+}
+
 pub(crate) fn cancel(inner: &Arc<Inner>, id: u64) -> Result<(), CallError> {
     {
         let mut state = lock(&inner.prefill);
@@ -1788,13 +1818,21 @@ pub(crate) fn reap(inner: &Arc<Inner>) {
             if req.claims.values().any(|c| c.cancelled && !c.ended) {
                 due.push(id);
             }
+            let lease_end = req.held_until.unwrap_or(req.first_send + lease);
             match req.claimed_at {
-                None if now.saturating_duration_since(req.first_send) >= lease => {
+                None if now >= lease_end => {
+                    let held = match req.held_until {
+                        Some(_) => format!(
+                            " (held by its receiver for {} ms)",
+                            lease_end.duration_since(req.first_send).as_millis()
+                        ),
+                        None => String::new(),
+                    };
                     req.failure = Some((
                         None,
                         FailureKind::Lease,
                         format!(
-                            "no receiver claimed request {id} within the {} ms lease",
+                            "no receiver claimed request {id} within the {} ms lease{held}",
                             lease.as_millis()
                         ),
                     ));

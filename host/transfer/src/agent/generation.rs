@@ -502,6 +502,52 @@ pub(crate) fn expect(inner: &Arc<Inner>, e: Expect) -> Result<(), CallError> {
     Ok(())
 }
 
+/// Sends `Hold` for `requests` to every rank of `peer` reached through `endpoints` (or, when
+/// none are given, the endpoints of its ranks on file), on the dispatch pool.
+pub(crate) fn hold(
+    inner: &Arc<Inner>,
+    peer: String,
+    endpoints: Vec<String>,
+    requests: Vec<u64>,
+) -> Result<(), CallError> {
+    if requests.is_empty() {
+        return Ok(());
+    }
+    let worker = Arc::clone(inner);
+    let job = move || {
+        let endpoints = if endpoints.is_empty() {
+            lock(&worker.decode)
+                .directory
+                .get(&peer)
+                .map(|ranks| ranks.values().filter_map(|m| m.endpoint.clone()).collect())
+                .unwrap_or_default()
+        } else {
+            endpoints
+        };
+        for endpoint in &endpoints {
+            match link_to(&worker, endpoint) {
+                Ok(link) if link.identity.instance == peer => {
+                    for &request in &requests {
+                        let _ = link.outbox.send(AgentMessage::Hold { request });
+                    }
+                }
+                Ok(link) => tracing::warn!(
+                    %peer, %endpoint, found = %link.identity,
+                    "holding requests: the endpoint is another instance's"
+                ),
+                Err((kind, reason)) => tracing::warn!(
+                    %peer, %endpoint, %kind, %reason,
+                    "holding requests: cannot reach the rank"
+                ),
+            }
+        }
+    };
+    inner
+        .dispatch
+        .run(Box::new(job))
+        .map_err(|_| CallError::Stopped)
+}
+
 fn dispatch(inner: &Arc<Inner>, e: Expect) {
     let id = e.request;
     let _span = tracing::debug_span!("expect", request = id, peer = %e.peer).entered();

@@ -110,7 +110,8 @@ pub struct AgentConfig {
     pub secret: Secret,
     /// How long a request may take from `expect` (decode) or its first claim (prefill).
     pub timeout: Duration,
-    /// How long a prefill-side `send` waits for its first receiver before it fails.
+    /// How long a prefill-side `send` waits for its first receiver before it fails (a
+    /// receiver's [`Agent::hold`] runs it again, up to ten leases after the send).
     pub lease: Duration,
     /// How long a peer may stay silent (keep-alives flow every third of it) before it is
     /// declared gone and its requests fail.
@@ -834,6 +835,32 @@ impl Agent {
     pub fn expect(&self, expect: Expect) -> Result<(), CallError> {
         self.need(Role::Generation, "expect")?;
         generation::expect(&self.inner, expect)
+    }
+
+    /// Decode side: tells prefill instance `peer` that this instance still wants `requests`,
+    /// which it has not expected yet (its engine queued them): every rank of `peer` reached
+    /// through `endpoints` (or, when empty, those whose metadata was added with
+    /// [`add_peer`](Self::add_peer)) that holds one of them unclaimed runs its lease from now
+    /// again, up to ten leases after its send. Returns at once; nothing is reported (a
+    /// request that ran out anyway fails at its `expect`, as it would have). Engines call it
+    /// periodically, well within the lease, for requests still queued.
+    ///
+    /// # Errors
+    ///
+    /// A context rank, or a stopped agent.
+    pub fn hold(
+        &self,
+        peer: &str,
+        endpoints: &[String],
+        requests: &[u64],
+    ) -> Result<(), CallError> {
+        self.need(Role::Generation, "hold")?;
+        generation::hold(
+            &self.inner,
+            peer.to_string(),
+            endpoints.to_vec(),
+            requests.to_vec(),
+        )
     }
 
     /// Cancels a request: always accepted while the request has not ended, and answered by
