@@ -49,6 +49,7 @@ def main() -> None:
         disable_log_stats=False,
         seed=0,
         kv_transfer_config=kv,
+        **({"max_num_seqs": spec["max_num_seqs"]} if "max_num_seqs" in spec else {}),
     )
     waves = spec["waves"]  # lists of prompts, generated one list after the other
     out_path = Path(spec["out"])
@@ -79,9 +80,10 @@ def main() -> None:
             time.sleep(0.2)
         remote = json.loads(params_file.read_text())["params"]
     result = []
+    seconds = []
     for w, wave in enumerate(waves):
         if remote is None:
-            params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"])
+            params = [SamplingParams(temperature=0, max_tokens=spec["max_tokens"])] * len(wave)
         else:
             params = [
                 SamplingParams(
@@ -91,7 +93,19 @@ def main() -> None:
                 )
                 for p in remote[w]
             ]
+        blocker = spec.get("blocker") if w == 0 else None
+        if blocker:
+            # A local request first: with max_num_seqs 1 the wave's requests queue behind it.
+            wave = [blocker["prompt"], *wave]
+            params = [
+                SamplingParams(temperature=0, max_tokens=blocker["tokens"], ignore_eos=True),
+                *params,
+            ]
+        t0 = time.monotonic()
         outputs = llm.generate(wave, params, use_tqdm=False)
+        seconds.append(time.monotonic() - t0)
+        if blocker:
+            outputs = outputs[1:]
         result.append(
             [
                 {
@@ -102,7 +116,7 @@ def main() -> None:
                 for o in outputs
             ]
         )
-    _write(out_path, {"outputs": result, "metrics": _metrics(llm)})
+    _write(out_path, {"outputs": result, "metrics": _metrics(llm), "seconds": seconds})
 
 
 def _metrics(llm) -> dict[str, float]:

@@ -38,7 +38,13 @@ def app(prefill: str, decode: str) -> web.Application:
             )
 
     async def start(application: web.Application) -> None:
-        application["session"] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        # A connection per request: a pooled one that the server's keep-alive timeout (5 s in
+        # uvicorn) closes just as a request reuses it is reset under it, which a slow prefill
+        # on a loaded host made happen (a 500 from this proxy, not from vLLM).
+        application["session"] = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None),
+            connector=aiohttp.TCPConnector(force_close=True),
+        )
 
     async def stop(application: web.Application) -> None:
         await application["session"].close()

@@ -220,3 +220,63 @@ def test_bad_configuration_stops_vllm_at_start(extra, expected, env, model_root,
     assert "kvferry" in text and expected in text, text[-3000:]
     line = next(line for line in text.splitlines() if expected in line)
     print(f"\n{extra}: vLLM stopped at start: {line.strip()[:200]}")
+
+
+def test_a_decode_request_queued_beyond_the_lease_keeps_its_kv(env, model_root, tmp_path):
+    """The prefill's lease is 1.5 s; the decode instance runs one sequence at a time and a
+    local 500-token generation goes first, so the loading requests wait in vLLM's queue
+    several leases long (within the ten leases a hold may reach: a first try with 1,500
+    tokens queued them past 20 s of a 2 s lease, and they failed cleanly as "held by its
+    receiver for 20000 ms"). The connector holds them (every third of ``lease_ms``), they
+    still load, and their tokens are the co-located instance's."""
+    lease_ms = 1500
+    want = colocated("llama", model_root, tmp_path, env)
+    model, tokenizer = models.make(model_root, "llama")
+    extra = {**connector_config(env), "lease_ms": lease_ms}
+    common = {"model": str(model), "tokenizer": str(tokenizer), "waves": [WAVES[0][:3]]}
+    prefill = {
+        **common,
+        "role": "prefill",
+        "tp": 1,
+        "extra": {**extra, "instance": "prefill-held"},
+        "out": str(tmp_path / "params.json"),
+        "out_after": str(tmp_path / "prefill-after.json"),
+        "release": str(tmp_path / "release"),
+    }
+    rng = random.Random(11)
+    decode = {
+        **common,
+        "role": "decode",
+        "tp": 1,
+        "max_tokens": MAX_TOKENS,
+        "max_num_seqs": 1,
+        "blocker": {"prompt": " ".join(_words(rng, 8)), "tokens": 500},
+        "extra": {**extra, "instance": "decode-held"},
+        "params": prefill["out"],
+        "out": str(tmp_path / "decode.json"),
+    }
+    plog, dlog = tmp_path / "prefill.log", tmp_path / "decode.log"
+    p = _run(prefill, tmp_path / "prefill.spec", env, plog)
+    d = _run(decode, tmp_path / "decode.spec", env, dlog)
+    try:
+        _wait(d, "decode", dlog)
+    finally:
+        Path(prefill["release"]).touch()
+        if d.poll() is None:
+            d.kill()
+    _wait(p, "prefill", plog, timeout=120)
+
+    got = json.loads(Path(decode["out"]).read_text())
+    for i, (a, b) in enumerate(zip(want[0][:3], got["outputs"][0], strict=True)):
+        assert b["tokens"] == a["tokens"], f"prompt {i}: {b['tokens']} vs {a['tokens']}"
+    queued = got["seconds"][0]
+    loaded = got["metrics"].get("vllm:prompt_tokens_by_source{source=external_kv_transfer}")
+    total = sum(o["prompt_tokens"] for o in got["outputs"][0])
+    print(
+        f"\nqueued behind a local generation for {queued:.1f} s (lease {lease_ms / 1e3:.1f} s): "
+        f"{loaded} of {total} prompt tokens loaded, tokens identical"
+    )
+    # The wave waited in the queue for more than twice the lease: without holds the prefill
+    # would have let the data go.
+    assert 2 * lease_ms / 1e3 < queued < 10 * lease_ms / 1e3, got["seconds"]
+    assert loaded == total, got["metrics"]

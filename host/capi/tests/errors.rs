@@ -513,7 +513,11 @@ fn layer_wise_sends_name_views_and_holds_are_for_decode_ranks() {
     // SAFETY: a live handle, a NUL-terminated peer, no endpoints, one id.
     let rc = unsafe { kvferry_agent_hold(agent, peer.as_ptr(), null(), 0, ids.as_ptr(), 1) };
     assert_eq!(rc, status(KVFERRY_ERR_ROLE));
-    assert!(last_error().contains("hold is for generation ranks"), "{}", last_error());
+    assert!(
+        last_error().contains("hold is for generation ranks"),
+        "{}",
+        last_error()
+    );
     // SAFETY: a NULL peer is what is tested.
     let rc = unsafe { kvferry_agent_hold(agent, null(), null(), 0, ids.as_ptr(), 1) };
     assert_eq!(rc, status(KVFERRY_ERR_NULL_POINTER));

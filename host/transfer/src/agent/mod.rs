@@ -38,7 +38,8 @@
 //!   never touches that request's slots again: a decode-side `Failed` or `Cancelled` comes
 //!   only once every writer has reported its last piece or its connection is gone.
 //! - **Time**: requests time out ([`AgentConfig::timeout`]); a `send` nobody claims within the
-//!   lease fails and frees its slots (one its receiver cancelled, even before the `send`,
+//!   lease (run again by its receiver's [`Agent::hold`], up to ten leases after the send)
+//!   fails and frees its slots (one its receiver cancelled, even before the `send`,
 //!   ends at once as [`FailureKind::CancelledByPeer`]); peers that fall silent past
 //!   [`AgentConfig::peer_timeout`] (keep-alives flow when idle) fail only their requests;
 //!   planner calls run off the connection threads under [`AgentConfig::planner_timeout`].
