@@ -127,6 +127,13 @@ class Agent:
         ``cancelled`` or ``failed``. Kinds ``role``, ``invalid``, ``duplicate``, ``stopped``;
         ``TypeError`` for tables that are not int32."""
 
+    def stats(self) -> dict[str, Any]:
+        """What the agent did since it started: ``sent``, ``received``, ``cancelled``,
+        ``failed`` (kind name -> count, every kind), ``bytes``, ``fragments``, ``pieces``,
+        ``puts``, ``plan_ns``, ``write_ns``, ``latency_us`` (entry k counts requests that took
+        under 2**k microseconds, the last one every longer one), and ``in_flight`` and
+        ``peers`` now."""
+
     def hold(self, peer: str, endpoints: Sequence[str], requests: Sequence[int]) -> None:
         """Decode ranks: tells prefill instance ``peer`` (through ``endpoints``, or the ranks
         added with :meth:`add_peer` when empty) that this instance still wants ``requests``,

@@ -14,12 +14,13 @@ use std::sync::{Mutex, PoisonError, RwLock};
 use kvferry_capi::config::{ConfigError, error_chain, load};
 use kvferry_planner_abi::{SlotTable, TokenRange, ViewId};
 use kvferry_transfer::agent::{
-    Agent as RustAgent, CallError, Event as RustEvent, Expect, Send as SendChunk, StartError,
+    Agent as RustAgent, CallError, Event as RustEvent, Expect, FAILURE_KINDS, Send as SendChunk,
+    StartError,
 };
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyException, PyTypeError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyString};
+use pyo3::types::{PyBytes, PyDict, PyString};
 
 pyo3::create_exception!(
     kvferry,
@@ -469,6 +470,33 @@ impl Agent {
                 views,
             })?)
         })
+    }
+
+    /// What the agent did since it started, as a dict: `sent`, `received`, `cancelled`,
+    /// `failed` (kind name -> count, every kind), `bytes`, `fragments`, `pieces`, `puts`,
+    /// `plan_ns`, `write_ns`, `latency_us` (a list: entry k counts requests that took under
+    /// 2**k microseconds, the last one every longer one), `in_flight` and `peers` (now).
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.with(py, "Agent.stats", |a| Ok(a.stats()))?;
+        let d = PyDict::new(py);
+        d.set_item("sent", s.sent)?;
+        d.set_item("received", s.received)?;
+        d.set_item("cancelled", s.cancelled)?;
+        let failed = PyDict::new(py);
+        for (kind, count) in FAILURE_KINDS.iter().zip(s.failed) {
+            failed.set_item(kind.as_ref(), count)?;
+        }
+        d.set_item("failed", failed)?;
+        d.set_item("bytes", s.bytes)?;
+        d.set_item("fragments", s.fragments)?;
+        d.set_item("pieces", s.pieces)?;
+        d.set_item("puts", s.puts)?;
+        d.set_item("plan_ns", s.plan_ns)?;
+        d.set_item("write_ns", s.write_ns)?;
+        d.set_item("latency_us", s.latency_us.to_vec())?;
+        d.set_item("in_flight", s.in_flight)?;
+        d.set_item("peers", s.peers)?;
+        Ok(d)
     }
 
     /// Decode ranks: tells prefill instance `peer` (through `endpoints`, or the ranks added

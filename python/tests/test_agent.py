@@ -250,6 +250,13 @@ def test_transfer_checks_every_byte(plugin_dir, transport):
             assert received[rid].bytes > 0 and received[rid].writers == 1
             assert "received" in repr(received[rid])
         assert sum(e.bytes for e in sent.values()) == sum(e.bytes for e in received.values())
+        # The agents' own counters agree.
+        sends, loads = ctx.stats(), gen.stats()
+        assert sends["sent"] == loads["received"] == len(REQUESTS), (sends, loads)
+        assert sends["bytes"] == loads["bytes"] == sum(e.bytes for e in sent.values())
+        assert sum(loads["latency_us"]) == len(REQUESTS) and loads["in_flight"] == 0
+        assert set(loads["failed"]) >= {"lease", "peer", "timeout"}
+        assert sum(loads["failed"].values()) == 0 and loads["peers"] == 1
     assert ctx.closed and gen.closed
 
     # Every byte of the decode pool: received rows hold the prefill's pattern, cached rows

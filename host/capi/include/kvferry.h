@@ -59,6 +59,17 @@
 #define KVFERRY_EVENT_DETAIL_TRUNCATED 2
 
 /**
+ * Entries of [`kvferry_agent_stats::failed`]: one per `kvferry_failure_kind` value up to
+ * 15 (`KVFERRY_FAILURE_OTHER` is not counted there).
+ */
+#define KVFERRY_STATS_FAILURE_SLOTS 16
+
+/**
+ * Entries of [`kvferry_agent_stats::latency_us_log2`].
+ */
+#define KVFERRY_STATS_LATENCY_BUCKETS 28
+
+/**
  * What an event says happened. New kinds may be added; skip kinds you do not know.
  */
 enum kvferry_event_kind
@@ -264,6 +275,67 @@ typedef int32_t kvferry_status;
 typedef struct kvferry_agent kvferry_agent;
 
 /**
+ * What an agent did since it started (`kvferry_agent_get_stats`): counters over its requests'
+ * terminal events, and what it holds now. Plain data.
+ */
+typedef struct kvferry_agent_stats {
+  /**
+   * Requests that ended `SENT` (prefill ranks).
+   */
+  uint64_t sent;
+  /**
+   * Requests that ended `RECEIVED` (decode ranks).
+   */
+  uint64_t received;
+  /**
+   * Requests that ended `CANCELLED`.
+   */
+  uint64_t cancelled;
+  /**
+   * Requests that ended `FAILED`, indexed by their `kvferry_failure_kind` value.
+   */
+  uint64_t failed[KVFERRY_STATS_FAILURE_SLOTS];
+  /**
+   * Bytes of the requests that ended well (written by this rank, or into it).
+   */
+  uint64_t bytes;
+  /**
+   * Fragments written into this rank (decode ranks).
+   */
+  uint64_t fragments;
+  /**
+   * Pieces that landed in this rank (decode ranks: a chunk or a layer-wise send each).
+   */
+  uint64_t pieces;
+  /**
+   * Puts this rank issued (prefill ranks).
+   */
+  uint64_t puts;
+  /**
+   * Nanoseconds spent planning and validating the requests that ended well.
+   */
+  uint64_t plan_ns;
+  /**
+   * Nanoseconds of puts and flushes for them (prefill ranks).
+   */
+  uint64_t write_ns;
+  /**
+   * Requests that ended well by time: entry `k` counts those under `2^k` microseconds
+   * (and at least `2^(k-1)`), the last one every longer one. Decode: `expect` to
+   * `RECEIVED`; prefill: the claim to `SENT`.
+   */
+  uint64_t latency_us_log2[KVFERRY_STATS_LATENCY_BUCKETS];
+  /**
+   * Requests held now.
+   */
+  uint64_t in_flight;
+  /**
+   * Vetted peer connections now.
+   */
+  uint64_t peers;
+} kvferry_agent_stats;
+
+/**
  * A request's slots in one layer group, by block ordinal: `slots[o]` holds tokens
  * `[o × tokens_per_block, (o + 1) × tokens_per_block)`, or is -1 where this side holds nothing
  * (outside a window, not allocated, or — decode side — cached). A STATE group's table is one
@@ -353,6 +425,15 @@ typedef struct kvferry_event {
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+/**
+ * Fills `*out` with what the agent did since it started (`kvferry_agent_get_stats`).
+ *
+ * # Safety
+ *
+ * `agent` is NULL or a live handle; `out` is NULL or writable.
+ */
+int kvferry_agent_get_stats(struct kvferry_agent *agent, struct kvferry_agent_stats *out);
 
 /**
  * Starts one rank's agent from a JSON configuration (version 1; `host/capi/README.md` lists

@@ -12,7 +12,9 @@ use std::ffi::{CStr, c_char, c_int};
 use std::sync::{Mutex, Once};
 
 use kvferry_planner_abi::{SlotTable, TokenRange, ViewId};
-use kvferry_transfer::agent::{Agent, Event, Expect, FailureKind, Send as SendChunk};
+use kvferry_transfer::agent::{
+    Agent, Event, Expect, FAILURE_KINDS, FailureKind, LATENCY_BUCKETS, Send as SendChunk,
+};
 
 pub use error::kvferry_status;
 
@@ -219,6 +221,96 @@ impl kvferry_event {
             }
         }
     }
+}
+
+/// Entries of [`kvferry_agent_stats::failed`]: one per `kvferry_failure_kind` value up to
+/// 15 (`KVFERRY_FAILURE_OTHER` is not counted there).
+pub const KVFERRY_STATS_FAILURE_SLOTS: usize = 16;
+/// Entries of [`kvferry_agent_stats::latency_us_log2`].
+pub const KVFERRY_STATS_LATENCY_BUCKETS: usize = 28;
+const _: () = assert!(KVFERRY_STATS_LATENCY_BUCKETS == LATENCY_BUCKETS);
+
+/// What an agent did since it started (`kvferry_agent_get_stats`): counters over its requests'
+/// terminal events, and what it holds now. Plain data.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct kvferry_agent_stats {
+    /// Requests that ended `SENT` (prefill ranks).
+    pub sent: u64,
+    /// Requests that ended `RECEIVED` (decode ranks).
+    pub received: u64,
+    /// Requests that ended `CANCELLED`.
+    pub cancelled: u64,
+    /// Requests that ended `FAILED`, indexed by their `kvferry_failure_kind` value.
+    pub failed: [u64; KVFERRY_STATS_FAILURE_SLOTS],
+    /// Bytes of the requests that ended well (written by this rank, or into it).
+    pub bytes: u64,
+    /// Fragments written into this rank (decode ranks).
+    pub fragments: u64,
+    /// Pieces that landed in this rank (decode ranks: a chunk or a layer-wise send each).
+    pub pieces: u64,
+    /// Puts this rank issued (prefill ranks).
+    pub puts: u64,
+    /// Nanoseconds spent planning and validating the requests that ended well.
+    pub plan_ns: u64,
+    /// Nanoseconds of puts and flushes for them (prefill ranks).
+    pub write_ns: u64,
+    /// Requests that ended well by time: entry `k` counts those under `2^k` microseconds
+    /// (and at least `2^(k-1)`), the last one every longer one. Decode: `expect` to
+    /// `RECEIVED`; prefill: the claim to `SENT`.
+    pub latency_us_log2: [u64; KVFERRY_STATS_LATENCY_BUCKETS],
+    /// Requests held now.
+    pub in_flight: u64,
+    /// Vetted peer connections now.
+    pub peers: u64,
+}
+
+/// Fills `*out` with what the agent did since it started (see `kvferry_agent_stats`).
+///
+/// # Safety
+///
+/// `agent` is NULL or a live handle; `out` is NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvferry_agent_get_stats(
+    agent: *mut kvferry_agent,
+    out: *mut kvferry_agent_stats,
+) -> c_int {
+    guard("kvferry_agent_get_stats", || {
+        // SAFETY: NULL or a live handle (the caller's contract).
+        let a = unsafe { deref(agent, "agent") }?;
+        if out.is_null() {
+            return Err(Failure::null("out"));
+        }
+        let s = a.agent.stats();
+        let mut failed = [0u64; KVFERRY_STATS_FAILURE_SLOTS];
+        for (kind, count) in FAILURE_KINDS.iter().zip(s.failed) {
+            if let Some(slot) = failed.get_mut(failure_kind(*kind) as usize) {
+                *slot += count;
+            }
+        }
+        let mut latency_us_log2 = [0u64; KVFERRY_STATS_LATENCY_BUCKETS];
+        for (to, from) in latency_us_log2.iter_mut().zip(s.latency_us) {
+            *to = from;
+        }
+        let stats = kvferry_agent_stats {
+            sent: s.sent,
+            received: s.received,
+            cancelled: s.cancelled,
+            failed,
+            bytes: s.bytes,
+            fragments: s.fragments,
+            pieces: s.pieces,
+            puts: s.puts,
+            plan_ns: s.plan_ns,
+            write_ns: s.write_ns,
+            latency_us_log2,
+            in_flight: s.in_flight,
+            peers: s.peers,
+        };
+        // SAFETY: non-NULL and writable (the caller's contract).
+        unsafe { out.write(stats) };
+        Ok(())
+    })
 }
 
 fn failure_kind(kind: FailureKind) -> kvferry_failure_kind {
@@ -933,6 +1025,20 @@ mod tests {
     fn an_event_is_696_bytes_as_the_cpp_check_expects() {
         assert_eq!(std::mem::size_of::<kvferry_event>(), 696);
         assert_eq!(std::mem::align_of::<kvferry_event>(), 8);
+    }
+
+    #[test]
+    fn the_stats_are_plain_u64s_and_hold_every_failure_kind() {
+        assert_eq!(
+            std::mem::size_of::<kvferry_agent_stats>(),
+            (11 + 16 + 28) * 8
+        );
+        for kind in FAILURE_KINDS {
+            assert!(
+                (failure_kind(kind) as usize) < KVFERRY_STATS_FAILURE_SLOTS,
+                "{kind}"
+            );
+        }
     }
 
     #[test]

@@ -522,6 +522,23 @@ fn layer_wise_sends_name_views_and_holds_are_for_decode_ranks() {
     let rc = unsafe { kvferry_agent_hold(agent, null(), null(), 0, ids.as_ptr(), 1) };
     assert_eq!(rc, status(KVFERRY_ERR_NULL_POINTER));
     assert_eq!(last_error(), "kvferry_agent_hold: peer is NULL");
+    // Its stats: two requests held, nothing ended yet; NULL out is named.
+    let mut stats = kvferry_agent_stats::default();
+    // SAFETY: a live handle and a writable struct.
+    let rc = unsafe { kvferry_agent_get_stats(agent, &mut stats) };
+    assert_eq!(rc, status(KVFERRY_OK));
+    assert_eq!((stats.in_flight, stats.sent, stats.peers), (2, 0, 0));
+    assert!(
+        stats
+            .failed
+            .iter()
+            .chain(&stats.latency_us_log2)
+            .all(|&n| n == 0)
+    );
+    // SAFETY: NULL out is what is tested.
+    let rc = unsafe { kvferry_agent_get_stats(agent, null_mut()) };
+    assert_eq!(rc, status(KVFERRY_ERR_NULL_POINTER));
+    assert_eq!(last_error(), "kvferry_agent_get_stats: out is NULL");
     // SAFETY: a live handle, destroyed once.
     unsafe { kvferry_agent_destroy(agent) };
 }

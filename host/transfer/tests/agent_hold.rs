@@ -130,6 +130,13 @@ fn holds_keep_only_what_they_may_and_only_for_ten_leases() {
             );
         }
     }
+    // Both counted as lease failures.
+    let stats = prefill.stats();
+    assert_eq!(stats.failed_of(FailureKind::Lease), 2, "{stats:?}");
+    assert_eq!(
+        (stats.sent, stats.failed_total(), stats.in_flight),
+        (1, 2, 0)
+    );
     // A context rank holds nothing.
     assert!(prefill.hold("decode", &[], &[1]).is_err());
 }

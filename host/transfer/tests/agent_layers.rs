@@ -126,6 +126,14 @@ fn a_request_sent_layer_by_layer_lands_byte_for_byte() {
         };
         // Two chunks of four layers each.
         assert_eq!(stats.pieces, 2 * LAYERS, "{case}: {stats:?}");
+        // The agents' own counters say the same.
+        let (sent, got) = (prefill.stats(), decode.stats());
+        assert_eq!((sent.sent, got.received), (1, 1), "{case}");
+        assert_eq!(got.pieces, u64::from(2 * LAYERS), "{case}");
+        assert_eq!(got.bytes, stats.bytes, "{case}");
+        assert_eq!(sent.bytes, stats.bytes, "{case}");
+        assert_eq!(got.latency_us.iter().sum::<u64>(), 1, "{case}");
+        assert_eq!((got.failed_total(), got.in_flight), (0, 0), "{case}");
         // Scattering and digest checks take time here exactly when they happen.
         assert_eq!(
             stats.stages.scatter_ns > 0,

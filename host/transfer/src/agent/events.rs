@@ -94,10 +94,116 @@ impl Event {
     }
 }
 
-/// A queue of events with an eventfd that is readable while events wait.
+/// Every failure kind, in the order of [`AgentStats::failed`].
+pub const FAILURE_KINDS: [FailureKind; 10] = [
+    FailureKind::Invalid,
+    FailureKind::Peer,
+    FailureKind::Refused,
+    FailureKind::Planner,
+    FailureKind::Timeout,
+    FailureKind::Lease,
+    FailureKind::Protocol,
+    FailureKind::Write,
+    FailureKind::CancelledByPeer,
+    FailureKind::Integrity,
+];
+
+/// Buckets of [`AgentStats::latency_us`].
+pub const LATENCY_BUCKETS: usize = 28;
+
+/// What an agent did since it started ([`crate::agent::Agent::stats`]): counters over its
+/// requests' terminal events, and what it holds now.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct AgentStats {
+    /// Requests that ended `Sent` (prefill side).
+    pub sent: u64,
+    /// Requests that ended `Received` (decode side).
+    pub received: u64,
+    /// Requests that ended `Cancelled`.
+    pub cancelled: u64,
+    /// Requests that ended `Failed`, by kind, in [`FAILURE_KINDS`] order.
+    pub failed: [u64; FAILURE_KINDS.len()],
+    /// Bytes of the requests that ended well (written by this rank, or into it).
+    pub bytes: u64,
+    /// Fragments written into this rank (decode side, as its writers reported them).
+    pub fragments: u64,
+    /// Pieces that landed in this rank (decode side; a chunk or layer-wise send is one).
+    pub pieces: u64,
+    /// Puts this rank issued (prefill side).
+    pub puts: u64,
+    /// Nanoseconds this rank spent planning and validating the requests that ended well.
+    pub plan_ns: u64,
+    /// Nanoseconds its rank thread spent in puts and flushes for them (prefill side).
+    pub write_ns: u64,
+    /// Requests that ended well by how long they took, in microseconds: bucket `k` counts
+    /// those under `2^k` µs (at least `2^(k-1)`), the last one every longer one. Decode
+    /// side: from `expect` to `Received`; prefill side: from the claim to `Sent` (the sum
+    /// of its stages).
+    pub latency_us: [u64; LATENCY_BUCKETS],
+    /// Requests held now (not ended).
+    pub in_flight: u64,
+    /// Vetted peer connections now.
+    pub peers: u64,
+}
+
+impl AgentStats {
+    /// Requests that ended `Failed`, whatever the kind.
+    pub fn failed_total(&self) -> u64 {
+        self.failed.iter().sum()
+    }
+
+    /// The count of `Failed` requests of `kind`.
+    pub fn failed_of(&self, kind: FailureKind) -> u64 {
+        FAILURE_KINDS
+            .iter()
+            .position(|k| *k == kind)
+            .map_or(0, |i| self.failed[i])
+    }
+
+    fn count(&mut self, event: &Event) {
+        let mut latency = |us: u64| {
+            let bucket = (u64::BITS - us.leading_zeros()) as usize;
+            self.latency_us[bucket.min(LATENCY_BUCKETS - 1)] += 1;
+        };
+        match event {
+            Event::Sent {
+                bytes,
+                puts,
+                stages,
+                ..
+            } => {
+                latency(stages.total_ns() / 1000);
+                self.sent += 1;
+                self.bytes += bytes;
+                self.puts += puts;
+                self.plan_ns += stages.plan_ns + stages.validate_ns;
+                self.write_ns += stages.puts_ns + stages.flush_ns;
+            }
+            Event::Received { stats, .. } => {
+                latency(stats.latency_us);
+                self.received += 1;
+                self.bytes += stats.bytes;
+                self.fragments += stats.fragments;
+                self.pieces += u64::from(stats.pieces);
+                self.plan_ns += stats.stages.plan_ns + stats.stages.validate_ns;
+            }
+            Event::Cancelled { .. } => self.cancelled += 1,
+            Event::Failed { kind, .. } => {
+                if let Some(i) = FAILURE_KINDS.iter().position(|k| k == kind) {
+                    self.failed[i] += 1;
+                }
+            }
+        }
+    }
+}
+
+/// A queue of events with an eventfd that is readable while events wait, and the counters
+/// of every event pushed.
 #[derive(Debug)]
 pub(crate) struct Events {
     queue: Mutex<VecDeque<Event>>,
+    stats: Mutex<AgentStats>,
     fd: OwnedFd,
 }
 
@@ -110,6 +216,7 @@ impl Events {
         }
         Ok(Self {
             queue: Mutex::new(VecDeque::new()),
+            stats: Mutex::new(AgentStats::default()),
             // SAFETY: `raw` is a fresh descriptor this value alone owns from here on.
             fd: unsafe { OwnedFd::from_raw_fd(raw) },
         })
@@ -117,6 +224,10 @@ impl Events {
 
     pub(crate) fn push(&self, event: Event) {
         tracing::debug!(request = event.request(), event = ?event, "event");
+        self.stats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .count(&event);
         self.queue
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -146,6 +257,11 @@ impl Events {
             )
         };
         queue.drain(..).collect()
+    }
+
+    /// The counters so far (`in_flight` and `peers` are the caller's to fill in).
+    pub(crate) fn stats(&self) -> AgentStats {
+        self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     pub(crate) fn raw_fd(&self) -> RawFd {

@@ -53,7 +53,7 @@ mod record;
 mod worker_proof;
 
 pub use crate::bounce::{BounceConfig, BounceMode};
-pub use events::{Event, FailureKind};
+pub use events::{AgentStats, Event, FAILURE_KINDS, FailureKind, LATENCY_BUCKETS};
 pub use generation::Expect;
 pub use kvferry_protocol::{AgentMetadata, Integrity, PeerIdentity, Secret};
 
@@ -894,6 +894,17 @@ impl Agent {
         match self.inner.config.role {
             Role::Context => lock(&self.inner.prefill).requests.len(),
             Role::Generation => lock(&self.inner.decode).requests.len(),
+        }
+    }
+
+    /// What this agent did since it started: its requests by outcome and failure kind, bytes,
+    /// fragments, pieces, puts, planning and write time, a histogram of request times, and
+    /// the requests and peers it holds now (see [`AgentStats`]).
+    pub fn stats(&self) -> AgentStats {
+        AgentStats {
+            in_flight: self.requests_held() as u64,
+            peers: self.connections() as u64,
+            ..self.inner.events.stats()
         }
     }
 
