@@ -239,6 +239,13 @@ def test_serve_through_proxy_equals_colocated(deployment, request, env, model_ro
     assert received == loads == prompts * tp_decode
     assert sent == prompts * tp_prefill
     assert nbytes > 0
+    # The agents' own stats: each decode worker is linked to every prefill worker that
+    # writes it, and holds nothing once every load ended.
+    peers = _metric(text, "vllm:kvferry_peers", side="load")
+    assert peers == tp_prefill * tp_decode, peers
+    assert _metric(text, "vllm:kvferry_in_flight", side="load") == 0
+    parts = _metric(prefill.metrics(), "vllm:kvferry_layer_parts_total")
+    assert parts == prompts * 4 * tp_prefill, parts  # every prompt sent layer by layer
 
 
 def _sent(server: Server) -> float:

@@ -75,7 +75,8 @@ Metrics (vLLM's ``/metrics``, from the agents' terminal events): ``vllm:kvferry_
 ``failed:KIND``, ``refused:KIND``), ``vllm:kvferry_bytes_total`` (``side``) and
 ``vllm:kvferry_load_seconds`` (a decode worker's ``expect`` to the last piece). The
 connector's stats in vLLM's log also give ``send_tail_ms_avg`` (from the last bytes handed to
-the agent to ``sent``) and ``layer_parts``.
+the agent to ``sent``) and ``layer_parts``; the gauges ``vllm:kvferry_in_flight`` and
+``vllm:kvferry_peers`` (``side``) come from the agents' own ``Agent.stats()``.
 """
 
 from __future__ import annotations
@@ -358,7 +359,16 @@ class KvferryConnectorMetadata(KVConnectorMetadata):
 
 
 def _empty_stats() -> dict[str, Any]:
-    return {"transfers": {}, "bytes": {}, "load_seconds": [], "send_tail_seconds": [], "layer_parts": 0}
+    return {
+        "transfers": {},
+        "bytes": {},
+        "load_seconds": [],
+        "send_tail_seconds": [],
+        "layer_parts": 0,
+        # The agents' own counters (Agent.stats) by "side/tp rank", the latest of each worker:
+        # requests held, peers connected, planning time so far.
+        "agents": {},
+    }
 
 
 @dataclass
@@ -388,6 +398,8 @@ class KvferryStats(KVConnectorStats):
         for key in ("load_seconds", "send_tail_seconds"):
             self.data[key] = self.data[key] + other.data[key]
         self.data["layer_parts"] += other.data["layer_parts"]
+        # Each worker's own entry; a later report of the same worker replaces its earlier one.
+        self.data.setdefault("agents", {}).update(other.data.get("agents", {}))
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -403,6 +415,9 @@ class KvferryStats(KVConnectorStats):
             reduced["send_tail_ms_avg"] = round(1e3 * sum(tails) / len(tails), 3)
         if self.data["layer_parts"]:
             reduced["layer_parts"] = self.data["layer_parts"]
+        for side, agent in sorted(_agents_by_side(self.data).items()):
+            reduced[f"{side}_in_flight"] = agent["in_flight"]
+            reduced[f"{side}_peers"] = agent["peers"]
         return reduced
 
     def is_empty(self) -> bool:
@@ -416,11 +431,22 @@ class KvferryStats(KVConnectorStats):
             self.data["bytes"][side] = self.data["bytes"].get(side, 0) + nbytes
 
 
+def _agents_by_side(data: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """The workers' latest agent counters, summed by side."""
+    sides: dict[str, dict[str, int]] = {}
+    for key, agent in data.get("agents", {}).items():
+        side = sides.setdefault(key.partition("/")[0], {"in_flight": 0, "peers": 0})
+        side["in_flight"] += agent.get("in_flight", 0)
+        side["peers"] += agent.get("peers", 0)
+    return sides
+
+
 class KvferryPromMetrics(KVConnectorPromMetrics):
     """kvferry's Prometheus metrics in vLLM's registry: ``vllm:kvferry_transfers_total``
     (``side``, ``outcome``), ``vllm:kvferry_bytes_total`` (``side``),
-    ``vllm:kvferry_layer_parts_total`` and the histograms ``vllm:kvferry_load_seconds`` and
-    ``vllm:kvferry_send_tail_seconds``."""
+    ``vllm:kvferry_layer_parts_total``, the gauges ``vllm:kvferry_in_flight`` and
+    ``vllm:kvferry_peers`` (``side``; from the agents' own stats) and the histograms
+    ``vllm:kvferry_load_seconds`` and ``vllm:kvferry_send_tail_seconds``."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
@@ -439,6 +465,20 @@ class KvferryPromMetrics(KVConnectorPromMetrics):
             documentation="Time from a decode worker's expect to the last piece landing",
             buckets=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0],
             labelnames=labelnames,
+        )
+        self._in_flight = self._gauge_cls(
+            name="vllm:kvferry_in_flight",
+            documentation="Requests kvferry's agents hold now, by side (send, load), at the "
+            "last interval with transfers",
+            labelnames=[*labelnames, "side"],
+            multiprocess_mode="mostrecent",
+        )
+        self._peers = self._gauge_cls(
+            name="vllm:kvferry_peers",
+            documentation="Peer connections kvferry's agents hold now, by side (send, load), "
+            "at the last interval with transfers",
+            labelnames=[*labelnames, "side"],
+            multiprocess_mode="mostrecent",
         )
         self._layer_parts = self._counter_cls(
             name="vllm:kvferry_layer_parts",
@@ -469,6 +509,9 @@ class KvferryPromMetrics(KVConnectorPromMetrics):
         parts = transfer_stats_data.get("layer_parts", 0)
         if parts:
             self._layer_parts.labels(*labels).inc(parts)
+        for side, agent in _agents_by_side(transfer_stats_data).items():
+            self._in_flight.labels(*labels, side).set(agent["in_flight"])
+            self._peers.labels(*labels, side).set(agent["peers"])
 
 
 class KvferryConnector(KVConnectorBase_V1):
@@ -871,6 +914,14 @@ class KvferryConnector(KVConnectorBase_V1):
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, KvferryStats()
+        for side, agent in (("send", self._sender), ("load", self._receiver)):
+            if agent is not None and not agent.closed:
+                now = agent.stats()
+                stats.data["agents"][f"{side}/{self._tp_rank}"] = {
+                    "in_flight": now["in_flight"],
+                    "peers": now["peers"],
+                    "plan_ns": now["plan_ns"],
+                }
         return stats
 
     @classmethod
