@@ -81,6 +81,22 @@ def _wait(proc: subprocess.Popen, name: str, log: Path, timeout: float = TIMEOUT
         pytest.fail(f"{name} exited {code}; the end of {log}:\n{tail}")
 
 
+def _run_pair(prefill: dict, decode: dict, tmp: Path, env: dict[str, str]) -> dict:
+    """Runs a prefill and a decode instance to the decode's end (then releases the prefill);
+    returns what the decode wrote."""
+    plog, dlog = tmp / "prefill.log", tmp / "decode.log"
+    p = _run(prefill, tmp / "prefill.spec", env, plog)
+    d = _run(decode, tmp / "decode.spec", env, dlog)
+    try:
+        _wait(d, "decode", dlog)
+    finally:
+        Path(prefill["release"]).touch()
+        if d.poll() is None:
+            d.kill()
+    _wait(p, "prefill", plog, timeout=120)
+    return json.loads(Path(decode["out"]).read_text())
+
+
 def connector_config(env: dict[str, str]) -> dict:
     """The ``kv_connector_extra_config`` every instance here shares."""
     return {
@@ -145,18 +161,7 @@ def test_disaggregated_equals_colocated(name, tp_prefill, tp_decode, env, model_
         "params": prefill["out"],
         "out": str(tmp_path / "decode.json"),
     }
-    plog, dlog = tmp_path / "prefill.log", tmp_path / "decode.log"
-    p = _run(prefill, tmp_path / "prefill.spec", env, plog)
-    d = _run(decode, tmp_path / "decode.spec", env, dlog)
-    try:
-        _wait(d, "decode", dlog)
-    finally:
-        Path(prefill["release"]).touch()
-        if d.poll() is None:
-            d.kill()
-    _wait(p, "prefill", plog, timeout=120)
-
-    got = json.loads(Path(decode["out"]).read_text())
+    got = _run_pair(prefill, decode, tmp_path, env)
     for w, (want_wave, got_wave) in enumerate(zip(want, got["outputs"], strict=True)):
         for i, (a, b) in enumerate(zip(want_wave, got_wave, strict=True)):
             assert b["tokens"] == a["tokens"], (
@@ -255,18 +260,7 @@ def test_a_decode_request_queued_beyond_the_lease_keeps_its_kv(env, model_root, 
         "params": prefill["out"],
         "out": str(tmp_path / "decode.json"),
     }
-    plog, dlog = tmp_path / "prefill.log", tmp_path / "decode.log"
-    p = _run(prefill, tmp_path / "prefill.spec", env, plog)
-    d = _run(decode, tmp_path / "decode.spec", env, dlog)
-    try:
-        _wait(d, "decode", dlog)
-    finally:
-        Path(prefill["release"]).touch()
-        if d.poll() is None:
-            d.kill()
-    _wait(p, "prefill", plog, timeout=120)
-
-    got = json.loads(Path(decode["out"]).read_text())
+    got = _run_pair(prefill, decode, tmp_path, env)
     for i, (a, b) in enumerate(zip(want[0][:3], got["outputs"][0], strict=True)):
         assert b["tokens"] == a["tokens"], f"prompt {i}: {b['tokens']} vs {a['tokens']}"
     queued = got["seconds"][0]

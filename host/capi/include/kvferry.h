@@ -427,7 +427,7 @@ extern "C" {
 #endif // __cplusplus
 
 /**
- * Fills `*out` with what the agent did since it started (`kvferry_agent_get_stats`).
+ * Fills `*out` with what the agent did since it started (see `kvferry_agent_stats`).
  *
  * # Safety
  *

@@ -398,6 +398,40 @@ unsafe fn array<'a, T>(ptr: *const T, len: usize, what: &str) -> Result<&'a [T],
     Ok(unsafe { std::slice::from_raw_parts(ptr, len) })
 }
 
+/// A peer instance's name and its ranks' endpoints, as `expect` and `hold` take them.
+///
+/// # Safety
+///
+/// `peer` is NULL or a NUL-terminated string; `endpoints` is NULL or readable for
+/// `n_endpoints` pointers, each NULL or to a NUL-terminated string; read during the call.
+unsafe fn peer_and_endpoints(
+    peer: *const c_char,
+    endpoints: *const *const c_char,
+    n_endpoints: usize,
+) -> Result<(String, Vec<String>), Failure> {
+    // SAFETY: NULL or NUL-terminated (the caller's contract).
+    let peer = unsafe { text(peer, "peer") }?.to_string();
+    // SAFETY: the caller's contract for the endpoint array.
+    let list = unsafe { array(endpoints, n_endpoints, "endpoints") }?;
+    let endpoints = list
+        .iter()
+        .enumerate()
+        // SAFETY: each entry is NULL or NUL-terminated (the caller's contract).
+        .map(|(i, &e)| unsafe { text(e, &format!("endpoints[{i}]")) }.map(str::to_string))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((peer, endpoints))
+}
+
+/// The ABI's view ids of a C array of them.
+fn view_ids(list: &[kvferry_view_id]) -> Vec<ViewId> {
+    list.iter()
+        .map(|v| ViewId {
+            group: v.group,
+            view: v.view,
+        })
+        .collect()
+}
+
 /// The slot tables argument, copied into the ABI's tables.
 ///
 /// # Safety
@@ -738,15 +772,7 @@ unsafe fn send_views(
         let views = match views {
             Some((views, n)) if !(views.is_null() && n == 0) => {
                 // SAFETY: the caller's contract for the views.
-                let list = unsafe { array(views, n, "views") }?;
-                Some(
-                    list.iter()
-                        .map(|v| ViewId {
-                            group: v.group,
-                            view: v.view,
-                        })
-                        .collect(),
-                )
+                Some(view_ids(unsafe { array(views, n, "views") }?))
             }
             _ => None,
         };
@@ -799,16 +825,8 @@ pub unsafe extern "C" fn kvferry_agent_expect(
     guard("kvferry_agent_expect", || {
         // SAFETY: NULL or a live handle (the caller's contract).
         let a = unsafe { deref(agent, "agent") }?;
-        // SAFETY: NULL or NUL-terminated (the caller's contract).
-        let peer = unsafe { text(peer, "peer") }?.to_string();
-        // SAFETY: the caller's contract for the endpoint array.
-        let list = unsafe { array(endpoints, n_endpoints, "endpoints") }?;
-        let endpoints = list
-            .iter()
-            .enumerate()
-            // SAFETY: each entry is NULL or NUL-terminated (the caller's contract).
-            .map(|(i, &e)| unsafe { text(e, &format!("endpoints[{i}]")) }.map(str::to_string))
-            .collect::<Result<Vec<_>, _>>()?;
+        // SAFETY: the caller's contract for the peer and the endpoint array.
+        let (peer, endpoints) = unsafe { peer_and_endpoints(peer, endpoints, n_endpoints) }?;
         // SAFETY: the caller's contract for the tables.
         let tables = unsafe { slot_tables(tables, n_tables) }?;
         // SAFETY: the caller's contract for the excluded views.
@@ -821,13 +839,7 @@ pub unsafe extern "C" fn kvferry_agent_expect(
             prompt_len,
             cached_prefix: (cached_prefix != 0).then_some(cached_prefix),
             tables,
-            excluded_views: excluded
-                .iter()
-                .map(|v| ViewId {
-                    group: v.group,
-                    view: v.view,
-                })
-                .collect(),
+            excluded_views: view_ids(excluded),
         })?;
         Ok(())
     })
@@ -857,16 +869,8 @@ pub unsafe extern "C" fn kvferry_agent_hold(
     guard("kvferry_agent_hold", || {
         // SAFETY: NULL or a live handle (the caller's contract).
         let a = unsafe { deref(agent, "agent") }?;
-        // SAFETY: NULL or NUL-terminated (the caller's contract).
-        let peer = unsafe { text(peer, "peer") }?.to_string();
-        // SAFETY: the caller's contract for the endpoint list.
-        let list = unsafe { array(endpoints, n_endpoints, "endpoints") }?;
-        let endpoints = list
-            .iter()
-            .enumerate()
-            // SAFETY: each entry is NULL or NUL-terminated (the caller's contract).
-            .map(|(i, &e)| unsafe { text(e, &format!("endpoints[{i}]")) }.map(str::to_string))
-            .collect::<Result<Vec<_>, _>>()?;
+        // SAFETY: the caller's contract for the peer and the endpoint array.
+        let (peer, endpoints) = unsafe { peer_and_endpoints(peer, endpoints, n_endpoints) }?;
         // SAFETY: the caller's contract for the ids.
         let requests = unsafe { array(requests, n_requests, "requests") }?;
         a.agent.hold(&peer, &endpoints, requests)?;
