@@ -3,7 +3,7 @@
 tiny Llama of ``models.py``.
 
 * Every prompt of ``test_vllm.WAVES`` answered over HTTP through the proxy gives the co-located
-  offline instance's greedy tokens (TP 1 -> 1 and 2 -> 1), and the decode server's
+  offline instance's greedy tokens (TP 1 -> 1, 2 -> 1 and 1 -> 2), and the decode server's
   ``/metrics`` shows it computed no prompt token (``vllm:prompt_tokens_by_source``).
 * A decode request aborted while its load waits on a stopped (SIGSTOP) prefill server: the
   decode server's and then, once the prefill server runs again, the prefill server's KV cache
@@ -198,10 +198,8 @@ def _complete(url: str, prompt: str, max_tokens: int = test_vllm.MAX_TOKENS, **k
 
 
 @pytest.mark.parametrize(
-    # TP 1 -> 2 runs over the offline API (test_vllm.py); over the server its first load
-    # waited 30 s for a silent prefill rank on this 2-core machine (not understood yet).
-    "deployment", [("fail", 1, 1), ("fail", 2, 1)],
-    indirect=True, ids=["tp1-tp1", "tp2-tp1"],
+    "deployment", [("fail", 1, 1), ("fail", 2, 1), ("fail", 1, 2)],
+    indirect=True, ids=["tp1-tp1", "tp2-tp1", "tp1-tp2"],
 )
 def test_serve_through_proxy_equals_colocated(deployment, request, env, model_root, tmp_path):
     prefill, decode, proxy = deployment

@@ -108,8 +108,10 @@ def connector_config(env: dict[str, str]) -> dict:
         # Two vLLM instances oversubscribe this 2-core machine (each engine core and worker
         # spins between steps, OMP threads spin in forward passes): kvferry's threads went
         # unscheduled for seconds (a keep-alive 6.9 s late, measured), and the default 10 s
-        # cut healthy links.
+        # cut healthy links; for the same reason both decode workers' first handshakes with a
+        # prefill rank (TP 1 -> 2 over the server) once ran past the default 5 s.
         "peer_timeout_ms": 30000,
+        "handshake_timeout_ms": 30000,
     }
 
 

@@ -51,6 +51,7 @@ blocks freed only after kvferry's terminal event (nothing lands after that).
 ``timeout_ms``,
 ``lease_ms``,
 ``peer_timeout_ms``,
+``handshake_timeout_ms``,
 ``integrity``,
 ``ucx_peer_errors``
 ``cpus``            where kvferry's threads run: ``"all"`` (default: every CPU the process's
@@ -134,6 +135,7 @@ _AGENT_KEYS = (
     "timeout_ms",
     "lease_ms",
     "peer_timeout_ms",
+    "handshake_timeout_ms",
     "integrity",
     "ucx_peer_errors",
 )
@@ -466,17 +468,18 @@ class KvferryPromMetrics(KVConnectorPromMetrics):
             buckets=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0],
             labelnames=labelnames,
         )
+        self._latest: dict[int, dict[str, dict[str, int]]] = {}
         self._in_flight = self._gauge_cls(
             name="vllm:kvferry_in_flight",
-            documentation="Requests kvferry's agents hold now, by side (send, load), at the "
-            "last interval with transfers",
+            documentation="Requests kvferry's agents hold, by side (send, load): each "
+            "worker's latest report, summed",
             labelnames=[*labelnames, "side"],
             multiprocess_mode="mostrecent",
         )
         self._peers = self._gauge_cls(
             name="vllm:kvferry_peers",
-            documentation="Peer connections kvferry's agents hold now, by side (send, load), "
-            "at the last interval with transfers",
+            documentation="Peer connections kvferry's agents hold, by side (send, load): "
+            "each worker's latest report, summed",
             labelnames=[*labelnames, "side"],
             multiprocess_mode="mostrecent",
         )
@@ -509,7 +512,11 @@ class KvferryPromMetrics(KVConnectorPromMetrics):
         parts = transfer_stats_data.get("layer_parts", 0)
         if parts:
             self._layer_parts.labels(*labels).inc(parts)
-        for side, agent in _agents_by_side(transfer_stats_data).items():
+        # Each worker's latest report, kept across intervals: an interval may bring only some
+        # workers' (those that ended a transfer in it).
+        latest = self._latest.setdefault(engine_idx, {})
+        latest.update(transfer_stats_data.get("agents", {}))
+        for side, agent in _agents_by_side({"agents": latest}).items():
             self._in_flight.labels(*labels, side).set(agent["in_flight"])
             self._peers.labels(*labels, side).set(agent["peers"])
 

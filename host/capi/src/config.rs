@@ -79,6 +79,7 @@ struct ConfigV1 {
     timeout_ms: Option<u64>,
     lease_ms: Option<u64>,
     peer_timeout_ms: Option<u64>,
+    handshake_timeout_ms: Option<u64>,
     planner_timeout_ms: Option<u64>,
     max_connections: Option<usize>,
     max_stashed_bytes: Option<usize>,
@@ -284,6 +285,11 @@ pub(crate) fn parse(text: &str) -> Result<Parsed, ConfigError> {
     agent.timeout = ms("timeout_ms", c.timeout_ms, agent.timeout)?;
     agent.lease = ms("lease_ms", c.lease_ms, agent.lease)?;
     agent.peer_timeout = ms("peer_timeout_ms", c.peer_timeout_ms, agent.peer_timeout)?;
+    agent.handshake_timeout = ms(
+        "handshake_timeout_ms",
+        c.handshake_timeout_ms,
+        agent.handshake_timeout,
+    )?;
     agent.planner_timeout = ms(
         "planner_timeout_ms",
         c.planner_timeout_ms,
@@ -649,7 +655,8 @@ mod tests {
             r#", "label": "l", "planner": "auto", "plugin_dir": ["/a", "/b"],
                "transport": "shm", "net_devices": "eth0", "listen": "127.0.0.1:0",
                "advertise": "127.0.0.1", "timeout_ms": 1000, "lease_ms": 2000,
-               "peer_timeout_ms": 3000, "planner_timeout_ms": 4000, "max_connections": 7,
+               "peer_timeout_ms": 3000, "handshake_timeout_ms": 6000,
+               "planner_timeout_ms": 4000, "max_connections": 7,
                "max_stashed_bytes": 1024, "cuda_device": 1, "integrity": "crc32c""#,
         ))
         .unwrap();
@@ -663,6 +670,7 @@ mod tests {
         assert_eq!(a.timeout, Duration::from_secs(1));
         assert_eq!(a.lease, Duration::from_secs(2));
         assert_eq!(a.peer_timeout, Duration::from_secs(3));
+        assert_eq!(a.handshake_timeout, Duration::from_secs(6));
         assert_eq!(a.planner_timeout, Duration::from_secs(4));
         assert_eq!(a.max_connections, 7);
         assert_eq!(a.max_stashed_bytes, 1024);

@@ -27,7 +27,7 @@ use kvferry_protocol::{
 };
 
 use super::events::{Event, FailureKind};
-use super::{CallError, HANDSHAKE_TIMEOUT, Inner, Send, lock};
+use super::{CallError, Inner, Send, lock};
 use crate::bounce::{AUTO_MAX_MEAN_FRAGMENT, BounceMode};
 use crate::conn::{Outbox, Pending, Reader, Secured, Unproven, drain, secure_accept, spawn_writer};
 use crate::outcome::Stages;
@@ -324,7 +324,7 @@ fn serve_connection(inner: &Arc<Inner>, stream: TcpStream, pending: Pending) {
     let _span = tracing::info_span!("gen_conn", %addr).entered();
     let _ = stream.set_nodelay(true);
     let local = stream.local_addr().ok();
-    let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
+    let deadline = Instant::now() + inner.config.handshake_timeout;
     let (secured, intent) =
         match secure_accept::<AgentMessage>(stream, &inner.config.secret, deadline) {
             Ok(s) => s,
@@ -599,13 +599,13 @@ fn admit(
         inner.thread.forget(id);
         Err(reason)
     };
-    match rx.recv_timeout(HANDSHAKE_TIMEOUT) {
+    match rx.recv_timeout(inner.config.handshake_timeout) {
         Ok(Ok(())) => {}
         Ok(Err(e)) => return refused(error_chain(&e)),
         Err(_) => {
             return refused(format!(
                 "its keys could not be checked within {} ms",
-                HANDSHAKE_TIMEOUT.as_millis()
+                inner.config.handshake_timeout.as_millis()
             ));
         }
     }

@@ -25,7 +25,7 @@ use kvferry_protocol::{
 };
 
 use super::events::{Event, FailureKind};
-use super::{CONNECT_TIMEOUT, CallError, HANDSHAKE_TIMEOUT, Inner, lock};
+use super::{CONNECT_TIMEOUT, CallError, Inner, lock};
 use crate::bounce::Region;
 use crate::conn::{Outbox, Reader, Secured, secure_dial, spawn_writer};
 use crate::outcome::{RequestStats, Stages};
@@ -244,9 +244,9 @@ fn link_to(inner: &Arc<Inner>, endpoint: &str) -> Result<Arc<Link>, (FailureKind
 /// Dials a context rank's side channel, runs the secure handshake, vets the rank, links it.
 fn dial(inner: &Arc<Inner>, endpoint: &str) -> Result<Arc<Link>, (FailureKind, String)> {
     let unreachable = |problem: String| (FailureKind::Peer, format!("{endpoint}: {problem}"));
-    let stream =
-        crate::conn::dial(endpoint, CONNECT_TIMEOUT, HANDSHAKE_TIMEOUT).map_err(unreachable)?;
-    let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
+    let handshake = inner.config.handshake_timeout;
+    let stream = crate::conn::dial(endpoint, CONNECT_TIMEOUT, handshake).map_err(unreachable)?;
+    let deadline = Instant::now() + handshake;
     let Secured {
         mut reader,
         mut writer,

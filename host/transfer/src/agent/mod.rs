@@ -117,6 +117,9 @@ pub struct AgentConfig {
     /// How long a peer may stay silent (keep-alives flow every third of it) before it is
     /// declared gone and its requests fail.
     pub peer_timeout: Duration,
+    /// How long a side-channel connection may take to be authenticated and vetted, on
+    /// either side (default 5 s; hosts whose cores are oversubscribed need more).
+    pub handshake_timeout: Duration,
     /// How long one planner call may take.
     pub planner_timeout: Duration,
     /// Open side-channel connections served at once (context ranks).
@@ -159,6 +162,7 @@ impl AgentConfig {
             timeout: Duration::from_secs(30),
             lease: Duration::from_secs(60),
             peer_timeout: Duration::from_secs(10),
+            handshake_timeout: HANDSHAKE_TIMEOUT,
             planner_timeout: Duration::from_secs(5),
             max_connections: MAX_CONNECTIONS,
             max_stashed_bytes: 64 << 20,
