@@ -709,8 +709,10 @@ pub(crate) fn send(inner: &Arc<Inner>, mut s: Send) -> Result<(), CallError> {
             s.tokens.start, s.tokens.end
         )));
     }
+    // The rank's views, once per send: every part of a layer-wise send checks against them.
+    let all = all_views(&inner.info);
     let carried = match &s.views {
-        Some(views) => Some(check_views(&inner.info, views).map_err(invalid)?),
+        Some(views) => Some(check_views(&all, views).map_err(invalid)?),
         None => None,
     };
     let tables = Arc::new(std::mem::take(&mut s.tables));
@@ -746,15 +748,14 @@ pub(crate) fn send(inner: &Arc<Inner>, mut s: Send) -> Result<(), CallError> {
                                 s.tokens.start, s.tokens.end, s.prompt_len, req.prompt_len
                             )));
                         }
-                        all_views(&inner.info)
+                        all.clone()
                     }
                 };
                 if s.to != req.to {
                     return Err(invalid("a later chunk names another receiver".into()));
                 }
                 let (chunk, unsent) =
-                    next_chunk(&inner.info, &s, Arc::clone(&tables), pending, carried)
-                        .map_err(invalid)?;
+                    next_chunk(&all, &s, Arc::clone(&tables), pending, carried).map_err(invalid)?;
                 req.finished = chunk.last;
                 req.chunks.push(chunk);
                 req.unsent = unsent;
@@ -767,14 +768,9 @@ pub(crate) fn send(inner: &Arc<Inner>, mut s: Send) -> Result<(), CallError> {
                         s.tokens.start
                     )));
                 }
-                let (chunk, unsent) = next_chunk(
-                    &inner.info,
-                    &s,
-                    Arc::clone(&tables),
-                    all_views(&inner.info),
-                    carried,
-                )
-                .map_err(invalid)?;
+                let (chunk, unsent) =
+                    next_chunk(&all, &s, Arc::clone(&tables), all.clone(), carried)
+                        .map_err(invalid)?;
                 // The id is sent again: claims are for this request now.
                 let _ = state.ended.take(id);
                 // A receiver that may claim it cancelled it already: it ends as cancelled by
@@ -835,13 +831,15 @@ pub(crate) fn all_views(info: &RankInfo) -> BTreeSet<ViewId> {
     all
 }
 
-/// The views a layer-wise send names, as a set: at least one, each a view of this rank's
-/// page table, none twice.
-pub(crate) fn check_views(info: &RankInfo, views: &[ViewId]) -> Result<BTreeSet<ViewId>, String> {
+/// The views a layer-wise send names, as a set: at least one, each one of `all` (the rank's
+/// views), none twice.
+pub(crate) fn check_views(
+    all: &BTreeSet<ViewId>,
+    views: &[ViewId],
+) -> Result<BTreeSet<ViewId>, String> {
     if views.is_empty() {
         return Err("a layer-wise send names no view (pass None for every view)".into());
     }
-    let all = all_views(info);
     let mut set = BTreeSet::new();
     for v in views {
         if !all.contains(v) {
@@ -863,7 +861,7 @@ pub(crate) fn check_views(info: &RankInfo, views: &[ViewId]) -> Result<BTreeSet<
 /// The chunk `s` makes of its tokens' views not sent yet (`pending`): the views it carries
 /// (`carried`, or all of `pending`) and the views still pending after it; or why it may not.
 fn next_chunk(
-    info: &RankInfo,
+    all: &BTreeSet<ViewId>,
     s: &Send,
     tables: Arc<Vec<SlotTable>>,
     pending: BTreeSet<ViewId>,
@@ -886,7 +884,6 @@ fn next_chunk(
                 .into(),
         );
     }
-    let all = all_views(info);
     let excluded: Vec<ViewId> = all.difference(&carried).copied().collect();
     let views = (!excluded.is_empty()).then(|| Arc::new(carried.into_iter().collect()));
     let chunk = Chunk {

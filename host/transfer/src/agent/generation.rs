@@ -1403,12 +1403,10 @@ fn plan_as_writer(
     let writer_excluded: Vec<ViewId> = match views {
         None => Vec::new(),
         Some(views) => {
-            let carried = super::context::check_views(&sender, views)
+            let all = super::context::all_views(&sender);
+            let carried = super::context::check_views(&all, views)
                 .map_err(|r| format!("{} rank {c} names a piece's views wrongly: {r}", e.peer))?;
-            super::context::all_views(&sender)
-                .difference(&carried)
-                .copied()
-                .collect()
+            all.difference(&carried).copied().collect()
         }
     };
     let bound = inner.bound.clone();
