@@ -992,8 +992,14 @@ class KvferryConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
         handing_over = request.kv_transfer_params or {}
-        if self._settings.sends and self._settings.layer_wise and handing_over.get(
-            "do_remote_decode"
+        # Layer-wise only for a request that ends with its prefill step (max_tokens 1, as
+        # disaggregated prefill sends them): one that decodes on here could be preempted, and
+        # its blocks freed and reused while kvferry still reads them.
+        if (
+            self._settings.sends
+            and self._settings.layer_wise
+            and handing_over.get("do_remote_decode")
+            and getattr(request, "max_tokens", None) == 1
         ):
             self._may_send_layer_wise[request.request_id] = len(request.prompt_token_ids or [])
         params = self._remote(request)
