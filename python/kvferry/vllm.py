@@ -698,7 +698,6 @@ class KvferryConnector(KVConnectorBase_V1):
                         {"local": local, "global": layer_index(name)}
                         for local, (name, _) in enumerate(layers)
                     ],
-                    # (self._layer_of, below, maps each layer's name to its view.)
                     "views": [
                         {
                             "pool": local,
