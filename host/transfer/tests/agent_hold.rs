@@ -13,8 +13,26 @@ use support::*;
 
 const LEASE: Duration = Duration::from_millis(300);
 
-fn prefill(src: &Engine) -> Agent {
-    start(Role::Context, src, secret(), bound(), |c| c.lease = LEASE)
+/// A prefill engine (patterned) and a decode engine (canaries) of the test model.
+fn engines() -> (Engine, Engine) {
+    let model = model();
+    (
+        Engine::new("prefill", &model, pattern),
+        Engine::new("decode", &model, |_, _| CANARY),
+    )
+}
+
+/// A prefill agent (lease [`LEASE`]) over `src` and a decode agent over `dst`, linked.
+fn linked_pair(src: &Engine, dst: &Engine) -> (Agent, Agent) {
+    let prefill = start(Role::Context, src, secret(), bound(), |c| c.lease = LEASE);
+    let decode = agent(
+        Role::Generation,
+        dst,
+        secret(),
+        kvferry_transfer::Transport::Tcp,
+    );
+    linked(&prefill, &decode, src, dst);
+    (prefill, decode)
 }
 
 /// Moves request 100 (slot 7 to slot 7) first, so the decode rank's link to the prefill rank
@@ -54,17 +72,8 @@ fn hold_for(decode: &Agent, prefill: &Agent, request: u64, span: Duration) {
 
 #[test]
 fn a_held_request_outlives_its_lease_and_lands_byte_for_byte() {
-    let model = model();
-    let src = Engine::new("prefill", &model, pattern);
-    let dst = Engine::new("decode", &model, |_, _| CANARY);
-    let prefill = prefill(&src);
-    let decode = agent(
-        Role::Generation,
-        &dst,
-        secret(),
-        kvferry_transfer::Transport::Tcp,
-    );
-    linked(&prefill, &decode, &src, &dst);
+    let (src, dst) = engines();
+    let (prefill, decode) = linked_pair(&src, &dst);
     prefill.send(whole(1, tables(&src, &[3, 6]), 20)).unwrap();
     // Queued at the decode for three leases, held meanwhile.
     hold_for(&decode, &prefill, 1, LEASE * 3);
@@ -85,18 +94,9 @@ fn a_held_request_outlives_its_lease_and_lands_byte_for_byte() {
 
 #[test]
 fn holds_keep_only_what_they_may_and_only_for_ten_leases() {
-    let model = model();
-    let src = Engine::new("prefill", &model, pattern);
-    let dst = Engine::new("decode", &model, |_, _| CANARY);
-    let prefill = prefill(&src);
-    let decode = agent(
-        Role::Generation,
-        &dst,
-        secret(),
-        kvferry_transfer::Transport::Tcp,
-    );
+    let (src, dst) = engines();
+    let (prefill, decode) = linked_pair(&src, &dst);
     let endpoint = prefill.endpoint().unwrap().to_string();
-    linked(&prefill, &decode, &src, &dst);
     // Request 1 is for another decode instance: this one's holds do not count.
     let mut other = whole(1, tables(&src, &[0]), 16);
     other.to = Some("another-decode".into());
