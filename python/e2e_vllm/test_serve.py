@@ -197,7 +197,7 @@ def _complete(url: str, prompt: str, max_tokens: int = test_vllm.MAX_TOKENS, **k
     return body["choices"][0]["token_ids"]
 
 
-# TP 1 -> 2 over the server passed once in five runs on this 2-core host (tokens identical,
+# TP 1 -> 2 over the server passed twice in six runs on this 2-core host (tokens identical,
 # 0 computed). The failures: both decode workers' first handshakes past the then-fixed 5 s;
 # a write to decode rank 0 whose puts did not complete in 30 s; and, twice, every thread of the
 # prefill worker's agent silent for about 27 s (its keep-alives stopped, the decode's claims
