@@ -342,6 +342,16 @@ pub struct PageTable {
 }
 
 impl PageTable {
+    /// Every view of the table, by (group, view) index, in table order.
+    pub fn view_ids(&self) -> impl Iterator<Item = crate::ViewId> + '_ {
+        self.groups.iter().enumerate().flat_map(|(g, group)| {
+            (0..group.views.len()).map(move |v| crate::ViewId {
+                group: g as u32,
+                view: v as u32,
+            })
+        })
+    }
+
     /// Structural checks every consumer relies on: known codes, pool indices in range,
     /// entries inside the slot payload, shard indices below their counts, contiguous and
     /// equal-sized layer regions.

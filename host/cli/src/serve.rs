@@ -1679,18 +1679,7 @@ fn fits_one_frame(pairs: Vec<PairFragments>) -> Result<Vec<PairFragments>, Strin
 /// page-table order, split into `parts` runs as even as they go (at most one run per view);
 /// one send of every view when `parts` is 0 or 1.
 fn layer_parts(info: &RankInfo, parts: u32) -> Vec<Option<Vec<ViewId>>> {
-    let views: Vec<ViewId> = info
-        .page_table
-        .groups
-        .iter()
-        .enumerate()
-        .flat_map(|(g, group)| {
-            (0..group.views.len()).map(move |v| ViewId {
-                group: g as u32,
-                view: v as u32,
-            })
-        })
-        .collect();
+    let views: Vec<ViewId> = info.page_table.view_ids().collect();
     let n = (parts as usize).min(views.len());
     if n <= 1 {
         return vec![None];

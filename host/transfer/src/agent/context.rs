@@ -819,16 +819,7 @@ pub(crate) fn send(inner: &Arc<Inner>, mut s: Send) -> Result<(), CallError> {
 
 /// Every view of `info`'s page table.
 pub(crate) fn all_views(info: &RankInfo) -> BTreeSet<ViewId> {
-    let mut all = BTreeSet::new();
-    for (group, g) in info.page_table.groups.iter().enumerate() {
-        for view in 0..g.views.len() {
-            all.insert(ViewId {
-                group: group as u32,
-                view: view as u32,
-            });
-        }
-    }
-    all
+    info.page_table.view_ids().collect()
 }
 
 /// The views a layer-wise send names, as a set: at least one, each one of `all` (the rank's
