@@ -224,9 +224,21 @@ pub fn spawn_writer<M: Frame + Send + 'static>(writer: Writer, label: String) ->
         .spawn(move || {
             let mut writer = writer;
             for message in rx {
+                let started = std::time::Instant::now();
                 if let Err(e) = write_frame(&mut writer, &message) {
                     tracing::debug!(peer = %label, error = %e, kind = message.kind(), "write failed");
                     break;
+                }
+                // A peer that does not read fills the socket's buffer; everything queued
+                // behind this message (keep-alives included) waits with it.
+                let took = started.elapsed();
+                if took >= std::time::Duration::from_secs(1) {
+                    tracing::warn!(
+                        peer = %label,
+                        kind = message.kind(),
+                        took_ms = took.as_millis() as u64,
+                        "a side-channel write waited long for its peer to read"
+                    );
                 }
             }
             let _ = writer.get_ref().shutdown(Shutdown::Write);

@@ -223,7 +223,8 @@ fn link_to(inner: &Arc<Inner>, endpoint: &str) -> Result<Arc<Link>, (FailureKind
             .entry(endpoint.to_string())
             .or_default(),
     );
-    let _one_at_a_time = lock(&gate);
+    // Held for a whole dial (up to the handshake deadline) by design: not a state lock.
+    let _one_at_a_time = gate.lock().unwrap_or_else(|e| e.into_inner());
     let live = {
         let state = lock(&inner.decode);
         state

@@ -416,8 +416,71 @@ impl std::fmt::Debug for Inner {
     }
 }
 
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
+/// A role's state lock held or waited for this long is logged (with where it was taken):
+/// every side-channel reader, the reaper's keep-alives and the planner pool queue behind it,
+/// so a long hold is a stall of every request on this rank.
+const SLOW_LOCK: Duration = Duration::from_secs(1);
+
+/// Takes a role's state lock (a poisoned lock is taken as it is: its state stays consistent
+/// between statements). Waits and holds longer than [`SLOW_LOCK`] are logged.
+#[track_caller]
+pub(crate) fn lock<T>(m: &Mutex<T>) -> Locked<'_, T> {
+    let at = std::panic::Location::caller();
+    let guard = match m.try_lock() {
+        Ok(g) => g,
+        Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+        Err(std::sync::TryLockError::WouldBlock) => {
+            let asked = Instant::now();
+            let g = m.lock().unwrap_or_else(|e| e.into_inner());
+            let waited = asked.elapsed();
+            if waited >= SLOW_LOCK {
+                tracing::warn!(
+                    waited_ms = waited.as_millis() as u64,
+                    at = %at,
+                    "waited long for the agent's state lock"
+                );
+            }
+            g
+        }
+    };
+    Locked {
+        guard,
+        at,
+        since: Instant::now(),
+    }
+}
+
+/// A held role state lock (see [`lock`]).
+pub(crate) struct Locked<'a, T> {
+    guard: MutexGuard<'a, T>,
+    at: &'static std::panic::Location<'static>,
+    since: Instant,
+}
+
+impl<T> std::ops::Deref for Locked<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.guard
+    }
+}
+
+impl<T> std::ops::DerefMut for Locked<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        &mut self.guard
+    }
+}
+
+impl<T> Drop for Locked<'_, T> {
+    fn drop(&mut self) {
+        let held = self.since.elapsed();
+        if held >= SLOW_LOCK {
+            tracing::warn!(
+                held_ms = held.as_millis() as u64,
+                at = %self.at,
+                "held the agent's state lock long"
+            );
+        }
+    }
 }
 
 impl Inner {
@@ -748,9 +811,21 @@ impl Agent {
                 // overshoots, and a ping every N loops reached the peer after its timeout
                 // (measured: two vLLM CPU instances on 2 cores, keep-alives 10 s apart).
                 let mut last_ping: Option<Instant> = None;
+                let mut woke_due: Option<Instant> = None;
                 while let Some(inner) = weak.upgrade() {
                     if inner.stopped.load(Ordering::Acquire) {
                         break;
+                    }
+                    // A reaper that wakes seconds late means this process's threads are not
+                    // being scheduled (a starved host), not that a lock was held: say which.
+                    let woke = Instant::now();
+                    if let Some(late) = woke_due.map(|due| woke.saturating_duration_since(due)) {
+                        if late >= SLOW_LOCK {
+                            tracing::warn!(
+                                late_ms = late.as_millis() as u64,
+                                "the agent's reaper woke late: this process's threads went unscheduled"
+                            );
+                        }
                     }
                     inner.reap();
                     let ping_every = (inner.config.peer_timeout / 3).max(REAPER_PERIOD);
@@ -762,6 +837,7 @@ impl Agent {
                         }
                     }
                     drop(inner);
+                    woke_due = Some(Instant::now() + REAPER_PERIOD);
                     thread::sleep(REAPER_PERIOD);
                 }
             })?;

@@ -63,7 +63,7 @@ impl Challenges {
         tag: &[u8; 32],
         deadline: Instant,
     ) -> Option<[u8; WORKER_CHALLENGE_LEN]> {
-        let mut recent = lock(&self.recent);
+        let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             if let Some(i) = recent.iter().position(|(t, _)| t == tag) {
                 return recent.remove(i).map(|(_, c)| c);
