@@ -17,7 +17,7 @@ fn main() -> Result<()> {
     let model = ModelSpec::new(Preset::DeepseekV3);
     let (ctx, r#gen) = ("dep4".parse::<Mapping>()?, "dep8".parse::<Mapping>()?);
     let deployment = |mapping| Deployment {
-        architecture: model.preset.architecture().into(),
+        architecture: model.architecture().into(),
         mapping,
     };
     let ctx_planner = registry.bind(&id, &deployment(ctx))?;

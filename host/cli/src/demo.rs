@@ -431,7 +431,7 @@ pub fn serve_args(
             "--role",
             role,
             "--model",
-            pair.model.preset.as_ref(),
+            pair.model.name(),
             "--deployment",
             spec,
             "--dtype",

@@ -18,7 +18,9 @@ use kvferry_plan::bounce::{self, BounceLimits};
 use kvferry_planner_abi::{Deployment, Mapping, PlanError, RankInfo, TokenRange, TransferPlanner};
 use kvferry_testkit::conform::CaseVerdict;
 use kvferry_testkit::conformance::PlannerUnderTest;
-use kvferry_testkit::layout::{self, Dtype, LayoutError, ModelSpec, PoolOptions, Preset};
+use kvferry_testkit::layout::{
+    self, Dtype, LayoutError, ModelShape, ModelSpec, PoolOptions, Preset,
+};
 use kvferry_testkit::oracle::LocalMemory;
 use kvferry_testkit::scenario::{MemoryBudget, Scenario, ScenarioError};
 use kvferry_transfer::agent::{BounceConfig, BounceMode, Integrity};
@@ -64,9 +66,10 @@ enum Command {
     },
     /// Bind a planner for a model and deployment, or say why it cannot be bound.
     Check {
-        /// Model preset.
-        #[arg(long, value_name = "PRESET")]
-        model: Preset,
+        /// Model: a preset (deepseek-v3, llama-3-70b, qwen3-next-80b-a3b, gpt-oss-120b) or
+        /// the path of a Hugging Face config.json (or of its folder).
+        #[arg(long, value_name = "PRESET|CONFIG", value_parser = parse_model)]
+        model: ModelShape,
         /// Deployment: tp4, tp4pp2, tp2cp4, dep8, dep8ep8, ...
         #[arg(long, value_name = "SPEC", value_parser = parse_spec)]
         deployment: Mapping,
@@ -83,9 +86,10 @@ enum Command {
     /// Dry-run one request: plan every (sender, receiver) pair, execute the plans in
     /// memory and check every destination byte.
     Plan {
-        /// Model preset.
-        #[arg(long, value_name = "PRESET")]
-        model: Preset,
+        /// Model: a preset (deepseek-v3, llama-3-70b, qwen3-next-80b-a3b, gpt-oss-120b) or
+        /// the path of a Hugging Face config.json (or of its folder).
+        #[arg(long, value_name = "PRESET|CONFIG", value_parser = parse_model)]
+        model: ModelShape,
         /// The context instance's deployment.
         #[arg(long, value_name = "SPEC", value_parser = parse_spec)]
         ctx: Mapping,
@@ -172,9 +176,10 @@ struct ServeArgs {
     /// Which side this instance is.
     #[arg(long, value_name = "context|generation")]
     role: Role,
-    /// Model preset.
-    #[arg(long, value_name = "PRESET")]
-    model: Preset,
+    /// Model: a preset (deepseek-v3, llama-3-70b, qwen3-next-80b-a3b, gpt-oss-120b) or the
+    /// path of a Hugging Face config.json (or of its folder).
+    #[arg(long, value_name = "PRESET|CONFIG", value_parser = parse_model)]
+    model: ModelShape,
     /// Deployment: tp4, tp4pp2, dep8, ...
     #[arg(long, value_name = "SPEC", value_parser = parse_spec)]
     deployment: Mapping,
@@ -251,9 +256,10 @@ struct ServeArgs {
 /// The loopback server pair `demo` and `bench` start.
 #[derive(Debug, clap::Args)]
 struct PairArgs {
-    /// Model preset.
-    #[arg(long, value_name = "PRESET")]
-    model: Preset,
+    /// Model: a preset (deepseek-v3, llama-3-70b, qwen3-next-80b-a3b, gpt-oss-120b) or the
+    /// path of a Hugging Face config.json (or of its folder).
+    #[arg(long, value_name = "PRESET|CONFIG", value_parser = parse_model)]
+    model: ModelShape,
     /// The context instance's deployment.
     #[arg(long, value_name = "SPEC")]
     ctx: String,
@@ -303,8 +309,8 @@ impl PairArgs {
         Ok(LoopbackPair {
             exe: std::env::current_exe().context("locating the kvferry executable")?,
             config_file,
-            model: self.sides.models(&self.shape, self.model).0,
-            gen_tokens_per_block: self.sides.models(&self.shape, self.model).1,
+            model: self.sides.models(&self.shape, &self.model).0,
+            gen_tokens_per_block: self.sides.models(&self.shape, &self.model).1,
             ctx_spec: self.ctx,
             gen_spec: self.r#gen,
             ctx,
@@ -496,8 +502,9 @@ impl MemoryArgs {
 /// Cache shape options shared by `check` and `plan`.
 #[derive(Debug, clap::Args)]
 struct Shape {
-    /// KV cache element type (default: the preset's, fp8 for deepseek-v3, else bf16).
-    #[arg(long, value_name = "fp8|bf16")]
+    /// KV cache element type (default: the preset's, fp8 for deepseek-v3, else bf16; a
+    /// config.json's torch_dtype).
+    #[arg(long, value_name = "fp8|bf16|fp16|fp32")]
     dtype: Option<Dtype>,
     /// Tokens per cache block.
     #[arg(long, default_value_t = 32, value_name = "N")]
@@ -505,8 +512,8 @@ struct Shape {
 }
 
 impl Shape {
-    fn model(&self, preset: Preset) -> ModelSpec {
-        let mut model = ModelSpec::new(preset).with_tokens_per_block(self.tokens_per_block);
+    fn model(&self, shape: &ModelShape) -> ModelSpec {
+        let mut model = ModelSpec::of(shape.clone()).with_tokens_per_block(self.tokens_per_block);
         if let Some(dtype) = self.dtype {
             model = model.with_dtype(dtype);
         }
@@ -528,8 +535,8 @@ struct Sides {
 
 impl Sides {
     /// The context side's model and the generation side's block size, when it differs.
-    fn models(&self, shape: &Shape, preset: Preset) -> (ModelSpec, Option<u32>) {
-        let mut ctx = shape.model(preset);
+    fn models(&self, shape: &Shape, model: &ModelShape) -> (ModelSpec, Option<u32>) {
+        let mut ctx = shape.model(model);
         if let Some(tpb) = self.ctx_tokens_per_block {
             ctx = ctx.with_tokens_per_block(tpb);
         }
@@ -598,6 +605,21 @@ fn parse_spec(s: &str) -> Result<Mapping, String> {
     s.parse::<Mapping>().map_err(|e| e.to_string())
 }
 
+/// `--model`: a preset's name, else the path of a Hugging Face `config.json` or its folder.
+fn parse_model(s: &str) -> Result<ModelShape, String> {
+    if let Ok(preset) = s.parse::<Preset>() {
+        return Ok(preset.model());
+    }
+    let path = std::path::Path::new(s);
+    if !path.exists() {
+        return Err(format!(
+            "`{s}` is neither a model preset ({}) nor a config.json or folder that exists",
+            Preset::names().join(", ")
+        ));
+    }
+    ModelShape::from_config_file(path).map_err(|e| format!("{s}: {e}"))
+}
+
 /// Refuses a deployment wider than an instance may be ([`layout::check_mapping`]), naming
 /// the flag that gave it, before anything is sized by its rank count.
 fn check_width(flag: &str, mapping: &Mapping) -> Result<()> {
@@ -637,7 +659,7 @@ impl Host {
 
     fn bind(&self, id: &str, model: &ModelSpec, mapping: Mapping) -> Result<BoundPlanner> {
         let deployment = Deployment {
-            architecture: model.preset.architecture().into(),
+            architecture: model.architecture().into(),
             mapping,
         };
         Ok(self.registry.bind(id, &deployment)?)
@@ -739,7 +761,7 @@ fn check(
     json: bool,
 ) -> Result<ExitCode> {
     let deployment = Deployment {
-        architecture: model.preset.architecture().into(),
+        architecture: model.architecture().into(),
         mapping,
     };
     let id = host.planner_id(planner);
@@ -788,7 +810,7 @@ fn check(
         bound.describer_id(),
         bound.version(),
         bound.path().display(),
-        model.preset.architecture(),
+        model.architecture(),
         ranks.len(),
         model.dtype,
         model.tokens_per_block,
@@ -847,7 +869,7 @@ fn conform(
                 };
                 json!({
                     "name": c.name,
-                    "model": c.preset.as_ref(),
+                    "model": c.model,
                     "ctx": c.ctx.to_string(),
                     "gen": c.r#gen.to_string(),
                     "fragments": c.fragments,
@@ -1038,7 +1060,7 @@ fn plan(host: &Host, a: PlanArgs) -> Result<ExitCode> {
             "planner": ctx_bound.id(),
             "planner_version": ctx_bound.version(),
             "planner_path": ctx_bound.path(),
-            "model": a.model.preset.as_ref(),
+            "model": a.model.name(),
             "dtype": a.model.dtype.as_ref(),
             "tokens_per_block": a.model.tokens_per_block,
             "gen_tokens_per_block": a.gen_tokens_per_block.unwrap_or(a.model.tokens_per_block),
@@ -1064,7 +1086,7 @@ fn plan(host: &Host, a: PlanArgs) -> Result<ExitCode> {
         );
         println!(
             "{} {} tpb {}: context {} (DP rank {}) -> generation {} (DP rank {}), prompt {} tokens",
-            a.model.preset,
+            a.model.name(),
             a.model.dtype,
             match a.gen_tokens_per_block {
                 Some(g) => format!("{} -> {g}", a.model.tokens_per_block),
@@ -1103,7 +1125,7 @@ fn serve(host: &Host, a: ServeArgs) -> Result<ExitCode> {
     a.memory.check()?;
     let secret = kvferry_transfer::agent::load_secret(a.secret_file.as_deref())?;
     let id = host.planner_id(a.planner.as_deref());
-    let model = a.shape.model(a.model);
+    let model = a.shape.model(&a.model);
     let bound = host.bind(&id, &model, a.deployment)?;
     let name = a.name.unwrap_or_else(|| {
         let prefix = match a.role {
@@ -1264,7 +1286,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             json,
         } => check(
             &load()?,
-            &shape.model(model),
+            &shape.model(&model),
             deployment,
             planner.as_deref(),
             json,
@@ -1304,8 +1326,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
         } => plan(
             &load()?,
             PlanArgs {
-                model: sides.models(&shape, model).0,
-                gen_tokens_per_block: sides.models(&shape, model).1,
+                model: sides.models(&shape, &model).0,
+                gen_tokens_per_block: sides.models(&shape, &model).1,
                 ctx,
                 r#gen,
                 prompt_len,

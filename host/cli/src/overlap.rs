@@ -240,7 +240,7 @@ fn round(
             })?;
         }
     }
-    let layers = config.model.preset.num_layers();
+    let layers = config.model.num_layers();
     let per_rank: Vec<BTreeMap<u32, Vec<ViewId>>> = ctx.infos.iter().map(views_by_layer).collect();
     let send = |agent: &Agent, info: &RankInfo, views: Option<Vec<ViewId>>, last: bool| {
         for k in 0..config.requests {
@@ -374,10 +374,10 @@ pub fn run(config: &OverlapConfig) -> Result<OverlapReport> {
             ratios.push(ms(tails[0]) / ms(tails[1]).max(1e-6));
         }
     }
-    let layers = config.model.preset.num_layers();
+    let layers = config.model.num_layers();
     let (w, l) = (Spread::of(&whole), Spread::of(&layer_wise));
     Ok(OverlapReport {
-        model: config.model.preset.to_string(),
+        model: config.model.name().to_string(),
         pair: format!("{} -> {}", config.ctx.0, config.r#gen.0),
         transport: config.transport.to_string(),
         layers,

@@ -111,6 +111,96 @@ fn check_binds_and_builds_every_rank() {
     assert!(stderr.contains("bound planner"), "{stderr}");
 }
 
+/// A Hugging Face config from the testkit's fixtures.
+fn hf_config(name: &str) -> String {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../testkit/tests/fixtures/hf")
+        .join(name)
+        .display()
+        .to_string()
+}
+
+#[test]
+fn check_reads_a_models_hugging_face_config() {
+    for (file, deployment, planner) in [
+        ("llama-3-70b.json", "tp4", "auto"),
+        ("deepseek-v3.json", "dep4", "auto"),
+        ("qwen3-next-80b-a3b.json", "tp4", "auto"),
+    ] {
+        let config = hf_config(file);
+        let out = Kvferry::new()
+            .args([
+                "check",
+                "--model",
+                &config,
+                "--deployment",
+                deployment,
+                "--planner",
+                planner,
+                "--json",
+            ])
+            .output();
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "{file}: {stderr}");
+        let v: Value = serde_json::from_str(&stdout).expect("check --json prints JSON");
+        assert!(v["bound"].as_str().is_some(), "{file}: {stdout}");
+    }
+    // The MLA planner binds the DeepSeek config, as it does the preset.
+    let out = Kvferry::new()
+        .args([
+            "check",
+            "--model",
+            &hf_config("deepseek-v3.json"),
+            "--deployment",
+            "dep4",
+            "--planner",
+            "auto",
+        ])
+        .output();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("kvferry.deepseek_mla_latent"), "{stdout}");
+}
+
+#[test]
+fn check_refuses_a_config_of_an_unknown_model_type_by_name() {
+    let dir = std::env::temp_dir().join(format!("kvferry-cli-hf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("config.json");
+    std::fs::write(
+        &config,
+        r#"{"model_type": "mamba2", "architectures": ["Mamba2ForCausalLM"], "num_hidden_layers": 64}"#,
+    )
+    .unwrap();
+    let out = Kvferry::new()
+        .args([
+            "check",
+            "--model",
+            &dir.display().to_string(),
+            "--deployment",
+            "tp4",
+        ])
+        .output();
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert!(!out.status.success());
+    let (_, stderr) = text(&out);
+    assert!(
+        stderr.contains("model_type `mamba2` is not one kvferry knows")
+            && stderr.contains("qwen3_next"),
+        "{stderr}"
+    );
+    // Neither a preset nor a file.
+    let out = Kvferry::new()
+        .args(["check", "--model", "llama-4", "--deployment", "tp4"])
+        .output();
+    assert!(!out.status.success());
+    let (_, stderr) = text(&out);
+    assert!(
+        stderr.contains("`llama-4` is neither a model preset (deepseek-v3, llama-3-70b"),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn a_bad_deployment_spec_names_the_problem() {
     let out = Kvferry::new()

@@ -320,8 +320,8 @@ pub enum CaseVerdict {
 pub struct CaseOutcome {
     /// The case name (rerun it alone with it).
     pub name: String,
-    /// The model preset.
-    pub preset: Preset,
+    /// The model's name (a preset's).
+    pub model: String,
     /// The context deployment.
     pub ctx: Mapping,
     /// The generation deployment.
@@ -349,7 +349,7 @@ impl fmt::Display for CaseOutcome {
         write!(
             f,
             "{tag:<7} {:<22} {:>4}->{:<6} {:>8} fragments {:>11} bytes  {}",
-            self.preset,
+            self.model,
             self.ctx.to_string(),
             self.r#gen.to_string(),
             self.fragments,
@@ -614,7 +614,7 @@ pub fn conform_with(
     let mut outcomes = Vec::with_capacity(cases.len());
     for case in &cases {
         let s = &case.scenario;
-        let architecture = s.model.preset.architecture();
+        let architecture = s.model.architecture();
         let mut refusal = None;
         for mapping in [s.ctx_mapping, s.gen_mapping] {
             let deployment = Deployment {
@@ -650,7 +650,7 @@ pub fn conform_with(
         };
         let outcome = CaseOutcome {
             name: case.name.clone(),
-            preset: s.model.preset,
+            model: s.model.name().to_string(),
             ctx: s.ctx_mapping,
             r#gen: s.gen_mapping,
             fragments,

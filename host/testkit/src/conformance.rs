@@ -166,7 +166,7 @@ impl PlannerUnderTest {
         &self,
         scenario: &Scenario,
     ) -> (Result<ScenarioReport, String>, Option<ErrorKind>) {
-        let arch = scenario.model.preset.architecture();
+        let arch = scenario.model.architecture();
         let ctx = match self.bind(arch, scenario.ctx_mapping) {
             Ok(b) => b,
             Err(e) => return (Err(format!("context: {e}")), Some(ErrorKind::UNSUPPORTED)),

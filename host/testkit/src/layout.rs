@@ -1,4 +1,4 @@
-//! Model presets and the per-rank cache layout they produce.
+//! ModelShape presets and the per-rank cache layout they produce.
 //!
 //! [`build_instance`] turns a [`ModelSpec`] and a parallel [`Mapping`] into one [`RankInfo`]
 //! per rank of an instance, with the page table that rank would advertise: pools, layer
@@ -34,7 +34,7 @@ pub enum LayoutError {
     /// A preset name no preset answers to.
     #[error("unknown model preset `{0}` (known: {known})", known = Preset::VARIANTS.join(", "))]
     UnknownPreset(String),
-    /// A dtype name other than `fp8` or `bf16`.
+    /// A dtype name other than `fp8`, `bf16`, `fp16` or `fp32`.
     #[error("unknown kv dtype `{0}` (known: {known})", known = Dtype::VARIANTS.join(", "))]
     UnknownDtype(String),
     /// A mapping with a zero size.
@@ -58,12 +58,12 @@ pub enum LayoutError {
     },
     /// A TP width the model's heads or channels cannot be split over.
     #[error(
-        "{preset}: {what} ({count}) cannot be split over {width} ranks: the width must divide \
+        "{model}: {what} ({count}) cannot be split over {width} ranks: the width must divide \
          the count or be a multiple of it"
     )]
     Sharding {
-        /// The preset.
-        preset: Preset,
+        /// The model's name ([`ModelShape::name`]).
+        model: String,
         /// What is being split, e.g. `kv heads`.
         what: &'static str,
         /// How many there are.
@@ -179,6 +179,13 @@ pub enum Preset {
     GptOss120b,
 }
 
+impl Preset {
+    /// Every preset's command-line name, in documentation order.
+    pub fn names() -> &'static [&'static str] {
+        Self::VARIANTS
+    }
+}
+
 fn unknown_preset(name: &str) -> LayoutError {
     LayoutError::UnknownPreset(name.to_string())
 }
@@ -212,9 +219,167 @@ impl Preset {
             _ => Dtype::Bf16,
         }
     }
+
+    /// The model's cache shape, with its published dimensions.
+    pub fn model(self) -> ModelShape {
+        let n = self.num_layers();
+        let (attention, layers, sliding_window, linear) = match self {
+            // One latent "head" of kv_lora_rank 512 + rope 64, duplicated on every TP rank.
+            Preset::DeepseekV3 => (
+                Attention::Latent { dim: 576 },
+                vec![LayerKind::Full; n as usize],
+                None,
+                None,
+            ),
+            Preset::Llama3_70b => (
+                Attention::Heads {
+                    kv_heads: 8,
+                    head_dim: 128,
+                },
+                vec![LayerKind::Full; n as usize],
+                None,
+                None,
+            ),
+            // Full attention on every 4th layer, Gated DeltaNet on the rest: 16 key heads and
+            // 32 value heads of 128, conv kernel 4.
+            Preset::Qwen3Next80bA3b => (
+                Attention::Heads {
+                    kv_heads: 2,
+                    head_dim: 256,
+                },
+                every_nth_full(n, 4),
+                None,
+                Some(LinearAttention {
+                    key_heads: 16,
+                    value_heads: 32,
+                    key_head_dim: 128,
+                    value_head_dim: 128,
+                    conv_kernel: 4,
+                }),
+            ),
+            // Sliding window (128) on even layers, full attention on odd ones.
+            Preset::GptOss120b => (
+                Attention::Heads {
+                    kv_heads: 8,
+                    head_dim: 64,
+                },
+                (0..n)
+                    .map(|l| {
+                        if l % 2 == 0 {
+                            LayerKind::Sliding
+                        } else {
+                            LayerKind::Full
+                        }
+                    })
+                    .collect(),
+                Some(128),
+                None,
+            ),
+        };
+        ModelShape {
+            name: self.to_string(),
+            architecture: self.architecture().to_string(),
+            preset: Some(self),
+            layers,
+            attention,
+            sliding_window,
+            linear,
+            default_dtype: self.default_dtype(),
+        }
+    }
 }
 
-/// Element type of the attention KV cache: `fp8` or `bf16` on the command line.
+/// Full attention on the last layer of every run of `interval` (Qwen3-Next's
+/// `full_attention_interval`), linear attention on the others.
+pub(crate) fn every_nth_full(layers: u32, interval: u32) -> Vec<LayerKind> {
+    (0..layers)
+        .map(|l| {
+            if (l + 1) % interval == 0 {
+                LayerKind::Full
+            } else {
+                LayerKind::Linear
+            }
+        })
+        .collect()
+}
+
+/// What one decoder layer keeps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LayerKind {
+    /// Attention over the whole prompt.
+    Full,
+    /// Attention over the last [`ModelShape::sliding_window`] tokens.
+    Sliding,
+    /// Linear attention (Gated DeltaNet): recurrent state, no per-token cache.
+    Linear,
+}
+
+/// The attention cache of a model's attention layers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Attention {
+    /// K and V per layer: `kv_heads` heads of `head_dim` elements per token (GQA and MHA),
+    /// split over TP by head.
+    Heads {
+        /// Key/value heads.
+        kv_heads: u32,
+        /// Elements per head and token.
+        head_dim: u32,
+    },
+    /// One latent vector of `dim` elements per token (MLA: `kv_lora_rank +
+    /// qk_rope_head_dim`), the same on every TP rank.
+    Latent {
+        /// Elements per token.
+        dim: u32,
+    },
+}
+
+/// Gated DeltaNet's recurrent state per linear-attention layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LinearAttention {
+    /// Key heads (queries have as many).
+    pub key_heads: u32,
+    /// Value heads.
+    pub value_heads: u32,
+    /// Elements per key head.
+    pub key_head_dim: u32,
+    /// Elements per value head.
+    pub value_head_dim: u32,
+    /// The short convolution's kernel (its state keeps `kernel - 1` steps).
+    pub conv_kernel: u32,
+}
+
+/// A model's KV-cache shape: everything a rank's layout depends on besides the deployment,
+/// from a [`Preset`] or from the model's Hugging Face `config.json`
+/// ([`ModelShape::from_hf_config`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelShape {
+    /// What messages call it, and what `--model` takes to name it again: the preset's name,
+    /// or the config file's path.
+    pub name: String,
+    /// The architecture a [`kvferry_planner_abi::Deployment`] carries (`LlamaForCausalLM`).
+    pub architecture: String,
+    /// The preset it is, if it is one.
+    pub preset: Option<Preset>,
+    /// Each decoder layer's kind, in order.
+    pub layers: Vec<LayerKind>,
+    /// The attention layers' cache.
+    pub attention: Attention,
+    /// Tokens a [`LayerKind::Sliding`] layer keeps.
+    pub sliding_window: Option<u32>,
+    /// The [`LayerKind::Linear`] layers' state.
+    pub linear: Option<LinearAttention>,
+    /// The KV dtype it is served with unless told otherwise.
+    pub default_dtype: Dtype,
+}
+
+impl ModelShape {
+    /// Decoder layers.
+    pub fn num_layers(&self) -> u32 {
+        self.layers.len() as u32
+    }
+}
+
+/// Element type of the attention KV cache: `fp8`, `bf16`, `fp16` or `fp32` on the command line.
 #[derive(
     Clone,
     Copy,
@@ -237,6 +402,10 @@ pub enum Dtype {
     Fp8,
     /// BF16, two bytes.
     Bf16,
+    /// FP16, two bytes.
+    Fp16,
+    /// FP32, four bytes (vLLM's `--dtype float32`, the tiny test models).
+    Fp32,
 }
 
 fn unknown_dtype(name: &str) -> LayoutError {
@@ -244,11 +413,13 @@ fn unknown_dtype(name: &str) -> LayoutError {
 }
 
 impl Dtype {
-    /// The name a [`RoleLayout`] carries: `fp8_e4m3` or `bf16`.
+    /// The name a [`RoleLayout`] carries: `fp8_e4m3`, `bf16`, `fp16` or `fp32`.
     pub fn layout_name(self) -> &'static str {
         match self {
             Dtype::Fp8 => "fp8_e4m3",
             Dtype::Bf16 => "bf16",
+            Dtype::Fp16 => "fp16",
+            Dtype::Fp32 => "fp32",
         }
     }
 
@@ -256,7 +427,8 @@ impl Dtype {
     pub fn bits(self) -> u32 {
         match self {
             Dtype::Fp8 => 8,
-            Dtype::Bf16 => 16,
+            Dtype::Bf16 | Dtype::Fp16 => 16,
+            Dtype::Fp32 => 32,
         }
     }
 
@@ -270,7 +442,7 @@ impl Dtype {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ModelSpec {
     /// The model.
-    pub preset: Preset,
+    pub model: ModelShape,
     /// Element type of the attention KV cache (recurrent state keeps its own types).
     pub dtype: Dtype,
     /// Tokens per PAGED slot.
@@ -288,13 +460,33 @@ pub struct ModelSpec {
 impl ModelSpec {
     /// The preset with its default dtype, 32 tokens per block and an even PP split.
     pub fn new(preset: Preset) -> Self {
+        Self::of(preset.model())
+    }
+
+    /// The model with its default dtype, 32 tokens per block and an even PP split.
+    pub fn of(model: ModelShape) -> Self {
         Self {
-            preset,
-            dtype: preset.default_dtype(),
+            dtype: model.default_dtype,
+            model,
             tokens_per_block: 32,
             layers_per_pp: None,
             pool_per_layer: false,
         }
+    }
+
+    /// The architecture a [`kvferry_planner_abi::Deployment`] carries.
+    pub fn architecture(&self) -> &str {
+        &self.model.architecture
+    }
+
+    /// The model's name ([`ModelShape::name`]).
+    pub fn name(&self) -> &str {
+        &self.model.name
+    }
+
+    /// Decoder layers of the model.
+    pub fn num_layers(&self) -> u32 {
+        self.model.num_layers()
     }
 
     /// The same spec with each layer in a pool of its own.
@@ -328,7 +520,7 @@ impl ModelSpec {
     /// `pp` of 0, or an explicit split for `pp` stages whose sum is not the model's layer
     /// count.
     pub fn layers_per_pp(&self, pp: u32) -> Result<Vec<u32>, LayoutError> {
-        let total = self.preset.num_layers();
+        let total = self.model.num_layers();
         match self
             .layers_per_pp
             .as_ref()
@@ -343,7 +535,7 @@ impl ModelSpec {
                 if sum != u64::from(total) {
                     return Err(fail(format!(
                         "sums to {sum}, {} has {total} layers",
-                        self.preset
+                        self.model.name
                     )));
                 }
                 Ok(split.clone())
@@ -367,7 +559,7 @@ impl fmt::Display for ModelSpec {
         write!(
             f,
             "{} {} tpb{}",
-            self.preset, self.dtype, self.tokens_per_block
+            self.model.name, self.dtype, self.tokens_per_block
         )
     }
 }
@@ -456,12 +648,7 @@ pub fn build_rank(
         state_width: tp_per_dp * mapping.cp,
         state_index: tp_in_dp * mapping.cp + coords.cp,
     };
-    let groups = match model.preset {
-        Preset::DeepseekV3 => deepseek_v3(&geometry, &stage)?,
-        Preset::Llama3_70b => llama_3_70b(&geometry, &stage)?,
-        Preset::Qwen3Next80bA3b => qwen3_next(&geometry, &stage)?,
-        Preset::GptOss120b => gpt_oss(&geometry, &stage)?,
-    };
+    let groups = groups(&model.model, &geometry, &stage)?;
     let groups = if model.pool_per_layer {
         groups
             .into_iter()
@@ -582,15 +769,15 @@ struct HeadSplit {
 }
 
 fn split_heads(
-    preset: Preset,
+    model: &ModelShape,
     what: &'static str,
     heads: u32,
     width: u32,
     index: u32,
 ) -> Result<HeadSplit, LayoutError> {
-    if heads % width != 0 && width % heads != 0 {
+    if heads == 0 || (heads % width != 0 && width % heads != 0) {
         return Err(LayoutError::Sharding {
-            preset,
+            model: model.name.clone(),
             what,
             count: heads,
             width,
@@ -630,57 +817,77 @@ fn attention_view(roles: &[&str], split: &HeadSplit, head_dim: u64, g: &Geometry
 
 const KV: &[&str] = &["key", "value"];
 
-fn deepseek_v3(g: &Geometry, stage: &Stage) -> Result<Vec<GroupSpec>, LayoutError> {
-    // One latent "head" of kv_lora_rank 512 + rope 64, duplicated on every TP rank.
-    let split = split_heads(
-        Preset::DeepseekV3,
-        "mla latent heads",
-        1,
-        g.tp_per_dp,
-        g.tp_in_dp,
-    )?;
-    Ok(vec![GroupSpec {
-        kind: GroupKind::PAGED,
-        window: None,
-        layers: stage.layers(|_| true),
-        views: vec![attention_view(&["key"], &split, 576, g)],
-    }])
-}
-
-fn llama_3_70b(g: &Geometry, stage: &Stage) -> Result<Vec<GroupSpec>, LayoutError> {
-    let split = split_heads(Preset::Llama3_70b, "kv heads", 8, g.tp_per_dp, g.tp_in_dp)?;
-    Ok(vec![GroupSpec {
-        kind: GroupKind::PAGED,
-        window: None,
-        layers: stage.layers(|_| true),
-        views: vec![attention_view(KV, &split, 128, g)],
-    }])
-}
-
-fn qwen3_next(g: &Geometry, stage: &Stage) -> Result<Vec<GroupSpec>, LayoutError> {
-    const PRESET: Preset = Preset::Qwen3Next80bA3b;
-    let is_attention = |global: u32| global % 4 == 3;
-    let split = split_heads(PRESET, "kv heads", 2, g.tp_per_dp, g.tp_in_dp)?;
-    // Gated DeltaNet: 16 key heads and 32 value heads of 128, conv kernel 4.
-    let (w, i) = (g.state_width, g.state_index);
-    if 16 % w != 0 {
-        return Err(LayoutError::Sharding {
-            preset: PRESET,
-            what: "gated deltanet key heads",
-            count: 16,
-            width: w,
+/// The layer groups of one PP stage of `model`: the sliding-window attention layers, then the
+/// full-attention ones (each a PAGED group, when the stage has any), then the linear-attention
+/// layers' recurrent state (a STATE group).
+fn groups(model: &ModelShape, g: &Geometry, stage: &Stage) -> Result<Vec<GroupSpec>, LayoutError> {
+    let kind_of = |global: u32| model.layers[global as usize];
+    let view = match model.attention {
+        Attention::Heads { kv_heads, head_dim } => {
+            let split = split_heads(model, "kv heads", kv_heads, g.tp_per_dp, g.tp_in_dp)?;
+            attention_view(KV, &split, u64::from(head_dim), g)
+        }
+        Attention::Latent { dim } => {
+            let split = split_heads(model, "mla latent heads", 1, g.tp_per_dp, g.tp_in_dp)?;
+            attention_view(&["key"], &split, u64::from(dim), g)
+        }
+    };
+    let mut groups = Vec::new();
+    for (kind, window) in [
+        (LayerKind::Sliding, model.sliding_window),
+        (LayerKind::Full, None),
+    ] {
+        // A kind the model has gets its group on every stage, even one holding none of
+        // its layers, so every rank of an instance has the same groups.
+        if model.layers.contains(&kind) {
+            let layers = stage.layers(|l| kind_of(l) == kind);
+            groups.push(GroupSpec {
+                kind: GroupKind::PAGED,
+                window: window.map(u64::from),
+                layers,
+                views: vec![view.clone()],
+            });
+        }
+    }
+    if let (true, Some(spec)) = (model.layers.contains(&LayerKind::Linear), model.linear) {
+        groups.push(GroupSpec {
+            kind: GroupKind::STATE,
+            window: None,
+            layers: stage.layers(|l| kind_of(l) == LayerKind::Linear),
+            views: linear_state(model, &spec, g)?,
         });
     }
+    Ok(groups)
+}
+
+/// Gated DeltaNet's state views: `conv` (the short convolution's last `kernel - 1` inputs,
+/// BF16, channel-major `[channel][step]`, sectioned Q | K | V so a shard of each section is one
+/// run of channels) and `ssm` (one `key_head_dim × value_head_dim` FP32 matrix per value head,
+/// HND), both sharded over TP × CP.
+fn linear_state(
+    model: &ModelShape,
+    spec: &LinearAttention,
+    g: &Geometry,
+) -> Result<Vec<ViewSpec>, LayoutError> {
+    let (w, i) = (g.state_width, g.state_index);
+    for (what, count) in [
+        ("gated deltanet key heads", spec.key_heads),
+        ("gated deltanet value heads", spec.value_heads),
+    ] {
+        if count == 0 || count % w != 0 {
+            return Err(LayoutError::Sharding {
+                model: model.name.clone(),
+                what,
+                count,
+                width: w,
+            });
+        }
+    }
     let conv_elem = Dtype::Bf16;
-    // Conv state is channel-major (`[channel][kernel - 1]`), so a shard of a section is one
-    // contiguous run of channels.
-    let per_channel = 3 * conv_elem.bytes();
-    let sections = [
-        2048 / u64::from(w),
-        2048 / u64::from(w),
-        4096 / u64::from(w),
-    ]
-    .map(|channels| channels * per_channel);
+    let per_channel = u64::from(spec.conv_kernel.saturating_sub(1)) * conv_elem.bytes();
+    let keys = u64::from(spec.key_heads) * u64::from(spec.key_head_dim);
+    let values = u64::from(spec.value_heads) * u64::from(spec.value_head_dim);
+    let sections = [keys, keys, values].map(|channels| channels / u64::from(w) * per_channel);
     let conv = ViewSpec {
         roles: vec!["conv".to_string()],
         layout: RoleLayout {
@@ -697,7 +904,7 @@ fn qwen3_next(g: &Geometry, stage: &Stage) -> Result<Vec<GroupSpec>, LayoutError
         buffers: 1,
         buffer_bytes: sections.iter().sum(),
     };
-    let ssm_head = 128 * 128 * 4;
+    let ssm_head = u64::from(spec.key_head_dim) * u64::from(spec.value_head_dim) * 4;
     let ssm = ViewSpec {
         roles: vec!["ssm".to_string()],
         layout: RoleLayout {
@@ -712,38 +919,7 @@ fn qwen3_next(g: &Geometry, stage: &Stage) -> Result<Vec<GroupSpec>, LayoutError
             section_bytes: RVec::new(),
         },
         buffers: 1,
-        buffer_bytes: u64::from(32 / w) * ssm_head,
+        buffer_bytes: u64::from(spec.value_heads / w) * ssm_head,
     };
-    Ok(vec![
-        GroupSpec {
-            kind: GroupKind::PAGED,
-            window: None,
-            layers: stage.layers(is_attention),
-            views: vec![attention_view(KV, &split, 256, g)],
-        },
-        GroupSpec {
-            kind: GroupKind::STATE,
-            window: None,
-            layers: stage.layers(|l| !is_attention(l)),
-            views: vec![conv, ssm],
-        },
-    ])
-}
-
-fn gpt_oss(g: &Geometry, stage: &Stage) -> Result<Vec<GroupSpec>, LayoutError> {
-    let split = split_heads(Preset::GptOss120b, "kv heads", 8, g.tp_per_dp, g.tp_in_dp)?;
-    Ok(vec![
-        GroupSpec {
-            kind: GroupKind::PAGED,
-            window: Some(128),
-            layers: stage.layers(|l| l % 2 == 0),
-            views: vec![attention_view(KV, &split, 64, g)],
-        },
-        GroupSpec {
-            kind: GroupKind::PAGED,
-            window: None,
-            layers: stage.layers(|l| l % 2 == 1),
-            views: vec![attention_view(KV, &split, 64, g)],
-        },
-    ])
+    Ok(vec![conv, ssm])
 }

@@ -3,6 +3,8 @@
 //!
 //! - [`layout`]: model presets with real dimensions (DeepSeek-V3, Llama-3-70B, Qwen3-Next,
 //!   gpt-oss) and the per-rank page tables a deployment of them advertises.
+//! - [`hf_config`]: models from their Hugging Face `config.json` (Llama, Mistral, Qwen2/3,
+//!   Qwen3-Next, DeepSeek-V2/V3, gpt-oss shapes), for the layouts [`layout`] builds.
 //! - [`builder`]: hand-built page tables and ranks of any shape (synthetic models, any
 //!   mapping), slot tables, rows and pieces.
 //! - [`request`]: one request between two such deployments, through the oracle.
@@ -22,6 +24,7 @@
 pub mod builder;
 pub mod conform;
 pub mod conformance;
+pub mod hf_config;
 pub mod layout;
 pub mod oracle;
 pub mod request;

@@ -73,7 +73,11 @@ fn names_round_trip() {
     assert_eq!(Dtype::Fp8.to_string(), "fp8");
     assert_eq!(Dtype::Bf16.as_ref(), "bf16");
     let err = "fp4".parse::<Dtype>().unwrap_err();
-    assert_eq!(err.to_string(), "unknown kv dtype `fp4` (known: fp8, bf16)");
+    assert_eq!(
+        err.to_string(),
+        "unknown kv dtype `fp4` (known: fp8, bf16, fp16, fp32)"
+    );
+    assert_eq!("fp32".parse::<Dtype>().unwrap().bits(), 32);
     assert_eq!(ModelSpec::new(Preset::DeepseekV3).dtype, Dtype::Fp8);
     assert_eq!(ModelSpec::new(Preset::Llama3_70b).dtype, Dtype::Bf16);
     assert_eq!(ModelSpec::new(Preset::GptOss120b).tokens_per_block, 32);

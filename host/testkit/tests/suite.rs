@@ -4,6 +4,7 @@
 //! they link once; run one file's tests with `cargo test -p <crate> --test suite <file>::`.
 
 mod builder;
+mod hf_configs;
 mod layout_presets;
 mod oracle_scenarios;
 mod oracle_tags;
