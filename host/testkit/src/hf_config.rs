@@ -17,7 +17,9 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
-use crate::layout::{Attention, Dtype, LayerKind, LinearAttention, ModelShape, every_nth_full};
+use crate::layout::{
+    Attention, Dtype, LayerKind, LinearAttention, ModelShape, alternating_sliding, every_nth_full,
+};
 
 /// The `model_type`s [`ModelShape::from_hf_config`] reads, and the architecture each defaults to
 /// when the config has no `architectures`.
@@ -230,15 +232,7 @@ fn default_layer_types(
                 })
                 .collect()
         }
-        "gpt_oss" => (0..layers)
-            .map(|l| {
-                if l % 2 == 0 {
-                    LayerKind::Sliding
-                } else {
-                    LayerKind::Full
-                }
-            })
-            .collect(),
+        "gpt_oss" => alternating_sliding(layers),
         _ => vec![LayerKind::Full; layers as usize],
     })
 }

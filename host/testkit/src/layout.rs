@@ -263,15 +263,7 @@ impl Preset {
                     kv_heads: 8,
                     head_dim: 64,
                 },
-                (0..n)
-                    .map(|l| {
-                        if l % 2 == 0 {
-                            LayerKind::Sliding
-                        } else {
-                            LayerKind::Full
-                        }
-                    })
-                    .collect(),
+                alternating_sliding(n),
                 Some(128),
                 None,
             ),
@@ -298,6 +290,19 @@ pub(crate) fn every_nth_full(layers: u32, interval: u32) -> Vec<LayerKind> {
                 LayerKind::Full
             } else {
                 LayerKind::Linear
+            }
+        })
+        .collect()
+}
+
+/// Sliding-window attention on even layers, full attention on odd ones (gpt-oss).
+pub(crate) fn alternating_sliding(layers: u32) -> Vec<LayerKind> {
+    (0..layers)
+        .map(|l| {
+            if l % 2 == 0 {
+                LayerKind::Sliding
+            } else {
+                LayerKind::Full
             }
         })
         .collect()

@@ -4,12 +4,13 @@
 
 use std::path::{Path, PathBuf};
 
-use kvferry_planner_abi::{GroupKind, Mapping, RankInfo};
+use kvferry_planner_abi::GroupKind;
 use kvferry_testkit::hf_config::ConfigError;
 use kvferry_testkit::layout::{
-    Attention, Dtype, LayerKind, LayoutError, LinearAttention, ModelShape, ModelSpec, PoolOptions,
-    Preset, build_instance,
+    Attention, Dtype, LayerKind, LinearAttention, ModelShape, ModelSpec, Preset,
 };
+
+use crate::layout_presets::{build, mapping};
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -19,34 +20,6 @@ fn fixture(name: &str) -> PathBuf {
 
 fn load(name: &str) -> ModelShape {
     ModelShape::from_config_file(&fixture(name)).unwrap_or_else(|e| panic!("{name}: {e}"))
-}
-
-fn mapping(tp: u32, pp: u32, cp: u32, attention_dp: bool) -> Mapping {
-    Mapping {
-        tp,
-        pp,
-        cp,
-        moe_tp: 1,
-        moe_ep: 1,
-        attention_dp,
-    }
-}
-
-fn build(model: &ModelSpec, m: Mapping) -> Result<Vec<RankInfo>, LayoutError> {
-    let mut next = 0x1000_0000u64;
-    let mut alloc = |_: u32, _: usize, bytes: u64| {
-        let base = next;
-        next += bytes.next_multiple_of(4096) + 4096;
-        base
-    };
-    build_instance(
-        model,
-        &m,
-        "test",
-        "test.planner",
-        &PoolOptions::default(),
-        &mut alloc,
-    )
 }
 
 /// Everything but the name and the preset it is.

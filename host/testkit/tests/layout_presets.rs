@@ -7,7 +7,7 @@ use kvferry_testkit::layout::{
 };
 use strum::IntoEnumIterator;
 
-fn mapping(tp: u32, pp: u32, cp: u32, attention_dp: bool) -> Mapping {
+pub(crate) fn mapping(tp: u32, pp: u32, cp: u32, attention_dp: bool) -> Mapping {
     Mapping {
         tp,
         pp,
@@ -18,7 +18,7 @@ fn mapping(tp: u32, pp: u32, cp: u32, attention_dp: bool) -> Mapping {
     }
 }
 
-fn build(model: &ModelSpec, m: Mapping) -> Result<Vec<RankInfo>, LayoutError> {
+pub(crate) fn build(model: &ModelSpec, m: Mapping) -> Result<Vec<RankInfo>, LayoutError> {
     let mut next = 0x1000_0000u64;
     let mut alloc = |_: u32, _: usize, bytes: u64| {
         let base = next;
