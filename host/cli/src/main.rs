@@ -220,13 +220,13 @@ struct ServeArgs {
     state_slots: u64,
     /// Fail a request whose writers have not all reported this long after it was expected
     /// (generation) or claimed (context).
-    #[arg(long, default_value_t = 30_000, value_name = "N")]
+    #[arg(long, default_value_t = 30_000, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     timeout_ms: u64,
     /// Context side: fail a prefilled request nobody claimed after this long.
-    #[arg(long, default_value_t = 60_000, value_name = "N")]
+    #[arg(long, default_value_t = 60_000, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     lease_ms: u64,
     /// Fail the requests of a peer that sent nothing (keep-alives included) for this long.
-    #[arg(long, default_value_t = 10_000, value_name = "N")]
+    #[arg(long, default_value_t = 10_000, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     peer_timeout_ms: u64,
     /// Generation side: ask every writer for a digest of each piece (`xxh3` or `crc32c`) and
     /// check the bytes that landed before a request is received (host memory only).
@@ -284,7 +284,7 @@ struct PairArgs {
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Per-request timeout of both servers.
-    #[arg(long, default_value_t = 30_000, value_name = "N")]
+    #[arg(long, default_value_t = 30_000, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     timeout_ms: u64,
     /// End-to-end integrity digests (`xxh3` or `crc32c`): the generation server checks every
     /// piece against its writer's digest (host memory only).
@@ -351,7 +351,7 @@ struct DemoArgs {
     #[arg(long, default_value_t = 0, value_name = "TOKENS")]
     cached: u64,
     /// Requests in flight at once.
-    #[arg(long, default_value_t = 8, value_name = "N")]
+    #[arg(long, default_value_t = 8, value_name = "N", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     in_flight: usize,
     /// Drive context servers already running (`kvferry serve --role context`, here or on
     /// another host) instead of starting one: their control addresses, one per process.
@@ -697,10 +697,13 @@ fn planners(host: &Host, all: bool, json: bool) -> Result<ExitCode> {
             out["skipped"] = serde_json::to_value(r.skipped())?;
         }
         println!("{}", serde_json::to_string_pretty(&out)?);
-        return Ok(ExitCode::SUCCESS);
+        return Ok(found(r));
     }
     if r.planners().is_empty() {
         println!("no planners found in {}", display_dirs(r.dirs()));
+        for d in r.dirs().iter().filter(|d| !d.is_dir()) {
+            eprintln!("plugin directory {} does not exist", d.display());
+        }
     }
     for p in r.planners() {
         println!(
@@ -721,7 +724,16 @@ fn planners(host: &Host, all: bool, json: bool) -> Result<ExitCode> {
             r.skipped().len()
         );
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(found(r))
+}
+
+/// `planners` fails when it found none: nothing could be bound from that plugin path.
+fn found(registry: &Registry) -> ExitCode {
+    if registry.planners().is_empty() {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
 }
 
 fn display_dirs(dirs: &[PathBuf]) -> String {

@@ -54,7 +54,8 @@ fn planners_all_shows_skipped_files_with_their_reason() {
         .plugin_dir(dir.path())
         .args(["planners", "--all"])
         .output();
-    assert!(out.status.success(), "{:?}", text(&out));
+    // Nothing to bind from that path: a failure, with every file's reason.
+    assert!(!out.status.success(), "{:?}", text(&out));
     let (stdout, _) = text(&out);
     assert!(stdout.contains("no planners found"), "{stdout}");
     assert!(stdout.contains("libgarbage.so"), "{stdout}");
@@ -199,6 +200,45 @@ fn check_refuses_a_config_of_an_unknown_model_type_by_name() {
         stderr.contains("`llama-4` is neither a model preset (deepseek-v3, llama-3-70b"),
         "{stderr}"
     );
+}
+
+#[test]
+fn a_missing_plugin_directory_fails_naming_it() {
+    let out = Kvferry::new()
+        .plugin_dir(std::path::Path::new("/nonexistent/kvferry-plugins"))
+        .args(["planners"])
+        .output();
+    assert!(!out.status.success());
+    let (_, stderr) = text(&out);
+    assert!(
+        stderr.contains("plugin directory /nonexistent/kvferry-plugins does not exist"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn zero_timeouts_and_no_requests_in_flight_are_refused() {
+    for flag in ["--timeout-ms", "--in-flight"] {
+        let out = Kvferry::new()
+            .args([
+                "demo",
+                "--model",
+                "llama-3-70b",
+                "--ctx",
+                "tp1",
+                "--gen",
+                "tp1",
+                flag,
+                "0",
+            ])
+            .output();
+        assert!(!out.status.success(), "{flag} 0 was accepted");
+        let (_, stderr) = text(&out);
+        assert!(
+            stderr.contains(&format!("invalid value '0' for '{flag}")) && stderr.contains("1.."),
+            "{flag}: {stderr}"
+        );
+    }
 }
 
 #[test]
