@@ -123,79 +123,54 @@ fn hf_config(name: &str) -> String {
 
 #[test]
 fn check_reads_a_models_hugging_face_config() {
-    for (file, deployment, planner) in [
-        ("llama-3-70b.json", "tp4", "auto"),
-        ("deepseek-v3.json", "dep4", "auto"),
-        ("qwen3-next-80b-a3b.json", "tp4", "auto"),
+    for (file, deployment, bound) in [
+        ("llama-3-70b.json", "tp4", "kvferry.default"),
+        // The MLA planner binds the DeepSeek config, as it does the preset.
+        ("deepseek-v3.json", "dep4", "kvferry.deepseek_mla_latent"),
+        ("qwen3-next-80b-a3b.json", "tp4", "kvferry.default"),
     ] {
-        let config = hf_config(file);
-        let out = Kvferry::new()
+        let v = Kvferry::new()
             .args([
                 "check",
                 "--model",
-                &config,
+                &hf_config(file),
                 "--deployment",
                 deployment,
                 "--planner",
-                planner,
+                "auto",
                 "--json",
             ])
-            .output();
-        let (stdout, stderr) = text(&out);
-        assert!(out.status.success(), "{file}: {stderr}");
-        let v: Value = serde_json::from_str(&stdout).expect("check --json prints JSON");
-        assert!(v["bound"].as_str().is_some(), "{file}: {stdout}");
+            .json();
+        assert_eq!(v["bound"], bound, "{file}: {v}");
     }
-    // The MLA planner binds the DeepSeek config, as it does the preset.
-    let out = Kvferry::new()
-        .args([
-            "check",
-            "--model",
-            &hf_config("deepseek-v3.json"),
-            "--deployment",
-            "dep4",
-            "--planner",
-            "auto",
-        ])
-        .output();
-    let (stdout, stderr) = text(&out);
-    assert!(out.status.success(), "{stderr}");
-    assert!(stdout.contains("kvferry.deepseek_mla_latent"), "{stdout}");
 }
 
 #[test]
 fn check_refuses_a_config_of_an_unknown_model_type_by_name() {
-    let dir = std::env::temp_dir().join(format!("kvferry-cli-hf-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let config = dir.join("config.json");
+    let dir = tempfile::tempdir().unwrap();
     std::fs::write(
-        &config,
+        dir.path().join("config.json"),
         r#"{"model_type": "mamba2", "architectures": ["Mamba2ForCausalLM"], "num_hidden_layers": 64}"#,
     )
     .unwrap();
-    let out = Kvferry::new()
+    let stderr = Kvferry::new()
         .args([
             "check",
             "--model",
-            &dir.display().to_string(),
+            &dir.path().display().to_string(),
             "--deployment",
             "tp4",
         ])
-        .output();
-    std::fs::remove_dir_all(&dir).unwrap();
-    assert!(!out.status.success());
-    let (_, stderr) = text(&out);
+        .stderr_of_failure();
     assert!(
         stderr.contains("model_type `mamba2` is not one kvferry knows")
             && stderr.contains("qwen3_next"),
         "{stderr}"
     );
     // Neither a preset nor a file.
-    let out = Kvferry::new()
+    let stderr = Kvferry::new()
         .args(["check", "--model", "llama-4", "--deployment", "tp4"])
-        .output();
-    assert!(!out.status.success());
-    let (_, stderr) = text(&out);
+        .stderr_of_failure();
     assert!(
         stderr.contains("`llama-4` is neither a model preset (deepseek-v3, llama-3-70b"),
         "{stderr}"
@@ -204,12 +179,10 @@ fn check_refuses_a_config_of_an_unknown_model_type_by_name() {
 
 #[test]
 fn a_missing_plugin_directory_fails_naming_it() {
-    let out = Kvferry::new()
+    let stderr = Kvferry::new()
         .plugin_dir(std::path::Path::new("/nonexistent/kvferry-plugins"))
         .args(["planners"])
-        .output();
-    assert!(!out.status.success());
-    let (_, stderr) = text(&out);
+        .stderr_of_failure();
     assert!(
         stderr.contains("plugin directory /nonexistent/kvferry-plugins does not exist"),
         "{stderr}"
@@ -219,7 +192,7 @@ fn a_missing_plugin_directory_fails_naming_it() {
 #[test]
 fn zero_timeouts_and_no_requests_in_flight_are_refused() {
     for flag in ["--timeout-ms", "--in-flight"] {
-        let out = Kvferry::new()
+        let stderr = Kvferry::new()
             .args([
                 "demo",
                 "--model",
@@ -231,9 +204,7 @@ fn zero_timeouts_and_no_requests_in_flight_are_refused() {
                 flag,
                 "0",
             ])
-            .output();
-        assert!(!out.status.success(), "{flag} 0 was accepted");
-        let (_, stderr) = text(&out);
+            .stderr_of_failure();
         assert!(
             stderr.contains(&format!("invalid value '0' for '{flag}")) && stderr.contains("1.."),
             "{flag}: {stderr}"

@@ -119,6 +119,19 @@ impl Kvferry {
         stdout
     }
 
+    /// Runs it, fails the test (showing both streams) unless it fails, and returns its
+    /// standard error.
+    pub fn stderr_of_failure(self) -> String {
+        let run = self.describe();
+        let out = self.output();
+        let (stdout, stderr) = text(&out);
+        assert!(
+            !out.status.success(),
+            "{run} succeeded, and should not have:\n{stdout}\n{stderr}"
+        );
+        stderr
+    }
+
     /// [`stdout`](Self::stdout), parsed as one JSON value.
     pub fn json(self) -> Value {
         let run = self.describe();
