@@ -605,14 +605,9 @@ pub fn stop_agent(agent: Agent) {
     drop(agent);
 }
 
-/// Starts logging to stderr (`RUST_LOG`, default `warn`).
+/// Starts logging to stderr (`KVFERRY_LOG` or `RUST_LOG`, default `warn`).
 pub fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+    kvferry_transfer::logging::init_stderr("warn");
 }
 
 /// Writes `text` to `path` atomically (a temporary file renamed over it), so a reader that

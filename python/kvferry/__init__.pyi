@@ -6,9 +6,13 @@ from typing import Any, Final, Literal, Protocol, Self, final
 
 from typing_extensions import Buffer
 
-__all__ = ["Agent", "CONFIG_VERSION", "Error", "Event", "__version__"]
+__all__ = ["Agent", "CONFIG_VERSION", "Error", "Event", "__version__", "flush_logs"]
 
 __version__: Final[str]
+
+def flush_logs(timeout: float = 1.0) -> bool:
+    """Waits until every kvferry log record raised so far has reached :mod:`logging` (at most
+    ``timeout`` seconds); whether they all did. Called at exit."""
 #: The configuration version :class:`Agent` reads (``"version": 1``).
 CONFIG_VERSION: Final[int]
 

@@ -8,6 +8,8 @@
 //! every refusal, and any panic, into a `kvferry.Error` carrying `kind`, `peer` and `detail`.
 //! Nothing here exits the process.
 
+mod logs;
+
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Mutex, PoisonError, RwLock};
 
@@ -18,7 +20,7 @@ use kvferry_transfer::agent::{
     StartError,
 };
 use pyo3::buffer::PyUntypedBuffer;
-use pyo3::exceptions::{PyException, PyTypeError};
+use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyString};
 
@@ -389,10 +391,10 @@ impl Agent {
         keep_alive: Option<Vec<Py<PyAny>>>,
     ) -> PyResult<Self> {
         let json = config_json.to_owned();
+        logs::init(py);
         let agent = py
             .detach(move || {
                 guarded(|| {
-                    kvferry_capi::init_logging();
                     let (config, bound) = load(&json)?;
                     // SAFETY: the engine's promise, documented on `Agent` in the stubs and
                     // README as it is on `kvferry_agent_start`: every pool the page table
@@ -605,9 +607,23 @@ impl Agent {
     }
 }
 
+/// Waits until every kvferry log record raised so far has reached Python's `logging` (at
+/// most `timeout` seconds); returns whether they all did. The package calls it at exit.
+#[pyfunction]
+#[pyo3(signature = (timeout = 1.0))]
+fn flush_logs(py: Python<'_>, timeout: f64) -> PyResult<bool> {
+    let timeout = std::time::Duration::try_from_secs_f64(timeout).map_err(|_| {
+        PyValueError::new_err(format!(
+            "flush_logs: timeout {timeout} is not a duration in seconds"
+        ))
+    })?;
+    Ok(logs::flush(py, timeout))
+}
+
 /// The extension module.
 #[pymodule]
 fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(flush_logs, m)?)?;
     m.add_class::<Agent>()?;
     m.add_class::<Event>()?;
     m.add("Error", m.py().get_type::<Error>())?;

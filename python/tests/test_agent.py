@@ -466,3 +466,76 @@ def test_interpreter_exits_with_a_live_agent(plugin_dir, tmp_path):
     assert out.stdout.startswith("started 127.0.0.1:"), out.stdout
     assert "panic" not in out.stderr, out.stderr
     assert time.monotonic() - started < 10
+
+
+LOG_SCRIPT = """
+import json, logging, sys
+sys.path.insert(0, sys.argv[1])
+import kvferry
+from test_agent import Side
+
+records = []
+
+
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append([record.name, record.levelname, record.getMessage()])
+
+
+logging.getLogger().addHandler(Keep())
+side = Side("prefill", "context", slots=4)
+
+
+def start_and_close():
+    kvferry.Agent(side.config(sys.argv[2], "tcp"), keep_alive=[side.pool]).close()
+    assert kvferry.flush_logs(10.0)
+
+
+start_and_close()  # the kvferry logger at WARNING, the default
+quiet = len(records)
+logging.getLogger("kvferry").setLevel(logging.INFO)
+start_and_close()
+print(json.dumps({"quiet": records[:quiet], "info": records[quiet:]}))
+"""
+
+
+@pytest.mark.parametrize("env_filter", [None, "kvferry=loud"])
+def test_logs_reach_python_logging(plugin_dir, tmp_path, env_filter):
+    """kvferry's records reach Python's logging, from the loggers of their modules, at the
+    kvferry logger's level; none go to stderr past logging; a bad KVFERRY_LOG is named."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "logs.py"
+    script.write_text(LOG_SCRIPT)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("LD_LIBRARY_PATH", "RUST_LOG", "KVFERRY_LOG")
+    }
+    if env_filter:
+        env["KVFERRY_LOG"] = env_filter
+    out = subprocess.run(
+        [sys.executable, str(script), str(Path(__file__).parent), plugin_dir],
+        capture_output=True, text=True, timeout=60, env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    # Nothing printed behind logging's back (no handler writes to stderr here).
+    assert out.stderr == "", out.stderr
+    got = json.loads(out.stdout)
+    if env_filter is None:
+        assert all(level in ("WARNING", "ERROR") for _, level, _ in got["quiet"]), got
+        names = {(name, level) for name, level, _ in got["info"]}
+        assert ("kvferry.transfer.agent", "INFO") in names, got
+        stopped = [m for name, _, m in got["info"] if m.startswith("agent stopped")]
+        assert len(stopped) == 1 and "open_requests=0" in stopped[0], got
+        assert "agent=prefill-py" in stopped[0], got
+    else:
+        # The bad filter is named in a warning each start, and the default ("warn") applies
+        # whatever the kvferry logger's level.
+        warned = [
+            m for _, level, m in got["quiet"] + got["info"]
+            if level == "WARNING" and 'KVFERRY_LOG="kvferry=loud" is not a log filter' in m
+        ]
+        assert len(warned) == 2, got
+        assert not any(level == "INFO" for _, level, _ in got["info"]), got

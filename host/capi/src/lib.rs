@@ -495,18 +495,13 @@ unsafe fn copy_out(
     Ok(())
 }
 
-/// Installs a `tracing` logger to stderr when `KVFERRY_LOG` is set (once per process; the
-/// crate docs' "Logs"). Also called by the Python package.
+/// Installs kvferry's logger to stderr (once per process, at the first agent start):
+/// `KVFERRY_LOG`, or `RUST_LOG`, chooses what it logs, warnings by default
+/// ([`kvferry_transfer::logging`]; the crate docs' "Logs").
 pub fn init_logging() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
-        let Some(filter) = std::env::var("KVFERRY_LOG").ok().filter(|f| !f.is_empty()) else {
-            return;
-        };
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
-            .with_writer(std::io::stderr)
-            .try_init();
+        kvferry_transfer::logging::init_stderr("warn");
     });
 }
 

@@ -507,8 +507,8 @@ pub fn spawn_server(
 }
 
 /// [`spawn_server`] for a `kvferry serve` command the caller built (environment included:
-/// a `RUST_LOG` the caller set is kept; otherwise the child inherits ours, or logs warnings
-/// only).
+/// a `KVFERRY_LOG` or `RUST_LOG` the caller set is kept; otherwise the child inherits ours, or
+/// logs warnings only).
 ///
 /// # Errors
 ///
@@ -540,9 +540,13 @@ pub fn spawn_serve_logged(
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .stdin(Stdio::piped());
-    let log_chosen = cmd.get_envs().any(|(key, _)| key == "RUST_LOG");
-    if !log_chosen && std::env::var_os("RUST_LOG").is_none() {
-        cmd.env("RUST_LOG", "kvferry=warn,warn");
+    let log_vars = [kvferry_transfer::logging::ENV, "RUST_LOG"];
+    let log_chosen = cmd
+        .get_envs()
+        .any(|(key, _)| log_vars.iter().any(|v| key == *v))
+        || kvferry_transfer::logging::from_env().is_some();
+    if !log_chosen {
+        cmd.env(kvferry_transfer::logging::ENV, "kvferry=warn,warn");
     }
     // The servers one controller starts share a secret nobody else knows, unless the caller
     // chose one (for the child, or for this whole process).

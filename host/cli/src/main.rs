@@ -1380,19 +1380,12 @@ fn doctor(net_devices: Option<&str>, require_cuda: bool, json: bool) -> Result<E
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // `conform` binds hundreds of deployments and prints its own report: its logs default to
-    // warnings. `RUST_LOG` overrides either default.
+    // warnings. `KVFERRY_LOG` (or `RUST_LOG`) overrides either default.
     let default_filter = match cli.command {
         Command::Conform { .. } => "warn",
         _ => "kvferry=info,warn",
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter)),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    kvferry_transfer::logging::init_stderr(default_filter);
     match run(cli) {
         Ok(code) => code,
         Err(e) => {

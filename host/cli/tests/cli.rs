@@ -112,6 +112,38 @@ fn check_binds_and_builds_every_rank() {
     assert!(stderr.contains("bound planner"), "{stderr}");
 }
 
+#[test]
+fn kvferry_log_chooses_over_rust_log_and_a_bad_filter_is_named() {
+    let check = |kvferry_log: Option<&str>| {
+        let mut run = Kvferry::new().log("kvferry=info").args([
+            "check",
+            "--model",
+            "llama-3-70b",
+            "--deployment",
+            "tp2",
+        ]);
+        if let Some(filter) = kvferry_log {
+            run = run.env("KVFERRY_LOG", filter);
+        }
+        let out = run.output();
+        let (_, stderr) = text(&out);
+        assert!(out.status.success(), "{stderr}");
+        // Into a pipe: no colour codes.
+        assert!(!stderr.contains('\x1b'), "{stderr:?}");
+        stderr
+    };
+    assert!(check(None).contains("bound planner"));
+    // KVFERRY_LOG wins over RUST_LOG.
+    assert!(!check(Some("warn")).contains("bound planner"));
+    let stderr = check(Some("kvferry=loud"));
+    assert!(
+        stderr.contains(r#"KVFERRY_LOG="kvferry=loud" is not a log filter"#),
+        "{stderr}"
+    );
+    // The CLI's default applies in its place.
+    assert!(stderr.contains("bound planner"), "{stderr}");
+}
+
 /// A Hugging Face config from the testkit's fixtures.
 fn hf_config(name: &str) -> String {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR"))

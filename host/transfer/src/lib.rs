@@ -34,6 +34,7 @@ pub mod copy;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod integrity;
+pub mod logging;
 pub mod memory;
 pub mod outcome;
 pub mod rank;

@@ -19,8 +19,8 @@ pub const QUIET: &str = "kvferry=warn,warn";
 pub const SECRET: &str = "the tests' deployment secret, 48 bytes long....";
 
 /// A run of this build's `kvferry` binary with no planner configuration from the
-/// environment (`KVFERRY_PLUGIN_DIR`, `KVFERRY_PLANNER` and `KVFERRY_CONFIG` removed), the
-/// tests' deployment secret ([`SECRET`]) and the test's own `RUST_LOG`; the builder methods
+/// environment (`KVFERRY_PLUGIN_DIR`, `KVFERRY_PLANNER`, `KVFERRY_CONFIG` and `KVFERRY_LOG`
+/// removed), the tests' deployment secret ([`SECRET`]) and the test's own `RUST_LOG`; the builder methods
 /// add what a test needs.
 #[derive(Debug)]
 pub struct Kvferry {
@@ -39,6 +39,7 @@ impl Kvferry {
         cmd.env_remove("KVFERRY_PLUGIN_DIR")
             .env_remove("KVFERRY_PLANNER")
             .env_remove("KVFERRY_CONFIG")
+            .env_remove("KVFERRY_LOG")
             .env("KVFERRY_SECRET", SECRET);
         Kvferry { cmd }
     }

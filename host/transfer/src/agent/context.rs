@@ -466,7 +466,12 @@ fn serve_connection(inner: &Arc<Inner>, stream: TcpStream, pending: Pending) {
             }
         }
     };
-    tracing::info!(peer = %conn.name(), reason = %why, "generation rank gone");
+    if inner.stopped.load(Ordering::Acquire) {
+        // This agent's own shutdown ended it: `Drop for Agent` logs that once.
+        tracing::debug!(peer = %conn.name(), reason = %why, "generation rank gone");
+    } else {
+        tracing::info!(peer = %conn.name(), reason = %why, "generation rank gone");
+    }
     lost(inner, &conn, &why);
 }
 

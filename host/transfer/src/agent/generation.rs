@@ -369,12 +369,21 @@ fn read_link(
             Ok(AgentEvent::Completion(c)) => completion(&inner, link, c),
             Ok(AgentEvent::Nothing) => {}
             Ok(other) => break format!("sent {other:?}"),
+            // Its last word, said on purpose (its shutdown, or its refusal of this rank).
+            Err(kvferry_protocol::AgentError::PeerError { message }) => {
+                break format!("ended the link: {message}");
+            }
             Err(e) => break format!("broke the protocol: {e}"),
         }
     };
     link.alive.store(false, Ordering::Release);
     if let Some(inner) = weak.upgrade() {
-        tracing::info!(peer = %link.name(), reason = %why, "context rank link ended");
+        if inner.stopped.load(Ordering::Acquire) {
+            // This agent's own shutdown ended it: `Drop for Agent` logs that once.
+            tracing::debug!(peer = %link.name(), reason = %why, "context rank link ended");
+        } else {
+            tracing::info!(peer = %link.name(), reason = %why, "context rank link ended");
+        }
         let ids: Vec<u64> = {
             let mut state = lock(&inner.decode);
             let key = (link.identity.instance.clone(), link.identity.rank);

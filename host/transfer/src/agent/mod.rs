@@ -1245,6 +1245,12 @@ impl Drop for Agent {
             Role::Generation => generation::shutdown(&self.inner),
         }
         let deadline = Instant::now() + DROP_WAIT;
+        let open = match self.inner.config.role {
+            Role::Context => lock(&self.inner.prefill).requests.len(),
+            Role::Generation => lock(&self.inner.decode).requests.len(),
+        };
+        // The one line an orderly shutdown logs (each peer's end is at debug level).
+        tracing::info!(agent = %self.inner.me(), open_requests = open, "agent stopped");
         while Arc::strong_count(&self.inner) > 1 {
             if Instant::now() >= deadline {
                 tracing::warn!(
