@@ -134,9 +134,15 @@ class Agent:
     def stats(self) -> dict[str, Any]:
         """What the agent did since it started: ``sent``, ``received``, ``cancelled``,
         ``failed`` (kind name -> count, every kind), ``bytes``, ``fragments``, ``pieces``,
-        ``puts``, ``plan_ns``, ``write_ns``, ``latency_us`` (entry k counts requests that took
-        under 2**k microseconds, the last one every longer one), and ``in_flight`` and
-        ``peers`` now."""
+        ``puts``, ``plan_ns``, ``write_ns``, ``queue_ns``, ``latency_us`` (entry k counts
+        requests that took under 2**k microseconds, the last one every longer one),
+        ``latency_sum_us``, ``plan_us`` and ``queue_us`` (the same requests by planning and by
+        queueing time, bucketed alike), and ``in_flight`` and ``peers`` now."""
+
+    def metrics_text(self) -> str:
+        """The same numbers in the Prometheus text format (version 0.0.4), labelled with this
+        agent's instance, rank and role (``kvferry_requests_total{outcome=...}``,
+        ``kvferry_transfer_bytes_total``, ``kvferry_transfer_duration_seconds``, ...)."""
 
     def hold(self, peer: str, endpoints: Sequence[str], requests: Sequence[int]) -> None:
         """Decode ranks: tells prefill instance ``peer`` (through ``endpoints``, or the ranks

@@ -476,8 +476,10 @@ impl Agent {
 
     /// What the agent did since it started, as a dict: `sent`, `received`, `cancelled`,
     /// `failed` (kind name -> count, every kind), `bytes`, `fragments`, `pieces`, `puts`,
-    /// `plan_ns`, `write_ns`, `latency_us` (a list: entry k counts requests that took under
-    /// 2**k microseconds, the last one every longer one), `in_flight` and `peers` (now).
+    /// `plan_ns`, `write_ns`, `queue_ns`, `latency_us` (a list: entry k counts requests that
+    /// took under 2**k microseconds, the last one every longer one), `latency_sum_us`,
+    /// `plan_us` and `queue_us` (the same requests by planning and by queueing time, bucketed
+    /// alike), `in_flight` and `peers` (now).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.with(py, "Agent.stats", |a| Ok(a.stats()))?;
         let d = PyDict::new(py);
@@ -495,10 +497,26 @@ impl Agent {
         d.set_item("puts", s.puts)?;
         d.set_item("plan_ns", s.plan_ns)?;
         d.set_item("write_ns", s.write_ns)?;
+        d.set_item("queue_ns", s.queue_ns)?;
         d.set_item("latency_us", s.latency_us.to_vec())?;
+        d.set_item("latency_sum_us", s.latency_sum_us)?;
+        d.set_item("plan_us", s.plan_us.to_vec())?;
+        d.set_item("queue_us", s.queue_us.to_vec())?;
         d.set_item("in_flight", s.in_flight)?;
         d.set_item("peers", s.peers)?;
         Ok(d)
+    }
+
+    /// The same numbers in the Prometheus text format (version 0.0.4), labelled with this
+    /// agent's instance, rank and role: `kvferry_requests_total{outcome}`,
+    /// `kvferry_transfer_bytes_total`, `kvferry_transfer_duration_seconds`, ... for an engine
+    /// to serve beside its own metrics.
+    fn metrics_text(&self, py: Python<'_>) -> PyResult<String> {
+        self.with(py, "Agent.metrics_text", |a| {
+            Ok(kvferry_transfer::metrics::encode(&[
+                kvferry_transfer::metrics::Sample::of(a),
+            ]))
+        })
     }
 
     /// Decode ranks: tells prefill instance `peer` (through `endpoints`, or the ranks added

@@ -257,6 +257,14 @@ def test_transfer_checks_every_byte(plugin_dir, transport):
         assert sum(loads["latency_us"]) == len(REQUESTS) and loads["in_flight"] == 0
         assert set(loads["failed"]) >= {"lease", "peer", "timeout"}
         assert sum(loads["failed"].values()) == 0 and loads["peers"] == 1
+        assert sum(loads["plan_us"]) == sum(loads["queue_us"]) == len(REQUESTS)
+        assert loads["latency_sum_us"] > 0
+        # And the same numbers for Prometheus.
+        text = gen.metrics_text()
+        labels = 'instance="decode-py",rank="0",role="generation"'
+        assert f'kvferry_requests_total{{{labels},outcome="received"}} {len(REQUESTS)}' in text
+        assert f"kvferry_transfer_bytes_total{{{labels}}} {loads['bytes']}" in text
+        assert f"kvferry_transfer_duration_seconds_count{{{labels}}} {len(REQUESTS)}" in text
     assert ctx.closed and gen.closed
 
     # Every byte of the decode pool: received rows hold the prefill's pattern, cached rows

@@ -486,6 +486,23 @@ int kvferry_agent_endpoint(const struct kvferry_agent *agent,
                            size_t *len_out);
 
 /**
+ * Copies the agent's numbers in the Prometheus text format (version 0.0.4: the series of
+ * `kvferry_agent_stats`, labelled with the agent's instance, rank and role;
+ * `kvferry_transfer::metrics` lists them) into `buf`, NUL-terminated; `*len_out` gets its length without the
+ * NUL. Size query: `buf` NULL and `cap` 0. The text can grow between two calls (numbers get
+ * longer): give it room to spare, or ask again on `KVFERRY_ERR_BUFFER_TOO_SMALL`.
+ *
+ * # Safety
+ *
+ * `agent` is NULL or a live handle; `buf` is NULL or writable for `cap` bytes; `len_out` is
+ * NULL or writable.
+ */
+int kvferry_agent_metrics(const struct kvferry_agent *agent,
+                          char *buf,
+                          size_t cap,
+                          size_t *len_out);
+
+/**
  * Copies this rank's metadata (bytes, for engines that exchange it on their own channel:
  * the decode rank passes them to `kvferry_agent_add_peer`) into `buf`; `*len_out` gets its
  * length. Size query: `buf` NULL and `cap` 0.

@@ -605,6 +605,33 @@ pub unsafe extern "C" fn kvferry_agent_endpoint(
     })
 }
 
+/// Copies the agent's numbers in the Prometheus text format (version 0.0.4: the series of
+/// `kvferry_agent_stats`, labelled with the agent's instance, rank and role;
+/// `kvferry_transfer::metrics` lists them) into `buf`, NUL-terminated; `*len_out` gets its length without the
+/// NUL. Size query: `buf` NULL and `cap` 0. The text can grow between two calls (numbers get
+/// longer): give it room to spare, or ask again on `KVFERRY_ERR_BUFFER_TOO_SMALL`.
+///
+/// # Safety
+///
+/// `agent` is NULL or a live handle; `buf` is NULL or writable for `cap` bytes; `len_out` is
+/// NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvferry_agent_metrics(
+    agent: *const kvferry_agent,
+    buf: *mut c_char,
+    cap: usize,
+    len_out: *mut usize,
+) -> c_int {
+    guard("kvferry_agent_metrics", || {
+        // SAFETY: NULL or a live handle (the caller's contract).
+        let a = unsafe { deref(agent, "agent") }?;
+        let text =
+            kvferry_transfer::metrics::encode(&[kvferry_transfer::metrics::Sample::of(&a.agent)]);
+        // SAFETY: the caller's contract for `buf`, `cap` and `len_out`.
+        unsafe { copy_out(text.as_bytes(), true, buf.cast(), cap, len_out) }
+    })
+}
+
 /// Copies this rank's metadata (bytes, for engines that exchange it on their own channel:
 /// the decode rank passes them to `kvferry_agent_add_peer`) into `buf`; `*len_out` gets its
 /// length. Size query: `buf` NULL and `cap` 0.

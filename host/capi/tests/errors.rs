@@ -539,6 +539,28 @@ fn layer_wise_sends_name_views_and_holds_are_for_decode_ranks() {
     let rc = unsafe { kvferry_agent_get_stats(agent, null_mut()) };
     assert_eq!(rc, status(KVFERRY_ERR_NULL_POINTER));
     assert_eq!(last_error(), "kvferry_agent_get_stats: out is NULL");
+    // The same numbers for Prometheus: the size, a buffer one byte short, then the text.
+    let mut len = 0usize;
+    // SAFETY: a live handle; the size query (NULL, 0) and a writable length.
+    let rc = unsafe { kvferry_agent_metrics(agent, null_mut(), 0, &mut len) };
+    assert_eq!(rc, status(KVFERRY_OK));
+    let mut text = vec![0u8; len + 1];
+    // SAFETY: a live handle and a buffer of `len` bytes (no room for the NUL).
+    let rc = unsafe { kvferry_agent_metrics(agent, text.as_mut_ptr().cast(), len, &mut len) };
+    assert_eq!(rc, status(KVFERRY_ERR_BUFFER_TOO_SMALL));
+    // SAFETY: a live handle and a buffer of `len + 1` bytes.
+    let rc = unsafe { kvferry_agent_metrics(agent, text.as_mut_ptr().cast(), len + 1, &mut len) };
+    assert_eq!(rc, status(KVFERRY_OK));
+    assert_eq!(text[len], 0);
+    let text = String::from_utf8(text[..len].to_vec()).unwrap();
+    let labels = r#"instance="context-t",rank="0",role="context""#;
+    for line in [
+        format!("kvferry_requests_in_flight{{{labels}}} 2"),
+        format!(r#"kvferry_requests_total{{{labels},outcome="sent"}} 0"#),
+        format!("kvferry_transfer_duration_seconds_count{{{labels}}} 0"),
+    ] {
+        assert!(text.lines().any(|l| l == line), "no `{line}` in\n{text}");
+    }
     // SAFETY: a live handle, destroyed once.
     unsafe { kvferry_agent_destroy(agent) };
 }

@@ -56,6 +56,8 @@ const STDERR_TAIL: usize = 32;
 pub const CONTROL_ON: &str = "control on ";
 /// In the line a context server prints once it listens, before its peer address.
 pub const LISTENING: &str = "listening on ";
+/// Where `kvferry serve --metrics-listen` prints its metrics address.
+pub const METRICS_ON: &str = "metrics on ";
 
 /// Where `kvferry serve` reads the deployment secret when no `--secret-file` is given.
 pub use kvferry_transfer::agent::SECRET_ENV;
@@ -95,6 +97,8 @@ pub struct ServerAddrs {
     pub control: String,
     /// A context server's agent endpoints, comma-separated (what generation ranks dial).
     pub peer: Option<String>,
+    /// Its `/metrics` listener (`--metrics-listen`).
+    pub metrics: Option<String>,
 }
 
 impl ServerAddrs {
@@ -110,6 +114,7 @@ impl ServerAddrs {
         Some(ServerAddrs {
             control: after(CONTROL_ON)?,
             peer: after(LISTENING),
+            metrics: after(METRICS_ON),
         })
     }
 

@@ -17,6 +17,7 @@ pub mod control;
 pub mod demo;
 pub mod doctor;
 pub mod drive;
+pub mod metrics_http;
 pub mod overlap;
 pub mod serve;
 pub mod slots;

@@ -206,6 +206,10 @@ struct ServeArgs {
     /// `control on HOST:PORT`. Keep it on loopback: it can shut the server down.
     #[arg(long, default_value = "127.0.0.1:0", value_name = "HOST:PORT")]
     control: String,
+    /// Serve the agents' numbers for Prometheus at `http://HOST:PORT/metrics` (port 0: a free
+    /// one), printed on stdout as `metrics on HOST:PORT`.
+    #[arg(long, value_name = "HOST:PORT")]
+    metrics_listen: Option<String>,
     #[command(flatten)]
     transport: TransportArgs,
     #[command(flatten)]
@@ -1178,6 +1182,17 @@ fn serve(host: &Host, a: ServeArgs) -> Result<ExitCode> {
     if a.exit_with_stdin {
         stop_with_stdin(running.stopper())?;
     }
+    let metrics = match &a.metrics_listen {
+        Some(addr) => {
+            let listener = std::net::TcpListener::bind(addr)
+                .with_context(|| format!("--metrics-listen {addr}: cannot listen"))?;
+            let bound = listener.local_addr()?;
+            kvferry_cli::metrics_http::spawn(listener, running.metrics_source())?;
+            tracing::info!(url = %format!("http://{bound}/metrics"), "serving metrics");
+            format!(" {}{bound}", demo::METRICS_ON)
+        }
+        None => String::new(),
+    };
     let control = running.control_addr();
     let endpoints = running.endpoints();
     let peers = if endpoints.is_empty() {
@@ -1191,7 +1206,7 @@ fn serve(host: &Host, a: ServeArgs) -> Result<ExitCode> {
     };
     tracing::info!(instance = %name, role = %a.role, planner = %id, %control, "serving");
     println!(
-        "kvferry serve: {} instance {name} ({label}, {ranks}, planner {id}, {}, {} memory) {}{control}{peers}",
+        "kvferry serve: {} instance {name} ({label}, {ranks}, planner {id}, {}, {} memory) {}{control}{peers}{metrics}",
         a.role,
         a.transport.spec(),
         a.memory.memory,

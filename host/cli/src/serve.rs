@@ -533,6 +533,24 @@ impl Running {
         self.shared.ranks.keys().copied().collect()
     }
 
+    /// Its agents' numbers in the Prometheus text format, each time it is called, until the
+    /// server stops (`None` from then on): what `--metrics-listen` serves.
+    pub fn metrics_source(&self) -> impl Fn() -> Option<String> + Send + Sync + 'static {
+        let shared = Arc::downgrade(&self.shared);
+        move || {
+            let shared = shared.upgrade()?;
+            if shared.stopping.load(Ordering::Acquire) {
+                return None;
+            }
+            let samples: Vec<_> = shared
+                .agents_now()
+                .iter()
+                .map(|(_, a)| kvferry_transfer::metrics::Sample::of(a))
+                .collect();
+            Some(kvferry_transfer::metrics::encode(&samples))
+        }
+    }
+
     /// Stops the server as [`ControlMessage::Shutdown`] does (e.g. when its parent has gone).
     pub fn stopper(&self) -> Sender<()> {
         self.shared.shutdown.clone()

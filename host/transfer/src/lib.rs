@@ -36,6 +36,7 @@ pub mod cuda;
 mod integrity;
 pub mod logging;
 pub mod memory;
+pub mod metrics;
 pub mod outcome;
 pub mod rank;
 mod stash;

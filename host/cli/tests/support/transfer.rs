@@ -25,6 +25,8 @@ pub struct Server {
     pub addr: String,
     /// The control address.
     pub control: String,
+    /// The `/metrics` listener (`--metrics-listen`).
+    pub metrics: Option<String>,
 }
 
 impl Drop for Server {
@@ -64,6 +66,7 @@ impl Server {
             child,
             addr: addrs.peer.unwrap_or_else(|| addrs.control.clone()),
             control: addrs.control,
+            metrics: addrs.metrics,
         }
     }
 

@@ -141,6 +141,17 @@ pub struct AgentStats {
     /// side: from `expect` to `Received`; prefill side: from the claim to `Sent` (the sum
     /// of its stages).
     pub latency_us: [u64; LATENCY_BUCKETS],
+    /// The times [`latency_us`](Self::latency_us) counts, added up, in microseconds.
+    pub latency_sum_us: u64,
+    /// The same requests by the time this rank spent planning and validating them (in
+    /// [`plan_ns`](Self::plan_ns)), bucketed as [`latency_us`](Self::latency_us).
+    pub plan_us: [u64; LATENCY_BUCKETS],
+    /// The same requests by the time they waited for a planner worker or the rank thread,
+    /// bucketed as [`latency_us`](Self::latency_us).
+    pub queue_us: [u64; LATENCY_BUCKETS],
+    /// Nanoseconds the requests that ended well waited (the sum [`queue_us`](Self::queue_us)
+    /// buckets).
+    pub queue_ns: u64,
     /// Requests held now (not ended).
     pub in_flight: u64,
     /// Vetted peer connections now.
@@ -161,11 +172,21 @@ impl AgentStats {
             .map_or(0, |i| self.failed[i])
     }
 
+    /// Counts a request that ended well: its time, and where its planning and queueing went.
+    fn ended_well(&mut self, latency_us: u64, stages: &Stages) {
+        fn bucket(us: u64) -> usize {
+            ((u64::BITS - us.leading_zeros()) as usize).min(LATENCY_BUCKETS - 1)
+        }
+        let plan_ns = stages.plan_ns + stages.validate_ns;
+        self.latency_us[bucket(latency_us)] += 1;
+        self.latency_sum_us += latency_us;
+        self.plan_us[bucket(plan_ns / 1000)] += 1;
+        self.plan_ns += plan_ns;
+        self.queue_us[bucket(stages.queue_ns / 1000)] += 1;
+        self.queue_ns += stages.queue_ns;
+    }
+
     fn count(&mut self, event: &Event) {
-        let mut latency = |us: u64| {
-            let bucket = (u64::BITS - us.leading_zeros()) as usize;
-            self.latency_us[bucket.min(LATENCY_BUCKETS - 1)] += 1;
-        };
         match event {
             Event::Sent {
                 bytes,
@@ -173,20 +194,18 @@ impl AgentStats {
                 stages,
                 ..
             } => {
-                latency(stages.total_ns() / 1000);
+                self.ended_well(stages.total_ns() / 1000, stages);
                 self.sent += 1;
                 self.bytes += bytes;
                 self.puts += puts;
-                self.plan_ns += stages.plan_ns + stages.validate_ns;
                 self.write_ns += stages.puts_ns + stages.flush_ns;
             }
             Event::Received { stats, .. } => {
-                latency(stats.latency_us);
+                self.ended_well(stats.latency_us, &stats.stages);
                 self.received += 1;
                 self.bytes += stats.bytes;
                 self.fragments += stats.fragments;
                 self.pieces += u64::from(stats.pieces);
-                self.plan_ns += stats.stages.plan_ns + stats.stages.validate_ns;
             }
             Event::Cancelled { .. } => self.cancelled += 1,
             Event::Failed { kind, .. } => {

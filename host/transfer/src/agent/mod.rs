@@ -969,6 +969,11 @@ impl Agent {
         self.inner.events.raw_fd()
     }
 
+    /// This agent's role.
+    pub fn role(&self) -> Role {
+        self.inner.config.role
+    }
+
     /// Requests this agent holds (in flight, not yet ended).
     pub fn requests_held(&self) -> usize {
         match self.inner.config.role {
