@@ -354,15 +354,21 @@ impl Parsed {
             Some(dirs) => dirs.clone(),
             None => {
                 let env = std::env::var_os(kvferry_loader::PLUGIN_DIR_ENV).unwrap_or_default();
-                std::env::split_paths(&env)
+                let dirs: Vec<PathBuf> = std::env::split_paths(&env)
                     .filter(|p| !p.as_os_str().is_empty())
-                    .collect()
+                    .collect();
+                if dirs.is_empty() {
+                    crate::installed_planners().into_iter().collect()
+                } else {
+                    dirs
+                }
             }
         };
         if dirs.is_empty() {
             return Err(ConfigError::Planner(format!(
                 "no plugin directory to load planner {id} from: set \"plugin_dir\" in the \
-                 config or {}",
+                 config or {} (an installed library also looks in kvferry/planners beside \
+                 itself)",
                 kvferry_loader::PLUGIN_DIR_ENV
             )));
         }

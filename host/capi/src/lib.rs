@@ -495,6 +495,34 @@ unsafe fn copy_out(
     Ok(())
 }
 
+/// The planners an installed library carries: `kvferry/planners` in the directory this
+/// shared library was loaded from (`scripts/install` puts them at `PREFIX/lib/kvferry/planners`
+/// beside `PREFIX/lib/libkvferry.so`), when that directory exists. Linked statically, the
+/// "library" is the executable, and its directory is looked in alike.
+pub(crate) fn installed_planners() -> Option<std::path::PathBuf> {
+    let mut info = std::mem::MaybeUninit::<libc::Dl_info>::zeroed();
+    let here = installed_planners as *const () as *const libc::c_void;
+    // SAFETY: `here` is an address inside this object; `info` is writable and dladdr fills it
+    // (or returns 0, leaving it unread).
+    let found = unsafe { libc::dladdr(here, info.as_mut_ptr()) };
+    if found == 0 {
+        return None;
+    }
+    // SAFETY: dladdr succeeded, so it initialised `info`.
+    let info = unsafe { info.assume_init() };
+    if info.dli_fname.is_null() {
+        return None;
+    }
+    // SAFETY: dladdr's `dli_fname` is a NUL-terminated path owned by the dynamic loader,
+    // valid while the object stays loaded (it is this one).
+    let file = unsafe { std::ffi::CStr::from_ptr(info.dli_fname) };
+    let file = std::path::Path::new(
+        <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(file.to_bytes()),
+    );
+    let dir = file.parent()?.join("kvferry").join("planners");
+    dir.is_dir().then_some(dir)
+}
+
 /// Installs kvferry's logger to stderr (once per process, at the first agent start):
 /// `KVFERRY_LOG`, or `RUST_LOG`, chooses what it logs, warnings by default
 /// ([`kvferry_transfer::logging`]; the crate docs' "Logs").

@@ -166,6 +166,125 @@ fn a_c_prefill_and_a_c_decode_move_every_byte_over_tcp_and_shm() {
     }
 }
 
+/// Runs a prefill and a decode of `exe` over tcp with `plugins` ("-": none named, so the
+/// library looks beside itself) and returns the decode's report line.
+fn move_over_tcp(exe: &Path, dir: &Path, plugins: &Path, env: &[(&str, &Path)]) -> String {
+    let endpoint = dir.join("endpoint-installed");
+    let start = |which: &str| {
+        let mut cmd = Command::new(exe);
+        cmd.arg(which)
+            .arg(&endpoint)
+            .arg(plugins)
+            .arg("tcp")
+            .env("KVFERRY_TEST_SECRET", SECRET)
+            .env_remove("LD_LIBRARY_PATH")
+            .env_remove("KVFERRY_PLUGIN_DIR")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        cmd.spawn()
+            .unwrap_or_else(|e| panic!("cannot start {} {which}: {e}", exe.display()))
+    };
+    let (prefill, decode) = (start("prefill"), start("decode"));
+    let limit = Duration::from_secs(60);
+    let (d, p) = (
+        finish(decode, "decode", limit),
+        finish(prefill, "prefill", limit),
+    );
+    for (name, o) in [("decode", &d), ("prefill", &p)] {
+        assert!(
+            o.status.success(),
+            "{name}: {}\n{}{}",
+            o.status,
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    String::from_utf8_lossy(&d.stdout).trim().to_string()
+}
+
+/// `scripts/install --prefix` from this build: a C program compiled with nothing but
+/// `pkg-config --cflags --libs kvferry` moves bytes with the planners the library finds beside
+/// itself, and nothing installed refers back to the build (the command finds its planners and
+/// UCX under the prefix too).
+#[test]
+fn an_installed_prefix_builds_with_pkg_config_and_moves_bytes() {
+    let Some(cc) = compiler() else { return };
+    let build = support::deps_dir()
+        .parent()
+        .expect("target/<profile>")
+        .to_path_buf();
+    if build.file_name().and_then(|n| n.to_str()) != Some("debug")
+        || !build.join("kvferry").is_file()
+    {
+        println!(
+            "skipped: installs the debug build of the whole workspace (`cargo build --workspace`, \
+             as scripts/test does first)"
+        );
+        return;
+    }
+    for tool in ["pkg-config", "patchelf"] {
+        if Command::new(tool).arg("--version").output().is_err() {
+            println!("skipped: no {tool} (scripts/setup installs it)");
+            return;
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = dir.path().join("prefix");
+    let repo = crate_dir().join("../..");
+    run(Command::new(repo.join("scripts/install"))
+        .arg("--prefix")
+        .arg(&prefix)
+        .args(["--debug", "--no-build"]));
+
+    let pc = prefix.join("lib/pkgconfig");
+    let flags = run(Command::new("pkg-config")
+        .args(["--cflags", "--libs", "kvferry"])
+        .env("PKG_CONFIG_PATH", &pc));
+    let flags = String::from_utf8(flags.stdout).unwrap();
+    let exe = dir.path().join("transfer");
+    run(Command::new(&cc)
+        .args([
+            "-std=c11",
+            "-D_POSIX_C_SOURCE=200809L",
+            "-Wall",
+            "-Werror",
+            "-O1",
+        ])
+        .arg(crate_dir().join("tests/c/transfer.c"))
+        .arg("-o")
+        .arg(&exe)
+        .args(flags.split_whitespace()));
+    let line = move_over_tcp(&exe, dir.path(), Path::new("-"), &[]);
+    assert!(
+        line.starts_with("decode: verified 3 requests, every byte"),
+        "{line}"
+    );
+
+    // Nothing installed points back at the build: RUNPATHs are $ORIGIN-relative (or absent,
+    // for a system UCX), and the command lists the installed planners with no configuration.
+    for file in ["lib/libkvferry.so", "bin/kvferry"] {
+        let out = run(Command::new("readelf").arg("-d").arg(prefix.join(file)));
+        let text = String::from_utf8_lossy(&out.stdout);
+        for line in text
+            .lines()
+            .filter(|l| l.contains("RUNPATH") || l.contains("RPATH"))
+        {
+            assert!(line.contains("[$ORIGIN/"), "{file}: {line}");
+        }
+    }
+    let listed = run(Command::new(prefix.join("bin/kvferry"))
+        .arg("planners")
+        .env_remove("KVFERRY_PLUGIN_DIR")
+        .env_remove("LD_LIBRARY_PATH"));
+    let listed = String::from_utf8_lossy(&listed.stdout);
+    for id in ["kvferry.default", "kvferry.deepseek_mla_latent"] {
+        assert!(listed.contains(id), "{listed}");
+    }
+}
+
 #[test]
 fn the_header_compiles_as_cpp() {
     let cxx = std::env::var("CXX")

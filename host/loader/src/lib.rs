@@ -90,7 +90,9 @@ const MAX_ABI_LINES: usize = 10;
 /// 1. `KVFERRY_PLUGIN_DIR` ([`PLUGIN_DIR_ENV`]), colon-separated, if set and not empty;
 /// 2. else `config_dir`, the config file's `plugin_dir`;
 /// 3. else the directory of the running executable, so that cargo's build output works with
-///    no configuration (`target/debug/libkvferry_planner_*.so` next to `target/debug/kvferry`).
+///    no configuration (`target/debug/libkvferry_planner_*.so` next to `target/debug/kvferry`),
+///    then [`INSTALLED_PLANNERS`] beside it when that exists (`scripts/install`'s layout:
+///    `PREFIX/bin/kvferry` and `PREFIX/lib/kvferry/planners/`).
 ///
 /// Reads the process environment; [`plugin_dirs_from`] is the same rule with every input
 /// passed in.
@@ -121,10 +123,21 @@ pub fn plugin_dirs_from(
     if let Some(dir) = config_dir {
         return vec![dir.to_path_buf()];
     }
-    exe.and_then(Path::parent)
-        .map(|dir| vec![dir.to_path_buf()])
-        .unwrap_or_default()
+    let Some(dir) = exe.and_then(Path::parent) else {
+        return Vec::new();
+    };
+    let mut dirs = vec![dir.to_path_buf()];
+    if let Some(installed) = dir.parent().map(|prefix| prefix.join(INSTALLED_PLANNERS)) {
+        if installed.is_dir() {
+            dirs.push(installed);
+        }
+    }
+    dirs
 }
+
+/// Where an installed prefix keeps its planners (`scripts/install`): `PREFIX/lib/kvferry/planners`,
+/// beside `PREFIX/bin/kvferry` and `PREFIX/lib/libkvferry.so`.
+pub const INSTALLED_PLANNERS: &str = "lib/kvferry/planners";
 
 /// The id of the planner to bind: the command-line `flag`, else `KVFERRY_PLANNER` (`env`),
 /// else the config's `planner`, else [`DEFAULT_PLANNER_ID`]. Empty values count as unset.
@@ -1046,6 +1059,20 @@ mod tests {
             vec![PathBuf::from("/opt/kvferry/bin")]
         );
         assert!(plugin_dirs_from(None, None, None).is_empty());
+    }
+
+    #[test]
+    fn an_installed_command_also_finds_the_installed_planners() {
+        let prefix = tempfile::tempdir().unwrap();
+        let exe = prefix.path().join("bin/kvferry");
+        std::fs::create_dir_all(prefix.path().join(INSTALLED_PLANNERS)).unwrap();
+        assert_eq!(
+            plugin_dirs_from(None, None, Some(&exe)),
+            vec![
+                prefix.path().join("bin"),
+                prefix.path().join(INSTALLED_PLANNERS)
+            ]
+        );
     }
 
     #[test]

@@ -184,7 +184,9 @@ static char *config_json(const struct side *s, const char *plugin_dir, const cha
       s->name, s->role);
   PUT("\"label\": \"c test gqa %ux%ux%u\", \"architecture\": \"LlamaForCausalLM\", ", LAYERS,
       HEADS, HEAD_DIM);
-  PUT("\"planner\": \"kvferry.default\", \"plugin_dir\": \"%s\", ", plugin_dir);
+  PUT("\"planner\": \"kvferry.default\", ");
+  /* "-": none, so the library looks where it is installed (kvferry/planners beside it). */
+  if (strcmp(plugin_dir, "-") != 0) PUT("\"plugin_dir\": \"%s\", ", plugin_dir);
   PUT("\"transport\": \"%s\", \"listen\": \"127.0.0.1:0\", \"secret\": \"%s\", ", transport,
       secret);
   PUT("\"timeout_ms\": 20000, \"lease_ms\": 20000, ");
@@ -462,7 +464,7 @@ static int decode(const char *endpoint_file, const char *plugin_dir, const char 
 
 int main(int argc, char **argv) {
   if (argc < 4 || argc > 5) {
-    fprintf(stderr, "usage: %s prefill|decode ENDPOINT_FILE PLUGIN_DIR [TRANSPORT]\n", argv[0]);
+    fprintf(stderr, "usage: %s prefill|decode ENDPOINT_FILE PLUGIN_DIR|- [TRANSPORT]\n", argv[0]);
     return 2;
   }
   setvbuf(stdout, NULL, _IOLBF, 0);
