@@ -134,6 +134,10 @@
 
 pub mod evolution;
 
+/// This crate's version: the planner ABI a host built with it loads planners against
+/// (`kvferry doctor` prints it). A planner built against the same `0.x` loads.
+pub const ABI_VERSION: &str = env!("CARGO_PKG_VERSION");
+
 mod error;
 mod layout;
 // The 0.2.0 layouts hosts still load: abi_stable's #[sabi_trait] and prefix-type derives

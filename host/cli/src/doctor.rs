@@ -24,6 +24,11 @@ pub const EXPECTED_UCX_DIR_ENV: &str = "KVFERRY_UCX_EXPECTED_DIR";
 /// Everything doctor found.
 #[derive(Clone, Debug, Serialize)]
 pub struct Report {
+    /// This build of kvferry.
+    pub kvferry: String,
+    /// The planner ABI it loads planners against (a planner needs a compatible
+    /// `kvferry-planner-abi`: the same 0.x).
+    pub planner_abi: String,
     /// The UCX library.
     pub ucx: UcxReport,
     /// The CUDA driver and devices, as the kernel lists them.
@@ -256,6 +261,8 @@ pub fn diagnose(net_devices: Option<&str>) -> Report {
         .filter(|(k, _)| k.starts_with("UCX_"))
         .collect();
     Report {
+        kvferry: env!("CARGO_PKG_VERSION").to_string(),
+        planner_abi: kvferry_planner_abi::ABI_VERSION.to_string(),
         ucx,
         cuda,
         transports,
@@ -378,6 +385,11 @@ impl Report {
         let mut out = String::new();
         let u = &self.ucx;
         let yes_no = |b: bool| if b { "yes" } else { "no" };
+        let _ = writeln!(
+            out,
+            "kvferry  {} (planner ABI {})",
+            self.kvferry, self.planner_abi
+        );
         let _ = writeln!(out, "UCX      {} ({})", u.version, join(&u.loaded));
         let _ = writeln!(
             out,

@@ -28,6 +28,9 @@ fn row<'a>(report: &'a Value, transport: &str, memory: &str) -> &'a Value {
 #[test]
 fn doctor_reports_the_linked_ucx_and_the_devices_each_transport_selects() {
     let report = Kvferry::new().arg("doctor").arg("--json").quiet().json();
+    // Which kvferry, and the planner ABI its planners must match.
+    assert_eq!(report["kvferry"], env!("CARGO_PKG_VERSION"));
+    assert_eq!(report["planner_abi"], kvferry_planner_abi::ABI_VERSION);
     let ucx = &report["ucx"];
     // The loaded library is the one the build linked against (the rpath works without
     // LD_LIBRARY_PATH), and its version matches the headers the bindings came from.
