@@ -6,9 +6,27 @@ from typing import Any, Final, Literal, Protocol, Self, final
 
 from typing_extensions import Buffer
 
-__all__ = ["Agent", "CONFIG_VERSION", "Error", "Event", "__version__", "flush_logs"]
+__all__ = [
+    "Agent",
+    "CONFIG_VERSION",
+    "Error",
+    "Event",
+    "PLUGIN_DIR",
+    "__version__",
+    "doctor",
+    "flush_logs",
+]
 
 __version__: Final[str]
+#: The planners shipped in this package (an agent's default plugin directory).
+PLUGIN_DIR: Final[str]
+
+def doctor() -> dict[str, Any]:
+    """What this process runs: ``kvferry`` and ``planner_abi`` (versions), ``extension`` (the
+    module's file), ``ucx`` (the loaded UCX's version) and ``ucx_libraries`` (its files mapped
+    into the process), ``plugin_dirs`` (where an agent whose configuration names no
+    ``plugin_dir`` looks), ``planners`` (``id``, ``version``, ``file`` of each that loads from
+    there) and ``skipped`` (``(file, why)`` of those that do not)."""
 
 def flush_logs(timeout: float = 1.0) -> bool:
     """Waits until every kvferry log record raised so far has reached :mod:`logging` (at most

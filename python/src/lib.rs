@@ -638,10 +638,58 @@ fn flush_logs(py: Python<'_>, timeout: f64) -> PyResult<bool> {
     Ok(logs::flush(py, timeout))
 }
 
+/// What this process runs, as `kvferry doctor` reports it for the command: `kvferry` and
+/// `planner_abi` (versions), `extension` (the file of this module), `ucx` (the loaded
+/// library's version) and `ucx_libraries` (its files mapped into the process), `plugin_dirs`
+/// (where an agent whose configuration names no `plugin_dir` looks) and `planners` (what
+/// loads from there: `id`, `version`, `file`), `skipped` (files there that did not load, and
+/// why).
+#[pyfunction]
+fn doctor(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let (dirs, registry) = py.detach(|| {
+        let dirs = kvferry_capi::default_plugin_dirs();
+        let registry = kvferry_loader::Registry::scan(&dirs);
+        (dirs, registry)
+    });
+    let d = PyDict::new(py);
+    d.set_item("kvferry", env!("CARGO_PKG_VERSION"))?;
+    d.set_item("planner_abi", kvferry_planner_abi::ABI_VERSION)?;
+    d.set_item(
+        "extension",
+        kvferry_capi::library_file().map(|p| p.display().to_string()),
+    )?;
+    let (major, minor, release) = kvferry_ucx::library::release();
+    d.set_item("ucx", format!("{major}.{minor}.{release}"))?;
+    let loaded: Vec<String> = kvferry_ucx::library::loaded_libraries()
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect();
+    d.set_item("ucx_libraries", loaded)?;
+    let shown: Vec<String> = dirs.iter().map(|p| p.display().to_string()).collect();
+    d.set_item("plugin_dirs", shown)?;
+    let planners = pyo3::types::PyList::empty(py);
+    for p in registry.planners() {
+        let entry = PyDict::new(py);
+        entry.set_item("id", &p.id)?;
+        entry.set_item("version", &p.version)?;
+        entry.set_item("file", p.path.display().to_string())?;
+        planners.append(entry)?;
+    }
+    d.set_item("planners", planners)?;
+    let skipped: Vec<(String, String)> = registry
+        .skipped()
+        .iter()
+        .map(|s| (s.path.display().to_string(), error_chain(&s.reason)))
+        .collect();
+    d.set_item("skipped", skipped)?;
+    Ok(d)
+}
+
 /// The extension module.
 #[pymodule]
 fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(flush_logs, m)?)?;
+    m.add_function(wrap_pyfunction!(doctor, m)?)?;
     m.add_class::<Agent>()?;
     m.add_class::<Event>()?;
     m.add("Error", m.py().get_type::<Error>())?;

@@ -547,3 +547,37 @@ def test_logs_reach_python_logging(plugin_dir, tmp_path, env_filter):
         ]
         assert len(warned) == 2, got
         assert not any(level == "INFO" for _, level, _ in got["info"]), got
+
+
+def test_doctor_says_what_loaded():
+    d = kvferry.doctor()
+    assert d["kvferry"] == kvferry.__version__
+    assert d["planner_abi"].startswith("0.")
+    assert d["extension"] and os.path.isfile(d["extension"])
+    assert d["ucx"].startswith("1.")
+    # The UCX mapped into this process is one copy of each core library.
+    names = [os.path.basename(p).split(".so")[0] for p in d["ucx_libraries"]]
+    assert "libucp" in names and len(names) == len(set(names)), d
+
+
+def test_an_installed_package_plans_with_its_own_planners():
+    """From the wheel (scripts/test-python installs it), an agent whose configuration names no
+    plugin directory loads the planners shipped in the package."""
+    if not os.path.isdir(kvferry.PLUGIN_DIR):
+        pytest.skip("not an installed wheel: no planners in the package")
+    if os.environ.get("KVFERRY_PLUGIN_DIR"):
+        pytest.skip("KVFERRY_PLUGIN_DIR is set, so it is looked in instead")
+    d = kvferry.doctor()
+    assert d["plugin_dirs"] == [kvferry.PLUGIN_DIR], d
+    ids = sorted(p["id"] for p in d["planners"])
+    assert ids == ["kvferry.deepseek_mla_latent", "kvferry.default"], d
+    assert not d["skipped"], d
+    # Nothing the package loads lies outside the environment it is installed in.
+    site = os.path.dirname(os.path.dirname(kvferry.__file__))
+    assert d["extension"].startswith(site), d
+    assert all(p.startswith(site) for p in d["ucx_libraries"]), d
+    side = Side("prefill", "context", slots=4)
+    config = json.loads(side.config("unused", "tcp"))
+    del config["plugin_dir"]
+    with kvferry.Agent(json.dumps(config), keep_alive=[side.pool]) as agent:
+        assert agent.endpoint().startswith("127.0.0.1:")

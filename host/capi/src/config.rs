@@ -352,23 +352,13 @@ impl Parsed {
         );
         let dirs = match &self.plugin_dirs {
             Some(dirs) => dirs.clone(),
-            None => {
-                let env = std::env::var_os(kvferry_loader::PLUGIN_DIR_ENV).unwrap_or_default();
-                let dirs: Vec<PathBuf> = std::env::split_paths(&env)
-                    .filter(|p| !p.as_os_str().is_empty())
-                    .collect();
-                if dirs.is_empty() {
-                    crate::installed_planners().into_iter().collect()
-                } else {
-                    dirs
-                }
-            }
+            None => crate::default_plugin_dirs(),
         };
         if dirs.is_empty() {
             return Err(ConfigError::Planner(format!(
                 "no plugin directory to load planner {id} from: set \"plugin_dir\" in the \
-                 config or {} (an installed library also looks in kvferry/planners beside \
-                 itself)",
+                 config or {} (an installed library also looks in kvferry/planners or \
+                 planners beside itself)",
                 kvferry_loader::PLUGIN_DIR_ENV
             )));
         }

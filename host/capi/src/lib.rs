@@ -495,13 +495,39 @@ unsafe fn copy_out(
     Ok(())
 }
 
-/// The planners an installed library carries: `kvferry/planners` in the directory this
-/// shared library was loaded from (`scripts/install` puts them at `PREFIX/lib/kvferry/planners`
-/// beside `PREFIX/lib/libkvferry.so`), when that directory exists. Linked statically, the
-/// "library" is the executable, and its directory is looked in alike.
-pub(crate) fn installed_planners() -> Option<std::path::PathBuf> {
+/// Where an agent whose configuration names no `plugin_dir` loads planners from:
+/// `KVFERRY_PLUGIN_DIR` (colon-separated) when set, else the planners installed with this
+/// library ([`installed_planners`]); empty when neither is there.
+pub fn default_plugin_dirs() -> Vec<std::path::PathBuf> {
+    let env = std::env::var_os(kvferry_loader::PLUGIN_DIR_ENV).unwrap_or_default();
+    let dirs: Vec<std::path::PathBuf> = std::env::split_paths(&env)
+        .filter(|p| !p.as_os_str().is_empty())
+        .collect();
+    if dirs.is_empty() {
+        installed_planners().into_iter().collect()
+    } else {
+        dirs
+    }
+}
+
+/// The planners installed with this library, found beside the file it was loaded from:
+/// `kvferry/planners` (`scripts/install` puts the library at `PREFIX/lib/libkvferry.so` and
+/// the planners at `PREFIX/lib/kvferry/planners`) or `planners` (the Python wheel: the
+/// extension at `kvferry/_kvferry.abi3.so`, the planners at `kvferry/planners`), the first
+/// that exists. Linked statically, the "library" is the executable, and its directory is
+/// looked in alike.
+pub fn installed_planners() -> Option<std::path::PathBuf> {
+    let file = library_file()?;
+    let dir = file.parent()?;
+    [dir.join("kvferry").join("planners"), dir.join("planners")]
+        .into_iter()
+        .find(|d| d.is_dir())
+}
+
+/// The file this library was loaded from (the executable, when linked statically).
+pub fn library_file() -> Option<std::path::PathBuf> {
     let mut info = std::mem::MaybeUninit::<libc::Dl_info>::zeroed();
-    let here = installed_planners as *const () as *const libc::c_void;
+    let here = library_file as *const () as *const libc::c_void;
     // SAFETY: `here` is an address inside this object; `info` is writable and dladdr fills it
     // (or returns 0, leaving it unread).
     let found = unsafe { libc::dladdr(here, info.as_mut_ptr()) };
@@ -516,11 +542,9 @@ pub(crate) fn installed_planners() -> Option<std::path::PathBuf> {
     // SAFETY: dladdr's `dli_fname` is a NUL-terminated path owned by the dynamic loader,
     // valid while the object stays loaded (it is this one).
     let file = unsafe { std::ffi::CStr::from_ptr(info.dli_fname) };
-    let file = std::path::Path::new(
+    Some(std::path::PathBuf::from(
         <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(file.to_bytes()),
-    );
-    let dir = file.parent()?.join("kvferry").join("planners");
-    dir.is_dir().then_some(dir)
+    ))
 }
 
 /// Installs kvferry's logger to stderr (once per process, at the first agent start):
