@@ -43,6 +43,8 @@ from ._kvferry import (  # noqa: E402 (UCX must be loaded first)
     flush_logs,
 )
 
+from .describe import agent_config, describe_paged_cache  # noqa: E402
+
 #: The planners shipped in this package (an agent's default plugin directory).
 PLUGIN_DIR = os.path.join(os.path.dirname(__file__), "planners")
 
@@ -53,6 +55,8 @@ __all__ = [
     "Event",
     "PLUGIN_DIR",
     "__version__",
+    "agent_config",
+    "describe_paged_cache",
     "doctor",
     "flush_logs",
 ]
