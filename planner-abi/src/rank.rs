@@ -209,9 +209,13 @@ impl FromStr for Mapping {
                 .find(|c: char| !c.is_ascii_digit())
                 .unwrap_or(after.len());
             let (number, tail) = after.split_at(digits);
-            let size: u32 = number
-                .parse()
-                .map_err(|_| fail(format!("size {number:?} of {name} is not a number")))?;
+            // Only digits reach here: the one way to fail is a size past u32.
+            let size: u32 = number.parse().map_err(|_| {
+                fail(format!(
+                    "size {number} of {name} is too large (at most {})",
+                    u32::MAX
+                ))
+            })?;
             if size == 0 {
                 return Err(fail(format!("{name} size is 0")));
             }

@@ -51,7 +51,10 @@ fn refuses_bad_specs_naming_the_problem() {
         ("tp4dep4", "tp and dep both given"),
         ("tp4ep3", "ep 3 does not divide tp 4"),
         ("tp4moetp4ep2", "must equal the tp width 4"),
-        ("tp99999999999", "is not a number"),
+        (
+            "tp99999999999",
+            "size 99999999999 of tp is too large (at most 4294967295)",
+        ),
     ];
     for (spec, needle) in cases {
         let err = spec.parse::<Mapping>().unwrap_err();

@@ -25,6 +25,7 @@ use std::fmt;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
@@ -362,9 +363,8 @@ impl fmt::Display for DemoReport {
         )?;
         writeln!(
             f,
-            "bytes      {} ({:.3} GB) in {} fragments",
-            self.bytes,
-            self.bytes as f64 / 1e9,
+            "bytes      {} in {} fragments",
+            kvferry_testkit::units::bytes(self.bytes),
             self.fragments
         )?;
         writeln!(
@@ -564,10 +564,10 @@ pub fn spawn_serve_logged(
         message: format!("cannot start {}: {e}", exe.display()),
     })?;
     let tail = Arc::new(Mutex::new(VecDeque::new()));
-    let stderr = child
-        .stderr
-        .take()
-        .and_then(|stderr| pass_stderr(stderr, role, Arc::clone(&tail), log));
+    let listening = Arc::new(AtomicBool::new(false));
+    let stderr = child.stderr.take().and_then(|stderr| {
+        pass_stderr(stderr, role, Arc::clone(&tail), Arc::clone(&listening), log)
+    });
     let Some(stdout) = child.stdout.take() else {
         let _ = child.kill();
         return Err(DemoError::Child {
@@ -590,7 +590,10 @@ pub fn spawn_serve_logged(
             }
         });
     let message = match rx.recv_timeout(STARTUP_TIMEOUT) {
-        Ok(addr) => return Ok((child, addr)),
+        Ok(addr) => {
+            listening.store(true, Ordering::Release);
+            return Ok((child, addr));
+        }
         // Its stdout closed without the address: the child is exiting.
         Err(RecvTimeoutError::Disconnected) => {
             let status = wait_exit(&mut child, EXIT_TIMEOUT);
@@ -621,18 +624,22 @@ pub fn spawn_serve_logged(
 }
 
 /// Hands a child's standard error to `log` line by line, keeping the last [`STDERR_TAIL`]
-/// lines in `tail`.
+/// lines in `tail`. Until the child is `listening`, its `kvferry: ...` line (how `main`
+/// reports the error it exits with) is kept back: the error that it did not start quotes it.
 fn pass_stderr(
     stderr: impl Read + Send + 'static,
     role: &str,
     tail: Arc<Mutex<VecDeque<String>>>,
+    listening: Arc<AtomicBool>,
     mut log: impl FnMut(&str) + Send + 'static,
 ) -> Option<JoinHandle<()>> {
     thread::Builder::new()
         .name(format!("{role}-stderr"))
         .spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                log(&line);
+                if listening.load(Ordering::Acquire) || !line.starts_with("kvferry: ") {
+                    log(&line);
+                }
                 if let Ok(mut tail) = tail.lock() {
                     if tail.len() == STDERR_TAIL {
                         tail.pop_front();
@@ -692,6 +699,21 @@ pub fn run(config: &DemoConfig) -> Result<DemoReport, DemoError> {
                 "--chunk {chunk} must be a positive multiple of the block size {tpb}"
             )));
         }
+    }
+    // The receiver caches whole blocks: a prefix that ends inside one would be rounded down
+    // without a word.
+    let gen_tpb = u64::from(
+        config
+            .pair
+            .gen_tokens_per_block
+            .unwrap_or(config.pair.model.tokens_per_block),
+    );
+    if config.cached % gen_tpb != 0 {
+        return Err(DemoError::Invalid(format!(
+            "--cached {} must be a multiple of the receiver's block size {gen_tpb} (it caches \
+             whole blocks)",
+            config.cached
+        )));
     }
     let in_flight = config.in_flight.max(1);
     // Blocks of the side with the smaller ones (each side's pools take that many slots).

@@ -19,6 +19,7 @@ pub mod doctor;
 pub mod drive;
 pub mod metrics_http;
 pub mod overlap;
+pub mod progress;
 pub mod serve;
 pub mod slots;
 pub mod verify;

@@ -11,6 +11,7 @@ use anyhow::{Context, Result, anyhow, bail};
 use clap::{Parser, Subcommand};
 use kvferry_cli::bench::{self, BenchConfig};
 use kvferry_cli::demo::{self, DemoConfig, LoopbackPair};
+use kvferry_cli::progress::Progress;
 use kvferry_cli::serve::{InstanceConfig, ServeOptions};
 use kvferry_loader::config::{self, Config};
 use kvferry_loader::{BoundPlanner, Candidate, Registry};
@@ -158,6 +159,9 @@ enum Command {
         /// Print one JSON object: planner, cases, passed, failed, refused, failures, results.
         #[arg(long)]
         json: bool,
+        /// Print every case as it ends (by default: the failures, then a summary by model).
+        #[arg(long, short)]
+        verbose: bool,
     },
     /// Run the ranks of one instance (every rank in this process, or one with --rank), one
     /// transfer agent per rank, as a context or generation server.
@@ -672,19 +676,24 @@ impl Host {
 
 /// Builds every rank of an instance (pools at dummy addresses) and a planner for each, so a
 /// planner that refuses the cache layout is caught here, not at the first request.
-fn instantiate_all(
-    bound: &BoundPlanner,
-    model: &ModelSpec,
-    mapping: &Mapping,
-) -> Result<Vec<RankInfo>> {
-    // Addresses only: nothing is allocated.
+/// Every rank of `model` on `mapping`, laid out at addresses only (nothing is allocated), as
+/// planner `planner_id` would see them.
+fn lay_out(model: &ModelSpec, mapping: &Mapping, planner_id: &str) -> Result<Vec<RankInfo>> {
     let mut space = LocalMemory::new();
     let mut alloc = |rank: u32, pool: usize, bytes: u64| {
         space.reserve(bytes, format!("rank {rank} pool {pool}"))
     };
     let options = PoolOptions::default();
-    let ranks = layout::build_instance(model, mapping, "check", bound.id(), &options, &mut alloc)
-        .with_context(|| format!("--deployment {mapping}"))?;
+    layout::build_instance(model, mapping, "check", planner_id, &options, &mut alloc)
+        .with_context(|| format!("--deployment {mapping}"))
+}
+
+fn instantiate_all(
+    bound: &BoundPlanner,
+    model: &ModelSpec,
+    mapping: &Mapping,
+) -> Result<Vec<RankInfo>> {
+    let ranks = lay_out(model, mapping, bound.id())?;
     for rank in &ranks {
         bound
             .instantiate(rank)
@@ -780,6 +789,17 @@ fn check(
         architecture: model.architecture().into(),
         mapping,
     };
+    // Whether the model can be laid out on the mapping at all comes first: listing planners
+    // that accept the deployment, then failing on the model, misleads.
+    if let Err(e) = lay_out(model, &mapping, "check") {
+        let error = format!("{e:#}");
+        if json {
+            let out = json!({ "deployment": deployment.to_string(), "error": error });
+            println!("{}", serde_json::to_string_pretty(&out)?);
+            return Ok(ExitCode::FAILURE);
+        }
+        bail!("{error}");
+    }
     let id = host.planner_id(planner);
     let candidates = host.registry.candidates(&deployment);
     let auto = host.registry.bind_auto(&deployment);
@@ -841,8 +861,9 @@ fn conform(
     seed: u64,
     case: Option<&str>,
     bounce: BounceMode,
-    json: bool,
+    output: ConformOutput,
 ) -> Result<ExitCode> {
+    let json = output == ConformOutput::Json;
     let under_test = match (library, planner) {
         (Some(path), _) => PlannerUnderTest::from_file(path).map_err(|e| anyhow!(e))?,
         (None, Some(id)) => {
@@ -863,12 +884,18 @@ fn conform(
         BounceMode::On => Some(BounceLimits::without_thresholds()),
         _ => Some(BounceLimits::default()),
     };
+    let progress = Progress::spinner(!json, "laying out the matrix");
+    let mut seen = 0usize;
     let report =
         kvferry_testkit::conform::conform_with(&under_test, seed, case, limits, |outcome| {
-            if !json {
-                println!("{outcome}");
+            seen += 1;
+            progress.set_message(format!("{seen} cases: {}", outcome.name));
+            let failed = matches!(outcome.verdict, CaseVerdict::Failed { .. });
+            if output == ConformOutput::Verbose || (failed && !json) {
+                progress.println(outcome.to_string());
             }
         });
+    progress.finish();
     if json {
         let results: Vec<serde_json::Value> = report
             .cases
@@ -913,6 +940,9 @@ fn conform(
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
+        if output == ConformOutput::Summary {
+            print!("{}", by_model(&report));
+        }
         println!("{report}");
         let failures = report.failures();
         if !failures.is_empty() {
@@ -932,6 +962,64 @@ fn conform(
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// What `conform` prints.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ConformOutput {
+    /// The failures as they happen, then a table by model and the summary line.
+    Summary,
+    /// Every case as it ends, then the summary line.
+    Verbose,
+    /// One JSON object.
+    Json,
+}
+
+/// `conform`'s table of verdicts by model, then the most frequent refusals (their numbers
+/// written `N`: the same cause with other sizes counts once).
+fn by_model(report: &kvferry_testkit::conform::ConformReport) -> String {
+    use std::collections::BTreeMap;
+    let mut rows: BTreeMap<&str, [usize; 3]> = BTreeMap::new();
+    let mut causes: BTreeMap<String, usize> = BTreeMap::new();
+    for case in &report.cases {
+        let row = rows.entry(case.model.as_str()).or_default();
+        match &case.verdict {
+            CaseVerdict::Passed => row[0] += 1,
+            CaseVerdict::Failed { .. } => row[1] += 1,
+            CaseVerdict::Refused { reason } => {
+                row[2] += 1;
+                let mut cause = String::with_capacity(reason.len());
+                for c in reason.chars() {
+                    if !c.is_ascii_digit() {
+                        cause.push(c);
+                    } else if !cause.ends_with('N') {
+                        cause.push('N');
+                    }
+                }
+                *causes.entry(cause).or_default() += 1;
+            }
+            _ => {}
+        }
+    }
+    let mut out = format!(
+        "{:<24} {:>7} {:>7} {:>8}\n",
+        "model", "passed", "failed", "refused"
+    );
+    for (model, [passed, failed, refused]) in &rows {
+        out.push_str(&format!(
+            "{model:<24} {passed:>7} {failed:>7} {refused:>8}\n"
+        ));
+    }
+    let mut causes: Vec<(String, usize)> = causes.into_iter().collect();
+    causes.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    if !causes.is_empty() {
+        out.push_str("most frequent refusals:\n");
+        for (cause, n) in causes.iter().take(3) {
+            out.push_str(&format!("  {n:>4} x {cause}\n"));
+        }
+    }
+    out.push_str("(--verbose prints every case)\n");
+    out
 }
 
 struct PlanArgs {
@@ -1009,6 +1097,15 @@ fn plan(host: &Host, a: PlanArgs) -> Result<ExitCode> {
     scenario.planner_id = id.clone();
     scenario.gen_tokens_per_block = a.gen_tokens_per_block;
     scenario.memory_budget = memory_budget();
+    // The receiver caches whole blocks: a prefix ending inside one would be rounded down.
+    let gen_tpb = u64::from(a.gen_tokens_per_block.unwrap_or(a.model.tokens_per_block));
+    if a.cached % gen_tpb != 0 {
+        bail!(
+            "--cached {} must be a multiple of the receiver's block size {gen_tpb} (it caches \
+             whole blocks)",
+            a.cached
+        );
+    }
     if a.chunk == Some(0) {
         bail!("--chunk must be positive");
     }
@@ -1033,9 +1130,16 @@ fn plan(host: &Host, a: PlanArgs) -> Result<ExitCode> {
         |r: &RankInfo| -> Result<Arc<dyn TransferPlanner>, PlanError> { ctx_bound.instantiate(r) };
     let gen_factory =
         |r: &RankInfo| -> Result<Arc<dyn TransferPlanner>, PlanError> { gen_bound.instantiate(r) };
-    let mut report = exchange
-        .run(&ctx_factory, &gen_factory)
-        .map_err(|e| plan_error(e, &a))?;
+    let progress = Progress::spinner(
+        !a.json,
+        format!(
+            "planning {} -> {} for {} tokens and checking every byte",
+            a.ctx, a.r#gen, a.prompt_len
+        ),
+    );
+    let run = exchange.run(&ctx_factory, &gen_factory);
+    progress.finish();
+    let mut report = run.map_err(|e| plan_error(e, &a))?;
     report.timings.setup += layout;
     let verified = report.is_ok();
     if a.json {
@@ -1229,7 +1333,16 @@ fn run_demo(config_file: Option<PathBuf>, a: DemoArgs) -> Result<ExitCode> {
         ctx_at: a.ctx_at,
         gen_at: a.gen_at,
     };
-    let report = demo::run(&config)?;
+    let progress = Progress::spinner(
+        !a.json,
+        format!(
+            "{} requests, {} -> {}, every byte checked",
+            config.requests, config.pair.ctx_spec, config.pair.gen_spec
+        ),
+    );
+    let report = demo::run(&config);
+    progress.finish();
+    let report = report?;
     print_report(&report, a.json, report.verified)
 }
 
@@ -1251,8 +1364,10 @@ fn run_bench(config_file: Option<PathBuf>, a: BenchArgs) -> Result<ExitCode> {
             rounds: a.rounds,
             layer_compute: Duration::from_micros(us),
         };
-        let report = kvferry_cli::overlap::run(&config)?;
-        return print_report(&report, a.json, true);
+        let progress = Progress::spinner(!a.json, "timing layer-wise against whole sends");
+        let report = kvferry_cli::overlap::run(&config);
+        progress.finish();
+        return print_report(&report?, a.json, true);
     }
     let config = BenchConfig {
         pair: a.pair.resolve(config_file)?,
@@ -1265,11 +1380,22 @@ fn run_bench(config_file: Option<PathBuf>, a: BenchArgs) -> Result<ExitCode> {
     // JSON: ours_gbps, raw_gbps, memcpy_gbps, ratio, stages, perftest_gbps, fragments, bytes,
     // mean_fragment_bytes, transport, planner, and the per-round details; an array of those
     // for a sweep.
+    let progress = Progress::spinner(
+        !a.json,
+        format!(
+            "timing {} -> {} over {} ({} rounds)",
+            config.pair.ctx_spec, config.pair.gen_spec, config.pair.transport, config.rounds
+        ),
+    );
     if let [_] = a.requests[..] {
-        let report = bench::run(&config)?;
+        let report = bench::run(&config);
+        progress.finish();
+        let report = report?;
         return print_report(&report, a.json, report.verified);
     }
-    let sweep = bench::sweep(&config, &a.requests)?;
+    let sweep = bench::sweep(&config, &a.requests);
+    progress.finish();
+    let sweep = sweep?;
     print_report(&sweep, a.json, sweep.verified())
 }
 
@@ -1325,6 +1451,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             case,
             bounce,
             json,
+            verbose,
         } => conform(
             cli.config.as_deref(),
             library.as_deref(),
@@ -1332,7 +1459,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
             seed,
             case.as_deref(),
             bounce,
-            json,
+            match (json, verbose) {
+                (true, _) => ConformOutput::Json,
+                (false, true) => ConformOutput::Verbose,
+                (false, false) => ConformOutput::Summary,
+            },
         ),
         Command::Plan {
             model,

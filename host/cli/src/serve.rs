@@ -142,13 +142,15 @@ pub enum ServeError {
     #[error("the pools")]
     Memory(#[from] MemoryError),
     /// No UCX context.
-    #[error("cannot create the UCX context for {transport}")]
+    #[error("cannot create the UCX context for {transport}{hint}")]
     Context {
         /// The transport.
         transport: String,
         /// UCX's error.
         #[source]
         source: kvferry_ucx::Error,
+        /// What to do about it, when kvferry can tell.
+        hint: String,
     },
     /// An agent could not start.
     #[error("starting the agent of rank {rank}")]
@@ -346,6 +348,7 @@ pub fn start(
         .context_for(config.memory)
         .map_err(|source| ServeError::Context {
             transport: config.transport.to_string(),
+            hint: config.transport.context_failure_hint(&source),
             source,
         })?;
     let mut allocator = PoolAllocator::for_memory(&context, config.memory, config.cuda_device)?;

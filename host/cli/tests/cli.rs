@@ -144,6 +144,123 @@ fn kvferry_log_chooses_over_rust_log_and_a_bad_filter_is_named() {
     assert!(stderr.contains("bound planner"), "{stderr}");
 }
 
+#[test]
+fn check_refuses_a_mapping_the_model_cannot_take_before_listing_planners() {
+    let out = Kvferry::new()
+        .quiet()
+        .args(["check", "--model", "llama-3-70b", "--deployment", "tp3"])
+        .output();
+    let (stdout, stderr) = text(&out);
+    assert!(!out.status.success(), "{stdout}");
+    // No planner is listed as accepting a deployment the model cannot have.
+    assert!(!stdout.contains("accepts"), "{stdout}");
+    assert!(
+        stderr.contains(
+            "kvferry: --deployment tp3: llama-3-70b: kv heads (8) cannot be split over 3 ranks"
+        ),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn a_cached_prefix_that_ends_inside_a_block_is_refused() {
+    let common = [
+        "--model",
+        "llama-3-70b",
+        "--prompt-len",
+        "64",
+        "--cached",
+        "10",
+    ];
+    for command in [
+        &["plan", "--ctx", "tp1", "--gen", "tp1"][..],
+        &["demo", "--ctx", "tp1", "--gen", "tp1", "--requests", "1"][..],
+    ] {
+        let stderr = Kvferry::new()
+            .quiet()
+            .args(command)
+            .args(common)
+            .stderr_of_failure();
+        assert!(
+            stderr.contains(
+                "--cached 10 must be a multiple of the receiver's block size 32 (it caches whole \
+                 blocks)"
+            ),
+            "{command:?}: {stderr}"
+        );
+    }
+}
+
+#[test]
+fn a_transport_list_ucx_does_not_have_is_named_once() {
+    let stderr = Kvferry::new()
+        .quiet()
+        .args([
+            "demo",
+            "--model",
+            "llama-3-70b",
+            "--ctx",
+            "tp1",
+            "--gen",
+            "tp1",
+            "--requests",
+            "1",
+            "--prompt-len",
+            "64",
+            "--transport",
+            "bogus",
+        ])
+        .stderr_of_failure();
+    let hint = "UCX has none of the transports `bogus`";
+    assert_eq!(stderr.matches(hint).count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("`ucx_info -d` lists what it has"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn conform_prints_a_summary_by_model_unless_asked_for_every_case() {
+    let run = |verbose: bool| {
+        let mut k = Kvferry::new().quiet().args([
+            "conform",
+            "--planner",
+            "kvferry.default",
+            "--case",
+            "llama-3-70b tp1->tp2",
+        ]);
+        if verbose {
+            k = k.arg("--verbose");
+        }
+        k.stdout()
+    };
+    let summary = run(false);
+    assert!(
+        summary.contains("model                     passed  failed  refused"),
+        "{summary}"
+    );
+    assert!(
+        summary
+            .lines()
+            .any(|l| l.split_whitespace().collect::<Vec<_>>() == ["llama-3-70b", "3", "0", "0"]),
+        "{summary}"
+    );
+    assert!(
+        !summary.lines().any(|l| l.starts_with("pass ")),
+        "{summary}"
+    );
+    assert!(
+        summary.contains("3 cases ran, 3 passed, 0 failed"),
+        "{summary}"
+    );
+    let every = run(true);
+    assert_eq!(
+        every.lines().filter(|l| l.starts_with("pass ")).count(),
+        3,
+        "{every}"
+    );
+}
+
 /// A Hugging Face config from the testkit's fixtures.
 fn hf_config(name: &str) -> String {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -14,6 +14,7 @@
 //!   preset or from ranks given one by one.
 //! - [`conform`]: the oracle matrix every planner is proven against (`kvferry conform`).
 //! - [`conformance`]: a planner under test and the helpers the conformance tests share.
+//! - [`units`]: byte counts with their size in binary units, for reports.
 //! - [`error_chain`]: an error and its causes on one line, for messages and assertions.
 //!
 //! Depends on `kvferry-planner-abi`, `kvferry-plan` and `kvferry-loader` only, never on UCX
@@ -29,5 +30,6 @@ pub mod layout;
 pub mod oracle;
 pub mod request;
 pub mod scenario;
+pub mod units;
 
 pub use kvferry_plan::error_chain;

@@ -1098,17 +1098,19 @@ impl fmt::Display for ScenarioReport {
         for r in &self.receivers {
             writeln!(
                 f,
-                "gen rank {}: {} expected transfers from {:?}{}, {} state bytes; bounce: {}",
+                "gen rank {}: {} expected transfers from {:?}{}, {} of state; bounce: {}",
                 r.rank,
                 r.expected_transfers,
                 r.targets,
                 if r.uniform { " (uniform)" } else { "" },
-                r.payload_bytes,
+                crate::units::bytes(r.payload_bytes),
                 match &r.bounce {
-                    Ok(b) if b.writers > 1 => {
-                        format!("{} bytes ({} per writer)", b.total, b.share())
-                    }
-                    Ok(b) => format!("{} bytes", b.total),
+                    Ok(b) if b.writers > 1 => format!(
+                        "{} ({} per writer)",
+                        crate::units::bytes(b.total),
+                        crate::units::size(b.share())
+                    ),
+                    Ok(b) => crate::units::bytes(b.total),
                     Err(skip) => format!("no, {skip}"),
                 }
             )?;
@@ -1116,13 +1118,13 @@ impl fmt::Display for ScenarioReport {
         for p in &self.pairs {
             writeln!(
                 f,
-                "ctx {} -> gen {}: {} pieces, {} fragments ({} planned), {} bytes{}",
+                "ctx {} -> gen {}: {} pieces, {} fragments ({} planned), {}{}",
                 p.src_rank,
                 p.dst_rank,
                 p.pieces,
                 p.fragments,
                 p.planned_fragments,
-                p.bytes,
+                crate::units::bytes(p.bytes),
                 if p.bounced > 0 {
                     format!(", {} pieces bounced", p.bounced)
                 } else {
@@ -1132,8 +1134,10 @@ impl fmt::Display for ScenarioReport {
         }
         writeln!(
             f,
-            "total: {} fragments ({} planned), {} bytes",
-            self.fragments, self.planned_fragments, self.bytes
+            "total: {} fragments ({} planned), {}",
+            self.fragments,
+            self.planned_fragments,
+            crate::units::bytes(self.bytes)
         )?;
         if self.overlapping_writes > 0 {
             writeln!(f, "{} overlapping writes:", self.overlapping_writes)?;

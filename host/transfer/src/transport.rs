@@ -265,11 +265,37 @@ impl TransportSpec {
         }
     }
 
+    /// What to tell a user whose context for this selection failed with `e`, beyond UCX's
+    /// own words ("no such device" for a transport list that names nothing UCX has): empty
+    /// when there is nothing to add.
+    pub fn context_failure_hint(&self, e: &kvferry_ucx::Error) -> String {
+        if e.status() != kvferry_ucx::Status::NO_DEVICE {
+            return String::new();
+        }
+        let devices = self
+            .net_devices
+            .as_deref()
+            .map(|d| format!(" on devices `{d}`"))
+            .unwrap_or_default();
+        match &self.transports {
+            Transports::List(l) => format!(
+                " (UCX has none of the transports `{l}`{devices}: `ucx_info -d` lists what it \
+                 has; kvferry's presets are shm and tcp, and auto lets UCX choose)"
+            ),
+            _ if !devices.is_empty() => format!(
+                " (UCX found no usable transport{devices}: `kvferry doctor` shows what each \
+                 transport selects here)"
+            ),
+            _ => String::new(),
+        }
+    }
+
     /// A UCX context with these settings, for pools in `memory`.
     ///
     /// # Errors
     ///
-    /// UCX cannot create the context (an unknown transport or device included).
+    /// UCX cannot create the context (an unknown transport or device included;
+    /// [`context_failure_hint`](Self::context_failure_hint) says more when it can).
     pub fn context_for(&self, memory: MemoryKind) -> Result<Arc<Context>, kvferry_ucx::Error> {
         self.ucx_settings(memory)
             .into_iter()

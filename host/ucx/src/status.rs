@@ -41,6 +41,9 @@ impl Status {
     pub const TIMED_OUT: Status = Status(ucs_status_t::UCS_ERR_TIMED_OUT);
     /// Unsupported operation (`UCS_ERR_UNSUPPORTED`).
     pub const UNSUPPORTED: Status = Status(ucs_status_t::UCS_ERR_UNSUPPORTED);
+    /// No such device (`UCS_ERR_NO_DEVICE`): e.g. none of the transports or devices a
+    /// context was limited to exists.
+    pub const NO_DEVICE: Status = Status(ucs_status_t::UCS_ERR_NO_DEVICE);
     /// Endpoint is not connected (`UCS_ERR_NOT_CONNECTED`).
     pub const NOT_CONNECTED: Status = Status(ucs_status_t::UCS_ERR_NOT_CONNECTED);
     /// Connection reset by remote peer (`UCS_ERR_CONNECTION_RESET`).

@@ -186,7 +186,9 @@ impl fmt::Display for VerifyReport {
         write!(
             f,
             "{} destination bytes checked ({} covered), {} source bytes checked: ",
-            self.bytes_checked, self.bytes_covered, self.source_bytes_checked
+            self.bytes_checked,
+            crate::units::size(self.bytes_covered),
+            self.source_bytes_checked
         )?;
         if self.is_clean() {
             return f.write_str("all match");

@@ -271,12 +271,14 @@ pub enum StartError {
     #[error("agent config: {0}")]
     Config(String),
     /// No UCX context.
-    #[error("cannot create the UCX context for {transport}")]
+    #[error("cannot create the UCX context for {transport}{hint}")]
     Context {
         /// The transport.
         transport: TransportSpec,
         /// UCX's error.
         source: kvferry_ucx::Error,
+        /// What to do about it, when kvferry can tell ([`TransportSpec::context_failure_hint`]).
+        hint: String,
     },
     /// The engine's pools could not be registered.
     #[error(transparent)]
@@ -631,6 +633,7 @@ impl Agent {
                 .context_for(memory)
                 .map_err(|source| StartError::Context {
                     transport: config.transport.clone(),
+                    hint: config.transport.context_failure_hint(&source),
                     source,
                 })?;
         let rank = config.rank.instance_rank;
