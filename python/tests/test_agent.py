@@ -581,3 +581,17 @@ def test_an_installed_package_plans_with_its_own_planners():
     del config["plugin_dir"]
     with kvferry.Agent(json.dumps(config), keep_alive=[side.pool]) as agent:
         assert agent.endpoint().startswith("127.0.0.1:")
+
+
+def test_a_device_pool_is_refused_clearly_without_cuda(plugin_dir):
+    """Without CUDA support built in, or without a driver, a VRAM pool is refused at start,
+    naming why; the package itself imports and serves host memory either way."""
+    side = Side("prefill", "context", slots=4)
+    config = json.loads(side.config(plugin_dir, "tcp"))
+    config["rank"]["page_table"]["pools"][0]["memory_type"] = "vram"
+    config["cuda_device"] = 0
+    if os.path.exists("/dev/nvidiactl"):
+        pytest.skip("this machine has an NVIDIA driver (scripts/gpu-check covers device pools)")
+    e = error_of(kvferry.Agent, json.dumps(config), keep_alive=[side.pool])
+    assert e.kind in ("memory", "config"), e
+    assert "cuda" in e.detail.lower(), e.detail
