@@ -171,6 +171,7 @@ def describe_paged_cache(
     block_size: int,
     num_kv_heads: int,
     head_size: int,
+    value_head_size: int | None = None,
     layout: str = "hnd",
     kv: str = "split",
     tp_size: int = 1,
@@ -180,6 +181,7 @@ def describe_paged_cache(
     mapping: str | None = None,
     instance_rank: int | None = None,
     layers_per_pp: Sequence[int] | None = None,
+    names: Sequence[str] | None = None,
 ) -> RankDescription:
     """The ``rank`` object of an agent's configuration for a paged KV cache.
 
@@ -188,7 +190,10 @@ def describe_paged_cache(
     last dimension) or a ``(key, value)`` pair of ``[blocks, <interior>]`` tensors. The
     interior is ``[num_kv_heads, block_size, head_size]`` (``layout="hnd"``) or
     ``[block_size, num_kv_heads, head_size]`` (``"nhd"``); every layer has the same number of
-    blocks (one slot table indexes them all), dtype and device.
+    blocks (one slot table indexes them all), dtype and device. ``value_head_size``: V's
+    elements per head when they differ from K's (``kv="fused"`` only: the last dimension is
+    then ``head_size + value_head_size``). ``names``: what to call each layer in errors
+    (default ``layer N``).
 
     Sharding: ``tp_size`` and ``tp_rank`` (this rank holds ``num_kv_heads`` of
     ``total_kv_heads``, default ``num_kv_heads * tp_size``; fewer KV heads than ranks are
@@ -224,6 +229,13 @@ def describe_paged_cache(
         )
     if layers is not None and len(layers) != len(caches):
         raise ValueError(f"{len(layers)} layer indices for {len(caches)} layers")
+    if names is not None and len(names) != len(caches):
+        raise ValueError(f"{len(names)} layer names for {len(caches)} layers")
+    value_size = head_size if value_head_size is None else value_head_size
+    if value_size != head_size and kv != "fused":
+        raise ValueError(
+            f'value_head_size {value_size} differs from head_size {head_size}: kv="fused" only'
+        )
 
     interior = (
         (num_kv_heads, block_size, head_size)
@@ -267,7 +279,7 @@ def describe_paged_cache(
             "one tensor"
         )
     for local, entry in enumerate(caches):
-        what = f"layer {local}"
+        what = f"layer {local}" if names is None else str(names[local])
         if pairs[0]:
             if len(entry) != 2:
                 raise ValueError(f"{what}: a (key, value) pair, not {len(entry)} tensors")
@@ -292,7 +304,7 @@ def describe_paged_cache(
                 ],
             })
         else:
-            fused = (*interior[:-1], 2 * head_size)
+            fused = (*interior[:-1], head_size + value_size)
             index, x = add_pool(entry, what, fused)
             views.append({
                 "pool": index,
@@ -304,7 +316,7 @@ def describe_paged_cache(
     assert first is not None
     dtype, bits = first.kvferry_dtype()
     # The elements of one head of one token in a view's entry.
-    content = 2 * head_size if kv == "fused" and not pairs[0] else head_size
+    content = head_size + value_size if kv == "fused" and not pairs[0] else head_size
     view_layout = {
         "kind": layout,
         "dtype": dtype,

@@ -106,7 +106,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from . import CONFIG_VERSION, Agent, Error
+from . import CONFIG_VERSION, Agent, Error, describe_paged_cache
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -144,14 +144,6 @@ _KEYS = frozenset(
     + ("plugin_dir", "secret", "secret_hex", "secret_file", "instance", "architecture", "cpus")
     + ("agent", "layer_wise")
 )
-_DTYPES = {
-    torch.float32: ("fp32", 32),
-    torch.float16: ("fp16", 16),
-    torch.bfloat16: ("bf16", 16),
-    torch.float8_e4m3fn: ("fp8_e4m3", 8),
-    torch.float8_e5m2: ("fp8_e5m2", 8),
-    torch.uint8: ("u8", 8),
-}
 #: The block interiors this connector describes: vLLM's layout name -> kvferry's layout kind.
 _LAYOUTS = {"LBHNC": "hnd", "BLHNC": "hnd", "LBNHC": "nhd", "BLNHC": "nhd"}
 
@@ -612,7 +604,8 @@ class KvferryConnector(KVConnectorBase_V1):
         )
 
     def _describe(self, kv_caches: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """This worker's rank description: pools, the layer group and its view."""
+        """This worker's rank description (kvferry.describe_paged_cache): one pool per layer,
+        the layer group and its views, sharded as vLLM shards the KV heads."""
         config = self._kv_cache_config
         spec = config.kv_cache_groups[0].kv_cache_spec
         layout = str(getattr(config, "kv_cache_layout", "LBHNC"))
@@ -629,87 +622,32 @@ class KvferryConnector(KVConnectorBase_V1):
                 f"kvferry: KV caches on {first.device}; the vLLM connector takes host memory "
                 "for now"
             )
-        if first.dtype not in _DTYPES:
-            raise ValueError(f"kvferry: KV cache dtype {first.dtype} is not supported")
-        dtype, bits = _DTYPES[first.dtype]
-        elem = first.element_size()
-        heads, block_size = spec.num_kv_heads, spec.block_size
-        content = spec.head_size + getattr(spec, "head_size_v", spec.head_size)
-        want = (config.num_blocks, heads, block_size, content)
-        # The per-layer view is [block, head, token, K|V]; its strides say where things are:
-        # HND has the token dimension inside the head's, NHD the other way round.
-        page = heads * block_size * content * elem
-        outer, inner = (1, 2) if kind == "hnd" else (2, 1)
-        outer_stride = (block_size if kind == "hnd" else heads) * content
-        pools = []
-        for name, cache in layers:
-            if tuple(cache.shape) != want or cache.dtype != first.dtype:
-                raise ValueError(
-                    f"kvferry: {name}: KV cache {tuple(cache.shape)} {cache.dtype}, expected "
-                    f"{want} {first.dtype} (vLLM's [block, head, token, K|V])"
-                )
-            strides = cache.stride()
-            contiguous = (
-                strides[3] == 1 and strides[inner] == content and strides[outer] == outer_stride
-            )
-            if not contiguous:
-                raise ValueError(
-                    f"kvferry: {name}: a block's {layout} interior is not contiguous "
-                    f"(strides {tuple(strides)})"
-                )
-            pools.append({
-                "base": cache.data_ptr(),
-                "slot_bytes": page,
-                "slot_stride": strides[0] * elem,
-                "num_slots": config.num_blocks,
-                "memory_type": "dram",
-            })
+        # vLLM's view is [block, head, token, K|V] whatever the layout; NHD keeps the token
+        # dimension outside the head's, so its [block, token, head, K|V] view is contiguous.
+        tensors = [cache if kind == "hnd" else cache.transpose(1, 2) for _, cache in layers]
         self._layer_of = {name: local for local, (name, _) in enumerate(layers)}
-        total_heads = self._vllm_config.model_config.get_total_num_kv_heads()
-        tp, tp_rank = self._settings.tp_size, self._tp_rank
-        shards = min(total_heads, tp)
-        replicas = tp // shards
-        if heads * shards != total_heads:
-            raise ValueError(
-                f"kvferry: {heads} KV heads on this worker, {total_heads} in the model at TP {tp}"
+        try:
+            return describe_paged_cache(
+                tensors,
+                block_size=spec.block_size,
+                num_kv_heads=spec.num_kv_heads,
+                head_size=spec.head_size,
+                value_head_size=getattr(spec, "head_size_v", spec.head_size),
+                layout=kind,
+                kv="fused",
+                tp_size=self._settings.tp_size,
+                tp_rank=self._tp_rank,
+                total_kv_heads=self._vllm_config.model_config.get_total_num_kv_heads(),
+                layers=[layer_index(name) for name, _ in layers],
+                layers_per_pp=[
+                    self._vllm_config.model_config.get_num_layers(
+                        self._vllm_config.parallel_config
+                    )
+                ],
+                names=[name for name, _ in layers],
             )
-        role_layout = {
-            "kind": kind,
-            "dtype": dtype,
-            "elem_bits": bits,
-            "num_shards": shards,
-            "shard_index": tp_rank // replicas,
-            "num_replicas": replicas,
-            "replica_index": tp_rank % replicas,
-            # HND: one head's [token][K|V] of a block; NHD: one head of one token.
-            "shard_unit_bytes": (block_size if kind == "hnd" else 1) * content * elem,
-        }
-        return {
-            "mapping": f"tp{tp}",
-            "instance_rank": tp_rank,
-            "layers_per_pp": [self._vllm_config.model_config.get_num_layers(
-                self._vllm_config.parallel_config)],
-            "page_table": {
-                "tokens_per_block": block_size,
-                "pools": pools,
-                "groups": [{
-                    "kind": "paged",
-                    "layers": [
-                        {"local": local, "global": layer_index(name)}
-                        for local, (name, _) in enumerate(layers)
-                    ],
-                    "views": [
-                        {
-                            "pool": local,
-                            "roles": ["key", "value"],
-                            "entries": [{"local_layer": local, "offset": 0, "size": page}],
-                            "layout": role_layout,
-                        }
-                        for local in range(len(layers))
-                    ],
-                }],
-            },
-        }
+        except ValueError as e:
+            raise ValueError(f"kvferry: {e} (vLLM's cache, {layout})") from None
 
     def get_handshake_metadata(self) -> KvferryHandshake:
         return KvferryHandshake(

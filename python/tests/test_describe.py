@@ -186,3 +186,21 @@ def test_tensor_parallel_sharding_and_replicas():
     assert layout["kind"] == "nhd" and layout["shard_unit_bytes"] == 2 * HEAD * 2
     assert rank["mapping"] == "tp4" and rank["instance_rank"] == 3
     assert rank.cuda_device is None
+
+
+def test_fused_caches_with_a_narrower_value_head_and_named_layers():
+    # vLLM's CPU cache: [block, head, token, K|V], V narrower than K here.
+    caches = [np.zeros((4, HEADS, TPB, HEAD + 16), dtype=np.float16) for _ in range(2)]
+    names = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    shape = {"block_size": TPB, "num_kv_heads": HEADS, "head_size": HEAD}
+    rank = describe_paged_cache(caches, kv="fused", value_head_size=16, layers=[0, 1],
+                                names=names, **shape)
+    view = rank["page_table"]["groups"][0]["views"][1]
+    assert view["entries"] == [{"local_layer": 1, "offset": 0,
+                                "size": HEADS * TPB * (HEAD + 16) * 2}]
+    assert view["layout"]["shard_unit_bytes"] == TPB * (HEAD + 16) * 2
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.attn: shape"):
+        describe_paged_cache([caches[0], caches[1][:, :, :, :HEAD]], kv="fused",
+                             value_head_size=16, names=names, **shape)
+    with pytest.raises(ValueError, match='value_head_size 16 differs from head_size 32: kv="fused" only'):
+        describe_paged_cache(caches, kv="split", value_head_size=16, **shape)
