@@ -15,7 +15,7 @@
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::sync::{Condvar, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -82,20 +82,21 @@ impl<S: Subscriber> tracing_subscriber::Layer<S> for Forward {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .queued += 1;
-        if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) = self.tx.try_send(record)
-        {
+        // Full, or the forwarding thread is gone: dropped, and counted.
+        if self.tx.try_send(record).is_err() {
             self.shared.dropped.fetch_add(1, Ordering::Relaxed);
-            mark_done(self.shared, 1);
+            mark_done(self.shared);
         }
     }
 }
 
-fn mark_done(shared: &Shared, n: u64) {
+/// One queued record has reached Python, or never will.
+fn mark_done(shared: &Shared) {
     shared
         .progress
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
-        .done += n;
+        .done += 1;
     shared.delivered.notify_all();
 }
 
@@ -236,7 +237,7 @@ fn forward(rx: Receiver<Record>, shared: &'static Shared) {
             logger.call_method1("log", (record.level, "%s", record.message.as_str()))?;
             Ok::<(), PyErr>(())
         });
-        mark_done(shared, 1);
+        mark_done(shared);
         if attached.is_none() {
             // The interpreter is gone (or going): nobody is left to hear.
             break;

@@ -25,10 +25,10 @@
 //! truncated to whole microseconds counted under the first bound above it), from 1 µs to
 //! about 67 s, then `+Inf`.
 
-use std::borrow::Cow;
-
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeCounterValue, EncodeMetric as _};
+use prometheus_client::encoding::{
+    DescriptorEncoder, EncodeCounterValue, EncodeMetric as _, NoLabelSet,
+};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
@@ -153,9 +153,7 @@ impl Samples {
             let count = counts.iter().sum();
             metric
                 .encode_family(&labels)?
-                .encode_histogram::<Vec<(Cow<'static, str>, Cow<'static, str>)>>(
-                    sum_s, count, &buckets, None,
-                )?;
+                .encode_histogram::<NoLabelSet>(sum_s, count, &buckets, None)?;
         }
         Ok(())
     }
