@@ -3,8 +3,10 @@ examples/src/bin/agent_roundtrip.rs (one prefill and one decode agent in this pr
 same JSON configuration, `expect`, `send`, then wait on both wake descriptors for both
 terminal events), so the two medians compare the Python binding's cost with Rust's.
 
-    target/py-venv/bin/python python/bench/roundtrip.py --requests 2000 --blocks 6 \
-        --plugin-dir target/release
+    python python/bench/roundtrip.py --requests 2000 --blocks 6 --plugin-dir target/release
+
+with a Python that has kvferry installed (the wheel from `scripts/wheel`, or
+`pip install ./python`) and numpy.
 """
 
 from __future__ import annotations
