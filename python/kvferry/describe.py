@@ -130,7 +130,10 @@ def pool(t: Any, *, what: str = "pool") -> dict[str, Any]:
     """One pool from a tensor or array whose first dimension is the slot (block) and whose
     remaining dimensions are contiguous: slot bytes = one slot's elements, stride = the first
     dimension's."""
-    x = _Tensor(t, what)
+    return _pool_of(_Tensor(t, what))
+
+
+def _pool_of(x: _Tensor) -> dict[str, Any]:
     _check_contiguous_interior(x, 1)
     slot_bytes = _prod(x.shape[1:]) * x.elem
     return pool_from_pointer(
@@ -268,8 +271,7 @@ def describe_paged_cache(
                 f"{first.shape[0]} of {first.dtype} on {first.device}"
                 f"{'' if first.device_index is None else f':{first.device_index}'}"
             )
-        _check_contiguous_interior(x, 1)
-        pools.append(pool(t, what=what))
+        pools.append(_pool_of(x))
         return len(pools) - 1, x
 
     pairs = [isinstance(entry, (tuple, list)) for entry in caches]

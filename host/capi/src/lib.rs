@@ -519,7 +519,11 @@ pub fn default_plugin_dirs() -> Vec<std::path::PathBuf> {
 pub fn installed_planners() -> Option<std::path::PathBuf> {
     let file = library_file()?;
     let dir = file.parent()?;
-    [dir.join("kvferry").join("planners"), dir.join("planners")]
+    // `lib/kvferry/planners` seen from `lib/`.
+    let beside_lib = std::path::Path::new(kvferry_loader::INSTALLED_PLANNERS)
+        .strip_prefix("lib")
+        .ok()?;
+    [dir.join(beside_lib), dir.join("planners")]
         .into_iter()
         .find(|d| d.is_dir())
 }

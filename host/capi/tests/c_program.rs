@@ -105,8 +105,10 @@ fn side(exe: &Path, which: &str, endpoint: &Path, plugins: &Path, transport: &st
         .arg(plugins)
         .arg(transport)
         .env("KVFERRY_TEST_SECRET", SECRET)
-        // The program's rpath names the library this test was built with; nothing else may.
+        // The program's rpath names the library this test was built with; nothing else may,
+        // and the planners come from `plugins` (or, with "-", from beside the library) alone.
         .env_remove("LD_LIBRARY_PATH")
+        .env_remove("KVFERRY_PLUGIN_DIR")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -168,26 +170,10 @@ fn a_c_prefill_and_a_c_decode_move_every_byte_over_tcp_and_shm() {
 
 /// Runs a prefill and a decode of `exe` over tcp with `plugins` ("-": none named, so the
 /// library looks beside itself) and returns the decode's report line.
-fn move_over_tcp(exe: &Path, dir: &Path, plugins: &Path, env: &[(&str, &Path)]) -> String {
+fn move_over_tcp(exe: &Path, dir: &Path, plugins: &Path) -> String {
     let endpoint = dir.join("endpoint-installed");
-    let start = |which: &str| {
-        let mut cmd = Command::new(exe);
-        cmd.arg(which)
-            .arg(&endpoint)
-            .arg(plugins)
-            .arg("tcp")
-            .env("KVFERRY_TEST_SECRET", SECRET)
-            .env_remove("LD_LIBRARY_PATH")
-            .env_remove("KVFERRY_PLUGIN_DIR")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        cmd.spawn()
-            .unwrap_or_else(|e| panic!("cannot start {} {which}: {e}", exe.display()))
-    };
-    let (prefill, decode) = (start("prefill"), start("decode"));
+    let prefill = side(exe, "prefill", &endpoint, plugins, "tcp");
+    let decode = side(exe, "decode", &endpoint, plugins, "tcp");
     let limit = Duration::from_secs(60);
     let (d, p) = (
         finish(decode, "decode", limit),
@@ -257,7 +243,7 @@ fn an_installed_prefix_builds_with_pkg_config_and_moves_bytes() {
         .arg("-o")
         .arg(&exe)
         .args(flags.split_whitespace()));
-    let line = move_over_tcp(&exe, dir.path(), Path::new("-"), &[]);
+    let line = move_over_tcp(&exe, dir.path(), Path::new("-"));
     assert!(
         line.starts_with("decode: verified 3 requests, every byte"),
         "{line}"

@@ -680,6 +680,23 @@ fn child_error(lines: &VecDeque<String>) -> Option<String> {
         .map(str::to_string)
 }
 
+/// `--cached TOKENS` (demo, plan): the receiver caches whole blocks of `gen_tokens_per_block`,
+/// so a prefix that ends inside one is refused rather than rounded down without a word.
+///
+/// # Errors
+///
+/// The message naming the flag and the block size.
+pub fn check_cached(cached: u64, gen_tokens_per_block: u32) -> Result<(), String> {
+    let tpb = u64::from(gen_tokens_per_block.max(1));
+    if cached % tpb == 0 {
+        return Ok(());
+    }
+    Err(format!(
+        "--cached {cached} must be a multiple of the receiver's block size {tpb} (it caches \
+         whole blocks)"
+    ))
+}
+
 /// Runs the demo.
 ///
 /// # Errors
@@ -700,21 +717,14 @@ pub fn run(config: &DemoConfig) -> Result<DemoReport, DemoError> {
             )));
         }
     }
-    // The receiver caches whole blocks: a prefix that ends inside one would be rounded down
-    // without a word.
-    let gen_tpb = u64::from(
+    check_cached(
+        config.cached,
         config
             .pair
             .gen_tokens_per_block
             .unwrap_or(config.pair.model.tokens_per_block),
-    );
-    if config.cached % gen_tpb != 0 {
-        return Err(DemoError::Invalid(format!(
-            "--cached {} must be a multiple of the receiver's block size {gen_tpb} (it caches \
-             whole blocks)",
-            config.cached
-        )));
-    }
+    )
+    .map_err(DemoError::Invalid)?;
     let in_flight = config.in_flight.max(1);
     // Blocks of the side with the smaller ones (each side's pools take that many slots).
     let smallest = u64::from(config.pair.smallest_block());

@@ -1097,15 +1097,11 @@ fn plan(host: &Host, a: PlanArgs) -> Result<ExitCode> {
     scenario.planner_id = id.clone();
     scenario.gen_tokens_per_block = a.gen_tokens_per_block;
     scenario.memory_budget = memory_budget();
-    // The receiver caches whole blocks: a prefix ending inside one would be rounded down.
-    let gen_tpb = u64::from(a.gen_tokens_per_block.unwrap_or(a.model.tokens_per_block));
-    if a.cached % gen_tpb != 0 {
-        bail!(
-            "--cached {} must be a multiple of the receiver's block size {gen_tpb} (it caches \
-             whole blocks)",
-            a.cached
-        );
-    }
+    demo::check_cached(
+        a.cached,
+        a.gen_tokens_per_block.unwrap_or(a.model.tokens_per_block),
+    )
+    .map_err(|e| anyhow!(e))?;
     if a.chunk == Some(0) {
         bail!("--chunk must be positive");
     }
