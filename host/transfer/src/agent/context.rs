@@ -27,7 +27,7 @@ use kvferry_protocol::{
 };
 
 use super::events::{Event, FailureKind};
-use super::{CallError, Inner, Send, lock};
+use super::{CallError, Inner, SendChunk, lock};
 use crate::bounce::{AUTO_MAX_MEAN_FRAGMENT, BounceMode};
 use crate::conn::{Outbox, Pending, Reader, Secured, Unproven, drain, secure_accept, spawn_writer};
 use crate::outcome::Stages;
@@ -693,7 +693,7 @@ pub(crate) fn shutdown(inner: &Arc<Inner>) {
 // ---------------------------------------------------------------------------------------
 // Requests.
 
-pub(crate) fn send(inner: &Arc<Inner>, mut s: Send) -> Result<(), CallError> {
+pub(crate) fn send(inner: &Arc<Inner>, mut s: SendChunk) -> Result<(), CallError> {
     let id = s.request;
     let invalid = |reason: String| CallError::Invalid {
         request: id,
@@ -858,7 +858,7 @@ pub(crate) fn check_views(
 /// (`carried`, or all of `pending`) and the views still pending after it; or why it may not.
 fn next_chunk(
     all: &BTreeSet<ViewId>,
-    s: &Send,
+    s: &SendChunk,
     tables: Arc<Vec<SlotTable>>,
     pending: BTreeSet<ViewId>,
     carried: Option<BTreeSet<ViewId>>,
@@ -1263,9 +1263,9 @@ fn plan_and_queue(
         let Some(claim) = req.claims.get_mut(&g).filter(|c| c.conn.id == conn.id) else {
             return;
         };
-        claim.planning = false;
         claim.stages.merge(&stages);
         if !live || claim.ended || claim.cancelled {
+            claim.planning = false;
             drop(state);
             settle(inner, id);
             return;
@@ -1273,10 +1273,24 @@ fn plan_and_queue(
         claim.planned = last + 1;
         claim.jobs += plans.len();
         claim.bounce_cursor = cursor;
+        // The claim stays `planning` until these pieces are on the rank thread's queue: a
+        // `pump` in between (the engine's next layer-wise chunk) would otherwise plan the
+        // later pieces on another pool thread and could queue them first, and the receiver
+        // fails a request whose pieces are reported out of order.
     }
     for q in plans {
         queue(inner, id, g, conn, q);
     }
+    if let Some(claim) = lock(&inner.prefill)
+        .requests
+        .get_mut(&id)
+        .and_then(|r| r.claims.get_mut(&g))
+        .filter(|c| c.conn.id == conn.id)
+    {
+        claim.planning = false;
+    }
+    // Whatever ended the request while its pieces were being queued waited on `planning`.
+    settle(inner, id);
     if let Some((piece, reason)) = error {
         tracing::warn!(request = id, %reason, "cannot plan");
         end_claim(inner, id, g, conn, piece, reason.clone(), true);
