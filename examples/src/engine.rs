@@ -29,8 +29,8 @@ use anyhow::{Context as _, Result, anyhow, bail};
 use kvferry_loader::{BoundPlanner, Registry};
 use kvferry_planner_abi::ffi::{RString, RVec};
 use kvferry_planner_abi::{
-    BufferEntry, DEFAULT_DESCRIBER_ID, Deployment, GroupKind, LayerGroup, LayoutKind, LocalLayer,
-    Mapping, MemoryType, PageTable, PhysicalPool, PoolView, RankInfo, RoleLayout, SlotTable,
+    BufferEntry, Deployment, GroupKind, LayerGroup, LayoutKind, LocalLayer, Mapping, MemoryType,
+    PageTable, PhysicalPool, PoolView, RankInfo, RoleLayout, SlotTable,
 };
 use kvferry_transfer::agent::{Agent, AgentConfig, CallError, Event, Expect, FailureKind, Secret};
 use kvferry_transfer::{Role, Transport};
@@ -235,24 +235,19 @@ impl RankCache {
     /// This rank's description: rank `tp_rank` of TP-`tp` instance `instance`, no PP, CP or
     /// attention DP.
     pub fn rank_info(&self, instance: &str) -> RankInfo {
-        RankInfo {
-            instance_name: RString::from(instance),
-            instance_rank: self.tp_rank,
-            tp_size: self.tp,
-            tp_rank: self.tp_rank,
-            pp_size: 1,
-            pp_rank: 0,
-            cp_size: 1,
-            cp_rank: 0,
-            dp_size: 1,
-            dp_rank: 0,
-            attention_dp: false,
-            layers_per_pp: RVec::from(vec![LAYERS]),
-            page_table: self.page_table(),
-            planner_id: RString::from(PLANNER),
-            describer_id: RString::from(DEFAULT_DESCRIBER_ID),
-            planner_blob: RVec::new(),
-        }
+        let mapping = Mapping {
+            tp: self.tp,
+            moe_tp: self.tp,
+            ..Mapping::SINGLE
+        };
+        RankInfo::new(
+            instance,
+            &mapping,
+            self.tp_rank,
+            vec![LAYERS],
+            self.page_table(),
+        )
+        .with_planner(PLANNER)
     }
 
     /// The byte offset, from the pool's base, of the row of `token` for (`layer`, `kv`,

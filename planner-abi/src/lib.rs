@@ -165,7 +165,7 @@ pub use layout::{
 };
 pub use plan::{CompressedPlan, ExpandError, PeerTargets, PlanPattern, TransferPlan};
 pub use planner::{PlannerPlugin, TransferPlanner};
-pub use rank::{Deployment, Mapping, MappingParseError, RankInfo, Specificity};
+pub use rank::{Deployment, Mapping, MappingParseError, RankCoords, RankInfo, Specificity};
 pub use request::{PairRequest, SlotTable, TokenRange, ViewId};
 pub use rows::{DEFAULT_DESCRIBER_ID, LayerGroupRows, rows};
 

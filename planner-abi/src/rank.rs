@@ -51,6 +51,72 @@ pub struct RankInfo {
 }
 
 impl RankInfo {
+    /// Rank `instance_rank` of an instance laid out as `mapping` (its coordinates from
+    /// [`Mapping::coords`]; under attention DP its DP rank is its TP rank), holding
+    /// `layers_per_pp[p]` layers on PP stage `p` and the cache `page_table`. It names no
+    /// planner (the host fills in the one it binds; [`with_planner`](Self::with_planner)
+    /// sets one), uses the [default describer](crate::DEFAULT_DESCRIBER_ID) and carries no
+    /// planner blob.
+    ///
+    /// ```
+    /// # use kvferry_planner_abi::{Mapping, PageTable, RankInfo};
+    /// let mapping: Mapping = "tp4pp2".parse().unwrap();
+    /// let table = PageTable { tokens_per_block: 32, pools: vec![].into(), groups: vec![].into() };
+    /// let rank = RankInfo::new("ctx-0", &mapping, 5, vec![40, 40], table);
+    /// assert_eq!((rank.pp_rank, rank.tp_rank), (1, 1));
+    /// assert_eq!(rank.pp_layer_range(), 40..80);
+    /// ```
+    pub fn new(
+        instance_name: impl Into<RString>,
+        mapping: &Mapping,
+        instance_rank: u32,
+        layers_per_pp: impl Into<RVec<u32>>,
+        page_table: PageTable,
+    ) -> Self {
+        let at = mapping.coords(instance_rank);
+        let (dp_size, dp_rank) = if mapping.attention_dp {
+            (mapping.tp, at.tp)
+        } else {
+            (1, 0)
+        };
+        Self {
+            instance_name: instance_name.into(),
+            instance_rank,
+            tp_size: mapping.tp,
+            tp_rank: at.tp,
+            pp_size: mapping.pp,
+            pp_rank: at.pp,
+            cp_size: mapping.cp,
+            cp_rank: at.cp,
+            dp_size,
+            dp_rank,
+            attention_dp: mapping.attention_dp,
+            layers_per_pp: layers_per_pp.into(),
+            page_table,
+            planner_id: RString::new(),
+            describer_id: RString::from(crate::DEFAULT_DESCRIBER_ID),
+            planner_blob: RVec::new(),
+        }
+    }
+
+    /// The same rank, naming `planner_id` as the planner bound on it.
+    pub fn with_planner(mut self, planner_id: impl Into<RString>) -> Self {
+        self.planner_id = planner_id.into();
+        self
+    }
+
+    /// The same rank, naming `describer_id` as its describer.
+    pub fn with_describer(mut self, describer_id: impl Into<RString>) -> Self {
+        self.describer_id = describer_id.into();
+        self
+    }
+
+    /// The same rank, carrying `blob` as its planner's self-description.
+    pub fn with_planner_blob(mut self, blob: impl Into<RVec<u8>>) -> Self {
+        self.planner_blob = blob.into();
+        self
+    }
+
     /// DP groups of the instance: `dp_size` under attention DP, else 1 (the instance serves
     /// each request on every rank).
     pub fn dp_groups(&self) -> u32 {
@@ -119,7 +185,46 @@ pub struct Mapping {
     pub attention_dp: bool,
 }
 
+/// Where a rank sits in its instance's [`Mapping`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct RankCoords {
+    /// Pipeline stage.
+    pub pp: u32,
+    /// Tensor-parallel rank.
+    pub tp: u32,
+    /// Context-parallel rank.
+    pub cp: u32,
+}
+
 impl Mapping {
+    /// One rank: no tensor, pipeline, context or expert parallelism, no attention DP.
+    pub const SINGLE: Mapping = Mapping {
+        tp: 1,
+        pp: 1,
+        cp: 1,
+        moe_tp: 1,
+        moe_ep: 1,
+        attention_dp: false,
+    };
+
+    /// The coordinates of instance rank `rank`. Ranks run CP fastest, then TP, then PP:
+    /// `rank = (pp · tp_size + tp) · cp_size + cp`, the numbering every kvferry host and
+    /// planner uses ([`rank_at`](Self::rank_at) is the inverse).
+    pub fn coords(&self, rank: u32) -> RankCoords {
+        let cp = self.cp.max(1);
+        let per_stage = self.tp.max(1) * cp;
+        RankCoords {
+            pp: rank / per_stage,
+            tp: rank % per_stage / cp,
+            cp: rank % cp,
+        }
+    }
+
+    /// The instance rank at `coords` (the inverse of [`coords`](Self::coords)).
+    pub fn rank_at(&self, coords: RankCoords) -> u32 {
+        (coords.pp * self.tp + coords.tp) * self.cp + coords.cp
+    }
+
     /// Ranks in one instance.
     pub fn world_size(&self) -> u32 {
         self.tp * self.pp * self.cp

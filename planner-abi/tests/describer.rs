@@ -278,24 +278,10 @@ fn validate_refuses_broken_tables_naming_the_field() {
 
 #[test]
 fn rank_info_survives_the_wire() {
-    let rank = RankInfo {
-        instance_name: "ctx-0".into(),
-        instance_rank: 3,
-        tp_size: 4,
-        tp_rank: 3,
-        pp_size: 1,
-        pp_rank: 0,
-        cp_size: 1,
-        cp_rank: 0,
-        dp_size: 4,
-        dp_rank: 3,
-        attention_dp: true,
-        layers_per_pp: vec![61].into(),
-        page_table: table(),
-        planner_id: "kvferry.default".into(),
-        describer_id: DEFAULT_DESCRIBER_ID.into(),
-        planner_blob: vec![1, 2, 3].into(),
-    };
+    let rank = RankInfo::new("ctx-0", &"dep4".parse().unwrap(), 3, vec![61], table())
+        .with_planner("kvferry.default")
+        .with_planner_blob(vec![1, 2, 3]);
+    assert_eq!((rank.tp_rank, rank.dp_size, rank.dp_rank), (3, 4, 3));
     let config = bincode::config::standard();
     let bytes = bincode::serde::encode_to_vec(&rank, config).unwrap();
     let (back, used): (RankInfo, usize) =
@@ -415,24 +401,8 @@ fn panics_become_errors_and_the_planner_stays_usable() {
         "{err}"
     );
 
-    let mut me = RankInfo {
-        instance_name: "boom".into(),
-        instance_rank: 0,
-        tp_size: 1,
-        tp_rank: 0,
-        pp_size: 1,
-        pp_rank: 0,
-        cp_size: 1,
-        cp_rank: 0,
-        dp_size: 1,
-        dp_rank: 0,
-        attention_dp: false,
-        layers_per_pp: vec![2].into(),
-        page_table: table(),
-        planner_id: "test.panicky".into(),
-        describer_id: DEFAULT_DESCRIBER_ID.into(),
-        planner_blob: Default::default(),
-    };
+    let mut me =
+        RankInfo::new("boom", &Mapping::SINGLE, 0, vec![2], table()).with_planner("test.panicky");
     let err = module.instantiate(&me).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::PANICKED);
     assert!(err.message().contains("constructor exploded"), "{err}");

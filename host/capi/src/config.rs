@@ -18,8 +18,8 @@ use std::time::Duration;
 use kvferry_loader::{BoundPlanner, Registry};
 use kvferry_planner_abi::ffi::{RString, RVec};
 use kvferry_planner_abi::{
-    BufferEntry, DEFAULT_DESCRIBER_ID, Deployment, GroupKind, LayerGroup, LayoutKind, LocalLayer,
-    Mapping, MemoryType, PageTable, PhysicalPool, PoolView, RankInfo, RoleLayout,
+    BufferEntry, Deployment, GroupKind, LayerGroup, LayoutKind, LocalLayer, Mapping, MemoryType,
+    PageTable, PhysicalPool, PoolView, RankInfo, RoleLayout,
 };
 use kvferry_transfer::agent::{AgentConfig, BounceMode, Secret};
 use kvferry_transfer::{Role, TransportSpec};
@@ -430,10 +430,6 @@ fn decode_hex(text: &str) -> Option<Vec<u8>> {
 }
 
 fn rank_info(instance: &str, mapping: &Mapping, r: &RankJson) -> Result<RankInfo, ConfigError> {
-    // Coordinates are CP-minor, as the testkit and the CLI number an instance's ranks:
-    // rank = (pp × tp + tp_rank) × cp + cp_rank.
-    let per_stage = (mapping.tp * mapping.cp).max(1);
-    let cp = mapping.cp.max(1);
     let world = mapping.world_size();
     if r.instance_rank >= world {
         return Err(ConfigError::invalid(format!(
@@ -441,9 +437,11 @@ fn rank_info(instance: &str, mapping: &Mapping, r: &RankJson) -> Result<RankInfo
             r.instance_rank
         )));
     }
-    let tp_rank = r.tp_rank.unwrap_or(r.instance_rank % per_stage / cp);
-    let pp_rank = r.pp_rank.unwrap_or(r.instance_rank / per_stage);
-    let cp_rank = r.cp_rank.unwrap_or(r.instance_rank % cp);
+    // Coordinates default to the numbering every host uses (`Mapping::coords`, CP-minor).
+    let at = mapping.coords(r.instance_rank);
+    let tp_rank = r.tp_rank.unwrap_or(at.tp);
+    let pp_rank = r.pp_rank.unwrap_or(at.pp);
+    let cp_rank = r.cp_rank.unwrap_or(at.cp);
     for (name, value, size) in [
         ("tp_rank", tp_rank, mapping.tp),
         ("pp_rank", pp_rank, mapping.pp),
@@ -474,25 +472,17 @@ fn rank_info(instance: &str, mapping: &Mapping, r: &RankJson) -> Result<RankInfo
             mapping.pp
         )));
     }
-    Ok(RankInfo {
-        instance_name: RString::from(instance),
-        instance_rank: r.instance_rank,
-        tp_size: mapping.tp,
-        tp_rank,
-        pp_size: mapping.pp,
-        pp_rank,
-        cp_size: mapping.cp,
-        cp_rank,
-        dp_size,
-        dp_rank,
-        attention_dp: mapping.attention_dp,
-        layers_per_pp: RVec::from(r.layers_per_pp.clone()),
-        page_table: page_table(&r.page_table)?,
-        // Filled in by the agent from the planner it binds.
-        planner_id: RString::new(),
-        describer_id: RString::from(DEFAULT_DESCRIBER_ID),
-        planner_blob: RVec::new(),
-    })
+    // The planner id is filled in by the agent from the planner it binds.
+    let mut info = RankInfo::new(
+        instance,
+        mapping,
+        r.instance_rank,
+        r.layers_per_pp.clone(),
+        page_table(&r.page_table)?,
+    );
+    (info.tp_rank, info.pp_rank, info.cp_rank) = (tp_rank, pp_rank, cp_rank);
+    (info.dp_size, info.dp_rank) = (dp_size, dp_rank);
+    Ok(info)
 }
 
 fn page_table(t: &PageTableJson) -> Result<PageTable, ConfigError> {

@@ -84,28 +84,13 @@ fn the_template_binds_where_it_supports_the_deployment() {
 
     let bound = registry.bind(TEMPLATE_ID, &deployment(2, 1)).unwrap();
     assert_eq!(bound.id(), TEMPLATE_ID);
-    let me = RankInfo {
-        instance_name: "ctx".into(),
-        instance_rank: 0,
-        tp_size: 2,
-        tp_rank: 0,
-        pp_size: 1,
-        pp_rank: 0,
-        cp_size: 1,
-        cp_rank: 0,
-        dp_size: 1,
-        dp_rank: 0,
-        attention_dp: false,
-        layers_per_pp: RVec::from(vec![0]),
-        page_table: PageTable {
-            tokens_per_block: 32,
-            pools: RVec::new(),
-            groups: RVec::new(),
-        },
-        planner_id: TEMPLATE_ID.into(),
-        describer_id: DEFAULT_DESCRIBER_ID.into(),
-        planner_blob: RVec::new(),
+    let empty = PageTable {
+        tokens_per_block: 32,
+        pools: RVec::new(),
+        groups: RVec::new(),
     };
+    let me = RankInfo::new("ctx", &deployment(2, 1).mapping, 0, vec![0], empty)
+        .with_planner(TEMPLATE_ID);
     let planner = bound.instantiate(&me).unwrap();
     let mut peer = me.clone();
     peer.instance_name = "gen".into();

@@ -105,28 +105,13 @@ fn elf_layout(bytes: &[u8]) -> ElfLayout {
 }
 
 fn rank(instance_name: &str) -> RankInfo {
-    RankInfo {
-        instance_name: instance_name.into(),
-        instance_rank: 0,
-        tp_size: 1,
-        tp_rank: 0,
-        pp_size: 1,
-        pp_rank: 0,
-        cp_size: 1,
-        cp_rank: 0,
-        dp_size: 1,
-        dp_rank: 0,
-        attention_dp: false,
-        layers_per_pp: RVec::from(vec![1]),
-        page_table: PageTable {
-            tokens_per_block: 32,
-            pools: RVec::new(),
-            groups: RVec::new(),
-        },
-        planner_id: "fixture.panicky".into(),
-        describer_id: kvferry_planner_abi::DEFAULT_DESCRIBER_ID.into(),
-        planner_blob: RVec::new(),
-    }
+    let empty = PageTable {
+        tokens_per_block: 32,
+        pools: RVec::new(),
+        groups: RVec::new(),
+    };
+    RankInfo::new(instance_name, &Mapping::SINGLE, 0, vec![1], empty)
+        .with_planner("fixture.panicky")
 }
 
 fn deployment() -> Deployment {

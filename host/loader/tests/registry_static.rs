@@ -124,28 +124,18 @@ fn deployment(pp: u32) -> Deployment {
 }
 
 fn rank() -> RankInfo {
-    RankInfo {
-        instance_name: "ctx".into(),
-        instance_rank: 3,
-        tp_size: 1,
-        tp_rank: 0,
-        pp_size: 1,
-        pp_rank: 0,
-        cp_size: 1,
-        cp_rank: 0,
-        dp_size: 1,
-        dp_rank: 0,
-        attention_dp: false,
-        layers_per_pp: RVec::from(vec![0]),
-        page_table: PageTable {
-            tokens_per_block: 32,
-            pools: RVec::new(),
-            groups: RVec::new(),
-        },
-        planner_id: SingleStage::PLANNER_ID.into(),
-        describer_id: DEFAULT_DESCRIBER_ID.into(),
-        planner_blob: RVec::new(),
-    }
+    let empty = PageTable {
+        tokens_per_block: 32,
+        pools: RVec::new(),
+        groups: RVec::new(),
+    };
+    // Rank 3 of a TP-4 instance.
+    let tp4 = Mapping {
+        tp: 4,
+        moe_tp: 4,
+        ..Mapping::SINGLE
+    };
+    RankInfo::new("ctx", &tp4, 3, vec![0], empty).with_planner(SingleStage::PLANNER_ID)
 }
 
 fn registry() -> Registry {

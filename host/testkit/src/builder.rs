@@ -45,9 +45,9 @@ use std::ops::Range;
 
 use kvferry_planner_abi::ffi::{ROption, RString, RVec};
 use kvferry_planner_abi::{
-    BufferEntry, DEFAULT_DESCRIBER_ID, GroupKind, LayerGroup, LayerGroupRows, LayoutKind,
-    LocalLayer, Mapping, MemoryType, PageTable, PairRequest, PhysicalPool, PoolView, RankInfo,
-    RoleLayout, SlotTable, TokenRange, ViewId, rows,
+    BufferEntry, GroupKind, LayerGroup, LayerGroupRows, LayoutKind, LocalLayer, Mapping,
+    MemoryType, PageTable, PairRequest, PhysicalPool, PoolView, RankInfo, RoleLayout, SlotTable,
+    TokenRange, ViewId, rows,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -75,33 +75,6 @@ impl Default for PoolOptions {
             slot_padding: 0,
             memory_type: MemoryType::VRAM,
         }
-    }
-}
-
-/// A rank's position in a mapping.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct RankCoords {
-    /// Pipeline stage.
-    pub pp: u32,
-    /// Tensor-parallel rank.
-    pub tp: u32,
-    /// Context-parallel rank.
-    pub cp: u32,
-}
-
-/// The instance rank of `coords`, CP-minor: `pp × (tp × cp) + tp × cp + cp`.
-pub fn instance_rank(mapping: &Mapping, coords: RankCoords) -> u32 {
-    coords.pp * mapping.tp * mapping.cp + coords.tp * mapping.cp + coords.cp
-}
-
-/// The coordinates of `rank` (inverse of [`instance_rank`]).
-pub fn rank_coords(mapping: &Mapping, rank: u32) -> RankCoords {
-    let per_stage = (mapping.tp * mapping.cp).max(1);
-    let cp = mapping.cp.max(1);
-    RankCoords {
-        pp: rank / per_stage,
-        tp: rank % per_stage / cp,
-        cp: rank % cp,
     }
 }
 
@@ -260,7 +233,7 @@ pub fn largest_slot(groups: &[GroupSpec]) -> u64 {
 
 /// The [`RankInfo`] of instance rank `rank` of `mapping`, holding `page_table`.
 ///
-/// Coordinates are CP-minor ([`rank_coords`]); under attention DP every TP rank is its own
+/// Coordinates are CP-minor ([`Mapping::coords`]); under attention DP every TP rank is its own
 /// DP group (`dp_size = tp`, `dp_rank = tp_rank`). The describer is the default one and the
 /// planner blob empty.
 pub fn rank_info(
@@ -271,30 +244,7 @@ pub fn rank_info(
     page_table: PageTable,
     planner_id: &str,
 ) -> RankInfo {
-    let coords = rank_coords(mapping, rank);
-    let (dp_size, dp_rank) = if mapping.attention_dp {
-        (mapping.tp, coords.tp)
-    } else {
-        (1, 0)
-    };
-    RankInfo {
-        instance_name: RString::from(instance_name),
-        instance_rank: rank,
-        tp_size: mapping.tp,
-        tp_rank: coords.tp,
-        pp_size: mapping.pp,
-        pp_rank: coords.pp,
-        cp_size: mapping.cp,
-        cp_rank: coords.cp,
-        dp_size,
-        dp_rank,
-        attention_dp: mapping.attention_dp,
-        layers_per_pp: RVec::from(layers_per_pp),
-        page_table,
-        planner_id: RString::from(planner_id),
-        describer_id: RString::from(DEFAULT_DESCRIBER_ID),
-        planner_blob: RVec::new(),
-    }
+    RankInfo::new(instance_name, mapping, rank, layers_per_pp, page_table).with_planner(planner_id)
 }
 
 /// `(local, global)` layers in order: local ids `0, 1, ...` for `globals`.
@@ -630,7 +580,7 @@ impl Deploy {
 
     /// The layer groups rank `rank` holds, before layout.
     pub fn groups(&self, model: &Model, rank: u32) -> Vec<GroupSpec> {
-        let coords = rank_coords(&self.mapping, rank);
+        let coords = self.mapping.coords(rank);
         let held = self.stage_layers(coords.pp);
         let mut groups = Vec::new();
         let attn: Vec<u32> = model

@@ -24,8 +24,8 @@ use kvferry_planner_abi::{
 };
 use strum::VariantNames;
 
+pub use crate::builder::PoolOptions;
 use crate::builder::{GroupSpec, ViewSpec, page_table, rank_info};
-pub use crate::builder::{PoolOptions, RankCoords, instance_rank, rank_coords};
 
 /// Why a layout could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -631,7 +631,7 @@ pub fn build_rank(
             world,
         });
     }
-    let coords = rank_coords(mapping, rank);
+    let coords = mapping.coords(rank);
     let layers_per_pp = model.layers_per_pp(mapping.pp)?;
     let stage_start: u32 = layers_per_pp[..coords.pp as usize].iter().sum();
     let stage = Stage {

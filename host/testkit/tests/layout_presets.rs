@@ -1,9 +1,11 @@
 //! Preset layouts against the published numbers (transfer-semantics §11–§12).
 
-use kvferry_planner_abi::{DEFAULT_DESCRIBER_ID, GroupKind, LayoutKind, Mapping, RankInfo};
+use kvferry_planner_abi::{
+    DEFAULT_DESCRIBER_ID, GroupKind, LayoutKind, Mapping, RankCoords, RankInfo,
+};
 use kvferry_testkit::layout::{
     Dtype, LayoutError, MAX_INSTANCE_RANKS, MAX_RANK_BYTES, ModelSpec, PoolOptions, Preset,
-    RankCoords, build_instance, build_rank, check_mapping, instance_rank, rank_coords,
+    build_instance, build_rank, check_mapping,
 };
 use strum::IntoEnumIterator;
 
@@ -306,8 +308,8 @@ fn rank_numbering_is_cp_minor_and_pp_split_even() {
             tp: info.tp_rank,
             cp: info.cp_rank,
         };
-        assert_eq!(instance_rank(&m, c), info.instance_rank);
-        assert_eq!(rank_coords(&m, info.instance_rank), c);
+        assert_eq!(m.rank_at(c), info.instance_rank);
+        assert_eq!(m.coords(info.instance_rank), c);
         assert_eq!(
             info.instance_rank,
             info.pp_rank * 4 + info.tp_rank * 2 + info.cp_rank

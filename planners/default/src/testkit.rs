@@ -2,7 +2,7 @@
 
 use kvferry_planner_abi::ffi::{ROption, RString, RVec};
 use kvferry_planner_abi::{
-    BufferEntry, GroupKind, LayerGroup, LayoutKind, LocalLayer, MemoryType, PageTable,
+    BufferEntry, GroupKind, LayerGroup, LayoutKind, LocalLayer, Mapping, MemoryType, PageTable,
     PhysicalPool, PoolView, RankInfo, RoleLayout,
 };
 
@@ -69,22 +69,5 @@ pub(crate) fn table(groups: &[(GroupKind, &[u32], &[V<'_>])]) -> PageTable {
 
 /// A single-rank instance `name` holding `pt`.
 pub(crate) fn rank(name: &str, pt: PageTable) -> RankInfo {
-    RankInfo {
-        instance_name: RString::from(name),
-        instance_rank: 0,
-        tp_size: 1,
-        tp_rank: 0,
-        pp_size: 1,
-        pp_rank: 0,
-        cp_size: 1,
-        cp_rank: 0,
-        dp_size: 1,
-        dp_rank: 0,
-        attention_dp: false,
-        layers_per_pp: RVec::from(vec![4]),
-        page_table: pt,
-        planner_id: RString::from("kvferry.default"),
-        describer_id: RString::from(kvferry_planner_abi::DEFAULT_DESCRIBER_ID),
-        planner_blob: RVec::new(),
-    }
+    RankInfo::new(name, &Mapping::SINGLE, 0, vec![4], pt).with_planner("kvferry.default")
 }
