@@ -16,8 +16,7 @@ use std::sync::{Mutex, PoisonError, RwLock};
 use kvferry_capi::config::{ConfigError, error_chain, load};
 use kvferry_planner_abi::{SlotTable, TokenRange, ViewId};
 use kvferry_transfer::agent::{
-    Agent as RustAgent, CallError, Event as RustEvent, Expect, FAILURE_KINDS, Send as SendChunk,
-    StartError,
+    Agent as RustAgent, CallError, Event as RustEvent, Expect, FAILURE_KINDS, SendChunk, StartError,
 };
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyException, PyTypeError, PyValueError};

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, Result, bail};
 use clap::Parser;
 use kvferry_planner_abi::{SlotTable, TokenRange};
-use kvferry_transfer::agent::{Agent, Event, Expect, Send};
+use kvferry_transfer::agent::{Agent, Event, Expect, SendChunk};
 
 /// The layout of python/tests/test_agent.py (and the C test): 2 layers x 2 KV heads x 32
 /// bf16, K and V, 16 tokens per block, one pool, one HND view.
@@ -176,7 +176,7 @@ fn main() -> Result<()> {
             tables: tables.clone(),
             excluded_views: Vec::new(),
         })?;
-        ctx.send(Send {
+        ctx.send(SendChunk {
             request: id,
             tables: tables.clone(),
             tokens: TokenRange {

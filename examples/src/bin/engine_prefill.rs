@@ -30,7 +30,7 @@ use kvferry_examples::engine::{
     self, BlockAllocator, Mix, PREFILL_LAYOUT, RankCache, RequestSpec, SALT_PREFILL, blocks,
 };
 use kvferry_planner_abi::TokenRange;
-use kvferry_transfer::agent::{Agent, AgentConfig, CallError, Event, FailureKind, Send};
+use kvferry_transfer::agent::{Agent, AgentConfig, CallError, Event, FailureKind, SendChunk};
 use kvferry_transfer::{Role, Transport};
 
 #[derive(Parser, Debug)]
@@ -250,7 +250,7 @@ fn run(args: &Args) -> Result<Tally> {
             // SAFETY: these tokens' blocks were never in a sent table (chunks end on block
             // boundaries), so the agent does not read them yet.
             unsafe { cache.write_tokens(&a.slots, a.spec.id, tokens.clone(), SALT_PREFILL) };
-            let send = Send {
+            let send = SendChunk {
                 request: a.spec.id,
                 tables: engine::tables(&a.slots[..blocks(tokens.end)]),
                 tokens: TokenRange {

@@ -13,7 +13,7 @@ use std::sync::{Mutex, Once};
 
 use kvferry_planner_abi::{SlotTable, TokenRange, ViewId};
 use kvferry_transfer::agent::{
-    Agent, Event, Expect, FAILURE_KINDS, FailureKind, LATENCY_BUCKETS, Send as SendChunk,
+    Agent, Event, Expect, FAILURE_KINDS, FailureKind, LATENCY_BUCKETS, SendChunk,
 };
 
 pub use error::kvferry_status;

@@ -43,8 +43,8 @@ use kvferry_transfer::agent::BounceMode;
 use kvferry_transfer::budget::HostBudget;
 use kvferry_transfer::{MemoryKind, TransportSpec};
 
-use crate::client::ClientError;
 use crate::control::{RankTables, Submit};
+pub use crate::drive::DemoError;
 use crate::drive::Side;
 
 /// How long a child may take to report its control address.
@@ -272,28 +272,6 @@ pub struct DemoConfig {
     pub ctx_at: Vec<String>,
     /// Control addresses of running generation servers (with `ctx_at`).
     pub gen_at: Vec<String>,
-}
-
-/// Why the demo could not run.
-#[derive(Debug, thiserror::Error)]
-pub enum DemoError {
-    /// A child could not be started or did not come up.
-    #[error("{role} server: {message}")]
-    Child {
-        /// `context` or `generation`.
-        role: &'static str,
-        /// What went wrong.
-        message: String,
-    },
-    /// A control call failed.
-    #[error(transparent)]
-    Client(#[from] ClientError),
-    /// A server answered something unexpected.
-    #[error("{0}")]
-    Protocol(String),
-    /// Bad parameters.
-    #[error("{0}")]
-    Invalid(String),
 }
 
 /// Latency percentiles in milliseconds.

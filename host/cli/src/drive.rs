@@ -8,10 +8,32 @@ use std::time::Duration;
 use kvferry_protocol::Frame as _;
 use kvferry_transfer::{BenchStats, PairFragments, RequestStats, Role};
 
-use crate::client::Client;
+use crate::client::{Client, ClientError};
 use crate::control::VerifySummary;
 use crate::control::{ControlMessage as Message, PeerRef, RankTables, ServerInfo, Submit};
-use crate::demo::DemoError;
+
+/// Why a harness run (`demo`, `bench`) could not run: a server, a control call or the
+/// parameters.
+#[derive(Debug, thiserror::Error)]
+pub enum DemoError {
+    /// A child could not be started or did not come up.
+    #[error("{role} server: {message}")]
+    Child {
+        /// `context` or `generation`.
+        role: &'static str,
+        /// What went wrong.
+        message: String,
+    },
+    /// A control call failed.
+    #[error(transparent)]
+    Client(#[from] ClientError),
+    /// A server answered something unexpected.
+    #[error("{0}")]
+    Protocol(String),
+    /// Bad parameters.
+    #[error("{0}")]
+    Invalid(String),
+}
 
 /// How long a control reply (other than `Done`) may take.
 pub const REPLY_TIMEOUT: Duration = Duration::from_secs(120);

@@ -12,7 +12,7 @@
 //! - **whole-request**: every context rank sends each request whole once the last layer is
 //!   computed;
 //! - **layer-wise**: each context rank sends each request's layer `l` as soon as it is
-//!   computed ([`kvferry_transfer::agent::Send::views`]), the last layer marked last.
+//!   computed ([`kvferry_transfer::agent::SendChunk::views`]), the last layer marked last.
 //!
 //! The measure is the **tail**: from the end of the last layer's compute (its deadline, or the
 //! moment the thread woke up after it if that was later) to the moment every
@@ -35,7 +35,7 @@ use kvferry_planner_abi::{
 use kvferry_testkit::layout::{self, ModelSpec, PoolOptions};
 use kvferry_transfer::Role;
 use kvferry_transfer::TransportSpec;
-use kvferry_transfer::agent::{Agent, AgentConfig, Event, Expect, Secret, Send};
+use kvferry_transfer::agent::{Agent, AgentConfig, Event, Expect, Secret, SendChunk};
 use serde::Serialize;
 
 use crate::bench::Spread;
@@ -244,7 +244,7 @@ fn round(
     let per_rank: Vec<BTreeMap<u32, Vec<ViewId>>> = ctx.infos.iter().map(views_by_layer).collect();
     let send = |agent: &Agent, info: &RankInfo, views: Option<Vec<ViewId>>, last: bool| {
         for k in 0..config.requests {
-            agent.send(Send {
+            agent.send(SendChunk {
                 request: first_id + k,
                 tables: tables(info, k, blocks),
                 tokens: all,

@@ -35,9 +35,7 @@ use kvferry_protocol::{Frame, MAX_FRAME_BYTES, read_frame};
 use kvferry_testkit::layout::{ModelSpec, PoolOptions, build_rank};
 use kvferry_testkit::oracle::{Oracle, VerifyReport};
 use kvferry_testkit::scenario::slot_tables;
-use kvferry_transfer::agent::{
-    Agent, AgentConfig, BounceConfig, Event, Expect, Secret, Send as AgentSend,
-};
+use kvferry_transfer::agent::{Agent, AgentConfig, BounceConfig, Event, Expect, Secret, SendChunk};
 use kvferry_transfer::conn::{
     HANDSHAKE_TIMEOUT, Outbox, Pending, Secured, Unproven, drain, secure_accept, spawn_writer,
 };
@@ -875,7 +873,7 @@ impl Shared {
             let mut took = false;
             for piece in &pieces {
                 for (j, views) in parts.iter().enumerate() {
-                    let sent = agent.send(AgentSend {
+                    let sent = agent.send(SendChunk {
                         request: id,
                         tables: t.clone(),
                         tokens: piece.token_range,

@@ -36,7 +36,7 @@ use kvferry_plan::bounce::{BounceLimits, DEFAULT_MIN_BLOCKS};
 use kvferry_protocol::PoolKey;
 use kvferry_ucx::{Context, MemRegion};
 
-use crate::agent::lock;
+use crate::sync::lock;
 
 /// Whether an agent bounces.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]

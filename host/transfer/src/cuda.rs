@@ -638,7 +638,7 @@ impl DeviceCopier {
         if runs.is_empty() {
             return Ok(());
         }
-        let pooled = crate::agent::lock(&self.streams).pop();
+        let pooled = crate::sync::lock(&self.streams).pop();
         let stream = match pooled {
             Some(s) => s,
             None => self
@@ -653,7 +653,7 @@ impl DeviceCopier {
             .device
             .call("cuStreamSynchronize", || stream.synchronize());
         if waited.is_ok() {
-            crate::agent::lock(&self.streams).push(stream);
+            crate::sync::lock(&self.streams).push(stream);
         }
         queued.and(waited)
     }

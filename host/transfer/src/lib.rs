@@ -40,6 +40,7 @@ pub mod metrics;
 pub mod outcome;
 pub mod rank;
 mod stash;
+mod sync;
 pub mod transport;
 
 pub use kvferry_protocol::Role;

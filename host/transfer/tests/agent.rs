@@ -11,7 +11,7 @@ use std::time::Duration;
 use kvferry_planner_abi::{SlotTable, TokenRange};
 use kvferry_transfer::Role;
 use kvferry_transfer::Transport;
-use kvferry_transfer::agent::{Agent, AgentConfig, Event, FailureKind, Secret, Send};
+use kvferry_transfer::agent::{Agent, AgentConfig, Event, FailureKind, Secret, SendChunk};
 use kvferry_transfer::rank::WriteHook;
 
 use support::*;
@@ -35,7 +35,7 @@ fn a_chunked_request_lands_byte_for_byte_over_tcp_and_shm() {
             .expect(expecting(7, &endpoint, tables(&dst, &dst_slots), prompt))
             .unwrap();
         prefill
-            .send(Send {
+            .send(SendChunk {
                 request: 7,
                 tables: tables(&src, &src_slots[..2]),
                 tokens: TokenRange { start: 0, end: 32 },
@@ -46,7 +46,7 @@ fn a_chunked_request_lands_byte_for_byte_over_tcp_and_shm() {
             })
             .unwrap();
         prefill
-            .send(Send {
+            .send(SendChunk {
                 request: 7,
                 tables: tables(&src, &src_slots),
                 tokens: TokenRange {
@@ -123,7 +123,7 @@ fn bad_requests_are_refused_before_anything_is_taken() {
         .unwrap_err();
     assert!(err.to_string().contains("outside pool"), "{err}");
     let err = prefill
-        .send(Send {
+        .send(SendChunk {
             request: 1,
             tables: tables(&src, &[0]),
             tokens: TokenRange { start: 0, end: 17 },
@@ -265,7 +265,7 @@ fn a_cancel_from_another_decode_instance_does_not_end_a_send_bound_to_its_receiv
     assert_eq!(wait(&intruder, 8, soon), Event::Cancelled { request: 8 });
     // The send names its receiver: the intruder's cancel is not its to give.
     prefill
-        .send(Send {
+        .send(SendChunk {
             to: Some("decode".into()),
             ..whole(8, tables(&src, &[3]), 16)
         })
@@ -387,7 +387,7 @@ mod hostile {
         let prefill = agent(Role::Context, &src, secret(), Transport::Tcp);
         let decode = agent(Role::Generation, &dst, secret(), Transport::Tcp);
         let endpoint = prefill.endpoint().unwrap().to_string();
-        let send = |request| Send {
+        let send = |request| SendChunk {
             request,
             tables: tables(&src, &[0, 1]),
             tokens: TokenRange { start: 0, end: 32 },

@@ -15,7 +15,7 @@ use kvferry_protocol::{
 };
 use kvferry_transfer::Role;
 use kvferry_transfer::Transport;
-use kvferry_transfer::agent::{BounceConfig, BounceMode, CallError, Event, Send};
+use kvferry_transfer::agent::{BounceConfig, BounceMode, CallError, Event, SendChunk};
 
 use support::*;
 
@@ -235,7 +235,7 @@ fn a_piece_bounces_only_into_an_offered_region_it_fits_to_the_byte() {
         (13, total + 1, true),
     ] {
         prefill
-            .send(Send {
+            .send(SendChunk {
                 request,
                 tables: tables(&src, &[0, 1]),
                 tokens: TokenRange { start: 0, end: 32 },

@@ -9,7 +9,7 @@ use kvferry_loader::Registry;
 use kvferry_planner_abi::{Mapping, MemoryType, RankInfo, SlotTable, TokenRange};
 use kvferry_testkit::builder::{Deploy, Model};
 use kvferry_transfer::Role;
-use kvferry_transfer::agent::{Agent, AgentConfig, Event, Expect, Secret, Send};
+use kvferry_transfer::agent::{Agent, AgentConfig, Event, Expect, Secret, SendChunk};
 
 const PEER_TIMEOUT: Duration = Duration::from_millis(600);
 const REQUESTS: u64 = 4;
@@ -61,8 +61,8 @@ fn agent(role: Role, engine: &Engine) -> Agent {
     unsafe { Agent::start(config, bound) }.unwrap()
 }
 
-fn send(request: u64, start: u64, end: u64) -> Send {
-    Send {
+fn send(request: u64, start: u64, end: u64) -> SendChunk {
+    SendChunk {
         request,
         tables: vec![SlotTable::new([request as i64 * 2, request as i64 * 2 + 1])],
         tokens: TokenRange { start, end },

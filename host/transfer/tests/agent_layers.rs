@@ -15,7 +15,7 @@ use kvferry_protocol::Integrity;
 use kvferry_testkit::builder::Model;
 use kvferry_transfer::Role;
 use kvferry_transfer::Transport;
-use kvferry_transfer::agent::{Agent, AgentConfig, BounceConfig, BounceMode, Event, Send};
+use kvferry_transfer::agent::{Agent, AgentConfig, BounceConfig, BounceMode, Event, SendChunk};
 
 use support::*;
 
@@ -40,8 +40,8 @@ fn part(
     prompt: u64,
     views: Option<Vec<ViewId>>,
     is_last: bool,
-) -> Send {
-    Send {
+) -> SendChunk {
+    SendChunk {
         request: 7,
         tables: tables(engine, slots),
         tokens,
@@ -212,7 +212,7 @@ fn sends_that_break_the_layer_sequence_are_refused_and_take_nothing() {
         start: 32,
         end: prompt,
     };
-    let refused = |s: Send, needle: &str| {
+    let refused = |s: SendChunk, needle: &str| {
         let err = prefill.send(s).unwrap_err().to_string();
         assert!(err.contains(needle), "{needle:?} not in: {err}");
     };

@@ -240,7 +240,7 @@ fn a_prefill_side_cancel_reaches_the_decode_side_at_once() {
         .unwrap();
     // The first of two chunks: the request stays open on the prefill side.
     prefill
-        .send(kvferry_transfer::agent::Send {
+        .send(kvferry_transfer::agent::SendChunk {
             request: 3,
             tables: tables(&src, &[0]),
             tokens: kvferry_planner_abi::TokenRange { start: 0, end: 16 },
@@ -281,7 +281,7 @@ fn a_peer_declaring_another_process_worker_is_refused_and_nothing_lands_there() 
         let prefill = agent(Role::Context, &src, secret(), transport);
         let victim = agent(Role::Generation, &dst, secret(), transport);
         let endpoint = prefill.endpoint().unwrap().to_string();
-        let to_decode = kvferry_transfer::agent::Send {
+        let to_decode = kvferry_transfer::agent::SendChunk {
             to: Some("decode".into()),
             ..whole(1, tables(&src, &[0, 1]), 32)
         };

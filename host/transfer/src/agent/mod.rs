@@ -60,7 +60,7 @@ pub use kvferry_protocol::{AgentMetadata, Integrity, PeerIdentity, Secret};
 use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -74,6 +74,7 @@ use crate::bounce::{Arena, Staging};
 use crate::memory::{MemoryError, MemoryKind, RankPools};
 use crate::outcome::PairFragments;
 use crate::rank::{RankThread, ReplayStats, SpawnError, WriteError};
+pub(crate) use crate::sync::{SLOW_LOCK, lock};
 use crate::transport::{Transport, TransportSpec};
 
 use events::Events;
@@ -356,7 +357,7 @@ pub enum CallError {
 /// as it is claimed and planned, while the engine computes later layers; the receiver
 /// completes once every view of every chunk landed.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Send {
+pub struct SendChunk {
     /// The request id both engines agree on.
     pub request: u64,
     /// The request's slot tables on this rank (one per layer group), as of this chunk:
@@ -415,73 +416,6 @@ impl std::fmt::Debug for Inner {
             .field("rank", &self.info.instance_rank)
             .field("role", &self.config.role)
             .finish_non_exhaustive()
-    }
-}
-
-/// A role's state lock held or waited for this long is logged (with where it was taken):
-/// every side-channel reader, the reaper's keep-alives and the planner pool queue behind it,
-/// so a long hold is a stall of every request on this rank.
-const SLOW_LOCK: Duration = Duration::from_secs(1);
-
-/// Takes a role's state lock (a poisoned lock is taken as it is: its state stays consistent
-/// between statements). Waits and holds longer than [`SLOW_LOCK`] are logged.
-#[track_caller]
-pub(crate) fn lock<T>(m: &Mutex<T>) -> Locked<'_, T> {
-    let at = std::panic::Location::caller();
-    let guard = match m.try_lock() {
-        Ok(g) => g,
-        Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
-        Err(std::sync::TryLockError::WouldBlock) => {
-            let asked = Instant::now();
-            let g = m.lock().unwrap_or_else(|e| e.into_inner());
-            let waited = asked.elapsed();
-            if waited >= SLOW_LOCK {
-                tracing::warn!(
-                    waited_ms = waited.as_millis() as u64,
-                    at = %at,
-                    "waited long for the agent's state lock"
-                );
-            }
-            g
-        }
-    };
-    Locked {
-        guard,
-        at,
-        since: Instant::now(),
-    }
-}
-
-/// A held role state lock (see [`lock`]).
-pub(crate) struct Locked<'a, T> {
-    guard: MutexGuard<'a, T>,
-    at: &'static std::panic::Location<'static>,
-    since: Instant,
-}
-
-impl<T> std::ops::Deref for Locked<'_, T> {
-    type Target = T;
-    fn deref(&self) -> &T {
-        &self.guard
-    }
-}
-
-impl<T> std::ops::DerefMut for Locked<'_, T> {
-    fn deref_mut(&mut self) -> &mut T {
-        &mut self.guard
-    }
-}
-
-impl<T> Drop for Locked<'_, T> {
-    fn drop(&mut self) {
-        let held = self.since.elapsed();
-        if held >= SLOW_LOCK {
-            tracing::warn!(
-                held_ms = held.as_millis() as u64,
-                at = %self.at,
-                "held the agent's state lock long"
-            );
-        }
     }
 }
 
@@ -901,12 +835,12 @@ impl Agent {
         generation::add_peer(&self.inner, m)
     }
 
-    /// Prefill side: makes (a chunk of) a request's KV cache available (see [`Send`]).
+    /// Prefill side: makes (a chunk of) a request's KV cache available (see [`SendChunk`]).
     ///
     /// # Errors
     ///
     /// Invalid parameters (the request is then untouched), or a generation rank.
-    pub fn send(&self, send: Send) -> Result<(), CallError> {
+    pub fn send(&self, send: SendChunk) -> Result<(), CallError> {
         self.need(Role::Context, "send")?;
         context::send(&self.inner, send)
     }

@@ -14,7 +14,7 @@ use kvferry_planner_abi::{Mapping, MemoryType, RankInfo, SlotTable, TokenRange};
 use kvferry_testkit::builder::{Deploy, Model};
 use kvferry_transfer::Role;
 use kvferry_transfer::Transport;
-use kvferry_transfer::agent::{Agent, AgentConfig, Event, Expect, Secret, Send};
+use kvferry_transfer::agent::{Agent, AgentConfig, Event, Expect, Secret, SendChunk};
 use kvferry_transfer::rank::{RemoteRank, WriteHook};
 
 pub const CANARY: u8 = 0xA5;
@@ -260,8 +260,8 @@ pub fn pattern(p: usize, i: usize) -> u8 {
 }
 
 /// A send of the whole `prompt_len`-token prompt in one chunk, from `tables`, to anyone.
-pub fn whole(request: u64, tables: Vec<SlotTable>, prompt_len: u64) -> Send {
-    Send {
+pub fn whole(request: u64, tables: Vec<SlotTable>, prompt_len: u64) -> SendChunk {
+    SendChunk {
         request,
         tables,
         tokens: TokenRange {
@@ -604,7 +604,7 @@ pub fn chunked_request(prefill: &Agent, decode: &Agent, src: &Engine, dst: &Engi
         ),
     ] {
         prefill
-            .send(Send {
+            .send(SendChunk {
                 request: 7,
                 tables: tables(src, slots),
                 tokens,
