@@ -208,3 +208,64 @@ class Agent:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> Literal[False]: ...
+
+@final
+class PairPlanner:
+    """kvferry's planner for one (prefill rank, decode rank) pair, without an agent: for an
+    engine that moves the bytes with another transfer layer (NIXL, Mooncake, its own copies).
+
+    Built from the JSON configurations the two ranks' agents would read (roles ``context`` and
+    ``generation``; no secret, listener or transport is needed): each side's planner is bound
+    and started on its rank, and each vets the other. Nothing is connected or registered.
+    Raises :class:`Error` (kind ``config``, ``planner``, ``invalid`` for a configuration of
+    the wrong role)."""
+
+    def __new__(cls, prefill_config: str, decode_config: str) -> Self: ...
+    @property
+    def writes(self) -> bool:
+        """Whether the prefill rank writes the decode rank at all (the planner's targets for
+        the decode rank's DP group); a pair it does not write has nothing to plan."""
+
+    @property
+    def planner_id(self) -> str:
+        """The bound planner's id."""
+
+    def plan(
+        self,
+        prefill_tables: Sequence[_SlotTable],
+        decode_tables: Sequence[_SlotTable],
+        token_start: int,
+        token_end: int,
+        prompt_len: int,
+        dst_start_token: int | None = ...,
+        views: Sequence[tuple[int, int]] | None = ...,
+    ) -> Plan:
+        """Plans tokens ``[token_start, token_end)`` of a ``prompt_len``-token prompt from the
+        prefill rank's slots to the decode rank's (one slot table per layer group on each
+        side) and validates the plan as the agent does before a byte moves: every source
+        inside the prefill rank's slots for the request, every destination inside the decode
+        rank's, no destination byte written twice. ``dst_start_token``: where the decode copy
+        starts (a cached prefix). ``views``: the prefill rank's ``(group, view)`` pairs this
+        piece carries (layer-wise). Kinds ``invalid`` (tables, tokens, views, a pair the
+        prefill rank does not write) and ``planner`` (its refusal, or a plan that broke a
+        rule)."""
+
+@final
+class Plan:
+    """A validated plan from :meth:`PairPlanner.plan`: addresses in the two ranks' pools as
+    their configurations declare them."""
+
+    #: Bytes it moves.
+    bytes: int
+    #: Fragments once expanded (``len(plan)`` too).
+    fragments: int
+    def patterns(self) -> list[tuple[list[tuple[int, int, int]], list[tuple[int, int]]]]:
+        """The plan as patterns, ``(fragments, rows)``: each ``(src_offset, dst_offset,
+        length)`` fragment lands once per ``(src_row, dst_row)`` pair. A flat plan is one
+        pattern whose only row pair is ``(0, 0)``."""
+
+    def expand(self) -> list[tuple[int, int, int]]:
+        """Every fragment as ``(src_address, dst_address, length)``, in plan order: the
+        descriptor lists another transfer layer takes."""
+
+    def __len__(self) -> int: ...

@@ -14,6 +14,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Mutex, PoisonError, RwLock};
 
 use kvferry_capi::config::{ConfigError, error_chain, load};
+use kvferry_capi::planning::{PairPlanner as PlannerCore, Piece, PlanningError};
 use kvferry_planner_abi::{SlotTable, TokenRange, ViewId};
 use kvferry_transfer::agent::{
     Agent as RustAgent, CallError, Event as RustEvent, Expect, FAILURE_KINDS, SendChunk, StartError,
@@ -624,6 +625,167 @@ impl Agent {
     }
 }
 
+impl From<PlanningError> for Failure {
+    fn from(e: PlanningError) -> Self {
+        let kind = match &e {
+            PlanningError::Config { error, .. } => match error {
+                ConfigError::Planner(_) => "planner",
+                _ => "config",
+            },
+            PlanningError::Planner(_) => "planner",
+            _ => "invalid",
+        };
+        Self::new(kind, e.to_string())
+    }
+}
+
+/// kvferry's planner for one (prefill rank, decode rank) pair, without an agent: for an
+/// engine that moves the bytes with another transfer layer (NIXL, Mooncake, its own copies).
+/// Built from the JSON configurations the two ranks' agents would read (roles `context` and
+/// `generation`; no secret needed); each side's planner is bound and started on its rank and
+/// vets the other. Plans are validated as the agent validates them before a byte moves.
+#[pyclass(module = "kvferry", frozen)]
+struct PairPlanner {
+    planner: kvferry_capi::planning::PairPlanner,
+}
+
+#[pymethods]
+impl PairPlanner {
+    #[new]
+    fn new(py: Python<'_>, prefill_config: &str, decode_config: &str) -> PyResult<Self> {
+        let (prefill, decode) = (prefill_config.to_owned(), decode_config.to_owned());
+        logs::init(py);
+        let planner = py
+            .detach(move || guarded(|| Ok(PlannerCore::new(&prefill, &decode)?)))
+            .map_err(|f| f.into_py(py, "kvferry.PairPlanner"))?;
+        Ok(Self { planner })
+    }
+
+    /// Whether the prefill rank writes the decode rank at all (the planner's targets for
+    /// the decode rank's DP group); a pair it does not write has nothing to plan.
+    #[getter]
+    fn writes(&self) -> bool {
+        self.planner.writes()
+    }
+
+    /// The bound planner's id.
+    #[getter]
+    fn planner_id(&self) -> String {
+        self.planner.planner_id().to_string()
+    }
+
+    /// Plans tokens `[token_start, token_end)` of a `prompt_len`-token prompt from the
+    /// prefill rank's slots (`prefill_tables`, one per layer group) to the decode rank's
+    /// (`decode_tables`) and validates the plan. `dst_start_token`: where the decode side's
+    /// copy starts (a cached prefix). `views`: the prefill rank's `(group, view)` pairs this
+    /// piece carries (layer-wise); None: every view.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (
+        prefill_tables, decode_tables, token_start, token_end, prompt_len,
+        dst_start_token = None, views = None
+    ))]
+    fn plan(
+        &self,
+        py: Python<'_>,
+        prefill_tables: &Bound<'_, PyAny>,
+        decode_tables: &Bound<'_, PyAny>,
+        token_start: u64,
+        token_end: u64,
+        prompt_len: u64,
+        dst_start_token: Option<u64>,
+        views: Option<Vec<(u32, u32)>>,
+    ) -> PyResult<Plan> {
+        let piece = Piece {
+            prefill_tables: slot_tables(prefill_tables, "prefill_tables")?,
+            decode_tables: slot_tables(decode_tables, "decode_tables")?,
+            tokens: TokenRange {
+                start: token_start,
+                end: token_end,
+            },
+            prompt_len,
+            dst_start_token,
+            views: views.map(|v| {
+                v.into_iter()
+                    .map(|(group, view)| ViewId { group, view })
+                    .collect()
+            }),
+        };
+        let planner = &self.planner;
+        let plan = py
+            .detach(|| guarded(|| Ok(planner.plan(&piece)?)))
+            .map_err(|f| f.into_py(py, "PairPlanner.plan"))?;
+        Ok(Plan {
+            bytes: plan.total_bytes(),
+            fragments: plan.len(),
+            patterns: plan.patterns(),
+        })
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<kvferry.PairPlanner {:?}>", self.planner)
+    }
+}
+
+/// A plan pattern as Python lists: `(src offset, dst offset, length)` fragments, then
+/// `(src row, dst row)` pairs.
+type PatternLists = (Vec<(u64, u64, u64)>, Vec<(u64, u64)>);
+
+/// A validated plan (`PairPlanner.plan`): addresses in the two ranks' pools as their
+/// configurations declare them.
+#[pyclass(module = "kvferry", frozen)]
+struct Plan {
+    /// Bytes it moves.
+    #[pyo3(get)]
+    bytes: u64,
+    /// Fragments once expanded.
+    #[pyo3(get)]
+    fragments: usize,
+    patterns: Vec<kvferry_capi::planning::Pattern>,
+}
+
+#[pymethods]
+impl Plan {
+    /// The plan as patterns: a list of `(fragments, rows)`, where `fragments` is a list of
+    /// `(src_offset, dst_offset, length)` and `rows` a list of `(src_row, dst_row)`; every
+    /// fragment lands once per row pair at `(src_row + src_offset, dst_row + dst_offset)`. A
+    /// flat plan is one pattern whose only row pair is `(0, 0)`.
+    fn patterns(&self) -> Vec<PatternLists> {
+        self.patterns
+            .iter()
+            .map(|p| (p.fragments.clone(), p.rows.clone()))
+            .collect()
+    }
+
+    /// Every fragment as `(src_address, dst_address, length)`, in plan order (pattern by
+    /// pattern, row pair by row pair): the descriptor lists another transfer layer takes.
+    fn expand(&self) -> Vec<(u64, u64, u64)> {
+        let mut out = Vec::with_capacity(self.fragments);
+        for p in &self.patterns {
+            for &(src_row, dst_row) in &p.rows {
+                out.extend(
+                    p.fragments
+                        .iter()
+                        .map(|&(s, d, len)| (src_row + s, dst_row + d, len)),
+                );
+            }
+        }
+        out
+    }
+
+    fn __len__(&self) -> usize {
+        self.fragments
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<kvferry.Plan {} bytes, {} fragments in {} pattern(s)>",
+            self.bytes,
+            self.fragments,
+            self.patterns.len()
+        )
+    }
+}
+
 /// Waits until every kvferry log record raised so far has reached Python's `logging` (at
 /// most `timeout` seconds); returns whether they all did. The package calls it at exit.
 #[pyfunction]
@@ -691,6 +853,8 @@ fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(doctor, m)?)?;
     m.add_class::<Agent>()?;
     m.add_class::<Event>()?;
+    m.add_class::<PairPlanner>()?;
+    m.add_class::<Plan>()?;
     m.add("Error", m.py().get_type::<Error>())?;
     m.add("CONFIG_VERSION", kvferry_capi::KVFERRY_CONFIG_VERSION)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

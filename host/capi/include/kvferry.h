@@ -275,6 +275,20 @@ typedef int32_t kvferry_status;
 typedef struct kvferry_agent kvferry_agent;
 
 /**
+ * kvferry's planner for one (prefill rank, decode rank) pair, without an agent: an opaque
+ * handle from `kvferry_pair_planner_new`, freed by `kvferry_pair_planner_destroy`. Plans
+ * come out as addresses in the two ranks' pools, validated as the agent validates them, for
+ * an engine that moves the bytes with another transfer layer (NIXL, Mooncake, its own copy
+ * loop). Nothing is connected, registered or started.
+ */
+typedef struct kvferry_pair_planner kvferry_pair_planner;
+
+/**
+ * A validated plan from `kvferry_pair_planner_plan`, freed by `kvferry_plan_destroy`.
+ */
+typedef struct kvferry_plan kvferry_plan;
+
+/**
  * What an agent did since it started (`kvferry_agent_get_stats`): counters over its requests'
  * terminal events, and what it holds now. Plain data.
  */
@@ -421,6 +435,44 @@ typedef struct kvferry_event {
    */
   char detail[KVFERRY_EVENT_DETAIL_LEN];
 } kvferry_event;
+
+/**
+ * One pattern of a `kvferry_plan` (`kvferry_plan_get_pattern`): each of its `n_fragments`
+ * fragments `k` lands once per row pair `r`, moving `lengths[k]` bytes from
+ * `src_rows[r] + src_offsets[k]` (prefill rank) to `dst_rows[r] + dst_offsets[k]` (decode
+ * rank). A flat plan is one pattern whose only row pair is `(0, 0)`: its offsets are the
+ * addresses. The arrays belong to the plan and live until `kvferry_plan_destroy`.
+ */
+typedef struct kvferry_plan_pattern {
+  /**
+   * Source offset of each fragment inside its source row.
+   */
+  const uint64_t *src_offsets;
+  /**
+   * Destination offset of each fragment inside its destination row.
+   */
+  const uint64_t *dst_offsets;
+  /**
+   * Bytes of each fragment.
+   */
+  const uint64_t *lengths;
+  /**
+   * Fragments in the three arrays above.
+   */
+  size_t n_fragments;
+  /**
+   * Source row address of each row pair.
+   */
+  const uint64_t *src_rows;
+  /**
+   * Destination row address of each row pair.
+   */
+  const uint64_t *dst_rows;
+  /**
+   * Row pairs in the two arrays above.
+   */
+  size_t n_rows;
+} kvferry_plan_pattern;
 
 #ifdef __cplusplus
 extern "C" {
@@ -687,6 +739,130 @@ const char *kvferry_status_name(int status);
  * The library's version (`"0.1.0"`). A static string: never free it.
  */
 const char *kvferry_version(void);
+
+/**
+ * Builds kvferry's planner for one (prefill rank, decode rank) pair from the configurations
+ * their agents would read (`role` `"context"` and `"generation"`; the same JSON as
+ * `kvferry_agent_start`, whose secret and transport settings are not needed here): each
+ * side's planner is bound and started on its rank, and each vets the other.
+ *
+ * Returns `KVFERRY_OK`, `KVFERRY_ERR_CONFIG`, `KVFERRY_ERR_PLANNER`,
+ * `KVFERRY_ERR_INVALID_REQUEST` (a configuration of the wrong role), ...
+ *
+ * # Safety
+ *
+ * `prefill_config` and `decode_config` are NULL or NUL-terminated strings; `out` is NULL or
+ * writable.
+ */
+int kvferry_pair_planner_new(const char *prefill_config,
+                             const char *decode_config,
+                             struct kvferry_pair_planner **out);
+
+/**
+ * Frees a pair planner. NULL is ignored.
+ *
+ * # Safety
+ *
+ * `planner` is NULL or a handle from `kvferry_pair_planner_new` not yet destroyed, and no
+ * other call on it runs or follows.
+ */
+void kvferry_pair_planner_destroy(struct kvferry_pair_planner *planner);
+
+/**
+ * `*out` gets whether the prefill rank writes the decode rank at all (the planner's targets
+ * for the decode rank's DP group); a pair it does not write has nothing to plan.
+ *
+ * # Safety
+ *
+ * `planner` is NULL or a live handle; `out` is NULL or writable.
+ */
+int kvferry_pair_planner_writes(const struct kvferry_pair_planner *planner, bool *out);
+
+/**
+ * Plans one piece of a request from the prefill rank to the decode rank and validates it
+ * (every source inside the prefill rank's slots for the request, every destination inside
+ * the decode rank's, no destination byte written twice): `prefill_tables` and
+ * `decode_tables` are each side's slot tables (one per layer group), `token_start` ..
+ * `token_end` the piece's tokens of a `prompt_len`-token prompt, `dst_start_token` where the
+ * decode side's copy starts (a cached prefix; `UINT64_MAX`: none), `views` the prefill
+ * rank's views the piece carries (layer-wise; NULL with 0: every view). `*out` gets the plan.
+ *
+ * Returns `KVFERRY_OK`, `KVFERRY_ERR_INVALID_REQUEST` (tables, tokens, views, a pair the
+ * prefill rank does not write), `KVFERRY_ERR_PLANNER` (the planner refused, or its plan
+ * broke a rule: the text names which), ...
+ *
+ * # Safety
+ *
+ * `planner` is NULL or a live handle; each table array is NULL or readable for its count,
+ * each `slots` for its `len`; `views` is NULL or readable for `n_views` entries; `out` is
+ * NULL or writable. The arrays are read during the call only.
+ */
+int kvferry_pair_planner_plan(const struct kvferry_pair_planner *planner,
+                              const struct kvferry_slot_table *prefill_tables,
+                              size_t n_prefill_tables,
+                              const struct kvferry_slot_table *decode_tables,
+                              size_t n_decode_tables,
+                              uint64_t token_start,
+                              uint64_t token_end,
+                              uint64_t prompt_len,
+                              uint64_t dst_start_token,
+                              const struct kvferry_view_id *views,
+                              size_t n_views,
+                              struct kvferry_plan **out);
+
+/**
+ * Frees a plan. NULL is ignored.
+ *
+ * # Safety
+ *
+ * `plan` is NULL or a plan from `kvferry_pair_planner_plan` not yet destroyed, whose
+ * pattern arrays are not read any more.
+ */
+void kvferry_plan_destroy(struct kvferry_plan *plan);
+
+/**
+ * The plan's size: `*patterns` its patterns, `*fragments` its fragments once expanded (each
+ * pattern's fragments times its row pairs, summed), `*bytes` the bytes it moves. Any of the
+ * three may be NULL.
+ *
+ * # Safety
+ *
+ * `plan` is NULL or a live plan; each output is NULL or writable.
+ */
+int kvferry_plan_size(const struct kvferry_plan *plan,
+                      size_t *patterns,
+                      size_t *fragments,
+                      uint64_t *bytes);
+
+/**
+ * `*out` gets pattern `index` of the plan (its arrays live as long as the plan).
+ * `KVFERRY_ERR_INVALID_ARGUMENT` for an index past the last pattern.
+ *
+ * # Safety
+ *
+ * `plan` is NULL or a live plan; `out` is NULL or writable.
+ */
+int kvferry_plan_get_pattern(const struct kvferry_plan *plan,
+                             size_t index,
+                             struct kvferry_plan_pattern *out);
+
+/**
+ * Expands the plan into `src`, `dst` and `len` (absolute addresses and lengths, in plan
+ * order: pattern by pattern, row pair by row pair, fragment by fragment), each with room for
+ * `cap` entries; `*n_out` gets the fragment count. Size query: all three NULL with `cap` 0.
+ * A `cap` below the count gives `KVFERRY_ERR_BUFFER_TOO_SMALL` and writes nothing.
+ *
+ * # Safety
+ *
+ * `plan` is NULL or a live plan; `src`, `dst` and `len` are NULL or writable for `cap`
+ * entries each; `n_out` is NULL or writable.
+ */
+int kvferry_plan_expand(const struct kvferry_plan *plan,
+                        uint64_t *src,
+                        uint64_t *dst,
+                        uint64_t *len,
+                        size_t cap,
+                        size_t *n_out);
 
 #ifdef __cplusplus
 }  // extern "C"

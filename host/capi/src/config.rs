@@ -90,7 +90,7 @@ struct ConfigV1 {
 }
 
 /// One plugin directory, or several (scanned in order).
-#[derive(Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize)]
 #[serde(untagged)]
 enum PlannerDirs {
     One(PathBuf),
@@ -200,6 +200,21 @@ fn one() -> u32 {
 #[derive(Debug)]
 pub(crate) struct Parsed {
     pub(crate) agent: AgentConfig,
+    binding: Binding,
+}
+
+/// The part of a configuration planning needs: the rank, its role, and how to bind its
+/// planner (no secret, transport or timeouts).
+#[derive(Debug)]
+pub(crate) struct RankConfig {
+    pub(crate) role: Role,
+    pub(crate) rank: RankInfo,
+    pub(crate) binding: Binding,
+}
+
+/// How a configuration binds its planner.
+#[derive(Debug)]
+pub(crate) struct Binding {
     deployment: Deployment,
     planner: Option<String>,
     plugin_dirs: Option<Vec<PathBuf>>,
@@ -217,38 +232,12 @@ pub fn load(text: &str) -> Result<(AgentConfig, BoundPlanner), ConfigError> {
 /// Parses a configuration: the version first (so a newer one is refused as such, not for
 /// its new fields), then every field strictly.
 pub(crate) fn parse(text: &str) -> Result<Parsed, ConfigError> {
-    let value: serde_json::Value = serde_json::from_str(text)
-        .map_err(|e| ConfigError::invalid(format!("config is not JSON: {e}")))?;
-    let object = value
-        .as_object()
-        .ok_or_else(|| ConfigError::invalid("config must be a JSON object"))?;
-    match object.get("version") {
-        None => {
-            return Err(ConfigError::invalid(format!(
-                "config has no \"version\" (this library reads version {CONFIG_VERSION})"
-            )));
-        }
-        Some(v) if v.as_u64() == Some(CONFIG_VERSION) => {}
-        Some(v) => {
-            return Err(ConfigError::invalid(format!(
-                "config version {v} is not supported (this library reads version \
-                 {CONFIG_VERSION})"
-            )));
-        }
-    }
-    let c: ConfigV1 =
-        serde_json::from_value(value).map_err(|e| ConfigError::invalid(format!("config: {e}")))?;
-    debug_assert_eq!(c.version, CONFIG_VERSION);
-    if c.instance.is_empty() {
-        return Err(ConfigError::invalid("config: \"instance\" is empty"));
-    }
-    let role = Role::from_str(&c.role).map_err(|e| ConfigError::invalid(format!("config: {e}")))?;
-    let mapping: Mapping = c
-        .rank
-        .mapping
-        .parse()
-        .map_err(|e| ConfigError::invalid(format!("config: rank.mapping: {e}")))?;
-    let rank = rank_info(&c.instance, &mapping, &c.rank)?;
+    let c = read(text)?;
+    let RankConfig {
+        role,
+        rank,
+        binding,
+    } = rank_config(&c)?;
     let mut secret = secret(c.secret.as_deref(), c.secret_hex.as_deref(), "secret")?;
     if c.previous_secret.is_some() || c.previous_secret_hex.is_some() {
         // During a change of secret: peers that still prove the previous one are accepted.
@@ -326,21 +315,78 @@ pub(crate) fn parse(text: &str) -> Result<Parsed, ConfigError> {
                 })?);
         }
     }
-    Ok(Parsed {
-        agent,
-        deployment: Deployment {
-            architecture: RString::from(c.architecture.as_str()),
-            mapping,
+    Ok(Parsed { agent, binding })
+}
+
+/// The rank part of a configuration (strictly parsed): what planning needs, and all of it
+/// (a configuration without a secret is still a rank's description).
+pub(crate) fn parse_rank(text: &str) -> Result<RankConfig, ConfigError> {
+    rank_config(&read(text)?)
+}
+
+fn rank_config(c: &ConfigV1) -> Result<RankConfig, ConfigError> {
+    if c.instance.is_empty() {
+        return Err(ConfigError::invalid("config: \"instance\" is empty"));
+    }
+    let role = Role::from_str(&c.role).map_err(|e| ConfigError::invalid(format!("config: {e}")))?;
+    let mapping: Mapping = c
+        .rank
+        .mapping
+        .parse()
+        .map_err(|e| ConfigError::invalid(format!("config: rank.mapping: {e}")))?;
+    let rank = rank_info(&c.instance, &mapping, &c.rank)?;
+    Ok(RankConfig {
+        role,
+        rank,
+        binding: Binding {
+            deployment: Deployment {
+                architecture: RString::from(c.architecture.as_str()),
+                mapping,
+            },
+            planner: c.planner.clone().filter(|p| !p.trim().is_empty()),
+            plugin_dirs: c.plugin_dir.clone().map(|d| match d {
+                PlannerDirs::One(p) => vec![p],
+                PlannerDirs::Many(v) => v,
+            }),
         },
-        planner: c.planner.filter(|p| !p.trim().is_empty()),
-        plugin_dirs: c.plugin_dir.map(|d| match d {
-            PlannerDirs::One(p) => vec![p],
-            PlannerDirs::Many(v) => v,
-        }),
     })
 }
 
+/// The version check, then the strict parse.
+fn read(text: &str) -> Result<ConfigV1, ConfigError> {
+    let value: serde_json::Value = serde_json::from_str(text)
+        .map_err(|e| ConfigError::invalid(format!("config is not JSON: {e}")))?;
+    let object = value
+        .as_object()
+        .ok_or_else(|| ConfigError::invalid("config must be a JSON object"))?;
+    match object.get("version") {
+        None => {
+            return Err(ConfigError::invalid(format!(
+                "config has no \"version\" (this library reads version {CONFIG_VERSION})"
+            )));
+        }
+        Some(v) if v.as_u64() == Some(CONFIG_VERSION) => {}
+        Some(v) => {
+            return Err(ConfigError::invalid(format!(
+                "config version {v} is not supported (this library reads version \
+                 {CONFIG_VERSION})"
+            )));
+        }
+    }
+    let c: ConfigV1 =
+        serde_json::from_value(value).map_err(|e| ConfigError::invalid(format!("config: {e}")))?;
+    debug_assert_eq!(c.version, CONFIG_VERSION);
+    Ok(c)
+}
+
 impl Parsed {
+    /// Loads the planners and binds the configured one ([`Binding::bind`]).
+    pub(crate) fn bind(&self) -> Result<BoundPlanner, ConfigError> {
+        self.binding.bind()
+    }
+}
+
+impl Binding {
     /// Loads the planners and binds the configured one (see the crate docs for the order in
     /// which the planner id and the plugin directories are chosen).
     pub(crate) fn bind(&self) -> Result<BoundPlanner, ConfigError> {
@@ -632,7 +678,7 @@ mod tests {
             a.transport.to_string(),
             TransportSpec::from_str("tcp").unwrap().to_string()
         );
-        assert!(p.planner.is_none() && p.plugin_dirs.is_none());
+        assert!(p.binding.planner.is_none() && p.binding.plugin_dirs.is_none());
     }
 
     #[test]
@@ -648,8 +694,8 @@ mod tests {
         .unwrap();
         let a = &p.agent;
         assert_eq!(a.label, "l");
-        assert_eq!(p.planner.as_deref(), Some("auto"));
-        assert_eq!(p.plugin_dirs.unwrap().len(), 2);
+        assert_eq!(p.binding.planner.as_deref(), Some("auto"));
+        assert_eq!(p.binding.plugin_dirs.unwrap().len(), 2);
         assert_eq!(a.transport.net_devices.as_deref(), Some("eth0"));
         assert_eq!(a.listen, "127.0.0.1:0");
         assert_eq!(a.advertise.as_deref(), Some("127.0.0.1"));

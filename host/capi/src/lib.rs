@@ -6,6 +6,7 @@
 
 pub mod config;
 mod error;
+pub mod planning;
 
 use std::collections::VecDeque;
 use std::ffi::{CStr, c_char, c_int};
@@ -1083,6 +1084,402 @@ pub extern "C" fn kvferry_version() -> *const c_char {
             Err(_) => c"unknown",
         };
     VERSION.as_ptr()
+}
+
+// ---------------------------------------------------------------------------------------
+// Planning without moving (`planning`): kvferry's plans for another transfer layer.
+
+/// kvferry's planner for one (prefill rank, decode rank) pair, without an agent: an opaque
+/// handle from `kvferry_pair_planner_new`, freed by `kvferry_pair_planner_destroy`. Plans
+/// come out as addresses in the two ranks' pools, validated as the agent validates them, for
+/// an engine that moves the bytes with another transfer layer (NIXL, Mooncake, its own copy
+/// loop). Nothing is connected, registered or started.
+pub struct kvferry_pair_planner {
+    planner: planning::PairPlanner,
+}
+
+/// A validated plan from `kvferry_pair_planner_plan`, freed by `kvferry_plan_destroy`.
+pub struct kvferry_plan {
+    /// Per pattern: fragments and row pairs, as structures of arrays.
+    patterns: Vec<PatternArrays>,
+    fragments: usize,
+    bytes: u64,
+}
+
+#[derive(Debug, Default)]
+struct PatternArrays {
+    src_offsets: Vec<u64>,
+    dst_offsets: Vec<u64>,
+    lengths: Vec<u64>,
+    src_rows: Vec<u64>,
+    dst_rows: Vec<u64>,
+}
+
+impl std::fmt::Debug for kvferry_pair_planner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.planner.fmt(f)
+    }
+}
+
+impl std::fmt::Debug for kvferry_plan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("kvferry_plan")
+            .field("patterns", &self.patterns.len())
+            .field("fragments", &self.fragments)
+            .field("bytes", &self.bytes)
+            .finish()
+    }
+}
+
+/// One pattern of a `kvferry_plan` (`kvferry_plan_get_pattern`): each of its `n_fragments`
+/// fragments `k` lands once per row pair `r`, moving `lengths[k]` bytes from
+/// `src_rows[r] + src_offsets[k]` (prefill rank) to `dst_rows[r] + dst_offsets[k]` (decode
+/// rank). A flat plan is one pattern whose only row pair is `(0, 0)`: its offsets are the
+/// addresses. The arrays belong to the plan and live until `kvferry_plan_destroy`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvferry_plan_pattern {
+    /// Source offset of each fragment inside its source row.
+    pub src_offsets: *const u64,
+    /// Destination offset of each fragment inside its destination row.
+    pub dst_offsets: *const u64,
+    /// Bytes of each fragment.
+    pub lengths: *const u64,
+    /// Fragments in the three arrays above.
+    pub n_fragments: usize,
+    /// Source row address of each row pair.
+    pub src_rows: *const u64,
+    /// Destination row address of each row pair.
+    pub dst_rows: *const u64,
+    /// Row pairs in the two arrays above.
+    pub n_rows: usize,
+}
+
+impl From<planning::PlanningError> for Failure {
+    fn from(e: planning::PlanningError) -> Self {
+        let status = match &e {
+            planning::PlanningError::Config { error, .. } => match error {
+                config::ConfigError::Planner(_) => KVFERRY_ERR_PLANNER,
+                _ => KVFERRY_ERR_CONFIG,
+            },
+            planning::PlanningError::Planner(_) => KVFERRY_ERR_PLANNER,
+            _ => KVFERRY_ERR_INVALID_REQUEST,
+        };
+        Self::new(status, e.to_string())
+    }
+}
+
+/// Builds kvferry's planner for one (prefill rank, decode rank) pair from the configurations
+/// their agents would read (`role` `"context"` and `"generation"`; the same JSON as
+/// `kvferry_agent_start`, whose secret and transport settings are not needed here): each
+/// side's planner is bound and started on its rank, and each vets the other.
+///
+/// Returns `KVFERRY_OK`, `KVFERRY_ERR_CONFIG`, `KVFERRY_ERR_PLANNER`,
+/// `KVFERRY_ERR_INVALID_REQUEST` (a configuration of the wrong role), ...
+///
+/// # Safety
+///
+/// `prefill_config` and `decode_config` are NULL or NUL-terminated strings; `out` is NULL or
+/// writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvferry_pair_planner_new(
+    prefill_config: *const c_char,
+    decode_config: *const c_char,
+    out: *mut *mut kvferry_pair_planner,
+) -> c_int {
+    guard("kvferry_pair_planner_new", || {
+        if out.is_null() {
+            return Err(Failure::null("out"));
+        }
+        // SAFETY: `out` is non-NULL and writable (the caller's contract).
+        unsafe { out.write(std::ptr::null_mut()) };
+        // SAFETY: NULL or NUL-terminated (the caller's contract).
+        let prefill = unsafe { text(prefill_config, "prefill_config") }?;
+        // SAFETY: as above.
+        let decode = unsafe { text(decode_config, "decode_config") }?;
+        init_logging();
+        let planner = planning::PairPlanner::new(prefill, decode)?;
+        let handle = Box::new(kvferry_pair_planner { planner });
+        // SAFETY: as above; the caller owns the handle from here and frees it with
+        // `kvferry_pair_planner_destroy`.
+        unsafe { out.write(Box::into_raw(handle)) };
+        Ok(())
+    })
+}
+
+/// Frees a pair planner. NULL is ignored.
+///
+/// # Safety
+///
+/// `planner` is NULL or a handle from `kvferry_pair_planner_new` not yet destroyed, and no
+/// other call on it runs or follows.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvferry_pair_planner_destroy(planner: *mut kvferry_pair_planner) {
+    guard("kvferry_pair_planner_destroy", || {
+        if !planner.is_null() {
+            // SAFETY: a live handle, destroyed once (the caller's contract).
+            drop(unsafe { Box::from_raw(planner) });
+        }
+        Ok(())
+    });
+}
+
+/// `*out` gets whether the prefill rank writes the decode rank at all (the planner's targets
+/// for the decode rank's DP group); a pair it does not write has nothing to plan.
+///
+/// # Safety
+///
+/// `planner` is NULL or a live handle; `out` is NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvferry_pair_planner_writes(
+    planner: *const kvferry_pair_planner,
+    out: *mut bool,
+) -> c_int {
+    guard("kvferry_pair_planner_writes", || {
+        // SAFETY: NULL or a live handle (the caller's contract).
+        let p = unsafe { deref(planner, "planner") }?;
+        if out.is_null() {
+            return Err(Failure::null("out"));
+        }
+        // SAFETY: non-NULL and writable (the caller's contract).
+        unsafe { out.write(p.planner.writes()) };
+        Ok(())
+    })
+}
+
+/// Plans one piece of a request from the prefill rank to the decode rank and validates it
+/// (every source inside the prefill rank's slots for the request, every destination inside
+/// the decode rank's, no destination byte written twice): `prefill_tables` and
+/// `decode_tables` are each side's slot tables (one per layer group), `token_start` ..
+/// `token_end` the piece's tokens of a `prompt_len`-token prompt, `dst_start_token` where the
+/// decode side's copy starts (a cached prefix; `UINT64_MAX`: none), `views` the prefill
+/// rank's views the piece carries (layer-wise; NULL with 0: every view). `*out` gets the plan.
+///
+/// Returns `KVFERRY_OK`, `KVFERRY_ERR_INVALID_REQUEST` (tables, tokens, views, a pair the
+/// prefill rank does not write), `KVFERRY_ERR_PLANNER` (the planner refused, or its plan
+/// broke a rule: the text names which), ...
+///
+/// # Safety
+///
+/// `planner` is NULL or a live handle; each table array is NULL or readable for its count,
+/// each `slots` for its `len`; `views` is NULL or readable for `n_views` entries; `out` is
+/// NULL or writable. The arrays are read during the call only.
+#[allow(clippy::too_many_arguments)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvferry_pair_planner_plan(
+    planner: *const kvferry_pair_planner,
+    prefill_tables: *const kvferry_slot_table,
+    n_prefill_tables: usize,
+    decode_tables: *const kvferry_slot_table,
+    n_decode_tables: usize,
+    token_start: u64,
+    token_end: u64,
+    prompt_len: u64,
+    dst_start_token: u64,
+    views: *const kvferry_view_id,
+    n_views: usize,
+    out: *mut *mut kvferry_plan,
+) -> c_int {
+    guard("kvferry_pair_planner_plan", || {
+        if out.is_null() {
+            return Err(Failure::null("out"));
+        }
+        // SAFETY: `out` is non-NULL and writable (the caller's contract).
+        unsafe { out.write(std::ptr::null_mut()) };
+        // SAFETY: NULL or a live handle (the caller's contract).
+        let p = unsafe { deref(planner, "planner") }?;
+        // SAFETY: the caller's contract for the tables.
+        let prefill_tables = unsafe { slot_tables(prefill_tables, n_prefill_tables) }?;
+        // SAFETY: as above.
+        let decode_tables = unsafe { slot_tables(decode_tables, n_decode_tables) }?;
+        let views = if views.is_null() && n_views == 0 {
+            None
+        } else {
+            // SAFETY: the caller's contract for the views.
+            Some(view_ids(unsafe { array(views, n_views, "views") }?))
+        };
+        let plan = p.planner.plan(&planning::Piece {
+            prefill_tables,
+            decode_tables,
+            tokens: TokenRange {
+                start: token_start,
+                end: token_end,
+            },
+            prompt_len,
+            dst_start_token: (dst_start_token != u64::MAX).then_some(dst_start_token),
+            views,
+        })?;
+        let patterns = plan
+            .patterns()
+            .into_iter()
+            .map(|pattern| PatternArrays {
+                src_offsets: pattern.fragments.iter().map(|f| f.0).collect(),
+                dst_offsets: pattern.fragments.iter().map(|f| f.1).collect(),
+                lengths: pattern.fragments.iter().map(|f| f.2).collect(),
+                src_rows: pattern.rows.iter().map(|r| r.0).collect(),
+                dst_rows: pattern.rows.iter().map(|r| r.1).collect(),
+            })
+            .collect();
+        let handle = Box::new(kvferry_plan {
+            patterns,
+            fragments: plan.len(),
+            bytes: plan.total_bytes(),
+        });
+        // SAFETY: as above; the caller owns the plan from here and frees it with
+        // `kvferry_plan_destroy`.
+        unsafe { out.write(Box::into_raw(handle)) };
+        Ok(())
+    })
+}
+
+/// Frees a plan. NULL is ignored.
+///
+/// # Safety
+///
+/// `plan` is NULL or a plan from `kvferry_pair_planner_plan` not yet destroyed, whose
+/// pattern arrays are not read any more.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvferry_plan_destroy(plan: *mut kvferry_plan) {
+    guard("kvferry_plan_destroy", || {
+        if !plan.is_null() {
+            // SAFETY: a live plan, destroyed once (the caller's contract).
+            drop(unsafe { Box::from_raw(plan) });
+        }
+        Ok(())
+    });
+}
+
+/// The plan's size: `*patterns` its patterns, `*fragments` its fragments once expanded (each
+/// pattern's fragments times its row pairs, summed), `*bytes` the bytes it moves. Any of the
+/// three may be NULL.
+///
+/// # Safety
+///
+/// `plan` is NULL or a live plan; each output is NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvferry_plan_size(
+    plan: *const kvferry_plan,
+    patterns: *mut usize,
+    fragments: *mut usize,
+    bytes: *mut u64,
+) -> c_int {
+    guard("kvferry_plan_size", || {
+        // SAFETY: NULL or a live plan (the caller's contract).
+        let p = unsafe { deref(plan, "plan") }?;
+        // SAFETY: each is NULL or writable (the caller's contract).
+        unsafe {
+            if !patterns.is_null() {
+                patterns.write(p.patterns.len());
+            }
+            if !fragments.is_null() {
+                fragments.write(p.fragments);
+            }
+            if !bytes.is_null() {
+                bytes.write(p.bytes);
+            }
+        }
+        Ok(())
+    })
+}
+
+/// `*out` gets pattern `index` of the plan (its arrays live as long as the plan).
+/// `KVFERRY_ERR_INVALID_ARGUMENT` for an index past the last pattern.
+///
+/// # Safety
+///
+/// `plan` is NULL or a live plan; `out` is NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvferry_plan_get_pattern(
+    plan: *const kvferry_plan,
+    index: usize,
+    out: *mut kvferry_plan_pattern,
+) -> c_int {
+    guard("kvferry_plan_get_pattern", || {
+        // SAFETY: NULL or a live plan (the caller's contract).
+        let p = unsafe { deref(plan, "plan") }?;
+        if out.is_null() {
+            return Err(Failure::null("out"));
+        }
+        let Some(a) = p.patterns.get(index) else {
+            return Err(Failure::new(
+                KVFERRY_ERR_INVALID_ARGUMENT,
+                format!("pattern {index} of a plan with {}", p.patterns.len()),
+            ));
+        };
+        let pattern = kvferry_plan_pattern {
+            src_offsets: a.src_offsets.as_ptr(),
+            dst_offsets: a.dst_offsets.as_ptr(),
+            lengths: a.lengths.as_ptr(),
+            n_fragments: a.lengths.len(),
+            src_rows: a.src_rows.as_ptr(),
+            dst_rows: a.dst_rows.as_ptr(),
+            n_rows: a.src_rows.len(),
+        };
+        // SAFETY: non-NULL and writable (the caller's contract).
+        unsafe { out.write(pattern) };
+        Ok(())
+    })
+}
+
+/// Expands the plan into `src`, `dst` and `len` (absolute addresses and lengths, in plan
+/// order: pattern by pattern, row pair by row pair, fragment by fragment), each with room for
+/// `cap` entries; `*n_out` gets the fragment count. Size query: all three NULL with `cap` 0.
+/// A `cap` below the count gives `KVFERRY_ERR_BUFFER_TOO_SMALL` and writes nothing.
+///
+/// # Safety
+///
+/// `plan` is NULL or a live plan; `src`, `dst` and `len` are NULL or writable for `cap`
+/// entries each; `n_out` is NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvferry_plan_expand(
+    plan: *const kvferry_plan,
+    src: *mut u64,
+    dst: *mut u64,
+    len: *mut u64,
+    cap: usize,
+    n_out: *mut usize,
+) -> c_int {
+    guard("kvferry_plan_expand", || {
+        // SAFETY: NULL or a live plan (the caller's contract).
+        let p = unsafe { deref(plan, "plan") }?;
+        if n_out.is_null() {
+            return Err(Failure::null("n_out"));
+        }
+        // SAFETY: non-NULL and writable (the caller's contract).
+        unsafe { n_out.write(p.fragments) };
+        if cap == 0 && src.is_null() && dst.is_null() && len.is_null() {
+            return Ok(());
+        }
+        if cap < p.fragments {
+            return Err(Failure::new(
+                KVFERRY_ERR_BUFFER_TOO_SMALL,
+                format!(
+                    "the plan has {} fragments, the arrays room for {cap}",
+                    p.fragments
+                ),
+            ));
+        }
+        if p.fragments > 0 && (src.is_null() || dst.is_null() || len.is_null()) {
+            return Err(Failure::null("src, dst or len"));
+        }
+        let mut k = 0;
+        for a in &p.patterns {
+            for (&src_row, &dst_row) in a.src_rows.iter().zip(&a.dst_rows) {
+                for f in 0..a.lengths.len() {
+                    // SAFETY: `k < p.fragments <= cap`, and each array is writable for
+                    // `cap` entries (the caller's contract).
+                    unsafe {
+                        src.add(k).write(src_row + a.src_offsets[f]);
+                        dst.add(k).write(dst_row + a.dst_offsets[f]);
+                        len.add(k).write(a.lengths[f]);
+                    }
+                    k += 1;
+                }
+            }
+        }
+        debug_assert_eq!(k, p.fragments);
+        Ok(())
+    })
 }
 
 #[cfg(test)]

@@ -42,6 +42,16 @@ pub(crate) struct Resolved {
     rows: Vec<(u64, u64)>,
 }
 
+impl Resolved {
+    /// A copy for an outside executor ([`ValidatedPlan::patterns`]).
+    pub(crate) fn pattern(&self) -> crate::Pattern {
+        crate::Pattern {
+            fragments: self.frags.clone(),
+            rows: self.rows.clone(),
+        }
+    }
+}
+
 /// Checks a compressed plan against the rows of both sides (see the module's rules) and
 /// coalesces it, keeping it compressed.
 ///

@@ -347,6 +347,36 @@ impl ValidatedPlan {
     pub fn is_compressed(&self) -> bool {
         matches!(self.form, Form::Patterns(_))
     }
+
+    /// The plan as patterns, for an executor other than kvferry's (NIXL, Mooncake, an
+    /// engine's own copy loop): every fragment of pattern `p` lands once per row pair of `p`,
+    /// at `(src row + src offset, dst row + dst offset, len)`. A compressed plan keeps its
+    /// patterns (coalesced); a flat plan is one pattern whose only row pair is `(0, 0)`, so
+    /// its offsets are the addresses. [`fragments`](Self::fragments) is their expansion, in
+    /// the same order.
+    pub fn patterns(&self) -> Vec<Pattern> {
+        match &self.form {
+            Form::Flat(plan) => vec![Pattern {
+                fragments: (0..plan.len.len())
+                    .map(|k| (plan.src[k], plan.dst[k], plan.len[k]))
+                    .collect(),
+                rows: vec![(0, 0)],
+            }],
+            Form::Patterns(patterns) => {
+                patterns.iter().map(compressed::Resolved::pattern).collect()
+            }
+        }
+    }
+}
+
+/// One pattern of a [`ValidatedPlan`] ([`ValidatedPlan::patterns`]): fragments inside a
+/// pair of rows, applied to each row pair.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Pattern {
+    /// `(source offset, destination offset, length)` inside a row pair, coalesced.
+    pub fragments: Vec<(u64, u64, u64)>,
+    /// `(source row address, destination row address)`, one per row pair it applies to.
+    pub rows: Vec<(u64, u64)>,
 }
 
 /// The fragments of a [`ValidatedPlan`], in plan order: see [`ValidatedPlan::fragments`].
