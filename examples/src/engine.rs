@@ -704,12 +704,8 @@ impl DecodeRank {
     ) -> Result<Self> {
         let cache = RankCache::new(tp, rank, DECODE_LAYOUT)?;
         let blocks = BlockAllocator::new(cache.slots(), mix(seed ^ 0xDEC0DE ^ u64::from(rank)));
-        let mut config = AgentConfig::new(
-            instance,
-            Role::Generation,
-            cache.rank_info(instance),
-            secret,
-        );
+        let mut config =
+            AgentConfig::new(instance, Role::Decode, cache.rank_info(instance), secret);
         config.label = format!("gqa 4x8x128 tp{tp}");
         config.transport = transport.into();
         config.timeout = limits.timeout;

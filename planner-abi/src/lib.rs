@@ -1,7 +1,7 @@
 //! The stable ABI every kvferry planner is built against.
 //!
-//! kvferry moves a request's KV cache from a context (prefill) server to a generation
-//! (decode) server. *Which bytes go where* depends on the model's cache layout and on how each
+//! kvferry moves a request's KV cache from a prefill (context) server to a decode
+//! (generation) server. *Which bytes go where* depends on the model's cache layout and on how each
 //! side is sharded; a **planner** decides it. Planners are plugins: each is its own `cdylib`,
 //! dropped into a plugin directory and loaded by the host at run time. This crate is the only
 //! thing a planner depends on.

@@ -16,7 +16,7 @@ use crate::PageTable;
 #[repr(C)]
 #[derive(StableAbi, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RankInfo {
-    /// The instance (context or generation server) this rank belongs to.
+    /// The instance (prefill or decode server) this rank belongs to.
     pub instance_name: RString,
     /// Global rank inside the instance.
     pub instance_rank: u32,
@@ -28,7 +28,7 @@ pub struct RankInfo {
     pub pp_size: u32,
     /// Pipeline-parallel rank.
     pub pp_rank: u32,
-    /// Context-parallel size (helix on the generation side).
+    /// Context-parallel size (helix on the decode side).
     pub cp_size: u32,
     /// Context-parallel rank.
     pub cp_rank: u32,

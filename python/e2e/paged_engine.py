@@ -583,7 +583,7 @@ class Instance:
 
     def endpoints(self) -> list[str]:
         out = [a.endpoint() for a in self.agents]
-        assert all(out), "a context rank without an endpoint"
+        assert all(out), "a prefill rank without an endpoint"
         return [e for e in out if e]
 
     def allocate(self, prompt_len: int) -> Request:

@@ -79,7 +79,7 @@ class Event:
     #: ``sent``: bytes written to all receivers; ``received``: into this rank; else 0.
     bytes: int
     #: ``received`` only (else 0): fragments, latency from ``expect`` to the last piece,
-    #: writers (context ranks) and pieces.
+    #: writers (prefill ranks) and pieces.
     fragments: int
     latency_us: int
     writers: int
@@ -117,15 +117,15 @@ class Agent:
     @property
     def closed(self) -> bool: ...
     def endpoint(self) -> str | None:
-        """A context rank's side-channel endpoint (``host:port``, what decode ranks pass to
-        :meth:`expect`); None on a generation rank."""
+        """A prefill rank's side-channel endpoint (``host:port``, what decode ranks pass to
+        :meth:`expect`); None on a decode rank."""
 
     def local_metadata(self) -> bytes:
         """This rank's metadata, for a decode rank's :meth:`add_peer` (engines that exchange
         it on their own channel)."""
 
     def add_peer(self, metadata: bytes) -> str:
-        """Decode ranks: adds a context rank's :meth:`local_metadata`; returns its identity.
+        """Decode ranks: adds a prefill rank's :meth:`local_metadata`; returns its identity.
         Kinds ``role``, ``metadata``."""
 
     def send(

@@ -23,7 +23,7 @@ vLLM's proxies and clients work unchanged:
 2. The decode instance gets the request with those ``kv_transfer_params``. The scheduler
    reports the prompt's tokens beyond its own prefix-cache hits as loadable asynchronously;
    once vLLM allocated their blocks, every worker's agent ``expect``\\ s them (the planner maps
-   the prefill's ranks, layout and head shards onto this worker's); the context ranks write
+   the prefill's ranks, layout and head shards onto this worker's); the prefill ranks write
    them with UCX; the request runs once every worker reported it received. A prompt whose
    tokens differ from the prefill's (digest) is prefilled locally instead.
 3. The prefill instance frees the blocks once kvferry no longer reads them (``sent``, or the
@@ -308,7 +308,7 @@ class _Settings:
 
 @dataclass
 class KvferryHandshake(KVConnectorHandshakeMetadata):
-    """What a worker tells its scheduler at start: its context agent's side-channel endpoint."""
+    """What a worker tells its scheduler at start: its prefill agent's side-channel endpoint."""
 
     tp_rank: int
     endpoint: str | None

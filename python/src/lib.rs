@@ -216,7 +216,7 @@ struct Event {
     fragments: u64,
     /// `received`: from `expect` to the last piece, in microseconds; else 0.
     latency_us: u64,
-    /// `received`: the context ranks that wrote; else 0.
+    /// `received`: the prefill ranks that wrote; else 0.
     writers: u32,
     /// `received`: the pieces that landed; else 0.
     pieces: u32,
@@ -410,7 +410,7 @@ impl Agent {
         })
     }
 
-    /// A context rank's side-channel endpoint (`host:port`); None on generation ranks.
+    /// A prefill rank's side-channel endpoint (`host:port`); None on decode ranks.
     fn endpoint(&self, py: Python<'_>) -> PyResult<Option<String>> {
         self.with(py, "Agent.endpoint", |a| {
             Ok(a.endpoint().map(str::to_owned))
@@ -423,7 +423,7 @@ impl Agent {
         Ok(PyBytes::new(py, &bytes))
     }
 
-    /// Decode ranks: adds a context rank's metadata; returns the peer's identity.
+    /// Decode ranks: adds a prefill rank's metadata; returns the peer's identity.
     fn add_peer(&self, py: Python<'_>, metadata: &[u8]) -> PyResult<String> {
         let bytes = metadata.to_vec();
         self.with(py, "Agent.add_peer", move |a| {

@@ -2,7 +2,7 @@
 //! formats and levels apply to them as to its own.
 //!
 //! An event becomes a record of the logger `kvferry.<crate>.<module>` (the target with its
-//! `kvferry_` prefix dropped: `kvferry.transfer.agent.context`). Events are raised on
+//! `kvferry_` prefix dropped: `kvferry.transfer.agent.prefill`). Events are raised on
 //! kvferry's own threads, which must never wait for the GIL (the thread holding it may be
 //! waiting for them), so each goes into a bounded queue and one forwarding thread hands it to
 //! Python; when the queue is full the record is dropped and counted, and the next one
@@ -143,7 +143,7 @@ fn python_level(level: Level) -> u8 {
     }
 }
 
-/// `kvferry_transfer::agent::context` → `kvferry.transfer.agent.context`; any other target
+/// `kvferry_transfer::agent::prefill` → `kvferry.transfer.agent.prefill`; any other target
 /// goes under `kvferry.` with `::` as `.`.
 fn logger_name(target: &str) -> String {
     let dotted = target.replace("::", ".");

@@ -261,7 +261,7 @@ def test_transfer_checks_every_byte(plugin_dir, transport):
         assert loads["latency_sum_us"] > 0
         # And the same numbers for Prometheus.
         text = gen.metrics_text()
-        labels = 'instance="decode-py",rank="0",role="generation"'
+        labels = 'instance="decode-py",rank="0",role="decode"'
         assert f'kvferry_requests_total{{{labels},outcome="received"}} {len(REQUESTS)}' in text
         assert f"kvferry_transfer_bytes_total{{{labels}}} {loads['bytes']}" in text
         assert f"kvferry_transfer_duration_seconds_count{{{labels}}} {len(REQUESTS)}" in text

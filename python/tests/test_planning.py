@@ -98,7 +98,7 @@ def test_refusals_name_what_is_wrong(plugin_dir):  # noqa: F811
     caches = [np.zeros((BLOCKS, 2, HEADS, TPB, HEAD), dtype=np.float16) for _ in range(LAYERS)]
     prefill = _config("context", "prefill", caches, 1, 0, plugin_dir)
     decode = _config("generation", "decode", caches, 1, 0, plugin_dir)
-    with pytest.raises(kvferry.Error, match="prefill configuration's role is generation") as e:
+    with pytest.raises(kvferry.Error, match="prefill configuration's role is decode") as e:
         kvferry.PairPlanner(decode, prefill)
     assert e.value.kind == "invalid"
     with pytest.raises(kvferry.Error, match='config has no "version"') as e:

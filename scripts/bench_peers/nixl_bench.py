@@ -4,18 +4,18 @@
 Two processes on this machine, DRAM to DRAM, NIXL's UCX backend, used the way vLLM's
 NixlConnector uses it:
 
-- the *initiator* (this process; the context side) holds one NIXL agent per context rank,
-  the *target* (a child process; the generation side) one per generation rank;
+- the *initiator* (this process; the prefill side) holds one NIXL agent per prefill rank,
+  the *target* (a child process; the decode side) one per decode rank;
 - every agent registers one region per pool of its rank that the fragments touch (the
   extent from offset 0 to the last byte a fragment reads or writes);
 - the target sends its agents' metadata over a loopback socket; each initiator agent loads
-  the metadata of the generation agents it writes to;
-- per (context rank, generation rank) pair, `prep_xfer_dlist` is called once on each side
+  the metadata of the decode agents it writes to;
+- per (prefill rank, decode rank) pair, `prep_xfer_dlist` is called once on each side
   (one descriptor per fragment), then for every round `make_prepped_xfer("WRITE", ...)` with
   the fragment indices of each transfer unit (one per recorded plan, i.e. per request and
   pair, as vLLM makes one per request and remote rank; or one per pair), with a
   notification;
-- a round posts every unit of every pair at once — one thread per context rank posts its
+- a round posts every unit of every pair at once — one thread per prefill rank posts its
   units and polls them, like kvferry's rank threads (NIXL's bindings release the GIL) — and
   ends when the last one is done and the target has seen every notification: timed from the
   first post to whichever comes last (CLOCK_MONOTONIC, comparable across the two
@@ -65,12 +65,12 @@ NOTIF_TIMEOUT_S = 300.0
 
 
 def seed(rank: int, pool: int) -> np.uint64:
-    """The pattern's per (context rank, pool) offset."""
+    """The pattern's per (prefill rank, pool) offset."""
     return np.uint64((rank + 1) * 0x100000001B3 + (pool + 1) * 0x1000193 & (2**64 - 1))
 
 
 def pattern(rank: int, pool: int, offset: int, length: int) -> np.ndarray:
-    """Bytes `[offset, offset + length)` of source pool `pool` of context rank `rank`:
+    """Bytes `[offset, offset + length)` of source pool `pool` of prefill rank `rank`:
     word `w` of the pool (bytes `8w .. 8w+7`, little endian) is `w * GOLDEN + seed`."""
     first = offset // 8
     last = (offset + length + 7) // 8
@@ -269,7 +269,7 @@ def post_and_poll(agents, group, gate, results, k) -> None:
     """Posts every unit of `group` (after all posting threads are ready), then polls them
     until done; leaves (first post, last completion) in `results[k]`, or an error text.
     NIXL's bindings release the GIL while posting and checking, so one such thread per
-    context rank posts and progresses like one rank thread each."""
+    prefill rank posts and progresses like one rank thread each."""
     try:
         gate.wait()
         started = now_ns()
@@ -464,8 +464,8 @@ def drive(doc: dict, pairs: list[dict], sock: socket.socket, args) -> dict:
         "threads": args.threads,
         "target_sleep_us": args.target_sleep_us,
         "model": doc["model"],
-        "ctx": doc["ctx"],
-        "gen": doc["gen"],
+        "prefill": doc["prefill"],
+        "decode": doc["decode"],
         "transport": doc["transport"],
         "pairs": len(pairs),
         "units": len(units),
@@ -502,7 +502,7 @@ def main() -> int:
                     help="poll: no NIXL progress thread, the runner's polling progresses "
                          "(default); thread: one NIXL progress thread per agent")
     ap.add_argument("--threads", choices=["rank", "one"], default="rank",
-                    help="rank: one posting and polling thread per context rank, like "
+                    help="rank: one posting and polling thread per prefill rank, like "
                          "kvferry's rank threads (default); one: a single thread for all")
     ap.add_argument("--target-sleep-us", type=float, default=100.0, metavar="US",
                     help="the target's pause between notification polls (default 100; "
@@ -544,8 +544,8 @@ def main() -> int:
         print(
             f"NIXL ({report['nixl']}, UCX {report['ucx']}, {report['progress']} progress, "
             f"posting threads: {report['threads']}, one request per {report['unit']}): "
-            f"{report['model']} {report['ctx']} -> "
-            f"{report['gen']} over {report['transport']}\n"
+            f"{report['model']} {report['prefill']} -> "
+            f"{report['decode']} over {report['transport']}\n"
             f"  {report['fragments']} fragments, {report['bytes']} bytes per round in "
             f"{report['units']} requests over {report['pairs']} pairs\n"
             f"  {report['gbps']:.3f} GB/s median (min {report['gbps_spread']['min']:.3f}, max "

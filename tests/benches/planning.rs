@@ -1,7 +1,7 @@
 //! Plan time for one 131,072-token request, through the linked rlib and through the loaded
 //! `.so`, so the cost of the plugin boundary is visible.
 //!
-//! - Llama-3-70B (bf16, 32 tokens per block) tp4 → tp8: context rank 0 → generation rank 0,
+//! - Llama-3-70B (bf16, 32 tokens per block) tp4 → tp8: prefill rank 0 → decode rank 0,
 //!   4,096 blocks × 160 head-split fragments.
 //! - DeepSeek-V3 (fp8) dep8 → dep8: DP rank 0 → DP rank 0, 4,096 rows, with the default
 //!   planner and with the MLA latent planner.
@@ -53,7 +53,7 @@ fn mapping(tp: u32, adp: bool) -> Mapping {
     }
 }
 
-fn case(name: &'static str, preset: Preset, ctx: Mapping, r#gen: Mapping) -> Case {
+fn case(name: &'static str, preset: Preset, ctx: Mapping, decode: Mapping) -> Case {
     let model = ModelSpec::new(preset);
     let blocks = TOKENS.div_ceil(u64::from(model.tokens_per_block));
     let options = PoolOptions {
@@ -66,7 +66,7 @@ fn case(name: &'static str, preset: Preset, ctx: Mapping, r#gen: Mapping) -> Cas
         |rank: u32, pool: usize, bytes: u64| space.reserve(bytes, format!("{rank}/{pool}"));
     let ctx_infos = layout::build_instance(&model, &ctx, "ctx", "x", &options, &mut alloc).unwrap();
     let gen_infos =
-        layout::build_instance(&model, &r#gen, "gen", "x", &options, &mut alloc).unwrap();
+        layout::build_instance(&model, &decode, "gen", "x", &options, &mut alloc).unwrap();
     let mut rng = StdRng::seed_from_u64(7);
     let me = ctx_infos[0].clone();
     let peer = gen_infos[0].clone();

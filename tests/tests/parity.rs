@@ -115,10 +115,10 @@ fn mla_and_default_plan_the_same_bytes() {
                 |rank: u32, pool: usize, bytes: u64| space.reserve(bytes, format!("{rank}/{pool}"));
             let ctx = layout::build_instance(&model, &dep(ctx_w), "ctx", "x", &options, &mut alloc)
                 .unwrap();
-            let r#gen =
+            let decode =
                 layout::build_instance(&model, &dep(gen_w), "gen", "x", &options, &mut alloc)
                     .unwrap();
-            let (me, peer) = (&ctx[ctx_dp as usize], &r#gen[gen_dp as usize]);
+            let (me, peer) = (&ctx[ctx_dp as usize], &decode[gen_dp as usize]);
             let contiguous = rng.gen_bool(0.3);
             let assign = |rng: &mut StdRng| {
                 if contiguous {

@@ -155,7 +155,7 @@ fn main() -> Result<()> {
     // neither while a request is in flight.
     let ctx = unsafe { Agent::start(ctx_config, ctx_bound) }?;
     // SAFETY: as above.
-    let r#gen = unsafe { Agent::start(gen_config, gen_bound) }?;
+    let decode = unsafe { Agent::start(gen_config, gen_bound) }?;
     let endpoint = ctx
         .endpoint()
         .context("the prefill agent's endpoint")?
@@ -166,7 +166,7 @@ fn main() -> Result<()> {
     let mut times = Vec::with_capacity(args.requests as usize);
     for id in 0..args.requests {
         let started = Instant::now();
-        r#gen.expect(Expect {
+        decode.expect(Expect {
             request: id,
             peer: "rt-prefill".into(),
             endpoints: vec![endpoint.clone()],
@@ -188,7 +188,7 @@ fn main() -> Result<()> {
             to: None,
             views: None,
         })?;
-        let received = wait_terminal(&r#gen, id)?;
+        let received = wait_terminal(&decode, id)?;
         let sent = wait_terminal(&ctx, id)?;
         if !matches!(received, Event::Received { .. }) || !matches!(sent, Event::Sent { .. }) {
             bail!("request {id}: {received:?} / {sent:?}");

@@ -164,7 +164,7 @@ fn run(args: &Args) -> Result<Tally> {
     );
     let mut config = AgentConfig::new(
         &args.instance,
-        Role::Context,
+        Role::Prefill,
         cache.rank_info(&args.instance),
         engine::secret(args.secret_file.as_deref())?,
     );

@@ -15,15 +15,15 @@ fn main() -> Result<()> {
     // The same rules as the CLI: KVFERRY_PLUGIN_DIR, else the executable's directory.
     let registry = Registry::scan(&kvferry_loader::plugin_dirs(None));
     let model = ModelSpec::new(Preset::DeepseekV3);
-    let (ctx, r#gen) = ("dep4".parse::<Mapping>()?, "dep8".parse::<Mapping>()?);
+    let (ctx, decode) = ("dep4".parse::<Mapping>()?, "dep8".parse::<Mapping>()?);
     let deployment = |mapping| Deployment {
         architecture: model.architecture().into(),
         mapping,
     };
     let ctx_planner = registry.bind(&id, &deployment(ctx))?;
-    let gen_planner = registry.bind(&id, &deployment(r#gen))?;
+    let gen_planner = registry.bind(&id, &deployment(decode))?;
 
-    let mut request = Scenario::new(model.clone(), ctx, r#gen, 4096);
+    let mut request = Scenario::new(model.clone(), ctx, decode, 4096);
     request.planner_id = id.clone();
     request.ctx_dp_rank = 2;
     request.gen_dp_rank = 5;

@@ -223,7 +223,7 @@ enum kvferry_status
    */
   KVFERRY_ERR_RESOURCES = 8,
   /**
-   * The call does not fit the agent's role (`send` on a generation rank, ...).
+   * The call does not fit the agent's role (`send` on a decode rank, ...).
    */
   KVFERRY_ERR_ROLE = 9,
   /**
@@ -523,9 +523,9 @@ int kvferry_agent_start(const char *config_json, struct kvferry_agent **out);
 void kvferry_agent_destroy(struct kvferry_agent *agent);
 
 /**
- * Copies a context rank's side-channel endpoint (`host:port`, what decode ranks pass to
+ * Copies a prefill rank's side-channel endpoint (`host:port`, what decode ranks pass to
  * `kvferry_agent_expect`) into `buf`, NUL-terminated; `*len_out` gets its length without the
- * NUL. Size query: `buf` NULL and `cap` 0. Generation ranks have none: `KVFERRY_ERR_ROLE`.
+ * NUL. Size query: `buf` NULL and `cap` 0. Decode ranks have none: `KVFERRY_ERR_ROLE`.
  *
  * # Safety
  *
@@ -570,7 +570,7 @@ int kvferry_agent_local_metadata(const struct kvferry_agent *agent,
                                  size_t *len_out);
 
 /**
- * Decode ranks: adds a context rank's metadata (`len` bytes of its
+ * Decode ranks: adds a prefill rank's metadata (`len` bytes of its
  * `kvferry_agent_local_metadata`) to this rank's directory; the connection is made when a
  * request needs it. A newer start of the same rank replaces the old one.
  *

@@ -667,7 +667,7 @@ mod tests {
     fn a_minimal_config_fills_the_defaults() {
         let p = parse(&minimal("")).unwrap();
         let a = &p.agent;
-        assert_eq!(a.role, Role::Context);
+        assert_eq!(a.role, Role::Prefill);
         assert_eq!(a.rank.tp_size, 2);
         assert_eq!(a.rank.tp_rank, 1);
         assert_eq!(a.rank.page_table.pools[0].slot_stride, 1024);
@@ -754,8 +754,13 @@ mod tests {
         assert!(format!("{:?}", rotating.unwrap().agent.secret).contains("1 more accepted"));
         let rank = minimal("").replace("\"instance_rank\": 1", "\"instance_rank\": 2");
         assert!(refusal(&rank).contains("not below the 2 ranks"));
-        let role = refusal(&minimal("").replace("\"context\"", "\"prefill\""));
-        assert!(role.contains("prefill"), "{role}");
+        let role = refusal(&minimal("").replace("\"context\"", "\"producer\""));
+        assert!(
+            role.contains("unknown role `producer` (known: prefill, decode)"),
+            "{role}"
+        );
+        let prefill = minimal("").replace("\"context\"", "\"prefill\"");
+        assert_eq!(parse(&prefill).unwrap().agent.role, Role::Prefill);
         assert!(refusal(&minimal(r#", "timeout_ms": 0"#)).contains("above 0"));
         let dp = minimal("").replace(
             "\"instance_rank\": 1",

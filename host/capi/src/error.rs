@@ -35,7 +35,7 @@ pub enum kvferry_status {
     KVFERRY_ERR_LISTEN = 7,
     /// A thread or file descriptor could not be made.
     KVFERRY_ERR_RESOURCES = 8,
-    /// The call does not fit the agent's role (`send` on a generation rank, ...).
+    /// The call does not fit the agent's role (`send` on a decode rank, ...).
     KVFERRY_ERR_ROLE = 9,
     /// The request's parameters are wrong (slots outside the pools, a token range outside
     /// the prompt, ...). Nothing was taken; no event follows.

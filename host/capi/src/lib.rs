@@ -633,9 +633,9 @@ pub unsafe extern "C" fn kvferry_agent_destroy(agent: *mut kvferry_agent) {
     });
 }
 
-/// Copies a context rank's side-channel endpoint (`host:port`, what decode ranks pass to
+/// Copies a prefill rank's side-channel endpoint (`host:port`, what decode ranks pass to
 /// `kvferry_agent_expect`) into `buf`, NUL-terminated; `*len_out` gets its length without the
-/// NUL. Size query: `buf` NULL and `cap` 0. Generation ranks have none: `KVFERRY_ERR_ROLE`.
+/// NUL. Size query: `buf` NULL and `cap` 0. Decode ranks have none: `KVFERRY_ERR_ROLE`.
 ///
 /// # Safety
 ///
@@ -654,7 +654,7 @@ pub unsafe extern "C" fn kvferry_agent_endpoint(
         let Some(endpoint) = a.agent.endpoint() else {
             return Err(Failure::new(
                 KVFERRY_ERR_ROLE,
-                "a generation rank does not listen, so it has no endpoint",
+                "a decode rank does not listen, so it has no endpoint",
             ));
         };
         // SAFETY: the caller's contract for `buf`, `cap` and `len_out`.
@@ -713,7 +713,7 @@ pub unsafe extern "C" fn kvferry_agent_local_metadata(
     })
 }
 
-/// Decode ranks: adds a context rank's metadata (`len` bytes of its
+/// Decode ranks: adds a prefill rank's metadata (`len` bytes of its
 /// `kvferry_agent_local_metadata`) to this rank's directory; the connection is made when a
 /// request needs it. A newer start of the same rank replaces the old one.
 ///

@@ -108,9 +108,8 @@ impl PairPlanner {
     /// planners, or a planner refusing its rank or the other.
     pub fn new(prefill_config: &str, decode_config: &str) -> Result<Self, PlanningError> {
         let (prefill, prefill_bound, prefill_planner) =
-            side(prefill_config, "prefill", Role::Context)?;
-        let (decode, decode_bound, decode_planner) =
-            side(decode_config, "decode", Role::Generation)?;
+            side(prefill_config, "prefill", Role::Prefill)?;
+        let (decode, decode_bound, decode_planner) = side(decode_config, "decode", Role::Decode)?;
         if prefill.planner_id != decode.planner_id || prefill.describer_id != decode.describer_id {
             return Err(PlanningError::Planner(format!(
                 "the prefill side binds planner {} (describer {}), the decode side {} \

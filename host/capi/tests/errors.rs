@@ -207,7 +207,7 @@ fn calls_on_a_live_agent_check_every_pointer_role_and_request() {
     assert_eq!(rc, status(KVFERRY_ERR_NULL_POINTER));
     assert_eq!(last_error(), "kvferry_agent_cancel: agent is NULL");
 
-    // The role: a generation rank neither listens nor sends.
+    // The role: a decode rank neither listens nor sends.
     let mut len = 0usize;
     // SAFETY: a live handle and a size query.
     let rc = unsafe { kvferry_agent_endpoint(agent, null_mut(), 0, &mut len) };
@@ -222,7 +222,7 @@ fn calls_on_a_live_agent_check_every_pointer_role_and_request() {
     let rc = unsafe { kvferry_agent_send(agent, 1, &table, 1, 0, 32, 32, true, null()) };
     assert_eq!(rc, status(KVFERRY_ERR_ROLE));
     assert!(
-        last_error().contains("send is for context ranks"),
+        last_error().contains("send is for prefill ranks"),
         "{}",
         last_error()
     );
@@ -326,7 +326,7 @@ fn calls_on_a_live_agent_check_every_pointer_role_and_request() {
     let rc = unsafe { kvferry_agent_add_peer(agent, buf.as_ptr(), len) };
     assert_eq!(rc, status(KVFERRY_ERR_METADATA));
     assert!(
-        last_error().contains("a generation rank adds context ranks"),
+        last_error().contains("a decode rank adds prefill ranks"),
         "{}",
         last_error()
     );
@@ -514,7 +514,7 @@ fn layer_wise_sends_name_views_and_holds_are_for_decode_ranks() {
     let rc = unsafe { kvferry_agent_hold(agent, peer.as_ptr(), null(), 0, ids.as_ptr(), 1) };
     assert_eq!(rc, status(KVFERRY_ERR_ROLE));
     assert!(
-        last_error().contains("hold is for generation ranks"),
+        last_error().contains("hold is for decode ranks"),
         "{}",
         last_error()
     );
@@ -553,7 +553,7 @@ fn layer_wise_sends_name_views_and_holds_are_for_decode_ranks() {
     assert_eq!(rc, status(KVFERRY_OK));
     assert_eq!(text[len], 0);
     let text = String::from_utf8(text[..len].to_vec()).unwrap();
-    let labels = r#"instance="context-t",rank="0",role="context""#;
+    let labels = r#"instance="context-t",rank="0",role="prefill""#;
     for line in [
         format!("kvferry_requests_in_flight{{{labels}}} 2"),
         format!(r#"kvferry_requests_total{{{labels},outcome="sent"}} 0"#),

@@ -13,7 +13,7 @@ use std::ptr::{null, null_mut};
 use ::kvferry_plan::RequestSide;
 use kvferry_capi::kvferry_status::*;
 use kvferry_capi::*;
-use kvferry_planner_abi::{PairRequest, SlotTable, TokenRange, ffi::ROption};
+use kvferry_planner_abi::{PairRequest, SlotTable};
 use kvferry_testkit::oracle::{Delivery, LocalMemory, Oracle, PoolMemory};
 
 /// Bytes of one head's 16-token block (128 dims of bf16).
@@ -137,6 +137,28 @@ fn plan(
     }
 }
 
+/// `kvferry_plan_expand` into three arrays, claiming room for `cap` entries in each.
+fn expand_into(
+    plan: *const kvferry_plan,
+    arrays: [&mut Vec<u64>; 3],
+    cap: usize,
+    n: &mut usize,
+) -> c_int {
+    let [src, dst, len] = arrays;
+    assert!([src.len(), dst.len(), len.len()].iter().all(|&l| l >= cap));
+    // SAFETY: a live plan; each array has room for at least `cap` entries.
+    unsafe {
+        kvferry_plan_expand(
+            plan,
+            src.as_mut_ptr(),
+            dst.as_mut_ptr(),
+            len.as_mut_ptr(),
+            cap,
+            n,
+        )
+    }
+}
+
 /// The plan's fragments as `kvferry_plan_expand` gives them.
 fn expand(plan: *const kvferry_plan) -> Vec<(u64, u64, u64)> {
     let mut n = 0;
@@ -147,32 +169,13 @@ fn expand(plan: *const kvferry_plan) -> Vec<(u64, u64, u64)> {
     let (mut src, mut dst, mut len) = (vec![0u64; n], vec![0u64; n], vec![0u64; n]);
     if n > 0 {
         let mut short = 0;
-        // SAFETY: arrays with room for n - 1 entries: refused, nothing written.
-        let status = unsafe {
-            kvferry_plan_expand(
-                plan,
-                src.as_mut_ptr(),
-                dst.as_mut_ptr(),
-                len.as_mut_ptr(),
-                n - 1,
-                &mut short,
-            )
-        };
+        // Room for n - 1 entries: refused, nothing written.
+        let status = expand_into(plan, [&mut src, &mut dst, &mut len], n - 1, &mut short);
         assert_eq!(status, KVFERRY_ERR_BUFFER_TOO_SMALL as c_int);
         assert_eq!(short, n);
         assert!(src.iter().all(|&a| a == 0));
     }
-    // SAFETY: arrays with room for n entries each.
-    let status = unsafe {
-        kvferry_plan_expand(
-            plan,
-            src.as_mut_ptr(),
-            dst.as_mut_ptr(),
-            len.as_mut_ptr(),
-            n,
-            &mut n,
-        )
-    };
+    let status = expand_into(plan, [&mut src, &mut dst, &mut len], n, &mut n);
     assert_eq!(status, KVFERRY_OK as c_int);
     (0..n).map(|k| (src[k], dst[k], len[k])).collect()
 }
@@ -295,20 +298,12 @@ fn a_tp2_to_tp1_plan_executed_by_copies_delivers_every_byte() {
         RequestSide::new(descriptions[1].prefill(), &prefill_t[1]),
     ];
     let receivers = [RequestSide::new(descriptions[0].decode(), &decode_t)];
-    let pieces = [PairRequest {
-        token_range: TokenRange {
-            start: 0,
-            end: prompt_len,
-        },
-        prompt_len,
-        dst_start_token: ROption::RNone,
-        is_last: true,
-    }];
+    let pieces = [PairRequest::whole(prompt_len)];
     let report = oracle
         .verify(
             &memory,
             &Delivery {
-                context: &context,
+                prefill: &context,
                 receivers: &receivers,
                 pieces: &pieces,
             },
@@ -334,7 +329,7 @@ fn refusals_name_what_is_wrong() {
     let (status, text) = new_planner(&decode, &prefill).unwrap_err();
     assert_eq!(status, KVFERRY_ERR_INVALID_REQUEST as c_int);
     assert!(
-        text.contains("prefill configuration's role is generation"),
+        text.contains("prefill configuration's role is decode"),
         "{text}"
     );
     // Not a configuration.

@@ -3,26 +3,26 @@
 //! fragments copied with memcpy in one process; per request, where the agent path's time goes;
 //! optionally against `ucx_perftest` too.
 //!
-//! The controller starts a context server (with `--record-plans`) and a generation server
+//! The controller starts a prefill server (with `--record-plans`) and a decode server
 //! as `kvferry serve` children, like the demo, then runs rounds. Each round prefills a fresh
 //! set of `requests` requests of exactly `prompt_len` tokens, spread over the DP groups, and
 //! takes one sample of each path:
 //!
 //! - **ours**: the requests go through the agents, all in flight at once — `Submit` to the
-//!   generation server, whose agents `expect` them and send `RequestData` to the context
+//!   decode server, whose agents `expect` them and send `RequestData` to the context
 //!   agents (which `send` them at prefill), planning, validation, coalescing, windowed puts,
 //!   flush, `Completion`s, the decode side's own byte check, `Received`, `Done`. Timed by
 //!   the controller from the first `Submit` to the last `Done`.
-//! - **raw**: [`ControlMessage::Bench`](crate::control::ControlMessage::Bench) makes the context server's agents write the plans they
+//! - **raw**: [`ControlMessage::Bench`](crate::control::ControlMessage::Bench) makes the prefill server's agents write the plans they
 //!   recorded for a set again ([`kvferry_transfer::agent::Agent::replay`]), every rank at
 //!   once, on the same rank threads and endpoints, with a bare loop: fragments resolved before the clock
 //!   starts, then per plan a `kvferry_ucx::PutWindow` of the same size, the same splitting
-//!   and one flush — no control plane, no planning, no checks. Timed by the context server
+//!   and one flush — no control plane, no planning, no checks. Timed by the prefill server
 //!   from the first put to the last flush.
 //!
 //! - **memcpy**: [`ControlMessage::Memcpy`](crate::control::ControlMessage::Memcpy) makes the
-//!   context server copy the same recorded fragments with `memcpy` between host buffers
-//!   shaped like both sides' pools, in its own process, one thread per context rank
+//!   prefill server copy the same recorded fragments with `memcpy` between host buffers
+//!   shaped like both sides' pools, in its own process, one thread per prefill rank
 //!   ([`kvferry_transfer::copy`]): on shared memory the ceiling of this machine for that
 //!   fragment list. Its buffers are allocated and written through at its first run and
 //!   kept; timed from the first copy to the last.
@@ -39,7 +39,7 @@
 //!
 //! **Stages**: each request's [`Stages`] (plan, validate, gather, puts, flush, scatter,
 //! digest, control, queue; see there) come from both sides' agents — the decode side's in `Done`, the
-//! context side's fetched with [`ControlMessage::Stats`](crate::control::ControlMessage::Stats)
+//! prefill side's fetched with [`ControlMessage::Stats`](crate::control::ControlMessage::Stats)
 //! — merged per request; per stage the report gives the median over the rounds of the median
 //! over each round's requests. The raw loop's puts and flush and memcpy's copies are
 //! per request on average (the round's sum over the requests). `overhead_per_request_s` is
@@ -51,7 +51,7 @@
 //! With `--export-fragments FILE`, the fragments of round 0's set (the one the oracle checks)
 //! are written to `FILE` as JSON ([`FRAGMENTS_FORMAT`]), so that another transfer library can
 //! move exactly the same bytes (`scripts/bench-peers` runs NIXL on them). They are what the
-//! context server recorded and the raw loop puts — validated, coalesced, relative to the
+//! prefill server recorded and the raw loop puts — validated, coalesced, relative to the
 //! pools — fetched from it with [`ControlMessage::Fragments`](crate::control::ControlMessage::Fragments) rather than planned again in the
 //! controller, so they cannot drift from what was measured; the export's fragment and byte
 //! counts are checked against that round's raw replay.
@@ -78,7 +78,7 @@ use crate::drive::Side;
 
 use kvferry_transfer::rank::PUT_WINDOW;
 use kvferry_transfer::{
-    BenchStats, MemoryKind, PairFragments, RequestStats, Stages, TransportSpec,
+    BenchStats, MemoryKind, PairFragments, RequestStats, Role, Stages, TransportSpec,
 };
 
 use crate::control::{PeerRef, RankTables, Submit};
@@ -180,7 +180,7 @@ pub struct PathReport {
 }
 
 /// [`Stages`] in seconds, as the report prints them (see [`Stages`] for what each counts:
-/// summed over the (context rank, generation rank) pairs of the request).
+/// summed over the (prefill rank, decode rank) pairs of the request).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct StageSeconds {
     /// Describing both sides' rows and the planner's `pair`.
@@ -292,7 +292,7 @@ pub struct ExportReport {
     pub path: String,
     /// The round whose set it holds.
     pub round: u32,
-    /// (context rank, generation rank) pairs.
+    /// (prefill rank, decode rank) pairs.
     pub pairs: usize,
     /// Fragments over all pairs.
     pub fragments: u64,
@@ -305,7 +305,7 @@ pub struct ExportReport {
     pub replay_bytes: u64,
 }
 
-/// A `--export-fragments` file: one round's set of every (context rank, generation rank)
+/// A `--export-fragments` file: one round's set of every (prefill rank, decode rank)
 /// pair, each fragment `[src_pool, src_offset, dst_pool, dst_offset, len]` relative to the
 /// pools of its pair's ranks (`src_pools` and `dst_pools` give their sizes).
 #[derive(Debug, Serialize)]
@@ -314,8 +314,8 @@ struct FragmentFile<'a> {
     model: &'a str,
     planner: &'a str,
     planner_version: &'a str,
-    ctx: &'a str,
-    r#gen: &'a str,
+    prefill: &'a str,
+    decode: &'a str,
     /// `shm`, `tcp`, `auto` or a UCX_TLS list (and its devices), and the UCX settings it pins.
     transport: &'a str,
     ucx_env: BTreeMap<String, String>,
@@ -338,9 +338,9 @@ pub struct BenchReport {
     /// Model, dtype and block size.
     pub model: String,
     /// Context deployment.
-    pub ctx: String,
+    pub prefill: String,
     /// Generation deployment.
-    pub r#gen: String,
+    pub decode: String,
     /// `shm` or `tcp`.
     pub transport: String,
     /// `host` or `cuda`: where the pools lived.
@@ -359,7 +359,7 @@ pub struct BenchReport {
     pub bounce: String,
     /// Puts of one round on kvferry's path (bounced pieces: one per MiB of packed image).
     pub ours_puts: u64,
-    /// Pieces of one round: (context rank, generation rank) pairs × chunks.
+    /// Pieces of one round: (prefill rank, decode rank) pairs × chunks.
     pub pieces: u64,
     /// `ours_puts / pieces`: puts per (pair, chunk) on kvferry's path.
     pub puts_per_piece: f64,
@@ -374,7 +374,7 @@ pub struct BenchReport {
     /// Median GB/s of the bare put loop.
     pub raw_gbps: f64,
     /// Median GB/s of the same fragments copied with memcpy between buffers shaped like the
-    /// pools, in one process (the context server's); 0 when that server refused it (its
+    /// pools, in one process (the prefill server's); 0 when that server refused it (its
     /// buffers would not fit: `errors` says why).
     pub memcpy_gbps: f64,
     /// `ours_gbps / raw_gbps`.
@@ -413,7 +413,7 @@ impl fmt::Display for BenchReport {
         writeln!(
             f,
             "kvferry bench: {}, context {} -> generation {} over {}, {} memory",
-            self.model, self.ctx, self.r#gen, self.transport, self.memory
+            self.model, self.prefill, self.decode, self.transport, self.memory
         )?;
         writeln!(f, "planner     {} {}", self.planner, self.planner_version)?;
         writeln!(
@@ -563,15 +563,15 @@ impl Sample {
 
 /// The servers and the controller's connections to them.
 struct Pair {
-    ctx: Side,
-    r#gen: Side,
+    prefill: Side,
+    decode: Side,
     peer: PeerRef,
     wait: Duration,
     next_id: u64,
 }
 
 impl Pair {
-    /// Prefills `n` new requests on the context side.
+    /// Prefills `n` new requests on the prefill side.
     fn prefill(&mut self, config: &BenchConfig, groups: (u32, u32)) -> Result<Set, DemoError> {
         let submits: Vec<Submit> = (0..config.requests)
             .map(|k| {
@@ -590,7 +590,7 @@ impl Pair {
             .collect();
         self.next_id += config.requests;
         let mut context = Vec::with_capacity(submits.len());
-        for (s, result) in submits.iter().zip(self.ctx.prefill(&submits)?) {
+        for (s, result) in submits.iter().zip(self.prefill.prefill(&submits)?) {
             context.push(result.map_err(|e| {
                 DemoError::Protocol(format!("request {}: prefill: {e}", s.request))
             })?);
@@ -602,9 +602,9 @@ impl Pair {
     /// request's stages, both sides' merged.
     fn ours(&self, set: &Set) -> Result<(Sample, Vec<Stages>, Counts), DemoError> {
         let started = Instant::now();
-        let results = self.r#gen.transfer(&set.submits, &self.peer, self.wait)?;
+        let results = self.decode.transfer(&set.submits, &self.peer, self.wait)?;
         let seconds = started.elapsed().as_secs_f64();
-        let sent = self.ctx.stats(&set.ids())?;
+        let sent = self.prefill.stats(&set.ids())?;
         let (mut bytes, mut fragments) = (0, 0);
         let mut counts = Counts::default();
         let mut stages = Vec::with_capacity(results.len());
@@ -630,10 +630,10 @@ impl Pair {
         ))
     }
 
-    /// The memcpy baseline over the fragments recorded for `set`, or the context server's
+    /// The memcpy baseline over the fragments recorded for `set`, or the prefill server's
     /// refusal (its buffers would not fit in memory, say).
     fn memcpy(&self, set: &Set) -> Result<Result<(Sample, BenchStats), String>, DemoError> {
-        Ok(self.ctx.memcpy(&set.ids(), self.wait)?.map(|stats| {
+        Ok(self.prefill.memcpy(&set.ids(), self.wait)?.map(|stats| {
             (
                 Sample {
                     seconds: stats.elapsed_ns as f64 / 1e9,
@@ -647,7 +647,7 @@ impl Pair {
 
     /// The bare loop over the plans recorded for `set`.
     fn raw(&self, set: &Set) -> Result<(Sample, BenchStats), DemoError> {
-        let stats = self.ctx.replay(&set.ids(), self.wait)?;
+        let stats = self.prefill.replay(&set.ids(), self.wait)?;
         Ok((
             Sample {
                 seconds: stats.elapsed_ns as f64 / 1e9,
@@ -660,14 +660,14 @@ impl Pair {
 
     /// The recorded fragments of `set`, per pair.
     fn fragments(&self, set: &Set) -> Result<Vec<PairFragments>, DemoError> {
-        self.ctx.fragments(&set.ids())
+        self.prefill.fragments(&set.ids())
     }
 
     /// Checks every request of `set` with the oracle; returns the problems found.
     fn verify(&self, set: &Set) -> Result<Vec<String>, DemoError> {
         let mut problems = Vec::new();
         for (s, context) in set.submits.iter().zip(&set.context) {
-            match self.r#gen.verify(s, context)? {
+            match self.decode.verify(s, context)? {
                 Ok(summary) if summary.ok => {}
                 Ok(summary) => problems.push(format!("request {}: {}", s.request, summary.detail)),
                 Err(e) => problems.push(format!("request {}: verify: {e}", s.request)),
@@ -678,8 +678,8 @@ impl Pair {
 
     fn release(&self, set: &Set) -> Result<(), DemoError> {
         for s in &set.submits {
-            self.r#gen.release(s)?;
-            self.ctx.release(s)?;
+            self.decode.release(s)?;
+            self.prefill.release(s)?;
         }
         Ok(())
     }
@@ -699,7 +699,10 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
         ));
     }
     let tpb = u64::from(config.pair.smallest_block());
-    let groups = (config.pair.ctx.dp_groups(), config.pair.r#gen.dp_groups());
+    let groups = (
+        config.pair.prefill.dp_groups(),
+        config.pair.decode.dp_groups(),
+    );
     // Requests go round-robin over each side's DP groups, and two sets are held at once (odd
     // rounds replay the previous set).
     let sized_by = format!(
@@ -748,28 +751,28 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
     let (gen_child, gen_addr) = spawn_server(&config.pair.exe, &gen_args, "generation")?;
     children.0.push(gen_child);
     let secret = crate::demo::controller_secret()?;
-    let ctx = Side::connect("context", &[ctx_addr.control], &secret)?;
-    let r#gen = Side::connect("generation", &[gen_addr.control], &secret)?;
+    let prefill = Side::connect(Role::Prefill, &[ctx_addr.control], &secret)?;
+    let decode = Side::connect(Role::Decode, &[gen_addr.control], &secret)?;
     let mut pair = Pair {
-        peer: ctx.peer(),
-        ctx,
-        r#gen,
+        peer: prefill.peer(),
+        prefill,
+        decode,
         wait: config.pair.timeout + Duration::from_secs(30),
         next_id: 0,
     };
 
     let mut report = BenchReport {
         model: config.pair.model_label(),
-        ctx: config.pair.ctx_spec.clone(),
-        r#gen: config.pair.gen_spec.clone(),
+        prefill: config.pair.ctx_spec.clone(),
+        decode: config.pair.gen_spec.clone(),
         transport: config.pair.transport.to_string(),
         bounce: config.pair.bounce.to_string(),
         memory: config.pair.memory.to_string(),
         prompt_len: config.prompt_len,
         requests: config.requests,
         rounds: config.rounds,
-        planner: pair.r#gen.info().planner_id.clone(),
-        planner_version: pair.r#gen.info().planner_version.clone(),
+        planner: pair.decode.info().planner_id.clone(),
+        planner_version: pair.decode.info().planner_version.clone(),
         ..BenchReport::default()
     };
 
@@ -880,8 +883,8 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
         pair.release(&prev)?;
     }
 
-    pair.r#gen.shutdown();
-    pair.ctx.shutdown();
+    pair.decode.shutdown();
+    pair.prefill.shutdown();
     children.wait_exit(Duration::from_secs(5));
     drop(children);
 
@@ -1008,7 +1011,7 @@ pub fn sweep(config: &BenchConfig, requests: &[u64]) -> Result<Sweep, DemoError>
     Ok(Sweep(reports))
 }
 
-/// The memcpy baseline on `set`, unless the context server refused it before (then `None`);
+/// The memcpy baseline on `set`, unless the prefill server refused it before (then `None`);
 /// a refusal is kept in `refused`, and the run goes on without that column.
 fn baseline(
     pair: &Pair,
@@ -1043,8 +1046,8 @@ fn write_fragments(
         model: &report.model,
         planner: &report.planner,
         planner_version: &report.planner_version,
-        ctx: &report.ctx,
-        r#gen: &report.r#gen,
+        prefill: &report.prefill,
+        decode: &report.decode,
         transport: &report.transport,
         ucx_env: ucx_env(&config.pair.transport).into_iter().collect(),
         memory: &report.memory,

@@ -48,22 +48,22 @@ pub struct Submit {
     pub request: u64,
     /// Prompt length in tokens.
     pub prompt_len: u64,
-    /// The context DP group serving it.
+    /// The prefill DP group serving it.
     pub ctx_dp_rank: u32,
-    /// The generation DP group receiving it.
+    /// The decode DP group receiving it.
     pub gen_dp_rank: u32,
     /// Sender-side chunks (block-aligned); `None` sends the prompt in one piece.
     pub chunks: Option<Vec<TokenRange>>,
     /// Layer-wise sends: each chunk goes in this many sends, each carrying the next run of
-    /// the context rank's views (page-table order); 0 or 1 sends every view at once.
+    /// the prefill rank's views (page-table order); 0 or 1 sends every view at once.
     pub layer_parts: u32,
     /// Prompt tokens the receiver already holds.
     pub cached: u64,
-    /// Generation side only: the context instance that sends it.
+    /// Decode side only: the prefill instance that sends it.
     pub peer: Option<PeerRef>,
 }
 
-/// A context instance as a generation server reaches it: its name and the side-channel
+/// A prefill instance as a decode server reaches it: its name and the side-channel
 /// endpoints of its ranks.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PeerRef {
@@ -97,7 +97,7 @@ pub struct ServerInfo {
 pub struct ServedRank {
     /// Its description, with its pools' real addresses.
     pub info: RankInfo,
-    /// A context rank's side-channel endpoint.
+    /// A prefill rank's side-channel endpoint.
     pub endpoint: Option<String>,
 }
 
@@ -161,14 +161,14 @@ pub enum ControlMessage {
     Info(ServerInfo),
     /// Run a request.
     Submit(Submit),
-    /// Context server: the request is prefilled (slots allocated and filled), or why not.
+    /// Prefill server: the request is prefilled (slots allocated and filled), or why not.
     Submitted {
         /// The request.
         request: u64,
-        /// The context DP group's slot tables.
+        /// The prefill DP group's slot tables.
         result: Result<Vec<RankTables>, String>,
     },
-    /// Generation server: the request completed, or why it failed.
+    /// Decode server: the request completed, or why it failed.
     Done {
         /// The request.
         request: u64,
@@ -179,7 +179,7 @@ pub enum ControlMessage {
     Verify {
         /// The request.
         request: u64,
-        /// The context DP group's slot tables (from [`ControlMessage::Submitted`]).
+        /// The prefill DP group's slot tables (from [`ControlMessage::Submitted`]).
         context: Vec<RankTables>,
     },
     /// The oracle's verdict on a request.
@@ -190,8 +190,8 @@ pub enum ControlMessage {
         result: Result<VerifySummary, String>,
     },
     /// Let go of a request: its slots are free once kvferry lets go of them (they may be
-    /// already: a context server frees them once every rank here ended the request, unless
-    /// its plans are recorded for a replay; a generation server once it failed on every rank
+    /// already: a prefill server frees them once every rank here ended the request, unless
+    /// its plans are recorded for a replay; a decode server once it failed on every rank
     /// here), and its record (statistics, verdict) is gone.
     Release {
         /// The request.
@@ -218,7 +218,7 @@ pub enum ControlMessage {
     },
     /// Exit the server process.
     Shutdown,
-    /// Write the plans a context server recorded for these requests again with a bare put
+    /// Write the plans a prefill server recorded for these requests again with a bare put
     /// loop on the same endpoints and memory, and time it. The requests must be complete and
     /// still held on both sides. Needs `--record-plans`.
     Bench {
@@ -235,8 +235,8 @@ pub enum ControlMessage {
         /// What was wrong.
         message: String,
     },
-    /// Send the fragments of the plans a context server recorded for these requests, per
-    /// (context rank, generation rank) pair and relative to each side's pools: what
+    /// Send the fragments of the plans a prefill server recorded for these requests, per
+    /// (prefill rank, decode rank) pair and relative to each side's pools: what
     /// [`ControlMessage::Bench`] would put (`kvferry bench --export-fragments`). Needs
     /// `--record-plans`.
     Fragments {
@@ -248,7 +248,7 @@ pub enum ControlMessage {
         /// The pairs, or the reason.
         result: Result<Vec<PairFragments>, String>,
     },
-    /// Send the context side's statistics of these requests (bytes sent and the stages of
+    /// Send the prefill side's statistics of these requests (bytes sent and the stages of
     /// its ranks, [`kvferry_transfer::Stages`]) once every rank here has ended them. A
     /// request not held here (another DP group's, or released) counts nothing; one another
     /// controller submitted refuses the whole answer.
@@ -261,9 +261,9 @@ pub enum ControlMessage {
         /// Per request, or the reason.
         result: Result<Vec<RequestStats>, String>,
     },
-    /// Copy the fragments a context server recorded for these requests with `memcpy`
+    /// Copy the fragments a prefill server recorded for these requests with `memcpy`
     /// between host buffers shaped like both sides' pools, in the server's process, one
-    /// thread per context rank, and time it ([`kvferry_transfer::copy`]; `kvferry bench`'s
+    /// thread per prefill rank, and time it ([`kvferry_transfer::copy`]; `kvferry bench`'s
     /// memcpy baseline). Needs `--record-plans`.
     Memcpy {
         /// The requests whose fragments are copied.

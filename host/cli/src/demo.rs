@@ -1,5 +1,5 @@
-//! `kvferry demo`: a context and a generation server (one agent per rank each) as child
-//! processes on loopback — or servers already running elsewhere (`--ctx-at`, `--gen-at`:
+//! `kvferry demo`: a context and a decode server (one agent per rank each) as child
+//! processes on loopback — or servers already running elsewhere (`--prefill-at`, `--gen-at`:
 //! another host or namespace, one process per rank or one per instance) — a stream of
 //! requests through them, every destination byte checked.
 //!
@@ -8,16 +8,16 @@
 //! every server which ranks it runs ([`crate::drive::Side`]), then runs the requests in
 //! batches of `in_flight`:
 //!
-//! 1. `Submit` each request to the context servers holding its DP group (slots allocated,
+//! 1. `Submit` each request to the prefill servers holding its DP group (slots allocated,
 //!    filled by the oracle — the "prefill" — and handed to the agents with `send`) and
 //!    collect the context tables;
-//! 2. `Submit` them all to the generation servers at once (each rank's agent `expect`s it
-//!    from the context instance's endpoints) and wait for every `Done` — the transfer
+//! 2. `Submit` them all to the decode servers at once (each rank's agent `expect`s it
+//!    from the prefill instance's endpoints) and wait for every `Done` — the transfer
 //!    phase, timed for the throughput and per request for the latencies;
-//! 3. `Verify` each completed request on the generation server (its slots: covered bytes
+//! 3. `Verify` each completed request on the decode server (its slots: covered bytes
 //!    hold their tags, the rest the canary), then `Release` it on both servers.
 //!
-//! At the end the generation server checks that every pool holds only its canary, and both
+//! At the end the decode server checks that every pool holds only its canary, and both
 //! children are shut down (killed on every error path).
 
 use std::collections::VecDeque;
@@ -41,7 +41,7 @@ use kvferry_testkit::layout::{ModelSpec, PoolOptions, build_instance, bytes_text
 use kvferry_testkit::oracle::LocalMemory;
 use kvferry_transfer::agent::BounceMode;
 use kvferry_transfer::budget::HostBudget;
-use kvferry_transfer::{MemoryKind, TransportSpec};
+use kvferry_transfer::{MemoryKind, Role, TransportSpec};
 
 use crate::control::{RankTables, Submit};
 pub use crate::drive::DemoError;
@@ -55,7 +55,7 @@ const EXIT_TIMEOUT: Duration = Duration::from_secs(10);
 const STDERR_TAIL: usize = 32;
 /// In the line a server prints once it listens, before its control address.
 pub const CONTROL_ON: &str = "control on ";
-/// In the line a context server prints once it listens, before its peer address.
+/// In the line a prefill server prints once it listens, before its peer address.
 pub const LISTENING: &str = "listening on ";
 /// Where `kvferry serve --metrics-listen` prints its metrics address.
 pub const METRICS_ON: &str = "metrics on ";
@@ -96,7 +96,7 @@ pub fn controller_secret() -> Result<kvferry_protocol::Secret, DemoError> {
 pub struct ServerAddrs {
     /// Its control listener (the controller's connection).
     pub control: String,
-    /// A context server's agent endpoints, comma-separated (what generation ranks dial).
+    /// A prefill server's agent endpoints, comma-separated (what decode ranks dial).
     pub peer: Option<String>,
     /// Its `/metrics` listener (`--metrics-listen`).
     pub metrics: Option<String>,
@@ -135,23 +135,23 @@ pub struct LoopbackPair {
     pub exe: PathBuf,
     /// Config file passed to the servers (`--config`).
     pub config_file: Option<PathBuf>,
-    /// Model, dtype and block size (the context side's).
+    /// Model, dtype and block size (the prefill side's).
     pub model: ModelSpec,
-    /// The generation side's block size, when it differs from the context side's.
+    /// The decode side's block size, when it differs from the prefill side's.
     pub gen_tokens_per_block: Option<u32>,
     /// The context deployment spec, as typed (e.g. `dep2`).
     pub ctx_spec: String,
     /// The generation deployment spec.
     pub gen_spec: String,
     /// The context mapping (parsed `ctx_spec`).
-    pub ctx: Mapping,
+    pub prefill: Mapping,
     /// The generation mapping.
-    pub r#gen: Mapping,
+    pub decode: Mapping,
     /// UCX transports and network devices of both servers.
     pub transport: TransportSpec,
     /// Bounce transfers of both servers (`--bounce`).
     pub bounce: BounceMode,
-    /// MiB of each generation rank's bounce arena (`--bounce-arena-mb`).
+    /// MiB of each decode rank's bounce arena (`--bounce-arena-mb`).
     pub bounce_arena_mb: u64,
     /// Where both servers' pools live.
     pub memory: MemoryKind,
@@ -163,12 +163,12 @@ pub struct LoopbackPair {
     pub seed: u64,
     /// Per-request timeout (`--timeout-ms`) of both servers.
     pub timeout: Duration,
-    /// The generation server's integrity digest (`--integrity`), if any.
+    /// The decode server's integrity digest (`--integrity`), if any.
     pub integrity: Option<kvferry_transfer::agent::Integrity>,
 }
 
 impl LoopbackPair {
-    /// Model, dtype and block size, and the generation side's block size when it differs.
+    /// Model, dtype and block size, and the decode side's block size when it differs.
     pub fn model_label(&self) -> String {
         match self.gen_tokens_per_block {
             Some(g) => format!("{} (generation tpb{g})", self.model),
@@ -187,7 +187,7 @@ impl LoopbackPair {
     /// Refuses, before either server starts, a pair whose pools cannot be laid out or would
     /// not fit this host together: both servers run here, and each checks only its own pools
     /// against what is available when it starts (pools are touched later), so two that fit
-    /// alone could still exhaust the machine together. `ctx` and `gen` are each side's
+    /// alone could still exhaust the machine together. `prefill` and `gen` are each side's
     /// (PAGED, STATE) slots per pool; `sized_by` names the flags that sized them. Device pools
     /// (`--memory cuda`) are left to the servers.
     ///
@@ -196,8 +196,8 @@ impl LoopbackPair {
     /// [`DemoError::Invalid`] naming `sized_by`, the bytes and the budget.
     pub fn check_pools(
         &self,
-        ctx: (u64, u64),
-        r#gen: (u64, u64),
+        prefill: (u64, u64),
+        decode: (u64, u64),
         sized_by: &str,
     ) -> Result<(), DemoError> {
         let tpb = self.model.tokens_per_block;
@@ -212,8 +212,8 @@ impl LoopbackPair {
             None => self.model.clone(),
         };
         let sides = [
-            ("context", &self.ctx, &self.model, ctx),
-            ("generation", &self.r#gen, &gen_model, r#gen),
+            ("context", &self.prefill, &self.model, prefill),
+            ("generation", &self.decode, &gen_model, decode),
         ];
         let mut bytes = [0u64; 2];
         for (i, (role, mapping, model, (paged, state))) in sides.into_iter().enumerate() {
@@ -268,9 +268,9 @@ pub struct DemoConfig {
     pub cached: u64,
     /// Requests in flight at once.
     pub in_flight: usize,
-    /// Control addresses of running context servers to drive instead of starting one.
+    /// Control addresses of running prefill servers to drive instead of starting one.
     pub ctx_at: Vec<String>,
-    /// Control addresses of running generation servers (with `ctx_at`).
+    /// Control addresses of running decode servers (with `ctx_at`).
     pub gen_at: Vec<String>,
 }
 
@@ -295,9 +295,9 @@ pub struct DemoReport {
     /// Model, dtype and block size.
     pub model: String,
     /// Context deployment.
-    pub ctx: String,
+    pub prefill: String,
     /// Generation deployment.
-    pub r#gen: String,
+    pub decode: String,
     /// `shm` or `tcp`.
     pub transport: String,
     /// `host` or `cuda`: where the pools lived.
@@ -329,7 +329,7 @@ impl fmt::Display for DemoReport {
         writeln!(
             f,
             "kvferry demo: {}, context {} -> generation {} over {}, {} memory",
-            self.model, self.ctx, self.r#gen, self.transport, self.memory
+            self.model, self.prefill, self.decode, self.transport, self.memory
         )?;
         writeln!(f, "planner    {} {}", self.planner, self.planner_version)?;
         writeln!(
@@ -758,25 +758,25 @@ pub fn run(config: &DemoConfig) -> Result<DemoReport, DemoError> {
         }
     };
     let secret = controller_secret()?;
-    let ctx = Side::connect("context", &ctx_at, &secret)?;
-    let r#gen = Side::connect("generation", &gen_at, &secret)?;
-    check_side(&ctx, &config.pair.ctx)?;
-    check_side(&r#gen, &config.pair.r#gen)?;
-    let peer = ctx.peer();
+    let prefill = Side::connect(Role::Prefill, &ctx_at, &secret)?;
+    let decode = Side::connect(Role::Decode, &gen_at, &secret)?;
+    check_side(&prefill, &config.pair.prefill)?;
+    check_side(&decode, &config.pair.decode)?;
+    let peer = prefill.peer();
 
     let mut report = DemoReport {
         model: config.pair.model_label(),
-        ctx: config.pair.ctx_spec.clone(),
-        r#gen: config.pair.gen_spec.clone(),
+        prefill: config.pair.ctx_spec.clone(),
+        decode: config.pair.gen_spec.clone(),
         transport: config.pair.transport.to_string(),
         memory: config.pair.memory.to_string(),
         requests: config.requests,
-        planner: r#gen.info().planner_id.clone(),
-        planner_version: r#gen.info().planner_version.clone(),
+        planner: decode.info().planner_id.clone(),
+        planner_version: decode.info().planner_version.clone(),
         ..DemoReport::default()
     };
 
-    let (ctx_groups, gen_groups) = (ctx.dp_groups(), r#gen.dp_groups());
+    let (ctx_groups, gen_groups) = (prefill.dp_groups(), decode.dp_groups());
     let mut rng = StdRng::seed_from_u64(config.pair.seed);
     let mut latencies = Vec::new();
     let mut transfer = Duration::ZERO;
@@ -807,16 +807,16 @@ pub fn run(config: &DemoConfig) -> Result<DemoReport, DemoError> {
             .collect();
         next += batch_len;
 
-        // Prefill on the context side.
+        // Prefill on the prefill side.
         let mut batch: Vec<(Submit, Vec<RankTables>)> = Vec::new();
-        for (s, result) in submits.iter().zip(ctx.prefill(&submits)?) {
+        for (s, result) in submits.iter().zip(prefill.prefill(&submits)?) {
             match result {
                 Ok(tables) => batch.push((s.clone(), tables)),
                 Err(e) => {
                     all_ok = false;
                     report.failed += 1;
                     note(&mut report, format!("request {}: prefill: {e}", s.request));
-                    ctx.release(s)?;
+                    prefill.release(s)?;
                 }
             }
         }
@@ -825,7 +825,7 @@ pub fn run(config: &DemoConfig) -> Result<DemoReport, DemoError> {
         let started = Instant::now();
         let sent: Vec<Submit> = batch.iter().map(|(s, _)| s.clone()).collect();
         let wait = config.pair.timeout + Duration::from_secs(30);
-        let results = r#gen.transfer(&sent, &peer, wait)?;
+        let results = decode.transfer(&sent, &peer, wait)?;
         transfer += started.elapsed();
 
         // Verify, then release.
@@ -835,7 +835,7 @@ pub fn run(config: &DemoConfig) -> Result<DemoReport, DemoError> {
                     report.bytes += stats.bytes;
                     report.fragments += stats.fragments;
                     latencies.push(stats.latency_us as f64 / 1000.0);
-                    match r#gen.verify(s, context)? {
+                    match decode.verify(s, context)? {
                         Ok(summary) => {
                             report.verified_bytes += summary.bytes_checked;
                             if !summary.ok {
@@ -860,12 +860,12 @@ pub fn run(config: &DemoConfig) -> Result<DemoReport, DemoError> {
                     note(&mut report, e);
                 }
             }
-            r#gen.release(s)?;
-            ctx.release(s)?;
+            decode.release(s)?;
+            prefill.release(s)?;
         }
     }
 
-    match r#gen.verify_idle()? {
+    match decode.verify_idle()? {
         Ok(s) => {
             report.verified_bytes += s.bytes_checked;
             if !s.ok {
@@ -879,11 +879,11 @@ pub fn run(config: &DemoConfig) -> Result<DemoReport, DemoError> {
         }
     }
 
-    // Servers this demo started stop with it (the generation side first, so it does not
+    // Servers this demo started stop with it (the decode side first, so it does not
     // watch its context peer go away); servers it was pointed at keep running.
     if !children.0.is_empty() {
-        r#gen.shutdown();
-        ctx.shutdown();
+        decode.shutdown();
+        prefill.shutdown();
         children.wait_exit(Duration::from_secs(5));
     }
 

@@ -41,7 +41,7 @@ pub const REPLY_TIMEOUT: Duration = Duration::from_secs(120);
 /// The servers of one instance.
 #[derive(Debug)]
 pub struct Side {
-    role: &'static str,
+    role: Role,
     servers: Vec<(Client, ServerInfo)>,
 }
 
@@ -54,15 +54,11 @@ impl Side {
     /// A server that cannot be reached or answers out of protocol, servers of different
     /// instances or planners, or a rank served twice or by none.
     pub fn connect(
-        role: &'static str,
+        role: Role,
         addrs: &[String],
         secret: &kvferry_protocol::Secret,
     ) -> Result<Side, DemoError> {
-        let expected = if role == "context" {
-            Role::Context
-        } else {
-            Role::Generation
-        };
+        let expected = role;
         let mut servers = Vec::with_capacity(addrs.len());
         for addr in addrs {
             let client = Client::connect(addr, secret)?;
@@ -132,7 +128,7 @@ impl Side {
         self.info().ranks.first().map_or(1, |r| r.info.dp_groups())
     }
 
-    /// How a generation server reaches this (context) instance.
+    /// How a decode server reaches this (context) instance.
     pub fn peer(&self) -> PeerRef {
         PeerRef {
             instance: self.info().instance.clone(),
@@ -153,14 +149,13 @@ impl Side {
     }
 
     fn dp_of(&self, s: &Submit) -> u32 {
-        if self.role == "context" {
-            s.ctx_dp_rank
-        } else {
-            s.gen_dp_rank
+        match self.role {
+            Role::Prefill => s.ctx_dp_rank,
+            Role::Decode => s.gen_dp_rank,
         }
     }
 
-    /// Context side: prefills `submits`; per submit (in order) its merged tables or why not.
+    /// Prefill side: prefills `submits`; per submit (in order) its merged tables or why not.
     ///
     /// # Errors
     ///
@@ -195,7 +190,7 @@ impl Side {
                     }
                     other => {
                         return Err(DemoError::Protocol(format!(
-                            "context server {} answered {} to Submit",
+                            "prefill server {} answered {} to Submit",
                             client.addr(),
                             other.kind()
                         )));
@@ -209,7 +204,7 @@ impl Side {
         Ok(results)
     }
 
-    /// Generation side: submits every request at once (each with `peer`), waits for every
+    /// Decode side: submits every request at once (each with `peer`), waits for every
     /// server's `Done`; per request (in order of `submits`) its merged statistics or why it
     /// failed.
     ///
@@ -253,7 +248,7 @@ impl Side {
                     }
                     other => {
                         return Err(DemoError::Protocol(format!(
-                            "generation server {} sent {} during the transfer",
+                            "decode server {} sent {} during the transfer",
                             client.addr(),
                             other.kind()
                         )));
@@ -264,7 +259,7 @@ impl Side {
         Ok(results)
     }
 
-    /// Generation side: the oracle's verdict on one completed request, merged over the
+    /// Decode side: the oracle's verdict on one completed request, merged over the
     /// servers holding it.
     ///
     /// # Errors
@@ -289,7 +284,7 @@ impl Side {
                 Message::Verified { result: Err(e), .. } => return Ok(Err(e)),
                 other => {
                     return Err(DemoError::Protocol(format!(
-                        "generation server {} answered {} to Verify",
+                        "decode server {} answered {} to Verify",
                         client.addr(),
                         other.kind()
                     )));
@@ -331,7 +326,7 @@ impl Side {
         Ok(())
     }
 
-    /// Generation side: every server's check that its pools hold only the canary, merged.
+    /// Decode side: every server's check that its pools hold only the canary, merged.
     ///
     /// # Errors
     ///
@@ -344,7 +339,7 @@ impl Side {
                 Message::IdleVerified { result: Err(e) } => return Ok(Err(e)),
                 other => {
                     return Err(DemoError::Protocol(format!(
-                        "generation server {} answered {} to VerifyIdle",
+                        "decode server {} answered {} to VerifyIdle",
                         client.addr(),
                         other.kind()
                     )));
@@ -354,7 +349,7 @@ impl Side {
         Ok(Ok(merged))
     }
 
-    /// Context side: the bare replay of `requests`' recorded plans on every server at once;
+    /// Prefill side: the bare replay of `requests`' recorded plans on every server at once;
     /// the totals, timed by the slowest server.
     ///
     /// # Errors
@@ -370,7 +365,7 @@ impl Side {
         .map_err(DemoError::Protocol)
     }
 
-    /// Context side: the memcpy baseline of `requests`' recorded fragments on every server at
+    /// Prefill side: the memcpy baseline of `requests`' recorded fragments on every server at
     /// once; the totals, timed by the slowest server, or a server's refusal (its buffers do
     /// not fit, a fragment outside its pools).
     ///
@@ -411,12 +406,12 @@ impl Side {
                 }
                 Message::BenchDone { result: Err(e) } | Message::MemcpyDone { result: Err(e) } => {
                     if total.is_ok() {
-                        total = Err(format!("context server {} {asked}: {e}", client.addr()));
+                        total = Err(format!("prefill server {} {asked}: {e}", client.addr()));
                     }
                 }
                 other => {
                     return Err(DemoError::Protocol(format!(
-                        "context server {} answered {} to {asked}",
+                        "prefill server {} answered {} to {asked}",
                         client.addr(),
                         other.kind()
                     )));
@@ -426,7 +421,7 @@ impl Side {
         Ok(total)
     }
 
-    /// Context side: per request of `requests` (in order), the context ranks' statistics
+    /// Prefill side: per request of `requests` (in order), the prefill ranks' statistics
     /// (bytes sent, the stages of their pairs), merged over the servers.
     ///
     /// # Errors
@@ -448,7 +443,7 @@ impl Side {
                 }
                 Message::StatsDone { result: Ok(s) } => {
                     return Err(DemoError::Protocol(format!(
-                        "context server {} sent {} statistics for {} requests",
+                        "prefill server {} sent {} statistics for {} requests",
                         client.addr(),
                         s.len(),
                         requests.len()
@@ -456,13 +451,13 @@ impl Side {
                 }
                 Message::StatsDone { result: Err(e) } => {
                     return Err(DemoError::Protocol(format!(
-                        "context server {} statistics: {e}",
+                        "prefill server {} statistics: {e}",
                         client.addr()
                     )));
                 }
                 other => {
                     return Err(DemoError::Protocol(format!(
-                        "context server {} answered {} to Stats",
+                        "prefill server {} answered {} to Stats",
                         client.addr(),
                         other.kind()
                     )));
@@ -472,7 +467,7 @@ impl Side {
         Ok(merged)
     }
 
-    /// Context side: the recorded fragments of `requests`, per pair, from every server.
+    /// Prefill side: the recorded fragments of `requests`, per pair, from every server.
     ///
     /// # Errors
     ///
@@ -489,13 +484,13 @@ impl Side {
                 Message::FragmentsDone { result: Ok(p) } => pairs.extend(p),
                 Message::FragmentsDone { result: Err(e) } => {
                     return Err(DemoError::Protocol(format!(
-                        "context server {} fragment export: {e}",
+                        "prefill server {} fragment export: {e}",
                         client.addr()
                     )));
                 }
                 other => {
                     return Err(DemoError::Protocol(format!(
-                        "context server {} answered {} to Fragments",
+                        "prefill server {} answered {} to Fragments",
                         client.addr(),
                         other.kind()
                     )));

@@ -28,7 +28,7 @@ use kvferry_transfer::agent::{BounceConfig, BounceMode, Integrity};
 use kvferry_transfer::{MemoryKind, Role, TransportSpec};
 use serde_json::json;
 
-/// Moves LLM KV caches from context servers to generation servers, planned by plugins.
+/// Moves LLM KV caches from prefill servers to decode servers, planned by plugins.
 #[derive(Debug, Parser)]
 #[command(name = "kvferry", version, about)]
 struct Cli {
@@ -91,12 +91,12 @@ enum Command {
         /// the path of a Hugging Face config.json (or of its folder).
         #[arg(long, value_name = "PRESET|CONFIG", value_parser = parse_model)]
         model: ModelShape,
-        /// The context instance's deployment.
-        #[arg(long, value_name = "SPEC", value_parser = parse_spec)]
-        ctx: Mapping,
-        /// The generation instance's deployment.
-        #[arg(long, value_name = "SPEC", value_parser = parse_spec)]
-        r#gen: Mapping,
+        /// The prefill instance's deployment.
+        #[arg(long = "ctx", visible_alias = "prefill", value_name = "SPEC", value_parser = parse_spec)]
+        prefill: Mapping,
+        /// The decode instance's deployment.
+        #[arg(long = "gen", visible_alias = "decode", value_name = "SPEC", value_parser = parse_spec)]
+        decode: Mapping,
         /// Prompt length in tokens.
         #[arg(long, value_name = "N")]
         prompt_len: u64,
@@ -104,10 +104,10 @@ enum Command {
         shape: Shape,
         #[command(flatten)]
         sides: Sides,
-        /// Context DP rank serving the request.
+        /// Prefill DP rank serving the request.
         #[arg(long, default_value_t = 0, value_name = "N")]
         ctx_dp_rank: u32,
-        /// Generation DP rank receiving it.
+        /// Decode DP rank receiving it.
         #[arg(long, default_value_t = 0, value_name = "N")]
         gen_dp_rank: u32,
         /// Send in chunks of this many tokens (a multiple of the block size).
@@ -131,7 +131,7 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Prove a planner: run the oracle matrix (every model preset × context/generation
+    /// Prove a planner: run the oracle matrix (every model preset × prefill/decode
     /// topology pair it accepts) in memory and check every destination byte.
     Conform {
         /// The planner library (`.so`) to prove; or name one on the plugin path with
@@ -164,13 +164,13 @@ enum Command {
         verbose: bool,
     },
     /// Run the ranks of one instance (every rank in this process, or one with --rank), one
-    /// transfer agent per rank, as a context or generation server.
+    /// transfer agent per rank, as a prefill or decode server.
     Serve(ServeArgs),
-    /// Start a context and a generation server on loopback and stream requests through them,
+    /// Start a context and a decode server on loopback and stream requests through them,
     /// checking every destination byte.
     Demo(DemoArgs),
     /// Time kvferry's transfer path against a bare UCX put loop over the same fragments (and
-    /// optionally `ucx_perftest`), with a context and a generation server on loopback.
+    /// optionally `ucx_perftest`), with a context and a decode server on loopback.
     Bench(BenchArgs),
 }
 
@@ -195,11 +195,11 @@ struct ServeArgs {
     /// Serve this rank of the deployment only (one process per rank, as engines run them).
     #[arg(long, value_name = "N")]
     rank: Option<u32>,
-    /// Context side: where every rank's agent listens for generation peers (port 0: each a
+    /// Prefill side: where every rank's agent listens for generation peers (port 0: each a
     /// free port; all endpoints are printed on stdout as `listening on HOST:PORT[,...]`).
     #[arg(long, default_value = "127.0.0.1:0", value_name = "HOST:PORT")]
     listen: String,
-    /// Context side: the host address to advertise when --listen is unspecified (0.0.0.0).
+    /// Prefill side: the host address to advertise when --listen is unspecified (0.0.0.0).
     #[arg(long, value_name = "IP")]
     advertise: Option<String>,
     /// The deployment's shared secret (at least 16 bytes; a trailing newline is dropped);
@@ -230,13 +230,13 @@ struct ServeArgs {
     /// (generation) or claimed (context).
     #[arg(long, default_value_t = 30_000, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     timeout_ms: u64,
-    /// Context side: fail a prefilled request nobody claimed after this long.
+    /// Prefill side: fail a prefilled request nobody claimed after this long.
     #[arg(long, default_value_t = 60_000, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     lease_ms: u64,
     /// Fail the requests of a peer that sent nothing (keep-alives included) for this long.
     #[arg(long, default_value_t = 10_000, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     peer_timeout_ms: u64,
-    /// Generation side: ask every writer for a digest of each piece (`xxh3` or `crc32c`) and
+    /// Decode side: ask every writer for a digest of each piece (`xxh3` or `crc32c`) and
     /// check the bytes that landed before a request is received (host memory only).
     #[arg(long, value_name = "DIGEST")]
     integrity: Option<Integrity>,
@@ -246,13 +246,13 @@ struct ServeArgs {
     /// Instance name (default: `ctx-PID` or `gen-PID`).
     #[arg(long, value_name = "NAME")]
     name: Option<String>,
-    /// Fault injection, context side: sleep this long before every flush.
+    /// Fault injection, prefill side: sleep this long before every flush.
     #[arg(long, default_value_t = 0, hide = true)]
     debug_stall_ms: u64,
-    /// Context side: peer connections each rank serves at once; one more is refused.
+    /// Prefill side: peer connections each rank serves at once; one more is refused.
     #[arg(long, default_value_t = 256, value_name = "N")]
     max_peer_connections: usize,
-    /// Context side: keep every written plan until its request is released, so `kvferry
+    /// Prefill side: keep every written plan until its request is released, so `kvferry
     /// bench` can replay it with a bare put loop.
     #[arg(long, hide = true)]
     record_plans: bool,
@@ -268,12 +268,12 @@ struct PairArgs {
     /// path of a Hugging Face config.json (or of its folder).
     #[arg(long, value_name = "PRESET|CONFIG", value_parser = parse_model)]
     model: ModelShape,
-    /// The context instance's deployment.
-    #[arg(long, value_name = "SPEC")]
-    ctx: String,
-    /// The generation instance's deployment.
-    #[arg(long, value_name = "SPEC")]
-    r#gen: String,
+    /// The prefill instance's deployment.
+    #[arg(long = "ctx", visible_alias = "prefill", value_name = "SPEC")]
+    prefill: String,
+    /// The decode instance's deployment.
+    #[arg(long = "gen", visible_alias = "decode", value_name = "SPEC")]
+    decode: String,
     #[command(flatten)]
     shape: Shape,
     #[command(flatten)]
@@ -294,7 +294,7 @@ struct PairArgs {
     /// Per-request timeout of both servers.
     #[arg(long, default_value_t = 30_000, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     timeout_ms: u64,
-    /// End-to-end integrity digests (`xxh3` or `crc32c`): the generation server checks every
+    /// End-to-end integrity digests (`xxh3` or `crc32c`): the decode server checks every
     /// piece against its writer's digest (host memory only).
     #[arg(long, value_name = "DIGEST")]
     integrity: Option<Integrity>,
@@ -304,25 +304,25 @@ impl PairArgs {
     /// Checks the options and resolves the deployments and the executable.
     fn resolve(self, config_file: Option<PathBuf>) -> Result<LoopbackPair> {
         self.memory.check()?;
-        let ctx = self
-            .ctx
+        let prefill = self
+            .prefill
             .parse::<Mapping>()
             .map_err(|e| anyhow!("--ctx: {e}"))?;
-        let r#gen = self
-            .r#gen
+        let decode = self
+            .decode
             .parse::<Mapping>()
             .map_err(|e| anyhow!("--gen: {e}"))?;
-        check_width("--ctx", &ctx)?;
-        check_width("--gen", &r#gen)?;
+        check_width("--ctx", &prefill)?;
+        check_width("--gen", &decode)?;
         Ok(LoopbackPair {
             exe: std::env::current_exe().context("locating the kvferry executable")?,
             config_file,
             model: self.sides.models(&self.shape, &self.model).0,
             gen_tokens_per_block: self.sides.models(&self.shape, &self.model).1,
-            ctx_spec: self.ctx,
-            gen_spec: self.r#gen,
-            ctx,
-            r#gen,
+            ctx_spec: self.prefill,
+            gen_spec: self.decode,
+            prefill,
+            decode,
             transport: self.transport.spec(),
             bounce: self.bounce.bounce,
             bounce_arena_mb: self.bounce.bounce_arena_mb,
@@ -351,7 +351,7 @@ struct DemoArgs {
     #[arg(long, value_name = "TOKENS")]
     chunk: Option<u64>,
     /// Send each chunk layer-wise in N parts: each part carries the next run of the
-    /// context ranks' views (page-table order), as an engine sends layers as it computes
+    /// prefill ranks' views (page-table order), as an engine sends layers as it computes
     /// them (a model whose views each hold every layer has fewer parts).
     #[arg(long, default_value_t = 1, value_name = "N")]
     layer_wise: u32,
@@ -361,7 +361,7 @@ struct DemoArgs {
     /// Requests in flight at once.
     #[arg(long, default_value_t = 8, value_name = "N", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     in_flight: usize,
-    /// Drive context servers already running (`kvferry serve --role context`, here or on
+    /// Drive prefill servers already running (`kvferry serve --role context`, here or on
     /// another host) instead of starting one: their control addresses, one per process.
     #[arg(
         long,
@@ -370,7 +370,7 @@ struct DemoArgs {
         requires = "gen_at"
     )]
     ctx_at: Vec<String>,
-    /// The generation servers to drive with --ctx-at.
+    /// The decode servers to drive with --ctx-at.
     #[arg(
         long,
         value_name = "HOST:PORT[,...]",
@@ -411,8 +411,8 @@ struct BenchArgs {
     #[arg(long)]
     perftest: bool,
     /// Write the fragments of round 0's set (the one the oracle checks), exactly as the
-    /// context server recorded them and the raw loop puts, to FILE as JSON: per (context
-    /// rank, generation rank) pair its pools' sizes and `[src_pool, src_offset, dst_pool,
+    /// prefill server recorded them and the raw loop puts, to FILE as JSON: per (context
+    /// rank, decode rank) pair its pools' sizes and `[src_pool, src_offset, dst_pool,
     /// dst_offset, len]` per fragment (format `kvferry-fragments/1`; `scripts/bench-peers`).
     #[arg(long, value_name = "FILE")]
     export_fragments: Option<PathBuf>,
@@ -438,7 +438,7 @@ struct AgentBounceArgs {
     /// fragments under 256 KiB on average), `off` never. Both servers of a pair should agree.
     #[arg(long, default_value = "auto", value_name = "on|off|auto")]
     bounce: BounceMode,
-    /// Generation side: MiB of each rank's bounce arena (allocated at start when bouncing).
+    /// Decode side: MiB of each rank's bounce arena (allocated at start when bouncing).
     #[arg(long, default_value_t = 256, value_name = "MIB")]
     bounce_arena_mb: u64,
 }
@@ -533,25 +533,25 @@ impl Shape {
 /// re-block when one side's size is a multiple of the other's (semantics §3.2 rule 4).
 #[derive(Debug, clap::Args)]
 struct Sides {
-    /// Tokens per block of the context instance (default: --tokens-per-block).
+    /// Tokens per block of the prefill instance (default: --tokens-per-block).
     #[arg(long, value_name = "N")]
     ctx_tokens_per_block: Option<u32>,
-    /// Tokens per block of the generation instance (default: --tokens-per-block).
+    /// Tokens per block of the decode instance (default: --tokens-per-block).
     #[arg(long, value_name = "N")]
     gen_tokens_per_block: Option<u32>,
 }
 
 impl Sides {
-    /// The context side's model and the generation side's block size, when it differs.
+    /// The prefill side's model and the decode side's block size, when it differs.
     fn models(&self, shape: &Shape, model: &ModelShape) -> (ModelSpec, Option<u32>) {
-        let mut ctx = shape.model(model);
+        let mut prefill = shape.model(model);
         if let Some(tpb) = self.ctx_tokens_per_block {
-            ctx = ctx.with_tokens_per_block(tpb);
+            prefill = prefill.with_tokens_per_block(tpb);
         }
-        let r#gen = self
+        let decode_tpb = self
             .gen_tokens_per_block
-            .filter(|&tpb| tpb != ctx.tokens_per_block);
-        (ctx, r#gen)
+            .filter(|&tpb| tpb != prefill.tokens_per_block);
+        (prefill, decode_tpb)
     }
 }
 
@@ -913,8 +913,8 @@ fn conform(
                 json!({
                     "name": c.name,
                     "model": c.model,
-                    "ctx": c.ctx.to_string(),
-                    "gen": c.r#gen.to_string(),
+                    "prefill": c.prefill.to_string(),
+                    "decode": c.decode.to_string(),
                     "fragments": c.fragments,
                     "bytes": c.bytes,
                     "bounced_pieces": c.bounced,
@@ -1023,12 +1023,12 @@ fn by_model(report: &kvferry_testkit::conform::ConformReport) -> String {
 }
 
 struct PlanArgs {
-    /// The context side's model.
+    /// The prefill side's model.
     model: ModelSpec,
-    /// The generation side's block size, when it differs.
+    /// The decode side's block size, when it differs.
     gen_tokens_per_block: Option<u32>,
-    ctx: Mapping,
-    r#gen: Mapping,
+    prefill: Mapping,
+    decode: Mapping,
     prompt_len: u64,
     ctx_dp_rank: u32,
     gen_dp_rank: u32,
@@ -1065,28 +1065,28 @@ fn plan_error(e: ScenarioError, a: &PlanArgs) -> anyhow::Error {
 }
 
 fn plan(host: &Host, a: PlanArgs) -> Result<ExitCode> {
-    check_width("--ctx", &a.ctx)?;
-    check_width("--gen", &a.r#gen)?;
+    check_width("--ctx", &a.prefill)?;
+    check_width("--gen", &a.decode)?;
     let id = host.planner_id(a.planner.as_deref());
     let ctx_bound = host
-        .bind(&id, &a.model, a.ctx)
-        .context("context instance")?;
+        .bind(&id, &a.model, a.prefill)
+        .context("prefill instance")?;
     let gen_model = match a.gen_tokens_per_block {
         Some(tpb) => a.model.clone().with_tokens_per_block(tpb),
         None => a.model.clone(),
     };
     let gen_bound = host
-        .bind(&id, &gen_model, a.r#gen)
-        .context("generation instance")?;
+        .bind(&id, &gen_model, a.decode)
+        .context("decode instance")?;
     if ctx_bound.id() != gen_bound.id() {
         bail!(
-            "the context instance binds {} and the generation instance binds {}: two servers \
+            "the prefill instance binds {} and the decode instance binds {}: two servers \
              that select different planners refuse each other (name one with --planner)",
             ctx_bound.id(),
             gen_bound.id()
         );
     }
-    let mut scenario = Scenario::new(a.model.clone(), a.ctx, a.r#gen, a.prompt_len);
+    let mut scenario = Scenario::new(a.model.clone(), a.prefill, a.decode, a.prompt_len);
     scenario.ctx_dp_rank = a.ctx_dp_rank;
     scenario.gen_dp_rank = a.gen_dp_rank;
     scenario.cached_tokens = a.cached;
@@ -1130,7 +1130,7 @@ fn plan(host: &Host, a: PlanArgs) -> Result<ExitCode> {
         !a.json,
         format!(
             "planning {} -> {} for {} tokens and checking every byte",
-            a.ctx, a.r#gen, a.prompt_len
+            a.prefill, a.decode, a.prompt_len
         ),
     );
     let run = exchange.run(&ctx_factory, &gen_factory);
@@ -1180,8 +1180,8 @@ fn plan(host: &Host, a: PlanArgs) -> Result<ExitCode> {
             "dtype": a.model.dtype.as_ref(),
             "tokens_per_block": a.model.tokens_per_block,
             "gen_tokens_per_block": a.gen_tokens_per_block.unwrap_or(a.model.tokens_per_block),
-            "ctx": a.ctx.to_string(),
-            "gen": a.r#gen.to_string(),
+            "prefill": a.prefill.to_string(),
+            "decode": a.decode.to_string(),
             "prompt_len": a.prompt_len,
             "pairs": pairs,
             "receivers": receivers,
@@ -1208,9 +1208,9 @@ fn plan(host: &Host, a: PlanArgs) -> Result<ExitCode> {
                 Some(g) => format!("{} -> {g}", a.model.tokens_per_block),
                 None => a.model.tokens_per_block.to_string(),
             },
-            a.ctx,
+            a.prefill,
             a.ctx_dp_rank,
-            a.r#gen,
+            a.decode,
             a.gen_dp_rank,
             a.prompt_len
         );
@@ -1245,8 +1245,8 @@ fn serve(host: &Host, a: ServeArgs) -> Result<ExitCode> {
     let bound = host.bind(&id, &model, a.deployment)?;
     let name = a.name.unwrap_or_else(|| {
         let prefix = match a.role {
-            Role::Context => "ctx",
-            Role::Generation => "gen",
+            Role::Prefill => "ctx",
+            Role::Decode => "gen",
         };
         format!("{prefix}-{}", std::process::id())
     });
@@ -1351,8 +1351,8 @@ fn run_bench(config_file: Option<PathBuf>, a: BenchArgs) -> Result<ExitCode> {
         }
         let id = host.planner_id(pair.planner.as_deref());
         let config = kvferry_cli::overlap::OverlapConfig {
-            ctx: (pair.ctx, host.bind(&id, &pair.model, pair.ctx)?),
-            r#gen: (pair.r#gen, host.bind(&id, &pair.model, pair.r#gen)?),
+            prefill: (pair.prefill, host.bind(&id, &pair.model, pair.prefill)?),
+            decode: (pair.decode, host.bind(&id, &pair.model, pair.decode)?),
             model: pair.model,
             transport: pair.transport,
             prompt_len: a.prompt_len,
@@ -1463,8 +1463,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
         ),
         Command::Plan {
             model,
-            ctx,
-            r#gen,
+            prefill,
+            decode,
             prompt_len,
             shape,
             sides,
@@ -1482,8 +1482,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
             PlanArgs {
                 model: sides.models(&shape, &model).0,
                 gen_tokens_per_block: sides.models(&shape, &model).1,
-                ctx,
-                r#gen,
+                prefill,
+                decode,
                 prompt_len,
                 ctx_dp_rank,
                 gen_dp_rank,

@@ -9,14 +9,14 @@
 //! wake-up does not shift the later layers; the thread sleeps meanwhile, as an engine's does
 //! while its GPU computes), and
 //!
-//! - **whole-request**: every context rank sends each request whole once the last layer is
+//! - **whole-request**: every prefill rank sends each request whole once the last layer is
 //!   computed;
-//! - **layer-wise**: each context rank sends each request's layer `l` as soon as it is
+//! - **layer-wise**: each prefill rank sends each request's layer `l` as soon as it is
 //!   computed ([`kvferry_transfer::agent::SendChunk::views`]), the last layer marked last.
 //!
 //! The measure is the **tail**: from the end of the last layer's compute (its deadline, or the
 //! moment the thread woke up after it if that was later) to the moment every
-//! generation rank has reported every request `Received` (each generation rank checks that
+//! decode rank has reported every request `Received` (each decode rank checks that
 //! its writers' byte counts match its own plan of the request before it does). Rounds
 //! alternate which mode goes first. The report gives each mode's tail over the rounds (min /
 //! median / max), the ratio of the medians (whole / layer-wise) and the spread of each
@@ -48,10 +48,10 @@ pub const WARMUP_ROUNDS: u32 = 1;
 pub struct OverlapConfig {
     /// The model (laid out a pool per layer whatever this says).
     pub model: ModelSpec,
-    /// The context instance's deployment and its bound planner.
-    pub ctx: (Mapping, BoundPlanner),
-    /// The generation instance's.
-    pub r#gen: (Mapping, BoundPlanner),
+    /// The prefill instance's deployment and its bound planner.
+    pub prefill: (Mapping, BoundPlanner),
+    /// The decode instance's.
+    pub decode: (Mapping, BoundPlanner),
     /// UCX transports.
     pub transport: TransportSpec,
     /// Tokens of every request.
@@ -78,7 +78,7 @@ pub struct TailReport {
 pub struct OverlapReport {
     /// The model preset.
     pub model: String,
-    /// Deployments, `ctx -> gen`.
+    /// Deployments, `prefill -> gen`.
     pub pair: String,
     /// The transport.
     pub transport: String,
@@ -94,7 +94,7 @@ pub struct OverlapReport {
     pub compute_ms: f64,
     /// Bytes moved per round (each mode).
     pub bytes_per_round: u64,
-    /// Layer-wise sends per round (all context ranks).
+    /// Layer-wise sends per round (all prefill ranks).
     pub sends_per_round: u64,
     /// Whole-request sends.
     pub whole: TailReport,
@@ -212,8 +212,8 @@ fn wait_until(deadline: Instant) {
 /// One mode of one round; returns (tail, bytes received).
 fn round(
     config: &OverlapConfig,
-    ctx: &Side,
-    r#gen: &Side,
+    prefill: &Side,
+    decode: &Side,
     endpoints: &[String],
     first_id: u64,
     layer_wise: bool,
@@ -226,7 +226,7 @@ fn round(
         start: 0,
         end: prompt,
     };
-    for (agent, info) in r#gen.agents.iter().zip(&r#gen.infos) {
+    for (agent, info) in decode.agents.iter().zip(&decode.infos) {
         for k in 0..config.requests {
             agent.expect(Expect {
                 request: first_id + k,
@@ -241,7 +241,8 @@ fn round(
         }
     }
     let layers = config.model.num_layers();
-    let per_rank: Vec<BTreeMap<u32, Vec<ViewId>>> = ctx.infos.iter().map(views_by_layer).collect();
+    let per_rank: Vec<BTreeMap<u32, Vec<ViewId>>> =
+        prefill.infos.iter().map(views_by_layer).collect();
     let send = |agent: &Agent, info: &RankInfo, views: Option<Vec<ViewId>>, last: bool| {
         for k in 0..config.requests {
             agent.send(SendChunk {
@@ -262,7 +263,7 @@ fn round(
         if !layer_wise {
             continue;
         }
-        for ((agent, info), views) in ctx.agents.iter().zip(&ctx.infos).zip(&per_rank) {
+        for ((agent, info), views) in prefill.agents.iter().zip(&prefill.infos).zip(&per_rank) {
             if let Some(v) = views.get(&l) {
                 let last = views.keys().next_back() == Some(&l);
                 send(agent, info, Some(v.clone()), last)?;
@@ -273,17 +274,17 @@ fn round(
     // (the layer-wise sends of earlier layers happen on this thread, as in an engine).
     let computed = Instant::now().max(t0 + config.layer_compute * layers);
     if !layer_wise {
-        for (agent, info) in ctx.agents.iter().zip(&ctx.infos) {
+        for (agent, info) in prefill.agents.iter().zip(&prefill.infos) {
             send(agent, info, None, true)?;
         }
     }
-    // Every generation rank's Received for every request.
-    let want = r#gen.agents.len() as u64 * config.requests;
+    // Every decode rank's Received for every request.
+    let want = decode.agents.len() as u64 * config.requests;
     let (mut got, mut bytes) = (0u64, 0u64);
     let deadline = Instant::now() + Duration::from_secs(120);
     let mut landed = computed;
     while got < want {
-        for agent in &r#gen.agents {
+        for agent in &decode.agents {
             for e in agent.poll() {
                 match e {
                     Event::Received { stats, .. } => {
@@ -291,7 +292,7 @@ fn round(
                         bytes += stats.bytes;
                         landed = Instant::now();
                     }
-                    other => bail!("a generation rank: {other:?}"),
+                    other => bail!("a decode rank: {other:?}"),
                 }
             }
         }
@@ -300,15 +301,15 @@ fn round(
         }
         std::thread::sleep(Duration::from_micros(20));
     }
-    // The context side's ends, so the next round starts clean.
-    let want = ctx.agents.len() as u64 * config.requests;
+    // The prefill side's ends, so the next round starts clean.
+    let want = prefill.agents.len() as u64 * config.requests;
     let mut sent = 0;
     while sent < want {
-        for agent in &ctx.agents {
+        for agent in &prefill.agents {
             for e in agent.poll() {
                 match e {
                     Event::Sent { .. } => sent += 1,
-                    other => bail!("a context rank: {other:?}"),
+                    other => bail!("a prefill rank: {other:?}"),
                 }
             }
         }
@@ -326,7 +327,7 @@ fn round(
 ///
 /// A layout or agent that cannot be made, a request that does not end well.
 pub fn run(config: &OverlapConfig) -> Result<OverlapReport> {
-    if config.ctx.0.attention_dp || config.r#gen.0.attention_dp {
+    if config.prefill.0.attention_dp || config.decode.0.attention_dp {
         bail!("--layer-compute-us: attention DP deployments are not measured (one DP group)");
     }
     if config.requests == 0 || config.prompt_len == 0 || config.rounds == 0 {
@@ -337,14 +338,14 @@ pub fn run(config: &OverlapConfig) -> Result<OverlapReport> {
         std::process::id()
     ))
     .map_err(|e| anyhow!("{e}"))?;
-    let ctx = start_side(config, "ctx", Role::Context, &config.ctx, &secret)?;
-    let endpoints: Vec<String> = ctx
+    let prefill = start_side(config, "ctx", Role::Prefill, &config.prefill, &secret)?;
+    let endpoints: Vec<String> = prefill
         .agents
         .iter()
         .filter_map(|a| a.endpoint().map(str::to_string))
         .collect();
-    let r#gen = start_side(config, "gen", Role::Generation, &config.r#gen, &secret)?;
-    let sends_per_round = ctx
+    let decode = start_side(config, "gen", Role::Decode, &config.decode, &secret)?;
+    let sends_per_round = prefill
         .infos
         .iter()
         .map(|i| views_by_layer(i).len() as u64 * config.requests)
@@ -362,7 +363,7 @@ pub fn run(config: &OverlapConfig) -> Result<OverlapReport> {
             [true, false]
         };
         for mode in order {
-            let (tail, bytes) = round(config, &ctx, &r#gen, &endpoints, next_id, mode)?;
+            let (tail, bytes) = round(config, &prefill, &decode, &endpoints, next_id, mode)?;
             next_id += config.requests;
             tails[usize::from(mode)] = tail;
             bytes_per_round = bytes;
@@ -378,7 +379,7 @@ pub fn run(config: &OverlapConfig) -> Result<OverlapReport> {
     let (w, l) = (Spread::of(&whole), Spread::of(&layer_wise));
     Ok(OverlapReport {
         model: config.model.name().to_string(),
-        pair: format!("{} -> {}", config.ctx.0, config.r#gen.0),
+        pair: format!("{} -> {}", config.prefill.0, config.decode.0),
         transport: config.transport.to_string(),
         layers,
         prompt_len: config.prompt_len,

@@ -14,9 +14,9 @@
 //! A request belongs to the control connection that submitted it, for good: any other
 //! connection's message about it is refused, naming it (see [`crate::control`]); nothing is
 //! released when a connection closes. A request's slots come back as an engine's would: on
-//! the context side once every rank here has ended it (its terminal event, whatever it is:
+//! the prefill side once every rank here has ended it (its terminal event, whatever it is:
 //! sent, lease lapsed, failed, cancelled), unless its plans are recorded for a replay; on the
-//! generation side once it failed on every rank here (a received request keeps them for
+//! decode side once it failed on every rank here (a received request keeps them for
 //! `Verify`); else at its release. Its record — statistics, outcome — stays until the
 //! release.
 
@@ -59,7 +59,7 @@ const DRAIN: Duration = Duration::from_millis(200);
 const PUMP_TICK: i32 = 100;
 /// The answer to `Bench`, `Fragments` and `Memcpy` without `--record-plans`.
 const NOT_RECORDING: &str =
-    "this context server does not record plans (start it with --record-plans)";
+    "this prefill server does not record plans (start it with --record-plans)";
 /// How long a bench replay may take beyond the request timeout.
 const REPLAY_GRACE: Duration = Duration::from_secs(5);
 
@@ -83,10 +83,10 @@ pub struct InstanceConfig {
 /// Options of a server beyond its instance.
 #[derive(Clone, Debug)]
 pub struct ServeOptions {
-    /// Context side: the side-channel listen address of every agent (port 0: each rank a
+    /// Prefill side: the side-channel listen address of every agent (port 0: each rank a
     /// free port; a fixed port needs `rank`).
     pub listen: String,
-    /// Context side: the host the agents advertise (default: the listen address, or the
+    /// Prefill side: the host the agents advertise (default: the listen address, or the
     /// first non-loopback interface address when that is unspecified).
     pub advertise: Option<String>,
     /// The control address (`127.0.0.1:0` picks a free loopback port).
@@ -97,15 +97,15 @@ pub struct ServeOptions {
     pub lease: Duration,
     /// How long a peer may stay silent before its requests fail.
     pub peer_timeout: Duration,
-    /// Generation side: the integrity digest asked of every piece (`AgentConfig::integrity`).
+    /// Decode side: the integrity digest asked of every piece (`AgentConfig::integrity`).
     pub integrity: Option<kvferry_transfer::agent::Integrity>,
     /// Salt of the oracle's tags and canaries; both servers of a pair must agree.
     pub seed: u64,
-    /// Fault injection, context side: sleep this long before every flush.
+    /// Fault injection, prefill side: sleep this long before every flush.
     pub stall: Duration,
-    /// Context side: side-channel connections each agent serves at once.
+    /// Prefill side: side-channel connections each agent serves at once.
     pub max_peer_connections: usize,
-    /// Context side: keep every written plan until its request is released, so
+    /// Prefill side: keep every written plan until its request is released, so
     /// [`ControlMessage::Bench`] can replay it (`kvferry bench`).
     pub record_plans: bool,
     /// PAGED slots of every PAGED pool.
@@ -265,7 +265,7 @@ struct Shared {
     next_controller: AtomicU64,
     /// The proven control connections still open.
     controllers: Mutex<HashSet<ControllerId>>,
-    /// Generation side: released or failed requests whose slots are being re-primed (taken
+    /// Decode side: released or failed requests whose slots are being re-primed (taken
     /// out of their record, not yet back in the free lists); `VerifyIdle` waits for them.
     repriming: AtomicUsize,
 }
@@ -288,7 +288,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// Lays out the ranks this server runs (pools allocated by UCX on one context), primes a
-/// generation server's pools with the canary, starts one agent per rank and binds the
+/// decode server's pools with the canary, starts one agent per rank and binds the
 /// control listener.
 ///
 /// # Errors
@@ -317,7 +317,7 @@ pub fn start(
         Some(r) => vec![r],
         None => (0..world).collect(),
     };
-    if hosted.len() > 1 && config.role == Role::Context {
+    if hosted.len() > 1 && config.role == Role::Prefill {
         let port = options
             .listen
             .rsplit_once(':')
@@ -380,7 +380,7 @@ pub fn start(
             .and_then(Option::take)
             .map(Arc::new)
             .ok_or_else(|| ServeError::Config(format!("rank {r} got no pools")))?;
-        if config.role == Role::Generation {
+        if config.role == Role::Decode {
             // Every free slot holds the canary: primed now, before any peer has our keys.
             prime_all(&oracle, &info, &pools)?;
         }
@@ -406,7 +406,7 @@ pub fn start(
         agent_config.max_connections = options.max_peer_connections;
         agent_config.cuda_device = config.cuda_device;
         agent_config.hook = hook.clone();
-        agent_config.record_plans = options.record_plans && config.role == Role::Context;
+        agent_config.record_plans = options.record_plans && config.role == Role::Prefill;
         agent_config.bounce = options.bounce;
         agent_config.integrity = options.integrity;
         // SAFETY: the pools were allocated on `context` by the allocator above, made by
@@ -520,7 +520,7 @@ impl Running {
         self.control_addr
     }
 
-    /// The side-channel endpoints of the context ranks this server runs, in rank order.
+    /// The side-channel endpoints of the prefill ranks this server runs, in rank order.
     pub fn endpoints(&self) -> Vec<String> {
         self.shared
             .agents_now()
@@ -697,14 +697,14 @@ impl Shared {
                 let _ = self.shutdown.send(());
                 return false;
             }
-            (ControlMessage::Submit(submit), Role::Context) => {
+            (ControlMessage::Submit(submit), Role::Prefill) => {
                 let request = submit.request;
                 let result = self.prefill(submit, controller).inspect_err(|e| {
                     tracing::warn!(request, error = %e, "prefill refused");
                 });
                 ControlMessage::Submitted { request, result }
             }
-            (ControlMessage::Submit(submit), Role::Generation) => {
+            (ControlMessage::Submit(submit), Role::Decode) => {
                 let request = submit.request;
                 match self.expect(submit, outbox, controller) {
                     Ok(()) => return true,
@@ -717,63 +717,63 @@ impl Shared {
                     }
                 }
             }
-            (ControlMessage::Release { request }, Role::Context) => {
+            (ControlMessage::Release { request }, Role::Prefill) => {
                 match self.release_outgoing(request, controller) {
                     Ok(()) => ControlMessage::Released { request },
                     Err(message) => refused(request, message),
                 }
             }
-            (ControlMessage::Release { request }, Role::Generation) => {
+            (ControlMessage::Release { request }, Role::Decode) => {
                 match self.release_incoming(request, controller) {
                     Ok(()) => ControlMessage::Released { request },
                     Err(message) => refused(request, message),
                 }
             }
-            (ControlMessage::Cancel { request, reason }, Role::Generation) => {
+            (ControlMessage::Cancel { request, reason }, Role::Decode) => {
                 match self.cancel_incoming(request, reason, Some(controller)) {
                     Ok(()) => return true,
                     Err(message) => refused(request, message),
                 }
             }
-            (ControlMessage::Verify { request, context }, Role::Generation) => {
+            (ControlMessage::Verify { request, context }, Role::Decode) => {
                 let result = self.verify(request, &context, controller);
                 ControlMessage::Verified { request, result }
             }
-            (ControlMessage::VerifyIdle, Role::Generation) => ControlMessage::IdleVerified {
+            (ControlMessage::VerifyIdle, Role::Decode) => ControlMessage::IdleVerified {
                 result: self.verify_idle(),
             },
-            (ControlMessage::Bench { .. }, Role::Context) if !self.record_plans => {
+            (ControlMessage::Bench { .. }, Role::Prefill) if !self.record_plans => {
                 ControlMessage::BenchDone {
                     result: Err(NOT_RECORDING.into()),
                 }
             }
-            (ControlMessage::Fragments { .. }, Role::Context) if !self.record_plans => {
+            (ControlMessage::Fragments { .. }, Role::Prefill) if !self.record_plans => {
                 ControlMessage::FragmentsDone {
                     result: Err(NOT_RECORDING.into()),
                 }
             }
-            (ControlMessage::Memcpy { .. }, Role::Context) if !self.record_plans => {
+            (ControlMessage::Memcpy { .. }, Role::Prefill) if !self.record_plans => {
                 ControlMessage::MemcpyDone {
                     result: Err(NOT_RECORDING.into()),
                 }
             }
-            (ControlMessage::Memcpy { requests }, Role::Context) => {
+            (ControlMessage::Memcpy { requests }, Role::Prefill) => {
                 let result = self.memcpy(&requests, controller).inspect_err(|e| {
                     tracing::warn!(error = %e, "bench memcpy failed");
                 });
                 ControlMessage::MemcpyDone { result }
             }
-            (ControlMessage::Stats { requests }, Role::Context) => ControlMessage::StatsDone {
+            (ControlMessage::Stats { requests }, Role::Prefill) => ControlMessage::StatsDone {
                 result: self.outgoing_stats(&requests, controller),
             },
-            (ControlMessage::Fragments { requests }, Role::Context) => {
+            (ControlMessage::Fragments { requests }, Role::Prefill) => {
                 ControlMessage::FragmentsDone {
                     result: self
                         .fragments(&requests, controller)
                         .and_then(fits_one_frame),
                 }
             }
-            (ControlMessage::Bench { requests }, Role::Context) => {
+            (ControlMessage::Bench { requests }, Role::Prefill) => {
                 let result = self.replay(&requests, controller).inspect_err(|e| {
                     tracing::warn!(error = %e, "bench replay failed");
                 });
@@ -796,7 +796,7 @@ impl Shared {
         !close
     }
 
-    /// The context side's "prefill": slots for the DP group's ranks served here, tags from
+    /// The prefill side's "prefill": slots for the DP group's ranks served here, tags from
     /// the oracle, then every chunk handed to each rank's agent. The request is
     /// `controller`'s.
     fn prefill(
@@ -1004,7 +1004,7 @@ impl Shared {
             return;
         }
         match self.role {
-            Role::Context => {
+            Role::Prefill => {
                 if let Event::Failed {
                     peer, kind, detail, ..
                 } = &event
@@ -1036,7 +1036,7 @@ impl Shared {
                 }
                 self.settle_outgoing_locked(&mut outgoing, id, recorded);
             }
-            Role::Generation => self.on_incoming_event(rank, event),
+            Role::Decode => self.on_incoming_event(rank, event),
         }
     }
 
@@ -1070,7 +1070,7 @@ impl Shared {
         }
     }
 
-    /// The generation side of a request: slots for the DP group's ranks served here (they
+    /// The decode side of a request: slots for the DP group's ranks served here (they
     /// hold the canary), then each rank's agent expects it; the outcome goes to the
     /// controller as [`ControlMessage::Done`] once every rank's terminal event is in. The
     /// request is `controller`'s (whose connection `outbox` writes to).
@@ -1462,7 +1462,7 @@ impl Shared {
         for (r, agent) in self.agents_now() {
             let rx = agent
                 .replay(requests)
-                .map_err(|e| format!("context rank {r}: {e}"))?;
+                .map_err(|e| format!("prefill rank {r}: {e}"))?;
             waiting.extend(rx.map(|rx| (r, rx)));
         }
         let limit = Instant::now() + self.timeout + REPLAY_GRACE;
@@ -1472,8 +1472,8 @@ impl Shared {
             let left = limit.saturating_duration_since(Instant::now());
             let replay = rx
                 .recv_timeout(left)
-                .map_err(|_| format!("context rank {r}: the replay did not finish in time"))?
-                .map_err(|e| format!("context rank {r}: {}", error_chain(&e)))?;
+                .map_err(|_| format!("prefill rank {r}: the replay did not finish in time"))?
+                .map_err(|e| format!("prefill rank {r}: {}", error_chain(&e)))?;
             stats.bytes += replay.written.bytes;
             stats.fragments += replay.written.fragments;
             stats.puts += replay.written.puts;
@@ -1496,7 +1496,7 @@ impl Shared {
     }
 
     /// The recorded fragments of `requests` copied with memcpy between buffers shaped like
-    /// the pools, one thread per context rank, timed from the first copy to the last.
+    /// the pools, one thread per prefill rank, timed from the first copy to the last.
     fn memcpy(&self, requests: &[u64], controller: ControllerId) -> Result<BenchStats, String> {
         let pairs = self.fragments(requests, controller)?;
         let mut arena = lock(&self.arena);
@@ -1515,7 +1515,7 @@ impl Shared {
         })
     }
 
-    /// The context side's statistics of `requests`, once every rank here has ended each (a
+    /// The prefill side's statistics of `requests`, once every rank here has ended each (a
     /// request not held here counts nothing; one another controller submitted refuses them
     /// all).
     fn outgoing_stats(
@@ -1559,7 +1559,7 @@ impl Shared {
         }
     }
 
-    /// The recorded fragments of `requests`, per (context rank, generation rank) pair.
+    /// The recorded fragments of `requests`, per (prefill rank, decode rank) pair.
     fn fragments(
         &self,
         requests: &[u64],
@@ -1572,7 +1572,7 @@ impl Shared {
             pairs.extend(
                 agent
                     .recorded_fragments(requests)
-                    .map_err(|e| format!("context rank {r}: {e}"))?,
+                    .map_err(|e| format!("prefill rank {r}: {e}"))?,
             );
         }
         Ok(pairs)

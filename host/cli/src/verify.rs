@@ -190,7 +190,7 @@ pub fn fill_slots(
 /// Checks a completed request's slots on every receiver rank: covered bytes hold their tags,
 /// the rest of those slots still hold the canary.
 ///
-/// `context` is every rank of the context DP group that served the request, with its slot
+/// `context` is every rank of the prefill DP group that served the request, with its slot
 /// tables; `pieces` every piece the senders planned.
 ///
 /// # Errors
@@ -212,7 +212,7 @@ pub fn verify_request(
             excluded: part.excluded,
         })
         .collect();
-    // The context ranks' pools live in another process: the oracle reads their geometry and
+    // The prefill ranks' pools live in another process: the oracle reads their geometry and
     // tables only (`UcxPools::is_backed` is false for them, whatever their addresses).
     let context_sides: Vec<RequestSide<'_>> = context
         .iter()
@@ -221,7 +221,7 @@ pub fn verify_request(
     let result = oracle.verify_in(
         &memory,
         &Delivery {
-            context: &context_sides,
+            prefill: &context_sides,
             receivers: &receiver_sides,
             pieces,
         },
@@ -253,7 +253,7 @@ pub fn verify_idle(
     let result = oracle.verify(
         &memory,
         &Delivery {
-            context: &[],
+            prefill: &[],
             receivers: &sides,
             pieces: &[],
         },

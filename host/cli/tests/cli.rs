@@ -446,16 +446,16 @@ fn a_config_file_names_the_planner_and_the_flag_wins() {
 }
 
 /// Runs `kvferry plan --json` for Llama-3-70B and returns the parsed report.
-fn llama_plan(ctx: &str, r#gen: &str, prompt: &str) -> Value {
-    llama_plan_with(ctx, r#gen, prompt, &[])
+fn llama_plan(ctx: &str, decode: &str, prompt: &str) -> Value {
+    llama_plan_with(ctx, decode, prompt, &[])
 }
 
-fn llama_plan_with(ctx: &str, r#gen: &str, prompt: &str, extra: &[&str]) -> Value {
-    plan_json("llama-3-70b", ctx, r#gen, prompt, extra)
+fn llama_plan_with(ctx: &str, decode: &str, prompt: &str, extra: &[&str]) -> Value {
+    plan_json("llama-3-70b", ctx, decode, prompt, extra)
 }
 
 /// Runs `kvferry plan --json` (plus `extra`), checks it succeeded and returns the report.
-fn plan_json(model: &str, ctx: &str, r#gen: &str, prompt: &str, extra: &[&str]) -> Value {
+fn plan_json(model: &str, ctx: &str, decode: &str, prompt: &str, extra: &[&str]) -> Value {
     let mut args = vec![
         "plan",
         "--model",
@@ -463,7 +463,7 @@ fn plan_json(model: &str, ctx: &str, r#gen: &str, prompt: &str, extra: &[&str]) 
         "--ctx",
         ctx,
         "--gen",
-        r#gen,
+        decode,
         "--prompt-len",
         prompt,
         "--json",
@@ -472,8 +472,8 @@ fn plan_json(model: &str, ctx: &str, r#gen: &str, prompt: &str, extra: &[&str]) 
     Kvferry::new().args(args).json()
 }
 
-/// Semantics §12.2 at 512 tokens (16 blocks of 32): ctx tp4 -> gen tp8, generation rank g is
-/// written by context rank g / 2 alone, one 8,192-byte head of every K and V buffer: 160
+/// Semantics §12.2 at 512 tokens (16 blocks of 32): ctx tp4 -> gen tp8, decode rank g is
+/// written by prefill rank g / 2 alone, one 8,192-byte head of every K and V buffer: 160
 /// fragments per block.
 #[test]
 fn llama_tp4_to_tp8_follows_the_head_split() {
@@ -493,7 +493,7 @@ fn llama_tp4_to_tp8_follows_the_head_split() {
     }
 }
 
-/// The reverse: generation rank g is written by context ranks 2g and 2g + 1, each placing
+/// The reverse: decode rank g is written by prefill ranks 2g and 2g + 1, each placing
 /// its head in every K and V buffer.
 #[test]
 fn llama_tp8_to_tp4_has_two_writers_per_receiver() {
@@ -682,7 +682,7 @@ fn sides_that_auto_select_different_planners_are_refused_naming_both() {
     let (_, stderr) = text(&out);
     assert!(
         stderr.contains(
-            "binds kvferry.deepseek_mla_latent and the generation instance binds kvferry.default"
+            "binds kvferry.deepseek_mla_latent and the decode instance binds kvferry.default"
         ),
         "{stderr}"
     );
@@ -787,7 +787,7 @@ fn plan_refuses_a_prompt_whose_pools_exceed_the_host_with_the_numbers() {
         ],
         &[
             "kvferry: --prompt-len 100000000 with --tokens-per-block 32 cannot fit: backing the \
-             pools of 1 receiving generation rank needs 34816.02 GB (34816015728640 bytes); ",
+             pools of 1 receiving decode rank needs 34816.02 GB (34816015728640 bytes); ",
             " available (",
         ],
     );
@@ -811,7 +811,7 @@ fn plan_refuses_a_block_size_whose_pools_no_rank_can_hold() {
             "4000000000",
         ],
         &[
-            "kvferry: --prompt-len 1000 with --tokens-per-block 4000000000 cannot fit: ctx rank \
+            "kvferry: --prompt-len 1000 with --tokens-per-block 4000000000 cannot fit: prefill rank \
              0 (tp1): its pools would take 3932160.00 GB (3932160000000000 bytes)",
             "one rank may hold at most 64 TiB (70368744177664 bytes)",
         ],

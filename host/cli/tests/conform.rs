@@ -55,7 +55,7 @@ fn the_planner_template_conforms() {
     assert!(
         results
             .iter()
-            .any(|r| r["verdict"] == "passed" && r["ctx"] == "tp4" && r["gen"] == "tp4"),
+            .any(|r| r["verdict"] == "passed" && r["prefill"] == "tp4" && r["decode"] == "tp4"),
         "{v}"
     );
 }

@@ -47,7 +47,7 @@ fn refused(client: &Client, id: u64, message: Message) -> String {
     }
 }
 
-/// The reasons a context server gives `client` for `Stats`, `Bench`, `Fragments`, `Memcpy`
+/// The reasons a prefill server gives `client` for `Stats`, `Bench`, `Fragments`, `Memcpy`
 /// and a `Submit` of request `s`, in that order.
 fn context_refusals(client: &Client, s: &Submit) -> Vec<String> {
     let requests = vec![s.request];
@@ -92,14 +92,14 @@ fn a_controller_cannot_touch_another_controllers_request() {
         "dep2",
         &["--record-plans", "--debug-stall-ms", "1500"],
     );
-    let r#gen = deepseek("generation", "dep4", &[]);
-    let (ca, ga) = (ctx.client(), r#gen.client());
-    let (cb, gb) = (ctx.client(), r#gen.client());
+    let decode = deepseek("generation", "dep4", &[]);
+    let (ca, ga) = (ctx.client(), decode.client());
+    let (cb, gb) = (ctx.client(), decode.client());
 
     let a = submit(1, 200);
     let tables = prefill(&ca, &a);
     start(&ga, &a, &ctx);
-    // Once the generation server holds A's request, B is told whose it is (before that, it
+    // Once the decode server holds A's request, B is told whose it is (before that, it
     // is not held there).
     let mut waited = Duration::ZERO;
     let error = loop {
@@ -127,7 +127,7 @@ fn a_controller_cannot_touch_another_controllers_request() {
     };
     assert_foreign(&error, 1);
 
-    // Generation side: cancel, release and a second submit of the id.
+    // Decode side: cancel, release and a second submit of the id.
     let cancel = Message::Cancel {
         request: 1,
         reason: "B wants it gone".into(),
@@ -146,7 +146,7 @@ fn a_controller_cannot_touch_another_controllers_request() {
         }
         other => panic!("B's Submit of A's id: {other:?}"),
     }
-    // Context side: release, statistics, the bench's replays, a second prefill of the id.
+    // Prefill side: release, statistics, the bench's replays, a second prefill of the id.
     assert_foreign(&refused(&cb, 1, Message::Release { request: 1 }), 1);
     for e in context_refusals(&cb, &a) {
         assert_foreign(&e, 1);
@@ -210,8 +210,8 @@ fn a_controller_cannot_touch_another_controllers_request() {
 #[test]
 fn a_lapsed_lease_frees_the_prefilled_slots() {
     let ctx = deepseek("context", "dep2", &["--lease-ms", "2000"]);
-    let r#gen = deepseek("generation", "dep4", &[]);
-    let (c, g) = (ctx.client(), r#gen.client());
+    let decode = deepseek("generation", "dep4", &[]);
+    let (c, g) = (ctx.client(), decode.client());
     let prefill_error = |id: u64| match c.call(Message::Submit(submit(id, BIG)), REPLY).unwrap() {
         Message::Submitted { result: Err(e), .. } => e,
         other => panic!("prefill of request {id} should not fit: {other:?}"),
@@ -264,10 +264,10 @@ fn a_lapsed_lease_frees_the_prefilled_slots() {
 #[test]
 fn a_failed_generation_request_frees_its_slots() {
     let ctx = deepseek("context", "dep2", &[]);
-    let r#gen = deepseek("generation", "dep2", &["--timeout-ms", "1000"]);
-    let (c, g) = (ctx.client(), r#gen.client());
+    let decode = deepseek("generation", "dep2", &["--timeout-ms", "1000"]);
+    let (c, g) = (ctx.client(), decode.client());
 
-    // Never prefilled: the context side stashes the claim, the generation side times out.
+    // Never prefilled: the prefill side stashes the claim, the decode side times out.
     start(&g, &submit(1, BIG), &ctx);
     let (_, result) = wait_done(&g, &[1]).remove(0);
     let error = result.expect_err("a request nobody writes must fail");

@@ -316,7 +316,7 @@ const SERVE_CUDA: [&str; 13] = [
 enum Served {
     Listened,
     Exited {
-        /// Why it did not start, as `kvferry demo` reports it: `generation server: exited
+        /// Why it did not start, as `kvferry demo` reports it: `decode server: exited
         /// before it listened (exit status: N): ...`.
         error: String,
         /// Its whole standard error.
@@ -379,10 +379,7 @@ fn serve_memory_cuda_refuses_cleanly_or_serves() {
         // The child's own error line is in the error that it did not start (and only there:
         // it is not passed through as well).
         assert!(error.contains(EXITED_1), "{error}\n{stderr}");
-        assert!(
-            error.contains(": starting generation instance gen-"),
-            "{error}"
-        );
+        assert!(error.contains(": starting decode instance gen-"), "{error}");
         assert!(
             error.contains("no CUDA driver: libcuda not found (searched for "),
             "{error}"
@@ -405,8 +402,8 @@ fn serve_memory_cuda_refuses_cleanly_or_serves() {
             let last = stderr.lines().last().unwrap_or_default();
             assert!(
                 last.starts_with(
-                    "kvferry: context server: exited before it listened (exit status: 1): \
-                     starting context instance ctx-"
+                    "kvferry: prefill server: exited before it listened (exit status: 1): \
+                     starting prefill instance ctx-"
                 ),
                 "{command}: {stderr}"
             );

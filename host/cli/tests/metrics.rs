@@ -23,7 +23,7 @@ fn total(text: &str, name: &str, labels: &[&str]) -> f64 {
 fn metrics_during_a_demo_count_what_the_demo_reports() {
     let extra = ["--metrics-listen", "127.0.0.1:0"];
     let ctx = Server::start("context", "llama-3-70b", "tp1", "tcp", &extra);
-    let r#gen = Server::start("generation", "llama-3-70b", "tp2", "tcp", &extra);
+    let decode = Server::start("generation", "llama-3-70b", "tp2", "tcp", &extra);
     let scrape = |s: &Server| {
         let addr = s
             .metrics
@@ -34,7 +34,7 @@ fn metrics_during_a_demo_count_what_the_demo_reports() {
         body
     };
     // Before any request: every series is there, at zero.
-    let before = scrape(&r#gen);
+    let before = scrape(&decode);
     assert_eq!(total(&before, "kvferry_requests_total", &[]), 0.0);
     assert_eq!(total(&before, "kvferry_peers", &[]), 0.0);
 
@@ -48,18 +48,18 @@ fn metrics_during_a_demo_count_what_the_demo_reports() {
         "--ctx-at",
         &ctx.control,
         "--gen-at",
-        &r#gen.control,
+        &decode.control,
         "--requests",
         "6",
         "--prompt-len",
         "300",
     ]);
     assert_eq!(report["verified"], true, "{report}");
-    let (ctx_text, gen_text) = (scrape(&ctx), scrape(&r#gen));
+    let (ctx_text, gen_text) = (scrape(&ctx), scrape(&decode));
     let requests = report["requests"].as_u64().unwrap() as f64;
     let bytes = report["bytes"].as_u64().unwrap() as f64;
 
-    // The one context rank sent each request once; each of the two generation ranks
+    // The one prefill rank sent each request once; each of the two decode ranks
     // received its half of each.
     let sent = total(&ctx_text, "kvferry_requests_total", &[r#"outcome="sent""#]);
     let received = total(
@@ -106,14 +106,11 @@ fn metrics_during_a_demo_count_what_the_demo_reports() {
     );
     assert!(total(&gen_text, "kvferry_transfer_duration_seconds_sum", &[]) > 0.0);
     // Each series per rank, labelled.
-    assert!(
-        gen_text.contains(r#"rank="1",role="generation""#),
-        "{gen_text}"
-    );
-    // The generation ranks are linked to the context rank.
+    assert!(gen_text.contains(r#"rank="1",role="decode""#), "{gen_text}");
+    // The decode ranks are linked to the prefill rank.
     assert_eq!(total(&gen_text, "kvferry_peers", &[]), 2.0, "{gen_text}");
 
-    let addr = r#gen.metrics.as_deref().unwrap();
+    let addr = decode.metrics.as_deref().unwrap();
     assert_eq!(get(addr, "/").unwrap().0, 404);
     assert_eq!(get(addr, "/metrics?x=1").unwrap().0, 200);
 }

@@ -13,7 +13,7 @@ use support::{Kvferry, text};
 const REBUILD: &str = "kvferry: this kvferry was built without the `cuda` feature; rebuild with \
                        `cargo build --features cuda`";
 
-/// `kvferry serve` of a small generation instance, plus `extra`.
+/// `kvferry serve` of a small decode instance, plus `extra`.
 fn serve(extra: &[&str]) -> Output {
     let mut args = vec![
         "serve",

@@ -21,7 +21,7 @@ const MLA: &str = "kvferry.deepseek_mla_latent";
 #[test]
 fn bench_exports_the_fragments_it_moves() {
     let dir = tempfile::tempdir().unwrap();
-    for (model, ctx, r#gen, planner, transport) in [
+    for (model, ctx, decode, planner, transport) in [
         ("deepseek-v3", "dep2", "dep2", MLA, "shm"),
         ("llama-3-70b", "tp2", "tp4", "kvferry.default", "tcp"),
     ] {
@@ -32,7 +32,7 @@ fn bench_exports_the_fragments_it_moves() {
             "--ctx",
             ctx,
             "--gen",
-            r#gen,
+            decode,
             "--prompt-len",
             "96",
             "--requests",
@@ -55,8 +55,8 @@ fn bench_exports_the_fragments_it_moves() {
         assert_eq!(f["format"], kvferry_cli::bench::FRAGMENTS_FORMAT);
         assert_eq!(f["transport"], transport);
         assert_eq!(f["planner"], planner);
-        assert_eq!(f["ctx"], ctx);
-        assert_eq!(f["gen"], r#gen);
+        assert_eq!(f["prefill"], ctx);
+        assert_eq!(f["decode"], decode);
         // The product's transport list (shm leaves cma out: UCX 1.22 would make every put
         // over 4 KiB a system call).
         let tls = if transport == "shm" {
@@ -105,7 +105,7 @@ fn bench_exports_the_fragments_it_moves() {
     }
 }
 
-/// `Fragments` needs a recording context server, like `Bench`.
+/// `Fragments` needs a recording prefill server, like `Bench`.
 /// `kvferry bench ARGS --json` with no planner configuration from the environment.
 fn bench(args: &[&str]) -> Value {
     let v = Kvferry::new()
@@ -405,7 +405,7 @@ fn bench_with_perftest_reports_its_bandwidth() {
     );
 }
 
-/// `Bench`, `Fragments` and `Memcpy` are refused by a context server that does not record plans,
+/// `Bench`, `Fragments` and `Memcpy` are refused by a prefill server that does not record plans,
 /// naming the flag, and by one that does for a request it does not hold, naming it.
 #[test]
 fn bench_and_fragments_need_a_recording_context_server() {
@@ -555,7 +555,7 @@ fn bench_messages_round_trip() {
 }
 
 /// `--layer-compute-us`: both modes measured in one process over per-layer pools, TP 2 ->
-/// TP 1 (each generation rank written by both context ranks), every send and every
+/// TP 1 (each decode rank written by both prefill ranks), every send and every
 /// reception accounted for; the tails are times, never asserted on.
 #[test]
 fn bench_measures_the_layer_wise_tail() {
@@ -583,7 +583,7 @@ fn bench_measures_the_layer_wise_tail() {
         ])
         .json();
     assert_eq!(v["layers"], 36, "{v}");
-    // Two context ranks, each sending 36 layers of 2 requests.
+    // Two prefill ranks, each sending 36 layers of 2 requests.
     assert_eq!(v["sends_per_round"], 2 * 36 * 2, "{v}");
     // 64 tokens x 36 layers x 8 KV heads x 64 x 2 bytes, K and V, 2 requests.
     assert_eq!(v["bytes_per_round"], 64 * 36 * 8 * 64 * 2 * 2 * 2, "{v}");

@@ -1,4 +1,4 @@
-//! Failures between real processes: refused peers, a context server killed mid-transfer, a
+//! Failures between real processes: refused peers, a prefill server killed mid-transfer, a
 //! hung one, requests that arrive before their prefill, forged registrations. In every case
 //! only the requests addressed to the bad peer fail, with an error naming it, and the
 //! servers keep serving.
@@ -24,17 +24,17 @@ fn deepseek(role: &'static str, spec: &str, transport: &str, extra: &[&str]) -> 
     Server::start(role, DEEPSEEK, spec, transport, &args)
 }
 
-/// Whether `error` names the context server `peer`: its instance, or one of its endpoints.
+/// Whether `error` names the prefill server `peer`: its instance, or one of its endpoints.
 fn names(error: &str, peer: &Server) -> bool {
     error.contains(&peer.info().instance) || peer.addr.split(',').any(|ep| error.contains(ep))
 }
 
-/// A generation server with three context peers: one compatible, one bound to another
+/// A decode server with three context peers: one compatible, one bound to another
 /// planner, one whose cache blocks differ (refused by the planner's `check_peer`, naming the
 /// field). Refusals are cached and fail only the requests addressed to those peers.
 #[test]
 fn incompatible_peers_are_refused_with_their_reason_while_a_compatible_peer_works() {
-    let r#gen = deepseek("generation", "dep4", "shm", &[]);
+    let decode = deepseek("generation", "dep4", "shm", &[]);
     let good = deepseek("context", "dep2", "shm", &[]);
     let other_planner = Server::start(
         "context",
@@ -44,7 +44,7 @@ fn incompatible_peers_are_refused_with_their_reason_while_a_compatible_peer_work
         &["--planner", "kvferry.default"],
     );
     let other_blocks = deepseek("context", "dep2", "shm", &["--tokens-per-block", "64"]);
-    let g = r#gen.client();
+    let g = decode.client();
 
     let fail = |peer: &Server, id: u64| -> String {
         let s = submit(id, 100);
@@ -67,7 +67,7 @@ fn incompatible_peers_are_refused_with_their_reason_while_a_compatible_peer_work
     );
 
     // The compatible peer is unaffected, before and after.
-    exchange(&good, &r#gen, &[submit(2, 120), submit(3, 33)]);
+    exchange(&good, &decode, &[submit(2, 120), submit(3, 33)]);
 
     // The verdict is cached: the same reason again, without a new registration.
     let again = fail(&other_planner, 4);
@@ -86,11 +86,11 @@ fn incompatible_peers_are_refused_with_their_reason_while_a_compatible_peer_work
         "{blocks}"
     );
 
-    exchange(&good, &r#gen, &[submit(6, 64)]);
+    exchange(&good, &decode, &[submit(6, 64)]);
 }
 
 /// A refusal belongs to the rank that earned it (its identity: instance, rank, epoch), not to
-/// its address: a context rank restarted under the same name on the same address with a
+/// its address: a prefill rank restarted under the same name on the same address with a
 /// compatible planner is vetted anew and serves. One process per rank (`--rank`), as
 /// engines run them, so the rank can keep a fixed port.
 #[test]
@@ -102,8 +102,8 @@ fn a_refused_peer_restarted_compatible_on_the_same_address_is_accepted() {
         .port()
         .to_string();
     let listen = format!("127.0.0.1:{port}");
-    let r#gen = deepseek("generation", "dep4", "shm", &[]);
-    let g = r#gen.client();
+    let decode = deepseek("generation", "dep4", "shm", &[]);
+    let g = decode.client();
     let rank0 = |planner: &str| {
         Server::start(
             "context",
@@ -136,15 +136,15 @@ fn a_refused_peer_restarted_compatible_on_the_same_address_is_accepted() {
     // The same name and address, now a compatible rank.
     let right = rank0(MLA);
     assert_eq!(right.addr, listen);
-    exchange(&right, &r#gen, &[submit(2, 120)]);
+    exchange(&right, &decode, &[submit(2, 120)]);
 }
 
-/// The context server is killed while its rank threads hold issued puts (stalled before the
-/// flush): the generation side fails that request as soon as the control connection drops,
+/// The prefill server is killed while its rank threads hold issued puts (stalled before the
+/// flush): the decode side fails that request as soon as the control connection drops,
 /// long before its timeout, names the peer, and keeps serving another peer.
 fn killed_mid_transfer(transport: &str) {
     let timeout_ms = 30_000;
-    let r#gen = deepseek(
+    let decode = deepseek(
         "generation",
         "dep4",
         transport,
@@ -152,7 +152,7 @@ fn killed_mid_transfer(transport: &str) {
     );
     let live = deepseek("context", "dep2", transport, &[]);
     let mut doomed = deepseek("context", "dep2", transport, &["--debug-stall-ms", "20000"]);
-    let g = r#gen.client();
+    let g = decode.client();
 
     let s = submit(1, 300);
     let _ = prefill(&doomed.client(), &s);
@@ -173,7 +173,7 @@ fn killed_mid_transfer(transport: &str) {
     release(&g, 1);
 
     // Later requests to a live peer succeed; the dead one is reported as unreachable.
-    exchange(&live, &r#gen, &[submit(2, 200), submit(3, 77)]);
+    exchange(&live, &decode, &[submit(2, 200), submit(3, 77)]);
     let s = submit(4, 50);
     start_from(&g, &s, &peer);
     let (_, result) = wait_done(&g, &[4]).remove(0);
@@ -198,29 +198,29 @@ fn context_killed_mid_transfer_fails_only_its_requests_tcp() {
     killed_mid_transfer("tcp");
 }
 
-/// A context server whose writer stalls past the deadline: a live peer keeps working
+/// A prefill server whose writer stalls past the deadline: a live peer keeps working
 /// meanwhile; the request times out naming the missing writer, and its `Done` comes only
 /// once that writer answered the cancel (its stalled puts flushed), so the slots are free —
 /// every pool holds its canary — as soon as it is released.
 #[test]
 fn hung_peer_times_out_and_its_slots_are_quarantined() {
-    let r#gen = deepseek("generation", "dep4", "shm", &["--timeout-ms", "1000"]);
+    let decode = deepseek("generation", "dep4", "shm", &["--timeout-ms", "1000"]);
     let live = deepseek("context", "dep2", "shm", &[]);
     let slow = deepseek("context", "dep2", "shm", &["--debug-stall-ms", "4000"]);
-    let g = r#gen.client();
+    let g = decode.client();
 
     let s = submit(1, 100);
     let _ = prefill(&slow.client(), &s);
     let started = Instant::now();
     start(&g, &s, &slow);
     // The live peer is served while the slow one holds request 1.
-    exchange_without_idle_check(&live, &r#gen, 2);
+    exchange_without_idle_check(&live, &decode, 2);
     let (_, result) = wait_done(&g, &[1]).remove(0);
     let waited = started.elapsed();
     let error = result.expect_err("a hung peer's request must time out");
     assert!(error.contains("timed out after 1000 ms"), "{error}");
     assert!(names(&error, &slow), "{error}");
-    assert!(error.contains("ctx rank 0 -> gen rank 0"), "{error}");
+    assert!(error.contains("prefill rank 0 -> decode rank 0"), "{error}");
     // Not before the writer let go of the slots (its stall ends after 4 s).
     assert!(waited >= Duration::from_secs(3), "Done after {waited:?}");
     release(&g, 1);
@@ -228,8 +228,8 @@ fn hung_peer_times_out_and_its_slots_are_quarantined() {
     assert!(idle.ok, "{}", idle.detail);
 }
 
-fn exchange_without_idle_check(ctx: &Server, r#gen: &Server, id: u64) {
-    let (c, g) = (ctx.client(), r#gen.client());
+fn exchange_without_idle_check(ctx: &Server, decode: &Server, id: u64) {
+    let (c, g) = (ctx.client(), decode.client());
     let s = submit(id, 150);
     let tables = prefill(&c, &s);
     start(&g, &s, ctx);
@@ -241,13 +241,13 @@ fn exchange_without_idle_check(ctx: &Server, r#gen: &Server, id: u64) {
     release(&c, id);
 }
 
-/// `RequestData` that reaches the context server before the request's prefill is stashed
+/// `RequestData` that reaches the prefill server before the request's prefill is stashed
 /// and served once the prefill comes.
 #[test]
 fn request_data_before_prefill_is_served_after_it_tcp() {
-    let r#gen = deepseek("generation", "dep4", "tcp", &[]);
+    let decode = deepseek("generation", "dep4", "tcp", &[]);
     let ctx = deepseek("context", "dep2", "tcp", &[]);
-    let (c, g) = (ctx.client(), r#gen.client());
+    let (c, g) = (ctx.client(), decode.client());
     let mut s = submit(7, 250);
     s.ctx_dp_rank = 1;
     s.gen_dp_rank = 3;
@@ -262,9 +262,9 @@ fn request_data_before_prefill_is_served_after_it_tcp() {
     assert!(summary.bytes_covered > 0);
 }
 
-/// Peers prove the deployment's secret before anything else: a generation server holding
-/// another secret is refused by the context ranks (nothing moves, its request fails naming
-/// the refusal), while a generation server with the right one is served by the same ranks.
+/// Peers prove the deployment's secret before anything else: a decode server holding
+/// another secret is refused by the prefill ranks (nothing moves, its request fails naming
+/// the refusal), while a decode server with the right one is served by the same ranks.
 #[test]
 fn a_generation_server_with_another_secret_is_refused_and_nothing_moves() {
     let ctx = deepseek("context", "dep2", "shm", &[]);
@@ -310,14 +310,14 @@ fn a_generation_server_with_another_secret_is_refused_and_nothing_moves() {
 /// fails at once with the controller's reason.
 #[test]
 fn empty_plans_complete_and_cancel_fails_a_request() {
-    let r#gen = deepseek("generation", "dep4", "shm", &[]);
+    let decode = deepseek("generation", "dep4", "shm", &[]);
     let ctx = deepseek("context", "dep2", "shm", &[]);
     let slow = deepseek("context", "dep2", "shm", &["--debug-stall-ms", "2000"]);
-    let g = r#gen.client();
+    let g = decode.client();
 
     let mut s = submit(1, 96);
     s.cached = 96;
-    let stats = exchange(&ctx, &r#gen, &[s]);
+    let stats = exchange(&ctx, &decode, &[s]);
     assert_eq!(stats[0].bytes, 0);
     assert_eq!(stats[0].writers, 1);
 
@@ -339,13 +339,13 @@ fn empty_plans_complete_and_cancel_fails_a_request() {
 /// needing almost every slot runs afterwards.
 #[test]
 fn racing_submits_of_one_id_take_one_and_leak_nothing() {
-    let r#gen = deepseek("generation", "dep2", "shm", &[]);
+    let decode = deepseek("generation", "dep2", "shm", &[]);
     let ctx = deepseek("context", "dep2", "shm", &[]);
     // 1,400 tokens: 44 of each pool's 48 slots, so a leaked allocation starves the next.
     let s = submit(7, 1400);
     let c = ctx.client();
     let tables = prefill(&c, &s);
-    let clients: Vec<Client> = (0..4).map(|_| r#gen.client()).collect();
+    let clients: Vec<Client> = (0..4).map(|_| decode.client()).collect();
     let peer = ctx.peer();
     let barrier = std::sync::Barrier::new(clients.len());
     let results: Vec<(Client, Result<RequestStats, String>)> = thread::scope(|scope| {
@@ -378,7 +378,7 @@ fn racing_submits_of_one_id_take_one_and_leak_nothing() {
     release(&c, 7);
     verify_idle(g);
     // Every slot came back: another request of 44 blocks is served.
-    exchange(&ctx, &r#gen, &[submit(8, 1400)]);
+    exchange(&ctx, &decode, &[submit(8, 1400)]);
 }
 
 /// Two writers whose plans fill the same bytes of the receiver's slots (and leave the rest

@@ -61,7 +61,7 @@ fn deepseek_v3_dep2_to_dep4_mla_planner_tcp() {
     deepseek_dep2_to_dep4("tcp", &[]);
 }
 
-fn llama(ctx: &str, r#gen: &str, transport: &str) {
+fn llama(ctx: &str, decode: &str, transport: &str) {
     let _ = demo_ok(
         &[
             "--model",
@@ -69,7 +69,7 @@ fn llama(ctx: &str, r#gen: &str, transport: &str) {
             "--ctx",
             ctx,
             "--gen",
-            r#gen,
+            decode,
             "--planner",
             "kvferry.default",
             "--requests",
@@ -143,7 +143,7 @@ fn hybrid_with(transport: &str, extra: &[&str]) -> Vec<kvferry_transfer::outcome
     hybrid_in_parts(transport, extra, 1)
 }
 
-/// The hybrid requests, each chunk sent in `parts` layer-wise sends (the context ranks have
+/// The hybrid requests, each chunk sent in `parts` layer-wise sends (the prefill ranks have
 /// three views: attention, conv, ssm).
 fn hybrid_in_parts(
     transport: &str,
@@ -152,7 +152,7 @@ fn hybrid_in_parts(
 ) -> Vec<kvferry_transfer::outcome::RequestStats> {
     let model = "qwen3-next-80b-a3b";
     let ctx = Server::start("context", model, "tp2", transport, extra);
-    let r#gen = Server::start("generation", model, "tp4", transport, extra);
+    let decode = Server::start("generation", model, "tp4", transport, extra);
     let whole = submit(1, 100);
     let pieces = chunked(submit(2, 150), 64);
     let mut cached = submit(3, 130);
@@ -163,7 +163,7 @@ fn hybrid_in_parts(
     for s in &mut submits {
         s.layer_parts = parts;
     }
-    let stats = exchange(&ctx, &r#gen, &submits);
+    let stats = exchange(&ctx, &decode, &submits);
     // tp2 -> tp4: every receiver rank has one writer.
     assert!(stats.iter().all(|s| s.writers == 4), "{stats:?}");
     // Chunked requests report one completion per send per writer.
@@ -274,7 +274,7 @@ fn one_process_per_rank_driven_by_demo_ctx_at_gen_at_tcp() {
             .collect()
     };
     let ctx = per_rank("context", "tp2", 2, "prefill");
-    let r#gen = per_rank("generation", "tp4", 4, "decode");
+    let decode = per_rank("generation", "tp4", 4, "decode");
     let controls = |servers: &[Server]| {
         servers
             .iter()
@@ -282,7 +282,7 @@ fn one_process_per_rank_driven_by_demo_ctx_at_gen_at_tcp() {
             .collect::<Vec<_>>()
             .join(",")
     };
-    let (ctx_at, gen_at) = (controls(&ctx), controls(&r#gen));
+    let (ctx_at, gen_at) = (controls(&ctx), controls(&decode));
     for _ in 0..2 {
         let v = demo_ok(
             &[
@@ -312,7 +312,7 @@ fn one_process_per_rank_driven_by_demo_ctx_at_gen_at_tcp() {
         assert_eq!(v["planner"], "kvferry.default");
     }
     // Every rank is its own process, each with its own agent.
-    for s in ctx.iter().chain(&r#gen) {
+    for s in ctx.iter().chain(&decode) {
         assert_eq!(s.info().ranks.len(), 1);
     }
 }
@@ -349,11 +349,11 @@ fn demo_refuses_servers_that_are_not_one_whole_instance() {
     let out = run(a.control.clone());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
-    assert!(stderr.contains("rank 1 of context instance"), "{stderr}");
+    assert!(stderr.contains("rank 1 of prefill instance"), "{stderr}");
 }
 
 /// Differing block sizes between the two sides (semantics §3.2 rule 4), end to end: the
-/// context side's 16-token blocks re-blocked into the generation side's 32-token ones,
+/// prefill side's 16-token blocks re-blocked into the decode side's 32-token ones,
 /// chunked with a cached prefix, every byte verified; and the other way round over tcp.
 #[test]
 fn llama_3_70b_differing_tokens_per_block_both_ways() {
@@ -396,7 +396,7 @@ fn llama_3_70b_differing_tokens_per_block_both_ways() {
     run("64", "32", "tcp");
 }
 
-/// `--integrity`: the generation server checks every piece against its writer's digest —
+/// `--integrity`: the decode server checks every piece against its writer's digest —
 /// the hybrid preset's paged blocks and recurrent state, chunked and with cached prefixes,
 /// over tcp with XXH3, and DeepSeek-V3's latent cache through the demo over shm with CRC-32C
 /// — every byte verified by the oracle as well.

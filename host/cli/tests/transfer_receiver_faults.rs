@@ -1,12 +1,12 @@
-//! Receivers that die or hang while a context server writes into them, over tcp (where every
-//! put needs the receiver to progress). The context rank's agent gives up on that request —
+//! Receivers that die or hang while a prefill server writes into them, over tcp (where every
+//! put needs the receiver to progress). The prefill rank's agent gives up on that request —
 //! at its deadline (or the peer timeout) for a hung receiver, as soon as UCX or the side
 //! channel reports the peer gone for a killed one — names the receiver, and goes on serving
-//! other generation servers on the same rank thread.
+//! other decode servers on the same rank thread.
 //!
 //! To hang the writer deterministically the receiver is frozen (SIGSTOP) *before* any UCX
-//! traffic: its claim reaches the context rank ahead of the prefill (and is stashed), the
-//! receiver is stopped, then the prefill makes the context rank write to a worker that
+//! traffic: its claim reaches the prefill rank ahead of the prefill (and is stashed), the
+//! receiver is stopped, then the prefill makes the prefill rank write to a worker that
 //! cannot answer.
 
 use crate::support;
@@ -74,33 +74,33 @@ fn gen_name(server: &Server) -> String {
     format!("gen-{}", server.child.id())
 }
 
-/// Request `s`, submitted on `client` (a connection to `r#gen`, which gets its `Done`),
-/// reaches the context server before its prefill (its claim is stashed); then `r#gen` is
+/// Request `s`, submitted on `client` (a connection to `decode`, which gets its `Done`),
+/// reaches the prefill server before its prefill (its claim is stashed); then `decode` is
 /// frozen, and the prefill on `ctx_client` (a connection to `ctx`, the only one that may
 /// release it) starts the write.
 fn freeze_then_prefill(
     ctx: &Logged,
     ctx_client: &Client,
-    r#gen: &Server,
+    decode: &Server,
     client: &Client,
     s: &Submit,
 ) -> Instant {
     start(client, s, &ctx.server);
     ctx.wait_for(&["claim stashed until its send"], REPLY);
-    signal(r#gen, "-STOP");
+    signal(decode, "-STOP");
     let _ = prefill(ctx_client, s);
     Instant::now()
 }
 
-/// A context server (dep2, its extra flags `ctx_args`) and a generation server (dep4) whose
-/// request 1 (300 tokens in chunks of 64) is prefilled once the generation server is frozen.
+/// A prefill server (dep2, its extra flags `ctx_args`) and a decode server (dep4) whose
+/// request 1 (300 tokens in chunks of 64) is prefilled once the decode server is frozen.
 struct Frozen {
     ctx: Logged,
-    r#gen: Server,
-    /// Connections to the generation and the context server.
+    decode: Server,
+    /// Connections to the generation and the prefill server.
     g: Client,
     c: Client,
-    /// The generation server's instance name.
+    /// The decode server's instance name.
     name: String,
     /// When the prefill started the write.
     since: Instant,
@@ -114,19 +114,19 @@ impl Frozen {
             ctx_args,
             "kvferry=info,kvferry_transfer::agent=debug",
         );
-        let r#gen = Server::start(
+        let decode = Server::start(
             "generation",
             DEEPSEEK,
             "dep4",
             "tcp",
             &["--planner", MLA, "--timeout-ms", "60000"],
         );
-        let (g, c) = (r#gen.client(), ctx.server.client());
-        let name = gen_name(&r#gen);
-        let since = freeze_then_prefill(&ctx, &c, &r#gen, &g, &chunked(submit(1, 300), 64));
+        let (g, c) = (decode.client(), ctx.server.client());
+        let name = gen_name(&decode);
+        let since = freeze_then_prefill(&ctx, &c, &decode, &g, &chunked(submit(1, 300), 64));
         Frozen {
             ctx,
-            r#gen,
+            decode,
             g,
             c,
             name,
@@ -138,7 +138,7 @@ impl Frozen {
 /// A hung receiver that stays registered (its keep-alives still flow, as from a peer that
 /// stopped reading only its UCX socket) is modelled by a peer timeout longer than the test:
 /// the write times out at the context's deadline naming the receiver, its puts quarantined;
-/// a second generation server is served by the same context rank meanwhile; once the
+/// a second decode server is served by the same prefill rank meanwhile; once the
 /// receiver runs again the puts drain, the send fails (only now: until then they may read
 /// its source slots), the receiver hears of the failure, and it is served again.
 #[test]
@@ -146,7 +146,7 @@ fn hung_receiver_times_out_and_the_context_moves_on_tcp() {
     const TIMEOUT_MS: u64 = 1500;
     let Frozen {
         ctx,
-        r#gen: hung,
+        decode: hung,
         g,
         c,
         name,
@@ -166,7 +166,7 @@ fn hung_receiver_times_out_and_the_context_moves_on_tcp() {
         "gave up after {waited:?} with a {TIMEOUT_MS} ms deadline: {line}"
     );
 
-    // The same context rank serves another generation server while the receiver is frozen.
+    // The same prefill rank serves another decode server while the receiver is frozen.
     let other = Server::start("generation", DEEPSEEK, "dep4", "tcp", &["--planner", MLA]);
     exchange(&ctx.server, &other, &[submit(2, 200), submit(3, 64)]);
 
@@ -202,7 +202,7 @@ fn stopped_receiver_gives_the_context_slots_back(mode: &[&str], cut: &str) {
     .concat();
     let Frozen {
         ctx,
-        r#gen: stopped,
+        decode: stopped,
         g,
         c,
         name,
@@ -227,7 +227,7 @@ fn stopped_receiver_gives_the_context_slots_back(mode: &[&str], cut: &str) {
     );
     release(&c, 1);
 
-    // The rank thread goes on: another generation server is served meanwhile.
+    // The rank thread goes on: another decode server is served meanwhile.
     let other = Server::start("generation", DEEPSEEK, "dep4", "tcp", &["--planner", MLA]);
     exchange(&ctx.server, &other, &[submit(2, 200)]);
 
@@ -267,7 +267,7 @@ fn stalled_receiver_is_given_up_after_the_stall_limit_tcp() {
     const TIMEOUT_MS: u64 = 1000;
     let Frozen {
         ctx,
-        r#gen: stalled,
+        decode: stalled,
         g,
         c,
         name,
@@ -305,7 +305,7 @@ fn stalled_receiver_is_given_up_after_the_stall_limit_tcp() {
 }
 
 /// A receiver killed while the context writes into it: the job fails long before the
-/// deadline, naming the receiver, and the context keeps serving another generation server.
+/// deadline, naming the receiver, and the context keeps serving another decode server.
 #[test]
 fn killed_receiver_fails_its_job_and_the_context_moves_on_tcp() {
     let ctx = Logged::start(

@@ -24,7 +24,7 @@ use kvferry_transfer::RequestStats;
 use kvferry_transfer::conn::{Secured, secure_dial};
 use support::transfer::{REPLY, Server, exchange, submit};
 
-/// Both ranks of a Qwen3-Next dep2 context instance, as its agents describe them.
+/// Both ranks of a Qwen3-Next dep2 prefill instance, as its agents describe them.
 fn ranks() -> Vec<RankDescriptor> {
     let mapping = Mapping {
         tp: 2,
@@ -128,12 +128,12 @@ fn every_agent_message() -> Vec<AgentMessage> {
     ]
 }
 
-/// What a context server holding both [`ranks`] answers to `InfoRequest`.
+/// What a prefill server holding both [`ranks`] answers to `InfoRequest`.
 fn server_info() -> ServerInfo {
     let ranks = ranks();
     ServerInfo {
         instance: "ctx-1".into(),
-        role: Role::Context,
+        role: Role::Prefill,
         planner_id: "kvferry.default".into(),
         planner_version: "0.1.0".into(),
         label: "qwen3-next-80b-a3b bf16 tpb32 dep2".into(),
@@ -385,7 +385,7 @@ fn closed_silently(mut s: TcpStream) -> bool {
     rest.is_empty() || rest == [0, 0]
 }
 
-/// The first agent endpoint of a context server.
+/// The first agent endpoint of a prefill server.
 fn endpoint(server: &Server) -> String {
     server.addr.split(',').next().unwrap().to_string()
 }
@@ -399,7 +399,7 @@ fn bad_control_input_closes_only_that_connection() {
         "tcp",
         &["--planner", "kvferry.deepseek_mla_latent"],
     );
-    let r#gen = Server::start(
+    let decode = Server::start(
         "generation",
         "deepseek-v3",
         "dep4",
@@ -410,11 +410,11 @@ fn bad_control_input_closes_only_that_connection() {
     let healthy = ctx.client();
 
     let garbage: Vec<u8> = (0..4096u32).map(|i| (i * 7 + 3) as u8).collect();
-    let m = refused::<ControlMessage>(&r#gen.control, &garbage);
+    let m = refused::<ControlMessage>(&decode.control, &garbage);
     assert!(m.contains("bad magic"), "{m}");
     let mut wrong_version = header::<ControlMessage>(1).unwrap();
     wrong_version[4..6].copy_from_slice(&7u16.to_le_bytes());
-    let m = refused::<ControlMessage>(&r#gen.control, &wrong_version);
+    let m = refused::<ControlMessage>(&decode.control, &wrong_version);
     assert!(m.contains("protocol version 7"), "{m}");
     let mut oversized = header::<ControlMessage>(0).unwrap();
     oversized[6..].copy_from_slice(&u32::MAX.to_le_bytes());
@@ -427,7 +427,7 @@ fn bad_control_input_closes_only_that_connection() {
     // Well-formed, but not for this server.
     let m = refused::<ControlMessage>(&ctx.control, &encode(&ControlMessage::VerifyIdle).unwrap());
     assert!(
-        m.contains("VerifyIdle is not a message a context server accepts"),
+        m.contains("VerifyIdle is not a message a prefill server accepts"),
         "{m}"
     );
 
@@ -435,7 +435,7 @@ fn bad_control_input_closes_only_that_connection() {
     // not proven the secret: garbage, a control frame, an agent frame, a `Shutdown` in the
     // clear — each connection is closed unanswered, and both servers go on.
     let ep = endpoint(&ctx);
-    for addr in [&ep, &ctx.control, &r#gen.control] {
+    for addr in [&ep, &ctx.control, &decode.control] {
         for bytes in [
             garbage.clone(),
             encode(&ControlMessage::VerifyIdle).unwrap(),
@@ -454,10 +454,10 @@ fn bad_control_input_closes_only_that_connection() {
         ControlMessage::Info(_)
     ));
     std::thread::sleep(Duration::from_millis(50));
-    exchange(&ctx, &r#gen, &[submit(1, 64), submit(2, 200)]);
+    exchange(&ctx, &decode, &[submit(1, 64), submit(2, 200)]);
 }
 
-/// A context rank serves `--max-peer-connections` side-channel connections at once; one more
+/// A prefill rank serves `--max-peer-connections` side-channel connections at once; one more
 /// is closed at once, before it may say anything, and a freed place is reused.
 #[test]
 fn peer_connections_past_the_cap_are_refused_and_a_freed_place_is_reused() {

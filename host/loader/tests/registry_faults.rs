@@ -117,14 +117,7 @@ fn rank(instance_name: &str) -> RankInfo {
 fn deployment() -> Deployment {
     Deployment {
         architecture: "LlamaForCausalLM".into(),
-        mapping: Mapping {
-            tp: 1,
-            pp: 1,
-            cp: 1,
-            moe_tp: 1,
-            moe_ep: 1,
-            attention_dp: false,
-        },
+        mapping: Mapping::SINGLE,
     }
 }
 

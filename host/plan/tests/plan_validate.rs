@@ -223,14 +223,7 @@ impl TransferPlanner for Fixed {
 fn plan_transfer_describes_pairs_and_validates() {
     use kvferry_planner_abi::{Mapping, SlotTable};
     use kvferry_testkit::layout::{ModelSpec, PoolOptions, Preset, build_rank};
-    let m = Mapping {
-        tp: 1,
-        pp: 1,
-        cp: 1,
-        moe_tp: 1,
-        moe_ep: 1,
-        attention_dp: false,
-    };
+    let m = Mapping::SINGLE;
     let options = PoolOptions {
         paged_slots: 4,
         ..PoolOptions::default()

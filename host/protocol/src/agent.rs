@@ -1,7 +1,7 @@
 //! The per-rank agent protocol: what two [transfer agents] say to each other on the side
 //! channel, as messages and state machines, sans I/O.
 //!
-//! A generation (decode) rank dials the side channel of each context (prefill) rank it needs.
+//! A decode rank dials the side channel of each prefill rank it needs.
 //! Every connection runs in a [secure channel](crate::secure) first: a Noise handshake keyed by
 //! the deployment's [`Secret`], after which every message is encrypted and authenticated
 //! under keys no relay holds. Inside it, rank descriptions ([`AgentMetadata`]) are exchanged
@@ -56,7 +56,7 @@ pub struct AgentMetadata {
     pub planner_version: String,
     /// What the rank holds, for messages.
     pub label: String,
-    /// The side channel's advertised `host:port` (context ranks; generation ranks dial).
+    /// The side channel's advertised `host:port` (prefill ranks; decode ranks dial).
     pub endpoint: Option<String>,
     /// The rank: its `RankInfo`, UCX worker address and pool keys.
     pub rank: RankDescriptor,
@@ -140,11 +140,11 @@ pub enum AgentMessage {
         /// Which check refused it, and why.
         reason: String,
     },
-    /// A generation rank's request to this context rank.
+    /// A decode rank's request to this prefill rank.
     RequestData(RequestData),
-    /// A context rank's report on one piece, after its flush.
+    /// A prefill rank's report on one piece, after its flush.
     Completion(Completion),
-    /// The generation rank abandons a request: the context rank answers with the pair's
+    /// The decode rank abandons a request: the prefill rank answers with the pair's
     /// last completion once none of its writes can still land.
     Cancel {
         /// The request.
@@ -154,8 +154,8 @@ pub enum AgentMessage {
     },
     /// Keep-alive.
     Ping,
-    /// The generation rank's instance still wants a request it has not claimed (its engine
-    /// queued it): the context rank extends the request's lease, within a bound of its own.
+    /// The decode rank's instance still wants a request it has not claimed (its engine
+    /// queued it): the prefill rank extends the request's lease, within a bound of its own.
     Hold {
         /// The request.
         request: u64,
@@ -165,11 +165,11 @@ pub enum AgentMessage {
         /// What was wrong.
         message: String,
     },
-    /// The context rank sent a challenge to the worker address the generation rank declared,
-    /// as a UCX active message ([`WORKER_CHALLENGE_AM`]): the generation rank answers with
+    /// The prefill rank sent a challenge to the worker address the decode rank declared,
+    /// as a UCX active message ([`WORKER_CHALLENGE_AM`]): the decode rank answers with
     /// the challenge its worker received for this session.
     ProveWorker,
-    /// The generation rank's answer: the challenge its worker received for this session
+    /// The decode rank's answer: the challenge its worker received for this session
     /// (empty if none arrived in time).
     WorkerProof {
         /// The challenge's random bytes.
@@ -295,30 +295,30 @@ pub enum AgentEvent {
     /// The peer authenticated and described itself: vet it, then `accept`/`ready` or
     /// `refuse`.
     Metadata(Box<AgentMetadata>),
-    /// A generation rank's request (acceptor only).
+    /// A decode rank's request (acceptor only).
     RequestData(Box<RequestData>),
-    /// A context rank's report (dialer only).
+    /// A prefill rank's report (dialer only).
     Completion(Completion),
     /// The acceptor asks for the challenge the dialer's worker received (dialer only).
     ProveWorker,
     /// The dialer's answer to [`AgentSession::challenge`] (acceptor only).
     WorkerProof(Vec<u8>),
-    /// A generation rank abandons a request (acceptor only).
+    /// A decode rank abandons a request (acceptor only).
     Cancel {
         /// The request.
         request: u64,
         /// Why.
         reason: String,
     },
-    /// A generation rank's instance still wants a request (acceptor only).
+    /// A decode rank's instance still wants a request (acceptor only).
     Hold {
         /// The request.
         request: u64,
     },
 }
 
-/// One side of one agent connection: the generation rank dials
-/// ([`AgentSession::dial`]), the context rank accepts ([`AgentSession::accept`]).
+/// One side of one agent connection: the decode rank dials
+/// ([`AgentSession::dial`]), the prefill rank accepts ([`AgentSession::accept`]).
 #[derive(Clone, Debug)]
 pub struct AgentSession {
     side: Role,
@@ -326,22 +326,22 @@ pub struct AgentSession {
 }
 
 impl AgentSession {
-    /// A generation rank's session over an established channel, and the first message to
+    /// A decode rank's session over an established channel, and the first message to
     /// send: its own description.
     pub fn dial(metadata: AgentMetadata) -> (Self, AgentMessage) {
         (
             Self {
-                side: Role::Generation,
+                side: Role::Decode,
                 state: AgentState::AwaitMetadata,
             },
             AgentMessage::Metadata(Box::new(metadata)),
         )
     }
 
-    /// A context rank's session over an accepted channel.
+    /// A prefill rank's session over an accepted channel.
     pub fn accept() -> Self {
         Self {
-            side: Role::Context,
+            side: Role::Prefill,
             state: AgentState::AwaitMetadata,
         }
     }
@@ -357,7 +357,7 @@ impl AgentSession {
     ///
     /// Not vetting, or this is the dialer.
     pub fn admit(&mut self, own: AgentMetadata) -> Result<AgentMessage, AgentError> {
-        self.expect_vetting(Role::Context, "Metadata")?;
+        self.expect_vetting(Role::Prefill, "Metadata")?;
         self.state = AgentState::Ready;
         Ok(AgentMessage::Metadata(Box::new(own)))
     }
@@ -369,7 +369,7 @@ impl AgentSession {
     ///
     /// Not vetting, or this is the dialer.
     pub fn challenge(&mut self) -> Result<AgentMessage, AgentError> {
-        self.expect_vetting(Role::Context, "ProveWorker")?;
+        self.expect_vetting(Role::Prefill, "ProveWorker")?;
         self.state = AgentState::AwaitWorkerProof;
         Ok(AgentMessage::ProveWorker)
     }
@@ -380,7 +380,7 @@ impl AgentSession {
     ///
     /// Not vetting, or this is the acceptor.
     pub fn ready(&mut self) -> Result<(), AgentError> {
-        self.expect_vetting(Role::Generation, "ready")?;
+        self.expect_vetting(Role::Decode, "ready")?;
         self.state = AgentState::Ready;
         Ok(())
     }
@@ -389,8 +389,8 @@ impl AgentSession {
     pub fn refuse(&mut self, reason: String) -> AgentMessage {
         self.state = AgentState::Closed;
         match self.side {
-            Role::Context => AgentMessage::Refused { reason },
-            Role::Generation => AgentMessage::Error { message: reason },
+            Role::Prefill => AgentMessage::Refused { reason },
+            Role::Decode => AgentMessage::Error { message: reason },
         }
     }
 
@@ -427,8 +427,8 @@ impl AgentSession {
             });
         }
         let expected_role = match self.side {
-            Role::Generation => Role::Context,
-            Role::Context => Role::Generation,
+            Role::Decode => Role::Prefill,
+            Role::Prefill => Role::Decode,
         };
         match (self.side, self.state, message) {
             (_, S::AwaitMetadata, M::Metadata(m)) => {
@@ -442,23 +442,23 @@ impl AgentSession {
                 self.state = S::Vetting;
                 Ok(AgentEvent::Metadata(m))
             }
-            (Role::Generation, S::AwaitMetadata, M::Refused { reason }) => {
+            (Role::Decode, S::AwaitMetadata, M::Refused { reason }) => {
                 Err(AgentError::Refused { reason })
             }
-            (Role::Generation, S::AwaitMetadata, M::ProveWorker) => Ok(AgentEvent::ProveWorker),
-            (Role::Context, S::AwaitWorkerProof, M::WorkerProof { challenge }) => {
+            (Role::Decode, S::AwaitMetadata, M::ProveWorker) => Ok(AgentEvent::ProveWorker),
+            (Role::Prefill, S::AwaitWorkerProof, M::WorkerProof { challenge }) => {
                 self.state = S::Vetting;
                 Ok(AgentEvent::WorkerProof(challenge))
             }
             (_, S::Ready, M::Ping) => Ok(AgentEvent::Nothing),
-            (Role::Context, S::Ready, M::RequestData(data)) => {
+            (Role::Prefill, S::Ready, M::RequestData(data)) => {
                 Ok(AgentEvent::RequestData(Box::new(data)))
             }
-            (Role::Context, S::Ready, M::Cancel { request, reason }) => {
+            (Role::Prefill, S::Ready, M::Cancel { request, reason }) => {
                 Ok(AgentEvent::Cancel { request, reason })
             }
-            (Role::Context, S::Ready, M::Hold { request }) => Ok(AgentEvent::Hold { request }),
-            (Role::Generation, S::Ready, M::Completion(c)) => Ok(AgentEvent::Completion(c)),
+            (Role::Prefill, S::Ready, M::Hold { request }) => Ok(AgentEvent::Hold { request }),
+            (Role::Decode, S::Ready, M::Completion(c)) => Ok(AgentEvent::Completion(c)),
             (side, state, message) => Err(AgentError::Unexpected {
                 side,
                 state: state.words(),

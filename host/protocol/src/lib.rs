@@ -30,7 +30,7 @@
 //!
 //! # Agent messages ([`AgentMessage`])
 //!
-//! Between a generation rank and a context rank's side channel, inside the secure channel:
+//! Between a decode rank and a prefill rank's side channel, inside the secure channel:
 //! `Metadata` both ways, then `RequestData` (a claim, per
 //! receiver and sender rank pair), `Completion` per piece after its flush, `Cancel`, `Ping`;
 //! `Refused` and `Error` end the connection. [`AgentSession`] says which may come when.
@@ -161,12 +161,14 @@ impl WireError {
 )]
 #[strum(parse_err_ty = String, parse_err_fn = unknown_role)]
 pub enum Role {
-    /// The prefill server: it owns the source cache and writes.
-    #[strum(to_string = "context", serialize = "ctx")]
-    Context,
-    /// The decode server: it owns the destination cache and receives.
-    #[strum(to_string = "generation", serialize = "gen")]
-    Generation,
+    /// A prefill rank (TensorRT-LLM: context): it owns the source cache and writes. Also read
+    /// as `context` and `ctx`.
+    #[strum(to_string = "prefill", serialize = "context", serialize = "ctx")]
+    Prefill,
+    /// A decode rank (TensorRT-LLM: generation): it owns the destination cache and receives.
+    /// Also read as `generation` and `gen`.
+    #[strum(to_string = "decode", serialize = "generation", serialize = "gen")]
+    Decode,
 }
 
 fn unknown_role(name: &str) -> String {
@@ -174,7 +176,7 @@ fn unknown_role(name: &str) -> String {
 }
 
 /// The error of parsing a name none of `T`'s variants answers to, listing those that do:
-/// ``unknown role `x` (known: context, generation)`` for `what` = `role`. The `FromStr` of
+/// ``unknown role `x` (known: prefill, decode)`` for `what` = `role`. The `FromStr` of
 /// [`Role`] and of `kvferry-transfer`'s `Transport` and `MemoryKind` report it (through
 /// `#[strum(parse_err_fn = ...)]`); the testkit, which does not depend on this crate, words
 /// its `LayoutError` for unknown presets and dtypes the same way.
@@ -205,7 +207,7 @@ pub struct RankDescriptor {
     pub worker_address: Vec<u8>,
     /// One key per pool of `info.page_table.pools`, in order.
     pub pools: Vec<PoolKey>,
-    /// A generation rank's bounce arena, if it has one: writers put bounced pieces into
+    /// A decode rank's bounce arena, if it has one: writers put bounced pieces into
     /// the regions of it that [`RequestData::bounce`] offers.
     pub bounce: Option<PoolKey>,
 }
@@ -563,18 +565,20 @@ mod tests {
     #[test]
     fn roles_parse_by_name_and_alias_and_print_their_name() {
         for (name, role) in [
-            ("context", Role::Context),
-            ("ctx", Role::Context),
-            ("generation", Role::Generation),
-            ("gen", Role::Generation),
+            ("prefill", Role::Prefill),
+            ("decode", Role::Decode),
+            ("context", Role::Prefill),
+            ("ctx", Role::Prefill),
+            ("generation", Role::Decode),
+            ("gen", Role::Decode),
         ] {
             assert_eq!(name.parse::<Role>(), Ok(role), "{name}");
         }
-        assert_eq!(Role::Context.to_string(), "context");
-        assert_eq!(Role::Generation.as_ref(), "generation");
+        assert_eq!(Role::Prefill.to_string(), "prefill");
+        assert_eq!(Role::Decode.as_ref(), "decode");
         assert_eq!(
             "Context".parse::<Role>(),
-            Err("unknown role `Context` (known: context, generation)".to_string())
+            Err("unknown role `Context` (known: prefill, decode)".to_string())
         );
     }
 }

@@ -1,7 +1,7 @@
 //! The receiver's per-request state machine: which writers it waits on, which pieces came,
 //! when the request is complete, failed, and quiescent.
 //!
-//! A generation rank asks every context rank its planner targets for the request's bytes
+//! A decode rank asks every prefill rank its planner targets for the request's bytes
 //! (one [`RequestData`](crate::RequestData) per (sender, receiver) pair). Each sender answers
 //! with one [`Completion`] per piece, in piece order, after that piece's flush; the last
 //! piece's completion says `is_last`. A [`RequestTracker`] is fed those completions and
@@ -100,7 +100,9 @@ pub enum Violation {
         found: u64,
     },
     /// No such writer was asked for this request.
-    #[error("ctx rank {sender} -> gen rank {receiver} was not asked to write request {request}")]
+    #[error(
+        "prefill rank {sender} -> decode rank {receiver} was not asked to write request {request}"
+    )]
     UnknownPair {
         /// The request.
         request: u64,
@@ -111,7 +113,7 @@ pub enum Violation {
     },
     /// The piece index is not one of the request's pieces.
     #[error(
-        "request {request}: ctx rank {sender} -> gen rank {receiver} reports piece {piece}, but \
+        "request {request}: prefill rank {sender} -> decode rank {receiver} reports piece {piece}, but \
          the request has {pieces} piece(s)"
     )]
     PieceOutOfRange {
@@ -128,7 +130,7 @@ pub enum Violation {
     },
     /// Pieces of a pair must be reported in order, each once.
     #[error(
-        "request {request}: ctx rank {sender} -> gen rank {receiver} reports piece {piece} \
+        "request {request}: prefill rank {sender} -> decode rank {receiver} reports piece {piece} \
          where piece {expected} is next"
     )]
     OutOfOrder {
@@ -145,7 +147,7 @@ pub enum Violation {
     },
     /// A successful piece claims to be the last, or the last piece does not say so.
     #[error(
-        "request {request}: ctx rank {sender} -> gen rank {receiver} piece {piece} of {pieces} \
+        "request {request}: prefill rank {sender} -> decode rank {receiver} piece {piece} of {pieces} \
          {which}"
     )]
     BadLast {
@@ -164,7 +166,7 @@ pub enum Violation {
     },
     /// The pair already reported its last piece.
     #[error(
-        "request {request}: ctx rank {sender} -> gen rank {receiver} reports piece {piece} after \
+        "request {request}: prefill rank {sender} -> decode rank {receiver} reports piece {piece} after \
          its last"
     )]
     AfterLast {

@@ -126,7 +126,7 @@ fn name() -> impl Strategy<Value = String> {
 }
 
 fn role() -> impl Strategy<Value = Role> {
-    prop_oneof![Just(Role::Context), Just(Role::Generation)]
+    prop_oneof![Just(Role::Prefill), Just(Role::Decode)]
 }
 
 fn request_data() -> impl Strategy<Value = RequestData> {
@@ -484,7 +484,7 @@ fn agent_header_and_body() -> impl Strategy<Value = Vec<u8>> {
 fn context_self() -> AgentMetadata {
     AgentMetadata {
         instance: "ctx".into(),
-        role: Role::Context,
+        role: Role::Prefill,
         epoch: 7,
         planner_id: "kvferry.default".into(),
         describer_id: "kvferry.default_describer".into(),
@@ -701,7 +701,7 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 1024, ..ProptestConfig::default() })]
 
     /// An acceptor's session under any message sequence: it takes metadata only from a
-    /// generation rank and only first, a worker proof only after asking for one, requests
+    /// decode rank and only first, a worker proof only after asking for one, requests
     /// and cancels only once it admitted that rank, never a completion, and nothing once
     /// closed.
     #[test]
@@ -734,7 +734,7 @@ proptest! {
             match &result {
                 Ok(AgentEvent::Metadata(m)) => {
                     prop_assert_eq!(before, AgentState::AwaitMetadata);
-                    prop_assert_eq!(m.role, Role::Generation);
+                    prop_assert_eq!(m.role, Role::Decode);
                 }
                 Ok(
                     AgentEvent::RequestData(_)
@@ -758,11 +758,11 @@ proptest! {
     }
 
     /// A dialer's session under any message sequence: it takes the acceptor's metadata only
-    /// from a context rank and only first, completions only once ready, and nothing once
+    /// from a prefill rank and only first, completions only once ready, and nothing once
     /// closed; its first message is its own metadata.
     #[test]
     fn agent_dialer_takes_completions_only_once_ready(
-        generation in agent_metadata(Just(Role::Generation)),
+        generation in agent_metadata(Just(Role::Decode)),
         messages in proptest::collection::vec(agent_message(), 0..12),
         ready_at in proptest::option::of(0usize..12),
     ) {
@@ -782,7 +782,7 @@ proptest! {
             match &result {
                 Ok(AgentEvent::Metadata(m)) => {
                     prop_assert_eq!(before, AgentState::AwaitMetadata);
-                    prop_assert_eq!(m.role, Role::Context);
+                    prop_assert_eq!(m.role, Role::Prefill);
                 }
                 Ok(AgentEvent::Completion(_) | AgentEvent::Nothing) => {
                     prop_assert_eq!(before, AgentState::Ready);

@@ -1,4 +1,4 @@
-//! A request's completions between simulated context and generation ranks, with no
+//! A request's completions between simulated context and decode ranks, with no
 //! sockets: every message goes through the agent frame codec as bytes, and the generation
 //! side's `RequestTracker` decides what they add up to — in order, interleaved, failed,
 //! hostile, or with bytes flipped on the wire.
@@ -62,7 +62,7 @@ fn failed(request: u64, pair: (u32, u32), piece: u32, is_last: bool) -> Completi
 
 #[test]
 fn a_chunked_request_between_two_tp2_instances_completes_once() {
-    // The generation side asks both context ranks for both of its ranks' bytes, in 3 pieces.
+    // The decode side asks both prefill ranks for both of its ranks' bytes, in 3 pieces.
     let pairs = [(0, 0), (1, 0), (0, 1), (1, 1)];
     let mut tracker = RequestTracker::new(7, 3, pairs);
     for &(c, g) in &pairs {
@@ -73,7 +73,7 @@ fn a_chunked_request_between_two_tp2_instances_completes_once() {
         assert_eq!((d.sender_rank, d.receiver_rank), (c, g));
     }
 
-    // The context side answers each pair in piece order; pairs interleave.
+    // The prefill side answers each pair in piece order; pairs interleave.
     let mut events = Vec::new();
     for piece in 0..3 {
         for &pair in pairs.iter().rev() {
@@ -221,27 +221,27 @@ fn hostile_completions_are_violations_named_by_request_pair_and_piece() {
         ),
         (
             vec![ok(11, (5, 0), 0, false, 1)],
-            "ctx rank 5 -> gen rank 0 was not asked to write request 11",
+            "prefill rank 5 -> decode rank 0 was not asked to write request 11",
         ),
         (
             vec![ok(11, (0, 0), 2, true, 1)],
-            "request 11: ctx rank 0 -> gen rank 0 reports piece 2, but the request has 2 piece(s)",
+            "request 11: prefill rank 0 -> decode rank 0 reports piece 2, but the request has 2 piece(s)",
         ),
         (
             vec![ok(11, (0, 0), 1, true, 1)],
-            "request 11: ctx rank 0 -> gen rank 0 reports piece 1 where piece 0 is next",
+            "request 11: prefill rank 0 -> decode rank 0 reports piece 1 where piece 0 is next",
         ),
         (
             vec![ok(11, (0, 0), 0, false, 1), ok(11, (0, 0), 0, false, 1)],
-            "request 11: ctx rank 0 -> gen rank 0 reports piece 0 where piece 1 is next",
+            "request 11: prefill rank 0 -> decode rank 0 reports piece 0 where piece 1 is next",
         ),
         (
             vec![ok(11, (0, 0), 0, true, 1)],
-            "request 11: ctx rank 0 -> gen rank 0 piece 0 of 2 is marked last",
+            "request 11: prefill rank 0 -> decode rank 0 piece 0 of 2 is marked last",
         ),
         (
             vec![ok(11, (0, 0), 0, false, 1), ok(11, (0, 0), 1, false, 1)],
-            "request 11: ctx rank 0 -> gen rank 0 piece 1 of 2 is not marked last",
+            "request 11: prefill rank 0 -> decode rank 0 piece 1 of 2 is not marked last",
         ),
         (
             vec![
@@ -249,7 +249,7 @@ fn hostile_completions_are_violations_named_by_request_pair_and_piece() {
                 ok(11, (0, 0), 1, true, 1),
                 ok(11, (0, 0), 1, true, 1),
             ],
-            "request 11: ctx rank 0 -> gen rank 0 reports piece 1 after its last",
+            "request 11: prefill rank 0 -> decode rank 0 reports piece 1 after its last",
         ),
     ];
     for (completions, expected) in cases {

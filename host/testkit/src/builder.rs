@@ -421,7 +421,7 @@ impl Deploy {
         }
     }
 
-    /// A context instance (`ctx`, address id 1) with TP `tp`, every other axis 1.
+    /// A prefill instance (`prefill`, address id 1) with TP `tp`, every other axis 1.
     pub fn context(tp: u32, model: &Model) -> Self {
         let mapping = Mapping {
             tp,
@@ -431,13 +431,13 @@ impl Deploy {
             moe_ep: 1,
             attention_dp: false,
         };
-        Self::new("ctx", 1, mapping, model)
+        Self::new("prefill", 1, mapping, model)
     }
 
-    /// A generation instance (`gen`, address id 2) with TP `tp`, every other axis 1.
+    /// A decode instance (`decode`, address id 2) with TP `tp`, every other axis 1.
     pub fn generation(tp: u32, model: &Model) -> Self {
         Self {
-            name: "gen".to_string(),
+            name: "decode".to_string(),
             id: 2,
             ..Self::context(tp, model)
         }

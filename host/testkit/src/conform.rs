@@ -2,10 +2,10 @@
 //!
 //! [`matrix`] is the oracle matrix: every model preset against context × generation topology
 //! pairs — TP 1 to 8 both ways (and 16 where the heads allow), PP 1 ↔ 2 with uneven layer
-//! splits, helix CP on the generation side, attention DP against TP and attention DP widths
+//! splits, helix CP on the decode side, attention DP against TP and attention DP widths
 //! that differ — each with a random prompt length that is not a multiple of the block size,
 //! random slot placement, padded slots, and, where the topology allows, chunked sends and a
-//! cached prefix on the receiver — and, per preset, context and generation block sizes that
+//! cached prefix on the receiver — and, per preset, prefill and decode block sizes that
 //! differ (16 ↔ 32 and 32 ↔ 64 both ways, [`REBLOCK_SIZES`], semantics §3.2 rule 4) over TP
 //! equal and resharded, PP, chunked and cached pieces, plus sizes that do not divide
 //! (16 ↔ 24) and helix CP with differing sizes, which carry an expected refusal naming
@@ -32,7 +32,7 @@ use std::fmt;
 use kvferry_plan::bounce::BounceLimits;
 use kvferry_planner_abi::{Deployment, ErrorKind, Mapping, TokenRange};
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::{Rng, RngCore, SeedableRng};
 use strum::IntoEnumIterator;
 
 use crate::conformance::{Case, PlannerUnderTest};
@@ -137,28 +137,28 @@ pub fn matrix(seed: u64) -> Vec<Case> {
     for preset in Preset::iter() {
         let model = model(preset);
         let tpb = u64::from(model.tokens_per_block);
-        for (ctx, r#gen) in topologies(preset) {
-            let helix = r#gen.cp > 1;
+        for (prefill, decode) in topologies(preset) {
+            let helix = decode.cp > 1;
             // At least one block per CP rank; not a multiple of the block size.
-            let min_blocks = u64::from(r#gen.cp) + 1;
+            let min_blocks = u64::from(decode.cp) + 1;
             let prompt_len = rng.gen_range(min_blocks * tpb..12 * tpb) | 1;
             let blocks = prompt_len.div_ceil(tpb);
-            let mut s = Scenario::new(model.clone(), ctx, r#gen, prompt_len);
-            s.seed = rng.r#gen();
-            s.ctx_dp_rank = if ctx.attention_dp {
-                rng.gen_range(0..ctx.tp)
+            let mut s = Scenario::new(model.clone(), prefill, decode, prompt_len);
+            s.seed = rng.next_u64();
+            s.ctx_dp_rank = if prefill.attention_dp {
+                rng.gen_range(0..prefill.tp)
             } else {
                 0
             };
-            s.gen_dp_rank = if r#gen.attention_dp {
-                rng.gen_range(0..r#gen.tp)
+            s.gen_dp_rank = if decode.attention_dp {
+                rng.gen_range(0..decode.tp)
             } else {
                 0
             };
             s.padded = rng.gen_bool(0.2);
             // Chunked sends and cached prefixes are refused under helix (semantics §6.2) and
             // chunks need pp = 1 (§8.3).
-            if !helix && ctx.pp == 1 && r#gen.pp == 1 && rng.gen_bool(0.5) {
+            if !helix && prefill.pp == 1 && decode.pp == 1 && rng.gen_bool(0.5) {
                 let step = rng.gen_range(1..=blocks.div_ceil(2)) * tpb;
                 s.chunks = Some(
                     (0..prompt_len)
@@ -174,9 +174,9 @@ pub fn matrix(seed: u64) -> Vec<Case> {
                 s.cached_tokens = rng.gen_range(0..prompt_len);
             }
             let name = format!(
-                "{preset} {ctx}->{} prompt {prompt_len} dp {}->{} chunks {} cached {} padded {} \
+                "{preset} {prefill}->{} prompt {prompt_len} dp {}->{} chunks {} cached {} padded {} \
                  seed {:#x}",
-                r#gen,
+                decode,
                 s.ctx_dp_rank,
                 s.gen_dp_rank,
                 s.chunks.as_ref().map_or(0, Vec::len),
@@ -216,8 +216,8 @@ fn reblock_cases(rng: &mut StdRng, out: &mut Vec<Case>) {
     ];
     for preset in Preset::iter() {
         for (ctx_tpb, gen_tpb) in REBLOCK_SIZES {
-            for (ctx, r#gen) in topologies {
-                let s = reblock_scenario(rng, preset, ctx_tpb, gen_tpb, ctx, r#gen, true);
+            for (prefill, decode) in topologies {
+                let s = reblock_scenario(rng, preset, ctx_tpb, gen_tpb, prefill, decode, true);
                 out.push(Case {
                     name: reblock_name(preset, ctx_tpb, gen_tpb, &s),
                     scenario: s,
@@ -231,9 +231,9 @@ fn reblock_cases(rng: &mut StdRng, out: &mut Vec<Case>) {
             .iter()
             .flat_map(|&(c, g)| [(c, g, tp(1), tp(1)), (c, g, tp(2), tp(4))])
             .chain([(16, 32, tp(1), m(1, 1, 2, false))]);
-        for (ctx_tpb, gen_tpb, ctx, r#gen) in refused {
-            let helix = r#gen.cp > 1;
-            let s = reblock_scenario(rng, preset, ctx_tpb, gen_tpb, ctx, r#gen, !helix);
+        for (ctx_tpb, gen_tpb, prefill, decode) in refused {
+            let helix = decode.cp > 1;
+            let s = reblock_scenario(rng, preset, ctx_tpb, gen_tpb, prefill, decode, !helix);
             out.push(Case {
                 name: format!("refused {}", reblock_name(preset, ctx_tpb, gen_tpb, &s)),
                 scenario: s,
@@ -248,19 +248,19 @@ fn reblock_scenario(
     preset: Preset,
     ctx_tpb: u32,
     gen_tpb: u32,
-    ctx: Mapping,
-    r#gen: Mapping,
+    prefill: Mapping,
+    decode: Mapping,
     pieces: bool,
 ) -> Scenario {
     let model = model(preset).with_tokens_per_block(ctx_tpb);
     let (c, big) = (u64::from(ctx_tpb), u64::from(ctx_tpb.max(gen_tpb)));
     // At least two larger blocks; not a multiple of either size.
     let prompt_len = rng.gen_range(2 * big..4 * big) | 1;
-    let mut s = Scenario::new(model, ctx, r#gen, prompt_len);
+    let mut s = Scenario::new(model, prefill, decode, prompt_len);
     s.gen_tokens_per_block = Some(gen_tpb);
-    s.seed = rng.r#gen();
+    s.seed = rng.next_u64();
     s.padded = rng.gen_bool(0.2);
-    if pieces && ctx.pp == 1 && r#gen.pp == 1 && rng.gen_bool(0.6) {
+    if pieces && prefill.pp == 1 && decode.pp == 1 && rng.gen_bool(0.6) {
         // Chunks of whole context blocks: with the larger blocks on the receiver, a chunk
         // boundary may fall inside one.
         let step = rng.gen_range(1..=3) * c;
@@ -323,9 +323,9 @@ pub struct CaseOutcome {
     /// The model's name (a preset's).
     pub model: String,
     /// The context deployment.
-    pub ctx: Mapping,
+    pub prefill: Mapping,
     /// The generation deployment.
-    pub r#gen: Mapping,
+    pub decode: Mapping,
     /// Fragments written (after coalescing); 0 unless the case ran.
     pub fragments: usize,
     /// Bytes written; 0 unless the case ran.
@@ -350,8 +350,8 @@ impl fmt::Display for CaseOutcome {
             f,
             "{tag:<7} {:<22} {:>4}->{:<6} {:>8} fragments {:>11} bytes  {}",
             self.model,
-            self.ctx.to_string(),
-            self.r#gen.to_string(),
+            self.prefill.to_string(),
+            self.decode.to_string(),
             self.fragments,
             self.bytes,
             self.name
@@ -651,8 +651,8 @@ pub fn conform_with(
         let outcome = CaseOutcome {
             name: case.name.clone(),
             model: s.model.name().to_string(),
-            ctx: s.ctx_mapping,
-            r#gen: s.gen_mapping,
+            prefill: s.ctx_mapping,
+            decode: s.gen_mapping,
             fragments,
             bytes,
             bounced,

@@ -171,7 +171,7 @@ impl PlannerUnderTest {
             Ok(b) => b,
             Err(e) => return (Err(format!("context: {e}")), Some(ErrorKind::UNSUPPORTED)),
         };
-        let r#gen = match self.bind(arch, scenario.gen_mapping) {
+        let decode = match self.bind(arch, scenario.gen_mapping) {
             Ok(b) => b,
             Err(e) => {
                 return (
@@ -183,7 +183,7 @@ impl PlannerUnderTest {
         let ctx_factory =
             |r: &RankInfo| -> Result<Arc<dyn TransferPlanner>, PlanError> { ctx.instantiate(r) };
         let gen_factory =
-            |r: &RankInfo| -> Result<Arc<dyn TransferPlanner>, PlanError> { r#gen.instantiate(r) };
+            |r: &RankInfo| -> Result<Arc<dyn TransferPlanner>, PlanError> { decode.instantiate(r) };
         let mut scenario = scenario.clone();
         scenario.planner_id = self.id.clone();
         match scenario.run(&ctx_factory, &gen_factory) {

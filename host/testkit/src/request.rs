@@ -65,28 +65,28 @@ pub fn request_tables(
 /// Slot tables come from [`request_tables`] (context shift 1, generation shift 2).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Transfer {
-    /// The model on the context side.
+    /// The model on the prefill side.
     pub ctx_model: Model,
-    /// The model on the generation side (differs for e.g. MTP layers on one side).
+    /// The model on the decode side (differs for e.g. MTP layers on one side).
     pub gen_model: Model,
-    /// The context instance.
+    /// The prefill instance.
     pub ctx: Deploy,
-    /// The generation instance.
+    /// The decode instance.
     pub generation: Deploy,
     /// Prompt length in tokens.
     pub prompt: u64,
-    /// The context DP group serving the request.
+    /// The prefill DP group serving the request.
     pub ctx_dp_rank: u32,
-    /// The generation DP group receiving it.
+    /// The decode DP group receiving it.
     pub gen_dp_rank: u32,
     /// Token ranges the context sends, in order (block-aligned); the last one carries the
     /// state.
     pub pieces: Vec<(u64, u64)>,
-    /// Global ordinals the context side does not hold.
+    /// Global ordinals the prefill side does not hold.
     pub ctx_holes: Vec<u64>,
-    /// Global ordinals the generation side masks (cached, out of window).
+    /// Global ordinals the decode side masks (cached, out of window).
     pub gen_holes: Vec<u64>,
-    /// Whether the generation side has a state slot for the request.
+    /// Whether the decode side has a state slot for the request.
     pub gen_state: bool,
     /// Views every receiver excludes.
     pub excluded: Vec<ViewId>,
@@ -178,7 +178,7 @@ impl Transfer {
         self.exchange()?.run(ctx_planner, gen_planner)
     }
 
-    /// Runs the request into every generation DP group in turn (one report each), the same
+    /// Runs the request into every decode DP group in turn (one report each), the same
     /// planner type on both sides.
     ///
     /// # Errors

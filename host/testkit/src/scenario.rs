@@ -1,7 +1,7 @@
 //! One request end to end, in process: build both instances, plan every pair, move the bytes,
 //! verify every byte.
 //!
-//! A [`Scenario`] names a model, the context and generation mappings, a prompt and the DP
+//! A [`Scenario`] names a model, the prefill and decode mappings, a prompt and the DP
 //! ranks serving it. [`Scenario::run`] then does what the two servers would do:
 //!
 //! 1. builds both instances' [`RankInfo`]s, their pools at addresses a [`LocalMemory`] hands
@@ -11,9 +11,9 @@
 //!    of windowed groups (`stale_end = max(0, (prompt_len + 1 − window) // tpb)` ordinals) and,
 //!    on the receiver, the cached prefix masked to `-1`; STATE tables hold one slot;
 //! 3. backs the pools of the ranks that take part, fills the senders' with tags and primes the
-//!    receivers' with the canary; for every receiver rank (the generation ranks of `gen_dp_rank`'s DP group, over PP and
-//!    CP): runs the generation planner's `check_peer` and `targets` against context rank 0,
-//!    then for every target context rank its `check_peer` and `targets` back (which must name
+//!    receivers' with the canary; for every receiver rank (the decode ranks of `gen_dp_rank`'s DP group, over PP and
+//!    CP): runs the generation planner's `check_peer` and `targets` against prefill rank 0,
+//!    then for every target prefill rank its `check_peer` and `targets` back (which must name
 //!    the receiver), and for every piece [`plan_transfer`] and [`LocalMemory::execute`];
 //! 4. checks every byte with [`Oracle::verify`], and that no two writes into a receiver
 //!    overlap (each destination byte has one writer over the whole request).
@@ -44,10 +44,10 @@ use crate::oracle::{Delivery, LocalMemory, Oracle, OracleError, VerifyReport};
 use kvferry_plan::bounce::{self, BounceLimits, BounceSkip, Reservation};
 use kvferry_plan::{PlanFailure, RequestSide, plan_transfer};
 
-/// Instance name of the context side.
-pub const CONTEXT_INSTANCE: &str = "ctx";
-/// Instance name of the generation side.
-pub const GENERATION_INSTANCE: &str = "gen";
+/// Instance name of the prefill side.
+pub const PREFILL_INSTANCE: &str = "prefill";
+/// Instance name of the decode side.
+pub const DECODE_INSTANCE: &str = "decode";
 /// Bytes of padding after every slot of a padded scenario.
 pub const PADDING_BYTES: u64 = 4096;
 /// STATE slots per STATE pool.
@@ -78,35 +78,37 @@ pub enum ScenarioError {
         instance: &'static str,
         /// The rank.
         rank: u32,
-        /// The call, e.g. `check_peer of gen rank 3`.
+        /// The call, e.g. `check_peer of decode rank 3`.
         what: String,
         /// The planner's error.
         source: PlanError,
     },
-    /// A receiver's targets name a rank outside the context DP group.
-    #[error("gen rank {gen_rank} targets ctx rank {ctx_rank}, which is not in ctx dp group {dp}")]
+    /// A receiver's targets name a rank outside the prefill DP group.
+    #[error(
+        "decode rank {gen_rank} targets prefill rank {ctx_rank}, which is not in ctx dp group {dp}"
+    )]
     TargetOutsideGroup {
         /// The receiver.
         gen_rank: u32,
-        /// The named context rank.
+        /// The named prefill rank.
         ctx_rank: u32,
-        /// The context DP rank of the request.
+        /// The prefill DP rank of the request.
         dp: u32,
     },
-    /// A context rank's targets do not name the receiver that targets it.
+    /// A prefill rank's targets do not name the receiver that targets it.
     #[error(
-        "ctx rank {ctx_rank} does not target gen rank {gen_rank} back (it targets {targets:?})"
+        "prefill rank {ctx_rank} does not target decode rank {gen_rank} back (it targets {targets:?})"
     )]
     Asymmetric {
-        /// The context rank.
+        /// The prefill rank.
         ctx_rank: u32,
         /// The receiver.
         gen_rank: u32,
-        /// What the context rank targets.
+        /// What the prefill rank targets.
         targets: Vec<u32>,
     },
     /// Planning one piece failed.
-    #[error("ctx rank {ctx_rank} -> gen rank {gen_rank}, piece {piece}")]
+    #[error("prefill rank {ctx_rank} -> decode rank {gen_rank}, piece {piece}")]
     Plan {
         /// The sender.
         ctx_rank: u32,
@@ -118,7 +120,7 @@ pub enum ScenarioError {
         source: PlanFailure,
     },
     /// Executing a plan failed.
-    #[error("ctx rank {ctx_rank} -> gen rank {gen_rank}: executing the plan failed")]
+    #[error("prefill rank {ctx_rank} -> decode rank {gen_rank}: executing the plan failed")]
     Execute {
         /// The sender.
         ctx_rank: u32,
@@ -138,7 +140,7 @@ pub enum ScenarioError {
         budget.available
     )]
     Memory {
-        /// Which ranks' pools, e.g. `4 receiving generation ranks`.
+        /// Which ranks' pools, e.g. `4 receiving decode ranks`.
         ranks: String,
         /// Bytes of those pools.
         needed: u64,
@@ -146,7 +148,7 @@ pub enum ScenarioError {
         budget: MemoryBudget,
     },
     /// A bounced piece's packed image does not match the receiver's own plan of it.
-    #[error("ctx rank {ctx_rank} -> gen rank {gen_rank}, piece {piece}: bounce: {detail}")]
+    #[error("prefill rank {ctx_rank} -> decode rank {gen_rank}, piece {piece}: bounce: {detail}")]
     Bounce {
         /// The sender.
         ctx_rank: u32,
@@ -210,15 +212,15 @@ fn pool_bytes<'r>(ranks: impl IntoIterator<Item = &'r RankInfo>) -> u64 {
 pub struct Scenario {
     /// The model, on both sides.
     pub model: ModelSpec,
-    /// The context instance's mapping.
+    /// The prefill instance's mapping.
     pub ctx_mapping: Mapping,
-    /// The generation instance's mapping.
+    /// The decode instance's mapping.
     pub gen_mapping: Mapping,
     /// Prompt length in tokens.
     pub prompt_len: u64,
-    /// The context DP group serving the request (0 without attention DP).
+    /// The prefill DP group serving the request (0 without attention DP).
     pub ctx_dp_rank: u32,
-    /// The generation DP group receiving it (0 without attention DP).
+    /// The decode DP group receiving it (0 without attention DP).
     pub gen_dp_rank: u32,
     /// Sender-side chunks (block-aligned, ascending); `None` sends the prompt in one piece.
     pub chunks: Option<Vec<TokenRange>>,
@@ -233,8 +235,8 @@ pub struct Scenario {
     pub padded: bool,
     /// The planner id stamped on every rank.
     pub planner_id: String,
-    /// Tokens per block of the generation instance when it differs from the model's (the
-    /// context instance's); semantics §3.2 rule 4.
+    /// Tokens per block of the decode instance when it differs from the model's (the
+    /// prefill instance's); semantics §3.2 rule 4.
     pub gen_tokens_per_block: Option<u32>,
     /// The limits each receiver's bounce region is checked against.
     pub bounce_limits: BounceLimits,
@@ -342,14 +344,14 @@ impl Scenario {
         let ctx = self.instance(
             &self.model,
             &self.ctx_mapping,
-            CONTEXT_INSTANCE,
+            PREFILL_INSTANCE,
             &ctx_options,
             &mut space,
         )?;
         let generation = self.instance(
             &gen_model,
             &self.gen_mapping,
-            GENERATION_INSTANCE,
+            DECODE_INSTANCE,
             &gen_options,
             &mut space,
         )?;
@@ -395,7 +397,7 @@ impl Scenario {
         })
     }
 
-    /// The generation instance's model: [`Scenario::model`] with
+    /// The decode instance's model: [`Scenario::model`] with
     /// [`Scenario::gen_tokens_per_block`] applied.
     pub fn gen_model(&self) -> ModelSpec {
         match self.gen_tokens_per_block {
@@ -419,8 +421,8 @@ impl Scenario {
             ));
         }
         for (name, mapping, dp) in [
-            ("ctx", &self.ctx_mapping, self.ctx_dp_rank),
-            ("gen", &self.gen_mapping, self.gen_dp_rank),
+            ("prefill", &self.ctx_mapping, self.ctx_dp_rank),
+            ("decode", &self.gen_mapping, self.gen_dp_rank),
         ] {
             let groups = mapping.dp_groups();
             if dp >= groups {
@@ -473,11 +475,11 @@ pub(crate) fn check_chunks(
 /// describe, from step 3 on.
 #[derive(Clone, Debug)]
 pub struct Exchange {
-    /// Every rank of the context instance, in rank order.
+    /// Every rank of the prefill instance, in rank order.
     pub ctx: Vec<RankInfo>,
-    /// Every rank of the generation instance, in rank order.
+    /// Every rank of the decode instance, in rank order.
     pub generation: Vec<RankInfo>,
-    /// Slot tables of (at least) every rank of the context DP group, by instance rank.
+    /// Slot tables of (at least) every rank of the prefill DP group, by instance rank.
     pub ctx_tables: BTreeMap<u32, Vec<SlotTable>>,
     /// Slot tables of (at least) every receiver, by instance rank.
     pub gen_tables: BTreeMap<u32, Vec<SlotTable>>,
@@ -485,9 +487,9 @@ pub struct Exchange {
     pub gen_excluded: BTreeMap<u32, Vec<ViewId>>,
     /// The pieces every sender plans, in order; the last has `is_last`.
     pub pieces: Vec<PairRequest>,
-    /// The context DP group serving the request.
+    /// The prefill DP group serving the request.
     pub ctx_dp_rank: u32,
-    /// The generation DP group receiving it.
+    /// The decode DP group receiving it.
     pub gen_dp_rank: u32,
     /// Seed of the oracle's tags.
     pub seed: u64,
@@ -538,17 +540,17 @@ impl Exchange {
         }
         let ctx_tables: BTreeMap<u32, &[SlotTable]> = ctx_group
             .iter()
-            .map(|&r| Ok((r, table(&self.ctx_tables, CONTEXT_INSTANCE, r)?)))
+            .map(|&r| Ok((r, table(&self.ctx_tables, PREFILL_INSTANCE, r)?)))
             .collect::<Result<_, ScenarioError>>()?;
         let gen_tables: BTreeMap<u32, &[SlotTable]> = receivers
             .iter()
-            .map(|&r| Ok((r, table(&self.gen_tables, GENERATION_INSTANCE, r)?)))
+            .map(|&r| Ok((r, table(&self.gen_tables, DECODE_INSTANCE, r)?)))
             .collect::<Result<_, ScenarioError>>()?;
         let excluded = |g: u32| self.gen_excluded.get(&g).map_or(&[][..], Vec::as_slice);
 
-        // Planners: context rank 0 (what a receiver bootstraps from) and every receiver first.
-        let mut ctx_planners = Planners::new(CONTEXT_INSTANCE, ctx_planner);
-        let mut gen_planners = Planners::new(GENERATION_INSTANCE, gen_planner);
+        // Planners: prefill rank 0 (what a receiver bootstraps from) and every receiver first.
+        let mut ctx_planners = Planners::new(PREFILL_INSTANCE, ctx_planner);
+        let mut gen_planners = Planners::new(DECODE_INSTANCE, gen_planner);
         ctx_planners.ensure(&mut ctx_infos, 0)?;
         for &g in &receivers {
             gen_planners.ensure(&mut gen_infos, g)?;
@@ -560,7 +562,7 @@ impl Exchange {
             let planner = gen_planners.get(g);
             planner
                 .check_peer(me, peer)
-                .map_err(|e| gen_planners.error(g, "check_peer of ctx rank 0", e))?;
+                .map_err(|e| gen_planners.error(g, "check_peer of prefill rank 0", e))?;
             let t = planner
                 .targets(me, peer, self.ctx_dp_rank)
                 .map_err(|e| gen_planners.error(g, "targets", e))?;
@@ -606,11 +608,11 @@ impl Exchange {
                 let (me, peer) = (&ctx_infos[c as usize], &gen_infos[g as usize]);
                 let planner = ctx_planners.get(c);
                 planner.check_peer(me, peer).map_err(|e| {
-                    ctx_planners.error(c, &format!("check_peer of gen rank {g}"), e)
+                    ctx_planners.error(c, &format!("check_peer of decode rank {g}"), e)
                 })?;
-                let back = planner
-                    .targets(me, peer, self.gen_dp_rank)
-                    .map_err(|e| ctx_planners.error(c, &format!("targets of gen rank {g}"), e))?;
+                let back = planner.targets(me, peer, self.gen_dp_rank).map_err(|e| {
+                    ctx_planners.error(c, &format!("targets of decode rank {g}"), e)
+                })?;
                 if !back.ranks.contains(&g) {
                     return Err(ScenarioError::Asymmetric {
                         ctx_rank: c,
@@ -633,7 +635,7 @@ impl Exchange {
             let ranks = || {
                 let n = senders.len();
                 format!(
-                    "{n} sending context rank{} and {}",
+                    "{n} sending prefill rank{} and {}",
                     if n == 1 { "" } else { "s" },
                     receiving_ranks(receivers.len())
                 )
@@ -745,7 +747,7 @@ impl Exchange {
         report.verification = oracle.verify(
             &memory,
             &Delivery {
-                context: &context,
+                prefill: &context,
                 receivers: &receiver_sides,
                 pieces: &self.pieces,
             },
@@ -884,12 +886,9 @@ pub fn slot_tables(
         .collect()
 }
 
-/// `N receiving generation rank(s)`, for a refusal.
+/// `N receiving decode rank(s)`, for a refusal.
 fn receiving_ranks(n: usize) -> String {
-    format!(
-        "{n} receiving generation rank{}",
-        if n == 1 { "" } else { "s" }
-    )
+    format!("{n} receiving decode rank{}", if n == 1 { "" } else { "s" })
 }
 
 /// Ranks of the DP group `dp_rank` (all ranks without attention DP).
@@ -985,9 +984,9 @@ fn find_overlaps(rank: u32, mut writes: Vec<(u64, u64, u32)>, report: &mut Scena
 /// Traffic of one (sender, receiver) pair over every piece.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PairReport {
-    /// Context rank.
+    /// Prefill rank.
     pub src_rank: u32,
-    /// Generation rank.
+    /// Decode rank.
     pub dst_rank: u32,
     /// Pieces planned.
     pub pieces: usize,
@@ -1004,11 +1003,11 @@ pub struct PairReport {
 /// What one receiver waited for.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ReceiverReport {
-    /// Generation rank.
+    /// Decode rank.
     pub rank: u32,
     /// Writers it counts (`targets.len()`).
     pub expected_transfers: usize,
-    /// The context ranks its planner named.
+    /// The prefill ranks its planner named.
     pub targets: Vec<u32>,
     /// The targets' `uniform` flag (§9.1).
     pub uniform: bool,
@@ -1075,7 +1074,7 @@ impl ScenarioReport {
         self.verification.is_clean() && self.overlapping_writes == 0
     }
 
-    /// Senders whose plans into generation rank `gen_rank` moved at least one byte.
+    /// Senders whose plans into decode rank `gen_rank` moved at least one byte.
     pub fn busy_writers(&self, gen_rank: u32) -> usize {
         self.pairs
             .iter()
@@ -1083,7 +1082,7 @@ impl ScenarioReport {
             .count()
     }
 
-    /// Bytes moved into generation rank `gen_rank`, all senders.
+    /// Bytes moved into decode rank `gen_rank`, all senders.
     pub fn bytes_into(&self, gen_rank: u32) -> u64 {
         self.pairs
             .iter()
@@ -1098,7 +1097,7 @@ impl fmt::Display for ScenarioReport {
         for r in &self.receivers {
             writeln!(
                 f,
-                "gen rank {}: {} expected transfers from {:?}{}, {} of state; bounce: {}",
+                "decode rank {}: {} expected transfers from {:?}{}, {} of state; bounce: {}",
                 r.rank,
                 r.expected_transfers,
                 r.targets,
@@ -1144,7 +1143,7 @@ impl fmt::Display for ScenarioReport {
             for o in &self.overlaps {
                 writeln!(
                     f,
-                    "  gen rank {}: ctx {} wrote {:#x} +{}, ctx {} wrote {:#x} +{}",
+                    "  decode rank {}: ctx {} wrote {:#x} +{}, ctx {} wrote {:#x} +{}",
                     o.gen_rank, o.first.0, o.first.1, o.first.2, o.second.0, o.second.1, o.second.2
                 )?;
             }

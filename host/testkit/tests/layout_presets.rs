@@ -415,7 +415,7 @@ fn a_rank_whose_pools_exceed_what_one_rank_may_hold_is_refused_before_allocating
     let err = build_rank(
         &model,
         &mapping(1, 1, 1, false),
-        "ctx",
+        "prefill",
         "y",
         0,
         &options,
@@ -429,7 +429,7 @@ fn a_rank_whose_pools_exceed_what_one_rank_may_hold_is_refused_before_allocating
     assert_eq!(large.bytes, 3 * u128::from(large.slot_bytes));
     let text = err.to_string();
     assert!(
-        text.starts_with("ctx rank 0 (tp1): its pools would take "),
+        text.starts_with("prefill rank 0 (tp1): its pools would take "),
         "{text}"
     );
     assert!(text.contains("(3932160000000000 bytes)"), "{text}");

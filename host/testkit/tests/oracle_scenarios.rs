@@ -20,7 +20,7 @@ use strum::IntoEnumIterator;
 type Mutation = Box<dyn Fn(&mut TransferPlan) + Send + Sync>;
 
 /// Whole rows by ordinal between identical layouts (same TP, PP and attention DP); the
-/// generation side may add helix CP. Test-only: it never re-shards.
+/// decode side may add helix CP. Test-only: it never re-shards.
 #[derive(Default)]
 struct Mirror {
     /// Send every held ordinal whatever the piece's token range.
@@ -228,7 +228,7 @@ fn pools_past_the_memory_budget_are_refused_before_any_is_backed() {
     assert_eq!(
         err.to_string(),
         format!(
-            "backing the pools of 1 receiving generation rank needs {:.2} GB ({pool} bytes); \
+            "backing the pools of 1 receiving decode rank needs {:.2} GB ({pool} bytes); \
              {} bytes available (test)",
             pool as f64 / 1e9,
             pool - 1
@@ -243,7 +243,7 @@ fn pools_past_the_memory_budget_are_refused_before_any_is_backed() {
     );
     assert!(
         err.to_string()
-            .contains("1 sending context rank and 1 receiving generation rank"),
+            .contains("1 sending prefill rank and 1 receiving decode rank"),
         "{err}"
     );
     // Both fit: the request runs and backs exactly that.
@@ -442,7 +442,7 @@ fn shifted_fragment_is_caught() {
     assert_eq!(first.side, Side::Destination);
     assert_eq!(
         (first.instance.as_str(), first.rank, first.pool),
-        ("gen", 0, 0)
+        ("decode", 0, 0)
     );
     // The first byte of the row kept its canary; it should hold layer 0's token 96 byte 0.
     match &first.logical {
@@ -462,7 +462,7 @@ fn shifted_fragment_is_caught() {
     let text = report.verification.to_string();
     assert!(text.contains("bytes differ"), "{text}");
     assert!(
-        text.contains("destination gen rank 0 pool 0 offset"),
+        text.contains("destination decode rank 0 pool 0 offset"),
         "{text}"
     );
     assert!(
@@ -542,7 +542,7 @@ fn asymmetric_targets_are_an_error() {
         }
         fn targets(&self, me: &RankInfo, p: &RankInfo, d: u32) -> Result<PeerTargets, PlanError> {
             let mut t = self.0.targets(me, p, d)?;
-            if me.instance_name.as_str() == "ctx" {
+            if me.instance_name.as_str() == "prefill" {
                 t.ranks = RVec::from(vec![1]);
             }
             Ok(t)
@@ -686,7 +686,7 @@ fn exchanges_refuse_overlapping_pools_and_missing_tables() {
     e.gen_tables.clear();
     let err = run_exchange(&e).unwrap_err();
     assert!(
-        matches!(&err, ScenarioError::Invalid(m) if m.contains("no slot tables for gen rank 0")),
+        matches!(&err, ScenarioError::Invalid(m) if m.contains("no slot tables for decode rank 0")),
         "{err}"
     );
     let mut e = t.exchange().unwrap();
@@ -716,7 +716,7 @@ fn corrupted_source_and_unmapped_execution_are_reported() {
     let side = RequestSide::new(&ctx, &tables);
     oracle.fill_source(&mut memory, side).unwrap();
     let delivery = Delivery {
-        context: &[side],
+        prefill: &[side],
         receivers: &[],
         pieces: &[PairRequest::whole(64)],
     };
@@ -817,7 +817,7 @@ fn a_view_whose_layers_cannot_be_derived_keeps_the_reason_as_source() {
     );
     assert_eq!(
         err.to_string(),
-        "gen rank 0: group 0 view 0: cannot derive its layers"
+        "decode rank 0: group 0 view 0: cannot derive its layers"
     );
     let chain = error_chain(&err);
     assert_eq!(chain.matches("local layer 99").count(), 1, "{chain}");

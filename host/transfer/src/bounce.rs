@@ -8,14 +8,14 @@
 //! put already is a copy, so bouncing only adds two: [`BounceMode::Auto`] bounces only where
 //! the transports leave the node.
 //!
-//! - The **arena** (`Arena`) belongs to a generation rank: registered host memory kvferry
+//! - The **arena** (`Arena`) belongs to a decode rank: registered host memory kvferry
 //!   allocates once, advertised with the rank's metadata. Each request that passes the
 //!   gates of [`kvferry_plan::bounce::reserve`] and fits gets a region of its own for its
 //!   life; a request that does not fit is written fragment by fragment, and the log says
 //!   why. A region is released at the request's terminal event, or — when a writer may
 //!   still write into it (its link died before its last piece) — kept out of use for the
 //!   agent's life (quarantined), so a late put can never land in another request's region.
-//! - The **staging** buffer ([`Staging`]) belongs to a context rank: two halves, so that
+//! - The **staging** buffer ([`Staging`]) belongs to a prefill rank: two halves, so that
 //!   while one half's puts are in flight a gather thread fills the other.
 //! - The packed image is defined by destination addresses alone
 //!   ([`kvferry_plan::bounce::gather_list`], [`kvferry_plan::bounce::scatter_runs`]): the
@@ -85,9 +85,9 @@ impl std::fmt::Display for BounceMode {
 pub struct BounceConfig {
     /// Off, on or auto.
     pub mode: BounceMode,
-    /// Generation ranks: bytes of the arena regions are reserved from (allocated at start).
+    /// Decode ranks: bytes of the arena regions are reserved from (allocated at start).
     pub arena_bytes: u64,
-    /// Context ranks: bytes of each of the two halves of the staging buffer (allocated at
+    /// Prefill ranks: bytes of each of the two halves of the staging buffer (allocated at
     /// start); a piece goes out in puts of at most [`crate::rank::MAX_PUT_BYTES`], one half
     /// at a time.
     pub staging_bytes: u64,
@@ -252,7 +252,7 @@ struct Free {
     quarantined: u64,
 }
 
-/// A generation rank's bounce arena (see the module docs).
+/// A decode rank's bounce arena (see the module docs).
 #[derive(Debug)]
 pub(crate) struct Arena {
     region: MemRegion,
@@ -379,7 +379,7 @@ impl Arena {
     }
 }
 
-/// A context rank's staging buffer: two halves of [`BounceConfig::staging_bytes`].
+/// A prefill rank's staging buffer: two halves of [`BounceConfig::staging_bytes`].
 #[derive(Debug)]
 pub struct Staging {
     region: MemRegion,

@@ -1,10 +1,10 @@
-//! The memcpy baseline of `kvferry bench`: the fragments a context server recorded
+//! The memcpy baseline of `kvferry bench`: the fragments a prefill server recorded
 //! ([`crate::agent::Agent::recorded_fragments`]) copied with `memcpy` between host buffers
 //! shaped like the pools, in one process — on shared memory the physical ceiling of the
 //! machine for that fragment list.
 //!
-//! A [`CopyArena`] holds one buffer per pool of every context rank (sources) and of every
-//! generation rank (destinations), each as long as the pool, so a fragment's `(pool,
+//! A [`CopyArena`] holds one buffer per pool of every prefill rank (sources) and of every
+//! decode rank (destinations), each as long as the pool, so a fragment's `(pool,
 //! offset)` lands at the same offset of its buffer: the same layout, the same strides.
 //! Buffers are allocated once, checked against the host budget first, and every page is
 //! written before any copy is timed (first-touch faults would otherwise dominate).
@@ -28,11 +28,11 @@ use crate::rank::nanos;
 #[non_exhaustive]
 pub enum CopyError {
     /// A fragment does not lie inside the pools of its pair.
-    #[error("context rank {ctx_rank} -> generation rank {gen_rank}: fragment {fragment} {reason}")]
+    #[error("prefill rank {ctx_rank} -> decode rank {gen_rank}: fragment {fragment} {reason}")]
     Outside {
-        /// The context rank.
+        /// The prefill rank.
         ctx_rank: u32,
-        /// The generation rank.
+        /// The decode rank.
         gen_rank: u32,
         /// The fragment's index in its pair's list.
         fragment: usize,
@@ -41,12 +41,12 @@ pub enum CopyError {
     },
     /// Two fragments write the same destination byte.
     #[error(
-        "generation rank {gen_rank} pool {pool}: bytes {first_offset}+{first_len} (from context \
-         rank {first_ctx}) and {second_offset}+{second_len} (from context rank {second_ctx}) \
+        "decode rank {gen_rank} pool {pool}: bytes {first_offset}+{first_len} (from context \
+         rank {first_ctx}) and {second_offset}+{second_len} (from prefill rank {second_ctx}) \
          overlap"
     )]
     Overlap {
-        /// The generation rank.
+        /// The decode rank.
         gen_rank: u32,
         /// Its pool.
         pool: u32,
@@ -118,7 +118,7 @@ pub struct CopyStats {
     pub fragments: u64,
     /// Plans they came in.
     pub plans: u64,
-    /// Context ranks, one thread each.
+    /// Prefill ranks, one thread each.
     pub ranks: u32,
     /// Nanoseconds the threads spent copying, summed.
     pub copy_ns: u64,
@@ -128,9 +128,9 @@ pub struct CopyStats {
 /// docs). Kept across runs: buffers of a rank whose pools keep their sizes are reused.
 #[derive(Debug, Default)]
 pub struct CopyArena {
-    /// Context rank → one buffer per pool.
+    /// Prefill rank → one buffer per pool.
     src: BTreeMap<u32, Vec<Vec<u8>>>,
-    /// Generation rank → one buffer per pool.
+    /// Decode rank → one buffer per pool.
     dst: BTreeMap<u32, Vec<Vec<u8>>>,
 }
 
@@ -342,7 +342,7 @@ impl CopyArena {
         })
     }
 
-    /// Every fragment against the buffers, per context rank; and the destination buffers'
+    /// Every fragment against the buffers, per prefill rank; and the destination buffers'
     /// starts the copies index.
     #[allow(clippy::type_complexity)]
     fn resolve(
@@ -352,7 +352,7 @@ impl CopyArena {
         let mut index: BTreeMap<(u32, usize), usize> = BTreeMap::new();
         let mut starts = Vec::new();
         let mut jobs: BTreeMap<u32, Vec<Resolved>> = BTreeMap::new();
-        // (generation rank, pool, offset, length, context rank) of every write.
+        // (decode rank, pool, offset, length, prefill rank) of every write.
         let mut writes: Vec<(u32, u32, u64, u64, u32)> = Vec::new();
         for p in pairs {
             let (c, g) = (p.ctx_rank, p.gen_rank);
@@ -481,7 +481,7 @@ mod tests {
     #[test]
     fn fragments_land_at_their_offsets_from_one_thread_per_context_rank() {
         let mut arena = CopyArena::new();
-        // Two context ranks write disjoint bytes of one generation rank's pool.
+        // Two prefill ranks write disjoint bytes of one decode rank's pool.
         let pairs = [
             pair(
                 0,
@@ -549,7 +549,7 @@ mod tests {
             );
             assert!(text.contains(words), "{text}");
             assert!(
-                text.starts_with("context rank 3 -> generation rank 5: fragment 1"),
+                text.starts_with("prefill rank 3 -> decode rank 5: fragment 1"),
                 "{text}"
             );
             assert!(

@@ -17,9 +17,9 @@
 //! # Slot ownership
 //!
 //! Several requests use one pool at once, each in its own slots. Bytes of a slot are touched
-//! by exactly one party at a time: on the context side the host while it fills the slots of a
+//! by exactly one party at a time: on the prefill side the host while it fills the slots of a
 //! request no receiver has asked for yet, then UCX reading them for puts until the request is
-//! released after its last job; on the generation side the host while it primes free slots
+//! released after its last job; on the decode side the host while it primes free slots
 //! (at start, and on release once no writer can still write), UCX while a request's puts run,
 //! and the host again while it verifies a request whose every writer reported its flushed
 //! last piece. That protocol is what makes [`RankPools::write`] sound; it is `unsafe` because

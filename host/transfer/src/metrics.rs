@@ -11,10 +11,10 @@
 //! | `kvferry_requests_total{outcome}` | counter | requests ended: `sent`, `received`, `cancelled`, `failed` |
 //! | `kvferry_request_failures_total{kind}` | counter | failed requests by kind (`peer`, `timeout`, `lease`, ...) |
 //! | `kvferry_transfer_bytes_total` | counter | bytes of the requests that ended well |
-//! | `kvferry_fragments_total` | counter | fragments written into a generation rank |
-//! | `kvferry_pieces_total` | counter | pieces (chunks, layer-wise parts) landed in a generation rank |
-//! | `kvferry_puts_total` | counter | puts a context rank issued |
-//! | `kvferry_write_seconds_total` | counter | a context rank's time in puts and flushes |
+//! | `kvferry_fragments_total` | counter | fragments written into a decode rank |
+//! | `kvferry_pieces_total` | counter | pieces (chunks, layer-wise parts) landed in a decode rank |
+//! | `kvferry_puts_total` | counter | puts a prefill rank issued |
+//! | `kvferry_write_seconds_total` | counter | a prefill rank's time in puts and flushes |
 //! | `kvferry_transfer_duration_seconds` | histogram | per request: generation `expect` → received; context claim → sent |
 //! | `kvferry_planning_duration_seconds` | histogram | per request: planning and validating |
 //! | `kvferry_queue_duration_seconds` | histogram | per request: waiting for a planner worker or the rank thread |
@@ -197,44 +197,44 @@ impl Collector for Samples {
         self.counter(
             e,
             "kvferry_transfer",
-            "Bytes of the requests that ended well (written by a context rank, or into a \
-             generation rank).",
+            "Bytes of the requests that ended well (written by a prefill rank, or into a \
+             decode rank).",
             Some(&Unit::Bytes),
             |s| s.bytes,
         )?;
         self.counter(
             e,
             "kvferry_fragments",
-            "Fragments written into a generation rank.",
+            "Fragments written into a decode rank.",
             None,
             |s| s.fragments,
         )?;
         self.counter(
             e,
             "kvferry_pieces",
-            "Pieces (chunks, layer-wise parts) landed in a generation rank.",
+            "Pieces (chunks, layer-wise parts) landed in a decode rank.",
             None,
             |s| s.pieces,
         )?;
         self.counter(
             e,
             "kvferry_puts",
-            "Puts a context rank issued.",
+            "Puts a prefill rank issued.",
             None,
             |s| s.puts,
         )?;
         self.counter(
             e,
             "kvferry_write",
-            "A context rank's time in puts and flushes.",
+            "A prefill rank's time in puts and flushes.",
             Some(&Unit::Seconds),
             |s| s.write_ns as f64 * 1e-9,
         )?;
         self.histogram(
             e,
             "kvferry_transfer_duration",
-            "Requests that ended well by their time: a generation rank's expect to received, \
-             a context rank's claim to sent.",
+            "Requests that ended well by their time: a decode rank's expect to received, \
+             a prefill rank's claim to sent.",
             |s| (&s.latency_us, s.latency_sum_us as f64 * 1e-6),
         )?;
         self.histogram(
@@ -301,10 +301,10 @@ mod tests {
             received: 5,
             ..AgentStats::default()
         };
-        let text = encode(&[sample(0, Role::Context, a), sample(1, Role::Generation, b)]);
+        let text = encode(&[sample(0, Role::Prefill, a), sample(1, Role::Decode, b)]);
         let has = |line: &str| assert!(text.lines().any(|l| l == line), "no `{line}` in\n{text}");
-        let ctx = r#"instance="ctx-\"a\"",rank="0",role="context""#;
-        let generation = r#"instance="ctx-\"a\"",rank="1",role="generation""#;
+        let ctx = r#"instance="ctx-\"a\"",rank="0",role="prefill""#;
+        let generation = r#"instance="ctx-\"a\"",rank="1",role="decode""#;
         has("# TYPE kvferry_requests_total counter");
         has(&format!(
             r#"kvferry_requests_total{{{ctx},outcome="sent"}} 3"#

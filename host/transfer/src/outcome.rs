@@ -13,9 +13,9 @@ pub struct RequestStats {
     pub writers: u32,
     /// Pieces reported over all writers.
     pub pieces: u32,
-    /// From the generation server's first `RequestData` to the last completion.
+    /// From the decode server's first `RequestData` to the last completion.
     pub latency_us: u64,
-    /// Puts issued for it (context side; 0 on the generation side, which issues none): one
+    /// Puts issued for it (prefill side; 0 on the decode side, which issues none): one
     /// per fragment and MiB, or per MiB of packed image for bounced pieces.
     pub puts: u64,
     /// Where the request's time went, summed over the ranks that report it.
@@ -38,19 +38,19 @@ impl RequestStats {
 
 /// Where one request's time went, in nanoseconds per stage, measured with a few monotonic
 /// clock reads per piece (never per fragment) on the agents that took part, and summed over
-/// the (context rank, generation rank) pairs that write it: pairs run at once, so the sum can
+/// the (prefill rank, decode rank) pairs that write it: pairs run at once, so the sum can
 /// exceed the request's wall time.
 ///
-/// Context side, per pair and piece: `plan` (describing both sides' rows and the planner's
+/// Prefill side, per pair and piece: `plan` (describing both sides' rows and the planner's
 /// `pair`), `validate` (`kvferry_plan::validate`, coalescing included), `puts` (issuing the
 /// puts on the rank thread, waits for a full window included), `flush` (waiting for the
 /// endpoint flush), `queue` (waiting for a planner worker and for the rank thread, where
 /// requests in flight at once line up) and `control`: the rest of the time from the claim
 /// to the completion — the claim and the planner's `targets`, connecting the endpoint, the
-/// completion message. Generation side, per rank: `control` also counts the time from
+/// completion message. Decode side, per rank: `control` also counts the time from
 /// `expect` until its claims are out and from the last completion to `Received`. What the
-/// messages spend between the processes is in no stage. `gather` (context side: the rank
-/// thread waiting for its gather thread) and `scatter` (generation side) are the bounce
+/// messages spend between the processes is in no stage. `gather` (prefill side: the rank
+/// thread waiting for its gather thread) and `scatter` (decode side) are the bounce
 /// path's, 0 for pieces that go fragment by fragment. `copy` is the memcpy baseline's copying
 /// (`kvferry bench`), 0 on the agent path.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -108,7 +108,7 @@ impl Stages {
     }
 }
 
-/// What a context server's bare replay of recorded plans moved, and how long it took
+/// What a prefill server's bare replay of recorded plans moved, and how long it took
 /// ([`crate::agent::Agent::replay`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BenchStats {
@@ -122,7 +122,7 @@ pub struct BenchStats {
     pub puts: u64,
     /// Plans replayed (one window and one flush each).
     pub plans: u64,
-    /// Context ranks that replayed.
+    /// Prefill ranks that replayed.
     pub ranks: u32,
     /// Where the time went, summed over the ranks: `puts` and `flush` for the replay, `copy`
     /// for the memcpy baseline.
@@ -161,8 +161,8 @@ impl PoolFragment {
     }
 }
 
-/// What a context server's recorded plans of some requests write from one of its ranks to
-/// one generation rank, exactly the coalesced fragments [`crate::agent::Agent::replay`] puts,
+/// What a prefill server's recorded plans of some requests write from one of its ranks to
+/// one decode rank, exactly the coalesced fragments [`crate::agent::Agent::replay`] puts,
 /// in its order ([`crate::agent::Agent::recorded_fragments`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PairFragments {
@@ -170,9 +170,9 @@ pub struct PairFragments {
     pub ctx_rank: u32,
     /// The generation (receiver) rank.
     pub gen_rank: u32,
-    /// Bytes of each of the context rank's pools, in page-table order.
+    /// Bytes of each of the prefill rank's pools, in page-table order.
     pub src_pools: Vec<u64>,
-    /// Bytes of each of the generation rank's pools, in page-table order.
+    /// Bytes of each of the decode rank's pools, in page-table order.
     pub dst_pools: Vec<u64>,
     /// Fragments of each plan, in order (the replay gives each plan one window and one
     /// flush); they sum to `fragments.len()`.

@@ -1,4 +1,4 @@
-//! What a context server keeps of `RequestData` that arrived before its request was added
+//! What a prefill server keeps of `RequestData` that arrived before its request was added
 //! (the decode side may ask first): bounded in bytes, and expired by age.
 //!
 //! The bytes come from a peer, so the stash must not grow without bound however many ids a

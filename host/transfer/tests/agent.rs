@@ -22,8 +22,8 @@ fn a_chunked_request_lands_byte_for_byte_over_tcp_and_shm() {
         let model = model();
         let src = Engine::new("prefill", &model, pattern);
         let dst = Engine::new("decode", &model, |_, _| CANARY);
-        let prefill = agent(Role::Context, &src, secret(), transport);
-        let decode = agent(Role::Generation, &dst, secret(), transport);
+        let prefill = agent(Role::Prefill, &src, secret(), transport);
+        let decode = agent(Role::Decode, &dst, secret(), transport);
         let endpoint = prefill.endpoint().unwrap().to_string();
         assert!(endpoint.starts_with("127.0.0.1:"), "{endpoint}");
 
@@ -88,9 +88,9 @@ fn a_peer_without_the_secret_is_refused_by_name_and_moves_nothing() {
     let model = model();
     let src = Engine::new("prefill", &model, pattern);
     let dst = Engine::new("decode", &model, |_, _| CANARY);
-    let prefill = agent(Role::Context, &src, secret(), Transport::Tcp);
+    let prefill = agent(Role::Prefill, &src, secret(), Transport::Tcp);
     let wrong = Secret::new(b"another secret, also 32 bytes!!!".to_vec()).unwrap();
-    let decode = agent(Role::Generation, &dst, wrong, Transport::Tcp);
+    let decode = agent(Role::Decode, &dst, wrong, Transport::Tcp);
     prefill.send(whole(1, tables(&src, &[0]), 16)).unwrap();
     decode
         .expect(expecting(
@@ -116,7 +116,7 @@ fn a_peer_without_the_secret_is_refused_by_name_and_moves_nothing() {
 fn bad_requests_are_refused_before_anything_is_taken() {
     let model = model();
     let src = Engine::new("prefill", &model, pattern);
-    let prefill = agent(Role::Context, &src, secret(), Transport::Tcp);
+    let prefill = agent(Role::Prefill, &src, secret(), Transport::Tcp);
     let slots = src.info.page_table.pools[0].num_slots as i64;
     let err = prefill
         .send(whole(1, tables(&src, &[slots]), 16))
@@ -142,7 +142,7 @@ fn an_unclaimed_send_fails_at_its_lease_and_a_cancel_ends_in_one_event() {
     let model = model();
     let src = Engine::new("prefill", &model, pattern);
     let bound = bound();
-    let mut config = AgentConfig::new("prefill", Role::Context, src.info.clone(), secret());
+    let mut config = AgentConfig::new("prefill", Role::Prefill, src.info.clone(), secret());
     config.listen = "127.0.0.1:0".into();
     config.lease = Duration::from_millis(200);
     // SAFETY: `src` outlives the agent.
@@ -169,8 +169,8 @@ fn a_send_its_receiver_cancelled_first_ends_at_once_not_at_its_lease() {
     let src = Engine::new("prefill", &model, pattern);
     let mut dst = Engine::new("decode", &model, |_, _| CANARY);
     let lease = Duration::from_secs(30);
-    let prefill = start(Role::Context, &src, secret(), bound(), |c| c.lease = lease);
-    let decode = agent(Role::Generation, &dst, secret(), Transport::Tcp);
+    let prefill = start(Role::Prefill, &src, secret(), bound(), |c| c.lease = lease);
+    let decode = agent(Role::Decode, &dst, secret(), Transport::Tcp);
     let endpoint = prefill.endpoint().unwrap().to_string();
     let soon = Duration::from_secs(5);
 
@@ -249,10 +249,10 @@ fn a_cancel_from_another_decode_instance_does_not_end_a_send_bound_to_its_receiv
     let src = Engine::new("prefill", &model, pattern);
     let dst = Engine::new("decode", &model, |_, _| CANARY);
     let other = Engine::new("intruder", &model, |_, _| CANARY);
-    let prefill = agent(Role::Context, &src, secret(), Transport::Tcp);
-    let decode = agent(Role::Generation, &dst, secret(), Transport::Tcp);
+    let prefill = agent(Role::Prefill, &src, secret(), Transport::Tcp);
+    let decode = agent(Role::Decode, &dst, secret(), Transport::Tcp);
     // Another instance that holds the secret, expecting and cancelling the victim's id first.
-    let intruder = start(Role::Generation, &other, secret(), bound(), |c| {
+    let intruder = start(Role::Decode, &other, secret(), bound(), |c| {
         c.instance = "intruder".into()
     });
     let endpoint = prefill.endpoint().unwrap().to_string();
@@ -291,8 +291,8 @@ fn a_cancel_with_puts_in_flight_ends_only_after_the_last_write() {
     let mut dst = Engine::new("decode", &model, |_, _| CANARY);
     let (gate, flushing) = FlushGate::new(Duration::from_millis(400));
     let hook: Arc<dyn WriteHook> = gate;
-    let prefill = agent_with(Role::Context, &src, secret(), Transport::Tcp, Some(hook));
-    let decode = agent(Role::Generation, &dst, secret(), Transport::Tcp);
+    let prefill = agent_with(Role::Prefill, &src, secret(), Transport::Tcp, Some(hook));
+    let decode = agent(Role::Decode, &dst, secret(), Transport::Tcp);
     cancel_mid_write(prefill, decode, &src, &mut dst, flushing);
 }
 
@@ -353,7 +353,7 @@ mod hostile {
         }
     }
 
-    /// A context rank that answers every claim with a successful last piece of `bytes`
+    /// A prefill rank that answers every claim with a successful last piece of `bytes`
     /// bytes, writing nothing, under the description of a real one.
     fn lying_about_bytes(real: &Agent, bytes: u64) -> String {
         lying_context(real, move |d| made_up_completion(d, bytes, None))
@@ -364,8 +364,8 @@ mod hostile {
         let model = model();
         let src = Engine::new("prefill", &model, pattern);
         let dst = Engine::new("decode", &model, |_, _| CANARY);
-        let real = agent(Role::Context, &src, secret(), Transport::Tcp);
-        let decode = agent(Role::Generation, &dst, secret(), Transport::Tcp);
+        let real = agent(Role::Prefill, &src, secret(), Transport::Tcp);
+        let decode = agent(Role::Decode, &dst, secret(), Transport::Tcp);
         let endpoint = lying_about_bytes(&real, 4096);
         decode
             .expect(expecting(9, &endpoint, tables(&dst, &[0, 1]), 32))
@@ -384,8 +384,8 @@ mod hostile {
         let model = model();
         let src = Engine::new("prefill", &model, pattern);
         let dst = Engine::new("decode", &model, |_, _| CANARY);
-        let prefill = agent(Role::Context, &src, secret(), Transport::Tcp);
-        let decode = agent(Role::Generation, &dst, secret(), Transport::Tcp);
+        let prefill = agent(Role::Prefill, &src, secret(), Transport::Tcp);
+        let decode = agent(Role::Decode, &dst, secret(), Transport::Tcp);
         let endpoint = prefill.endpoint().unwrap().to_string();
         let send = |request| SendChunk {
             request,
@@ -466,7 +466,7 @@ mod hostile {
 fn a_dropped_agent_closes_its_side_channel() {
     let model = model();
     let src = Engine::new("prefill", &model, pattern);
-    let prefill = agent(Role::Context, &src, secret(), Transport::Tcp);
+    let prefill = agent(Role::Prefill, &src, secret(), Transport::Tcp);
     let endpoint = prefill.endpoint().unwrap().to_string();
     assert!(std::net::TcpStream::connect(&endpoint).is_ok());
     drop(prefill);
@@ -485,8 +485,8 @@ fn requests_expected_together_share_one_link_to_their_prefill_rank() {
     let model = model();
     let src = Engine::new("prefill", &model, pattern);
     let dst = Engine::new("decode", &model, |_, _| CANARY);
-    let prefill = agent(Role::Context, &src, secret(), Transport::Tcp);
-    let decode = agent(Role::Generation, &dst, secret(), Transport::Tcp);
+    let prefill = agent(Role::Prefill, &src, secret(), Transport::Tcp);
+    let decode = agent(Role::Decode, &dst, secret(), Transport::Tcp);
     let endpoint = prefill.endpoint().unwrap().to_string();
     // Four requests at once, before any link exists; each in its own two slots.
     for request in 0..4u64 {
@@ -526,10 +526,10 @@ fn a_full_side_channel_turns_strangers_away_and_serves_honest_peers_once_they_le
     let model = model();
     let src = Engine::new("prefill", &model, pattern);
     let dst = Engine::new("decode", &model, |_, _| CANARY);
-    let prefill = start(Role::Context, &src, secret(), bound(), |c| {
+    let prefill = start(Role::Prefill, &src, secret(), bound(), |c| {
         c.max_connections = 2
     });
-    let decode = agent(Role::Generation, &dst, secret(), Transport::Tcp);
+    let decode = agent(Role::Decode, &dst, secret(), Transport::Tcp);
     let endpoint = prefill.endpoint().unwrap().to_string();
     // Two strangers hold both places (they never say a word).
     let strangers: Vec<_> = (0..2)

@@ -39,8 +39,8 @@ fn a_chunked_request_bounces_byte_for_byte_over_tcp_and_shm() {
             let model = model();
             let src = Engine::new("prefill", &model, pattern);
             let dst = Engine::new("decode", &model, |_, _| CANARY);
-            let prefill = bouncing(Role::Context, &src, transport, bounce);
-            let decode = bouncing(Role::Generation, &dst, transport, bounce);
+            let prefill = bouncing(Role::Prefill, &src, transport, bounce);
+            let decode = bouncing(Role::Decode, &dst, transport, bounce);
             let got = chunked_request(&prefill, &decode, &src, &dst);
             let Event::Received { stats, .. } = got else {
                 panic!("{transport} bounce {}: {got:?}", bounce.mode);
@@ -72,8 +72,8 @@ fn auto_bounces_over_tcp_and_not_within_the_node() {
             min_blocks: 1,
             ..BounceConfig::default()
         };
-        let prefill = bouncing(Role::Context, &src, transport, auto);
-        let decode = bouncing(Role::Generation, &dst, transport, auto);
+        let prefill = bouncing(Role::Prefill, &src, transport, auto);
+        let decode = bouncing(Role::Decode, &dst, transport, auto);
         let Event::Received { stats, .. } = chunked_request(&prefill, &decode, &src, &dst) else {
             panic!("{transport}: not received");
         };
@@ -97,8 +97,8 @@ fn a_request_larger_than_the_arena_goes_fragment_by_fragment() {
         arena_bytes: 4096,
         ..on()
     };
-    let prefill = bouncing(Role::Context, &src, Transport::Tcp, on());
-    let decode = bouncing(Role::Generation, &dst, Transport::Tcp, small);
+    let prefill = bouncing(Role::Prefill, &src, Transport::Tcp, on());
+    let decode = bouncing(Role::Decode, &dst, Transport::Tcp, small);
     let Event::Received { stats, .. } = chunked_request(&prefill, &decode, &src, &dst) else {
         panic!("not received");
     };
@@ -119,8 +119,8 @@ fn regions_are_reused_request_after_request() {
         arena_bytes: 2 * slot_bytes,
         ..on()
     };
-    let prefill = bouncing(Role::Context, &src, Transport::Tcp, on());
-    let decode = bouncing(Role::Generation, &dst, Transport::Tcp, one);
+    let prefill = bouncing(Role::Prefill, &src, Transport::Tcp, on());
+    let decode = bouncing(Role::Decode, &dst, Transport::Tcp, one);
     let endpoint = prefill.endpoint().unwrap().to_string();
     for (k, (s, d)) in [([0i64, 1], [2i64, 3]), ([4, 5], [6, 7]), ([2, 3], [0, 1])]
         .into_iter()
@@ -152,12 +152,12 @@ fn a_cancel_with_bounced_puts_in_flight_scatters_nothing_after_cancelled() {
     let mut dst = Engine::new("decode", &model, |_, _| CANARY);
     let (gate, flushing) = FlushGate::new(Duration::from_millis(400));
     let hook: std::sync::Arc<dyn kvferry_transfer::rank::WriteHook> = gate;
-    let prefill = start(Role::Context, &src, secret(), bound(), |config| {
+    let prefill = start(Role::Prefill, &src, secret(), bound(), |config| {
         config.transport = Transport::Tcp.into();
         config.bounce = on();
         config.hook = Some(hook);
     });
-    let decode = bouncing(Role::Generation, &dst, Transport::Tcp, on());
+    let decode = bouncing(Role::Decode, &dst, Transport::Tcp, on());
     cancel_mid_write(prefill, decode, &src, &mut dst, flushing);
 }
 
@@ -166,7 +166,7 @@ mod hostile {
 
     use kvferry_protocol::BouncedPiece;
 
-    /// A context rank under a real one's description that answers every claim with a
+    /// A prefill rank under a real one's description that answers every claim with a
     /// successful bounced last piece of `bytes` bytes at `offset`, writing nothing.
     fn lying_bouncer(real: &Agent, bytes: u64, offset: u64) -> String {
         lying_context(real, move |d| {
@@ -184,14 +184,14 @@ mod hostile {
         let model = model();
         let src = Engine::new("prefill", &model, pattern);
         let dst = Engine::new("decode", &model, |_, _| CANARY);
-        let real = bouncing(Role::Context, &src, Transport::Tcp, on());
+        let real = bouncing(Role::Prefill, &src, Transport::Tcp, on());
         let slot_bytes: u64 = dst.info.page_table.pools.iter().map(|p| p.slot_bytes).sum();
         let right = 2 * slot_bytes;
         for (request, bytes, offset, says) in [
             (21, 4096, 0, "own plan of them says"),
             (22, right, 1 << 40, "region whose next free byte"),
         ] {
-            let decode = bouncing(Role::Generation, &dst, Transport::Tcp, on());
+            let decode = bouncing(Role::Decode, &dst, Transport::Tcp, on());
             let endpoint = lying_bouncer(&real, bytes, offset);
             decode
                 .expect(expecting(request, &endpoint, tables(&dst, &[0, 1]), 32))

@@ -1,6 +1,6 @@
-//! The agent's checks of what a peer declares, at their exact edges: a context rank's pool key
+//! The agent's checks of what a peer declares, at their exact edges: a prefill rank's pool key
 //! must cover its whole pool (a key one byte short is refused, one of exactly the pool's
-//! footprint is taken), a generation rank's bounce offer must lie inside the arena it
+//! footprint is taken), a decode rank's bounce offer must lie inside the arena it
 //! declared (an offer ending on the arena's last byte is taken, one byte past is refused),
 //! and a piece bounces only into an offered region it fits to the byte.
 
@@ -19,7 +19,7 @@ use kvferry_transfer::agent::{BounceConfig, BounceMode, CallError, Event, SendCh
 
 use support::*;
 
-/// A context rank's metadata whose pool keys are cut or moved a byte at a time: the agent
+/// A prefill rank's metadata whose pool keys are cut or moved a byte at a time: the agent
 /// takes a key covering exactly the pool's footprint (or more: what the key really maps is
 /// the rank thread's check), and refuses one a byte short, or starting a byte off the pool,
 /// naming the pool.
@@ -28,8 +28,8 @@ fn a_pool_key_one_byte_short_of_its_pool_is_refused() {
     let model = model();
     let src = Engine::new("prefill", &model, pattern);
     let dst = Engine::new("decode", &model, |_, _| CANARY);
-    let prefill = agent(Role::Context, &src, secret(), Transport::Tcp);
-    let decode = agent(Role::Generation, &dst, secret(), Transport::Tcp);
+    let prefill = agent(Role::Prefill, &src, secret(), Transport::Tcp);
+    let decode = agent(Role::Decode, &dst, secret(), Transport::Tcp);
     let real = AgentMetadata::from_bytes(&prefill.local_metadata().unwrap()).unwrap();
     let pools = real.rank.info.page_table.pools.len();
     decode
@@ -88,7 +88,7 @@ fn claim(tables: Vec<SlotTable>, bounce: Option<BounceOffer>) -> AgentMessage {
     })
 }
 
-/// The next completion the context rank sends.
+/// The next completion the prefill rank sends.
 fn completion(s: &mut SecurePeer, session: &mut AgentSession) -> Completion {
     loop {
         let m: AgentMessage = read_frame(s).unwrap();
@@ -117,7 +117,7 @@ fn refusal(s: &mut SecurePeer, session: &mut AgentSession) -> String {
     }
 }
 
-/// Offers of the region at each edge of the arena a generation rank declared: the whole
+/// Offers of the region at each edge of the arena a decode rank declared: the whole
 /// arena, its last byte, its first byte pass; one byte longer, one byte later, one byte
 /// past its end, and offers whose end overflows are refused by name. A rank that declared
 /// no arena may offer nothing.
@@ -126,13 +126,13 @@ fn a_bounce_offer_one_byte_past_the_declared_arena_is_refused() {
     let model = model();
     let src = Engine::new("prefill", &model, pattern);
     let dst = Engine::new("decode", &model, |_, _| CANARY);
-    let prefill = agent(Role::Context, &src, secret(), Transport::Tcp);
+    let prefill = agent(Role::Prefill, &src, secret(), Transport::Tcp);
     let on = BounceConfig {
         mode: BounceMode::On,
         arena_bytes: 1 << 20,
         ..BounceConfig::default()
     };
-    let decode = start(Role::Generation, &dst, secret(), bound(), |config| {
+    let decode = start(Role::Decode, &dst, secret(), bound(), |config| {
         config.transport = Transport::Tcp.into();
         config.bounce = on;
     });
@@ -169,7 +169,7 @@ fn a_bounce_offer_one_byte_past_the_declared_arena_is_refused() {
     drop(decode);
 
     // No arena declared: no offer is inside it.
-    let plain = start(Role::Generation, &dst, secret(), bound(), |config| {
+    let plain = start(Role::Decode, &dst, secret(), bound(), |config| {
         config.transport = Transport::Tcp.into();
         config.bounce = BounceConfig::off();
     });
@@ -199,7 +199,7 @@ fn a_bounce_offer_one_byte_past_the_declared_arena_is_refused() {
 /// A piece goes through the offered region only when it fits it to the byte: into a region
 /// of exactly its size, at the arena's very end, it bounces; into one a byte short it goes
 /// fragment by fragment (its completion says which). The region is offered by a session
-/// posing as a bouncing generation rank, whose worker (the real rank's) takes the puts.
+/// posing as a bouncing decode rank, whose worker (the real rank's) takes the puts.
 #[test]
 fn a_piece_bounces_only_into_an_offered_region_it_fits_to_the_byte() {
     let model = model();
@@ -216,8 +216,8 @@ fn a_piece_bounces_only_into_an_offered_region_it_fits_to_the_byte() {
             config.bounce = on;
         })
     };
-    let prefill = bouncing(Role::Context, &src);
-    let decode = bouncing(Role::Generation, &dst);
+    let prefill = bouncing(Role::Prefill, &src);
+    let decode = bouncing(Role::Decode, &dst);
     let me = AgentMetadata::from_bytes(&decode.local_metadata().unwrap()).unwrap();
     let arena = me.rank.bounce.as_ref().expect("a declared arena").len;
     // Two whole blocks of every pool.

@@ -100,8 +100,8 @@ fn move_one(
         };
         start(role, &engine, secret(), bound(), tweak)
     };
-    let prefill = start_on(Role::Context, &src.info);
-    let decode = start_on(Role::Generation, &dst.info);
+    let prefill = start_on(Role::Prefill, &src.info);
+    let decode = start_on(Role::Decode, &dst.info);
     let (s, d) = ([2i64, 0, 5], [1i64, 6, 3]);
     prefill.send(whole(1, src.tables(&s), 48)).unwrap();
     decode

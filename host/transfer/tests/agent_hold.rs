@@ -24,9 +24,9 @@ fn engines() -> (Engine, Engine) {
 
 /// A prefill agent (lease [`LEASE`]) over `src` and a decode agent over `dst`, linked.
 fn linked_pair(src: &Engine, dst: &Engine) -> (Agent, Agent) {
-    let prefill = start(Role::Context, src, secret(), bound(), |c| c.lease = LEASE);
+    let prefill = start(Role::Prefill, src, secret(), bound(), |c| c.lease = LEASE);
     let decode = agent(
-        Role::Generation,
+        Role::Decode,
         dst,
         secret(),
         kvferry_transfer::Transport::Tcp,
@@ -137,6 +137,6 @@ fn holds_keep_only_what_they_may_and_only_for_ten_leases() {
         (stats.sent, stats.failed_total(), stats.in_flight),
         (1, 2, 0)
     );
-    // A context rank holds nothing.
+    // A prefill rank holds nothing.
     assert!(prefill.hold("decode", &[], &[1]).is_err());
 }

@@ -48,8 +48,8 @@ fn agent(role: Role, engine: &Engine) -> Agent {
     };
     let bound = registry.bind("kvferry.default", &deployment).unwrap();
     let name = match role {
-        Role::Context => "prefill",
-        Role::Generation => "decode",
+        Role::Prefill => "prefill",
+        Role::Decode => "decode",
     };
     let secret = Secret::new(b"a deployment secret of 32 bytes!".to_vec()).unwrap();
     let mut config = AgentConfig::new(name, role, engine.info.clone(), secret);
@@ -81,8 +81,8 @@ fn requests_expected_together_survive_a_quiet_spell_longer_than_the_peer_timeout
     };
     let src = Engine::new("prefill", &model);
     let dst = Engine::new("decode", &model);
-    let prefill = agent(Role::Context, &src);
-    let decode = agent(Role::Generation, &dst);
+    let prefill = agent(Role::Prefill, &src);
+    let decode = agent(Role::Decode, &dst);
     let endpoint = prefill.endpoint().unwrap().to_string();
     // The first half of every request, then the decode expects them all at once: each
     // dispatch dials the prefill rank, which nobody has linked yet.

@@ -111,11 +111,11 @@ fn a_request_sent_layer_by_layer_lands_byte_for_byte() {
         let src = Engine::new("prefill", &model, pattern);
         let dst = Engine::new("decode", &model, |_, _| CANARY);
         assert_eq!(src.info.page_table.groups.len(), LAYERS as usize);
-        let prefill = with(Role::Context, &src, |c| {
+        let prefill = with(Role::Prefill, &src, |c| {
             c.transport = transport.into();
             c.bounce = bounce;
         });
-        let decode = with(Role::Generation, &dst, |c| {
+        let decode = with(Role::Decode, &dst, |c| {
             c.transport = transport.into();
             c.bounce = bounce;
             c.integrity = integrity;
@@ -151,8 +151,8 @@ fn the_receiver_completes_only_once_every_layer_landed() {
     let model = per_layer();
     let src = Engine::new("prefill", &model, pattern);
     let dst = Engine::new("decode", &model, |_, _| CANARY);
-    let prefill = agent(Role::Context, &src, secret(), Transport::Tcp);
-    let decode = agent(Role::Generation, &dst, secret(), Transport::Tcp);
+    let prefill = agent(Role::Prefill, &src, secret(), Transport::Tcp);
+    let decode = agent(Role::Decode, &dst, secret(), Transport::Tcp);
     let endpoint = prefill.endpoint().unwrap().to_string();
     let (slots, prompt) = ([2i64, 5], 20);
     decode
@@ -204,7 +204,7 @@ fn the_receiver_completes_only_once_every_layer_landed() {
 fn sends_that_break_the_layer_sequence_are_refused_and_take_nothing() {
     let model = per_layer();
     let src = Engine::new("prefill", &model, pattern);
-    let prefill = agent(Role::Context, &src, secret(), Transport::Tcp);
+    let prefill = agent(Role::Prefill, &src, secret(), Transport::Tcp);
     let slots = [1i64, 2, 3];
     let prompt = 40;
     let first = TokenRange { start: 0, end: 32 };

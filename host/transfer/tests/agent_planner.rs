@@ -35,8 +35,8 @@ fn a_hung_planner_fails_its_requests_by_name_and_the_connection_keeps_working() 
         c.planner_timeout = Duration::from_millis(300);
         c.rank.planner_id = "fixture.hangs".into();
     };
-    let prefill = start(Role::Context, &src, secret(), bound.clone(), deadline);
-    let decode = start(Role::Generation, &dst, secret(), bound, deadline);
+    let prefill = start(Role::Prefill, &src, secret(), bound.clone(), deadline);
+    let decode = start(Role::Decode, &dst, secret(), bound, deadline);
     let endpoint = prefill.endpoint().unwrap().to_string();
     for request in [1u64, 2] {
         prefill

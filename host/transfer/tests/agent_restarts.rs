@@ -22,10 +22,10 @@ fn a_prefill_that_restarts_again_and_again_is_linked_anew_and_nothing_piles_up()
     let model = model();
     let src = Engine::new("prefill", &model, pattern);
     let dst = Engine::new("decode", &model, |_, _| CANARY);
-    let decode = agent(Role::Generation, &dst, secret(), Transport::Tcp);
+    let decode = agent(Role::Decode, &dst, secret(), Transport::Tcp);
     let mut baseline = None;
     for round in 0..12u64 {
-        let prefill = agent(Role::Context, &src, secret(), Transport::Tcp);
+        let prefill = agent(Role::Prefill, &src, secret(), Transport::Tcp);
         prefill.send(whole(round, tables(&src, &[1]), 16)).unwrap();
         decode
             .expect(expecting(

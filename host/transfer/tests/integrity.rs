@@ -1,4 +1,4 @@
-//! End-to-end integrity digests (`AgentConfig::integrity`): a generation rank that asks for
+//! End-to-end integrity digests (`AgentConfig::integrity`): a decode rank that asks for
 //! them gets `Received` only when every piece's bytes in its slots hash as its writer's
 //! source bytes did — over tcp and shm, bounced or not, with either digest — and a writer
 //! whose bytes never landed, though it reports every one of them, fails the request as
@@ -47,9 +47,8 @@ fn every_piece_checks_out_over_tcp_and_shm_bounced_or_not() {
                 let src = Engine::new("prefill", &model, pattern);
                 let dst = Engine::new("decode", &model, |_, _| CANARY);
                 // The sender computes what the receiver asks, whatever its own setting.
-                let prefill = with_integrity(Role::Context, &src, transport, bounce, None);
-                let decode =
-                    with_integrity(Role::Generation, &dst, transport, bounce, Some(algorithm));
+                let prefill = with_integrity(Role::Prefill, &src, transport, bounce, None);
+                let decode = with_integrity(Role::Decode, &dst, transport, bounce, Some(algorithm));
                 let got = chunked_request(&prefill, &decode, &src, &dst);
                 let Event::Received { stats, .. } = got else {
                     panic!("{transport} bounce {} {algorithm}: {got:?}", bounce.mode);
@@ -68,7 +67,7 @@ fn every_piece_checks_out_over_tcp_and_shm_bounced_or_not() {
     }
 }
 
-/// A context rank that answers the claim for tokens 0..32 with exactly the bytes this rank's
+/// A prefill rank that answers the claim for tokens 0..32 with exactly the bytes this rank's
 /// plan expects, and a digest, but writes nothing: only the digest can tell.
 fn lying_with_a_digest(real: &Agent, digest: Option<PieceDigest>) -> String {
     // 32 tokens of 4 layers × 8 KV heads × 128 × 2 bytes, K and V.
@@ -85,7 +84,7 @@ fn a_writer_that_writes_nothing_but_reports_every_byte_fails_as_integrity() {
     let src = Engine::new("prefill", &model, pattern);
     let dst = Engine::new("decode", &model, |_, _| CANARY);
     let real = with_integrity(
-        Role::Context,
+        Role::Prefill,
         &src,
         Transport::Tcp,
         BounceConfig::off(),
@@ -94,7 +93,7 @@ fn a_writer_that_writes_nothing_but_reports_every_byte_fails_as_integrity() {
     let tokens = TokenRange { start: 0, end: 32 };
     for algorithm in [Integrity::Xxh3, Integrity::Crc32c] {
         let decode = with_integrity(
-            Role::Generation,
+            Role::Decode,
             &dst,
             Transport::Tcp,
             BounceConfig::off(),
@@ -137,7 +136,7 @@ fn a_writer_that_writes_nothing_but_reports_every_byte_fails_as_integrity() {
     }
     // Without the digest the same lie is believed: what the option is for.
     let decode = with_integrity(
-        Role::Generation,
+        Role::Decode,
         &dst,
         Transport::Tcp,
         BounceConfig::off(),
@@ -154,7 +153,7 @@ fn a_writer_that_writes_nothing_but_reports_every_byte_fails_as_integrity() {
     check(&src, &dst, &[], &[], None);
 }
 
-/// A generation rank cannot check device memory with the CPU: refused at start, by name.
+/// A decode rank cannot check device memory with the CPU: refused at start, by name.
 #[test]
 fn integrity_over_device_pools_is_refused_at_start() {
     let model = model();
@@ -164,7 +163,7 @@ fn integrity_over_device_pools_is_refused_at_start() {
     }
     let mut config = kvferry_transfer::agent::AgentConfig::new(
         "decode",
-        Role::Generation,
+        Role::Decode,
         dst.info.clone(),
         secret(),
     );

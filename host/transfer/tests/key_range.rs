@@ -52,7 +52,7 @@ fn rank(label: &str, transport: Transport) -> Rank {
 fn remote(receiver: &Rank, peer: u64, pools: Vec<PoolKey>) -> Arc<RemoteRank> {
     Arc::new(RemoteRank {
         peer,
-        instance: "gen".into(),
+        instance: "decode".into(),
         rank: 0,
         worker_address: receiver.thread.address().to_vec(),
         pools,
@@ -142,14 +142,14 @@ fn assert_key_range(result: Result<(), WriteError>, base: u64, len: u64) {
 
 #[test]
 fn vet_refuses_a_pool_declared_outside_its_key_over_shm() {
-    let receiver = rank("gen", Transport::Shm);
-    let sender = rank("ctx", Transport::Shm);
+    let receiver = rank("decode", Transport::Shm);
+    let sender = rank("prefill", Transport::Shm);
 
     let err = vet(&sender, remote(&receiver, 1, declared_at(&receiver, WILD))).unwrap_err();
     assert_eq!(
         error_chain(&err),
         format!(
-            "gen rank 0 declares pool 0 at 0x1000 +{POOL}, but its key does not map that range \
+            "decode rank 0 declares pool 0 at 0x1000 +{POOL}, but its key does not map that range \
              into this process: ucp_rkey_ptr failed: address not valid"
         )
     );
@@ -173,8 +173,8 @@ fn vet_refuses_a_pool_declared_outside_its_key_over_shm() {
 
 #[test]
 fn vet_accepts_a_correct_declaration_and_the_write_lands() {
-    let receiver = rank("gen", Transport::Shm);
-    let sender = rank("ctx", Transport::Shm);
+    let receiver = rank("decode", Transport::Shm);
+    let sender = rank("prefill", Transport::Shm);
     let dest = remote(&receiver, 1, receiver.keys.clone());
     vet(&sender, Arc::clone(&dest)).expect("a correct declaration vets");
 
@@ -197,8 +197,8 @@ fn vet_accepts_a_correct_declaration_and_the_write_lands() {
 
 #[test]
 fn a_write_job_to_a_pool_declared_outside_its_key_fails_and_puts_nothing() {
-    let receiver = rank("gen", Transport::Shm);
-    let sender = rank("ctx", Transport::Shm);
+    let receiver = rank("decode", Transport::Shm);
+    let sender = rank("prefill", Transport::Shm);
     let dest = remote(&receiver, 1, declared_at(&receiver, WILD));
     let (result, released) = write(&sender, Arc::clone(&dest), plan(&sender, WILD, 64));
     match result {
@@ -220,8 +220,8 @@ fn a_write_job_to_a_pool_declared_outside_its_key_fails_and_puts_nothing() {
 /// receiver applies), so there is nothing for the sender to check and the key vets.
 #[test]
 fn over_tcp_the_sender_does_not_translate_so_vet_passes() {
-    let receiver = rank("gen", Transport::Tcp);
-    let sender = rank("ctx", Transport::Tcp);
+    let receiver = rank("decode", Transport::Tcp);
+    let sender = rank("prefill", Transport::Tcp);
     vet(&sender, remote(&receiver, 1, declared_at(&receiver, WILD))).expect("not mappable: passes");
 }
 
@@ -232,14 +232,14 @@ fn over_tcp_the_sender_does_not_translate_so_vet_passes() {
 #[test]
 fn vet_refuses_a_truncated_key_by_name() {
     for transport in [Transport::Tcp, Transport::Shm] {
-        let receiver = rank("gen", transport);
-        let sender = rank("ctx", transport);
+        let receiver = rank("decode", transport);
+        let sender = rank("prefill", transport);
         let mut short = receiver.keys.clone();
         short[0].rkey.truncate(4);
         let err = vet(&sender, remote(&receiver, 1, short)).unwrap_err();
         assert_eq!(
             error_chain(&err),
-            "cannot unpack the remote key of gen rank 0 pool 0: ucp_ep_rkey_unpack not called: \
+            "cannot unpack the remote key of decode rank 0 pool 0: ucp_ep_rkey_unpack not called: \
              malformed remote key: 4 bytes, fewer than the 9 of its header (a 64-bit md map and \
              a memory type)",
             "{transport:?}"
@@ -266,8 +266,8 @@ fn vet_refuses_a_truncated_key_by_name() {
 
 #[test]
 fn vet_on_a_stopped_thread_replies_at_once() {
-    let receiver = rank("gen", Transport::Shm);
-    let sender = rank("ctx", Transport::Shm);
+    let receiver = rank("decode", Transport::Shm);
+    let sender = rank("prefill", Transport::Shm);
     // A completion callback that panics ends the rank thread.
     sender.thread.write(WriteJob {
         request: 1,

@@ -241,7 +241,7 @@ fn spec(dev: &str) -> TransportSpec {
 }
 
 fn config(role: Role, engine: &Engine) -> AgentConfig {
-    let name = if role == Role::Context {
+    let name = if role == Role::Prefill {
         "prefill"
     } else {
         "decode"
@@ -260,7 +260,7 @@ fn child() {
     let model = model();
     if role == "prefill" {
         let src = Engine::new("prefill", &model, pattern);
-        let mut c = config(Role::Context, &src);
+        let mut c = config(Role::Prefill, &src);
         c.transport = spec(DEV[0]);
         c.listen = format!("{}:0", ADDR[0]);
         c.hook = Some(Arc::new(StallSecond::default()));
@@ -279,7 +279,7 @@ fn child() {
     }
     let mut dst = Engine::new("decode", &model, |_, _| CANARY);
     let src = Engine::new("prefill", &model, pattern);
-    let mut c = config(Role::Generation, &dst);
+    let mut c = config(Role::Decode, &dst);
     c.transport = spec(DEV[1]);
     // SAFETY: `dst` outlives the agent; its bytes are read only after terminal events.
     let agent = unsafe { Agent::start(c, bound()) }.unwrap();

@@ -85,7 +85,7 @@ fn hung_receiver() -> Rank {
 fn remote(receiver: &Rank, peer: u64) -> Arc<RemoteRank> {
     Arc::new(RemoteRank {
         peer,
-        instance: "gen".into(),
+        instance: "decode".into(),
         rank: 0,
         worker_address: receiver.worker_address.clone(),
         pools: receiver.keys.clone(),
@@ -157,17 +157,17 @@ fn peer_failed(result: Result<WriteStats, WriteError>) -> Status {
             rank: 0,
             status,
             ..
-        }) if instance == "gen" => {
+        }) if instance == "decode" => {
             let e = result.unwrap_err();
             eprintln!("{}", error_chain(&e));
             assert!(
-                error_chain(&e).starts_with("gen rank 0 failed in UCX: "),
+                error_chain(&e).starts_with("decode rank 0 failed in UCX: "),
                 "{}",
                 error_chain(&e)
             );
             status
         }
-        other => panic!("expected PeerFailed for gen rank 0, got {other:?}"),
+        other => panic!("expected PeerFailed for decode rank 0, got {other:?}"),
     }
 }
 
@@ -177,8 +177,8 @@ fn peer_failed(result: Result<WriteStats, WriteError>) -> Status {
 /// written normally.
 #[test]
 fn a_job_to_a_receiver_that_died_fails_with_its_ucx_error_tcp() {
-    let sender = rank("ctx");
-    let receiver = rank("gen");
+    let sender = rank("prefill");
+    let receiver = rank("decode");
     let dest = remote(&receiver, 1);
     let stats = write(&sender, Arc::clone(&dest), plan(&sender, &receiver)).expect("first job");
     assert_eq!(stats.bytes, POOL);
@@ -199,7 +199,7 @@ fn a_job_to_a_receiver_that_died_fails_with_its_ucx_error_tcp() {
         other => panic!("expected PeerFailed or Connect, got {other:?}"),
     }
 
-    let restarted = rank("gen");
+    let restarted = rank("decode");
     let stats = write(&sender, remote(&restarted, 2), plan(&sender, &restarted))
         .expect("a receiver registered anew is written");
     assert_eq!(stats.bytes, POOL);
@@ -223,8 +223,8 @@ impl WriteHook for KillBeforeFlush {
 /// fails through UCX.
 #[test]
 fn a_receiver_that_dies_mid_job_fails_the_job_through_ucx_tcp() {
-    let sender = rank("ctx");
-    let receiver = rank("gen");
+    let sender = rank("prefill");
+    let receiver = rank("decode");
     let (ready_tx, ready_rx) = mpsc::channel();
     let (killed_tx, killed_rx) = mpsc::channel();
     let hook = Arc::new(KillBeforeFlush {
@@ -252,7 +252,7 @@ fn a_receiver_that_dies_mid_job_fails_the_job_through_ucx_tcp() {
 /// then the job refused behind it; the next job finds the endpoint failed.
 #[test]
 fn a_quarantined_window_drains_once_its_receiver_dies_tcp() {
-    let sender = rank("ctx");
+    let sender = rank("prefill");
     let receiver = hung_receiver();
     let dest = remote(&receiver, 1);
     let to_hung = plan(&sender, &receiver);
@@ -271,7 +271,7 @@ fn a_quarantined_window_drains_once_its_receiver_dies_tcp() {
         None,
     );
     // Jobs run in order: once a job to a live receiver is done, the two above have run.
-    let live = rank("gen");
+    let live = rank("decode");
     write(&sender, remote(&live, 2), plan(&sender, &live)).expect("a live receiver is written");
     assert!(
         outcome.try_recv().is_err() && behind.try_recv().is_err(),

@@ -1,5 +1,5 @@
 //! The side channel against attackers on the same host or network: a relay between an
-//! honest generation rank and an honest context rank, connections that stall or dribble
+//! honest decode rank and an honest prefill rank, connections that stall or dribble
 //! before authentication, oversized handshakes. Each case is followed by an honest transfer
 //! checked byte for byte.
 
@@ -61,8 +61,8 @@ fn contains(haystack: &[u8], needle: &[u8]) -> bool {
     haystack.windows(needle.len()).any(|w| w == needle)
 }
 
-/// A relay that forwards a real handshake between a generation rank and a context rank
-/// (the generation rank was sent to the relay's address) gets no session: the context rank
+/// A relay that forwards a real handshake between a decode rank and a prefill rank
+/// (the decode rank was sent to the relay's address) gets no session: the prefill rank
 /// refuses a dialer that meant to reach another endpoint, nothing is written, and nothing
 /// either side said — instance names, worker addresses, the refusal — passed in the clear.
 /// The same ranks then transfer directly.
@@ -71,8 +71,8 @@ fn a_relay_that_forwards_a_real_handshake_gets_nothing() {
     let model = model();
     let src = Engine::new("prefill", &model, pattern);
     let dst = Engine::new("decode", &model, |_, _| CANARY);
-    let prefill = agent(Role::Context, &src, secret(), Transport::Tcp);
-    let decode = agent(Role::Generation, &dst, secret(), Transport::Tcp);
+    let prefill = agent(Role::Prefill, &src, secret(), Transport::Tcp);
+    let decode = agent(Role::Decode, &dst, secret(), Transport::Tcp);
     let endpoint = prefill.endpoint().unwrap().to_string();
     let (relay_addr, up, down) = relay(endpoint.clone());
 
@@ -127,8 +127,8 @@ fn a_relay_that_injects_after_the_handshake_is_cut_off() {
     let model = model();
     let src = Engine::new("prefill", &model, pattern);
     let dst = Engine::new("decode", &model, |_, _| CANARY);
-    let prefill = agent(Role::Context, &src, secret(), Transport::Tcp);
-    let decode = agent(Role::Generation, &dst, secret(), Transport::Tcp);
+    let prefill = agent(Role::Prefill, &src, secret(), Transport::Tcp);
+    let decode = agent(Role::Decode, &dst, secret(), Transport::Tcp);
     let endpoint = prefill.endpoint().unwrap().to_string();
     for inject in [true, false] {
         // Handshake bytes come from a real dialer's first message, through a hand relay.
@@ -174,14 +174,14 @@ fn a_relay_that_injects_after_the_handshake_is_cut_off() {
         let answered = relay.join().unwrap();
         assert!(
             answered.is_empty(),
-            "the context rank answered an injected record: {answered:?}"
+            "the prefill rank answered an injected record: {answered:?}"
         );
     }
     check(&src, &dst, &[], &[], None);
 }
 
 /// Connections that say nothing or dribble bytes of a handshake — more than the connection
-/// cap — cannot keep an honest generation rank out: the oldest unproven ones are closed for
+/// cap — cannot keep an honest decode rank out: the oldest unproven ones are closed for
 /// newer ones, and each ends at the handshake's deadline. A first message that claims more
 /// than a handshake may hold is closed unread.
 #[test]
@@ -189,8 +189,8 @@ fn stalled_and_dribbling_connections_cannot_keep_an_honest_peer_out() {
     let model = model();
     let src = Engine::new("prefill", &model, pattern);
     let dst = Engine::new("decode", &model, |_, _| CANARY);
-    let prefill = agent(Role::Context, &src, secret(), Transport::Tcp);
-    let decode = agent(Role::Generation, &dst, secret(), Transport::Tcp);
+    let prefill = agent(Role::Prefill, &src, secret(), Transport::Tcp);
+    let decode = agent(Role::Decode, &dst, secret(), Transport::Tcp);
     let endpoint = prefill.endpoint().unwrap().to_string();
 
     let mut oversized = b"KVFA".to_vec();
@@ -232,8 +232,8 @@ fn a_prefill_side_cancel_reaches_the_decode_side_at_once() {
     let model = model();
     let src = Engine::new("prefill", &model, pattern);
     let dst = Engine::new("decode", &model, |_, _| CANARY);
-    let prefill = agent(Role::Context, &src, secret(), Transport::Tcp);
-    let decode = agent(Role::Generation, &dst, secret(), Transport::Tcp);
+    let prefill = agent(Role::Prefill, &src, secret(), Transport::Tcp);
+    let decode = agent(Role::Decode, &dst, secret(), Transport::Tcp);
     let endpoint = prefill.endpoint().unwrap().to_string();
     decode
         .expect(expecting(3, &endpoint, tables(&dst, &[0, 1]), 32))
@@ -267,7 +267,7 @@ fn a_prefill_side_cancel_reaches_the_decode_side_at_once() {
 }
 
 /// A peer holding the secret that declares another process's worker address and keys (here
-/// the real decode rank's) cannot answer the challenge the context rank sends that worker for
+/// the real decode rank's) cannot answer the challenge the prefill rank sends that worker for
 /// its session: it is refused before anything is written, over tcp and shm; the send bound to
 /// that instance ends at once as refused, and the real rank is served afterwards.
 #[test]
@@ -278,8 +278,8 @@ fn a_peer_declaring_another_process_worker_is_refused_and_nothing_lands_there() 
         let model = model();
         let src = Engine::new("prefill", &model, pattern);
         let dst = Engine::new("decode", &model, |_, _| CANARY);
-        let prefill = agent(Role::Context, &src, secret(), transport);
-        let victim = agent(Role::Generation, &dst, secret(), transport);
+        let prefill = agent(Role::Prefill, &src, secret(), transport);
+        let victim = agent(Role::Decode, &dst, secret(), transport);
         let endpoint = prefill.endpoint().unwrap().to_string();
         let to_decode = kvferry_transfer::agent::SendChunk {
             to: Some("decode".into()),
@@ -338,10 +338,10 @@ fn a_claim_for_an_ended_request_is_refused_at_once() {
     let model = model();
     let src = Engine::new("prefill", &model, pattern);
     let dst = Engine::new("decode", &model, |_, _| CANARY);
-    let prefill = start(Role::Context, &src, secret(), bound(), |config| {
+    let prefill = start(Role::Prefill, &src, secret(), bound(), |config| {
         config.lease = Duration::from_millis(200);
     });
-    let decode = agent(Role::Generation, &dst, secret(), Transport::Tcp);
+    let decode = agent(Role::Decode, &dst, secret(), Transport::Tcp);
     let endpoint = prefill.endpoint().unwrap().to_string();
     prefill.send(whole(4, tables(&src, &[0, 1]), 32)).unwrap();
     match wait(&prefill, 4, Duration::from_secs(5)) {

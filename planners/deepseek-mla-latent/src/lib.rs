@@ -5,7 +5,7 @@
 //! `qk_rope_head_dim` 64) in a single PAGED pool: a slot holds `tokens_per_block` tokens of
 //! every layer, layers back to back. Under attention DP every rank holds the whole latent
 //! for its own requests, so there is nothing to re-shard and no pool matching to do: a
-//! request flows from the context DP rank to the generation DP rank, slot by slot, and slots
+//! request flows from the prefill DP rank to the decode DP rank, slot by slot, and slots
 //! that are consecutive in memory on both sides merge into one fragment.
 //!
 //! It supports `DeepseekV3ForCausalLM` under attention DP with `pp = cp = 1`, at any DP width

@@ -16,7 +16,7 @@ fn v3() -> Model {
     }
 }
 
-/// `model` under attention DP over `dp` ranks: the context instance, or the generation one.
+/// `model` under attention DP over `dp` ranks: the prefill instance, or the generation one.
 fn dep(context: bool, dp: u32, model: &Model) -> Deploy {
     let d = if context {
         Deploy::context(dp, model)
@@ -26,7 +26,7 @@ fn dep(context: bool, dp: u32, model: &Model) -> Deploy {
     d.adp().planner(DeepseekMlaLatent::PLANNER_ID)
 }
 
-/// Generation rank `rank` of a dep8 deployment of `model`.
+/// Decode rank `rank` of a dep8 deployment of `model`.
 fn gen8(model: &Model, rank: u32) -> RankInfo {
     dep(false, 8, model).rank(model, rank)
 }
@@ -45,13 +45,13 @@ fn deployment(arch: &str, tp: u32, pp: u32, cp: u32, adp: bool) -> Deployment {
     }
 }
 
-/// Context DP rank 1 of dep4 and generation DP rank 5 of dep8.
+/// Prefill DP rank 1 of dep4 and decode DP rank 5 of dep8.
 fn ctx_gen() -> (RankInfo, RankInfo) {
     let m = v3();
     (dep(true, 4, &m).rank(&m, 1), gen8(&m, 5))
 }
 
-/// Base addresses of the latent pools of the context and generation ranks.
+/// Base addresses of the latent pools of the context and decode ranks.
 fn bases(ctx: &RankInfo, gen_: &RankInfo) -> (u64, u64) {
     (ctx.page_table.pools[0].base, gen_.page_table.pools[0].base)
 }
@@ -458,7 +458,7 @@ fn the_exported_module_drives_the_same_planner() {
 #[test]
 fn requests_move_every_latent_byte_once_and_nothing_else() {
     // Byte level, through the testkit's oracle: a short latent (4 layers × 64 elements,
-    // tpb 4) from context DP rank 1 of dep4 to every DP rank of dep2 and dep8, whole or in
+    // tpb 4) from prefill DP rank 1 of dep4 to every DP rank of dep2 and dep8, whole or in
     // chunks, with a lost sender block and a cached receiver prefix, padded pools or not.
     for padding in [0, 64] {
         let m = Model {

@@ -1,8 +1,8 @@
 //! The peer check (semantics §3), which builds the [`Link`] to a peer: the matched view
 //! pairs with their mappers and ownership, from which every plan to that peer is made.
 //!
-//! `check_peer` runs in two settings: a generation rank vetting the context instance's rank
-//! 0 (the only context rank it knows), and a context rank vetting each generation rank that
+//! `check_peer` runs in two settings: a decode rank vetting the prefill instance's rank
+//! 0 (the only prefill rank it knows), and a prefill rank vetting each decode rank that
 //! registers with it. So only what is rank-invariant (sizes, layouts, shard counts) or what
 //! the two ranks actually exchange (their common layers) is compared, and both matching
 //! directions are vetted, so whichever side runs the check sees the same verdict.
@@ -74,13 +74,13 @@ type Carried = HashSet<(usize, u32)>;
 
 /// Topology rules (§3.1) and the token geometry every PAGED pair shares (§3.2 rule 4).
 fn check_topology(me: &RankInfo, peer: &RankInfo) -> Result<(), PlanError> {
-    // T1: helix pairs a cp = 1 context instance with a cp = N generation instance.
+    // T1: helix pairs a cp = 1 prefill instance with a cp = N decode instance.
     if me.cp_size > 1 && peer.cp_size > 1 {
         return Err(PlanError::refuse(
             "cp_size",
             me.cp_size,
             peer.cp_size,
-            "helix pairs a cp=1 context instance with a cp=N generation instance; both sides \
+            "helix pairs a cp=1 prefill instance with a cp=N decode instance; both sides \
              run context parallelism",
         ));
     }

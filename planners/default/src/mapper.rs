@@ -374,8 +374,8 @@ mod tests {
 
     #[test]
     fn one_replica_is_elected_per_destination() {
-        // MLA: TP8 context (8 replicas) into an attention-DP generation rank (1 replica):
-        // exactly the context rank whose replica index matches the DP rank writes.
+        // MLA: TP8 context (8 replicas) into an attention-DP decode rank (1 replica):
+        // exactly the prefill rank whose replica index matches the DP rank writes.
         let peer = layout((1, 0), (1, 0));
         for dp in 0..8 {
             let owners: Vec<u32> = (0..8)

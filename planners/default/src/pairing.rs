@@ -24,14 +24,14 @@ pub(crate) fn check_request(
             range.start, range.end
         )));
     }
-    // Helix context parallelism lives on the generation side only; the sender is context.
+    // Helix context parallelism lives on the decode side only; the sender is context.
     if me.cp_size > 1 {
         return Err(PlanError::refuse(
             "cp_size",
             me.cp_size,
             peer.cp_size,
             "the sending (context) rank must have cp_size 1: helix pairs a cp=1 context \
-             instance with a cp=N generation instance",
+             instance with a cp=N decode instance",
         ));
     }
     // T3: block ownership under helix is fixed for the whole prompt.

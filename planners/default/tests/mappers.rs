@@ -112,7 +112,7 @@ fn offsets(p: &TransferPlan, src_row: u64, dst_row: u64) -> Vec<(u64, u64, u64)>
 
 #[test]
 fn llama70b_tp4_to_tp8() {
-    // §12.2: gen rank g ← ctx rank g / 2; source head offset (g % 2) × 8192 in every K and V
+    // §12.2: decode rank g ← prefill rank g / 2; source head offset (g % 2) × 8192 in every K and V
     // buffer; 80 × 2 = 160 fragments of 8192 B per block.
     let model = Model::llama70b();
     let ctx = Deploy::context(4, &model);
@@ -144,13 +144,13 @@ fn llama70b_tp4_to_tp8() {
             })
             .collect();
         let rows = (cri.page_table.pools[0].base, gri.page_table.pools[0].base);
-        assert_eq!(offsets(&p, rows.0, rows.1), want, "gen rank {g}");
+        assert_eq!(offsets(&p, rows.0, rows.1), want, "decode rank {g}");
     }
 }
 
 #[test]
 fn llama70b_tp8_to_tp4() {
-    // §12.2: gen rank g ← ctx ranks 2g, 2g + 1 (2 writers, uniform); ctx rank t writes its
+    // §12.2: decode rank g ← ctx ranks 2g, 2g + 1 (2 writers, uniform); prefill rank t writes its
     // head at destination offset (t % 2) × 8192 in each buffer.
     let model = Model::llama70b();
     let ctx = Deploy::context(8, &model);

@@ -1,4 +1,4 @@
-//! Byte-level checks: every destination byte of every generation rank is written exactly
+//! Byte-level checks: every destination byte of every decode rank is written exactly
 //! once with the right bytes, or left untouched, across TP / PP / CP / attention-DP pairings.
 
 use crate::common;
@@ -36,7 +36,7 @@ fn tp_matrix(model: &Model) {
                 panic!("ctx tp{ctx_tp} generation tp{gen_tp}: {}", error_chain(&e))
             });
             for (g, &busy) in &out.busy_writers {
-                // Distinct shards each generation rank needs, one writer each.
+                // Distinct shards each decode rank needs, one writer each.
                 let gen_shards = gen_tp.min(4);
                 let ctx_shards = ctx_tp.min(4);
                 let want = (ctx_shards / gen_shards).max(1);
@@ -222,7 +222,7 @@ fn hybrid_state_rides_on_the_last_chunk_only_once() {
 
 #[test]
 fn extra_layers_on_one_side_are_never_matched() {
-    // MTP: the context holds a fifth layer the generation side does not (T4), and back.
+    // MTP: the context holds a fifth layer the decode side does not (T4), and back.
     let four = small_gqa(LayoutKind::HND);
     let five = small_gqa(LayoutKind::HND).with_layers(5);
     let mut s = Transfer::new(

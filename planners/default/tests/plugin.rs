@@ -58,7 +58,8 @@ fn construction_validates_the_rank() {
         .instantiate(&bad)
         .expect_err("invalid table");
     assert!(
-        err.message().contains("page table of instance ctx rank 1"),
+        err.message()
+            .contains("page table of instance prefill rank 1"),
         "{err}"
     );
 }

@@ -338,7 +338,7 @@ fn a_resplit_needs_equal_buffer_counts() {
         Deploy::generation(2, &m).rank(&m, 0),
         Deploy::context(1, &m).rank(&m, 0),
     );
-    // K and V declared as one entry per layer on the context side.
+    // K and V declared as one entry per layer on the prefill side.
     let v = view(&mut b, 0, 0);
     v.entries = (0..4)
         .map(|l| BufferEntry {
@@ -455,7 +455,7 @@ fn a_replicated_side_state_on_one_side_only() {
 
 #[test]
 fn a_view_spanning_two_peer_layer_groups() {
-    // §3.5: the generation side groups layers 0-1 and 2-3 apart (e.g. two windows).
+    // §3.5: the decode side groups layers 0-1 and 2-3 apart (e.g. two windows).
     let m = gqa();
     let ctx = Deploy::context(1, &m).rank(&m, 0);
     let mut generation = Deploy::generation(1, &m).rank(&m, 0);
@@ -486,7 +486,7 @@ fn a_view_spanning_two_peer_layer_groups() {
     let r = err.refusal().expect("refusal");
     assert_eq!(r.field.as_str(), "layer_group", "{r}");
     assert!(r.ours.contains("[0, 1, 2, 3]"), "{r}");
-    // And from the generation side, whose views each sit in one context group, the reverse
+    // And from the decode side, whose views each sit in one context group, the reverse
     // matching direction refuses the same way.
     let err = DefaultPlanner::new(&generation)
         .expect("planner")
@@ -510,7 +510,7 @@ fn mla_against_separate_heads() {
     assert!(r.reason.contains("global layer 0"), "{r}");
 }
 
-/// A generation rank with an extra `swa` view over layers 2 and 3 (bounded replay: it
+/// A decode rank with an extra `swa` view over layers 2 and 3 (bounded replay: it
 /// rebuilds those bytes itself when it excludes the view).
 fn with_swa_view(mut ri: RankInfo) -> RankInfo {
     let pool = ri.page_table.pools[0].clone();
@@ -604,7 +604,8 @@ fn malformed_peers_are_invalid_input_not_refusals() {
         .expect_err("malformed");
     assert_eq!(err.kind(), ErrorKind::INVALID_INPUT, "{err}");
     assert!(
-        err.message().contains("page table of instance ctx rank 0"),
+        err.message()
+            .contains("page table of instance prefill rank 0"),
         "{err}"
     );
 }

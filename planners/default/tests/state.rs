@@ -49,7 +49,7 @@ fn state_grid_is_tp_times_cp_cp_minor() {
     assert_eq!(Deploy::generation(1, &m).state_grid(0, 0), (1, 0));
     assert_eq!(Deploy::generation(1, &m).cp(32).state_grid(0, 5), (32, 5));
     assert_eq!(Deploy::generation(2, &m).cp(4).state_grid(1, 3), (8, 7));
-    // Helix generation rank (tp 1, cp 3) of tp2 cp4 is flat rank 7 and holds state shard 7
+    // Helix decode rank (tp 1, cp 3) of tp2 cp4 is flat rank 7 and holds state shard 7
     // of 8: of its four TP8 context writers only rank 7 sends state.
     let ctx = Deploy::context(8, &m);
     let generation = Deploy::generation(2, &m).cp(4);
@@ -63,7 +63,7 @@ fn state_grid_is_tp_times_cp_cp_minor() {
     assert_eq!(t.ranks.as_slice(), &[4, 5, 6, 7]);
     for c in 4..8 {
         let sent = state_bytes(&plan(&ctx.rank(&m, c), &g, true), &g);
-        assert_eq!(sent > 0, c == 7, "ctx rank {c}");
+        assert_eq!(sent > 0, c == 7, "prefill rank {c}");
     }
     run(&Transfer::new(&m, ctx, generation, 13)).expect("bytes");
 }

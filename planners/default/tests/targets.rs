@@ -20,7 +20,7 @@ fn pp_fan_in_targets_every_overlapping_stage() {
     let t = targets(&me, &peer, 0);
     assert_eq!(t.ranks.as_slice(), &[0, 1]);
     assert!(!t.uniform, "PP fan-in is not uniform");
-    // And back: each context stage serves the single generation rank.
+    // And back: each context stage serves the single decode rank.
     for stage in 0..2 {
         let ctx = Deploy::context(1, &model)
             .pp(vec![1, 1])
@@ -86,7 +86,7 @@ fn helix_context_rank_serves_every_cp_rank() {
     let model = Model::gqa(2, 4, 4, 4);
     let ctx = Deploy::context(2, &model);
     let generation = Deploy::generation(2, &model).cp(2);
-    // Generation rank (tp t, cp c) is flat rank 2t + c and hears from context rank t only.
+    // Decode rank (tp t, cp c) is flat rank 2t + c and hears from prefill rank t only.
     for g in 0..4 {
         let gri = generation.rank(&model, g);
         let t = targets(&gri, &ctx.rank(&model, 0), 0);

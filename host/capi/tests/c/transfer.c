@@ -370,7 +370,7 @@ static int decode(const char *endpoint_file, const char *plugin_dir, const char 
   free(json);
   size_t len = 0;
   if (kvferry_agent_endpoint(agent, NULL, 0, &len) != KVFERRY_ERR_ROLE)
-    die("decode: a generation rank reported an endpoint");
+    die("decode: a decode rank reported an endpoint");
 
   /* The prefill's metadata, as an engine that exchanges it on its own channel would add it. */
   char meta_file[4096];

@@ -20,7 +20,7 @@ pub const REPLY: Duration = Duration::from_secs(60);
 /// A `kvferry serve` child, killed when dropped.
 pub struct Server {
     pub child: Child,
-    /// A context server's agent endpoints, comma-separated (a generation server's control
+    /// A prefill server's agent endpoints, comma-separated (a decode server's control
     /// address otherwise).
     pub addr: String,
     /// The control address.
@@ -89,7 +89,7 @@ impl Server {
         }
     }
 
-    /// How a generation server reaches this context server's instance.
+    /// How a decode server reaches this prefill server's instance.
     pub fn peer(&self) -> PeerRef {
         let info = self.info();
         PeerRef {
@@ -148,7 +148,7 @@ pub fn chunked(mut s: Submit, chunk: u64) -> Submit {
     s
 }
 
-/// Prefills on the context server; returns its tables.
+/// Prefills on the prefill server; returns its tables.
 pub fn prefill(ctx: &Client, s: &Submit) -> Vec<RankTables> {
     match ctx.call(Message::Submit(s.clone()), REPLY).unwrap() {
         Message::Submitted {
@@ -158,23 +158,23 @@ pub fn prefill(ctx: &Client, s: &Submit) -> Vec<RankTables> {
     }
 }
 
-/// Submits on the generation server (from the context server `ctx`), without waiting.
-pub fn start(r#gen: &Client, s: &Submit, ctx: &Server) {
-    start_from(r#gen, s, &ctx.peer());
+/// Submits on the decode server (from the prefill server `ctx`), without waiting.
+pub fn start(decode: &Client, s: &Submit, ctx: &Server) {
+    start_from(decode, s, &ctx.peer());
 }
 
-/// Submits on the generation server (from the context instance `peer`), without waiting.
-pub fn start_from(r#gen: &Client, s: &Submit, peer: &PeerRef) {
+/// Submits on the decode server (from the prefill instance `peer`), without waiting.
+pub fn start_from(decode: &Client, s: &Submit, peer: &PeerRef) {
     let mut s = s.clone();
     s.peer = Some(peer.clone());
-    r#gen.send(Message::Submit(s)).unwrap();
+    decode.send(Message::Submit(s)).unwrap();
 }
 
 /// Waits for the `Done` of every request in `ids` (in any order).
-pub fn wait_done(r#gen: &Client, ids: &[u64]) -> Vec<(u64, Result<RequestStats, String>)> {
+pub fn wait_done(decode: &Client, ids: &[u64]) -> Vec<(u64, Result<RequestStats, String>)> {
     let mut out = Vec::new();
     while out.len() < ids.len() {
-        match r#gen.recv(REPLY).unwrap() {
+        match decode.recv(REPLY).unwrap() {
             Message::Done { request, result } => {
                 assert!(
                     ids.contains(&request),
@@ -189,9 +189,9 @@ pub fn wait_done(r#gen: &Client, ids: &[u64]) -> Vec<(u64, Result<RequestStats, 
     out
 }
 
-/// Verifies a completed request on the generation server.
-pub fn verify(r#gen: &Client, request: u64, context: &[RankTables]) -> VerifySummary {
-    match r#gen
+/// Verifies a completed request on the decode server.
+pub fn verify(decode: &Client, request: u64, context: &[RankTables]) -> VerifySummary {
+    match decode
         .call(
             Message::Verify {
                 request,
@@ -217,18 +217,18 @@ pub fn release(client: &Client, request: u64) {
     }
 }
 
-/// Checks that the generation server's pools hold only their canary.
-pub fn verify_idle(r#gen: &Client) -> VerifySummary {
-    match r#gen.call(Message::VerifyIdle, REPLY).unwrap() {
+/// Checks that the decode server's pools hold only their canary.
+pub fn verify_idle(decode: &Client) -> VerifySummary {
+    match decode.call(Message::VerifyIdle, REPLY).unwrap() {
         Message::IdleVerified { result: Ok(s) } => s,
         other => panic!("idle verification: {other:?}"),
     }
 }
 
-/// Runs `submits` through a context and a generation server, all in flight at once, and
+/// Runs `submits` through a context and a decode server, all in flight at once, and
 /// checks every byte of every request, then the idle pools. Returns the stats.
-pub fn exchange(ctx: &Server, r#gen: &Server, submits: &[Submit]) -> Vec<RequestStats> {
-    let (c, g) = (ctx.client(), r#gen.client());
+pub fn exchange(ctx: &Server, decode: &Server, submits: &[Submit]) -> Vec<RequestStats> {
+    let (c, g) = (ctx.client(), decode.client());
     let tables: Vec<Vec<RankTables>> = submits.iter().map(|s| prefill(&c, s)).collect();
     let peer = ctx.peer();
     for s in submits {

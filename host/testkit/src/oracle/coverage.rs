@@ -1,4 +1,4 @@
-//! Coverage: which receiver bytes a delivery must have written, from what the context side
+//! Coverage: which receiver bytes a delivery must have written, from what the prefill side
 //! holds and the pieces sent (see the module docs of [`super`]).
 
 use std::collections::HashMap;
@@ -10,8 +10,8 @@ use super::image::{PoolImage, RankModel, add_masked_segment, add_segment};
 use super::tags::Background;
 use super::{Oracle, OracleError, input_error};
 
-/// What the context side holds, by (group kind, roles, global layer).
-pub(super) struct ContextHoldings {
+/// What the prefill side holds, by (group kind, roles, global layer).
+pub(super) struct PrefillHoldings {
     pub(super) tokens_per_block: Option<u64>,
     by_layer: HashMap<(u8, u64, u32), Holding>,
 }
@@ -24,7 +24,7 @@ pub(super) struct Holding {
     pub(super) state: bool,
 }
 
-impl ContextHoldings {
+impl PrefillHoldings {
     pub(super) fn new(salt: u64, context: &[RequestSide<'_>]) -> Result<Self, OracleError> {
         let mut out = Self {
             tokens_per_block: None,
@@ -38,7 +38,7 @@ impl ContextHoldings {
                 Some(t) if t != tpb => {
                     return Err(input_error(
                         side.info,
-                        format!("tokens_per_block {tpb} differs from other context ranks' {t}"),
+                        format!("tokens_per_block {tpb} differs from other prefill ranks' {t}"),
                     ));
                 }
                 _ => out.tokens_per_block = Some(tpb),
@@ -87,7 +87,7 @@ impl RankModel<'_> {
         &self,
         oracle: &Oracle,
         side: RequestSide<'_>,
-        held: &ContextHoldings,
+        held: &PrefillHoldings,
         pieces: &[PairRequest],
     ) -> Result<Vec<PoolImage>, OracleError> {
         self.check_tables(side.slot_tables)?;
@@ -100,7 +100,7 @@ impl RankModel<'_> {
             return Err(input_error(
                 self.info,
                 format!(
-                    "tokens_per_block {tpb} against the context side's {ctx_tpb}: one must be \
+                    "tokens_per_block {tpb} against the prefill side's {ctx_tpb}: one must be \
                      a multiple of the other (at most 64 times)"
                 ),
             ));

@@ -182,7 +182,7 @@ impl LocalMemory {
         Self::default()
     }
 
-    /// Reserves `bytes` of address space labelled `label` (e.g. `gen rank 3 pool 1`); returns
+    /// Reserves `bytes` of address space labelled `label` (e.g. `decode rank 3 pool 1`); returns
     /// the base. Nothing is allocated until [`back`](Self::back).
     pub fn reserve(&mut self, bytes: u64, label: impl Into<String>) -> u64 {
         let base = match self.regions.last() {

@@ -33,17 +33,17 @@
 //! # Coverage
 //!
 //! A receiver byte is covered when it belongs to a (non-excluded) view layer of the receiver
-//! whose global layer some context rank holds in a view of the same group kind and role set
+//! whose global layer some prefill rank holds in a view of the same group kind and role set
 //! (non-excluded), and
 //! - PAGED: its ordinal lies in a requested piece, the receiver table holds a slot there and
-//!   the context side holds the same global ordinal (helix: local ordinal `j` of CP rank `r`
+//!   the prefill side holds the same global ordinal (helix: local ordinal `j` of CP rank `r`
 //!   of `C` is global ordinal `j × C + r`);
 //! - STATE: both sides hold a slot and the request's last piece was sent.
 //!
 //! When the two sides' `tokens_per_block` differ (one a multiple of the other, semantics §3.2
 //! rule 4), PAGED coverage is decided per block of the smaller side: a unit is covered when a
 //! piece requests it (`[start / small, ceil(end / small))`, from the receiver block holding
-//! `dst_start_token` on), the receiver holds the block it lies in and the context side holds
+//! `dst_start_token` on), the receiver holds the block it lies in and the prefill side holds
 //! the block it lies in; the uncovered tokens of a partly covered receiver block keep their
 //! canary.
 //!
@@ -70,7 +70,7 @@ use kvferry_plan::RequestSide;
 pub use memory::{LocalMemory, MemoryError, PoolMemory};
 pub use report::{Logical, Mismatch, Side, VerifyReport};
 
-use coverage::ContextHoldings;
+use coverage::PrefillHoldings;
 use image::{PoolImage, RankModel};
 use tags::{Background, BackgroundSeed, combine, fnv1a};
 
@@ -130,10 +130,10 @@ fn input_error(info: &RankInfo, message: impl Into<String>) -> OracleError {
 /// What a request was meant to deliver, for [`Oracle::verify`].
 #[derive(Clone, Copy, Debug)]
 pub struct Delivery<'a> {
-    /// Every rank of the context DP group that served the request, with its slot tables. Their
+    /// Every rank of the prefill DP group that served the request, with its slot tables. Their
     /// page tables decide coverage; the backed pools among them are checked to be unchanged.
-    pub context: &'a [RequestSide<'a>],
-    /// Every receiver rank of the generation DP group, with its slot tables.
+    pub prefill: &'a [RequestSide<'a>],
+    /// Every receiver rank of the decode DP group, with its slot tables.
     pub receivers: &'a [RequestSide<'a>],
     /// Every piece the senders planned (chunks; the last one has `is_last`).
     pub pieces: &'a [PairRequest],
@@ -271,7 +271,7 @@ impl Oracle {
         extent: Extent,
     ) -> Result<VerifyReport, OracleError> {
         let mut report = VerifyReport::default();
-        let held = ContextHoldings::new(self.salt, delivery.context)?;
+        let held = PrefillHoldings::new(self.salt, delivery.prefill)?;
         for receiver in delivery.receivers {
             let model = RankModel::new(self.salt, receiver.info)?;
             let images = model.receiver_images(self, *receiver, &held, delivery.pieces)?;
@@ -288,7 +288,7 @@ impl Oracle {
                 )?;
             }
         }
-        for sender in delivery.context {
+        for sender in delivery.prefill {
             let pools = &sender.info.page_table.pools;
             if !pools.iter().any(|p| memory.is_backed(p.base)) {
                 continue;

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //!  prefill engine rank                              decode engine rank
-//!  Agent (Role::Context) ◀── side channel (TCP) ──  Agent (Role::Generation)
+//!  Agent (Role::Prefill) ◀── side channel (TCP) ──  Agent (Role::Decode)
 //!   listens on endpoint()     Noise NNpsk0 handshake  dials the ranks its planner targets
 //!   send(id, slots, range)    Metadata both ways      expect(id, peer, slots, range)
 //!     ... chunks ...          ◀──── RequestData ────
@@ -17,9 +17,9 @@
 //!   never allocates, fills or primes them; VRAM pools (cargo feature `cuda`) must lie inside
 //!   CUDA allocations on [`AgentConfig::cuda_device`], and the rank thread binds its context.
 //!   Any model a page table can describe works; no preset is involved.
-//! - **Metadata**: a context rank's side channel listens on [`AgentConfig::listen`] and
+//! - **Metadata**: a prefill rank's side channel listens on [`AgentConfig::listen`] and
 //!   advertises [`Agent::endpoint`] (never `0.0.0.0`, nor a loopback address unless it listens
-//!   on one). A generation rank reaches it either through the endpoints passed with the
+//!   on one). A decode rank reaches it either through the endpoints passed with the
 //!   request ([`Expect::endpoints`]) or through [`Agent::add_peer`] with the bytes of the
 //!   peer's [`Agent::local_metadata`], for engines that exchange metadata on their own
 //!   channel.
@@ -44,17 +44,17 @@
 //!   [`AgentConfig::peer_timeout`] (keep-alives flow when idle) fail only their requests;
 //!   planner calls run off the connection threads under [`AgentConfig::planner_timeout`].
 
-mod context;
+mod decode;
 mod dispatch;
 mod events;
-mod generation;
 mod planning;
+mod prefill;
 mod record;
 mod worker_proof;
 
 pub use crate::bounce::{BounceConfig, BounceMode};
+pub use decode::Expect;
 pub use events::{AgentStats, Event, FAILURE_KINDS, FailureKind, LATENCY_BUCKETS};
-pub use generation::Expect;
 pub use kvferry_protocol::{AgentMetadata, Integrity, PeerIdentity, Secret};
 
 use std::net::{IpAddr, SocketAddr, TcpListener};
@@ -80,7 +80,7 @@ use crate::transport::{Transport, TransportSpec};
 use events::Events;
 use planning::Planning;
 
-/// Side-channel connections a context rank serves at once by default.
+/// Side-channel connections a prefill rank serves at once by default.
 pub const MAX_CONNECTIONS: usize = 256;
 /// How long a TCP connect to a peer's side channel may take.
 pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -102,8 +102,8 @@ pub struct AgentConfig {
     /// UCX transports and network devices (default `tcp` on `lo`; across hosts `tcp` with
     /// devices, or `auto`).
     pub transport: TransportSpec,
-    /// Side-channel listen address of a context rank (`0.0.0.0:0`: every interface, an
-    /// ephemeral port). Generation ranks do not listen.
+    /// Side-channel listen address of a prefill rank (`0.0.0.0:0`: every interface, an
+    /// ephemeral port). Decode ranks do not listen.
     pub listen: String,
     /// The host to advertise in [`Agent::endpoint`] (default: the listen address, or, when
     /// that is unspecified, the first non-loopback address of an interface that is up).
@@ -123,7 +123,7 @@ pub struct AgentConfig {
     pub handshake_timeout: Duration,
     /// How long one planner call may take.
     pub planner_timeout: Duration,
-    /// Open side-channel connections served at once (context ranks).
+    /// Open side-channel connections served at once (prefill ranks).
     pub max_connections: usize,
     /// The most bytes of request descriptions kept for requests not sent yet (context
     /// ranks), from all peers together.
@@ -133,16 +133,16 @@ pub struct AgentConfig {
     pub cuda_device: Option<usize>,
     /// Observes every write job (fault injection in tests); `None` in production.
     pub hook: Option<Arc<dyn crate::rank::WriteHook>>,
-    /// Context ranks: keep every written plan until [`Agent::forget_recorded`], so
+    /// Prefill ranks: keep every written plan until [`Agent::forget_recorded`], so
     /// [`Agent::replay`] can write it again with a bare put loop (`kvferry bench`). Off by
     /// default: recorded plans hold memory per request.
     pub record_plans: bool,
-    /// Bounce transfers (see [`crate::bounce`]): the mode, the generation rank's arena and
-    /// the context rank's staging buffer. Default: auto, 256 MiB arena, 2 × 8 MiB staging.
+    /// Bounce transfers (see [`crate::bounce`]): the mode, the decode rank's arena and
+    /// the prefill rank's staging buffer. Default: auto, 256 MiB arena, 2 × 8 MiB staging.
     pub bounce: BounceConfig,
-    /// Generation ranks: ask every writer for a digest of each piece and check it against
+    /// Decode ranks: ask every writer for a digest of each piece and check it against
     /// the bytes that landed before `Received` (a mismatch fails the request as
-    /// [`FailureKind::Integrity`]). Context ranks compute what their receivers ask whatever
+    /// [`FailureKind::Integrity`]). Prefill ranks compute what their receivers ask whatever
     /// this says. Host pools only. Default: off.
     pub integrity: Option<kvferry_protocol::Integrity>,
 }
@@ -387,21 +387,21 @@ pub(crate) struct Inner {
     pub(crate) planner: Arc<dyn kvferry_planner_abi::TransferPlanner>,
     /// Kept for the agent's life: the rank thread reads and peers write these.
     pub(crate) _pools: Arc<RankPools>,
-    /// A generation rank's bounce arena (peers write it, so it lives as long as the pools).
+    /// A decode rank's bounce arena (peers write it, so it lives as long as the pools).
     pub(crate) arena: Option<Arc<Arena>>,
-    /// A context rank's rank thread has a staging buffer: it can bounce.
+    /// A prefill rank's rank thread has a staging buffer: it can bounce.
     pub(crate) bounces: bool,
     pub(crate) thread: RankThread,
     pub(crate) metadata: kvferry_protocol::AgentMetadata,
     pub(crate) events: Events,
     pub(crate) planning: Planning,
     pub(crate) dispatch: dispatch::Dispatch,
-    /// Scatters bounced pieces (generation ranks with an arena).
+    /// Scatters bounced pieces (decode ranks with an arena).
     pub(crate) scatter: Option<dispatch::Dispatch>,
     pub(crate) next_peer: AtomicU64,
     pub(crate) stopped: AtomicBool,
-    pub(crate) prefill: Mutex<context::State>,
-    pub(crate) decode: Mutex<generation::State>,
+    pub(crate) prefill: Mutex<prefill::State>,
+    pub(crate) decode: Mutex<decode::State>,
     /// Plans kept for [`Agent::replay`] ([`AgentConfig::record_plans`]).
     pub(crate) recorded: Mutex<record::Recorder>,
     /// Worker challenges this (generation) rank's worker received, by session.
@@ -491,7 +491,7 @@ impl Inner {
             return Err("empty worker address".into());
         }
         if let Some(arena) = &d.bounce {
-            if m.role != Role::Generation || arena.rkey.is_empty() || arena.len == 0 {
+            if m.role != Role::Decode || arena.rkey.is_empty() || arena.len == 0 {
                 return Err(format!(
                     "its bounce arena ({:#x}+{}, {}-byte key) is not one a {} rank may \
                      declare",
@@ -528,8 +528,8 @@ impl Inner {
     fn reap(self: &Arc<Self>) {
         self.planning.watch();
         match self.config.role {
-            Role::Context => context::reap(self),
-            Role::Generation => generation::reap(self),
+            Role::Prefill => prefill::reap(self),
+            Role::Decode => decode::reap(self),
         }
     }
 }
@@ -543,7 +543,7 @@ pub struct Agent {
 
 impl Agent {
     /// Starts the agent: registers the engine's pools, builds the planner for this rank,
-    /// starts the rank's UCX progress thread and, for a context rank, the side channel.
+    /// starts the rank's UCX progress thread and, for a prefill rank, the side channel.
     ///
     /// # Safety
     ///
@@ -658,10 +658,10 @@ impl Agent {
                 source,
             })?);
         let worker = Worker::new(&context).map_err(StartError::Worker)?;
-        // A generation rank's worker keeps the challenges context ranks send it, which the
+        // A decode rank's worker keeps the challenges prefill ranks send it, which the
         // rank answers on their sessions (see `worker_proof`).
         let challenges = Arc::new(worker_proof::Challenges::default());
-        if config.role == Role::Generation {
+        if config.role == Role::Decode {
             let store = Arc::clone(&challenges);
             worker
                 .set_am_handler(
@@ -682,7 +682,7 @@ impl Agent {
         )?;
 
         let (listener, endpoint) = match config.role {
-            Role::Context => {
+            Role::Prefill => {
                 let listener = TcpListener::bind(&config.listen).map_err(|e| {
                     StartError::Listen(format!("cannot listen on {}: {e}", config.listen))
                 })?;
@@ -692,7 +692,7 @@ impl Agent {
                 let endpoint = advertised(local, config.advertise.as_deref())?;
                 (Some(listener), Some(endpoint))
             }
-            Role::Generation => (None, None),
+            Role::Decode => (None, None),
         };
         let metadata = kvferry_protocol::AgentMetadata {
             instance: config.instance.clone(),
@@ -723,8 +723,8 @@ impl Agent {
                 )?),
                 None => None,
             },
-            prefill: Mutex::new(context::State::new(config.max_stashed_bytes)),
-            decode: Mutex::new(generation::State::default()),
+            prefill: Mutex::new(prefill::State::new(config.max_stashed_bytes)),
+            decode: Mutex::new(decode::State::default()),
             recorded: Mutex::new(record::Recorder::default()),
             challenges,
             config,
@@ -769,8 +769,8 @@ impl Agent {
                     if last_ping.is_none_or(|at| at.elapsed() >= ping_every) {
                         last_ping = Some(Instant::now());
                         match inner.config.role {
-                            Role::Context => context::ping(&inner),
-                            Role::Generation => generation::ping(&inner),
+                            Role::Prefill => prefill::ping(&inner),
+                            Role::Decode => decode::ping(&inner),
                         }
                     }
                     drop(inner);
@@ -779,7 +779,7 @@ impl Agent {
                 }
             })?;
         if let Some(listener) = listener {
-            context::listen(&inner, listener)?;
+            prefill::listen(&inner, listener)?;
         }
         tracing::info!(
             agent = %inner.me(),
@@ -792,7 +792,7 @@ impl Agent {
         Ok(Agent { inner, endpoint })
     }
 
-    /// The side channel's advertised `host:port` (context ranks; `None` for generation ranks,
+    /// The side channel's advertised `host:port` (prefill ranks; `None` for decode ranks,
     /// which dial).
     pub fn endpoint(&self) -> Option<&str> {
         self.endpoint.as_deref()
@@ -821,38 +821,38 @@ impl Agent {
         &self.inner.info
     }
 
-    /// Adds a context rank's metadata (bytes of its [`local_metadata`](Self::local_metadata))
-    /// to this generation rank's directory; the connection is made when a request needs it.
+    /// Adds a prefill rank's metadata (bytes of its [`local_metadata`](Self::local_metadata))
+    /// to this decode rank's directory; the connection is made when a request needs it.
     /// A newer epoch of the same rank replaces the old one.
     ///
     /// # Errors
     ///
     /// The bytes are not metadata, or describe a rank this one cannot use.
     pub fn add_peer(&self, metadata: &[u8]) -> Result<PeerIdentity, CallError> {
-        self.need(Role::Generation, "add_peer")?;
+        self.need(Role::Decode, "add_peer")?;
         let m = kvferry_protocol::AgentMetadata::from_bytes(metadata)
             .map_err(|e| CallError::Metadata(kvferry_plan::error_chain(&e)))?;
-        generation::add_peer(&self.inner, m)
+        decode::add_peer(&self.inner, m)
     }
 
     /// Prefill side: makes (a chunk of) a request's KV cache available (see [`SendChunk`]).
     ///
     /// # Errors
     ///
-    /// Invalid parameters (the request is then untouched), or a generation rank.
+    /// Invalid parameters (the request is then untouched), or a decode rank.
     pub fn send(&self, send: SendChunk) -> Result<(), CallError> {
-        self.need(Role::Context, "send")?;
-        context::send(&self.inner, send)
+        self.need(Role::Prefill, "send")?;
+        prefill::send(&self.inner, send)
     }
 
     /// Decode side: expects a request into this rank's slots (see [`Expect`]).
     ///
     /// # Errors
     ///
-    /// Invalid parameters or a duplicate id (nothing is taken), or a context rank.
+    /// Invalid parameters or a duplicate id (nothing is taken), or a prefill rank.
     pub fn expect(&self, expect: Expect) -> Result<(), CallError> {
-        self.need(Role::Generation, "expect")?;
-        generation::expect(&self.inner, expect)
+        self.need(Role::Decode, "expect")?;
+        decode::expect(&self.inner, expect)
     }
 
     /// Decode side: tells prefill instance `peer` that this instance still wants `requests`,
@@ -865,15 +865,15 @@ impl Agent {
     ///
     /// # Errors
     ///
-    /// A context rank, or a stopped agent.
+    /// A prefill rank, or a stopped agent.
     pub fn hold(
         &self,
         peer: &str,
         endpoints: &[String],
         requests: &[u64],
     ) -> Result<(), CallError> {
-        self.need(Role::Generation, "hold")?;
-        generation::hold(
+        self.need(Role::Decode, "hold")?;
+        decode::hold(
             &self.inner,
             peer.to_string(),
             endpoints.to_vec(),
@@ -890,8 +890,8 @@ impl Agent {
     /// [`CallError::Unknown`] if the request is not known or has ended.
     pub fn cancel(&self, request: u64) -> Result<(), CallError> {
         match self.inner.config.role {
-            Role::Context => context::cancel(&self.inner, request),
-            Role::Generation => generation::cancel(&self.inner, request),
+            Role::Prefill => prefill::cancel(&self.inner, request),
+            Role::Decode => decode::cancel(&self.inner, request),
         }
     }
 
@@ -914,8 +914,8 @@ impl Agent {
     /// Requests this agent holds (in flight, not yet ended).
     pub fn requests_held(&self) -> usize {
         match self.inner.config.role {
-            Role::Context => lock(&self.inner.prefill).requests.len(),
-            Role::Generation => lock(&self.inner.decode).requests.len(),
+            Role::Prefill => lock(&self.inner.prefill).requests.len(),
+            Role::Decode => lock(&self.inner.decode).requests.len(),
         }
     }
 
@@ -930,12 +930,12 @@ impl Agent {
         }
     }
 
-    /// Vetted peer connections: a context rank's accepted decode ranks, a decode rank's
-    /// links to context ranks.
+    /// Vetted peer connections: a prefill rank's accepted decode ranks, a decode rank's
+    /// links to prefill ranks.
     pub fn connections(&self) -> usize {
         match self.inner.config.role {
-            Role::Context => context::connections(&self.inner),
-            Role::Generation => generation::connections(&self.inner),
+            Role::Prefill => prefill::connections(&self.inner),
+            Role::Decode => decode::connections(&self.inner),
         }
     }
 
@@ -944,7 +944,7 @@ impl Agent {
         self.inner.planning.wedged()
     }
 
-    /// Context ranks recording plans ([`AgentConfig::record_plans`]): writes the plans this
+    /// Prefill ranks recording plans ([`AgentConfig::record_plans`]): writes the plans this
     /// rank recorded for `requests` again with the rank thread's bare put loop (every fragment
     /// resolved before the clock starts, one window and one flush per plan) — the baseline
     /// `kvferry bench` sets the agent path against. The outcome arrives on the returned
@@ -956,12 +956,12 @@ impl Agent {
     ///
     /// # Errors
     ///
-    /// Not a context rank, or one that does not record plans.
+    /// Not a prefill rank, or one that does not record plans.
     pub fn replay(
         &self,
         requests: &[u64],
     ) -> Result<Option<std::sync::mpsc::Receiver<Result<ReplayStats, WriteError>>>, CallError> {
-        self.need(Role::Context, "replay")?;
+        self.need(Role::Prefill, "replay")?;
         let plans = self.recorded_plans(requests)?;
         if plans.is_empty() {
             return Ok(None);
@@ -973,7 +973,7 @@ impl Agent {
         )))
     }
 
-    /// The plans this rank recorded for `requests` as fragment lists per generation rank,
+    /// The plans this rank recorded for `requests` as fragment lists per decode rank,
     /// relative to each side's pools: exactly what [`replay`](Self::replay) puts, in its
     /// order.
     ///
@@ -981,7 +981,7 @@ impl Agent {
     ///
     /// As for [`replay`](Self::replay), or a fragment outside the pools.
     pub fn recorded_fragments(&self, requests: &[u64]) -> Result<Vec<PairFragments>, CallError> {
-        self.need(Role::Context, "recorded_fragments")?;
+        self.need(Role::Prefill, "recorded_fragments")?;
         let plans = self.recorded_plans(requests)?;
         record::fragments(self.inner.info.instance_rank, &self.inner._pools, &plans).map_err(
             |reason| CallError::Invalid {
@@ -1044,7 +1044,7 @@ fn check_config(config: &AgentConfig, bound: &BoundPlanner) -> Result<(), StartE
         .validate()
         .map_err(|e| StartError::Config(format!("invalid page table: {e}")))?;
     if let Some(algorithm) = config.integrity {
-        if config.role == Role::Generation && memory_kind(&config.rank) != MemoryKind::Host {
+        if config.role == Role::Decode && memory_kind(&config.rank) != MemoryKind::Host {
             return Err(StartError::Config(format!(
                 "integrity {algorithm} reads the bytes that landed with the CPU: it needs host \
                  (DRAM) pools, and this rank has device pools"
@@ -1054,8 +1054,8 @@ fn check_config(config: &AgentConfig, bound: &BoundPlanner) -> Result<(), StartE
     Ok(())
 }
 
-/// The bounce memory the rank's role and config ask for: a generation rank's arena, a
-/// context rank's staging buffer, or neither (bounce off, or pools that mix host and device
+/// The bounce memory the rank's role and config ask for: a decode rank's arena, a
+/// prefill rank's staging buffer, or neither (bounce off, or pools that mix host and device
 /// memory). Device pools get device memory on their device (cargo feature `cuda`).
 fn bounce_memory(
     config: &AgentConfig,
@@ -1068,12 +1068,12 @@ fn bounce_memory(
         return Ok((None, None));
     }
     let want = match config.role {
-        Role::Generation => b.arena_bytes,
-        Role::Context => b.staging_bytes.saturating_mul(2),
+        Role::Decode => b.arena_bytes,
+        Role::Prefill => b.staging_bytes.saturating_mul(2),
     };
     let what = match config.role {
-        Role::Generation => "bounce arena",
-        Role::Context => "bounce staging buffer",
+        Role::Decode => "bounce arena",
+        Role::Prefill => "bounce staging buffer",
     };
     let refused =
         |e: String| StartError::Config(format!("{what} (--bounce off starts without it): {e}"));
@@ -1081,10 +1081,10 @@ fn bounce_memory(
         return Ok((None, None));
     };
     match config.role {
-        Role::Generation if b.arena_bytes > 0 => Arena::new(context, b.arena_bytes, copier)
+        Role::Decode if b.arena_bytes > 0 => Arena::new(context, b.arena_bytes, copier)
             .map(|a| (Some(Arc::new(a)), None))
             .map_err(refused),
-        Role::Context if b.staging_bytes > 0 => Staging::new(context, b.staging_bytes, copier)
+        Role::Prefill if b.staging_bytes > 0 => Staging::new(context, b.staging_bytes, copier)
             .map(|s| (None, Some(s)))
             .map_err(refused),
         _ => Ok((None, None)),
@@ -1166,7 +1166,7 @@ fn memory_kind(rank: &RankInfo) -> MemoryKind {
     }
 }
 
-/// Threads scattering bounced pieces on a generation rank with an arena.
+/// Threads scattering bounced pieces on a decode rank with an arena.
 const SCATTER_THREADS: usize = 2;
 
 /// How long dropping an agent waits for its threads to let go of it.
@@ -1183,13 +1183,13 @@ impl Drop for Agent {
             scatter.stop();
         }
         match self.inner.config.role {
-            Role::Context => context::shutdown(&self.inner),
-            Role::Generation => generation::shutdown(&self.inner),
+            Role::Prefill => prefill::shutdown(&self.inner),
+            Role::Decode => decode::shutdown(&self.inner),
         }
         let deadline = Instant::now() + DROP_WAIT;
         let open = match self.inner.config.role {
-            Role::Context => lock(&self.inner.prefill).requests.len(),
-            Role::Generation => lock(&self.inner.decode).requests.len(),
+            Role::Prefill => lock(&self.inner.prefill).requests.len(),
+            Role::Decode => lock(&self.inner.decode).requests.len(),
         };
         // The one line an orderly shutdown logs (each peer's end is at debug level).
         tracing::info!(agent = %self.inner.me(), open_requests = open, "agent stopped");

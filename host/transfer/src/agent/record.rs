@@ -1,4 +1,4 @@
-//! Plans a context agent keeps for `kvferry bench` ([`AgentConfig::record_plans`]): the same
+//! Plans a prefill agent keeps for `kvferry bench` ([`AgentConfig::record_plans`]): the same
 //! plans written again by the rank thread's bare put loop, and exported as fragment lists.
 //!
 //! [`AgentConfig::record_plans`]: super::AgentConfig::record_plans
@@ -75,7 +75,7 @@ pub(crate) fn replay(
     rx
 }
 
-/// `plans` of context rank `c` as fragment lists per generation rank it wrote, relative to
+/// `plans` of prefill rank `c` as fragment lists per decode rank it wrote, relative to
 /// each side's pools: exactly what [`replay`] puts, in its order. Pairs come in order of first
 /// appearance.
 pub(crate) fn fragments(
@@ -108,11 +108,11 @@ pub(crate) fn fragments(
         pair.fragments.reserve(plan.len());
         for (src, dst, len) in plan.fragments() {
             let (sp, so) = pools.locate(src, len).ok_or_else(|| {
-                format!("context rank {c}: source {src:#x}+{len} lies outside its pools")
+                format!("prefill rank {c}: source {src:#x}+{len} lies outside its pools")
             })?;
             let dp = dest.pool_of(dst, len).ok_or_else(|| {
                 format!(
-                    "generation rank {}: destination {dst:#x}+{len} lies outside its pools",
+                    "decode rank {}: destination {dst:#x}+{len} lies outside its pools",
                     dest.rank
                 )
             })?;

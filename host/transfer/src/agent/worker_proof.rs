@@ -1,9 +1,9 @@
-//! Worker proofs: a generation rank shows that the UCX worker it declared is its own before
-//! a context rank writes to it.
+//! Worker proofs: a decode rank shows that the UCX worker it declared is its own before
+//! a prefill rank writes to it.
 //!
 //! Without the proof, a peer holding the deployment's secret could declare another process's
-//! worker address and keys and have the context rank put wherever it names in that process
-//! (over tcp the keys cannot be checked against what they map). So a context rank, once it
+//! worker address and keys and have the prefill rank put wherever it names in that process
+//! (over tcp the keys cannot be checked against what they map). So a prefill rank, once it
 //! has connected to the declared worker, sends it a fresh random challenge as a UCX active
 //! message ([`WORKER_CHALLENGE_AM`]), tagged for the session
 //! ([`worker_challenge_tag`]: a hash of the handshake hash), and asks the peer on the
@@ -23,13 +23,13 @@ pub(crate) use kvferry_protocol::agent::{
 
 use super::lock;
 
-/// Challenges a generation rank's worker keeps at most (the oldest go first).
+/// Challenges a decode rank's worker keeps at most (the oldest go first).
 const KEPT: usize = 1024;
 
 /// A challenge's active-message payload: the session's tag, then the random bytes.
 pub(crate) const PAYLOAD_LEN: usize = 32 + WORKER_CHALLENGE_LEN;
 
-/// The challenges a generation rank's worker received, by session tag.
+/// The challenges a decode rank's worker received, by session tag.
 #[derive(Debug, Default)]
 pub(crate) struct Challenges {
     recent: Mutex<VecDeque<([u8; 32], [u8; WORKER_CHALLENGE_LEN])>>,

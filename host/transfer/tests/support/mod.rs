@@ -139,8 +139,8 @@ pub fn start(
     tweak: impl FnOnce(&mut AgentConfig),
 ) -> Agent {
     let name = match role {
-        Role::Context => "prefill",
-        Role::Generation => "decode",
+        Role::Prefill => "prefill",
+        Role::Decode => "decode",
     };
     let mut config = AgentConfig::new(name, role, engine.info.clone(), secret);
     config.listen = "127.0.0.1:0".into();
@@ -419,7 +419,7 @@ impl SecurePeer {
 }
 
 /// A UCX worker of the test's own (tcp), progressed on its own thread, that keeps the
-/// worker challenges sent to it: the worker a hand-written generation rank declares, and
+/// worker challenges sent to it: the worker a hand-written decode rank declares, and
 /// proves it owns.
 pub struct HandWorker {
     /// Its UCX address.
@@ -489,7 +489,7 @@ impl Drop for HandWorker {
 }
 
 /// An authenticated session to `endpoint` posing as `decode`'s rank (it holds the secret),
-/// declaring (and proving) a worker of its own: the context rank's puts go to that worker,
+/// declaring (and proving) a worker of its own: the prefill rank's puts go to that worker,
 /// at the addresses of `decode`'s keys (in this process).
 pub fn authenticated(
     endpoint: &str,
@@ -519,8 +519,8 @@ pub fn authenticated(
     (s, session, hand)
 }
 
-/// A context rank under `real`'s description (its endpoint swapped for a new listener) that
-/// holds the secret, admits the first generation rank to dial it, and answers each of its
+/// A prefill rank under `real`'s description (its endpoint swapped for a new listener) that
+/// holds the secret, admits the first decode rank to dial it, and answers each of its
 /// claims with `answer`'s completion, writing nothing. Returns the endpoint.
 pub fn lying_context(
     real: &Agent,

@@ -8,7 +8,7 @@ use kvferry_planner_default::DefaultPlanner;
 use kvferry_testkit::request::Transfer;
 use kvferry_testkit::scenario::ScenarioError;
 
-/// What happened, per generation rank, over every generation DP group.
+/// What happened, per decode rank, over every decode DP group.
 #[derive(Debug, Default)]
 pub struct Outcome {
     /// Writers the rank waited for (its targets).
@@ -19,7 +19,7 @@ pub struct Outcome {
     pub bytes: BTreeMap<u32, u64>,
 }
 
-/// Runs `t` with the default planner on both sides into every generation DP group in turn.
+/// Runs `t` with the default planner on both sides into every decode DP group in turn.
 ///
 /// Panics unless every destination byte the request covers holds its tag and every other
 /// destination byte its canary, the senders' pools are unchanged, no destination byte was

@@ -1,10 +1,10 @@
-//! The decode (generation) side of an agent: the peer directory, links to context ranks,
+//! The decode (generation) side of an agent: the peer directory, links to prefill ranks,
 //! expected requests and their completions.
 //!
 //! `expect` checks the request against this rank's own pools at once, reserves its id, and
-//! hands the rest to the agent's dispatch pool: find the context instance (metadata added with
+//! hands the rest to the agent's dispatch pool: find the prefill instance (metadata added with
 //! `add_peer`, or fetched through the endpoints passed with the request), ask the planner
-//! which context ranks write this rank, link to each (dial, prove the secret, vet), and send
+//! which prefill ranks write this rank, link to each (dial, prove the secret, vet), and send
 //! each its `RequestData`. Completions arrive on the links. A request ends in exactly one
 //! terminal event, and a failed or cancelled one only once every writer that may still
 //! write has answered the `Cancel` with its last piece or its link is gone.
@@ -53,7 +53,7 @@ pub struct Expect {
     pub excluded_views: Vec<ViewId>,
 }
 
-/// A vetted link to one context rank.
+/// A vetted link to one prefill rank.
 #[derive(Debug)]
 struct Link {
     id: PeerId,
@@ -73,7 +73,7 @@ impl Link {
 #[derive(Debug)]
 pub(crate) struct InReq {
     peer: String,
-    /// Writers by context rank; empty until dispatch linked them.
+    /// Writers by prefill rank; empty until dispatch linked them.
     writers: BTreeMap<u32, Arc<Link>>,
     tracker: Option<RequestTracker>,
     started: Instant,
@@ -81,7 +81,7 @@ pub(crate) struct InReq {
     cancelled: bool,
     failure: Option<(Option<String>, FailureKind, String)>,
     cancel_sent: bool,
-    /// Bytes each writer reported so far, by context rank.
+    /// Bytes each writer reported so far, by prefill rank.
     reported: BTreeMap<u32, u64>,
     /// Bytes each writer must write, by this rank's own plan of the request (`None` until
     /// computed; a writer missing from it is not checked: its plan could not be made here).
@@ -127,7 +127,7 @@ const MAX_PENDING: usize = 4096;
 /// How long a failed or cancelled request whose writer's link ended without its last piece
 /// waits before its terminal event: bytes that writer had already handed to the network (the
 /// kernel's buffers of a connection it cut, see `rank::GONE_DRAIN_GRACE`) land first instead
-/// of in slots the engine has taken back. Measured: a generation server stopped (SIGSTOP)
+/// of in slots the engine has taken back. Measured: a decode server stopped (SIGSTOP)
 /// past its writer's peer timeout received 2.2 MB of the request's bytes after it resumed,
 /// some more than a second later on a loaded machine; so the event also waits until this
 /// rank's worker went idle with nothing arriving for [`LATE_WRITE_QUIET`] (bytes reach the
@@ -148,15 +148,15 @@ pub(crate) struct State {
     /// One gate per endpoint dialed: requests expected together wait for one dial and
     /// share its link instead of each opening its own.
     dialing: HashMap<String, Arc<std::sync::Mutex<()>>>,
-    /// Each known context rank's planner, instantiated here once for the byte check.
+    /// Each known prefill rank's planner, instantiated here once for the byte check.
     writer_planners: HashMap<PeerIdentity, WriterPlanner>,
-    /// The planner's `targets` (the context ranks that write this rank), per context rank
+    /// The planner's `targets` (the prefill ranks that write this rank), per prefill rank
     /// asked about and DP group: they depend on the two ranks' descriptions alone, so
     /// `expect` asks the planner (a round trip to its worker) once, not once per request.
     writer_targets: HashMap<(PeerIdentity, u32), Arc<[u32]>>,
 }
 
-/// A context rank's planner, built here (a trait object, shown by name only).
+/// A prefill rank's planner, built here (a trait object, shown by name only).
 #[derive(Clone)]
 struct WriterPlanner(Arc<dyn kvferry_planner_abi::TransferPlanner>);
 
@@ -167,7 +167,7 @@ impl std::fmt::Debug for WriterPlanner {
 }
 
 impl State {
-    /// Files a context rank's metadata, replacing an older start of that rank (whose
+    /// Files a prefill rank's metadata, replacing an older start of that rank (whose
     /// planner, instantiated for the byte check, goes with it).
     fn record(&mut self, m: AgentMetadata) {
         let identity = m.identity();
@@ -189,9 +189,9 @@ impl State {
 // Peers.
 
 pub(crate) fn add_peer(inner: &Arc<Inner>, m: AgentMetadata) -> Result<PeerIdentity, CallError> {
-    if m.role != Role::Context {
+    if m.role != Role::Prefill {
         return Err(CallError::Metadata(format!(
-            "{} is a {} rank; a generation rank adds context ranks",
+            "{} is a {} rank; a decode rank adds prefill ranks",
             m.identity(),
             m.role
         )));
@@ -242,7 +242,7 @@ fn link_to(inner: &Arc<Inner>, endpoint: &str) -> Result<Arc<Link>, (FailureKind
     }
 }
 
-/// Dials a context rank's side channel, runs the secure handshake, vets the rank, links it.
+/// Dials a prefill rank's side channel, runs the secure handshake, vets the rank, links it.
 fn dial(inner: &Arc<Inner>, endpoint: &str) -> Result<Arc<Link>, (FailureKind, String)> {
     let unreachable = |problem: String| (FailureKind::Peer, format!("{endpoint}: {problem}"));
     let handshake = inner.config.handshake_timeout;
@@ -269,7 +269,7 @@ fn dial(inner: &Arc<Inner>, endpoint: &str) -> Result<Arc<Link>, (FailureKind, S
         match session.receive(message) {
             Ok(AgentEvent::Metadata(m)) => break *m,
             Ok(AgentEvent::ProveWorker) => {
-                // The challenge the context rank sent our worker for this session, if it
+                // The challenge the prefill rank sent our worker for this session, if it
                 // came (by the handshake's deadline); nothing else.
                 let tag = super::worker_proof::worker_challenge_tag(&binding);
                 let challenge = inner
@@ -336,7 +336,7 @@ fn dial(inner: &Arc<Inner>, endpoint: &str) -> Result<Arc<Link>, (FailureKind, S
         .name(format!("ctx-{}", identity.rank))
         .spawn(move || read_link(&weak, &reading, session, reader))
         .map_err(|e| unreachable(format!("cannot spawn its reader: {e}")))?;
-    tracing::info!(peer = %identity, %endpoint, "linked to context rank");
+    tracing::info!(peer = %identity, %endpoint, "linked to prefill rank");
     Ok(link)
 }
 
@@ -380,9 +380,9 @@ fn read_link(
     if let Some(inner) = weak.upgrade() {
         if inner.stopped.load(Ordering::Acquire) {
             // This agent's own shutdown ended it: `Drop for Agent` logs that once.
-            tracing::debug!(peer = %link.name(), reason = %why, "context rank link ended");
+            tracing::debug!(peer = %link.name(), reason = %why, "prefill rank link ended");
         } else {
-            tracing::info!(peer = %link.name(), reason = %why, "context rank link ended");
+            tracing::info!(peer = %link.name(), reason = %why, "prefill rank link ended");
         }
         let ids: Vec<u64> = {
             let mut state = lock(&inner.decode);
@@ -454,7 +454,7 @@ pub(crate) fn expect(inner: &Arc<Inner>, e: Expect) -> Result<(), CallError> {
         request: id,
         reason,
     };
-    super::context::check_tables(&inner.info, &e.tables).map_err(invalid)?;
+    super::prefill::check_tables(&inner.info, &e.tables).map_err(invalid)?;
     if e.prompt_len == 0 {
         return Err(invalid("an empty prompt".into()));
     }
@@ -687,8 +687,8 @@ fn dispatch(inner: &Arc<Inner>, e: Expect) {
 
 type Failure = (Option<String>, FailureKind, String);
 
-/// The context ranks of `any`'s instance that write this rank for their DP group `dp`: the
-/// planner's `targets`, asked the first time and then kept per (context rank, DP group)
+/// The prefill ranks of `any`'s instance that write this rank for their DP group `dp`: the
+/// planner's `targets`, asked the first time and then kept per (prefill rank, DP group)
 /// until that rank restarts.
 fn writer_targets(inner: &Inner, any: &AgentMetadata, dp: u32) -> Result<Arc<[u32]>, Failure> {
     let key = (any.identity(), dp);
@@ -1315,7 +1315,7 @@ fn byte_mismatch(req: &InReq) -> Option<(String, String)> {
             let peer = req
                 .writers
                 .get(c)
-                .map_or_else(|| format!("ctx rank {c}"), |l| l.name());
+                .map_or_else(|| format!("prefill rank {c}"), |l| l.name());
             return Some((
                 peer.clone(),
                 format!(
@@ -1385,7 +1385,7 @@ fn expected_bytes(
     (out, overlap)
 }
 
-/// This rank's own plan of `piece` as context rank `c` of `e.peer` makes it: that rank's
+/// This rank's own plan of `piece` as prefill rank `c` of `e.peer` makes it: that rank's
 /// planner (instantiated here for its rank once, then kept while that start of the rank is
 /// on file) pairs stand-in source slots ([`kvferry_plan::bounce::stand_in_tables`]) with
 /// this rank's real ones, under the planner deadline. `views`: the writer's views the piece
@@ -1413,8 +1413,8 @@ fn plan_as_writer(
     let writer_excluded: Vec<ViewId> = match views {
         None => Vec::new(),
         Some(views) => {
-            let all = super::context::all_views(&sender);
-            let carried = super::context::check_views(&all, views)
+            let all = super::prefill::all_views(&sender);
+            let carried = super::prefill::check_views(&all, views)
                 .map_err(|r| format!("{} rank {c} names a piece's views wrongly: {r}", e.peer))?;
             all.difference(&carried).copied().collect()
         }
@@ -1605,7 +1605,7 @@ pub(crate) fn reap(inner: &Arc<Inner>) {
                     .tracker
                     .iter()
                     .flat_map(|t| t.missing())
-                    .map(|(c, g)| format!("ctx rank {c} -> gen rank {g}"))
+                    .map(|(c, g)| format!("prefill rank {c} -> decode rank {g}"))
                     .collect();
                 req.failure = Some((
                     Some(req.peer.clone()),

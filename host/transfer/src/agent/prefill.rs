@@ -1,6 +1,6 @@
 //! The prefill (context) side of an agent: the side channel, sends, claims, writes.
 //!
-//! A request becomes writable for a generation rank once both its first `send` and that
+//! A request becomes writable for a decode rank once both its first `send` and that
 //! rank's `RequestData` (its claim) arrived, in either order. The first claim fixes the
 //! request's owner (the claiming instance, or the `to` of the send) and the receiver ranks
 //! this rank must write ([`TransferPlanner::targets`] for the claimer's DP group); every
@@ -40,9 +40,9 @@ const STASH_TTL: Duration = Duration::from_secs(120);
 /// send, whatever its receiver says.
 pub(crate) const MAX_HELD_LEASES: u32 = 10;
 
-/// An authenticated, vetted generation rank connected to this context rank.
+/// An authenticated, vetted decode rank connected to this prefill rank.
 #[derive(Debug)]
-pub(crate) struct GenConn {
+pub(crate) struct DecodeConn {
     id: PeerId,
     identity: PeerIdentity,
     info: RankInfo,
@@ -57,7 +57,7 @@ pub(crate) struct GenConn {
     targets: OnceLock<BTreeSet<u32>>,
 }
 
-impl GenConn {
+impl DecodeConn {
     fn name(&self) -> String {
         self.identity.to_string()
     }
@@ -65,7 +65,7 @@ impl GenConn {
 
 #[derive(Debug)]
 struct Stashed {
-    conn: Arc<GenConn>,
+    conn: Arc<DecodeConn>,
     data: RequestData,
 }
 
@@ -106,7 +106,7 @@ impl Tombstone {
 
 #[derive(Debug)]
 struct Claim {
-    conn: Arc<GenConn>,
+    conn: Arc<DecodeConn>,
     data: RequestData,
     /// Chunks handed to planning so far.
     planned: usize,
@@ -208,7 +208,7 @@ impl OutReq {
 #[derive(Debug)]
 pub(crate) struct State {
     pub(crate) requests: HashMap<u64, OutReq>,
-    conns: HashMap<PeerId, Arc<GenConn>>,
+    conns: HashMap<PeerId, Arc<DecodeConn>>,
     stash: Stash<Stashed>,
     /// Cancels of requests not sent yet, bounded like the stash and expired with it.
     tombstones: Stash<Tombstone>,
@@ -357,7 +357,7 @@ fn serve_connection(inner: &Arc<Inner>, stream: TcpStream, pending: Pending) {
         drain(&mut reader, Duration::from_millis(200));
     };
     if let Err(reason) = check_intent(inner, local, &intent.endpoint) {
-        tracing::warn!(%reason, "generation rank refused");
+        tracing::warn!(%reason, "decode rank refused");
         refuse(&mut session, reason, reader);
         return;
     }
@@ -371,7 +371,7 @@ fn serve_connection(inner: &Arc<Inner>, stream: TcpStream, pending: Pending) {
                     // Nothing is written to the worker it declared before it proves it owns it.
                     if let Err(reason) = prove_worker(&mut session, &outbox, &mut reader, &expected)
                     {
-                        tracing::warn!(peer = %m.identity(), %reason, "generation rank refused");
+                        tracing::warn!(peer = %m.identity(), %reason, "decode rank refused");
                         lost(inner, &conn, &reason);
                         receiver_refused(inner, &m.identity(), &m.rank.info, &reason);
                         refuse(&mut session, reason, reader);
@@ -392,7 +392,7 @@ fn serve_connection(inner: &Arc<Inner>, stream: TcpStream, pending: Pending) {
                     }
                 }
                 Err(reason) => {
-                    tracing::info!(peer = %m.identity(), %reason, "generation rank refused");
+                    tracing::info!(peer = %m.identity(), %reason, "decode rank refused");
                     receiver_refused(inner, &m.identity(), &m.rank.info, &reason);
                     refuse(&mut session, reason, reader);
                     return;
@@ -421,7 +421,7 @@ fn serve_connection(inner: &Arc<Inner>, stream: TcpStream, pending: Pending) {
         lost(inner, &conn, "could not be served");
         return;
     }
-    tracing::info!(peer = %conn.name(), "generation rank connected");
+    tracing::info!(peer = %conn.name(), "decode rank connected");
     let why = loop {
         let read = read_frame::<AgentMessage>(&mut reader);
         if !conn.alive.load(Ordering::Acquire) && !inner.stopped.load(Ordering::Acquire) {
@@ -468,14 +468,14 @@ fn serve_connection(inner: &Arc<Inner>, stream: TcpStream, pending: Pending) {
     };
     if inner.stopped.load(Ordering::Acquire) {
         // This agent's own shutdown ended it: `Drop for Agent` logs that once.
-        tracing::debug!(peer = %conn.name(), reason = %why, "generation rank gone");
+        tracing::debug!(peer = %conn.name(), reason = %why, "decode rank gone");
     } else {
-        tracing::info!(peer = %conn.name(), reason = %why, "generation rank gone");
+        tracing::info!(peer = %conn.name(), reason = %why, "decode rank gone");
     }
     lost(inner, &conn, &why);
 }
 
-/// A generation rank was refused, by this rank or by itself: every open send bound to its
+/// A decode rank was refused, by this rank or by itself: every open send bound to its
 /// instance (`to`) that this rank writes to it and that it has not claimed can never be
 /// completed, so it fails at once as refused rather than at its lease. A rank this rank does
 /// not write (the planner's `targets` for its DP group leave it out) changes nothing.
@@ -557,7 +557,7 @@ fn prove_worker(
     }
 }
 
-/// Vets a generation rank's metadata, connects to its worker and sends it `challenge`;
+/// Vets a decode rank's metadata, connects to its worker and sends it `challenge`;
 /// the connection is registered once the worker's proof came ([`prove_worker`]).
 fn admit(
     inner: &Arc<Inner>,
@@ -565,13 +565,13 @@ fn admit(
     outbox: Outbox<AgentMessage>,
     socket: TcpStream,
     challenge: Vec<u8>,
-) -> Result<Arc<GenConn>, String> {
+) -> Result<Arc<DecodeConn>, String> {
     inner.vet_shape(m)?;
     inner.check_peer(&m.rank.info)?;
     let id = inner.next_peer.fetch_add(1, Ordering::Relaxed);
     let alive = Arc::new(AtomicBool::new(true));
     let identity = m.identity();
-    let conn = Arc::new(GenConn {
+    let conn = Arc::new(DecodeConn {
         id,
         identity: identity.clone(),
         info: m.rank.info.clone(),
@@ -617,8 +617,8 @@ fn admit(
     Ok(conn)
 }
 
-/// A generation rank's connection ended: its claims fail, nothing more is written to it.
-fn lost(inner: &Arc<Inner>, conn: &Arc<GenConn>, why: &str) {
+/// A decode rank's connection ended: its claims fail, nothing more is written to it.
+fn lost(inner: &Arc<Inner>, conn: &Arc<DecodeConn>, why: &str) {
     conn.alive.store(false, Ordering::Release);
     inner.thread.forget(conn.id);
     let ids: Vec<u64> = {
@@ -657,7 +657,7 @@ pub(crate) fn connections(inner: &Arc<Inner>) -> usize {
 }
 
 pub(crate) fn ping(inner: &Arc<Inner>) {
-    let conns: Vec<Arc<GenConn>> = lock(&inner.prefill).conns.values().cloned().collect();
+    let conns: Vec<Arc<DecodeConn>> = lock(&inner.prefill).conns.values().cloned().collect();
     for c in conns {
         let _ = c.outbox.send(AgentMessage::Ping);
     }
@@ -666,7 +666,7 @@ pub(crate) fn ping(inner: &Arc<Inner>) {
 pub(crate) fn shutdown(inner: &Arc<Inner>) {
     let (conns, listening) = {
         let mut state = lock(&inner.prefill);
-        let conns: Vec<Arc<GenConn>> = state.conns.drain().map(|(_, c)| c).collect();
+        let conns: Vec<Arc<DecodeConn>> = state.conns.drain().map(|(_, c)| c).collect();
         (conns, state.listening.take())
     };
     // The accept loop sees the agent stopped at its next connection: make one, so the
@@ -935,7 +935,7 @@ pub(crate) fn check_slots(info: &RankInfo, tables: &[SlotTable]) -> Result<(), S
     Ok(())
 }
 
-fn request_data(inner: &Arc<Inner>, conn: &Arc<GenConn>, data: RequestData) {
+fn request_data(inner: &Arc<Inner>, conn: &Arc<DecodeConn>, data: RequestData) {
     let (c, g, request) = (data.sender_rank, data.receiver_rank, data.request);
     let me = inner.info.instance_rank;
     let refuse = |reason: String| {
@@ -1021,7 +1021,7 @@ fn request_data(inner: &Arc<Inner>, conn: &Arc<GenConn>, data: RequestData) {
 
 /// The ranks of `conn`'s instance this rank writes for its DP group: the planner's `targets`,
 /// asked the first time and kept for the connection's life; or why not.
-fn targets(inner: &Inner, conn: &GenConn) -> Result<BTreeSet<u32>, String> {
+fn targets(inner: &Inner, conn: &DecodeConn) -> Result<BTreeSet<u32>, String> {
     if let Some(known) = conn.targets.get() {
         return Ok(known.clone());
     }
@@ -1033,7 +1033,7 @@ fn targets(inner: &Inner, conn: &GenConn) -> Result<BTreeSet<u32>, String> {
 }
 
 /// Binds a claim to a sent request (or refuses it), then plans what is due.
-fn claim(inner: &Arc<Inner>, conn: &Arc<GenConn>, data: RequestData) {
+fn claim(inner: &Arc<Inner>, conn: &Arc<DecodeConn>, data: RequestData) {
     let arrived = Instant::now();
     let id = data.request;
     let (c, g) = (data.sender_rank, data.receiver_rank);
@@ -1189,7 +1189,7 @@ fn plan_and_queue(
     inner: &Arc<Inner>,
     id: u64,
     g: u32,
-    conn: &Arc<GenConn>,
+    conn: &Arc<DecodeConn>,
     data: &RequestData,
     chunks: Vec<(usize, Chunk)>,
     submitted: Instant,
@@ -1356,7 +1356,7 @@ struct Queued {
 /// or the piece does not fit (logged).
 fn bounce_piece(
     inner: &Arc<Inner>,
-    conn: &GenConn,
+    conn: &DecodeConn,
     id: u64,
     data: &RequestData,
     piece: &PairRequest,
@@ -1419,7 +1419,7 @@ fn plan_timed(
     Ok(plan)
 }
 
-fn queue(inner: &Arc<Inner>, id: u64, g: u32, conn: &Arc<GenConn>, q: Queued) {
+fn queue(inner: &Arc<Inner>, id: u64, g: u32, conn: &Arc<DecodeConn>, q: Queued) {
     let Queued {
         piece,
         is_last,
@@ -1486,7 +1486,7 @@ fn queue(inner: &Arc<Inner>, id: u64, g: u32, conn: &Arc<GenConn>, q: Queued) {
                 // A registration that ended (the peer lost, or given up for not draining)
                 // hears nothing more: after a forced close its slots may still receive bytes
                 // the network holds, and only the end of its link without this report makes
-                // the receiver wait for them (`generation::LATE_WRITE_GRACE`).
+                // the receiver wait for them (`decode::LATE_WRITE_GRACE`).
                 let registered = done_conn.alive.load(Ordering::Acquire);
                 if registered {
                     let _ = done_conn.outbox.send(AgentMessage::Completion(Completion {
@@ -1535,7 +1535,7 @@ fn end_claim(
     inner: &Arc<Inner>,
     id: u64,
     g: u32,
-    conn: &Arc<GenConn>,
+    conn: &Arc<DecodeConn>,
     piece: u32,
     reason: String,
     after_jobs: bool,
@@ -1669,7 +1669,7 @@ fn settle(inner: &Arc<Inner>, id: u64) {
 
 /// The receiver cancels: its claim stops being written; the failed last piece goes out once
 /// its jobs drained.
-fn peer_cancel(inner: &Arc<Inner>, conn: &Arc<GenConn>, id: u64, reason: &str) {
+fn peer_cancel(inner: &Arc<Inner>, conn: &Arc<DecodeConn>, id: u64, reason: &str) {
     let g = conn.info.instance_rank;
     let pending = {
         let mut state = lock(&inner.prefill);
@@ -1750,7 +1750,7 @@ fn peer_cancel(inner: &Arc<Inner>, conn: &Arc<GenConn>, id: u64, reason: &str) {
 /// queued it): the lease runs from now again, at most [`MAX_HELD_LEASES`] leases after the
 /// first send. A hold for a request it may not claim, one already claimed or ended, or one
 /// not sent here is ignored (a claim then gets its answer as it would have).
-fn hold(inner: &Arc<Inner>, conn: &Arc<GenConn>, id: u64) {
+fn hold(inner: &Arc<Inner>, conn: &Arc<DecodeConn>, id: u64) {
     let lease = inner.config.lease;
     let mut state = lock(&inner.prefill);
     let Some(req) = state.requests.get_mut(&id) else {
