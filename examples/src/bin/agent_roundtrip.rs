@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, Result, bail};
 use clap::Parser;
 use kvferry_planner_abi::{SlotTable, TokenRange};
-use kvferry_transfer::agent::{Agent, Event, Expect, SendChunk};
+use kvferry_transfer::agent::{Agent, DecodeAgent, Event, Expect, PrefillAgent, SendChunk};
 
 /// The layout of python/tests/test_agent.py (and the C test): 2 layers x 2 KV heads x 32
 /// bf16, K and V, 16 tokens per block, one pool, one HND view.
@@ -153,13 +153,10 @@ fn main() -> Result<()> {
     // SAFETY: `src` and `dst` are live, initialised allocations of the sizes the page tables
     // name, kept until the agents are dropped at the end of `main`; this program touches
     // neither while a request is in flight.
-    let ctx = unsafe { Agent::start(ctx_config, ctx_bound) }?;
+    let prefill = unsafe { PrefillAgent::start(ctx_config, ctx_bound) }?;
     // SAFETY: as above.
-    let decode = unsafe { Agent::start(gen_config, gen_bound) }?;
-    let endpoint = ctx
-        .endpoint()
-        .context("the prefill agent's endpoint")?
-        .to_string();
+    let decode = unsafe { DecodeAgent::start(gen_config, gen_bound) }?;
+    let endpoint = prefill.endpoint().to_string();
     let tables = vec![SlotTable::new((0..args.blocks as i64).collect::<Vec<_>>())];
     let prompt = args.blocks * TPB;
     let warmup = args.requests / 10;
@@ -176,7 +173,7 @@ fn main() -> Result<()> {
             tables: tables.clone(),
             excluded_views: Vec::new(),
         })?;
-        ctx.send(SendChunk {
+        prefill.send(SendChunk {
             request: id,
             tables: tables.clone(),
             tokens: TokenRange {
@@ -188,8 +185,8 @@ fn main() -> Result<()> {
             to: None,
             views: None,
         })?;
-        let received = wait_terminal(&decode, id)?;
-        let sent = wait_terminal(&ctx, id)?;
+        let received = wait_terminal(decode.as_agent(), id)?;
+        let sent = wait_terminal(prefill.as_agent(), id)?;
         if !matches!(received, Event::Received { .. }) || !matches!(sent, Event::Sent { .. }) {
             bail!("request {id}: {received:?} / {sent:?}");
         }

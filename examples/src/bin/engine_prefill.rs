@@ -30,7 +30,9 @@ use kvferry_examples::engine::{
     self, BlockAllocator, Mix, PREFILL_LAYOUT, RankCache, RequestSpec, SALT_PREFILL, blocks,
 };
 use kvferry_planner_abi::TokenRange;
-use kvferry_transfer::agent::{Agent, AgentConfig, CallError, Event, FailureKind, SendChunk};
+use kvferry_transfer::agent::{
+    AgentConfig, CallError, Event, FailureKind, PrefillAgent, SendChunk,
+};
 use kvferry_transfer::{Role, Transport};
 
 #[derive(Parser, Debug)]
@@ -177,8 +179,8 @@ fn run(args: &Args) -> Result<Tally> {
     // SAFETY: the pool is one live allocation owned by `cache`, declared before the agent and
     // so dropped after it. This engine writes a block only before the chunk that covers it
     // is sent, and reuses it only after its request's terminal event.
-    let agent = unsafe { Agent::start(config, engine::bind_planner(args.tp)?) }?;
-    let endpoint = agent.endpoint().unwrap_or_default().to_string();
+    let agent = unsafe { PrefillAgent::start(config, engine::bind_planner(args.tp)?) }?;
+    let endpoint = agent.endpoint().to_string();
     eprintln!(
         "engine_prefill {} rank {}/{}: endpoint {endpoint}",
         args.instance, args.rank, args.tp
@@ -273,7 +275,7 @@ fn run(args: &Args) -> Result<Tally> {
                 }
             }
         }
-        engine::wait_for_events(&agent, Duration::from_millis(2));
+        engine::wait_for_events(agent.as_agent(), Duration::from_millis(2));
     }
     if args.until_stdin_closes {
         std::io::copy(&mut std::io::stdin(), &mut std::io::sink())?;
@@ -284,7 +286,7 @@ fn run(args: &Args) -> Result<Tally> {
         }
     }
     std::thread::sleep(Duration::from_millis(args.linger_ms));
-    engine::stop_agent(agent);
+    engine::stop_agent(agent.into());
     drop(cache);
     Ok(tally)
 }

@@ -8,10 +8,13 @@ use crate::support;
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvferry_plan::error_chain;
 use kvferry_planner_abi::{SlotTable, TokenRange};
 use kvferry_transfer::Role;
 use kvferry_transfer::Transport;
-use kvferry_transfer::agent::{Agent, AgentConfig, Event, FailureKind, Secret, SendChunk};
+use kvferry_transfer::agent::{
+    Agent, AgentConfig, DecodeAgent, Event, FailureKind, PrefillAgent, Secret, SendChunk,
+};
 use kvferry_transfer::rank::WriteHook;
 
 use support::*;
@@ -80,6 +83,57 @@ fn a_chunked_request_lands_byte_for_byte_over_tcp_and_shm() {
             &dst_slots[..4],
             Some((src_slots[4], dst_slots[4])),
         );
+    }
+}
+
+#[test]
+fn typed_agents_start_only_for_their_role_and_move_a_request() {
+    let model = model();
+    let src = Engine::new("prefill", &model, pattern);
+    let dst = Engine::new("decode", &model, |_, _| CANARY);
+    let config = |role, engine: &Engine| {
+        let mut c = AgentConfig::new(role_name(role), role, engine.info.clone(), secret());
+        c.listen = "127.0.0.1:0".into();
+        c
+    };
+    // SAFETY: the engines' buffers outlive the agents, which are dropped first.
+    let wrong = unsafe { DecodeAgent::start(config(Role::Prefill, &src), bound()) };
+    let text = error_chain(&wrong.unwrap_err());
+    assert!(
+        text.contains("role is prefill, but a decode agent was asked for"),
+        "{text}"
+    );
+    // SAFETY: as above.
+    let wrong = unsafe { PrefillAgent::start(config(Role::Decode, &dst), bound()) };
+    let text = error_chain(&wrong.unwrap_err());
+    assert!(
+        text.contains("role is decode, but a prefill agent was asked for"),
+        "{text}"
+    );
+
+    // SAFETY: as above.
+    let prefill = unsafe { PrefillAgent::start(config(Role::Prefill, &src), bound()) }.unwrap();
+    // SAFETY: as above.
+    let decode = unsafe { DecodeAgent::start(config(Role::Decode, &dst), bound()) }.unwrap();
+    let slots = [2i64, 5];
+    decode
+        .expect(expecting(3, prefill.endpoint(), tables(&dst, &slots), 32))
+        .unwrap();
+    prefill.send(whole(3, tables(&src, &slots), 32)).unwrap();
+    let received = wait(decode.as_agent(), 3, Duration::from_secs(20));
+    assert!(matches!(received, Event::Received { .. }), "{received:?}");
+    let sent = wait(prefill.as_agent(), 3, Duration::from_secs(20));
+    assert!(matches!(sent, Event::Sent { .. }), "{sent:?}");
+    check(&src, &dst, &slots, &slots, None);
+    // Back to the role-agnostic agent, and not into the other role.
+    let agent: Agent = prefill.into();
+    assert!(DecodeAgent::try_from(agent).is_err());
+}
+
+fn role_name(role: Role) -> &'static str {
+    match role {
+        Role::Prefill => "prefill",
+        Role::Decode => "decode",
     }
 }
 

@@ -1,5 +1,7 @@
-//! The per-rank transfer agent an engine embeds: one [`Agent`] per rank, in the engine's
-//! process, over the engine's own KV memory.
+//! The per-rank transfer agent an engine embeds: one agent per rank, in the engine's
+//! process, over the engine's own KV memory — a [`PrefillAgent`] or a [`DecodeAgent`], whose
+//! calls are those of its role, or an [`Agent`] of either role for code (the C API, Python)
+//! that learns the role at run time.
 //!
 //! ```text
 //!  prefill engine rank                              decode engine rank
@@ -50,12 +52,14 @@ mod events;
 mod planning;
 mod prefill;
 mod record;
+mod typed;
 mod worker_proof;
 
 pub use crate::bounce::{BounceConfig, BounceMode};
 pub use decode::Expect;
 pub use events::{AgentStats, Event, FAILURE_KINDS, FailureKind, LATENCY_BUCKETS};
 pub use kvferry_protocol::{AgentMetadata, Integrity, PeerIdentity, Secret};
+pub use typed::{DecodeAgent, PrefillAgent};
 
 use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::os::fd::RawFd;
