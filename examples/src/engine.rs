@@ -26,14 +26,14 @@ use std::ptr::NonNull;
 use std::time::Duration;
 
 use anyhow::{Context as _, Result, anyhow, bail};
-use kvferry_loader::{BoundPlanner, Registry};
-use kvferry_planner_abi::ffi::{RString, RVec};
-use kvferry_planner_abi::{
+use kvferry::abi::ffi::{RString, RVec};
+use kvferry::abi::{
     BufferEntry, Deployment, GroupKind, LayerGroup, LayoutKind, LocalLayer, Mapping, MemoryType,
     PageTable, PhysicalPool, PoolView, RankInfo, RoleLayout, SlotTable,
 };
-use kvferry_transfer::agent::{Agent, AgentConfig, CallError, Event, Expect, FailureKind, Secret};
-use kvferry_transfer::{Role, Transport};
+use kvferry::agent::{Agent, AgentConfig, CallError, Event, Expect, FailureKind, Secret};
+use kvferry::registry::{BoundPlanner, Registry};
+use kvferry::{Role, Transport};
 
 /// Model layers.
 pub const LAYERS: u32 = 4;
@@ -558,13 +558,13 @@ pub fn fresh_workload(seed: u64, id_base: u64, count: usize) -> Vec<RequestSpec>
 // The agent.
 
 /// The deployment's secret: the file's bytes (trailing newline dropped), else
-/// `KVFERRY_SECRET` ([`kvferry_transfer::agent::load_secret`]).
+/// `KVFERRY_SECRET` ([`kvferry::agent::load_secret`]).
 ///
 /// # Errors
 ///
 /// Neither is given, the file cannot be read, or the secret is too short.
 pub fn secret(file: Option<&Path>) -> Result<Secret> {
-    Ok(kvferry_transfer::agent::load_secret(file)?)
+    Ok(kvferry::agent::load_secret(file)?)
 }
 
 /// The default planner, linked into the binary, bound for a llama-shaped TP-`tp` instance.
@@ -602,7 +602,7 @@ pub fn stop_agent(agent: Agent) {
 
 /// Starts logging to stderr (`KVFERRY_LOG` or `RUST_LOG`, default `warn`).
 pub fn init_logging() {
-    kvferry_transfer::logging::init_stderr("warn");
+    kvferry::logging::init_stderr("warn");
 }
 
 /// Writes `text` to `path` atomically (a temporary file renamed over it), so a reader that

@@ -1,8 +1,8 @@
 //! `kvferry._kvferry`: the Python binding of kvferry's per-rank transfer agent
-//! (`kvferry_transfer::agent::Agent`), re-exported by the `kvferry` package
+//! (`kvferry::agent::Agent`), re-exported by the `kvferry` package
 //! (`python/kvferry/__init__.py`; `python/README.md` shows it in use).
 //!
-//! It takes the C API's versioned JSON configuration (`kvferry_capi::config::load`, the same
+//! It takes the versioned JSON configuration (`kvferry::config::load`, the same
 //! parser `kvferry_agent_start` calls), releases the GIL around every agent call, reads slot
 //! tables through the buffer protocol without converting them to Python lists, and turns
 //! every refusal, and any panic, into a `kvferry.Error` carrying `kind`, `peer` and `detail`.
@@ -13,12 +13,12 @@ mod logs;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Mutex, PoisonError, RwLock};
 
-use kvferry_capi::config::{ConfigError, error_chain, load};
-use kvferry_capi::planning::{PairPlanner as PlannerCore, Piece, PlanningError};
-use kvferry_planner_abi::{SlotTable, TokenRange, ViewId};
-use kvferry_transfer::agent::{
+use kvferry::abi::{SlotTable, TokenRange, ViewId};
+use kvferry::agent::{
     Agent as RustAgent, CallError, Event as RustEvent, Expect, FAILURE_KINDS, SendChunk, StartError,
 };
+use kvferry::config::{ConfigError, error_chain, load};
+use kvferry::planning::{PairPlanner as PlannerCore, Piece, PlanningError};
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -513,9 +513,7 @@ impl Agent {
     /// to serve beside its own metrics.
     fn metrics_text(&self, py: Python<'_>) -> PyResult<String> {
         self.with(py, "Agent.metrics_text", |a| {
-            Ok(kvferry_transfer::metrics::encode(&[
-                kvferry_transfer::metrics::Sample::of(a),
-            ]))
+            Ok(kvferry::metrics::encode(&[kvferry::metrics::Sample::of(a)]))
         })
     }
 
@@ -646,7 +644,7 @@ impl From<PlanningError> for Failure {
 /// vets the other. Plans are validated as the agent validates them before a byte moves.
 #[pyclass(module = "kvferry", frozen)]
 struct PairPlanner {
-    planner: kvferry_capi::planning::PairPlanner,
+    planner: kvferry::planning::PairPlanner,
 }
 
 #[pymethods]
@@ -740,7 +738,7 @@ struct Plan {
     /// Fragments once expanded.
     #[pyo3(get)]
     fragments: usize,
-    patterns: Vec<kvferry_capi::planning::Pattern>,
+    patterns: Vec<kvferry::planning::Pattern>,
 }
 
 #[pymethods]
@@ -808,20 +806,20 @@ fn flush_logs(py: Python<'_>, timeout: f64) -> PyResult<bool> {
 #[pyfunction]
 fn doctor(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let (dirs, registry) = py.detach(|| {
-        let dirs = kvferry_capi::default_plugin_dirs();
-        let registry = kvferry_loader::Registry::scan(&dirs);
+        let dirs = kvferry::default_plugin_dirs();
+        let registry = kvferry::registry::Registry::scan(&dirs);
         (dirs, registry)
     });
     let d = PyDict::new(py);
     d.set_item("kvferry", env!("CARGO_PKG_VERSION"))?;
-    d.set_item("planner_abi", kvferry_planner_abi::ABI_VERSION)?;
+    d.set_item("planner_abi", kvferry::abi::ABI_VERSION)?;
     d.set_item(
         "extension",
-        kvferry_capi::library_file().map(|p| p.display().to_string()),
+        kvferry::library_file().map(|p| p.display().to_string()),
     )?;
-    let (major, minor, release) = kvferry_ucx::library::release();
+    let (major, minor, release) = kvferry::ucx_library::release();
     d.set_item("ucx", format!("{major}.{minor}.{release}"))?;
-    let loaded: Vec<String> = kvferry_ucx::library::loaded_libraries()
+    let loaded: Vec<String> = kvferry::ucx_library::loaded_libraries()
         .iter()
         .map(|p| p.display().to_string())
         .collect();
@@ -856,7 +854,7 @@ fn _kvferry(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PairPlanner>()?;
     m.add_class::<Plan>()?;
     m.add("Error", m.py().get_type::<Error>())?;
-    m.add("CONFIG_VERSION", kvferry_capi::KVFERRY_CONFIG_VERSION)?;
+    m.add("CONFIG_VERSION", kvferry::CONFIG_VERSION)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -156,8 +156,8 @@ fn logger_name(target: &str) -> String {
 
 /// The filter when the environment chooses none: the `kvferry` logger's effective level.
 fn filter_for_python(py: Python<'_>) -> (EnvFilter, Option<String>) {
-    if kvferry_transfer::logging::from_env().is_some() {
-        return kvferry_transfer::logging::filter("warn");
+    if kvferry::logging::from_env().is_some() {
+        return kvferry::logging::filter("warn");
     }
     let level = py
         .import("logging")
@@ -171,7 +171,7 @@ fn filter_for_python(py: Python<'_>) -> (EnvFilter, Option<String>) {
         21..=30 => "warn",
         _ => "error",
     };
-    kvferry_transfer::logging::filter(directives)
+    kvferry::logging::filter(directives)
 }
 
 /// Starts forwarding (once per process) or, when it runs, chooses the filter again from the
@@ -191,7 +191,7 @@ pub fn init(py: Python<'_>) {
             .spawn(move || forward(rx, shared));
         if spawned.is_err() {
             // No thread to hand records to Python: they go to stderr as the C library's do.
-            kvferry_transfer::logging::init_stderr("warn");
+            kvferry::logging::init_stderr("warn");
             return None;
         }
         let (layer, handle) = reload::Layer::new(filter.take().expect("taken once"));

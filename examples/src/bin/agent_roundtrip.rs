@@ -1,6 +1,6 @@
 //! Per-request overhead of the agent from Rust: one prefill and one decode agent in this
 //! process over shared memory, configured from the same versioned JSON the C API and the
-//! Python package take (`kvferry_capi::config::load`), and `requests` requests of `blocks`
+//! Python package take (`kvferry::config::load`), and `requests` requests of `blocks`
 //! blocks each run one after another: `expect`, `send`, then wait (on both wake descriptors)
 //! for both terminal events. Prints the median, p90 and p99 of that time in microseconds.
 //! `python/bench/roundtrip.py` runs the same transfer from Python, so the two medians compare
@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
 use clap::Parser;
-use kvferry_planner_abi::{SlotTable, TokenRange};
-use kvferry_transfer::agent::{Agent, DecodeAgent, Event, Expect, PrefillAgent, SendChunk};
+use kvferry::abi::{SlotTable, TokenRange};
+use kvferry::agent::{Agent, DecodeAgent, Event, Expect, PrefillAgent, SendChunk};
 
 /// The layout of python/tests/test_agent.py (and the C test): 2 layers x 2 KV heads x 32
 /// bf16, K and V, 16 tokens per block, one pool, one HND view.
@@ -134,7 +134,7 @@ fn main() -> Result<()> {
     let slots = args.blocks.max(1);
     let src = vec![7u8; (slots * SLOT) as usize];
     let dst = vec![0u8; (slots * SLOT) as usize];
-    let (ctx_config, ctx_bound) = kvferry_capi::config::load(&config(
+    let (ctx_config, ctx_bound) = kvferry::config::load(&config(
         "rt-prefill",
         "context",
         &src,
@@ -142,7 +142,7 @@ fn main() -> Result<()> {
         &plugin_dir,
         &args.transport,
     ))?;
-    let (gen_config, gen_bound) = kvferry_capi::config::load(&config(
+    let (gen_config, gen_bound) = kvferry::config::load(&config(
         "rt-decode",
         "generation",
         &dst,

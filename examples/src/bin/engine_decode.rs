@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use clap::Parser;
+use kvferry::Transport;
 use kvferry_examples::engine::{self, DECODE_WINDOW, DecodeRank, Limits, Mix, Outcome};
-use kvferry_transfer::Transport;
 
 /// The least time between a marked request's `expect` and its cancel.
 const CANCEL_AFTER: Duration = Duration::from_millis(100);

@@ -22,9 +22,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, anyhow};
 use clap::Parser;
+use kvferry::Transport;
+use kvferry::agent::FailureKind;
 use kvferry_examples::engine::{self, DecodeRank, Limits, Mix, Outcome, RequestSpec};
-use kvferry_transfer::Transport;
-use kvferry_transfer::agent::FailureKind;
 
 #[derive(Parser, Debug)]
 #[command(about = "A one-rank decode engine over several prefill instances")]

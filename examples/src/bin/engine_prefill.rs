@@ -26,14 +26,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use clap::Parser;
+use kvferry::abi::TokenRange;
+use kvferry::agent::{AgentConfig, CallError, Event, FailureKind, PrefillAgent, SendChunk};
+use kvferry::{Role, Transport};
 use kvferry_examples::engine::{
     self, BlockAllocator, Mix, PREFILL_LAYOUT, RankCache, RequestSpec, SALT_PREFILL, blocks,
 };
-use kvferry_planner_abi::TokenRange;
-use kvferry_transfer::agent::{
-    AgentConfig, CallError, Event, FailureKind, PrefillAgent, SendChunk,
-};
-use kvferry_transfer::{Role, Transport};
 
 #[derive(Parser, Debug)]
 #[command(about = "One rank of the example prefill engine")]

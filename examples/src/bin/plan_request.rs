@@ -3,8 +3,8 @@
 use std::sync::Arc;
 
 use anyhow::{Result, bail};
-use kvferry_loader::Registry;
-use kvferry_planner_abi::{Deployment, Mapping, PlanError, RankInfo, TransferPlanner};
+use kvferry::abi::{Deployment, Mapping, PlanError, RankInfo, TransferPlanner};
+use kvferry::registry::Registry;
 use kvferry_testkit::layout::{ModelSpec, Preset};
 use kvferry_testkit::scenario::Scenario;
 
@@ -13,7 +13,7 @@ fn main() -> Result<()> {
         .nth(1)
         .unwrap_or_else(|| "kvferry.deepseek_mla_latent".to_string());
     // The same rules as the CLI: KVFERRY_PLUGIN_DIR, else the executable's directory.
-    let registry = Registry::scan(&kvferry_loader::plugin_dirs(None));
+    let registry = Registry::scan(&kvferry::registry::plugin_dirs(None));
     let model = ModelSpec::new(Preset::DeepseekV3);
     let (ctx, decode) = ("dep4".parse::<Mapping>()?, "dep8".parse::<Mapping>()?);
     let deployment = |mapping| Deployment {

@@ -540,7 +540,7 @@ int kvferry_agent_endpoint(const struct kvferry_agent *agent,
 /**
  * Copies the agent's numbers in the Prometheus text format (version 0.0.4: the series of
  * `kvferry_agent_stats`, labelled with the agent's instance, rank and role;
- * `kvferry_transfer::metrics` lists them) into `buf`, NUL-terminated; `*len_out` gets its length without the
+ * `kvferry::metrics` lists them) into `buf`, NUL-terminated; `*len_out` gets its length without the
  * NUL. Size query: `buf` NULL and `cap` 0. The text can grow between two calls (numbers get
  * longer): give it room to spare, or ask again on `KVFERRY_ERR_BUFFER_TOO_SMALL`.
  *

@@ -4,9 +4,9 @@ use std::cell::RefCell;
 use std::ffi::{CString, c_char, c_int};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
-use kvferry_transfer::agent::{CallError, StartError};
+use kvferry::agent::{CallError, StartError};
 
-use crate::config::{ConfigError, error_chain};
+use kvferry::config::{ConfigError, error_chain};
 
 /// What a call returned: `KVFERRY_OK` (0), or why it failed. Functions return it as an `int`;
 /// `kvferry_last_error` then has the text. New codes may be

@@ -4,18 +4,17 @@
 // header and the Rust items read the same.
 #![allow(non_camel_case_types)]
 
-pub mod config;
 mod error;
-pub mod planning;
 
 use std::collections::VecDeque;
 use std::ffi::{CStr, c_char, c_int};
-use std::sync::{Mutex, Once};
+use std::sync::Mutex;
 
-use kvferry_planner_abi::{SlotTable, TokenRange, ViewId};
-use kvferry_transfer::agent::{
+use kvferry::abi::{SlotTable, TokenRange, ViewId};
+use kvferry::agent::{
     Agent, Event, Expect, FAILURE_KINDS, FailureKind, LATENCY_BUCKETS, SendChunk,
 };
+use kvferry::{config, init_logging, planning};
 
 pub use error::kvferry_status;
 
@@ -24,6 +23,7 @@ use kvferry_status::*;
 
 /// The configuration version `kvferry_agent_start` reads (`"version": 1`).
 pub const KVFERRY_CONFIG_VERSION: u32 = 1;
+const _: () = assert!(KVFERRY_CONFIG_VERSION == kvferry::CONFIG_VERSION);
 
 /// Bytes of `kvferry_event::peer`, its terminating NUL included.
 pub const KVFERRY_EVENT_PEER_LEN: usize = 128;
@@ -496,72 +496,6 @@ unsafe fn copy_out(
     Ok(())
 }
 
-/// Where an agent whose configuration names no `plugin_dir` loads planners from:
-/// `KVFERRY_PLUGIN_DIR` (colon-separated) when set, else the planners installed with this
-/// library ([`installed_planners`]); empty when neither is there.
-pub fn default_plugin_dirs() -> Vec<std::path::PathBuf> {
-    let env = std::env::var_os(kvferry_loader::PLUGIN_DIR_ENV).unwrap_or_default();
-    let dirs: Vec<std::path::PathBuf> = std::env::split_paths(&env)
-        .filter(|p| !p.as_os_str().is_empty())
-        .collect();
-    if dirs.is_empty() {
-        installed_planners().into_iter().collect()
-    } else {
-        dirs
-    }
-}
-
-/// The planners installed with this library, found beside the file it was loaded from:
-/// `kvferry/planners` (`scripts/install` puts the library at `PREFIX/lib/libkvferry.so` and
-/// the planners at `PREFIX/lib/kvferry/planners`) or `planners` (the Python wheel: the
-/// extension at `kvferry/_kvferry.abi3.so`, the planners at `kvferry/planners`), the first
-/// that exists. Linked statically, the "library" is the executable, and its directory is
-/// looked in alike.
-pub fn installed_planners() -> Option<std::path::PathBuf> {
-    let file = library_file()?;
-    let dir = file.parent()?;
-    // `lib/kvferry/planners` seen from `lib/`.
-    let beside_lib = std::path::Path::new(kvferry_loader::INSTALLED_PLANNERS)
-        .strip_prefix("lib")
-        .ok()?;
-    [dir.join(beside_lib), dir.join("planners")]
-        .into_iter()
-        .find(|d| d.is_dir())
-}
-
-/// The file this library was loaded from (the executable, when linked statically).
-pub fn library_file() -> Option<std::path::PathBuf> {
-    let mut info = std::mem::MaybeUninit::<libc::Dl_info>::zeroed();
-    let here = library_file as *const () as *const libc::c_void;
-    // SAFETY: `here` is an address inside this object; `info` is writable and dladdr fills it
-    // (or returns 0, leaving it unread).
-    let found = unsafe { libc::dladdr(here, info.as_mut_ptr()) };
-    if found == 0 {
-        return None;
-    }
-    // SAFETY: dladdr succeeded, so it initialised `info`.
-    let info = unsafe { info.assume_init() };
-    if info.dli_fname.is_null() {
-        return None;
-    }
-    // SAFETY: dladdr's `dli_fname` is a NUL-terminated path owned by the dynamic loader,
-    // valid while the object stays loaded (it is this one).
-    let file = unsafe { std::ffi::CStr::from_ptr(info.dli_fname) };
-    Some(std::path::PathBuf::from(
-        <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(file.to_bytes()),
-    ))
-}
-
-/// Installs kvferry's logger to stderr (once per process, at the first agent start):
-/// `KVFERRY_LOG`, or `RUST_LOG`, chooses what it logs, warnings by default
-/// ([`kvferry_transfer::logging`]; the crate docs' "Logs").
-pub fn init_logging() {
-    static ONCE: Once = Once::new();
-    ONCE.call_once(|| {
-        kvferry_transfer::logging::init_stderr("warn");
-    });
-}
-
 // ---------------------------------------------------------------------------------------
 // The entry points.
 
@@ -664,7 +598,7 @@ pub unsafe extern "C" fn kvferry_agent_endpoint(
 
 /// Copies the agent's numbers in the Prometheus text format (version 0.0.4: the series of
 /// `kvferry_agent_stats`, labelled with the agent's instance, rank and role;
-/// `kvferry_transfer::metrics` lists them) into `buf`, NUL-terminated; `*len_out` gets its length without the
+/// `kvferry::metrics` lists them) into `buf`, NUL-terminated; `*len_out` gets its length without the
 /// NUL. Size query: `buf` NULL and `cap` 0. The text can grow between two calls (numbers get
 /// longer): give it room to spare, or ask again on `KVFERRY_ERR_BUFFER_TOO_SMALL`.
 ///
@@ -682,8 +616,7 @@ pub unsafe extern "C" fn kvferry_agent_metrics(
     guard("kvferry_agent_metrics", || {
         // SAFETY: NULL or a live handle (the caller's contract).
         let a = unsafe { deref(agent, "agent") }?;
-        let text =
-            kvferry_transfer::metrics::encode(&[kvferry_transfer::metrics::Sample::of(&a.agent)]);
+        let text = kvferry::metrics::encode(&[kvferry::metrics::Sample::of(&a.agent)]);
         // SAFETY: the caller's contract for `buf`, `cap` and `len_out`.
         unsafe { copy_out(text.as_bytes(), true, buf.cast(), cap, len_out) }
     })

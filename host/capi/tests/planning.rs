@@ -254,7 +254,7 @@ fn a_tp2_to_tp1_plan_executed_by_copies_delivers_every_byte() {
     let descriptions: Vec<_> = (0..2)
         .map(|r| {
             let prefill = config("context", "prefill", 2, r, prefill_bases[r as usize], &dir);
-            kvferry_capi::planning::PairPlanner::new(&prefill, &decode).unwrap()
+            kvferry::planning::PairPlanner::new(&prefill, &decode).unwrap()
         })
         .collect();
     let oracle = Oracle::new(7);

@@ -731,7 +731,7 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
         .check_pools((ctx_slots, ctx_state), (gen_slots, gen_state), &sized_by)?;
     let mut ctx_args = serve_args(
         &config.pair,
-        "context",
+        "prefill",
         &config.pair.ctx_spec,
         ctx_slots,
         ctx_state,
@@ -739,16 +739,16 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
     ctx_args.push("--record-plans".into());
     let gen_args = serve_args(
         &config.pair,
-        "generation",
+        "decode",
         &config.pair.gen_spec,
         gen_slots,
         gen_state,
     );
 
     let mut children = Children(Vec::new());
-    let (ctx_child, ctx_addr) = spawn_server(&config.pair.exe, &ctx_args, "context")?;
+    let (ctx_child, ctx_addr) = spawn_server(&config.pair.exe, &ctx_args, "prefill")?;
     children.0.push(ctx_child);
-    let (gen_child, gen_addr) = spawn_server(&config.pair.exe, &gen_args, "generation")?;
+    let (gen_child, gen_addr) = spawn_server(&config.pair.exe, &gen_args, "decode")?;
     children.0.push(gen_child);
     let secret = crate::demo::controller_secret()?;
     let prefill = Side::connect(Role::Prefill, &[ctx_addr.control], &secret)?;

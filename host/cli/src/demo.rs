@@ -122,7 +122,7 @@ impl ServerAddrs {
     /// The peer address, or an error naming the role.
     pub fn peer(&self) -> Result<&str, DemoError> {
         self.peer.as_deref().ok_or(DemoError::Child {
-            role: "context",
+            role: "prefill",
             message: "reported no peer address".into(),
         })
     }
@@ -212,8 +212,8 @@ impl LoopbackPair {
             None => self.model.clone(),
         };
         let sides = [
-            ("context", &self.prefill, &self.model, prefill),
-            ("generation", &self.decode, &gen_model, decode),
+            ("prefill", &self.prefill, &self.model, prefill),
+            ("decode", &self.decode, &gen_model, decode),
         ];
         let mut bytes = [0u64; 2];
         for (i, (role, mapping, model, (paged, state))) in sides.into_iter().enumerate() {
@@ -423,7 +423,7 @@ pub fn serve_args(
         .map(String::from),
     );
     let tokens_per_block = match role {
-        "generation" => pair.gen_tokens_per_block,
+        "decode" => pair.gen_tokens_per_block,
         _ => None,
     }
     .unwrap_or(pair.model.tokens_per_block);
@@ -730,20 +730,14 @@ pub fn run(config: &DemoConfig) -> Result<DemoReport, DemoError> {
         ([], []) => {
             let (ctx_child, ctx_addr) = spawn_server(
                 &config.pair.exe,
-                &serve_args(&config.pair, "context", &config.pair.ctx_spec, slots, state),
-                "context",
+                &serve_args(&config.pair, "prefill", &config.pair.ctx_spec, slots, state),
+                "prefill",
             )?;
             children.0.push(ctx_child);
             let (gen_child, gen_addr) = spawn_server(
                 &config.pair.exe,
-                &serve_args(
-                    &config.pair,
-                    "generation",
-                    &config.pair.gen_spec,
-                    slots,
-                    state,
-                ),
-                "generation",
+                &serve_args(&config.pair, "decode", &config.pair.gen_spec, slots, state),
+                "decode",
             )?;
             children.0.push(gen_child);
             (vec![ctx_addr.control], vec![gen_addr.control])

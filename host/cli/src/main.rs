@@ -177,8 +177,8 @@ enum Command {
 /// Options of `kvferry serve`.
 #[derive(Debug, clap::Args)]
 struct ServeArgs {
-    /// Which side this instance is.
-    #[arg(long, value_name = "context|generation")]
+    /// Which side this instance is (`context` and `generation` are read too).
+    #[arg(long, value_name = "prefill|decode")]
     role: Role,
     /// Model: a preset (deepseek-v3, llama-3-70b, qwen3-next-80b-a3b, gpt-oss-120b) or the
     /// path of a Hugging Face config.json (or of its folder).
@@ -361,7 +361,7 @@ struct DemoArgs {
     /// Requests in flight at once.
     #[arg(long, default_value_t = 8, value_name = "N", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     in_flight: usize,
-    /// Drive prefill servers already running (`kvferry serve --role context`, here or on
+    /// Drive prefill servers already running (`kvferry serve --role prefill`, here or on
     /// another host) instead of starting one: their control addresses, one per process.
     #[arg(
         long,

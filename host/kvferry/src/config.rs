@@ -1,15 +1,13 @@
-//! The agent's configuration as the C API takes it: one JSON object, versioned, read strictly.
+//! The agent's configuration: one JSON object, versioned, read strictly — what the C API's
+//! `kvferry_agent_start`, Python's `kvferry.Agent`, the examples and a Rust engine read alike.
 //!
 //! The planner ABI's types ([`RankInfo`], [`PageTable`], ...) derive serde, but for bincode
 //! between hosts: their code sets (`MemoryType`, `GroupKind`, `LayoutKind`) serialise as bare
-//! integers and unknown fields pass silently. An engine writes this JSON by hand, so the C API
+//! integers and unknown fields pass silently. An engine writes this JSON by hand, so kvferry
 //! reads its own mirror of them instead: names for every code (`"dram"`, `"paged"`, `"hnd"`),
 //! defaults for what most views leave at one value, and `deny_unknown_fields` everywhere, so a
-//! typo is an error naming the field rather than a silent default. The crate docs (README.md)
-//! list every field.
-//!
-//! Public for the other binding over the same agent (the Python package, `python/`), so both
-//! take the same versioned configuration: [`load`] is all it calls.
+//! typo is an error naming the field rather than a silent default. The C API's README
+//! (`host/capi/README.md`) lists every field.
 
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -26,7 +24,7 @@ use kvferry_transfer::{Role, TransportSpec};
 use serde::Deserialize;
 
 /// The configuration version this library reads (`"version": 1`).
-const CONFIG_VERSION: u64 = crate::KVFERRY_CONFIG_VERSION as u64;
+const CONFIG_VERSION: u64 = crate::CONFIG_VERSION as u64;
 
 /// Why a configuration was refused, and which status the C caller gets for it.
 #[derive(Debug)]

@@ -1,0 +1,59 @@
+//! kvferry: move a request's KV cache from a prefill rank to a decode rank, the bytes chosen
+//! by a model-specific planner loaded at run time. This crate is the one an engine names: the
+//! C API, the Python package and the examples are built on it alone.
+//!
+//! - [`agent`]: one agent per rank over the engine's own KV memory — [`agent::PrefillAgent`],
+//!   [`agent::DecodeAgent`], or [`agent::Agent`] when the role is a run-time value — with its
+//!   requests ([`agent::SendChunk`], [`agent::Expect`]), events and errors.
+//! - [`config`]: the versioned JSON configuration every binding reads ([`config::load`]).
+//! - [`planning`]: kvferry's plans for an engine that moves bytes with another transfer layer
+//!   ([`planning::PairPlanner`]).
+//! - [`registry`]: the planners found in plugin directories, and binding one.
+//! - [`metrics`] and [`logging`]: the Prometheus text and the one logging setup.
+//! - [`abi`]: the planner ABI's types (rank descriptions, page tables, slot tables).
+
+#![deny(missing_docs)]
+
+pub mod config;
+mod install;
+pub mod planning;
+
+pub use install::{default_plugin_dirs, installed_planners, library_file};
+pub use kvferry_transfer::{MemoryKind, Role, Transport, TransportSpec, logging, metrics};
+/// Which UCX library this process loaded, and from where (what `kvferry doctor` reports).
+pub use kvferry_ucx::library as ucx_library;
+
+/// The configuration version [`config::load`] reads (`"version": 1`).
+pub const CONFIG_VERSION: u32 = 1;
+
+/// The per-rank agent (see [`kvferry_transfer::agent`]).
+pub mod agent {
+    pub use kvferry_transfer::agent::{
+        Agent, AgentConfig, AgentMetadata, AgentStats, BounceConfig, BounceMode, CallError,
+        DecodeAgent, Event, Expect, FAILURE_KINDS, FailureKind, Integrity, LATENCY_BUCKETS,
+        PeerIdentity, PrefillAgent, Secret, SendChunk, StartError, load_secret,
+    };
+}
+
+/// Planners in plugin directories, and binding one to a deployment.
+pub mod registry {
+    pub use kvferry_loader::{
+        BindError, BoundPlanner, LoadError, PLANNER_ENV, PLUGIN_DIR_ENV, Registry, SkippedFile,
+        plugin_dirs, select_planner_id,
+    };
+}
+
+/// The planner ABI ([`kvferry_planner_abi`]): what a rank advertises, its page table, a
+/// request's slot tables, and the planner interface itself.
+pub mod abi {
+    pub use kvferry_planner_abi::*;
+}
+
+/// Installs kvferry's logger to stderr once per process: `KVFERRY_LOG`, or `RUST_LOG`,
+/// chooses what it logs, warnings by default ([`logging`]).
+pub fn init_logging() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        logging::init_stderr("warn");
+    });
+}
