@@ -412,7 +412,7 @@ impl fmt::Display for BenchReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "kvferry bench: {}, context {} -> generation {} over {}, {} memory",
+            "kvferry bench: {}, prefill {} -> decode {} over {}, {} memory",
             self.model, self.prefill, self.decode, self.transport, self.memory
         )?;
         writeln!(f, "planner     {} {}", self.planner, self.planner_version)?;

@@ -1,4 +1,4 @@
-//! `kvferry demo`: a context and a decode server (one agent per rank each) as child
+//! `kvferry demo`: a prefill and a decode server (one agent per rank each) as child
 //! processes on loopback — or servers already running elsewhere (`--prefill-at`, `--gen-at`:
 //! another host or namespace, one process per rank or one per instance) — a stream of
 //! requests through them, every destination byte checked.
@@ -171,7 +171,7 @@ impl LoopbackPair {
     /// Model, dtype and block size, and the decode side's block size when it differs.
     pub fn model_label(&self) -> String {
         match self.gen_tokens_per_block {
-            Some(g) => format!("{} (generation tpb{g})", self.model),
+            Some(g) => format!("{} (decode tpb{g})", self.model),
             None => self.model.to_string(),
         }
     }
@@ -328,7 +328,7 @@ impl fmt::Display for DemoReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "kvferry demo: {}, context {} -> generation {} over {}, {} memory",
+            "kvferry demo: {}, prefill {} -> decode {} over {}, {} memory",
             self.model, self.prefill, self.decode, self.transport, self.memory
         )?;
         writeln!(f, "planner    {} {}", self.planner, self.planner_version)?;

@@ -166,11 +166,11 @@ enum Command {
     /// Run the ranks of one instance (every rank in this process, or one with --rank), one
     /// transfer agent per rank, as a prefill or decode server.
     Serve(ServeArgs),
-    /// Start a context and a decode server on loopback and stream requests through them,
+    /// Start a prefill and a decode server on loopback and stream requests through them,
     /// checking every destination byte.
     Demo(DemoArgs),
     /// Time kvferry's transfer path against a bare UCX put loop over the same fragments (and
-    /// optionally `ucx_perftest`), with a context and a decode server on loopback.
+    /// optionally `ucx_perftest`), with a prefill and a decode server on loopback.
     Bench(BenchArgs),
 }
 
@@ -227,7 +227,7 @@ struct ServeArgs {
     #[arg(long, default_value_t = 16, value_name = "N")]
     state_slots: u64,
     /// Fail a request whose writers have not all reported this long after it was expected
-    /// (generation) or claimed (context).
+    /// (decode) or claimed (prefill).
     #[arg(long, default_value_t = 30_000, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     timeout_ms: u64,
     /// Prefill side: fail a prefilled request nobody claimed after this long.
@@ -411,7 +411,7 @@ struct BenchArgs {
     #[arg(long)]
     perftest: bool,
     /// Write the fragments of round 0's set (the one the oracle checks), exactly as the
-    /// prefill server recorded them and the raw loop puts, to FILE as JSON: per (context
+    /// prefill server recorded them and the raw loop puts, to FILE as JSON: per (prefill
     /// rank, decode rank) pair its pools' sizes and `[src_pool, src_offset, dst_pool,
     /// dst_offset, len]` per fragment (format `kvferry-fragments/1`; `scripts/bench-peers`).
     #[arg(long, value_name = "FILE")]
@@ -1201,7 +1201,7 @@ fn plan(host: &Host, a: PlanArgs) -> Result<ExitCode> {
             ctx_bound.path().display()
         );
         println!(
-            "{} {} tpb {}: context {} (DP rank {}) -> generation {} (DP rank {}), prompt {} tokens",
+            "{} {} tpb {}: prefill {} (DP rank {}) -> decode {} (DP rank {}), prompt {} tokens",
             a.model.name(),
             a.model.dtype,
             match a.gen_tokens_per_block {

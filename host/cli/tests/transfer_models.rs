@@ -388,7 +388,7 @@ fn llama_3_70b_differing_tokens_per_block_both_ways() {
         let model = v["model"].as_str().unwrap().to_string();
         assert!(
             model.contains(&format!("tpb{ctx_tpb}"))
-                && model.contains(&format!("generation tpb{gen_tpb}")),
+                && model.contains(&format!("decode tpb{gen_tpb}")),
             "{model}"
         );
     };

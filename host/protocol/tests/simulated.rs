@@ -1,4 +1,4 @@
-//! A request's completions between simulated context and decode ranks, with no
+//! A request's completions between simulated prefill and decode ranks, with no
 //! sockets: every message goes through the agent frame codec as bytes, and the generation
 //! side's `RequestTracker` decides what they add up to — in order, interleaved, failed,
 //! hostile, or with bytes flipped on the wire.

@@ -68,7 +68,7 @@ pub enum CopyError {
         "{side} rank {rank}: one pair gives its pools as {first:?} bytes, another as {second:?}"
     )]
     Shape {
-        /// `context` or `generation`.
+        /// `prefill` or `decode`.
         side: &'static str,
         /// The rank.
         rank: u32,
@@ -88,7 +88,7 @@ pub enum CopyError {
     /// A pool is larger than this machine can address.
     #[error("{side} rank {rank} pool {pool}: {len} bytes cannot be allocated here")]
     TooLarge {
-        /// `context` or `generation`.
+        /// `prefill` or `decode`.
         side: &'static str,
         /// The rank.
         rank: u32,

@@ -3,7 +3,7 @@
 //! UCX RMA writes, planned by the bound planner and validated before a byte moves.
 //!
 //! ```text
-//!  prefill engine ──send──► Agent (context)  ◄── side channel ──  Agent (generation) ◄──expect── decode engine
+//!  prefill engine ──send──► Agent (prefill)  ◄── side channel ──  Agent (decode)     ◄──expect── decode engine
 //!  (source slots hold the KV)  plan_transfer per piece              one claim per writer rank
 //!                              rank thread: put × n, flush ══UCX RMA══► (into the engine's pools)
 //!  poll(): Sent ◄──────────────────────── Completion ──────────────────► poll(): Received

@@ -15,7 +15,7 @@
 //! | `kvferry_pieces_total` | counter | pieces (chunks, layer-wise parts) landed in a decode rank |
 //! | `kvferry_puts_total` | counter | puts a prefill rank issued |
 //! | `kvferry_write_seconds_total` | counter | a prefill rank's time in puts and flushes |
-//! | `kvferry_transfer_duration_seconds` | histogram | per request: generation `expect` → received; context claim → sent |
+//! | `kvferry_transfer_duration_seconds` | histogram | per request: decode `expect` → received; prefill claim → sent |
 //! | `kvferry_planning_duration_seconds` | histogram | per request: planning and validating |
 //! | `kvferry_queue_duration_seconds` | histogram | per request: waiting for a planner worker or the rank thread |
 //! | `kvferry_requests_in_flight` | gauge | requests held now |

@@ -168,7 +168,7 @@ impl PoolFragment {
 pub struct PairFragments {
     /// The context (sender) rank.
     pub ctx_rank: u32,
-    /// The generation (receiver) rank.
+    /// The decode (receiver) rank.
     pub gen_rank: u32,
     /// Bytes of each of the prefill rank's pools, in page-table order.
     pub src_pools: Vec<u64>,

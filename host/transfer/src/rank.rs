@@ -5,7 +5,7 @@
 //! keys and puts never leave it. The rest of the host talks to the thread through a channel
 //! ([`RankThread`]).
 //!
-//! - A **receiver** (generation) rank thread only progresses its worker, always: wire-up,
+//! - A **receiver** (decode) rank thread only progresses its worker, always: wire-up,
 //!   `tcp` puts (emulated with active messages) and registered memory all need the target to
 //!   progress. It never issues an operation, so it never waits on a peer and a dead sender
 //!   cannot block it.

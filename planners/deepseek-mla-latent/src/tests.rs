@@ -51,7 +51,7 @@ fn ctx_gen() -> (RankInfo, RankInfo) {
     (dep(true, 4, &m).rank(&m, 1), gen8(&m, 5))
 }
 
-/// Base addresses of the latent pools of the context and decode ranks.
+/// Base addresses of the latent pools of the prefill and decode ranks.
 fn bases(ctx: &RankInfo, gen_: &RankInfo) -> (u64, u64) {
     (ctx.page_table.pools[0].base, gen_.page_table.pools[0].base)
 }

@@ -225,7 +225,7 @@ pub fn verify_idle(decode: &Client) -> VerifySummary {
     }
 }
 
-/// Runs `submits` through a context and a decode server, all in flight at once, and
+/// Runs `submits` through a prefill and a decode server, all in flight at once, and
 /// checks every byte of every request, then the idle pools. Returns the stats.
 pub fn exchange(ctx: &Server, decode: &Server, submits: &[Submit]) -> Vec<RequestStats> {
     let (c, g) = (ctx.client(), decode.client());

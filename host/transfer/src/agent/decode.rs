@@ -1,4 +1,4 @@
-//! The decode (generation) side of an agent: the peer directory, links to prefill ranks,
+//! The decode side of an agent: the peer directory, links to prefill ranks,
 //! expected requests and their completions.
 //!
 //! `expect` checks the request against this rank's own pools at once, reserves its id, and

@@ -97,7 +97,7 @@ const REAPER_PERIOD: Duration = Duration::from_millis(20);
 pub struct AgentConfig {
     /// The instance this rank belongs to.
     pub instance: String,
-    /// Context (prefill, sends) or generation (decode, receives).
+    /// Prefill (sends) or decode (receives).
     pub role: Role,
     /// What the rank holds, for messages (e.g. `llama-3-70b tp4`).
     pub label: String,
@@ -408,7 +408,7 @@ pub(crate) struct Inner {
     pub(crate) decode: Mutex<decode::State>,
     /// Plans kept for [`Agent::replay`] ([`AgentConfig::record_plans`]).
     pub(crate) recorded: Mutex<record::Recorder>,
-    /// Worker challenges this (generation) rank's worker received, by session.
+    /// Worker challenges this (decode) rank's worker received, by session.
     pub(crate) challenges: Arc<worker_proof::Challenges>,
     _context: Arc<Context>,
 }

@@ -1,4 +1,4 @@
-//! The prefill (context) side of an agent: the side channel, sends, claims, writes.
+//! The prefill side of an agent: the side channel, sends, claims, writes.
 //!
 //! A request becomes writable for a decode rank once both its first `send` and that
 //! rank's `RequestData` (its claim) arrived, in either order. The first claim fixes the
