@@ -14,7 +14,6 @@
 //! Nothing here connects, registers memory or starts a thread. Planner calls run on the
 //! caller's thread without the agent's deadline: a planner that hangs hangs the call.
 
-use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use kvferry_loader::BoundPlanner;
@@ -215,7 +214,11 @@ impl PairPlanner {
                 )));
             }
         }
-        let excluded = excluded_views(&self.prefill, piece.views.as_deref())?;
+        let excluded = match piece.views.as_deref() {
+            None => Vec::new(),
+            Some(views) => kvferry_plan::excluded_views(&self.prefill, views)
+                .map_err(|e| PlanningError::Invalid(format!("the prefill side: {e}")))?,
+        };
         let request = PairRequest {
             token_range: t,
             prompt_len: piece.prompt_len,
@@ -286,33 +289,4 @@ fn side(
         ))
     })?);
     Ok((rank, bound, planner))
-}
-
-/// The views of `info` a layer-wise piece carrying `views` leaves out (none for `None`).
-fn excluded_views(info: &RankInfo, views: Option<&[ViewId]>) -> Result<Vec<ViewId>, PlanningError> {
-    let Some(views) = views else {
-        return Ok(Vec::new());
-    };
-    let all: BTreeSet<ViewId> = info.page_table.view_ids().collect();
-    if views.is_empty() {
-        return Err(PlanningError::Invalid(
-            "a layer-wise piece names no view (pass None for every view)".into(),
-        ));
-    }
-    let mut carried = BTreeSet::new();
-    for v in views {
-        if !all.contains(v) {
-            return Err(PlanningError::Invalid(format!(
-                "view (group {}, view {}) is not a view of the prefill rank's page table",
-                v.group, v.view
-            )));
-        }
-        if !carried.insert(*v) {
-            return Err(PlanningError::Invalid(format!(
-                "view (group {}, view {}) is named twice",
-                v.group, v.view
-            )));
-        }
-    }
-    Ok(all.difference(&carried).copied().collect())
 }

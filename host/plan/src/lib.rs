@@ -44,6 +44,7 @@ mod compressed;
 
 pub use compressed::{WriterOverlap, overlapping_writers, validate_compressed};
 
+use std::collections::BTreeSet;
 use std::fmt;
 
 use kvferry_planner_abi::{
@@ -80,6 +81,46 @@ impl<'a> RequestSide<'a> {
     pub fn rows(&self) -> Result<Vec<LayerGroupRows>, PlanError> {
         rows(&self.info.page_table, self.slot_tables, self.excluded)
     }
+}
+
+/// The views a layer-wise piece names, as a set: at least one, each one of `all` (the
+/// rank's views, [`kvferry_planner_abi::PageTable::view_ids`]), none twice; or why not.
+///
+/// # Errors
+///
+/// An empty list, a view the rank does not have, or one named twice.
+pub fn carried_views(all: &BTreeSet<ViewId>, views: &[ViewId]) -> Result<BTreeSet<ViewId>, String> {
+    if views.is_empty() {
+        return Err("a layer-wise piece names no view (pass None for every view)".into());
+    }
+    let mut set = BTreeSet::new();
+    for v in views {
+        if !all.contains(v) {
+            return Err(format!(
+                "view (group {}, view {}) is not a view of this rank's page table",
+                v.group, v.view
+            ));
+        }
+        if !set.insert(*v) {
+            return Err(format!(
+                "view (group {}, view {}) is named twice",
+                v.group, v.view
+            ));
+        }
+    }
+    Ok(set)
+}
+
+/// The views of `info` that a layer-wise piece carrying `views` leaves out: the `excluded` of
+/// its [`RequestSide`] (see [`carried_views`]).
+///
+/// # Errors
+///
+/// As [`carried_views`].
+pub fn excluded_views(info: &RankInfo, views: &[ViewId]) -> Result<Vec<ViewId>, String> {
+    let all: BTreeSet<ViewId> = info.page_table.view_ids().collect();
+    let carried = carried_views(&all, views)?;
+    Ok(all.difference(&carried).copied().collect())
 }
 
 /// Why no validated plan came out of [`plan_transfer`].

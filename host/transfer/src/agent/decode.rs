@@ -1412,12 +1412,8 @@ fn plan_as_writer(
     };
     let writer_excluded: Vec<ViewId> = match views {
         None => Vec::new(),
-        Some(views) => {
-            let all = super::prefill::all_views(&sender);
-            let carried = super::prefill::check_views(&all, views)
-                .map_err(|r| format!("{} rank {c} names a piece's views wrongly: {r}", e.peer))?;
-            all.difference(&carried).copied().collect()
-        }
+        Some(views) => kvferry_plan::excluded_views(&sender, views)
+            .map_err(|r| format!("{} rank {c} names a piece's views wrongly: {r}", e.peer))?,
     };
     let bound = inner.bound.clone();
     let me = inner.info.clone();

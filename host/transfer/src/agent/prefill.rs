@@ -717,7 +717,7 @@ pub(crate) fn send(inner: &Arc<Inner>, mut s: SendChunk) -> Result<(), CallError
     // The rank's views, once per send: every part of a layer-wise send checks against them.
     let all = all_views(&inner.info);
     let carried = match &s.views {
-        Some(views) => Some(check_views(&all, views).map_err(invalid)?),
+        Some(views) => Some(kvferry_plan::carried_views(&all, views).map_err(invalid)?),
         None => None,
     };
     let tables = Arc::new(std::mem::take(&mut s.tables));
@@ -823,35 +823,8 @@ pub(crate) fn send(inner: &Arc<Inner>, mut s: SendChunk) -> Result<(), CallError
 }
 
 /// Every view of `info`'s page table.
-pub(crate) fn all_views(info: &RankInfo) -> BTreeSet<ViewId> {
+fn all_views(info: &RankInfo) -> BTreeSet<ViewId> {
     info.page_table.view_ids().collect()
-}
-
-/// The views a layer-wise send names, as a set: at least one, each one of `all` (the rank's
-/// views), none twice.
-pub(crate) fn check_views(
-    all: &BTreeSet<ViewId>,
-    views: &[ViewId],
-) -> Result<BTreeSet<ViewId>, String> {
-    if views.is_empty() {
-        return Err("a layer-wise send names no view (pass None for every view)".into());
-    }
-    let mut set = BTreeSet::new();
-    for v in views {
-        if !all.contains(v) {
-            return Err(format!(
-                "view (group {}, view {}) is not a view of this rank's page table",
-                v.group, v.view
-            ));
-        }
-        if !set.insert(*v) {
-            return Err(format!(
-                "view (group {}, view {}) is named twice",
-                v.group, v.view
-            ));
-        }
-    }
-    Ok(set)
 }
 
 /// The chunk `s` makes of its tokens' views not sent yet (`pending`): the views it carries
