@@ -712,10 +712,15 @@ impl PairPlanner {
         let plan = py
             .detach(|| guarded(|| Ok(planner.plan(&piece)?)))
             .map_err(|f| f.into_py(py, "PairPlanner.plan"))?;
+        let patterns = plan.patterns();
         Ok(Plan {
             bytes: plan.total_bytes(),
-            fragments: plan.len(),
-            patterns: plan.patterns(),
+            // What `expand` yields: each pattern's fragments once per row pair.
+            fragments: patterns
+                .iter()
+                .map(|p| p.fragments.len() * p.rows.len())
+                .sum(),
+            patterns,
         })
     }
 

@@ -1252,10 +1252,16 @@ pub unsafe extern "C" fn kvferry_pair_planner_plan(
                 src_rows: pattern.rows.iter().map(|r| r.0).collect(),
                 dst_rows: pattern.rows.iter().map(|r| r.1).collect(),
             })
-            .collect();
+            .collect::<Vec<PatternArrays>>();
+        // Counted from the arrays `kvferry_plan_expand` walks, so its writes stay within the
+        // count it checked the caller's room against.
+        let fragments = patterns
+            .iter()
+            .map(|a| a.lengths.len() * a.src_rows.len())
+            .sum();
         let handle = Box::new(kvferry_plan {
             patterns,
-            fragments: plan.len(),
+            fragments,
             bytes: plan.total_bytes(),
         });
         // SAFETY: as above; the caller owns the plan from here and frees it with
