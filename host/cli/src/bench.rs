@@ -9,10 +9,13 @@
 //! takes one sample of each path:
 //!
 //! - **ours**: the requests go through the agents, all in flight at once — `Submit` to the
-//!   decode server, whose agents `expect` them and send `RequestData` to the context
+//!   decode server, whose agents `expect` them and send `RequestData` to the prefill
 //!   agents (which `send` them at prefill), planning, validation, coalescing, windowed puts,
 //!   flush, `Completion`s, the decode side's own byte check, `Received`, `Done`. Timed by
-//!   the controller from the first `Submit` to the last `Done`.
+//!   the controller from the first `Submit` to the last `Done`; beside it, **agent**: the same
+//!   requests as the decode agents time them (each from its first claim to its last
+//!   completion, the longest of the round), without the controller's control round trips and
+//!   the decode server's own handling — what an engine embedding the agent would see.
 //! - **raw**: [`ControlMessage::Bench`](crate::control::ControlMessage::Bench) makes the prefill server's agents write the plans they
 //!   recorded for a set again ([`kvferry_transfer::agent::Agent::replay`]), every rank at
 //!   once, on the same rank threads and endpoints, with a bare loop: fragments resolved before the clock
@@ -390,8 +393,12 @@ pub struct BenchReport {
     pub overhead_per_request_s: f64,
     /// `ucx_perftest`'s GB/s, if it ran.
     pub perftest_gbps: Option<f64>,
-    /// kvferry's path, every round.
+    /// kvferry's path, every round, timed by the controller (its control round trips to the
+    /// decode server included).
     pub ours: PathReport,
+    /// kvferry's path as the decode agents time it (first claim to last completion, the
+    /// longest request of the round): `ours` without the harness's round trips.
+    pub agent: PathReport,
     /// The bare loop, every round.
     pub raw: PathReport,
     /// The memcpy baseline, every round.
@@ -445,6 +452,7 @@ impl fmt::Display for BenchReport {
         )?;
         for (name, path) in [
             ("ours", &self.ours),
+            ("  agent", &self.agent),
             ("raw", &self.raw),
             ("memcpy", &self.memcpy),
         ] {
@@ -536,11 +544,14 @@ impl Set {
     }
 }
 
-/// Puts and pieces of one round on kvferry's path.
+/// Puts, pieces and the agent-timed seconds of one round on kvferry's path.
 #[derive(Clone, Copy, Debug, Default)]
 struct Counts {
     puts: u64,
     pieces: u64,
+    /// The longest agent-timed latency of the set (a decode agent's clock, from its first
+    /// claim to the last completion): the set's time without this controller's round trips.
+    agent_seconds: f64,
 }
 
 /// One sample of one path.
@@ -598,8 +609,10 @@ impl Pair {
         Ok(Set { submits, context })
     }
 
-    /// kvferry's path: every request of `set` through the agents at once; and each
-    /// request's stages, both sides' merged.
+    /// kvferry's path: every request of `set` through the agents at once, timed by this
+    /// controller (its control round trips to the decode server included); and each request's
+    /// stages, both sides' merged, and the decode agents' own time for the set
+    /// ([`Counts::agent_seconds`]).
     fn ours(&self, set: &Set) -> Result<(Sample, Vec<Stages>, Counts), DemoError> {
         let started = Instant::now();
         let results = self.decode.transfer(&set.submits, &self.peer, self.wait)?;
@@ -615,6 +628,7 @@ impl Pair {
             fragments += stats.fragments;
             counts.puts += sent.puts;
             counts.pieces += u64::from(stats.pieces);
+            counts.agent_seconds = counts.agent_seconds.max(stats.latency_us as f64 / 1e6);
             let mut both = stats.stages;
             both.merge(&sent.stages);
             stages.push(both);
@@ -777,6 +791,7 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
     };
 
     let mut ours = Vec::new();
+    let mut agent = Vec::new();
     let mut raw = Vec::new();
     let mut memcpy = Vec::new();
     // The memcpy baseline's refusal: it is not run again, and the report says why.
@@ -868,6 +883,10 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
             ours_counts.puts += counts.puts;
             ours_counts.pieces += counts.pieces;
             ours.push(ours_sample);
+            agent.push(Sample {
+                seconds: counts.agent_seconds,
+                ..ours_sample
+            });
             raw.push(raw_sample);
             let per_request: Vec<StageSeconds> =
                 stages.iter().map(|s| StageSeconds::of(s, 1)).collect();
@@ -902,6 +921,7 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
     report.mean_fragment_bytes = total_bytes as f64 / total_fragments.max(1) as f64;
     report.mean_put_bytes = total_bytes as f64 / total_puts.max(1) as f64;
     report.ours = path_report(&ours, &ours_stages);
+    report.agent = path_report(&agent, &ours_stages);
     report.raw = path_report(&raw, &raw_stages);
     report.memcpy = path_report(&memcpy, &memcpy_stages);
     report.ours_gbps = report.ours.gbps.median;
