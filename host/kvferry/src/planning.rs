@@ -268,9 +268,6 @@ fn side(
             "the {name} configuration's role is {found}, not {role}"
         )));
     }
-    rank.page_table
-        .validate()
-        .map_err(|e| PlanningError::Invalid(format!("the {name} rank's page table: {e}")))?;
     let bound = binding.bind().map_err(config)?;
     rank.planner_id = bound.id().into();
     rank.describer_id = bound.describer_id().into();
