@@ -42,12 +42,16 @@
 #![deny(missing_docs)]
 
 pub mod agent;
+pub mod outcome;
+pub mod prefill;
 pub mod secure;
+pub mod stash;
 pub mod tracker;
 
 pub use agent::{
     AgentError, AgentEvent, AgentMessage, AgentMetadata, AgentSession, AgentState, PeerIdentity,
 };
+pub use outcome::{FailureKind, Stages};
 pub use secure::{Secret, SecretError};
 pub use tracker::{Pair, Phase, PieceFailure, RequestTracker, Totals, Tracked, Violation};
 

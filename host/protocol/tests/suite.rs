@@ -4,4 +4,5 @@
 //! they link once; run one file's tests with `cargo test -p <crate> --test suite <file>::`.
 
 mod fuzz;
+mod prefill_machine;
 mod simulated;

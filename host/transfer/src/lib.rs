@@ -39,7 +39,6 @@ pub mod memory;
 pub mod metrics;
 pub mod outcome;
 pub mod rank;
-mod stash;
 mod sync;
 pub mod transport;
 

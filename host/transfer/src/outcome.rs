@@ -2,6 +2,8 @@
 
 use serde::{Deserialize, Serialize};
 
+pub use kvferry_protocol::Stages;
+
 /// What a completed request moved.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RequestStats {
@@ -33,78 +35,6 @@ impl RequestStats {
         self.latency_us = self.latency_us.max(other.latency_us);
         self.puts += other.puts;
         self.stages.merge(&other.stages);
-    }
-}
-
-/// Where one request's time went, in nanoseconds per stage, measured with a few monotonic
-/// clock reads per piece (never per fragment) on the agents that took part, and summed over
-/// the (prefill rank, decode rank) pairs that write it: pairs run at once, so the sum can
-/// exceed the request's wall time.
-///
-/// Prefill side, per pair and piece: `plan` (describing both sides' rows and the planner's
-/// `pair`), `validate` (`kvferry_plan::validate`, coalescing included), `puts` (issuing the
-/// puts on the rank thread, waits for a full window included), `flush` (waiting for the
-/// endpoint flush), `queue` (waiting for a planner worker and for the rank thread, where
-/// requests in flight at once line up) and `control`: the rest of the time from the claim
-/// to the completion — the claim and the planner's `targets`, connecting the endpoint, the
-/// completion message. Decode side, per rank: `control` also counts the time from
-/// `expect` until its claims are out and from the last completion to `Received`. What the
-/// messages spend between the processes is in no stage. `gather` (prefill side: the rank
-/// thread waiting for its gather thread) and `scatter` (decode side) are the bounce
-/// path's, 0 for pieces that go fragment by fragment. `copy` is the memcpy baseline's copying
-/// (`kvferry bench`), 0 on the agent path.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Stages {
-    /// The planner's `pair`, with describing both sides' rows.
-    pub plan_ns: u64,
-    /// Validation and coalescing of the plan.
-    pub validate_ns: u64,
-    /// Waiting for the gather of bounced pieces into the staging buffer.
-    pub gather_ns: u64,
-    /// Issuing the puts.
-    pub puts_ns: u64,
-    /// Waiting for the flush that completes them.
-    pub flush_ns: u64,
-    /// Scattering bounced pieces from the arena into the slots, and (receiver) checking the
-    /// pieces' integrity digests.
-    pub scatter_ns: u64,
-    /// Sender: computing the pieces' integrity digests its receivers asked for.
-    pub digest_ns: u64,
-    /// Side-channel work: claims, `targets`, connects, completions, `expect` to claim.
-    pub control_ns: u64,
-    /// Waiting for a planner worker or for the rank thread.
-    pub queue_ns: u64,
-    /// memcpy of the fragments (the bench's memcpy baseline only).
-    pub copy_ns: u64,
-}
-
-impl Stages {
-    /// Adds `other`, stage by stage.
-    pub fn merge(&mut self, other: &Stages) {
-        self.plan_ns += other.plan_ns;
-        self.validate_ns += other.validate_ns;
-        self.gather_ns += other.gather_ns;
-        self.puts_ns += other.puts_ns;
-        self.flush_ns += other.flush_ns;
-        self.scatter_ns += other.scatter_ns;
-        self.digest_ns += other.digest_ns;
-        self.control_ns += other.control_ns;
-        self.queue_ns += other.queue_ns;
-        self.copy_ns += other.copy_ns;
-    }
-
-    /// Every stage added up.
-    pub fn total_ns(&self) -> u64 {
-        self.plan_ns
-            + self.validate_ns
-            + self.gather_ns
-            + self.puts_ns
-            + self.flush_ns
-            + self.scatter_ns
-            + self.digest_ns
-            + self.control_ns
-            + self.queue_ns
-            + self.copy_ns
     }
 }
 

@@ -4,36 +4,9 @@ use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Mutex;
 
-use crate::outcome::{RequestStats, Stages};
+pub use kvferry_protocol::FailureKind;
 
-/// Why a request failed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, strum::Display, strum::AsRefStr)]
-#[strum(serialize_all = "kebab-case")]
-#[non_exhaustive]
-pub enum FailureKind {
-    /// The request's own parameters are wrong (slots outside the pool, a token range outside
-    /// the prompt, a chunk out of order).
-    Invalid,
-    /// A peer is unreachable, or its connection ended or went silent.
-    Peer,
-    /// A peer was refused (secret, planner, `check_peer`), or it refused this rank.
-    Refused,
-    /// The planner failed or did not return within its deadline.
-    Planner,
-    /// Not every writer reported in time.
-    Timeout,
-    /// A `send` nobody claimed within the lease.
-    Lease,
-    /// A peer broke the protocol (completions out of order, byte counts that disagree).
-    Protocol,
-    /// Writing failed (UCX, a key that does not cover its pool, a quarantined peer).
-    Write,
-    /// The peer cancelled it.
-    CancelledByPeer,
-    /// A piece's bytes in this rank's slots do not match its writer's digest
-    /// ([`crate::agent::AgentConfig::integrity`]).
-    Integrity,
-}
+use crate::outcome::{RequestStats, Stages};
 
 /// What happened to a request. Each request ends in exactly one terminal event per side
 /// ([`Event::is_terminal`]); once it is out, kvferry never touches the request's slots again.

@@ -727,7 +727,15 @@ impl Agent {
                 )?),
                 None => None,
             },
-            prefill: Mutex::new(prefill::State::new(config.max_stashed_bytes)),
+            prefill: Mutex::new(prefill::State::new(
+                kvferry_protocol::prefill::PrefillConfig {
+                    rank: info.instance_rank,
+                    me: format!("{} rank {}", config.instance, info.instance_rank),
+                    lease: config.lease,
+                    timeout: config.timeout,
+                    max_stashed: config.max_stashed_bytes,
+                },
+            )),
             decode: Mutex::new(decode::State::default()),
             recorded: Mutex::new(record::Recorder::default()),
             challenges,
@@ -918,7 +926,7 @@ impl Agent {
     /// Requests this agent holds (in flight, not yet ended).
     pub fn requests_held(&self) -> usize {
         match self.inner.config.role {
-            Role::Prefill => lock(&self.inner.prefill).requests.len(),
+            Role::Prefill => lock(&self.inner.prefill).machine.len(),
             Role::Decode => lock(&self.inner.decode).requests.len(),
         }
     }
@@ -1192,7 +1200,7 @@ impl Drop for Agent {
         }
         let deadline = Instant::now() + DROP_WAIT;
         let open = match self.inner.config.role {
-            Role::Prefill => lock(&self.inner.prefill).requests.len(),
+            Role::Prefill => lock(&self.inner.prefill).machine.len(),
             Role::Decode => lock(&self.inner.decode).requests.len(),
         };
         // The one line an orderly shutdown logs (each peer's end is at debug level).

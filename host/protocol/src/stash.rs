@@ -1,5 +1,6 @@
-//! What a prefill server keeps of `RequestData` that arrived before its request was added
-//! (the decode side may ask first): bounded in bytes, and expired by age.
+//! What a prefill rank keeps of `RequestData` that arrived before its request was sent
+//! (the decode side may ask first), and of cancels and ends it must remember for a while:
+//! bounded in bytes, and expired by age.
 //!
 //! The bytes come from a peer, so the stash must not grow without bound however many ids a
 //! peer invents: past [`Stash::limit`] bytes a new entry is refused (the caller fails that
@@ -9,11 +10,11 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use kvferry_protocol::RequestData;
+use crate::RequestData;
 
 /// The bytes a `RequestData` holds, as the stash counts them: its slot ids, its excluded
 /// views, its receiver's name and a fixed overhead.
-pub(crate) fn request_data_bytes(data: &RequestData) -> usize {
+pub fn request_data_bytes(data: &RequestData) -> usize {
     const OVERHEAD: usize = 128;
     let slots: usize = data.slot_tables.iter().map(|t| t.slots.len() * 8).sum();
     OVERHEAD + slots + data.excluded_views.len() * 8 + data.receiver_instance.len()
@@ -28,7 +29,7 @@ struct Entry<T> {
 
 /// Items waiting for their request, by request id.
 #[derive(Debug)]
-pub(crate) struct Stash<T> {
+pub struct Stash<T> {
     by_request: HashMap<u64, Vec<Entry<T>>>,
     bytes: usize,
     limit: usize,
@@ -37,7 +38,7 @@ pub(crate) struct Stash<T> {
 
 impl<T> Stash<T> {
     /// A stash holding at most `limit` bytes, each entry for at most `ttl`.
-    pub(crate) fn new(limit: usize, ttl: Duration) -> Self {
+    pub fn new(limit: usize, ttl: Duration) -> Self {
         Self {
             by_request: HashMap::new(),
             bytes: 0,
@@ -47,25 +48,28 @@ impl<T> Stash<T> {
     }
 
     /// The byte limit.
-    pub(crate) fn limit(&self) -> usize {
+    pub fn limit(&self) -> usize {
         self.limit
     }
 
     /// Bytes held now.
-    #[cfg(test)]
-    pub(crate) fn bytes(&self) -> usize {
+    pub fn bytes(&self) -> usize {
         self.bytes
+    }
+
+    /// When the oldest entry arrived, if any (its expiry is the stash's next deadline).
+    pub fn oldest(&self) -> Option<Instant> {
+        self.by_request.values().flatten().map(|e| e.at).min()
+    }
+
+    /// Whether nothing is held.
+    pub fn is_empty(&self) -> bool {
+        self.by_request.is_empty()
     }
 
     /// Keeps `item` (of `bytes`) for `request`, after dropping expired entries; gives it
     /// back if it does not fit.
-    pub(crate) fn push(
-        &mut self,
-        request: u64,
-        item: T,
-        bytes: usize,
-        now: Instant,
-    ) -> Result<(), T> {
+    pub fn push(&mut self, request: u64, item: T, bytes: usize, now: Instant) -> Result<(), T> {
         let ttl = self.ttl;
         self.retain(|_, at| now.saturating_duration_since(at) < ttl);
         if self.bytes.saturating_add(bytes) > self.limit {
@@ -81,14 +85,14 @@ impl<T> Stash<T> {
     }
 
     /// Everything kept for `request`, in arrival order.
-    pub(crate) fn take(&mut self, request: u64) -> Vec<T> {
+    pub fn take(&mut self, request: u64) -> Vec<T> {
         let entries = self.by_request.remove(&request).unwrap_or_default();
         self.bytes -= entries.iter().map(|e| e.bytes).sum::<usize>();
         entries.into_iter().map(|e| e.item).collect()
     }
 
     /// The first entry of `request` for which `pick` holds.
-    pub(crate) fn find(&self, request: u64, mut pick: impl FnMut(&T) -> bool) -> Option<&T> {
+    pub fn find(&self, request: u64, mut pick: impl FnMut(&T) -> bool) -> Option<&T> {
         self.by_request
             .get(&request)?
             .iter()
@@ -97,7 +101,7 @@ impl<T> Stash<T> {
     }
 
     /// Keeps the entries of `request` for which `keep` holds.
-    pub(crate) fn retain_request(&mut self, request: u64, mut keep: impl FnMut(&T) -> bool) {
+    pub fn retain_request(&mut self, request: u64, mut keep: impl FnMut(&T) -> bool) {
         if let Some(entries) = self.by_request.get_mut(&request) {
             let before: usize = entries.iter().map(|e| e.bytes).sum();
             entries.retain(|e| keep(&e.item));
@@ -110,7 +114,7 @@ impl<T> Stash<T> {
     }
 
     /// Keeps the entries for which `keep(item, arrival)` holds, across every request.
-    pub(crate) fn retain(&mut self, mut keep: impl FnMut(&T, Instant) -> bool) {
+    pub fn retain(&mut self, mut keep: impl FnMut(&T, Instant) -> bool) {
         let mut dropped = 0;
         self.by_request.retain(|_, entries| {
             entries.retain(|e| {
