@@ -42,6 +42,7 @@
 #![deny(missing_docs)]
 
 pub mod agent;
+pub mod decode;
 pub mod outcome;
 pub mod prefill;
 pub mod secure;
@@ -51,7 +52,7 @@ pub mod tracker;
 pub use agent::{
     AgentError, AgentEvent, AgentMessage, AgentMetadata, AgentSession, AgentState, PeerIdentity,
 };
-pub use outcome::{FailureKind, Stages};
+pub use outcome::{FailureKind, RequestStats, Stages};
 pub use secure::{Secret, SecretError};
 pub use tracker::{Pair, Phase, PieceFailure, RequestTracker, Totals, Tracked, Violation};
 

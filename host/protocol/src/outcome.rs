@@ -103,3 +103,37 @@ impl Stages {
             + self.copy_ns
     }
 }
+
+/// What a completed request moved.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RequestStats {
+    /// Bytes written into the receiver ranks.
+    pub bytes: u64,
+    /// Fragments written.
+    pub fragments: u64,
+    /// (sender, receiver) rank pairs that reported.
+    pub writers: u32,
+    /// Pieces reported over all writers.
+    pub pieces: u32,
+    /// From the decode server's first `RequestData` to the last completion.
+    pub latency_us: u64,
+    /// Puts issued for it (prefill side; 0 on the decode side, which issues none): one
+    /// per fragment and MiB, or per MiB of packed image for bounced pieces.
+    pub puts: u64,
+    /// Where the request's time went, summed over the ranks that report it.
+    pub stages: Stages,
+}
+
+impl RequestStats {
+    /// Adds another rank's part of the same request: counts and stages add up, the latency
+    /// is the longest.
+    pub fn merge(&mut self, other: &RequestStats) {
+        self.bytes += other.bytes;
+        self.fragments += other.fragments;
+        self.writers += other.writers;
+        self.pieces += other.pieces;
+        self.latency_us = self.latency_us.max(other.latency_us);
+        self.puts += other.puts;
+        self.stages.merge(&other.stages);
+    }
+}

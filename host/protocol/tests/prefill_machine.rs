@@ -878,7 +878,10 @@ fn planned(task: &PlanTask<u32>, pieces: usize) -> Planned {
     }
 }
 
-fn run_seed(seed: u64, steps: usize) {
+/// Outcomes seen over a run, by kind (`sent`, `cancelled`, a failure kind).
+type Tally = BTreeMap<String, u32>;
+
+fn run_seed(seed: u64, steps: usize, tally: &mut Tally) {
     let mut sim = Sim::new(seed);
     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         for _ in 0..steps {
@@ -894,6 +897,16 @@ fn run_seed(seed: u64, steps: usize) {
             eprintln!("  {line}");
         }
         std::panic::resume_unwind(e);
+    }
+    for r in sim.engine.values() {
+        for outcome in &r.outcomes {
+            let kind = match outcome {
+                Outcome::Sent { .. } => "sent".to_string(),
+                Outcome::Cancelled => "cancelled".to_string(),
+                Outcome::Failed { kind, .. } => kind.to_string(),
+            };
+            *tally.entry(kind).or_default() += 1;
+        }
     }
 }
 
@@ -912,8 +925,29 @@ fn seeds() -> (u64, u64) {
 #[test]
 fn ten_thousand_seeded_interleavings_keep_every_invariant() {
     let (first, count) = seeds();
+    let mut tally = Tally::new();
     for seed in first..first + count {
-        run_seed(seed, 160);
+        run_seed(seed, 160, &mut tally);
+    }
+    eprintln!("outcomes over {count} seeds: {tally:?}");
+    if count >= 1000 {
+        // The run reached every way a request ends, or it proves less than it says.
+        for kind in [
+            "sent",
+            "cancelled",
+            "lease",
+            "timeout",
+            "peer",
+            "planner",
+            "write",
+            "refused",
+            "cancelled-by-peer",
+        ] {
+            assert!(
+                tally.contains_key(kind),
+                "no request ended as {kind}: {tally:?}"
+            );
+        }
     }
 }
 

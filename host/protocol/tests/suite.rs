@@ -3,6 +3,7 @@
 //! One test binary for this crate's integration tests (each file below is a module), so
 //! they link once; run one file's tests with `cargo test -p <crate> --test suite <file>::`.
 
+mod decode_machine;
 mod fuzz;
 mod prefill_machine;
 mod simulated;

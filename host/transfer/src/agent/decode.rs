@@ -8,27 +8,36 @@
 //! each its `RequestData`. Completions arrive on the links. A request ends in exactly one
 //! terminal event, and a failed or cancelled one only once every writer that may still
 //! write has answered the `Cancel` with its last piece or its link is gone.
+//!
+//! The request logic — trackers, the order completions are taken up in around scatters, the
+//! byte check against this rank's own plan, cancels, timeouts, late writes — is the
+//! [`DecodeMachine`]'s, sans I/O, in `kvferry_protocol::decode`; this module is its driver:
+//! it links the writers, plans and scatters, and carries out the machine's actions under the
+//! role's lock (non-blocking steps only; a scatter that cannot go to its pool runs after the
+//! lock is let go).
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 use std::net::TcpStream;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use kvferry_plan::error_chain;
 use kvferry_planner_abi::{SlotTable, TokenRange, ViewId};
+use kvferry_protocol::decode::{
+    Action, DecodeConfig, DecodeMachine, ExpectCall, LATE_WRITE_GRACE, LinkId, Outcome,
+};
 use kvferry_protocol::secure::HandshakeError;
 use kvferry_protocol::{
     AgentEvent, AgentMessage, AgentMetadata, AgentSession, BounceOffer, Completion, Integrity,
-    PeerIdentity, RequestData, RequestTracker, Role, Tracked, read_frame, write_frame,
+    PeerIdentity, Role, read_frame, write_frame,
 };
 
 use super::events::{Event, FailureKind};
 use super::{CONNECT_TIMEOUT, CallError, Inner, lock};
 use crate::bounce::Region;
 use crate::conn::{Outbox, Reader, Secured, secure_dial, spawn_writer};
-use crate::outcome::{RequestStats, Stages};
 use crate::rank::{PeerId, nanos};
 
 /// A request this decode rank expects ([`super::Agent::expect`]).
@@ -70,45 +79,12 @@ impl Link {
     }
 }
 
+/// What the driver keeps of an open request beside the machine: what the engine expects
+/// (to plan pieces here) and the bounce region offered to its writer.
 #[derive(Debug)]
-pub(crate) struct InReq {
-    peer: String,
-    /// Writers by prefill rank; empty until dispatch linked them.
-    writers: BTreeMap<u32, Arc<Link>>,
-    tracker: Option<RequestTracker>,
-    started: Instant,
-    deadline: Instant,
-    cancelled: bool,
-    failure: Option<(Option<String>, FailureKind, String)>,
-    cancel_sent: bool,
-    /// Bytes each writer reported so far, by prefill rank.
-    reported: BTreeMap<u32, u64>,
-    /// Bytes each writer must write, by this rank's own plan of the request (`None` until
-    /// computed; a writer missing from it is not checked: its plan could not be made here).
-    expected: Option<BTreeMap<u32, u64>>,
-    /// Every writer finished before `expected` was known: the stats wait for the check.
-    finished: Option<RequestStats>,
-    /// From `expect` until every claim was handed to its link (0 until then).
-    claims_ns: u64,
-    /// When the last completion came, if the stats wait for the check.
-    completed_at: Option<Instant>,
-    /// What the engine expects (kept to plan bounced pieces here).
+struct Extra {
     expect: Arc<Expect>,
-    /// The bounce region offered to the request's one writer, if any.
     bounce: Option<Offered>,
-    /// A bounced piece is being scattered, or the completions held back meanwhile are being
-    /// taken up: later completions wait in `pending`, in order, and the request cannot end
-    /// (the scatter writes its slots).
-    scattering: bool,
-    /// Completions that arrived while a piece was scattered, in arrival order.
-    pending: VecDeque<(Arc<Link>, Completion)>,
-    /// Nanoseconds spent scattering its bounced pieces and checking its pieces' digests.
-    scatter_ns: u64,
-    /// The digest asked of every writer's pieces ([`super::AgentConfig::integrity`]).
-    integrity: Option<Integrity>,
-    /// When the request was first ready to end with a writer whose link is gone without its
-    /// last piece: its terminal event waits from then ([`LATE_WRITE_GRACE`]).
-    late_until: Option<Instant>,
 }
 
 /// A bounce region offered to one writer of a request.
@@ -121,27 +97,13 @@ struct Offered {
     cursor: u64,
 }
 
-/// The most completions held back while a bounced piece is scattered; a writer that sends
-/// more breaks the protocol (each has one piece in flight per chunk of the prompt).
-const MAX_PENDING: usize = 4096;
-/// How long a failed or cancelled request whose writer's link ended without its last piece
-/// waits before its terminal event: bytes that writer had already handed to the network (the
-/// kernel's buffers of a connection it cut, see `rank::GONE_DRAIN_GRACE`) land first instead
-/// of in slots the engine has taken back. Measured: a decode server stopped (SIGSTOP)
-/// past its writer's peer timeout received 2.2 MB of the request's bytes after it resumed,
-/// some more than a second later on a loaded machine; so the event also waits until this
-/// rank's worker went idle with nothing arriving for [`LATE_WRITE_QUIET`] (bytes reach the
-/// slots only through its progress), at most [`LATE_WRITE_LIMIT`].
-const LATE_WRITE_GRACE: Duration = Duration::from_secs(1);
-/// See [`LATE_WRITE_GRACE`].
-const LATE_WRITE_QUIET: Duration = Duration::from_millis(250);
-/// See [`LATE_WRITE_GRACE`]: past it the event goes out with a warning (other writers may
-/// keep the worker busy).
-const LATE_WRITE_LIMIT: Duration = Duration::from_secs(10);
-
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct State {
-    pub(crate) requests: HashMap<u64, InReq>,
+    pub(crate) machine: DecodeMachine,
+    /// Per open request.
+    extras: HashMap<u64, Extra>,
+    /// Links by id, from their dial until their reader ended.
+    by_id: HashMap<LinkId, Arc<Link>>,
     directory: HashMap<String, BTreeMap<u32, AgentMetadata>>,
     links: HashMap<(String, u32), Arc<Link>>,
     refused: HashMap<PeerIdentity, String>,
@@ -167,6 +129,20 @@ impl std::fmt::Debug for WriterPlanner {
 }
 
 impl State {
+    pub(crate) fn new(config: DecodeConfig) -> Self {
+        Self {
+            machine: DecodeMachine::new(config),
+            extras: HashMap::new(),
+            by_id: HashMap::new(),
+            directory: HashMap::new(),
+            links: HashMap::new(),
+            refused: HashMap::new(),
+            dialing: HashMap::new(),
+            writer_planners: HashMap::new(),
+            writer_targets: HashMap::new(),
+        }
+    }
+
     /// Files a prefill rank's metadata, replacing an older start of that rank (whose
     /// planner, instantiated for the byte check, goes with it).
     fn record(&mut self, m: AgentMetadata) {
@@ -205,10 +181,19 @@ pub(crate) fn add_peer(inner: &Arc<Inner>, m: AgentMetadata) -> Result<PeerIdent
     let rank = m.rank.info.instance_rank;
     state.record(m);
     // A link to an older start of that rank is stale.
-    if let Some(link) = state.links.get(&(identity.instance.clone(), rank)) {
+    if let Some(link) = state.links.get(&(identity.instance.clone(), rank)).cloned() {
         if link.identity.epoch != identity.epoch {
             link.alive.store(false, Ordering::Release);
             state.links.remove(&(identity.instance.clone(), rank));
+            // Its requests end now; its reader ends at its next message.
+            state.machine.handle_link_lost(
+                Instant::now(),
+                link.id,
+                "was replaced by a newer start",
+            );
+            let deferred = run(inner, &mut state);
+            drop(state);
+            deferred.into_iter().for_each(|job| job());
         }
     }
     Ok(identity)
@@ -329,6 +314,8 @@ fn dial(inner: &Arc<Inner>, endpoint: &str) -> Result<Arc<Link>, (FailureKind, S
         state
             .links
             .insert((identity.instance.clone(), rank), Arc::clone(&link));
+        state.by_id.insert(link.id, Arc::clone(&link));
+        state.machine.handle_link_up(link.id, link.name());
     }
     let weak = Arc::downgrade(inner);
     let reading = Arc::clone(&link);
@@ -384,30 +371,14 @@ fn read_link(
         } else {
             tracing::info!(peer = %link.name(), reason = %why, "prefill rank link ended");
         }
-        let ids: Vec<u64> = {
-            let mut state = lock(&inner.decode);
-            let key = (link.identity.instance.clone(), link.identity.rank);
+        let key = (link.identity.instance.clone(), link.identity.rank);
+        with_machine(&inner, |state, now| {
             if state.links.get(&key).is_some_and(|l| l.id == link.id) {
                 state.links.remove(&key);
             }
-            let mut ids = Vec::new();
-            for (&id, req) in state.requests.iter_mut() {
-                if req.writers.values().any(|w| w.id == link.id) {
-                    if req.failure.is_none() && !req.cancelled {
-                        req.failure = Some((
-                            Some(link.name()),
-                            FailureKind::Peer,
-                            format!("{} {why}", link.name()),
-                        ));
-                    }
-                    ids.push(id);
-                }
-            }
-            ids
-        };
-        for id in ids {
-            settle(&inner, id);
-        }
+            state.by_id.remove(&link.id);
+            state.machine.handle_link_lost(now, link.id, &why);
+        });
     }
 }
 
@@ -426,7 +397,10 @@ pub(crate) fn ping(inner: &Arc<Inner>) {
     let links: Vec<Arc<Link>> = {
         let state = lock(&inner.decode);
         let mut by_id: BTreeMap<PeerId, Arc<Link>> = BTreeMap::new();
-        let in_use = state.requests.values().flat_map(|r| r.writers.values());
+        let in_use = state
+            .machine
+            .links_in_use()
+            .filter_map(|id| state.by_id.get(&id));
         for l in state.links.values().chain(in_use) {
             by_id.entry(l.id).or_insert_with(|| Arc::clone(l));
         }
@@ -447,6 +421,95 @@ pub(crate) fn shutdown(inner: &Arc<Inner>) {
 
 // ---------------------------------------------------------------------------------------
 // Requests.
+
+/// A scatter that could not go to its pool, run once the role's lock is let go.
+type Deferred = Box<dyn FnOnce() + std::marker::Send>;
+
+/// Carries out what the machine asks, in order, under the role's lock (every step is
+/// non-blocking); returns the scatters to run after the lock is let go.
+fn run(inner: &Arc<Inner>, state: &mut State) -> Vec<Deferred> {
+    let mut deferred = Vec::new();
+    while let Some(action) = state.machine.poll_action() {
+        match action {
+            Action::Send { link, message } => {
+                let Some(l) = state.by_id.get(&link) else {
+                    continue;
+                };
+                if l.outbox.send(message).is_err() {
+                    l.alive.store(false, Ordering::Release);
+                    let why = "is not connected (its writer ended)";
+                    state.machine.handle_link_lost(Instant::now(), link, why);
+                }
+            }
+            Action::Scatter { link, completion } => match state.by_id.get(&link) {
+                Some(l) => {
+                    if let Some(job) = submit_scatter(inner, Arc::clone(l), completion) {
+                        deferred.push(job);
+                    }
+                }
+                None => state.machine.handle_scattered(
+                    Instant::now(),
+                    link,
+                    completion,
+                    Err((FailureKind::Peer, "its writer's link is gone".into())),
+                ),
+            },
+            Action::DropLink { link } => {
+                if let Some(l) = state.by_id.get(&link) {
+                    l.alive.store(false, Ordering::Release);
+                }
+            }
+            Action::Ended {
+                request,
+                outcome,
+                clean,
+            } => {
+                // Its bounce region goes back, or — when a writer may still write into it
+                // (it did not answer with its last piece) — stays out of use.
+                let extra = state.extras.remove(&request);
+                if let (Some(b), Some(arena)) = (extra.and_then(|e| e.bounce), &inner.arena) {
+                    if clean {
+                        arena.release(b.region);
+                    } else {
+                        arena.quarantine(b.region);
+                    }
+                }
+                if !clean && !matches!(outcome, Outcome::Received { .. }) {
+                    tracing::debug!(
+                        request,
+                        grace_ms = LATE_WRITE_GRACE.as_millis() as u64,
+                        "ended with a writer that may still write: its bounce region is kept out of use"
+                    );
+                }
+                inner.events.push(match outcome {
+                    Outcome::Received { stats } => Event::Received { request, stats },
+                    Outcome::Cancelled => Event::Cancelled { request },
+                    Outcome::Failed { peer, kind, detail } => Event::Failed {
+                        request,
+                        peer,
+                        kind,
+                        detail,
+                    },
+                });
+            }
+        }
+    }
+    deferred
+}
+
+/// Calls `f` on the role's state under its lock, carries out the machine's actions, lets
+/// the lock go and runs any scatter that could not go to its pool.
+#[track_caller]
+fn with_machine<R>(inner: &Arc<Inner>, f: impl FnOnce(&mut State, Instant) -> R) -> R {
+    let mut state = lock(&inner.decode);
+    let r = f(&mut state, Instant::now());
+    let deferred = run(inner, &mut state);
+    drop(state);
+    for job in deferred {
+        job();
+    }
+    r
+}
 
 pub(crate) fn expect(inner: &Arc<Inner>, e: Expect) -> Result<(), CallError> {
     let id = e.request;
@@ -471,42 +534,35 @@ pub(crate) fn expect(inner: &Arc<Inner>, e: Expect) -> Result<(), CallError> {
     if e.peer.is_empty() {
         return Err(invalid("no peer instance named".into()));
     }
-    {
-        let mut state = lock(&inner.decode);
-        let std::collections::hash_map::Entry::Vacant(slot) = state.requests.entry(id) else {
-            return Err(CallError::Duplicate { request: id });
-        };
-        let now = Instant::now();
-        slot.insert(InReq {
-            peer: e.peer.clone(),
-            writers: BTreeMap::new(),
-            tracker: None,
-            started: now,
-            deadline: now + inner.config.timeout,
-            cancelled: false,
-            failure: None,
-            cancel_sent: false,
-            reported: BTreeMap::new(),
-            expected: None,
-            finished: None,
-            claims_ns: 0,
-            completed_at: None,
+    let call = ExpectCall {
+        request: id,
+        peer: e.peer.clone(),
+        prompt_len: e.prompt_len,
+        cached_prefix: e.cached_prefix,
+        tables: e.tables.clone(),
+        excluded_views: e.excluded_views.clone(),
+    };
+    with_machine(inner, |state, now| {
+        state
+            .machine
+            .expect(now, call)
+            .map_err(|()| CallError::Duplicate { request: id })?;
+        let extra = Extra {
             expect: Arc::new(e.clone()),
             bounce: None,
-            scattering: false,
-            pending: VecDeque::new(),
-            scatter_ns: 0,
-            integrity: inner.config.integrity,
-            late_until: None,
-        });
-    }
+        };
+        state.extras.insert(id, extra);
+        Ok(())
+    })?;
     let worker = Arc::clone(inner);
     if inner
         .dispatch
         .run(Box::new(move || dispatch(&worker, e)))
         .is_err()
     {
-        lock(&inner.decode).requests.remove(&id);
+        let mut state = lock(&inner.decode);
+        state.machine.forget(id);
+        state.extras.remove(&id);
         return Err(CallError::Stopped);
     }
     Ok(())
@@ -561,132 +617,127 @@ pub(crate) fn hold(
 fn dispatch(inner: &Arc<Inner>, e: Expect) {
     let id = e.request;
     let _span = tracing::debug_span!("expect", request = id, peer = %e.peer).entered();
-    match link_writers(inner, &e) {
-        Ok(writers) => {
-            let me = inner.info.instance_rank;
-            let offer = offer_region(inner, &e, &writers);
-            let mut sends = Vec::new();
-            {
-                let mut state = lock(&inner.decode);
-                let Some(req) = state.requests.get_mut(&id) else {
-                    return;
-                };
-                let pairs: Vec<(u32, u32)> = writers.keys().map(|&c| (c, me)).collect();
-                req.tracker = Some(RequestTracker::streaming(id, pairs));
-                if let Some((writer, region)) = offer {
-                    if !req.cancelled && req.failure.is_none() {
-                        req.bounce = Some(Offered {
-                            region,
-                            writer,
-                            cursor: 0,
-                        });
-                    } else if let Some(arena) = &inner.arena {
+    let writers = match link_writers(inner, &e) {
+        Ok(writers) => writers,
+        Err((peer, kind, detail)) => {
+            // No writer was asked: nothing can land, the request may end at once.
+            with_machine(inner, |state, now| {
+                state
+                    .machine
+                    .handle_link_failed(now, id, peer, kind, detail)
+            });
+            return;
+        }
+    };
+    let offer = offer_region(inner, &e, &writers);
+    let linked = with_machine(inner, |state, now| {
+        let mut ids = BTreeMap::new();
+        let mut gone = Vec::new();
+        for (&c, link) in &writers {
+            state
+                .by_id
+                .entry(link.id)
+                .or_insert_with(|| Arc::clone(link));
+            state.machine.handle_link_up(link.id, link.name());
+            if !link.alive.load(Ordering::Acquire) {
+                gone.push(link.id);
+            }
+            ids.insert(c, link.id);
+        }
+        let bounce = offer.map(|(writer, region)| {
+            let offer = BounceOffer {
+                offset: region.offset,
+                len: region.len,
+            };
+            (writer, region, offer)
+        });
+        // Even a request that ended before it was asked for: its writers hear of the
+        // cancel (a send they hold for it ends now, not at its lease), and it ends once
+        // they answered, so no late answer meets a reused id.
+        let linked =
+            state
+                .machine
+                .handle_linked(now, id, ids, bounce.as_ref().map(|(w, _, o)| (*w, *o)));
+        if let Some((writer, region, _)) = bounce {
+            match state.extras.get_mut(&id) {
+                Some(extra) if linked.offer_taken => {
+                    extra.bounce = Some(Offered {
+                        region,
+                        writer,
+                        cursor: 0,
+                    });
+                }
+                _ => {
+                    if let Some(arena) = &inner.arena {
                         arena.release(region);
                     }
                 }
-                if !req.cancelled && req.failure.is_none() {
-                    for (&c, link) in &writers {
-                        sends.push((
-                            Arc::clone(link),
-                            RequestData {
-                                request: id,
-                                receiver_instance: inner.config.instance.clone(),
-                                receiver_rank: me,
-                                sender_rank: c,
-                                slot_tables: e.tables.clone(),
-                                token_range: TokenRange {
-                                    start: 0,
-                                    end: e.prompt_len,
-                                },
-                                prompt_len: e.prompt_len,
-                                dst_start_token: e.cached_prefix,
-                                excluded_views: e.excluded_views.clone(),
-                                bounce: req.bounce.as_ref().filter(|b| b.writer == c).map(|b| {
-                                    BounceOffer {
-                                        offset: b.region.offset,
-                                        len: b.region.len,
-                                    }
-                                }),
-                                integrity: req.integrity,
-                            },
-                        ));
-                    }
-                }
-                // Even a request that ended before it was asked for: its writers hear of the
-                // cancel (a send they hold for it ends now, not at its lease), and it ends
-                // once they answered, so no late answer meets a reused id.
-                req.writers = writers;
-            }
-            let asked: Vec<u32> = sends.iter().map(|(_, d)| d.sender_rank).collect();
-            for (link, data) in sends {
-                if link.outbox.send(AgentMessage::RequestData(data)).is_err() {
-                    link.alive.store(false, Ordering::Release);
-                    set_failure(
-                        inner,
-                        id,
-                        Some(link.name()),
-                        FailureKind::Peer,
-                        format!("{} is not connected", link.name()),
-                    );
-                }
-            }
-            if let Some(req) = lock(&inner.decode).requests.get_mut(&id) {
-                req.claims_ns = nanos(req.started.elapsed());
-            }
-            // While the writers write: what each must write, by this rank's own plan.
-            let (expected, overlap) = expected_bytes(inner, &e, &asked);
-            if let Some(detail) = overlap {
-                set_failure(inner, id, None, FailureKind::Planner, detail);
-            }
-            let verdict = {
-                let mut state = lock(&inner.decode);
-                match state.requests.get_mut(&id) {
-                    Some(req) if req.failure.is_some() => {
-                        req.expected = Some(expected);
-                        None
-                    }
-                    Some(req) => {
-                        req.expected = Some(expected);
-                        match req.finished.take() {
-                            Some(mut stats) => match byte_mismatch(req) {
-                                None => {
-                                    // The wait for this rank's own plan of the request.
-                                    stats.stages.control_ns +=
-                                        req.completed_at.map_or(0, |at| nanos(at.elapsed()));
-                                    if let Some(mut req) = state.requests.remove(&id) {
-                                        retire(inner, &mut req, true);
-                                    }
-                                    Some(Event::Received { request: id, stats })
-                                }
-                                Some((peer, detail)) => {
-                                    req.failure = Some((Some(peer), FailureKind::Protocol, detail));
-                                    None
-                                }
-                            },
-                            None => None,
-                        }
-                    }
-                    None => None,
-                }
-            };
-            if let Some(event) = verdict {
-                inner.events.push(event);
-                return;
             }
         }
-        Err((peer, kind, detail)) => {
-            set_failure(inner, id, peer, kind, detail);
-            // No writer was asked: nothing can land, the request may end at once.
-            if let Some(req) = lock(&inner.decode).requests.get_mut(&id) {
-                req.tracker = Some(RequestTracker::streaming(id, []));
-            }
+        // A link that ended before this request listed it: its reader's end missed it.
+        for link in gone {
+            state
+                .machine
+                .handle_link_lost(now, link, "ended before it was used");
         }
+        linked
+    });
+    if !linked.claimed {
+        return;
     }
-    settle(inner, id);
+    // While the writers write: what each must write, by this rank's own plan.
+    let asked: Vec<u32> = writers.keys().copied().collect();
+    let (expected, overlap) = expected_bytes(inner, &e, &asked);
+    with_machine(inner, |state, now| {
+        state.machine.handle_expected(now, id, expected, overlap)
+    });
 }
 
-type Failure = (Option<String>, FailureKind, String);
+fn completion(inner: &Arc<Inner>, link: &Arc<Link>, c: Completion) {
+    with_machine(inner, |state, now| {
+        state.machine.handle_completion(now, link.id, c)
+    });
+}
 
+/// Scatters (or checks) `c` on the scatter pool; the machine holds the request's later
+/// completions meanwhile. Returns the job when there is no pool to take it (no arena here,
+/// or the agent is stopping): it runs once the lock is let go, where it fails for want of an
+/// offered region or finishes the request.
+fn submit_scatter(inner: &Arc<Inner>, link: Arc<Link>, c: Completion) -> Option<Deferred> {
+    let worker = Arc::clone(inner);
+    let job: Deferred = Box::new(move || {
+        let outcome = check_piece(&worker, &link, &c);
+        if let Err((kind, reason)) = &outcome {
+            tracing::warn!(request = c.request, peer = %link.name(), %kind, %reason, "piece refused");
+        }
+        with_machine(&worker, |state, now| {
+            state.machine.handle_scattered(now, link.id, c, outcome)
+        });
+    });
+    match inner.scatter.as_ref() {
+        Some(pool) => pool.run(job).err(),
+        None => Some(job),
+    }
+}
+
+pub(crate) fn cancel(inner: &Arc<Inner>, id: u64) -> Result<(), CallError> {
+    with_machine(inner, |state, now| state.machine.cancel(now, id))
+        .map_err(|()| CallError::Unknown { request: id })
+}
+
+/// The reaper's turn: the machine sees the time (and how long this rank's worker has been
+/// quiet, for requests waiting out late writes).
+pub(crate) fn reap(inner: &Arc<Inner>) {
+    let due = lock(&inner.decode)
+        .machine
+        .poll_timeout()
+        .is_some_and(|t| t <= Instant::now());
+    if due {
+        let quiet = inner.thread.quiet_for();
+        with_machine(inner, |state, now| state.machine.handle_timeout(now, quiet));
+    }
+}
+type Failure = (Option<String>, FailureKind, String);
 /// The prefill ranks of `any`'s instance that write this rank for their DP group `dp`: the
 /// planner's `targets`, asked the first time and then kept per (prefill rank, DP group)
 /// until that rank restarts.
@@ -704,7 +755,6 @@ fn writer_targets(inner: &Inner, any: &AgentMetadata, dp: u32) -> Result<Arc<[u3
         .insert(key, Arc::clone(&targets));
     Ok(targets)
 }
-
 fn link_writers(inner: &Arc<Inner>, e: &Expect) -> Result<BTreeMap<u32, Arc<Link>>, Failure> {
     // Ranks reachable only through the endpoints given: fetch them.
     let known_endpoints: Vec<String> = {
@@ -781,156 +831,6 @@ fn link_writers(inner: &Arc<Inner>, e: &Expect) -> Result<BTreeMap<u32, Arc<Link
     }
     Ok(writers)
 }
-
-fn completion(inner: &Arc<Inner>, link: &Arc<Link>, c: Completion) {
-    let id = c.request;
-    let me = inner.info.instance_rank;
-    {
-        let mut state = lock(&inner.decode);
-        let Some(req) = state.requests.get_mut(&id) else {
-            tracing::debug!(request = id, "completion for a request not held here");
-            return;
-        };
-        if c.receiver_rank != me
-            || req
-                .writers
-                .get(&c.sender_rank)
-                .is_none_or(|w| w.id != link.id)
-        {
-            tracing::warn!(request = id, peer = %link.name(), "completion from a rank that does not write it: ignored");
-            return;
-        }
-        if req.scattering || !req.pending.is_empty() {
-            if req.pending.len() >= MAX_PENDING {
-                if req.failure.is_none() && !req.cancelled {
-                    req.failure = Some((
-                        Some(link.name()),
-                        FailureKind::Protocol,
-                        format!(
-                            "{} sent more than {MAX_PENDING} completions while a bounced piece \
-                             was scattered",
-                            link.name()
-                        ),
-                    ));
-                }
-                link.alive.store(false, Ordering::Release);
-                return;
-            }
-            req.pending.push_back((Arc::clone(link), c));
-            return;
-        }
-    }
-    take_up(inner, link, c);
-}
-
-/// Takes up one completion of a request that is not scattering: a bounced piece that
-/// landed is scattered first (on the scatter pool, which then takes up the rest); any other
-/// goes to the tracker at once.
-fn take_up(inner: &Arc<Inner>, link: &Arc<Link>, c: Completion) {
-    let scatter = {
-        let mut state = lock(&inner.decode);
-        match state.requests.get_mut(&c.request) {
-            Some(req) if to_scatter(req, &c) => {
-                req.scattering = true;
-                true
-            }
-            _ => false,
-        }
-    };
-    if scatter {
-        submit_scatter(inner, link, c);
-    } else {
-        track(inner, link, c);
-    }
-}
-
-/// Whether `c` is a bounced piece that landed for a request still going: its bytes are
-/// scattered into the slots. (A request that is over only counts its pieces.)
-fn to_scatter(req: &InReq, c: &Completion) -> bool {
-    (c.bounce.is_some() || req.integrity.is_some())
-        && matches!(c.status, kvferry_protocol::CompletionStatus::Ok)
-        && req.failure.is_none()
-        && !req.cancelled
-}
-
-/// Scatters `c` on the scatter pool; the request is marked scattering already.
-fn submit_scatter(inner: &Arc<Inner>, link: &Arc<Link>, c: Completion) {
-    let (worker, job_link) = (Arc::clone(inner), Arc::clone(link));
-    let job: Box<dyn FnOnce() + std::marker::Send> = Box::new(move || {
-        let outcome = check_piece(&worker, &job_link, &c);
-        scattered(&worker, &job_link, c, outcome);
-    });
-    let refused = match inner.scatter.as_ref() {
-        Some(pool) => pool.run(job).err(),
-        None => Some(job),
-    };
-    if let Some(job) = refused {
-        // No pool to scatter on (no arena here, or the agent is stopping): run it here,
-        // where it fails for want of an offered region or finishes the request.
-        job();
-    }
-}
-
-/// A scatter ended: the piece goes to the tracker (failed, if the scatter refused it),
-/// then the completions held back meanwhile ([`drain`]).
-fn scattered(
-    inner: &Arc<Inner>,
-    link: &Arc<Link>,
-    mut c: Completion,
-    outcome: Result<u64, (FailureKind, String)>,
-) {
-    let id = c.request;
-    {
-        let mut state = lock(&inner.decode);
-        let Some(req) = state.requests.get_mut(&id) else {
-            return;
-        };
-        match outcome {
-            Ok(ns) => req.scatter_ns += ns,
-            Err((kind, reason)) => {
-                tracing::warn!(request = id, peer = %link.name(), %kind, %reason, "piece refused");
-                if req.failure.is_none() && !req.cancelled {
-                    req.failure = Some((Some(link.name()), kind, reason.clone()));
-                }
-                c.status = kvferry_protocol::CompletionStatus::Failed(reason);
-            }
-        }
-    }
-    // Still marked scattering: completions arriving meanwhile queue behind this one.
-    track(inner, link, c);
-    drain(inner, id);
-}
-
-/// Takes up the completions held back while a piece was scattered, in order, until the
-/// next bounced one (scattered in turn, which drains the rest) or none is left. The request
-/// stays marked scattering until then, so no completion overtakes another.
-fn drain(inner: &Arc<Inner>, id: u64) {
-    loop {
-        let next = {
-            let mut state = lock(&inner.decode);
-            let Some(req) = state.requests.get_mut(&id) else {
-                return;
-            };
-            match req.pending.pop_front() {
-                None => {
-                    req.scattering = false;
-                    None
-                }
-                Some((link, c)) => {
-                    let scatter = to_scatter(req, &c);
-                    Some((link, c, scatter))
-                }
-            }
-        };
-        match next {
-            None => break,
-            Some((link, c, true)) => return submit_scatter(inner, &link, c),
-            Some((link, c, false)) => track(inner, &link, c),
-        }
-    }
-    settle(inner, id);
-}
-
 /// Scatters one bounced piece: plans it here as its writer's planner would (stand-in
 /// sources, this rank's real tables, the tokens the completion names), checks that the
 /// packed image the writer put is as long as that plan and lies, after the previous piece,
@@ -947,7 +847,7 @@ fn scatter_piece(
     };
     let (expect, offered) = {
         let state = lock(&inner.decode);
-        let Some(req) = state.requests.get(&id) else {
+        let Some(req) = state.extras.get(&id) else {
             return Err(format!("request {id} is not held here"));
         };
         let offered = req
@@ -990,7 +890,7 @@ fn scatter_piece(
         ));
     }
     if let Some(b) = lock(&inner.decode)
-        .requests
+        .extras
         .get_mut(&id)
         .and_then(|r| r.bounce.as_mut())
     {
@@ -1012,7 +912,6 @@ fn scatter_piece(
     })?;
     Ok(runs)
 }
-
 /// The destination runs (ascending, merged) of `c`'s writer's piece for `tokens`, by this
 /// rank's own plan of it ([`plan_as_writer`]); `what` the writer did with the tokens, for the
 /// refusal of a range outside the prompt.
@@ -1046,7 +945,6 @@ fn writer_runs(
     let plan = plan_as_writer(inner, expect, c.sender_rank, pair, c.views.as_deref())?;
     Ok(kvferry_plan::bounce::scatter_runs(&plan))
 }
-
 /// Takes a piece in before the tracker: scatters it if it was bounced, then checks its
 /// digest if the request asked for one. Returns the nanoseconds it took, or why the piece is
 /// refused and as what.
@@ -1060,16 +958,11 @@ fn check_piece(
         Some(_) => Some(scatter_piece(inner, link, c).map_err(|r| (FailureKind::Protocol, r))?),
         None => None,
     };
-    let integrity = lock(&inner.decode)
-        .requests
-        .get(&c.request)
-        .and_then(|r| r.integrity);
-    if let Some(algorithm) = integrity {
+    if let Some(algorithm) = inner.config.integrity {
         check_digest(inner, link, c, algorithm, runs)?;
     }
     Ok(nanos(started.elapsed()))
 }
-
 /// Checks a piece's digest ([`kvferry_protocol::Integrity`]) against the bytes in this rank's
 /// slots, by this rank's own plan of the piece (`runs`, when the scatter made it already).
 fn check_digest(
@@ -1105,7 +998,7 @@ fn check_digest(
             runs
         }
         None => {
-            let expect = match lock(&inner.decode).requests.get(&c.request) {
+            let expect = match lock(&inner.decode).extras.get(&c.request) {
                 Some(req) => Arc::clone(&req.expect),
                 None => return Err(protocol(format!("request {} is not held here", c.request))),
             };
@@ -1145,100 +1038,6 @@ fn check_digest(
     }
     Ok(())
 }
-
-/// Feeds one completion to the request's tracker and ends the request if it can.
-fn track(inner: &Arc<Inner>, link: &Arc<Link>, c: Completion) {
-    let id = c.request;
-    let event = {
-        let mut state = lock(&inner.decode);
-        let Some(req) = state.requests.get_mut(&id) else {
-            return;
-        };
-        let Some(tracker) = req.tracker.as_mut() else {
-            return;
-        };
-        let tracked = tracker.on_completion(&c);
-        if matches!(c.status, kvferry_protocol::CompletionStatus::Ok) && tracked.is_ok() {
-            let total = req.reported.entry(c.sender_rank).or_default();
-            *total = total.saturating_add(c.bytes);
-        }
-        match tracked {
-            Ok(Tracked::Completed(totals)) if req.failure.is_none() && !req.cancelled => {
-                let stats = RequestStats {
-                    bytes: totals.bytes,
-                    fragments: totals.fragments,
-                    writers: totals.writers,
-                    pieces: totals.pieces,
-                    latency_us: req.started.elapsed().as_micros() as u64,
-                    puts: 0,
-                    stages: Stages {
-                        control_ns: req.claims_ns,
-                        scatter_ns: req.scatter_ns,
-                        ..Stages::default()
-                    },
-                };
-                if req.expected.is_none() {
-                    req.finished = Some(stats);
-                    req.completed_at = Some(Instant::now());
-                    None
-                } else if let Some((peer, detail)) = byte_mismatch(req) {
-                    req.failure = Some((Some(peer), FailureKind::Protocol, detail));
-                    None
-                } else {
-                    if let Some(mut req) = state.requests.remove(&id) {
-                        retire(inner, &mut req, true);
-                    }
-                    Some(Event::Received { request: id, stats })
-                }
-            }
-            Ok(Tracked::Failed(f)) => {
-                if req.failure.is_none() && !req.cancelled {
-                    req.failure = Some(if f.cancelled {
-                        (Some(link.name()), FailureKind::CancelledByPeer, f.reason)
-                    } else {
-                        (
-                            Some(link.name()),
-                            FailureKind::Write,
-                            format!("{} piece {} failed: {}", link.name(), f.piece, f.reason),
-                        )
-                    });
-                }
-                None
-            }
-            Ok(_) => None,
-            Err(violation) => {
-                if req.failure.is_none() && !req.cancelled {
-                    req.failure = Some((
-                        Some(link.name()),
-                        FailureKind::Protocol,
-                        format!("{}: {violation}", link.name()),
-                    ));
-                }
-                // Its word is no longer trusted: drop the link, so its requests end on
-                // the link's loss rather than on its say-so.
-                link.alive.store(false, Ordering::Release);
-                None
-            }
-        }
-    };
-    match event {
-        Some(e) => inner.events.push(e),
-        None => settle(inner, id),
-    }
-}
-
-/// Gives a request's bounce region back at its end, or — when its writer may still write
-/// into it (`clean` false: it did not answer with its last piece) — keeps it out of use.
-fn retire(inner: &Inner, req: &mut InReq, clean: bool) {
-    if let (Some(b), Some(arena)) = (req.bounce.take(), inner.arena.as_ref()) {
-        if clean {
-            arena.release(b.region);
-        } else {
-            arena.quarantine(b.region);
-        }
-    }
-}
-
 /// The region to offer a request's writer, if it is bounced: one writer (multi-writer
 /// bounce is off, `transfer-semantics.md` §9.1), the mode and the gates of
 /// [`kvferry_plan::bounce::reserve`] allow it, and the arena has room (else logged).
@@ -1305,29 +1104,6 @@ fn offer_region(
         }
     }
 }
-
-/// The first writer whose reported bytes differ from this rank's own plan, and how.
-fn byte_mismatch(req: &InReq) -> Option<(String, String)> {
-    let expected = req.expected.as_ref()?;
-    for (c, &want) in expected {
-        let got = req.reported.get(c).copied().unwrap_or(0);
-        if got != want {
-            let peer = req
-                .writers
-                .get(c)
-                .map_or_else(|| format!("prefill rank {c}"), |l| l.name());
-            return Some((
-                peer.clone(),
-                format!(
-                    "{peer} reported {got} bytes written, but this rank's own plan of the \
-                     request says {want}: its word cannot be vouched for"
-                ),
-            ));
-        }
-    }
-    None
-}
-
 /// What each writer in `asked` must write for `e`, by this rank's own plan: the writer's
 /// planner (instantiated here for its rank) pairs a stand-in of its slots with this rank's
 /// real ones for the whole prompt. A total does not depend on where the writer keeps its
@@ -1384,7 +1160,6 @@ fn expected_bytes(
     });
     (out, overlap)
 }
-
 /// This rank's own plan of `piece` as prefill rank `c` of `e.peer` makes it: that rank's
 /// planner (instantiated here for its rank once, then kept while that start of the rank is
 /// on file) pairs stand-in source slots ([`kvferry_plan::bounce::stand_in_tables`]) with
@@ -1463,167 +1238,5 @@ fn plan_as_writer(
             "the planner did not plan it here within {} ms",
             h.deadline.as_millis()
         )),
-    }
-}
-
-fn set_failure(
-    inner: &Arc<Inner>,
-    id: u64,
-    peer: Option<String>,
-    kind: FailureKind,
-    detail: String,
-) {
-    let mut state = lock(&inner.decode);
-    if let Some(req) = state.requests.get_mut(&id) {
-        if req.failure.is_none() && !req.cancelled {
-            req.failure = Some((peer, kind, detail));
-        }
-    }
-}
-
-/// Ends a failed or cancelled request once no writer may still write: tells the open
-/// writers first, once.
-fn settle(inner: &Arc<Inner>, id: u64) {
-    let mut cancels = Vec::new();
-    let event = {
-        let mut state = lock(&inner.decode);
-        let Some(req) = state.requests.get_mut(&id) else {
-            return;
-        };
-        if !req.cancelled && req.failure.is_none() {
-            return;
-        }
-        if req.scattering {
-            // The scatter writes the request's slots: it settles again when it is done.
-            return;
-        }
-        let Some(tracker) = req.tracker.as_mut() else {
-            // Dispatch is still linking: it settles when it is done.
-            return;
-        };
-        tracker.fail();
-        let open: Vec<Arc<Link>> = tracker
-            .open_pairs()
-            .filter_map(|(c, _)| req.writers.get(&c).cloned())
-            .filter(|l| l.alive.load(Ordering::Acquire))
-            .collect();
-        if !open.is_empty() {
-            if !req.cancel_sent {
-                req.cancel_sent = true;
-                let reason = match &req.failure {
-                    Some((_, _, d)) => d.clone(),
-                    None => "cancelled by the decode engine".into(),
-                };
-                cancels = open.into_iter().map(|l| (l, reason.clone())).collect();
-            }
-            None
-        } else {
-            // Every writer answered with its last piece, or may still write (its link is
-            // gone without one): then its bounce region stays out of use, and its bytes
-            // already on the way land before the slots go back (the reaper settles again).
-            let clean = tracker.quiescent();
-            if !clean {
-                let now = Instant::now();
-                let since = *req.late_until.get_or_insert(now);
-                let waited = now.saturating_duration_since(since);
-                let quiet = inner
-                    .thread
-                    .quiet_for()
-                    .is_some_and(|q| q >= LATE_WRITE_QUIET);
-                if waited < LATE_WRITE_GRACE || (!quiet && waited < LATE_WRITE_LIMIT) {
-                    return;
-                }
-                if !quiet {
-                    tracing::warn!(
-                        request = id,
-                        waited_ms = waited.as_millis(),
-                        "a writer of this request may still write (its link ended without its \
-                         last piece) and this rank's worker has not gone quiet: ending it anyway"
-                    );
-                }
-            }
-            let req = state.requests.remove(&id).map(|mut req| {
-                retire(inner, &mut req, clean);
-                req
-            });
-            req.map(|req| match req.failure {
-                _ if req.cancelled => Event::Cancelled { request: id },
-                Some((peer, kind, detail)) => Event::Failed {
-                    request: id,
-                    peer,
-                    kind,
-                    detail,
-                },
-                None => Event::Cancelled { request: id },
-            })
-        }
-    };
-    for (link, reason) in cancels {
-        if link
-            .outbox
-            .send(AgentMessage::Cancel {
-                request: id,
-                reason,
-            })
-            .is_err()
-        {
-            link.alive.store(false, Ordering::Release);
-        }
-    }
-    if let Some(e) = event {
-        inner.events.push(e);
-    }
-}
-
-pub(crate) fn cancel(inner: &Arc<Inner>, id: u64) -> Result<(), CallError> {
-    {
-        let mut state = lock(&inner.decode);
-        let req = state
-            .requests
-            .get_mut(&id)
-            .ok_or(CallError::Unknown { request: id })?;
-        if req.failure.is_none() {
-            req.cancelled = true;
-        }
-    }
-    settle(inner, id);
-    Ok(())
-}
-
-pub(crate) fn reap(inner: &Arc<Inner>) {
-    let now = Instant::now();
-    let mut due = Vec::new();
-    {
-        let mut state = lock(&inner.decode);
-        for (&id, req) in state.requests.iter_mut() {
-            if req.failure.is_none() && !req.cancelled && now >= req.deadline {
-                let missing: Vec<String> = req
-                    .tracker
-                    .iter()
-                    .flat_map(|t| t.missing())
-                    .map(|(c, g)| format!("prefill rank {c} -> decode rank {g}"))
-                    .collect();
-                req.failure = Some((
-                    Some(req.peer.clone()),
-                    FailureKind::Timeout,
-                    format!(
-                        "request {id} timed out after {} ms waiting on {} for {}",
-                        inner.config.timeout.as_millis(),
-                        req.peer,
-                        if missing.is_empty() {
-                            "its writers to be linked".to_string()
-                        } else {
-                            missing.join(", ")
-                        }
-                    ),
-                ));
-            }
-            if req.failure.is_some() || req.cancelled {
-                due.push(id);
-            }
-        }
-    }
-    for id in due {
-        settle(inner, id);
     }
 }

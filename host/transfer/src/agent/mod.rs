@@ -736,7 +736,12 @@ impl Agent {
                     max_stashed: config.max_stashed_bytes,
                 },
             )),
-            decode: Mutex::new(decode::State::default()),
+            decode: Mutex::new(decode::State::new(kvferry_protocol::decode::DecodeConfig {
+                instance: config.instance.clone(),
+                rank: info.instance_rank,
+                timeout: config.timeout,
+                integrity: config.integrity,
+            })),
             recorded: Mutex::new(record::Recorder::default()),
             challenges,
             config,
@@ -927,7 +932,7 @@ impl Agent {
     pub fn requests_held(&self) -> usize {
         match self.inner.config.role {
             Role::Prefill => lock(&self.inner.prefill).machine.len(),
-            Role::Decode => lock(&self.inner.decode).requests.len(),
+            Role::Decode => lock(&self.inner.decode).machine.len(),
         }
     }
 
@@ -1201,7 +1206,7 @@ impl Drop for Agent {
         let deadline = Instant::now() + DROP_WAIT;
         let open = match self.inner.config.role {
             Role::Prefill => lock(&self.inner.prefill).machine.len(),
-            Role::Decode => lock(&self.inner.decode).requests.len(),
+            Role::Decode => lock(&self.inner.decode).machine.len(),
         };
         // The one line an orderly shutdown logs (each peer's end is at debug level).
         tracing::info!(agent = %self.inner.me(), open_requests = open, "agent stopped");
