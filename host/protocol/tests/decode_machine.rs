@@ -27,27 +27,10 @@ use kvferry_protocol::{
     PieceDigest,
 };
 
+use crate::seeded::{self, Rng, Simulated, Tally};
+
 const TIMEOUT: Duration = Duration::from_millis(3000);
 const PIECE_BYTES: u64 = 100;
-
-/// splitmix64.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-    fn chance(&mut self, percent: u64) -> bool {
-        self.below(100) < percent
-    }
-}
 
 /// The engine's view of one request.
 #[derive(Debug, Default)]
@@ -658,35 +641,31 @@ fn completion(
     }
 }
 
-/// Outcomes seen over a run, by kind (`received`, `cancelled`, a failure kind, `unclean`).
-type Tally = BTreeMap<String, u32>;
-
-fn run_seed(seed: u64, steps: usize, tally: &mut Tally) {
-    let mut sim = Sim::new(seed);
-    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        for _ in 0..steps {
-            sim.step();
-        }
-        sim.finish();
-    }));
-    if let Err(e) = outcome {
-        eprintln!("seed {seed} failed; the last steps:");
-        let from = sim.log.len().saturating_sub(60);
-        for line in &sim.log[from..] {
-            eprintln!("  {line}");
-        }
-        std::panic::resume_unwind(e);
+impl Simulated for Sim {
+    fn step(&mut self) {
+        Sim::step(self);
     }
-    for r in sim.reqs.values() {
-        for (outcome, clean) in &r.outcomes {
-            let kind = match outcome {
-                Outcome::Received { .. } => "received".to_string(),
-                Outcome::Cancelled => "cancelled".to_string(),
-                Outcome::Failed { kind, .. } => kind.to_string(),
-            };
-            *tally.entry(kind).or_default() += 1;
-            if !clean {
-                *tally.entry("unclean".into()).or_default() += 1;
+
+    fn finish(&mut self) {
+        Sim::finish(self);
+    }
+
+    fn log(&self) -> &[String] {
+        &self.log
+    }
+
+    fn tally(&self, tally: &mut Tally) {
+        for r in self.reqs.values() {
+            for (outcome, clean) in &r.outcomes {
+                let kind = match outcome {
+                    Outcome::Received { .. } => "received".to_string(),
+                    Outcome::Cancelled => "cancelled".to_string(),
+                    Outcome::Failed { kind, .. } => kind.to_string(),
+                };
+                *tally.entry(kind).or_default() += 1;
+                if !clean {
+                    *tally.entry("unclean".into()).or_default() += 1;
+                }
             }
         }
     }
@@ -694,21 +673,10 @@ fn run_seed(seed: u64, steps: usize, tally: &mut Tally) {
 
 #[test]
 fn ten_thousand_seeded_interleavings_keep_every_invariant() {
-    let var = |name: &str, default: u64| {
-        std::env::var(name)
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(default)
-    };
-    let (first, count) = (var("KVFERRY_SIM_SEED", 0), var("KVFERRY_SIM_SEEDS", 10_000));
-    let mut tally = Tally::new();
-    for seed in first..first + count {
-        run_seed(seed, 150, &mut tally);
-    }
-    eprintln!("outcomes over {count} seeds: {tally:?}");
-    if count >= 1000 {
-        // The run reached every way a request ends, or it proves less than it says.
-        for kind in [
+    seeded::run(
+        Sim::new,
+        150,
+        &[
             "received",
             "cancelled",
             "peer",
@@ -719,18 +687,12 @@ fn ten_thousand_seeded_interleavings_keep_every_invariant() {
             "timeout",
             "cancelled-by-peer",
             "unclean",
-        ] {
-            assert!(
-                tally.contains_key(kind),
-                "no request ended as {kind}: {tally:?}"
-            );
-        }
-    }
+        ],
+    );
 }
 
-#[test]
-fn a_cancel_with_every_writer_idle_ends_once_they_answer_without_the_clock() {
-    let now = Instant::now();
+/// A machine expecting request 5 (64 tokens) with one link up (1, to prefill rank 0).
+fn expecting(now: Instant) -> DecodeMachine {
     let mut m = DecodeMachine::new(DecodeConfig {
         instance: "decode".into(),
         rank: 0,
@@ -750,6 +712,13 @@ fn a_cancel_with_every_writer_idle_ends_once_they_answer_without_the_clock() {
         },
     )
     .unwrap();
+    m
+}
+
+#[test]
+fn a_cancel_with_every_writer_idle_ends_once_they_answer_without_the_clock() {
+    let now = Instant::now();
+    let mut m = expecting(now);
     let linked = m.handle_linked(now, 5, [(0, 1)].into(), None);
     assert!(linked.claimed);
     m.cancel(now, 5).unwrap();
@@ -792,25 +761,7 @@ fn a_cancel_with_every_writer_idle_ends_once_they_answer_without_the_clock() {
 #[test]
 fn a_lost_writer_holds_the_slots_for_the_late_write_grace_then_ends_unclean() {
     let now = Instant::now();
-    let mut m = DecodeMachine::new(DecodeConfig {
-        instance: "decode".into(),
-        rank: 0,
-        timeout: TIMEOUT,
-        integrity: None,
-    });
-    m.handle_link_up(1, "prefill rank 0".into());
-    m.expect(
-        now,
-        ExpectCall {
-            request: 5,
-            peer: "prefill".into(),
-            prompt_len: 64,
-            cached_prefix: None,
-            tables: Vec::new(),
-            excluded_views: Vec::new(),
-        },
-    )
-    .unwrap();
+    let mut m = expecting(now);
     m.handle_linked(now, 5, [(0, 1)].into(), None);
     let _: Vec<Action> = std::iter::from_fn(|| m.poll_action()).collect();
     m.handle_link_lost(now, 1, "closed its connection");
@@ -844,25 +795,7 @@ fn a_piece_repeated_after_the_last_is_scattered_before_the_request_may_end() {
     // scattered into the request's slots: the scatter could still write them after the
     // engine had them back.
     let now = Instant::now();
-    let mut m = DecodeMachine::new(DecodeConfig {
-        instance: "decode".into(),
-        rank: 0,
-        timeout: TIMEOUT,
-        integrity: None,
-    });
-    m.handle_link_up(1, "prefill rank 0".into());
-    m.expect(
-        now,
-        ExpectCall {
-            request: 5,
-            peer: "prefill".into(),
-            prompt_len: 64,
-            cached_prefix: None,
-            tables: Vec::new(),
-            excluded_views: Vec::new(),
-        },
-    )
-    .unwrap();
+    let mut m = expecting(now);
     let offer = BounceOffer {
         offset: 0,
         len: 1 << 20,

@@ -31,31 +31,11 @@ use kvferry_protocol::prefill::{
 };
 use kvferry_protocol::{AgentMessage, CompletionStatus, FailureKind, RequestData, Stages};
 
+use crate::seeded::{self, Rng, Simulated, Tally};
+
 const LEASE: Duration = Duration::from_millis(1000);
 const TIMEOUT: Duration = Duration::from_millis(3000);
 const TOKENS_PER_CHUNK: u64 = 64;
-
-/// splitmix64: small, fast, and the same on every machine.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-    fn chance(&mut self, percent: u64) -> bool {
-        self.below(100) < percent
-    }
-    fn pick<T: Copy>(&mut self, items: &[T]) -> T {
-        items[self.below(items.len() as u64) as usize]
-    }
-}
 
 fn views() -> BTreeSet<ViewId> {
     [ViewId { group: 0, view: 0 }, ViewId { group: 0, view: 1 }].into()
@@ -180,6 +160,21 @@ fn targets_of(instance: &str) -> BTreeSet<u32> {
     }
 }
 
+/// A decode rank as the machine is told of it; d1's targets fail when `d1_targets_fail`.
+fn peer(instance: &str, rank: u32, d1_targets_fail: bool) -> Peer {
+    let targets = if d1_targets_fail && instance == "d1" {
+        Err("planner p did not answer targets within 100 ms".to_string())
+    } else {
+        Ok(targets_of(instance))
+    };
+    Peer {
+        instance: instance.into(),
+        rank,
+        name: format!("{instance} rank {rank}"),
+        targets,
+    }
+}
+
 impl Sim {
     fn new(seed: u64) -> Sim {
         let mut rng = Rng(seed);
@@ -229,20 +224,8 @@ impl Sim {
     fn connect(&mut self, instance: &'static str, rank: u32) {
         let id = self.next_peer;
         self.next_peer += 1;
-        let targets = if self.targets_fail && instance == "d1" {
-            Err("planner p did not answer targets within 100 ms".to_string())
-        } else {
-            Ok(targets_of(instance))
-        };
-        self.machine.handle_connected(
-            id,
-            Peer {
-                instance: instance.into(),
-                rank,
-                name: format!("{instance} rank {rank}"),
-                targets,
-            },
-        );
+        self.machine
+            .handle_connected(id, peer(instance, rank, self.targets_fail));
         self.conns.insert(
             id,
             Conn {
@@ -878,61 +861,39 @@ fn planned(task: &PlanTask<u32>, pieces: usize) -> Planned {
     }
 }
 
-/// Outcomes seen over a run, by kind (`sent`, `cancelled`, a failure kind).
-type Tally = BTreeMap<String, u32>;
-
-fn run_seed(seed: u64, steps: usize, tally: &mut Tally) {
-    let mut sim = Sim::new(seed);
-    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        for _ in 0..steps {
-            sim.step();
-        }
-        sim.finish();
-    }));
-    if let Err(e) = outcome {
-        let tail: Vec<&String> = sim.log.iter().rev().take(400).collect();
-        let tail: Vec<&&String> = tail.iter().rev().collect();
-        eprintln!("seed {seed} failed; the last steps:");
-        for line in tail {
-            eprintln!("  {line}");
-        }
-        std::panic::resume_unwind(e);
+impl Simulated for Sim {
+    fn step(&mut self) {
+        Sim::step(self);
     }
-    for r in sim.engine.values() {
-        for outcome in &r.outcomes {
-            let kind = match outcome {
-                Outcome::Sent { .. } => "sent".to_string(),
-                Outcome::Cancelled => "cancelled".to_string(),
-                Outcome::Failed { kind, .. } => kind.to_string(),
-            };
-            *tally.entry(kind).or_default() += 1;
+
+    fn finish(&mut self) {
+        Sim::finish(self);
+    }
+
+    fn log(&self) -> &[String] {
+        &self.log
+    }
+
+    fn tally(&self, tally: &mut Tally) {
+        for r in self.engine.values() {
+            for outcome in &r.outcomes {
+                let kind = match outcome {
+                    Outcome::Sent { .. } => "sent".to_string(),
+                    Outcome::Cancelled => "cancelled".to_string(),
+                    Outcome::Failed { kind, .. } => kind.to_string(),
+                };
+                *tally.entry(kind).or_default() += 1;
+            }
         }
     }
-}
-
-/// How many seeds a run tries (`KVFERRY_SIM_SEEDS` overrides; the first seed is
-/// `KVFERRY_SIM_SEED`, default 0, so a failure names the seed to rerun alone).
-fn seeds() -> (u64, u64) {
-    let var = |name: &str, default: u64| {
-        std::env::var(name)
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(default)
-    };
-    (var("KVFERRY_SIM_SEED", 0), var("KVFERRY_SIM_SEEDS", 10_000))
 }
 
 #[test]
 fn ten_thousand_seeded_interleavings_keep_every_invariant() {
-    let (first, count) = seeds();
-    let mut tally = Tally::new();
-    for seed in first..first + count {
-        run_seed(seed, 160, &mut tally);
-    }
-    eprintln!("outcomes over {count} seeds: {tally:?}");
-    if count >= 1000 {
-        // The run reached every way a request ends, or it proves less than it says.
-        for kind in [
+    seeded::run(
+        Sim::new,
+        160,
+        &[
             "sent",
             "cancelled",
             "lease",
@@ -942,13 +903,8 @@ fn ten_thousand_seeded_interleavings_keep_every_invariant() {
             "write",
             "refused",
             "cancelled-by-peer",
-        ] {
-            assert!(
-                tally.contains_key(kind),
-                "no request ended as {kind}: {tally:?}"
-            );
-        }
-    }
+        ],
+    );
 }
 
 // ---------------------------------------------------------------------------------------
@@ -959,20 +915,7 @@ fn ten_thousand_seeded_interleavings_keep_every_invariant() {
 fn machine(d1_targets_fail: bool) -> PrefillMachine<u32> {
     let mut m = PrefillMachine::new(config());
     for (id, instance, rank) in [(1, "d0", 0), (2, "d0", 1), (3, "d1", 0)] {
-        let targets = if d1_targets_fail && instance == "d1" {
-            Err("planner p did not answer targets within 100 ms".into())
-        } else {
-            Ok(targets_of(instance))
-        };
-        m.handle_connected(
-            id,
-            Peer {
-                instance: instance.into(),
-                rank,
-                name: format!("{instance} rank {rank}"),
-                targets,
-            },
-        );
+        m.handle_connected(id, peer(instance, rank, d1_targets_fail));
     }
     m
 }

@@ -6,4 +6,5 @@
 mod decode_machine;
 mod fuzz;
 mod prefill_machine;
+mod seeded;
 mod simulated;
