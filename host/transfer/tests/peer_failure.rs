@@ -290,5 +290,16 @@ fn a_quarantined_window_drains_once_its_receiver_dies_tcp() {
         Err(WriteError::Stuck { .. }) => {}
         other => panic!("expected Stuck, got {other:?}"),
     }
-    peer_failed(write(&sender, dest, to_hung));
+    // The next job finds the endpoint failed — or, when the window sat stalled for
+    // `STALL_LIMIT` before the receiver died (a loaded machine: seen once in CI), the
+    // registration given up. Either way nothing is written.
+    match write(&sender, dest, to_hung) {
+        Err(WriteError::PeerGone {
+            ref instance,
+            rank: 0,
+        }) if instance == "decode" => {}
+        result => {
+            peer_failed(result);
+        }
+    }
 }
