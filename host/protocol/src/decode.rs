@@ -57,6 +57,12 @@ pub const LATE_WRITE_QUIET: Duration = Duration::from_millis(250);
 /// See [`LATE_WRITE_GRACE`]: past it the outcome goes out (with
 /// [`Outcome`]'s `clean` false) even if the worker is still busy.
 pub const LATE_WRITE_LIMIT: Duration = Duration::from_secs(10);
+/// How long a writer whose link is up may leave a request's `Cancel` unanswered (no last
+/// piece) before its link is dropped: a writer that keeps its link alive with keep-alives but
+/// never answers would otherwise hold the request, and its slots, for ever. The request then
+/// ends as with a lost link: after the late-write wait, not clean; the link's other requests
+/// fail when the driver has closed it.
+pub const CANCEL_ANSWER_LIMIT: Duration = Duration::from_secs(10);
 
 /// A link to a prefill rank, as the driver numbers it (never reused).
 pub type LinkId = u64;
@@ -185,7 +191,8 @@ struct InReq {
     deadline: Instant,
     cancelled: bool,
     failure: Option<(Option<String>, FailureKind, String)>,
-    cancel_sent: bool,
+    /// When `Cancel` went to the open writers, if it did.
+    cancel_sent: Option<Instant>,
     /// Bytes each writer reported so far, by prefill rank.
     reported: BTreeMap<u32, u64>,
     /// Bytes each writer must write, by this rank's own plan (`None` until computed; a
@@ -277,16 +284,17 @@ impl DecodeMachine {
         self.actions.pop_front()
     }
 
-    /// When [`handle_timeout`](Self::handle_timeout) is next due: a request's timeout, or
-    /// the end of a late-write grace (due at every call after it until the worker is quiet
-    /// or the limit passed).
+    /// When [`handle_timeout`](Self::handle_timeout) is next due: a request's timeout, the
+    /// end of a late-write grace (due at every call after it until the worker is quiet or
+    /// the limit passed), or the end of the wait for a cancel's answers.
     pub fn poll_timeout(&self) -> Option<Instant> {
         self.requests
             .values()
-            .filter_map(|r| match (r.ending(), r.late_until) {
-                (false, _) => Some(r.deadline),
-                (true, Some(since)) => Some(since + LATE_WRITE_GRACE),
-                (true, None) => None,
+            .filter_map(|r| match (r.ending(), r.late_until, r.cancel_sent) {
+                (false, _, _) => Some(r.deadline),
+                (true, Some(since), _) => Some(since + LATE_WRITE_GRACE),
+                (true, None, Some(at)) => Some(at + CANCEL_ANSWER_LIMIT),
+                (true, None, None) => None,
             })
             .min()
     }
@@ -311,7 +319,7 @@ impl DecodeMachine {
             deadline: now + self.config.timeout,
             cancelled: false,
             failure: None,
-            cancel_sent: false,
+            cancel_sent: None,
             reported: BTreeMap::new(),
             expected: None,
             finished: None,
@@ -705,21 +713,32 @@ impl DecodeMachine {
             .filter(|l| self.links.get(l).is_some_and(|s| s.alive))
             .collect();
         if !open.is_empty() {
-            if !req.cancel_sent {
-                req.cancel_sent = true;
-                let reason = match &req.failure {
-                    Some((_, _, d)) => d.clone(),
-                    None => "cancelled by the decode engine".into(),
-                };
-                for link in open {
-                    self.actions.push_back(Action::Send {
-                        link,
-                        message: AgentMessage::Cancel {
-                            request: id,
-                            reason: reason.clone(),
-                        },
-                    });
+            match req.cancel_sent {
+                None => {
+                    req.cancel_sent = Some(now);
+                    let reason = match &req.failure {
+                        Some((_, _, d)) => d.clone(),
+                        None => "cancelled by the decode engine".into(),
+                    };
+                    for link in open {
+                        self.actions.push_back(Action::Send {
+                            link,
+                            message: AgentMessage::Cancel {
+                                request: id,
+                                reason: reason.clone(),
+                            },
+                        });
+                    }
                 }
+                Some(at) if now.saturating_duration_since(at) >= CANCEL_ANSWER_LIMIT => {
+                    // Writers that left the cancel unanswered are taken for broken: their
+                    // links go, and this request waits out their late writes instead.
+                    for link in open {
+                        self.drop_link(link);
+                    }
+                    return self.settle(now, id, quiet);
+                }
+                Some(_) => {}
             }
             return;
         }

@@ -20,7 +20,8 @@ use std::time::{Duration, Instant};
 
 use kvferry_planner_abi::TokenRange;
 use kvferry_protocol::decode::{
-    Action, DecodeConfig, DecodeMachine, ExpectCall, LATE_WRITE_LIMIT, LinkId, Outcome,
+    Action, CANCEL_ANSWER_LIMIT, DecodeConfig, DecodeMachine, ExpectCall, LATE_WRITE_LIMIT, LinkId,
+    Outcome,
 };
 use kvferry_protocol::{
     AgentMessage, BounceOffer, BouncedPiece, Completion, CompletionStatus, FailureKind, Integrity,
@@ -62,6 +63,8 @@ struct Writing {
     ok: bool,
     /// Its last piece reached the machine.
     landed: bool,
+    /// At a cancel it stops and never answers (a broken writer that keeps its link alive).
+    deaf: bool,
 }
 
 #[derive(Debug)]
@@ -85,6 +88,8 @@ struct Sim {
     /// The current link to each prefill rank.
     current: BTreeMap<u32, LinkId>,
     scatters: Vec<(LinkId, Completion)>,
+    /// Links dropped with a writer on them that left a cancel unanswered.
+    dropped_deaf: u32,
     log: Vec<String>,
 }
 
@@ -109,6 +114,7 @@ impl Sim {
             next_link: 1,
             current: BTreeMap::new(),
             scatters: Vec::new(),
+            dropped_deaf: 0,
             log: Vec::new(),
         };
         for id in 1..=4 {
@@ -155,6 +161,12 @@ impl Sim {
                 }
                 Action::DropLink { link } => {
                     self.log.push(format!("drop link {link}"));
+                    let deaf = self.writing.iter().any(|((id, c), w)| {
+                        w.deaf && !w.landed && self.reqs[id].writers.get(c) == Some(&link)
+                    });
+                    if deaf {
+                        self.dropped_deaf += 1;
+                    }
                     if let Some(l) = self.links.get_mut(&link) {
                         l.ending = true;
                     }
@@ -188,6 +200,7 @@ impl Sim {
                     d.request
                 );
                 w.claimed = true;
+                w.deaf = self.rng.chance(5);
                 self.log.push(format!("claim {} → rank {rank}", d.request));
             }
             AgentMessage::Cancel { request, .. } => {
@@ -198,6 +211,10 @@ impl Sim {
                     "request {request} cancelled twice to rank {rank}"
                 );
                 self.log.push(format!("cancel {request} → rank {rank}"));
+                // A deaf writer stops writing and never answers (its link stays up).
+                if w.deaf {
+                    w.done = true;
+                }
                 // The writer answers at its next piece, if it has not ended its pair.
                 if !w.done {
                     w.done = true;
@@ -464,7 +481,7 @@ impl Sim {
             .collect();
         if let Some(&link) = ending.first() {
             if self.rng.chance(50) {
-                return self.lose(link, "broke the protocol");
+                return self.lose(link, "was dropped by this rank");
             }
         }
         let ready: Vec<LinkId> = self
@@ -583,34 +600,42 @@ impl Sim {
                 continue;
             }
             let all_up = r.writers.values().all(|l| self.links[l].up);
+            let deaf = r.writers.keys().any(|c| {
+                self.writing
+                    .get(&(*id, *c))
+                    .is_some_and(|w| w.deaf && !w.landed)
+            });
             let answered = r
                 .writers
                 .keys()
                 .all(|c| self.writing.get(&(*id, *c)).is_some_and(|w| w.landed));
             assert!(
-                !(answered || (r.cancelled && all_up)),
+                !(answered || (r.cancelled && all_up && !deaf)),
                 "request {id} waits on the clock though its writers answered ({answered}) or \
                  the engine cancelled it with every link up"
             );
         }
-        self.now += TIMEOUT + LATE_WRITE_LIMIT + Duration::from_secs(1);
-        self.m.handle_timeout(self.now, None);
-        self.drain();
-        // Writers still up answer the cancels just sent.
-        for _ in 0..1000 {
-            if self.links.values().all(|l| !l.up || l.inbound.is_empty())
-                && self.scatters.is_empty()
-            {
-                break;
-            }
-            self.network();
-            self.scatter_one();
+        // The clock past every deadline, cancel-answer limit and late-write wait, a few times:
+        // writers still up answer the cancels, deaf ones are dropped, lost links waited out.
+        let mut quiet = None;
+        for _ in 0..4 {
+            self.now += TIMEOUT + LATE_WRITE_LIMIT + Duration::from_secs(1);
+            self.m.handle_timeout(self.now, quiet);
             self.drain();
+            for _ in 0..1000 {
+                let busy = self
+                    .links
+                    .values()
+                    .any(|l| l.up && (l.ending || !l.inbound.is_empty()));
+                if !busy && self.scatters.is_empty() {
+                    break;
+                }
+                self.network();
+                self.scatter_one();
+                self.drain();
+            }
+            quiet = Some(Duration::from_secs(1));
         }
-        self.now += LATE_WRITE_LIMIT + Duration::from_secs(1);
-        self.m
-            .handle_timeout(self.now, Some(Duration::from_secs(1)));
-        self.drain();
         assert!(self.m.is_empty(), "requests left open at the end");
         assert_eq!(self.m.poll_timeout(), None);
         for (id, r) in &self.reqs {
@@ -655,6 +680,9 @@ impl Simulated for Sim {
     }
 
     fn tally(&self, tally: &mut Tally) {
+        if self.dropped_deaf > 0 {
+            *tally.entry("dropped".into()).or_default() += self.dropped_deaf;
+        }
         for r in self.reqs.values() {
             for (outcome, clean) in &r.outcomes {
                 let kind = match outcome {
@@ -687,6 +715,7 @@ fn ten_thousand_seeded_interleavings_keep_every_invariant() {
             "timeout",
             "cancelled-by-peer",
             "unclean",
+            "dropped",
         ],
     );
 }
@@ -849,6 +878,47 @@ fn a_piece_repeated_after_the_last_is_scattered_before_the_request_may_end() {
                     clean: true
                 }
             ]
+        ),
+        "{ended:?}"
+    );
+}
+
+#[test]
+fn a_writer_that_leaves_a_cancel_unanswered_is_dropped_and_waited_out() {
+    // Before, a writer that kept its link alive with keep-alives but never answered a cancel
+    // held the request — and its slots — for ever.
+    let now = Instant::now();
+    let mut m = expecting(now);
+    m.handle_linked(now, 5, [(0, 1)].into(), None);
+    let _: Vec<Action> = std::iter::from_fn(|| m.poll_action()).collect();
+    m.cancel(now, 5).unwrap();
+    let cancel: Vec<Action> = std::iter::from_fn(|| m.poll_action()).collect();
+    assert!(
+        matches!(cancel.as_slice(), [Action::Send { link: 1, .. }]),
+        "{cancel:?}"
+    );
+    let limit = m.poll_timeout().expect("the wait for the answer");
+    assert_eq!(limit, now + CANCEL_ANSWER_LIMIT);
+    m.handle_timeout(limit, None);
+    let dropped: Vec<Action> = std::iter::from_fn(|| m.poll_action()).collect();
+    assert!(
+        matches!(dropped.as_slice(), [Action::DropLink { link: 1 }]),
+        "{dropped:?}"
+    );
+    // Its bytes may still be on the way: the late-write wait, then an unclean end.
+    m.handle_link_lost(limit, 1, "was dropped by this rank");
+    assert!(m.poll_action().is_none());
+    let due = m.poll_timeout().expect("the late-write grace");
+    m.handle_timeout(due, Some(Duration::from_secs(1)));
+    let ended: Vec<Action> = std::iter::from_fn(|| m.poll_action()).collect();
+    assert!(
+        matches!(
+            ended.as_slice(),
+            [Action::Ended {
+                request: 5,
+                outcome: Outcome::Cancelled,
+                clean: false
+            }]
         ),
         "{ended:?}"
     );

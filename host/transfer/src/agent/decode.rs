@@ -350,7 +350,7 @@ fn read_link(
         };
         let Some(inner) = weak.upgrade() else { return };
         if !link.alive.load(Ordering::Acquire) {
-            break "was replaced by a newer start".to_string();
+            break "was dropped by this rank".to_string();
         }
         match session.receive(message) {
             Ok(AgentEvent::Completion(c)) => completion(&inner, link, c),
@@ -363,8 +363,15 @@ fn read_link(
             Err(e) => break format!("broke the protocol: {e}"),
         }
     };
-    link.alive.store(false, Ordering::Release);
+    let dropped = !link.alive.swap(false, Ordering::AcqRel);
     if let Some(inner) = weak.upgrade() {
+        // Dropped here (a newer start, a broken protocol, a cancel left unanswered): the
+        // socket's error says less than that.
+        let why = if dropped && !inner.stopped.load(Ordering::Acquire) {
+            "was dropped by this rank".to_string()
+        } else {
+            why
+        };
         if inner.stopped.load(Ordering::Acquire) {
             // This agent's own shutdown ended it: `Drop for Agent` logs that once.
             tracing::debug!(peer = %link.name(), reason = %why, "prefill rank link ended");
@@ -455,8 +462,11 @@ fn run(inner: &Arc<Inner>, state: &mut State) -> Vec<Deferred> {
                 ),
             },
             Action::DropLink { link } => {
+                // Its reader ends now (the machine hears of it as a lost link), and the
+                // prefill rank sees the connection close, so it stops writing to this rank.
                 if let Some(l) = state.by_id.get(&link) {
                     l.alive.store(false, Ordering::Release);
+                    let _ = l.socket.shutdown(std::net::Shutdown::Both);
                 }
             }
             Action::Ended {
