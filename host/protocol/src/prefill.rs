@@ -756,10 +756,25 @@ impl<T: Clone> PrefillMachine<T> {
         }
     }
 
-    fn claim_mut(&mut self, id: u64, g: u32, peer: PeerId) -> Option<(&mut OutReq<T>, u32)> {
+    /// Claim `g` of request `id` while it is still `peer`'s, and whether the request is
+    /// still live.
+    fn claim_of(&mut self, id: u64, g: u32, peer: PeerId) -> Option<(bool, &mut Claim)> {
         let req = self.requests.get_mut(&id)?;
-        req.claims.get(&g).filter(|c| c.peer == peer)?;
-        Some((req, g))
+        let live = !req.ending();
+        let claim = req.claims.get_mut(&g).filter(|c| c.peer == peer)?;
+        Some((live, claim))
+    }
+
+    /// The claim's planning task is over (answered or abandoned): it is no longer planning.
+    /// The peer's name, for a failure.
+    fn planning_over(&mut self, id: u64, g: u32, peer: PeerId) -> Option<String> {
+        match self.claim_of(id, g, peer) {
+            Some((_, claim)) => {
+                claim.planning = false;
+                Some(claim.name.clone())
+            }
+            None => self.peers.get(&peer).map(|p| p.name.clone()),
+        }
     }
 
     /// A planning task ([`Action::Plan`]) was not answered within the planner's deadline:
@@ -772,18 +787,8 @@ impl<T: Clone> PrefillMachine<T> {
         peer: PeerId,
         reason: String,
     ) {
-        let name = match self.claim_mut(id, g, peer) {
-            Some((req, g)) => {
-                let claim = req.claims.get_mut(&g).expect("checked");
-                claim.planning = false;
-                claim.name.clone()
-            }
-            None => self
-                .peers
-                .get(&peer)
-                .map_or_else(String::new, |p| p.name.clone()),
-        };
-        self.fail(now, id, Some(name), FailureKind::Planner, reason);
+        let name = self.planning_over(id, g, peer);
+        self.fail(now, id, name, FailureKind::Planner, reason);
     }
 
     /// A planning task's result: `true` when the driver is to queue its
@@ -798,11 +803,9 @@ impl<T: Clone> PrefillMachine<T> {
         peer: PeerId,
         planned: Planned,
     ) -> bool {
-        let Some((req, g)) = self.claim_mut(id, g, peer) else {
+        let Some((live, claim)) = self.claim_of(id, g, peer) else {
             return false;
         };
-        let live = !req.ending();
-        let claim = req.claims.get_mut(&g).expect("checked");
         claim.stages.merge(&planned.stages);
         if !live || claim.ended || claim.cancelled {
             claim.planning = false;
@@ -829,19 +832,12 @@ impl<T: Clone> PrefillMachine<T> {
         peer: PeerId,
         error: Option<(u32, String)>,
     ) {
-        let name = match self.claim_mut(id, g, peer) {
-            Some((req, g)) => {
-                let claim = req.claims.get_mut(&g).expect("checked");
-                claim.planning = false;
-                claim.name.clone()
-            }
-            None => String::new(),
-        };
+        let name = self.planning_over(id, g, peer);
         // Whatever ended the request while its pieces were being queued waited on `planning`.
         self.settle(now, id);
         if let Some((piece, reason)) = error {
             self.end_claim(id, g, peer, piece, reason.clone(), true);
-            return self.fail(now, id, Some(name), FailureKind::Planner, reason);
+            return self.fail(now, id, name, FailureKind::Planner, reason);
         }
         self.pump(id);
     }

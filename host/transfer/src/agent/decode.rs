@@ -25,9 +25,7 @@ use std::time::Instant;
 
 use kvferry_plan::error_chain;
 use kvferry_planner_abi::{SlotTable, TokenRange, ViewId};
-use kvferry_protocol::decode::{
-    Action, DecodeConfig, DecodeMachine, ExpectCall, LATE_WRITE_GRACE, LinkId, Outcome,
-};
+use kvferry_protocol::decode::{Action, DecodeConfig, DecodeMachine, ExpectCall, LinkId, Outcome};
 use kvferry_protocol::secure::HandshakeError;
 use kvferry_protocol::{
     AgentEvent, AgentMessage, AgentMetadata, AgentSession, BounceOffer, Completion, Integrity,
@@ -484,11 +482,11 @@ fn run(inner: &Arc<Inner>, state: &mut State) -> Vec<Deferred> {
                         arena.quarantine(b.region);
                     }
                 }
-                if !clean && !matches!(outcome, Outcome::Received { .. }) {
+                if !clean {
                     tracing::debug!(
                         request,
-                        grace_ms = LATE_WRITE_GRACE.as_millis() as u64,
-                        "ended with a writer that may still write: its bounce region is kept out of use"
+                        "ended with a writer that may still write: its bounce region is kept \
+                         out of use"
                     );
                 }
                 inner.events.push(match outcome {
