@@ -26,7 +26,7 @@
 //! - **memcpy**: [`ControlMessage::Memcpy`](crate::control::ControlMessage::Memcpy) makes the
 //!   prefill server copy the same recorded fragments with `memcpy` between host buffers
 //!   shaped like both sides' pools, in its own process, one thread per prefill rank
-//!   ([`kvferry_transfer::copy`]): on shared memory the ceiling of this machine for that
+//!   (`kvferry_transfer::harness::copy`): on shared memory the ceiling of this machine for that
 //!   fragment list. Its buffers are allocated and written through at its first run and
 //!   kept; timed from the first copy to the last.
 //!
@@ -79,10 +79,9 @@ use serde::Serialize;
 use crate::demo::{Children, DemoError, LoopbackPair, serve_args, spawn_server};
 use crate::drive::Side;
 
-use kvferry_transfer::rank::PUT_WINDOW;
-use kvferry_transfer::{
-    BenchStats, MemoryKind, PairFragments, RequestStats, Role, Stages, TransportSpec,
-};
+use kvferry_transfer::harness::rank::PUT_WINDOW;
+use kvferry_transfer::harness::{BenchStats, PairFragments};
+use kvferry_transfer::{MemoryKind, RequestStats, Role, Stages, TransportSpec};
 
 use crate::control::{PeerRef, RankTables, Submit};
 

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use kvferry_protocol::secure::HandshakeError;
 use kvferry_protocol::{Frame, Secret, WireError};
-use kvferry_transfer::conn::{
+use kvferry_transfer::harness::conn::{
     HANDSHAKE_TIMEOUT, Outbox, Secured, secure_dial, spawn_reader, spawn_writer,
 };
 

@@ -38,7 +38,8 @@
 
 use kvferry_planner_abi::{RankInfo, SlotTable, TokenRange};
 use kvferry_protocol::{Frame, Role};
-use kvferry_transfer::{BenchStats, PairFragments, RequestStats};
+use kvferry_transfer::RequestStats;
+use kvferry_transfer::harness::{BenchStats, PairFragments};
 use serde::{Deserialize, Serialize};
 
 /// A request, as the controller submits it to both servers.
@@ -263,7 +264,7 @@ pub enum ControlMessage {
     },
     /// Copy the fragments a prefill server recorded for these requests with `memcpy`
     /// between host buffers shaped like both sides' pools, in the server's process, one
-    /// thread per prefill rank, and time it ([`kvferry_transfer::copy`]; `kvferry bench`'s
+    /// thread per prefill rank, and time it (`kvferry_transfer::harness::copy`; `kvferry bench`'s
     /// memcpy baseline). Needs `--record-plans`.
     Memcpy {
         /// The requests whose fragments are copied.

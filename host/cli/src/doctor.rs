@@ -274,7 +274,7 @@ pub fn diagnose(net_devices: Option<&str>) -> Report {
 /// Whether kvferry can load `libcuda` (cudarc's probe, which `--memory cuda` runs first).
 fn libcuda_loadable() -> Option<bool> {
     #[cfg(feature = "cuda")]
-    return Some(kvferry_transfer::cuda::driver_present());
+    return Some(kvferry_transfer::harness::cuda::driver_present());
     #[cfg(not(feature = "cuda"))]
     None
 }

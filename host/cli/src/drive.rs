@@ -6,7 +6,8 @@
 use std::time::Duration;
 
 use kvferry_protocol::Frame as _;
-use kvferry_transfer::{BenchStats, PairFragments, RequestStats, Role};
+use kvferry_transfer::harness::{BenchStats, PairFragments};
+use kvferry_transfer::{RequestStats, Role};
 
 use crate::client::{Client, ClientError};
 use crate::control::VerifySummary;

@@ -636,9 +636,9 @@ fn check_width(flag: &str, mapping: &Mapping) -> Result<()> {
 }
 
 /// What this process may still allocate, as `serve` checks its pools against it
-/// ([`kvferry_transfer::budget::HostBudget`]), for the testkit's in-process pools.
+/// ([`kvferry_transfer::harness::HostBudget`]), for the testkit's in-process pools.
 fn memory_budget() -> Option<MemoryBudget> {
-    kvferry_transfer::budget::HostBudget::measure().map(|b| MemoryBudget {
+    kvferry_transfer::harness::HostBudget::measure().map(|b| MemoryBudget {
         bytes: b.bytes,
         available: b.to_string(),
     })

@@ -36,15 +36,14 @@ use kvferry_testkit::layout::{ModelSpec, PoolOptions, build_rank};
 use kvferry_testkit::oracle::{Oracle, VerifyReport};
 use kvferry_testkit::scenario::slot_tables;
 use kvferry_transfer::agent::{Agent, AgentConfig, BounceConfig, Event, Expect, Secret, SendChunk};
-use kvferry_transfer::conn::{
+use kvferry_transfer::harness::conn::{
     HANDSHAKE_TIMEOUT, Outbox, Pending, Secured, Unproven, drain, secure_accept, spawn_writer,
 };
-use kvferry_transfer::copy::CopyArena;
-use kvferry_transfer::memory::{MemoryError, PoolAllocator, RankPools};
-use kvferry_transfer::rank::{RemoteRank, WriteHook};
-use kvferry_transfer::{
-    BenchStats, MemoryKind, PairFragments, RequestStats, Role, Stages, TransportSpec,
-};
+use kvferry_transfer::harness::copy::CopyArena;
+use kvferry_transfer::harness::memory::{MemoryError, PoolAllocator, RankPools};
+use kvferry_transfer::harness::rank::{RemoteRank, WriteHook};
+use kvferry_transfer::harness::{BenchStats, PairFragments};
+use kvferry_transfer::{MemoryKind, RequestStats, Role, Stages, TransportSpec};
 
 use crate::control::{
     ControlMessage, PeerRef, RankTables, ServedRank, ServerInfo, Submit, VerifySummary,
@@ -334,7 +333,7 @@ pub fn start(
     config.memory.check_built()?;
     #[cfg(feature = "cuda")]
     if config.memory == MemoryKind::Cuda {
-        kvferry_transfer::memory::check_cuda_device(config.cuda_device)?;
+        kvferry_transfer::harness::memory::check_cuda_device(config.cuda_device)?;
     }
     // Bound before the pools are allocated, so a bad address fails before any memory is.
     let control = TcpListener::bind(&options.control).map_err(listen_error(&options.control))?;
@@ -405,8 +404,8 @@ pub fn start(
         agent_config.peer_timeout = options.peer_timeout;
         agent_config.max_connections = options.max_peer_connections;
         agent_config.cuda_device = config.cuda_device;
-        agent_config.hook = hook.clone();
-        agent_config.record_plans = options.record_plans && config.role == Role::Prefill;
+        agent_config.harness.hook = hook.clone();
+        agent_config.harness.record_plans = options.record_plans && config.role == Role::Prefill;
         agent_config.bounce = options.bounce;
         agent_config.integrity = options.integrity;
         // SAFETY: the pools were allocated on `context` by the allocator above, made by

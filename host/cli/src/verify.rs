@@ -16,7 +16,7 @@ use kvferry_plan::RequestSide;
 use kvferry_testkit::oracle::{
     Delivery, Extent, MemoryError, Oracle, OracleError, PoolMemory, VerifyReport,
 };
-use kvferry_transfer::memory::{CopyError, RankPools};
+use kvferry_transfer::harness::memory::{CopyError, RankPools};
 
 /// Why the oracle could not fill or check UCX pools.
 #[derive(Debug, thiserror::Error)]

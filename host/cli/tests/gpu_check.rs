@@ -30,7 +30,7 @@ fn gpu_here() -> bool {
 /// Whether kvferry could load libcuda here (a build without the `cuda` feature cannot tell).
 fn driver_here() -> bool {
     #[cfg(feature = "cuda")]
-    return kvferry_transfer::cuda::driver_present();
+    return kvferry_transfer::harness::cuda::driver_present();
     #[cfg(not(feature = "cuda"))]
     false
 }

@@ -8,7 +8,8 @@ use std::process::Command;
 
 use kvferry_cli::control::ControlMessage as Message;
 use kvferry_protocol::{encode, read_frame};
-use kvferry_transfer::{BenchStats, PairFragments, PoolFragment, RequestStats, Stages};
+use kvferry_transfer::harness::{BenchStats, PairFragments, PoolFragment};
+use kvferry_transfer::{RequestStats, Stages};
 use serde_json::Value;
 use support::Kvferry;
 use support::transfer::{REPLY, Server, prefill, release, submit};

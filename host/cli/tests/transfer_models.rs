@@ -139,7 +139,7 @@ fn hybrid(transport: &str) {
     let _ = hybrid_with(transport, &[]);
 }
 
-fn hybrid_with(transport: &str, extra: &[&str]) -> Vec<kvferry_transfer::outcome::RequestStats> {
+fn hybrid_with(transport: &str, extra: &[&str]) -> Vec<kvferry_transfer::RequestStats> {
     hybrid_in_parts(transport, extra, 1)
 }
 
@@ -149,7 +149,7 @@ fn hybrid_in_parts(
     transport: &str,
     extra: &[&str],
     parts: u32,
-) -> Vec<kvferry_transfer::outcome::RequestStats> {
+) -> Vec<kvferry_transfer::RequestStats> {
     let model = "qwen3-next-80b-a3b";
     let ctx = Server::start("context", model, "tp2", transport, extra);
     let decode = Server::start("generation", model, "tp4", transport, extra);

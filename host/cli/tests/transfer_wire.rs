@@ -21,7 +21,7 @@ use kvferry_protocol::{
 };
 use kvferry_testkit::layout::{ModelSpec, PoolOptions, Preset, build_instance};
 use kvferry_transfer::RequestStats;
-use kvferry_transfer::conn::{Secured, secure_dial};
+use kvferry_transfer::harness::conn::{Secured, secure_dial};
 use support::transfer::{REPLY, Server, exchange, submit};
 
 /// Both ranks of a Qwen3-Next dep2 prefill instance, as its agents describe them.

@@ -48,14 +48,14 @@ pub enum BounceMode {
     On,
     /// Where it pays: transports that leave the node, requests of at least
     /// [`BounceConfig::min_blocks`] blocks, pieces whose mean fragment is below
-    /// [`AUTO_MAX_MEAN_FRAGMENT`].
+    /// 256 KiB (`AUTO_MAX_MEAN_FRAGMENT`).
     #[default]
     Auto,
 }
 
 /// Pieces whose fragments average this many bytes or more are not bounced under
 /// [`BounceMode::Auto`]: their puts are few and large already.
-pub const AUTO_MAX_MEAN_FRAGMENT: u64 = 256 << 10;
+pub(crate) const AUTO_MAX_MEAN_FRAGMENT: u64 = 256 << 10;
 
 impl std::str::FromStr for BounceMode {
     type Err = String;
@@ -88,7 +88,7 @@ pub struct BounceConfig {
     /// Decode ranks: bytes of the arena regions are reserved from (allocated at start).
     pub arena_bytes: u64,
     /// Prefill ranks: bytes of each of the two halves of the staging buffer (allocated at
-    /// start); a piece goes out in puts of at most [`crate::rank::MAX_PUT_BYTES`], one half
+    /// start); a piece goes out in puts of at most the executor's largest put (1 MiB), one half
     /// at a time.
     pub staging_bytes: u64,
     /// Requests with fewer paged blocks are not offered a region under

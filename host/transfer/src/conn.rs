@@ -72,7 +72,7 @@ pub type Writer = SecureWriter<TcpStream>;
 /// elsewhere) and the session's binding ([`secure::Channel::binding`]).
 #[derive(Debug)]
 pub struct Secured {
-    /// Reads open records; its deadline still runs until [`Timed::settle`].
+    /// Reads open records; its deadline still runs until the handshake settles it.
     pub reader: Reader,
     /// Seals records.
     pub writer: Writer,
@@ -141,7 +141,7 @@ pub fn secure_accept<M: Frame>(
 /// Connections whose peer has not proven the secret yet, oldest first (one registry per
 /// listener; clones share it).
 ///
-/// At most [`MAX_UNPROVEN`] in all and [`MAX_UNPROVEN_PER_ADDRESS`] from one address: a new
+/// At most `MAX_UNPROVEN` in all and `MAX_UNPROVEN_PER_ADDRESS` from one address: a new
 /// one past either cap closes the oldest instead of being turned away, so connections that
 /// stall or dribble (each also bounded by the handshake's deadline) cannot keep an honest
 /// peer out, whose handshake takes a round trip. Each costs at most one handshake message
@@ -157,9 +157,9 @@ struct UnprovenConns {
 }
 
 /// The most connections not yet proven at once, per listener.
-pub const MAX_UNPROVEN: usize = 64;
+pub(crate) const MAX_UNPROVEN: usize = 64;
 /// The most connections not yet proven from one address at once, per listener.
-pub const MAX_UNPROVEN_PER_ADDRESS: usize = 16;
+pub(crate) const MAX_UNPROVEN_PER_ADDRESS: usize = 16;
 
 /// A connection's place in [`Unproven`], left when dropped (proven, or gone).
 #[derive(Debug)]
@@ -251,6 +251,7 @@ pub fn spawn_writer<M: Frame + Send + 'static>(writer: Writer, label: String) ->
 
 /// Starts a thread that reads frames from `reader` into the returned channel until the first
 /// error (which it passes on, then stops).
+#[cfg_attr(not(feature = "harness"), allow(dead_code))]
 pub fn spawn_reader<M: Frame + Send + 'static>(
     reader: Reader,
     label: String,
@@ -281,7 +282,11 @@ pub fn spawn_reader<M: Frame + Send + 'static>(
 ///
 /// `addr` does not resolve, the connection is not made in time, or the socket cannot be
 /// configured.
-pub fn dial(addr: &str, timeout: Duration, read_timeout: Duration) -> Result<TcpStream, String> {
+pub(crate) fn dial(
+    addr: &str,
+    timeout: Duration,
+    read_timeout: Duration,
+) -> Result<TcpStream, String> {
     let sock = addr
         .to_socket_addrs()
         .map_err(|e| format!("cannot resolve: {e}"))?
@@ -308,15 +313,4 @@ pub fn drain(stream: &mut impl Read, limit: Duration) {
             Ok(n) => total += n,
         }
     }
-}
-
-/// What a connection handler does after a message.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Flow {
-    /// Read the next message.
-    Continue,
-    /// Close the connection quietly.
-    Close,
-    /// Send an error message with this reason, then close.
-    Refuse(String),
 }

@@ -451,16 +451,19 @@ impl CudaPool {
     }
 
     /// The pool's device address (`CUdeviceptr`), also what peers use as its remote address.
+    #[cfg_attr(not(feature = "harness"), allow(dead_code))]
     pub fn device_ptr(&self) -> u64 {
         self.alloc.ptr
     }
 
     /// The pool's length in bytes.
+    #[cfg_attr(not(feature = "harness"), allow(dead_code))]
     pub fn len(&self) -> usize {
         self.alloc.len
     }
 
     /// Always `false`: pools have at least one byte.
+    #[cfg_attr(not(feature = "harness"), allow(dead_code))]
     pub fn is_empty(&self) -> bool {
         self.alloc.len == 0
     }
@@ -472,6 +475,7 @@ impl CudaPool {
 
     /// The pool's private stream, on which [`upload`](Self::upload) and
     /// [`download`](Self::download) copy (work queued on it by others is waited for by them).
+    #[cfg_attr(not(feature = "harness"), allow(dead_code))]
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.alloc.stream
     }

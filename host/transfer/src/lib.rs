@@ -11,39 +11,93 @@
 //!
 //! - [`agent`]: the per-rank agent: side channel (authenticated, bounded), requests, events,
 //!   cancel, leases, timeouts, peer failure.
-//! - [`memory`]: the pools a rank's peers write, registered from the engine's memory (or
-//!   allocated by UCX for a host that lets kvferry own it); host or CUDA (module `cuda`, feature `cuda`).
-//! - [`rank`]: one UCX worker and progress thread per rank, executing write jobs.
-//! - [`transport`]: UCX transports and devices; [`conn`]: one connection's writer.
-//! - [`copy`]: the bench's memcpy baseline over buffers shaped like the pools.
-//! - [`bounce`]: bounce transfers — a receiver's arena, a sender's staging buffer, the gather
-//!   thread.
+//! - [`logging`] and [`metrics`]: the one logging setup and the Prometheus text.
+//!
+//! Everything else is this crate's own: the pools a rank's peers write (`memory`, host or
+//! CUDA), one UCX worker and progress thread per rank executing write jobs (`rank`), UCX
+//! transports and devices (`transport`), one connection's reader and writer (`conn`), bounce
+//! transfers (`bounce`), the bench's memcpy baseline (`copy`). A test and benchmark harness
+//! (`kvferry-harness`, this crate's own tests) reaches the parts it drives through the
+//! `harness` module, behind the `harness` feature and hidden from the docs: no engine names
+//! it, and bench machinery (plan recording and replay, the memcpy baseline) is not part of
+//! the agent an engine builds.
 //!
 //! This crate never allocates slots, fills or checks pool contents, or exits the process:
 //! the caller owns which slots a request uses and what they hold, and hears through the
 //! request's terminal event when kvferry is done with them. Faults are injected in tests
-//! through [`rank::WriteHook`], never through production fields.
+//! through the harness's `WriteHook`, never through production fields.
 
 #![deny(missing_docs)]
+// With the harness's items reachable, every other `pub` item must be reachable from the
+// crate root too: what is not is `pub(crate)`.
+#![cfg_attr(feature = "harness", warn(unreachable_pub))]
 
 pub mod agent;
-pub mod bounce;
-pub mod budget;
-pub mod conn;
-pub mod copy;
+mod bounce;
+mod budget;
+mod conn;
+#[cfg(feature = "harness")]
+mod copy;
 #[cfg(feature = "cuda")]
-pub mod cuda;
+mod cuda;
 mod integrity;
 pub mod logging;
-pub mod memory;
+mod memory;
 pub mod metrics;
-pub mod outcome;
-pub mod rank;
+mod outcome;
+mod rank;
 mod sync;
-pub mod transport;
+mod transport;
 
 pub use kvferry_protocol::Role;
 pub use memory::MemoryKind;
 pub use transport::{Transport, TransportSpec, Transports};
 
-pub use outcome::{BenchStats, PairFragments, PoolFragment, RequestStats, Stages};
+pub use outcome::{RequestStats, Stages};
+
+/// What the test and benchmark harness (`kvferry-harness`, `kvferry bench`) and this crate's
+/// tests drive beneath the agent: connections, pools, rank threads, the memcpy baseline, the
+/// fault hook and the bench's statistics. Not an engine's API, and not stable.
+#[cfg(feature = "harness")]
+#[doc(hidden)]
+pub mod harness {
+    pub use crate::budget::HostBudget;
+    pub use crate::outcome::{BenchStats, PairFragments, PoolFragment};
+
+    /// One connection's handshake, reader and writer.
+    pub mod conn {
+        pub use crate::conn::{
+            HANDSHAKE_TIMEOUT, Outbox, Pending, Reader, Secured, Unproven, Writer, drain,
+            secure_accept, secure_dial, spawn_reader, spawn_writer,
+        };
+    }
+
+    /// The bench's memcpy baseline.
+    pub mod copy {
+        pub use crate::copy::CopyArena;
+    }
+
+    /// A rank's pools.
+    pub mod memory {
+        #[cfg(feature = "cuda")]
+        pub use crate::memory::check_cuda_device;
+        pub use crate::memory::{CopyError, MemoryError, PoolAllocator, RankPools};
+    }
+
+    /// A rank's UCX worker thread and its write jobs.
+    pub mod rank {
+        pub use crate::rank::{
+            PUT_WINDOW, RankThread, RemoteRank, ReplayJob, ReplayStats, WriteError, WriteHook,
+            WriteJob, WriteStats,
+        };
+    }
+
+    /// CUDA device pools.
+    #[cfg(feature = "cuda")]
+    pub mod cuda {
+        pub use crate::cuda::{
+            CudaDevice, CudaError, CudaPool, DeviceCopier, device_allocation_holds, device_count,
+            driver_present, register_with_ucx, ucx_cuda_support,
+        };
+    }
+}

@@ -421,6 +421,7 @@ impl RankPools {
 }
 
 /// Where a [`PoolAllocator`] places pools.
+#[cfg_attr(not(feature = "harness"), allow(dead_code))]
 #[derive(Debug)]
 enum Placement {
     Host,
@@ -439,6 +440,7 @@ enum Placement {
 /// [`crate::agent::Agent::start_on`]):
 /// every pool the page tables name is allocated here first, and the page tables carry the
 /// addresses [`PoolAllocator::alloc`] returns.
+#[cfg_attr(not(feature = "harness"), allow(dead_code))]
 #[derive(Debug)]
 pub struct PoolAllocator {
     ctx: Arc<Context>,
@@ -452,6 +454,7 @@ pub struct PoolAllocator {
     host_bytes: u64,
 }
 
+#[cfg_attr(not(feature = "harness"), allow(dead_code))]
 impl PoolAllocator {
     /// The memory type the page tables must name for the pools this allocator hands out:
     /// DRAM for host pools, VRAM for CUDA pools.

@@ -6,6 +6,7 @@ pub use kvferry_protocol::{RequestStats, Stages};
 
 /// What a prefill server's bare replay of recorded plans moved, and how long it took
 /// ([`crate::agent::Agent::replay`]).
+#[cfg_attr(not(feature = "harness"), allow(dead_code))]
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BenchStats {
     /// From the first rank's first put to the last rank's last flush, in nanoseconds.
@@ -25,6 +26,7 @@ pub struct BenchStats {
     pub stages: Stages,
 }
 
+#[cfg_attr(not(feature = "harness"), allow(dead_code))]
 impl BenchStats {
     /// Adds another server's part of the same run, which ran at the same time: the totals
     /// add up, the time is the longest.
@@ -42,9 +44,11 @@ impl BenchStats {
 /// One fragment of a recorded plan, relative to the pools it reads and writes: `(source
 /// pool, offset in it, destination pool, offset in it, bytes)`. A tuple so that it is one
 /// small array in JSON.
+#[cfg_attr(not(feature = "harness"), allow(dead_code))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PoolFragment(pub u32, pub u64, pub u32, pub u64, pub u64);
 
+#[cfg_attr(not(feature = "harness"), allow(dead_code))]
 impl PoolFragment {
     /// Bytes the fragment moves.
     pub fn len(&self) -> u64 {
@@ -60,6 +64,7 @@ impl PoolFragment {
 /// What a prefill server's recorded plans of some requests write from one of its ranks to
 /// one decode rank, exactly the coalesced fragments [`crate::agent::Agent::replay`] puts,
 /// in its order ([`crate::agent::Agent::recorded_fragments`]).
+#[cfg_attr(not(feature = "harness"), allow(dead_code))]
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PairFragments {
     /// The context (sender) rank.

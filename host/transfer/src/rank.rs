@@ -111,14 +111,14 @@ use crate::memory::{BindError, RankPools};
 /// Puts kept in flight per job (platform-notes §2: bound them, or tcp's final flush collapses).
 pub const PUT_WINDOW: usize = 32;
 /// Fragments are split into puts of at most this many bytes.
-pub const MAX_PUT_BYTES: u64 = 1 << 20;
+pub(crate) const MAX_PUT_BYTES: u64 = 1 << 20;
 /// Idle progress rounds before the loop starts sleeping.
 const SPIN_ROUNDS: u32 = 2000;
 /// The longest an idle rank sleeps between progress rounds.
-pub const MAX_IDLE_SLEEP: Duration = Duration::from_micros(200);
+pub(crate) const MAX_IDLE_SLEEP: Duration = Duration::from_micros(200);
 /// How long a job blocked in its window waits before checking that its receiver is still
 /// registered.
-pub const ALIVE_CHECK: Duration = Duration::from_millis(20);
+pub(crate) const ALIVE_CHECK: Duration = Duration::from_millis(20);
 /// How long closing a forgotten peer's endpoint may flush before it is closed by force: every
 /// job on it was flushed already (or is quarantined, which keeps the endpoint open), so the
 /// flush has nothing to wait for unless the peer is gone.
@@ -129,15 +129,15 @@ const FORGET_CLOSE_TIMEOUT: Duration = Duration::from_millis(100);
 /// that were about to complete when the registration ended (a receiver that closed its
 /// session, a newer start) to finish cleanly, short against the peer timeout that declares
 /// a stopped receiver gone.
-pub const GONE_DRAIN_GRACE: Duration = Duration::from_millis(500);
+pub(crate) const GONE_DRAIN_GRACE: Duration = Duration::from_millis(500);
 /// How long a quarantined window to a peer that is still registered may go without any of its
 /// operations finishing before the peer is given up: its registration is ended (the agent
 /// closes its session at the next keep-alive) and the endpoint closed by force. Its job gave
 /// up at its own deadline before the window was quarantined.
-pub const STALL_LIMIT: Duration = Duration::from_secs(10);
+pub(crate) const STALL_LIMIT: Duration = Duration::from_secs(10);
 
 /// Identifies one registration of a peer instance (a new connection gets a new id).
-pub type PeerId = u64;
+pub(crate) type PeerId = u64;
 
 /// A peer rank as a sender writes it: its worker and its pools.
 #[derive(Clone, Debug)]
@@ -177,7 +177,7 @@ pub struct WriteStats {
     pub bytes: u64,
     /// Fragments of the plan.
     pub fragments: u64,
-    /// Puts issued (fragments split at [`MAX_PUT_BYTES`]).
+    /// Puts issued (fragments split at `MAX_PUT_BYTES`).
     pub puts: u64,
     /// Nanoseconds spent issuing the puts (waits for a full window included).
     pub puts_ns: u64,
@@ -366,12 +366,12 @@ pub enum WriteError {
 /// Called on the rank thread once a job is done (after its flush) or has failed — for a job
 /// that gave up with puts in flight, only once those have drained (never, if the thread ends
 /// first), so that a receiver told of the failure knows none of its bytes can still land.
-pub type JobDone = Box<dyn FnOnce(Result<WriteStats, WriteError>) + Send>;
+pub(crate) type JobDone = Box<dyn FnOnce(Result<WriteStats, WriteError>) + Send>;
 
 /// Called on the rank thread once UCX no longer reads a job's sources, right before its
 /// [`JobDone`] (for a replay: at once, or once its quarantined operations drained). Until then
 /// the sources' slots must not be reused.
-pub type JobRelease = Box<dyn FnOnce() + Send>;
+pub(crate) type JobRelease = Box<dyn FnOnce() + Send>;
 
 /// Observes a sender rank's write jobs at fixed points, on the rank thread. Production code
 /// installs none; tests and the CLI's fault-injection flag use it to delay a job (a hung
@@ -439,12 +439,12 @@ pub struct ReplayStats {
 }
 
 /// Called on the rank thread once a replay is done or has failed.
-pub type ReplayDone = Box<dyn FnOnce(Result<ReplayStats, WriteError>) + Send>;
+pub(crate) type ReplayDone = Box<dyn FnOnce(Result<ReplayStats, WriteError>) + Send>;
 
 /// A benchmark baseline: plans already written by [`WriteJob`]s, written again by a bare
 /// loop — every fragment resolved to (source region, offset, remote key) before the clock
 /// starts, then per plan one [`PutWindow`] of [`PUT_WINDOW`] puts (split at
-/// [`MAX_PUT_BYTES`]) and one flush, on the same endpoints and memory. No liveness checks, no
+/// `MAX_PUT_BYTES`) and one flush, on the same endpoints and memory. No liveness checks, no
 /// per-fragment lookups, no callbacks between plans.
 pub struct ReplayJob {
     /// The plans, with where each goes, in order.
@@ -469,7 +469,7 @@ impl std::fmt::Debug for ReplayJob {
 /// Called on the rank thread with the outcome of [`RankThread::vet`]; with
 /// [`WriteError::Stopped`] if the rank thread is gone (at once, on the caller's thread) or ends
 /// before it gets to the command.
-pub type VetDone = Box<dyn FnOnce(Result<(), WriteError>) + Send>;
+pub(crate) type VetDone = Box<dyn FnOnce(Result<(), WriteError>) + Send>;
 
 /// A [`VetDone`] that is called exactly once: with [`WriteError::Stopped`] if it is dropped
 /// unanswered (its command was still queued when the thread ended).
@@ -496,6 +496,7 @@ impl Drop for VetReply {
 
 enum Command {
     Write(WriteJob),
+    #[cfg_attr(not(feature = "harness"), allow(dead_code))]
     Replay(ReplayJob),
     Vet(Arc<RemoteRank>, Option<Vec<u8>>, VetReply),
     Forget(PeerId),
@@ -571,6 +572,7 @@ impl RankThread {
     ///
     /// The worker's address cannot be read, the thread cannot be spawned, or it cannot bind
     /// the pools' CUDA context ([`SpawnError::Bind`]: the thread has ended, nothing runs).
+    #[cfg_attr(not(feature = "harness"), allow(dead_code))]
     pub fn spawn(
         label: &str,
         rank: u32,
@@ -670,6 +672,7 @@ impl RankThread {
     }
 
     /// The rank.
+    #[cfg_attr(not(feature = "harness"), allow(dead_code))]
     pub fn rank(&self) -> u32 {
         self.rank
     }
@@ -706,6 +709,7 @@ impl RankThread {
     }
 
     /// Queues a replay (a benchmark baseline); if the thread is gone, fails it at once.
+    #[cfg_attr(not(feature = "harness"), allow(dead_code))]
     pub fn replay(&self, job: ReplayJob) {
         if let Err(mpsc::SendError(Command::Replay(job))) = self.tx.send(Command::Replay(job)) {
             if let Some(release) = job.release {

@@ -224,7 +224,7 @@ impl TransportSpec {
     /// at the peer timeout of the side channel's keep-alives, or at the write's deadline.
     ///
     /// With `ucx_peer_errors`, [`ErrorMode::Peer`] (a dead or unreachable receiver fails its
-    /// puts through UCX's error handler, see [`crate::rank`]) unless the selection is shared
+    /// puts through UCX's error handler, see the `rank` module) unless the selection is shared
     /// memory alone, which UCX cannot carry in that mode (`posix`, `sysv` and `self` have no
     /// peer-failure support: measured with `ucx_info -d`, UCX 1.22.0 and 1.13.1): the `shm`
     /// preset, and a `UCX_TLS` list whose every name is one of `posix`, `sysv`, `self`, `sm`,

@@ -15,7 +15,7 @@ use kvferry_transfer::Transport;
 use kvferry_transfer::agent::{
     Agent, AgentConfig, DecodeAgent, Event, FailureKind, PrefillAgent, Secret, SendChunk,
 };
-use kvferry_transfer::rank::WriteHook;
+use kvferry_transfer::harness::rank::WriteHook;
 
 use support::*;
 

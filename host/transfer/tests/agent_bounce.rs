@@ -151,11 +151,11 @@ fn a_cancel_with_bounced_puts_in_flight_scatters_nothing_after_cancelled() {
     let src = Engine::new("prefill", &model, pattern);
     let mut dst = Engine::new("decode", &model, |_, _| CANARY);
     let (gate, flushing) = FlushGate::new(Duration::from_millis(400));
-    let hook: std::sync::Arc<dyn kvferry_transfer::rank::WriteHook> = gate;
+    let hook: std::sync::Arc<dyn kvferry_transfer::harness::rank::WriteHook> = gate;
     let prefill = start(Role::Prefill, &src, secret(), bound(), |config| {
         config.transport = Transport::Tcp.into();
         config.bounce = on();
-        config.hook = Some(hook);
+        config.harness.hook = Some(hook);
     });
     let decode = bouncing(Role::Decode, &dst, Transport::Tcp, on());
     cancel_mid_write(prefill, decode, &src, &mut dst, flushing);

@@ -16,7 +16,7 @@ use std::time::Duration;
 use kvferry_planner_abi::{Mapping, MemoryType, RankInfo};
 use kvferry_testkit::builder::Deploy;
 use kvferry_transfer::agent::{BounceConfig, BounceMode, Event};
-use kvferry_transfer::cuda::{self, CudaDevice, CudaPool};
+use kvferry_transfer::harness::cuda::{self, CudaDevice, CudaPool};
 use kvferry_transfer::{Role, Transport};
 
 use support::*;
@@ -85,7 +85,7 @@ fn move_one(
     device: &CudaDevice,
     transport: Transport,
     bounce: BounceConfig,
-) -> kvferry_transfer::outcome::RequestStats {
+) -> kvferry_transfer::RequestStats {
     let src = DeviceEngine::new(device, "prefill", pattern);
     let dst = DeviceEngine::new(device, "decode", |_, _| CANARY);
     let tweak = |c: &mut kvferry_transfer::agent::AgentConfig| {

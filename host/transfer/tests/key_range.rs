@@ -10,8 +10,8 @@ use kvferry_plan::{ValidatedPlan, error_chain, validate};
 use kvferry_planner_abi::ffi::RVec;
 use kvferry_planner_abi::{GroupKind, LayerGroupRows, TransferPlan, ViewId};
 use kvferry_protocol::PoolKey;
-use kvferry_transfer::memory::{PoolAllocator, RankPools};
-use kvferry_transfer::rank::{RankThread, RemoteRank, WriteError, WriteJob, WriteStats};
+use kvferry_transfer::harness::memory::{PoolAllocator, RankPools};
+use kvferry_transfer::harness::rank::{RankThread, RemoteRank, WriteError, WriteJob, WriteStats};
 use kvferry_transfer::{Transport, TransportSpec};
 use kvferry_ucx::{Context, Worker};
 

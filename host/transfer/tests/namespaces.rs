@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use kvferry_plan::ValidatedPlan;
 use kvferry_transfer::agent::{Agent, AgentConfig, Event, FailureKind};
-use kvferry_transfer::rank::{RemoteRank, WriteHook};
+use kvferry_transfer::harness::rank::{RemoteRank, WriteHook};
 use kvferry_transfer::{Role, TransportSpec};
 
 use support::*;
@@ -263,7 +263,7 @@ fn child() {
         let mut c = config(Role::Prefill, &src);
         c.transport = spec(DEV[0]);
         c.listen = format!("{}:0", ADDR[0]);
-        c.hook = Some(Arc::new(StallSecond::default()));
+        c.harness.hook = Some(Arc::new(StallSecond::default()));
         // SAFETY: `src` outlives the agent (both live until this process ends).
         let agent = unsafe { Agent::start(c, bound()) }.unwrap();
         println!("KVF endpoint {}", agent.endpoint().unwrap());

@@ -13,8 +13,8 @@ use kvferry_plan::{ValidatedPlan, validate};
 use kvferry_planner_abi::ffi::RVec;
 use kvferry_planner_abi::{GroupKind, LayerGroupRows, TransferPlan, ViewId};
 use kvferry_protocol::PoolKey;
-use kvferry_transfer::memory::{PoolAllocator, RankPools};
-use kvferry_transfer::rank::{
+use kvferry_transfer::harness::memory::{PoolAllocator, RankPools};
+use kvferry_transfer::harness::rank::{
     RankThread, RemoteRank, ReplayJob, ReplayStats, WriteError, WriteJob, WriteStats,
 };
 use kvferry_transfer::{Transport, TransportSpec};

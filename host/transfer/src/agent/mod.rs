@@ -76,8 +76,11 @@ use kvferry_ucx::{Context, Worker};
 
 use crate::bounce::{Arena, Staging};
 use crate::memory::{MemoryError, MemoryKind, RankPools};
+#[cfg(feature = "harness")]
 use crate::outcome::PairFragments;
-use crate::rank::{RankThread, ReplayStats, SpawnError, WriteError};
+use crate::rank::{RankThread, SpawnError};
+#[cfg(feature = "harness")]
+use crate::rank::{ReplayStats, WriteError};
 pub(crate) use crate::sync::{SLOW_LOCK, lock};
 use crate::transport::{Transport, TransportSpec};
 
@@ -135,13 +138,11 @@ pub struct AgentConfig {
     /// The CUDA device of the rank's VRAM pools (cargo feature `cuda`; needed when the page
     /// table has any).
     pub cuda_device: Option<usize>,
-    /// Observes every write job (fault injection in tests); `None` in production.
-    pub hook: Option<Arc<dyn crate::rank::WriteHook>>,
-    /// Prefill ranks: keep every written plan until [`Agent::forget_recorded`], so
-    /// [`Agent::replay`] can write it again with a bare put loop (`kvferry bench`). Off by
-    /// default: recorded plans hold memory per request.
-    pub record_plans: bool,
-    /// Bounce transfers (see [`crate::bounce`]): the mode, the decode rank's arena and
+    /// What the test and benchmark harness sets (a fault hook, plan recording): the default
+    /// for an engine, and reachable only through the `harness` feature.
+    #[doc(hidden)]
+    pub harness: record::HarnessOptions,
+    /// Bounce transfers (see [`BounceMode`]): the mode, the decode rank's arena and
     /// the prefill rank's staging buffer. Default: auto, 256 MiB arena, 2 × 8 MiB staging.
     pub bounce: BounceConfig,
     /// Decode ranks: ask every writer for a digest of each piece and check it against
@@ -172,8 +173,7 @@ impl AgentConfig {
             max_connections: MAX_CONNECTIONS,
             max_stashed_bytes: 64 << 20,
             cuda_device: None,
-            hook: None,
-            record_plans: false,
+            harness: record::HarnessOptions::default(),
             bounce: BounceConfig::default(),
             integrity: None,
         }
@@ -961,6 +961,8 @@ impl Agent {
         self.inner.planning.wedged()
     }
 
+    #[cfg(feature = "harness")]
+    #[doc(hidden)]
     /// Prefill ranks recording plans ([`AgentConfig::record_plans`]): writes the plans this
     /// rank recorded for `requests` again with the rank thread's bare put loop (every fragment
     /// resolved before the clock starts, one window and one flush per plan) — the baseline
@@ -990,6 +992,8 @@ impl Agent {
         )))
     }
 
+    #[cfg(feature = "harness")]
+    #[doc(hidden)]
     /// The plans this rank recorded for `requests` as fragment lists per decode rank,
     /// relative to each side's pools: exactly what [`replay`](Self::replay) puts, in its
     /// order.
@@ -1008,18 +1012,24 @@ impl Agent {
         )
     }
 
+    #[cfg(feature = "harness")]
+    #[doc(hidden)]
     /// Whether this rank recorded plans for `request`.
     pub fn has_recorded(&self, request: u64) -> bool {
         lock(&self.inner.recorded).has(request)
     }
 
+    #[cfg(feature = "harness")]
+    #[doc(hidden)]
     /// Drops the plans recorded for `requests`.
     pub fn forget_recorded(&self, requests: &[u64]) {
         lock(&self.inner.recorded).forget(requests);
     }
 
+    #[cfg(feature = "harness")]
+    #[doc(hidden)]
     fn recorded_plans(&self, requests: &[u64]) -> Result<Vec<record::Recorded>, CallError> {
-        if !self.inner.config.record_plans {
+        if !self.inner.config.harness.record_plans {
             return Err(CallError::Invalid {
                 request: requests.first().copied().unwrap_or(0),
                 reason: "this agent does not record plans (`record_plans`)".into(),

@@ -936,7 +936,7 @@ fn queue(inner: &Arc<Inner>, id: u64, g: u32, conn: &Arc<DecodeConn>, q: Queued)
     let done_inner = Arc::clone(inner);
     let done_conn = Arc::clone(conn);
     let release_inner = Arc::clone(inner);
-    if inner.config.record_plans {
+    if inner.config.harness.record_plans {
         lock(&inner.recorded).record(id, &conn.remote, &plan);
     }
     let queued = Instant::now();
@@ -945,7 +945,7 @@ fn queue(inner: &Arc<Inner>, id: u64, g: u32, conn: &Arc<DecodeConn>, q: Queued)
         dest: Arc::clone(&conn.remote),
         plan,
         timeout: inner.config.timeout,
-        hook: inner.config.hook.clone(),
+        hook: inner.config.harness.hook.clone(),
         bounce,
         release: Some(Box::new(move || {
             with_machine(&release_inner, |m, _| m.handle_released(id, g));

@@ -1,7 +1,11 @@
-//! Plans a prefill agent keeps for `kvferry bench` ([`AgentConfig::record_plans`]): the same
-//! plans written again by the rank thread's bare put loop, and exported as fragment lists.
-//!
-//! [`AgentConfig::record_plans`]: super::AgentConfig::record_plans
+//! What the test and benchmark harness sets on an agent ([`HarnessOptions`]), and the plans a
+//! prefill agent keeps for `kvferry bench` when it records them: the same plans written again
+//! by the rank thread's bare put loop, and exported as fragment lists. The agent's calls over
+//! them exist only with the `harness` feature.
+
+// Without the `harness` feature plans are never recorded (nothing can switch it on), and
+// the agent has no call that reads them back.
+#![cfg_attr(not(feature = "harness"), allow(dead_code))]
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -13,6 +17,18 @@ use kvferry_plan::ValidatedPlan;
 use crate::memory::RankPools;
 use crate::outcome::{PairFragments, PoolFragment};
 use crate::rank::{PeerId, RankThread, RemoteRank, ReplayJob, ReplayStats, WriteError};
+
+/// What the harness sets on an agent ([`super::AgentConfig::harness`]); the default, for an
+/// engine, sets nothing.
+#[derive(Clone, Debug, Default)]
+pub struct HarnessOptions {
+    /// Observes every write job (fault injection in tests).
+    pub hook: Option<Arc<dyn crate::rank::WriteHook>>,
+    /// Prefill ranks: keep every written plan until `Agent::forget_recorded`, so
+    /// `Agent::replay` can write it again with a bare put loop (`kvferry bench`). Recorded
+    /// plans hold memory per request.
+    pub record_plans: bool,
+}
 
 /// One written plan: where it went, what it wrote.
 pub(crate) type Recorded = (Arc<RemoteRank>, Arc<ValidatedPlan>);

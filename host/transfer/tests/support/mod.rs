@@ -15,7 +15,7 @@ use kvferry_testkit::builder::{Deploy, Model};
 use kvferry_transfer::Role;
 use kvferry_transfer::Transport;
 use kvferry_transfer::agent::{Agent, AgentConfig, Event, Expect, Secret, SendChunk};
-use kvferry_transfer::rank::{RemoteRank, WriteHook};
+use kvferry_transfer::harness::rank::{RemoteRank, WriteHook};
 
 pub const CANARY: u8 = 0xA5;
 
@@ -126,7 +126,7 @@ pub fn agent_with(
 ) -> Agent {
     start(role, engine, secret, bound(), |config| {
         config.transport = transport.into();
-        config.hook = hook;
+        config.harness.hook = hook;
     })
 }
 
@@ -354,8 +354,8 @@ pub fn cancel_mid_write(
 /// One end of a secured side-channel connection, read and written as one stream (for tests
 /// that speak the agent protocol by hand).
 pub struct SecurePeer {
-    reader: kvferry_transfer::conn::Reader,
-    writer: kvferry_transfer::conn::Writer,
+    reader: kvferry_transfer::harness::conn::Reader,
+    writer: kvferry_transfer::harness::conn::Writer,
     /// The session's handshake hash.
     pub binding: [u8; 32],
 }
@@ -376,8 +376,8 @@ impl std::io::Write for SecurePeer {
 }
 
 impl SecurePeer {
-    fn new(secured: kvferry_transfer::conn::Secured) -> SecurePeer {
-        let kvferry_transfer::conn::Secured {
+    fn new(secured: kvferry_transfer::harness::conn::Secured) -> SecurePeer {
+        let kvferry_transfer::harness::conn::Secured {
             mut reader,
             writer,
             binding,
@@ -402,7 +402,7 @@ impl SecurePeer {
     ) -> Result<SecurePeer, kvferry_protocol::secure::HandshakeError> {
         let s = std::net::TcpStream::connect(endpoint).unwrap();
         let deadline = Instant::now() + Duration::from_secs(5);
-        kvferry_transfer::conn::secure_dial::<kvferry_protocol::AgentMessage>(
+        kvferry_transfer::harness::conn::secure_dial::<kvferry_protocol::AgentMessage>(
             s, secret, endpoint, deadline,
         )
         .map(SecurePeer::new)
@@ -412,9 +412,11 @@ impl SecurePeer {
     pub fn accept(listener: &std::net::TcpListener, secret: &Secret) -> Option<SecurePeer> {
         let (s, _) = listener.accept().ok()?;
         let deadline = Instant::now() + Duration::from_secs(5);
-        kvferry_transfer::conn::secure_accept::<kvferry_protocol::AgentMessage>(s, secret, deadline)
-            .ok()
-            .map(|(secured, _)| SecurePeer::new(secured))
+        kvferry_transfer::harness::conn::secure_accept::<kvferry_protocol::AgentMessage>(
+            s, secret, deadline,
+        )
+        .ok()
+        .map(|(secured, _)| SecurePeer::new(secured))
     }
 }
 
