@@ -12,7 +12,7 @@ use std::fmt::Write as _;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use kvferry_transfer::{MemoryKind, Transport};
+use kvferry::{MemoryKind, Transport};
 use kvferry_ucx::{Context, Op, Status, library};
 use serde::Serialize;
 
@@ -274,7 +274,7 @@ pub fn diagnose(net_devices: Option<&str>) -> Report {
 /// Whether kvferry can load `libcuda` (cudarc's probe, which `--memory cuda` runs first).
 fn libcuda_loadable() -> Option<bool> {
     #[cfg(feature = "cuda")]
-    return Some(kvferry_transfer::harness::cuda::driver_present());
+    return Some(kvferry::cuda_driver_present());
     #[cfg(not(feature = "cuda"))]
     None
 }

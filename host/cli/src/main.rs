@@ -1,5 +1,12 @@
 //! `kvferry`: list planners, check a deployment, dry-run a transfer plan, serve an instance,
-//! run the two-process demo, benchmark the transfer path.
+//! run the two-process demo, benchmark the transfer path. The operator commands (`planners`,
+//! `check`, `plan`, `conform`, `doctor`) are written here over the `kvferry` facade; `serve`,
+//! `demo` and `bench` parse their options here and run in `kvferry-harness`.
+
+#![forbid(unsafe_code)]
+
+mod doctor;
+mod progress;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -9,10 +16,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
 use clap::{Parser, Subcommand};
-use kvferry_cli::bench::{self, BenchConfig};
-use kvferry_cli::demo::{self, DemoConfig, LoopbackPair};
-use kvferry_cli::progress::Progress;
-use kvferry_cli::serve::{InstanceConfig, ServeOptions};
+use kvferry::agent::{BounceConfig, BounceMode, Integrity};
+use kvferry::{MemoryKind, Role, TransportSpec};
+use kvferry_harness::bench::{self, BenchConfig};
+use kvferry_harness::demo::{self, DemoConfig, LoopbackPair};
+use kvferry_harness::serve::{InstanceConfig, ServeOptions};
 use kvferry_loader::config::{self, Config};
 use kvferry_loader::{BoundPlanner, Candidate, Registry};
 use kvferry_plan::bounce::{self, BounceLimits};
@@ -24,8 +32,7 @@ use kvferry_testkit::layout::{
 };
 use kvferry_testkit::oracle::LocalMemory;
 use kvferry_testkit::scenario::{MemoryBudget, Scenario, ScenarioError};
-use kvferry_transfer::agent::{BounceConfig, BounceMode, Integrity};
-use kvferry_transfer::{MemoryKind, Role, TransportSpec};
+use progress::Progress;
 use serde_json::json;
 
 /// Moves LLM KV caches from prefill servers to decode servers, planned by plugins.
@@ -636,9 +643,9 @@ fn check_width(flag: &str, mapping: &Mapping) -> Result<()> {
 }
 
 /// What this process may still allocate, as `serve` checks its pools against it
-/// ([`kvferry_transfer::harness::HostBudget`]), for the testkit's in-process pools.
+/// ([`kvferry_harness::HostBudget`]), for the testkit's in-process pools.
 fn memory_budget() -> Option<MemoryBudget> {
-    kvferry_transfer::harness::HostBudget::measure().map(|b| MemoryBudget {
+    kvferry_harness::HostBudget::measure().map(|b| MemoryBudget {
         bytes: b.bytes,
         available: b.to_string(),
     })
@@ -1239,7 +1246,7 @@ fn stop_with_stdin(stop: std::sync::mpsc::Sender<()>) -> Result<()> {
 
 fn serve(host: &Host, a: ServeArgs) -> Result<ExitCode> {
     a.memory.check()?;
-    let secret = kvferry_transfer::agent::load_secret(a.secret_file.as_deref())?;
+    let secret = kvferry::agent::load_secret(a.secret_file.as_deref())?;
     let id = host.planner_id(a.planner.as_deref());
     let model = a.shape.model(&a.model);
     let bound = host.bind(&id, &model, a.deployment)?;
@@ -1277,7 +1284,7 @@ fn serve(host: &Host, a: ServeArgs) -> Result<ExitCode> {
         secret,
         bounce: a.bounce.config()?,
     };
-    let running = kvferry_cli::serve::start(config, model, a.deployment, bound, &options)
+    let running = kvferry_harness::serve::start(config, model, a.deployment, bound, &options)
         .with_context(|| format!("starting {} instance {name}", a.role))?;
     if a.exit_with_stdin {
         stop_with_stdin(running.stopper())?;
@@ -1287,7 +1294,7 @@ fn serve(host: &Host, a: ServeArgs) -> Result<ExitCode> {
             let listener = std::net::TcpListener::bind(addr)
                 .with_context(|| format!("--metrics-listen {addr}: cannot listen"))?;
             let bound = listener.local_addr()?;
-            kvferry_cli::metrics_http::spawn(listener, running.metrics_source())?;
+            kvferry_harness::metrics_http::spawn(listener, running.metrics_source())?;
             tracing::info!(url = %format!("http://{bound}/metrics"), "serving metrics");
             format!(" {}{bound}", demo::METRICS_ON)
         }
@@ -1350,7 +1357,7 @@ fn run_bench(config_file: Option<PathBuf>, a: BenchArgs) -> Result<ExitCode> {
             bail!("--layer-compute-us measures host memory and one block size on both sides");
         }
         let id = host.planner_id(pair.planner.as_deref());
-        let config = kvferry_cli::overlap::OverlapConfig {
+        let config = kvferry_harness::overlap::OverlapConfig {
             prefill: (pair.prefill, host.bind(&id, &pair.model, pair.prefill)?),
             decode: (pair.decode, host.bind(&id, &pair.model, pair.decode)?),
             model: pair.model,
@@ -1361,7 +1368,7 @@ fn run_bench(config_file: Option<PathBuf>, a: BenchArgs) -> Result<ExitCode> {
             layer_compute: Duration::from_micros(us),
         };
         let progress = Progress::spinner(!a.json, "timing layer-wise against whole sends");
-        let report = kvferry_cli::overlap::run(&config);
+        let report = kvferry_harness::overlap::run(&config);
         progress.finish();
         return print_report(&report?, a.json, true);
     }
@@ -1501,7 +1508,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
 }
 
 fn doctor(net_devices: Option<&str>, require_cuda: bool, json: bool) -> Result<ExitCode> {
-    let mut report = kvferry_cli::doctor::diagnose(net_devices);
+    let mut report = doctor::diagnose(net_devices);
     if require_cuda && !report.cuda_registrable() {
         report
             .problems
@@ -1527,7 +1534,7 @@ fn main() -> ExitCode {
         Command::Conform { .. } => "warn",
         _ => "kvferry=info,warn",
     };
-    kvferry_transfer::logging::init_stderr(default_filter);
+    kvferry::logging::init_stderr(default_filter);
     match run(cli) {
         Ok(code) => code,
         Err(e) => {

@@ -7,8 +7,8 @@ use crate::support;
 
 use std::time::Duration;
 
-use kvferry_cli::Client;
-use kvferry_cli::control::{ControlMessage as Message, Submit};
+use kvferry_harness::Client;
+use kvferry_harness::control::{ControlMessage as Message, Submit};
 use support::transfer::{
     REPLY, Server, prefill, release, start, submit, verify, verify_idle, wait_done,
 };

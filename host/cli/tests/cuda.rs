@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use kvferry_cli::demo::spawn_serve_logged;
+use kvferry_harness::demo::spawn_serve_logged;
 use kvferry_transfer::harness::cuda::{self, CudaDevice, CudaError, CudaPool};
 use kvferry_transfer::{MemoryKind, Transport};
 use kvferry_ucx::{MemRegion, MemoryType, Request, Worker};

@@ -3,7 +3,7 @@
 
 use crate::support;
 
-use kvferry_cli::metrics_http::get;
+use kvferry_harness::metrics_http::get;
 use support::transfer::{Server, demo};
 
 /// The sum of `name`'s samples whose labels include every one of `labels` (`key="value"`).

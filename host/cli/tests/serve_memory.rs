@@ -6,7 +6,7 @@ use crate::support;
 
 use std::process::Output;
 
-use kvferry_cli::demo::CONTROL_ON;
+use kvferry_harness::demo::CONTROL_ON;
 use support::{Kvferry, text};
 
 #[cfg(not(feature = "cuda"))]

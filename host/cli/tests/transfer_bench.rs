@@ -6,7 +6,7 @@ use crate::support;
 use std::io::Cursor;
 use std::process::Command;
 
-use kvferry_cli::control::ControlMessage as Message;
+use kvferry_harness::control::ControlMessage as Message;
 use kvferry_protocol::{encode, read_frame};
 use kvferry_transfer::harness::{BenchStats, PairFragments, PoolFragment};
 use kvferry_transfer::{RequestStats, Stages};
@@ -53,7 +53,7 @@ fn bench_exports_the_fragments_it_moves() {
         assert_eq!(export["round"], 0, "{v}");
 
         let f: Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
-        assert_eq!(f["format"], kvferry_cli::bench::FRAGMENTS_FORMAT);
+        assert_eq!(f["format"], kvferry_harness::bench::FRAGMENTS_FORMAT);
         assert_eq!(f["transport"], transport);
         assert_eq!(f["planner"], planner);
         assert_eq!(f["prefill"], ctx);
@@ -369,12 +369,15 @@ fn bench_llama_tcp_reports_both_paths() {
 /// installed).
 #[test]
 fn bench_with_perftest_reports_its_bandwidth() {
-    if Command::new(kvferry_cli::bench::PERFTEST)
+    if Command::new(kvferry_harness::bench::PERFTEST)
         .arg("-h")
         .output()
         .is_err()
     {
-        eprintln!("{} not installed; skipping", kvferry_cli::bench::PERFTEST);
+        eprintln!(
+            "{} not installed; skipping",
+            kvferry_harness::bench::PERFTEST
+        );
         return;
     }
     let v = bench(&[
@@ -414,7 +417,7 @@ fn bench_and_fragments_need_a_recording_context_server() {
     let c = ctx.client();
     let s = submit(1, 64);
     let _ = prefill(&c, &s);
-    let refusal = |c: &kvferry_cli::Client, requests: Vec<u64>| -> [String; 3] {
+    let refusal = |c: &kvferry_harness::Client, requests: Vec<u64>| -> [String; 3] {
         let bench = match c.call(
             Message::Bench {
                 requests: requests.clone(),

@@ -8,8 +8,8 @@ use crate::support;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use kvferry_cli::Client;
-use kvferry_cli::control::ControlMessage as Message;
+use kvferry_harness::Client;
+use kvferry_harness::control::ControlMessage as Message;
 use kvferry_transfer::RequestStats;
 use support::transfer::{
     Server, exchange, prefill, release, start, start_from, submit, verify, verify_idle, wait_done,

@@ -16,8 +16,8 @@ use std::sync::mpsc::{self, Receiver};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use kvferry_cli::Client;
-use kvferry_cli::control::Submit;
+use kvferry_harness::Client;
+use kvferry_harness::control::Submit;
 use support::transfer::{
     REPLY, Server, chunked, exchange, prefill, release, serve, start, submit, wait_done,
 };

@@ -9,7 +9,7 @@ use std::io::{Cursor, Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use kvferry_cli::control::{
+use kvferry_harness::control::{
     ControlMessage, PeerRef, RankTables, ServedRank, ServerInfo, Submit, VerifySummary,
 };
 use kvferry_planner_abi::{Mapping, SlotTable, TokenRange, ViewId};

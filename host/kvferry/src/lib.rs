@@ -23,6 +23,13 @@ pub use kvferry_transfer::{MemoryKind, Role, Transport, TransportSpec, logging, 
 /// Which UCX library this process loaded, and from where (what `kvferry doctor` reports).
 pub use kvferry_ucx::library as ucx_library;
 
+/// Whether this process can load the CUDA driver (`libcuda`), as VRAM pools need: what
+/// `kvferry doctor` reports.
+#[cfg(feature = "cuda")]
+pub fn cuda_driver_present() -> bool {
+    kvferry_transfer::cuda_driver_present()
+}
+
 /// The configuration version [`config::load`] reads (`"version": 1`).
 pub const CONFIG_VERSION: u32 = 1;
 

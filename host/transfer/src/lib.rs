@@ -55,6 +55,12 @@ pub use transport::{Transport, TransportSpec, Transports};
 
 pub use outcome::{RequestStats, Stages};
 
+/// Whether this process can load the CUDA driver (`libcuda`), as VRAM pools need.
+#[cfg(feature = "cuda")]
+pub fn cuda_driver_present() -> bool {
+    cuda::driver_present()
+}
+
 /// What the test and benchmark harness (`kvferry-harness`, `kvferry bench`) and this crate's
 /// tests drive beneath the agent: connections, pools, rank threads, the memcpy baseline, the
 /// fault hook and the bench's statistics. Not an engine's API, and not stable.

@@ -3,11 +3,11 @@
 use std::process::Child;
 use std::time::{Duration, Instant};
 
-use kvferry_cli::Client;
-use kvferry_cli::control::{
+use kvferry_harness::Client;
+use kvferry_harness::control::{
     ControlMessage as Message, PeerRef, RankTables, ServerInfo, Submit, VerifySummary,
 };
-use kvferry_cli::demo::{DemoError, ServerAddrs, spawn_serve_command, spawn_serve_logged};
+use kvferry_harness::demo::{DemoError, ServerAddrs, spawn_serve_command, spawn_serve_logged};
 use kvferry_plan::chunk_ranges;
 use kvferry_transfer::RequestStats;
 use serde_json::Value;
