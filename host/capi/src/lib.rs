@@ -946,16 +946,7 @@ pub unsafe extern "C" fn kvferry_agent_poll(
         unsafe { n_out.write(n) };
         if !pending.is_empty() {
             // The agent's poll cleared its eventfd; what is left here must keep it readable.
-            let one: u64 = 1;
-            // SAFETY: writes 8 bytes from a live u64 to the agent's eventfd, which is open
-            // while the agent lives; a full counter (EAGAIN) still leaves it readable.
-            let _ = unsafe {
-                libc::write(
-                    a.agent.wake_fd(),
-                    (&one as *const u64).cast(),
-                    std::mem::size_of::<u64>(),
-                )
-            };
+            a.agent.rewake();
         }
         Ok(())
     })

@@ -37,10 +37,10 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
 use kvferry_plan::chunk_ranges;
+use kvferry_platform::HostBudget;
 use kvferry_testkit::layout::{ModelSpec, PoolOptions, build_instance, bytes_text};
 use kvferry_testkit::oracle::LocalMemory;
 use kvferry_transfer::agent::BounceMode;
-use kvferry_transfer::harness::HostBudget;
 use kvferry_transfer::{MemoryKind, Role, TransportSpec};
 
 use crate::control::{RankTables, Submit};

@@ -26,4 +26,4 @@ pub mod verify;
 
 pub use client::{Client, ClientError};
 /// What this process may still allocate (`serve` checks its host pools against it).
-pub use kvferry_transfer::harness::HostBudget;
+pub use kvferry_platform::HostBudget;

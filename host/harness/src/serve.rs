@@ -55,7 +55,7 @@ use crate::verify::{verify_idle, verify_request};
 /// How long a refused connection's remaining input is drained before closing it.
 const DRAIN: Duration = Duration::from_millis(200);
 /// How often an event pump looks at its stop flag while no event comes.
-const PUMP_TICK: i32 = 100;
+const PUMP_TICK: Duration = Duration::from_millis(100);
 /// The answer to `Bench`, `Fragments` and `Memcpy` without `--record-plans`.
 const NOT_RECORDING: &str =
     "this prefill server does not record plans (start it with --record-plans)";
@@ -492,15 +492,10 @@ pub fn start(
 
 /// Hands one agent's events to the server until it stops.
 fn pump(shared: &std::sync::Weak<Shared>, rank: u32, agent: &Agent) {
-    let mut fd = libc::pollfd {
-        fd: agent.wake_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
     loop {
-        // SAFETY: `fd` is one valid pollfd; the agent owns the descriptor and outlives this
-        // loop (it is borrowed for the whole call).
-        let _ = unsafe { libc::poll(&mut fd, 1, PUMP_TICK) };
+        // A failed wait (the descriptor is the agent's, open while it is borrowed here)
+        // only means the events are read at once instead of after the tick.
+        let _ = kvferry_platform::wait_readable(agent.wake_fd(), PUMP_TICK);
         let Some(shared) = shared.upgrade() else {
             return;
         };

@@ -36,23 +36,5 @@ pub fn installed_planners() -> Option<std::path::PathBuf> {
 
 /// The file this library was loaded from (the executable, when linked statically).
 pub fn library_file() -> Option<std::path::PathBuf> {
-    let mut info = std::mem::MaybeUninit::<libc::Dl_info>::zeroed();
-    let here = library_file as *const () as *const libc::c_void;
-    // SAFETY: `here` is an address inside this object; `info` is writable and dladdr fills it
-    // (or returns 0, leaving it unread).
-    let found = unsafe { libc::dladdr(here, info.as_mut_ptr()) };
-    if found == 0 {
-        return None;
-    }
-    // SAFETY: dladdr succeeded, so it initialised `info`.
-    let info = unsafe { info.assume_init() };
-    if info.dli_fname.is_null() {
-        return None;
-    }
-    // SAFETY: dladdr's `dli_fname` is a NUL-terminated path owned by the dynamic loader,
-    // valid while the object stays loaded (it is this one).
-    let file = unsafe { std::ffi::CStr::from_ptr(info.dli_fname) };
-    Some(std::path::PathBuf::from(
-        <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(file.to_bytes()),
-    ))
+    kvferry_platform::object_file_of(library_file as *const ())
 }

@@ -19,9 +19,9 @@ use std::sync::{Condvar, Mutex};
 use std::thread;
 use std::time::Instant;
 
-use crate::budget::{HostBudget, bytes};
 use crate::outcome::PairFragments;
 use crate::rank::nanos;
+use kvferry_platform::{HostBudget, show_bytes};
 
 /// Why the memcpy baseline did not run. Nothing was copied.
 #[derive(Debug, thiserror::Error)]
@@ -78,7 +78,7 @@ pub enum CopyError {
         second: Vec<u64>,
     },
     /// The buffers would not fit in the memory this process may still take.
-    #[error("the memcpy baseline needs {} more for buffers shaped like the pools; {budget}", bytes(*.needed))]
+    #[error("the memcpy baseline needs {} more for buffers shaped like the pools; {budget}", show_bytes(*.needed))]
     Memory {
         /// Bytes to allocate.
         needed: u64,

@@ -34,7 +34,6 @@
 
 pub mod agent;
 mod bounce;
-mod budget;
 mod conn;
 #[cfg(feature = "harness")]
 mod copy;
@@ -67,8 +66,8 @@ pub fn cuda_driver_present() -> bool {
 #[cfg(feature = "harness")]
 #[doc(hidden)]
 pub mod harness {
-    pub use crate::budget::HostBudget;
     pub use crate::outcome::{BenchStats, PairFragments, PoolFragment};
+    pub use kvferry_platform::HostBudget;
 
     /// One connection's handshake, reader and writer.
     pub mod conn {

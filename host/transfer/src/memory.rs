@@ -30,7 +30,7 @@ use std::sync::Arc;
 
 use kvferry_ucx::{Context, MemRegion};
 
-use crate::budget::HostBudget;
+use kvferry_platform::HostBudget;
 
 #[cfg(feature = "cuda")]
 use crate::cuda::{self, CudaDevice, CudaError, CudaPool};
@@ -91,8 +91,8 @@ pub enum MemoryError {
     #[error(
         "rank {rank} pool {pool}: host pools would not fit: {} asked for in all (this pool {}), \
          {budget}",
-        crate::budget::bytes(*total),
-        crate::budget::bytes(*bytes)
+        kvferry_platform::show_bytes(*total),
+        kvferry_platform::show_bytes(*bytes)
     )]
     HostMemory {
         /// The rank.

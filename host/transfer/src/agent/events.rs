@@ -1,8 +1,10 @@
 //! The agent's event queue, and the file descriptor that wakes an engine's event loop.
 
 use std::collections::VecDeque;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Mutex;
+
+use kvferry_platform::EventFd;
 
 pub use kvferry_protocol::FailureKind;
 
@@ -196,21 +198,15 @@ impl AgentStats {
 pub(crate) struct Events {
     queue: Mutex<VecDeque<Event>>,
     stats: Mutex<AgentStats>,
-    fd: OwnedFd,
+    fd: EventFd,
 }
 
 impl Events {
     pub(crate) fn new() -> std::io::Result<Self> {
-        // SAFETY: eventfd takes no pointers; a negative return is an error, reported below.
-        let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if raw < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
         Ok(Self {
             queue: Mutex::new(VecDeque::new()),
             stats: Mutex::new(AgentStats::default()),
-            // SAFETY: `raw` is a fresh descriptor this value alone owns from here on.
-            fd: unsafe { OwnedFd::from_raw_fd(raw) },
+            fd: EventFd::new()?,
         })
     }
 
@@ -224,30 +220,16 @@ impl Events {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push_back(event);
-        let one: u64 = 1;
-        // SAFETY: writes 8 bytes from a live u64 to a descriptor this value owns. A full
-        // counter (EAGAIN) still leaves the descriptor readable, which is all that matters.
-        let _ = unsafe {
-            libc::write(
-                self.fd.as_raw_fd(),
-                (&one as *const u64).cast(),
-                std::mem::size_of::<u64>(),
-            )
-        };
+        self.fd.signal();
+    }
+
+    pub(crate) fn rewake(&self) {
+        self.fd.signal();
     }
 
     pub(crate) fn drain(&self) -> Vec<Event> {
         let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
-        let mut counter: u64 = 0;
-        // SAFETY: reads at most 8 bytes into a live u64 from a descriptor this value owns;
-        // non-blocking, so an empty counter returns EAGAIN, which is ignored.
-        let _ = unsafe {
-            libc::read(
-                self.fd.as_raw_fd(),
-                (&mut counter as *mut u64).cast(),
-                std::mem::size_of::<u64>(),
-            )
-        };
+        self.fd.clear();
         queue.drain(..).collect()
     }
 

@@ -923,6 +923,12 @@ impl Agent {
         self.inner.events.raw_fd()
     }
 
+    /// Makes [`wake_fd`](Self::wake_fd) readable again, as an event would: for a caller that
+    /// took events from [`poll`](Self::poll) and keeps some of them for later.
+    pub fn rewake(&self) {
+        self.inner.events.rewake();
+    }
+
     /// This agent's role.
     pub fn role(&self) -> Role {
         self.inner.config.role
@@ -1130,7 +1136,7 @@ fn bounce_copier(
     };
     let table = &config.rank.page_table.pools;
     if !table.iter().any(vram) {
-        if let Some(budget) = crate::budget::HostBudget::measure() {
+        if let Some(budget) = kvferry_platform::HostBudget::measure() {
             if want > budget.bytes {
                 return Err(format!("{want} bytes do not fit: {budget}"));
             }
@@ -1265,53 +1271,13 @@ fn advertised(local: SocketAddr, advertise: Option<&str>) -> Result<String, Star
     if !local.ip().is_unspecified() {
         return Ok(local.to_string());
     }
-    let ip = first_interface_address(local.is_ipv6()).ok_or_else(|| {
+    let ip = kvferry_platform::first_interface_address(local.is_ipv6()).ok_or_else(|| {
         StartError::Listen(format!(
             "listening on {local}, but no interface that is up has a non-loopback address to \
              advertise; set `advertise` or listen on a specific address"
         ))
     })?;
     Ok(SocketAddr::new(ip, local.port()).to_string())
-}
-
-/// The first non-loopback address of an interface that is up (IPv4 unless `v6`).
-fn first_interface_address(v6: bool) -> Option<IpAddr> {
-    let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
-    // SAFETY: getifaddrs writes a list head into `list`, freed below with freeifaddrs.
-    if unsafe { libc::getifaddrs(&mut list) } != 0 {
-        return None;
-    }
-    let mut found = None;
-    let mut cursor = list;
-    while !cursor.is_null() && found.is_none() {
-        // SAFETY: `cursor` is a node of the list getifaddrs returned, not yet freed.
-        let node = unsafe { &*cursor };
-        cursor = node.ifa_next;
-        let up = node.ifa_flags & (libc::IFF_UP as u32) != 0;
-        let loopback = node.ifa_flags & (libc::IFF_LOOPBACK as u32) != 0;
-        if !up || loopback || node.ifa_addr.is_null() {
-            continue;
-        }
-        // SAFETY: `ifa_addr` is non-null and points at a sockaddr whose family says its type.
-        let family = i32::from(unsafe { (*node.ifa_addr).sa_family });
-        if family == libc::AF_INET && !v6 {
-            // SAFETY: an AF_INET address is a sockaddr_in.
-            let sin = unsafe { &*(node.ifa_addr as *const libc::sockaddr_in) };
-            found = Some(IpAddr::from(
-                u32::from_be(sin.sin_addr.s_addr).to_be_bytes(),
-            ));
-        } else if family == libc::AF_INET6 && v6 {
-            // SAFETY: an AF_INET6 address is a sockaddr_in6.
-            let sin6 = unsafe { &*(node.ifa_addr as *const libc::sockaddr_in6) };
-            let ip = std::net::Ipv6Addr::from(sin6.sin6_addr.s6_addr);
-            if !ip.is_loopback() && (ip.segments()[0] & 0xffc0) != 0xfe80 {
-                found = Some(IpAddr::V6(ip));
-            }
-        }
-    }
-    // SAFETY: `list` came from getifaddrs and is freed once; no node is used after this.
-    unsafe { libc::freeifaddrs(list) };
-    found
 }
 
 #[cfg(test)]

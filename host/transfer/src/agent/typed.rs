@@ -98,6 +98,11 @@ macro_rules! shared_calls {
             self.agent.wake_fd()
         }
 
+        /// Makes the descriptor readable again (see [`Agent::rewake`]).
+        pub fn rewake(&self) {
+            self.agent.rewake()
+        }
+
         /// Requests this agent holds (in flight, not yet ended).
         pub fn requests_held(&self) -> usize {
             self.agent.requests_held()

@@ -4,7 +4,7 @@
 //!
 //! Host pools are allocated lazily by the kernel: a pool larger than the machine allocates
 //! fine and the process is killed by the OOM killer (or gets SIGBUS from a full `/dev/shm`)
-//! when the pool is first touched, long after start. [`crate::memory::PoolAllocator`]
+//! when the pool is first touched, long after start. kvferry-transfer's pool allocator
 //! checks every host pool against this budget first, so a layout that cannot fit is refused
 //! at start with the numbers.
 
@@ -22,12 +22,12 @@ pub struct HostBudget {
 
 impl fmt::Display for HostBudget {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} available ({})", bytes(self.bytes), self.limit)
+        write!(f, "{} available ({})", show_bytes(self.bytes), self.limit)
     }
 }
 
-/// Bytes as GB (10^9) with two decimals, and the exact count.
-pub(crate) fn bytes(n: u64) -> String {
+/// Bytes as GB (10^9) with two decimals, and the exact count (`1.50 GB (1500000000 bytes)`).
+pub fn show_bytes(n: u64) -> String {
     format!("{:.2} GB ({n} bytes)", n as f64 / 1e9)
 }
 

@@ -1,0 +1,31 @@
+//! kvferry-platform: what kvferry asks of the operating system, beneath safe interfaces. As
+//! quinn-udp holds quinn's socket calls, this crate holds the system calls of the host crates
+//! (`kvferry-transfer`, the `kvferry` facade, `kvferry-harness`), each `unsafe` block with a
+//! `// SAFETY:` comment, so that no caller needs one to:
+//!
+//! - [`EventFd`]: a counter descriptor that is readable while it is non-zero (an agent's
+//!   wake-up descriptor, which engines poll beside their own);
+//! - [`wait_readable`]: poll one descriptor with a timeout;
+//! - [`first_interface_address`]: the first non-loopback address of an interface that is up
+//!   (what an agent advertises when it listens on every interface);
+//! - [`object_file_of`]: the file the object holding an address was loaded from (where an
+//!   installed library finds its planners);
+//! - [`HostBudget`]: the host memory this process may still allocate.
+//!
+//! UCX's calls are `kvferry-ucx`'s, and the memory an engine lends an agent (registered with
+//! UCX, read and written at checked offsets) is `kvferry-transfer`'s: those calls carry the
+//! engine's promise about its memory, which only the transfer layer can check.
+
+#![deny(missing_docs)]
+
+mod budget;
+mod dl;
+mod eventfd;
+mod net;
+mod poll;
+
+pub use budget::{HostBudget, show_bytes};
+pub use dl::object_file_of;
+pub use eventfd::EventFd;
+pub use net::first_interface_address;
+pub use poll::wait_readable;
