@@ -44,7 +44,7 @@ class _NumpyArray(Protocol):
     def __array__(self, *args: Any, **kwargs: Any) -> Any: ...
 
 _ErrorKind = Literal[
-    "config",  # the JSON configuration is refused (bad JSON, wrong version, unknown field, ...)
+    "config",  # the configuration is refused (bad JSON or TOML, wrong version, unknown field, ...)
     "planner",  # no planner could be bound, or it refuses this rank
     "ucx",  # no UCX context or worker
     "memory",  # the pools could not be registered
@@ -109,8 +109,9 @@ class Agent:
     """
 
     def __new__(cls, config_json: str, keep_alive: Sequence[object] | None = ...) -> Self:
-        """Starts the agent from the JSON configuration (version 1; ``host/capi/README.md``
-        lists every field). ``keep_alive``: objects (the pools) referenced until
+        """Starts the agent from the configuration, JSON or TOML text (version 1;
+        ``host/capi/README.md`` lists every field and the environment variables that fill
+        what it leaves out). ``keep_alive``: objects (the pools) referenced until
         :meth:`close`. Raises :class:`Error` (kind ``config``, ``planner``, ``ucx``,
         ``memory``, ``listen``, ``resources``)."""
 

@@ -2,7 +2,7 @@
 //! (`kvferry::agent::Agent`), re-exported by the `kvferry` package
 //! (`python/kvferry/__init__.py`; `python/README.md` shows it in use).
 //!
-//! It takes the versioned JSON configuration (`kvferry::config::load`, the same
+//! It takes the versioned configuration, JSON or TOML (`kvferry::config::load`, the same
 //! parser `kvferry_agent_start` calls), releases the GIL around every agent call, reads slot
 //! tables through the buffer protocol without converting them to Python lists, and turns
 //! every refusal, and any panic, into a `kvferry.Error` carrying `kind`, `peer` and `detail`.
@@ -382,7 +382,7 @@ impl Drop for Agent {
 
 #[pymethods]
 impl Agent {
-    /// Starts one rank's agent from the JSON configuration (version 1, the C API's).
+    /// Starts one rank's agent from the configuration, JSON or TOML (version 1, the C API's).
     #[new]
     #[pyo3(signature = (config_json, keep_alive = None))]
     fn new(

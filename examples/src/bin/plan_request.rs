@@ -13,7 +13,7 @@ fn main() -> Result<()> {
         .nth(1)
         .unwrap_or_else(|| "kvferry.deepseek_mla_latent".to_string());
     // The same rules as the CLI: KVFERRY_PLUGIN_DIR, else the executable's directory.
-    let registry = Registry::scan(&kvferry::registry::plugin_dirs(None));
+    let registry = Registry::scan(&kvferry::registry::plugin_dirs(&[]));
     let model = ModelSpec::new(Preset::DeepseekV3);
     let (ctx, decode) = ("dep4".parse::<Mapping>()?, "dep8".parse::<Mapping>()?);
     let deployment = |mapping| Deployment {

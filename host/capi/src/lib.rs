@@ -499,8 +499,9 @@ unsafe fn copy_out(
 // ---------------------------------------------------------------------------------------
 // The entry points.
 
-/// Starts one rank's agent from a JSON configuration (version 1; `host/capi/README.md` lists
-/// every field), and stores its handle in `*out` (NULL on failure).
+/// Starts one rank's agent from a configuration, JSON or TOML (version 1; `host/capi/README.md`
+/// lists every field and the environment variables that fill what it leaves out), and stores
+/// its handle in `*out` (NULL on failure).
 ///
 /// This is where the engine makes its memory promise: from this call until
 /// `kvferry_agent_destroy` returns, every pool the page table names stays one live allocation

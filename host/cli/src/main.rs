@@ -17,11 +17,11 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, bail};
 use clap::{Parser, Subcommand};
 use kvferry::agent::{BounceConfig, BounceMode, Integrity};
+use kvferry::config::{CONFIG_ENV, FileConfig};
 use kvferry::{MemoryKind, Role, TransportSpec};
 use kvferry_harness::bench::{self, BenchConfig};
 use kvferry_harness::demo::{self, DemoConfig, LoopbackPair};
 use kvferry_harness::serve::{InstanceConfig, ServeOptions};
-use kvferry_loader::config::{self, Config};
 use kvferry_loader::{BoundPlanner, Candidate, Registry};
 use kvferry_plan::bounce::{self, BounceLimits};
 use kvferry_planner_abi::{Deployment, Mapping, PlanError, RankInfo, TokenRange, TransferPlanner};
@@ -39,7 +39,8 @@ use serde_json::json;
 #[derive(Debug, Parser)]
 #[command(name = "kvferry", version, about)]
 struct Cli {
-    /// Config file (TOML: `planner`, `plugin_dir`); default `$KVFERRY_CONFIG`.
+    /// Config file, TOML or JSON: `planner` and `plugin_dir`, or an agent's whole configuration
+    /// (its `planner` and `plugin_dir` are used); default `$KVFERRY_CONFIG`.
     #[arg(long, global = true, value_name = "FILE")]
     config: Option<PathBuf>,
     #[command(subcommand)]
@@ -653,15 +654,15 @@ fn memory_budget() -> Option<MemoryBudget> {
 
 /// The loaded configuration and plugin registry.
 struct Host {
-    config: Config,
+    config: FileConfig,
     registry: Registry,
 }
 
 impl Host {
     fn load(config_flag: Option<&std::path::Path>) -> Result<Self> {
-        let env = std::env::var(config::CONFIG_ENV).ok();
-        let config = Config::discover(config_flag, env.as_deref())?;
-        let dirs = kvferry_loader::plugin_dirs(config.plugin_dir.as_deref());
+        let env = std::env::var(CONFIG_ENV).ok();
+        let config = FileConfig::discover(config_flag, env.as_deref())?;
+        let dirs = kvferry_loader::plugin_dirs(&config.plugin_dirs);
         let registry = Registry::scan(&dirs);
         Ok(Self { config, registry })
     }

@@ -5,7 +5,8 @@
 //! - [`agent`]: one agent per rank over the engine's own KV memory — [`agent::PrefillAgent`],
 //!   [`agent::DecodeAgent`], or [`agent::Agent`] when the role is a run-time value — with its
 //!   requests ([`agent::SendChunk`], [`agent::Expect`]), events and errors.
-//! - [`config`]: the versioned JSON configuration every binding reads ([`config::load`]).
+//! - [`config`]: the versioned configuration every binding reads, JSON or TOML, with the environment
+//!   filling what it leaves out ([`config::load`], [`config::load_file`]).
 //! - [`planning`]: kvferry's plans for an engine that moves bytes with another transfer layer
 //!   ([`planning::PairPlanner`]).
 //! - [`registry`]: the planners found in plugin directories, and binding one.

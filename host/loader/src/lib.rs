@@ -30,7 +30,6 @@
 
 #![deny(missing_docs)]
 
-pub mod config;
 mod elf;
 
 /*
@@ -88,7 +87,7 @@ const MAX_ABI_LINES: usize = 10;
 /// The plugin directories to scan, in order.
 ///
 /// 1. `KVFERRY_PLUGIN_DIR` ([`PLUGIN_DIR_ENV`]), colon-separated, if set and not empty;
-/// 2. else `config_dir`, the config file's `plugin_dir`;
+/// 2. else `config_dirs`, the configuration's `plugin_dir` (one or several), if any;
 /// 3. else the directory of the running executable, so that cargo's build output works with
 ///    no configuration (`target/debug/libkvferry_planner_*.so` next to `target/debug/kvferry`),
 ///    then [`INSTALLED_PLANNERS`] beside it when that exists (`scripts/install`'s layout:
@@ -96,10 +95,10 @@ const MAX_ABI_LINES: usize = 10;
 ///
 /// Reads the process environment; [`plugin_dirs_from`] is the same rule with every input
 /// passed in.
-pub fn plugin_dirs(config_dir: Option<&Path>) -> Vec<PathBuf> {
+pub fn plugin_dirs(config_dirs: &[PathBuf]) -> Vec<PathBuf> {
     let env = std::env::var_os(PLUGIN_DIR_ENV);
     let exe = std::env::current_exe().ok();
-    plugin_dirs_from(env.as_deref(), config_dir, exe.as_deref())
+    plugin_dirs_from(env.as_deref(), config_dirs, exe.as_deref())
 }
 
 /// [`plugin_dirs`] with its inputs passed in: the value of `KVFERRY_PLUGIN_DIR` (`env`), the
@@ -109,7 +108,7 @@ pub fn plugin_dirs(config_dir: Option<&Path>) -> Vec<PathBuf> {
 /// entry counts as unset. Returns no directory only when every input is absent.
 pub fn plugin_dirs_from(
     env: Option<&OsStr>,
-    config_dir: Option<&Path>,
+    config_dirs: &[PathBuf],
     exe: Option<&Path>,
 ) -> Vec<PathBuf> {
     if let Some(env) = env {
@@ -120,8 +119,8 @@ pub fn plugin_dirs_from(
             return dirs;
         }
     }
-    if let Some(dir) = config_dir {
-        return vec![dir.to_path_buf()];
+    if !config_dirs.is_empty() {
+        return config_dirs.to_vec();
     }
     let Some(dir) = exe.and_then(Path::parent) else {
         return Vec::new();
@@ -1037,28 +1036,28 @@ mod tests {
     #[test]
     fn plugin_dirs_prefers_env_then_config_then_exe_dir() {
         let exe = Path::new("/opt/kvferry/bin/kvferry");
-        let config = Path::new("/etc/kvferry/plugins");
+        let config = &[PathBuf::from("/etc/kvferry/plugins")];
         assert_eq!(
-            plugin_dirs_from(Some(OsStr::new("/a:/b")), Some(config), Some(exe)),
+            plugin_dirs_from(Some(OsStr::new("/a:/b")), config, Some(exe)),
             vec![PathBuf::from("/a"), PathBuf::from("/b")]
         );
         assert_eq!(
-            plugin_dirs_from(Some(OsStr::new("/a::/b:")), None, None),
+            plugin_dirs_from(Some(OsStr::new("/a::/b:")), &[], None),
             vec![PathBuf::from("/a"), PathBuf::from("/b")]
         );
         assert_eq!(
-            plugin_dirs_from(Some(OsStr::new("")), Some(config), Some(exe)),
-            vec![config.to_path_buf()]
+            plugin_dirs_from(Some(OsStr::new("")), config, Some(exe)),
+            config.to_vec()
         );
         assert_eq!(
-            plugin_dirs_from(Some(OsStr::new(":")), None, Some(exe)),
+            plugin_dirs_from(Some(OsStr::new(":")), &[], Some(exe)),
             vec![PathBuf::from("/opt/kvferry/bin")]
         );
         assert_eq!(
-            plugin_dirs_from(None, None, Some(exe)),
+            plugin_dirs_from(None, &[], Some(exe)),
             vec![PathBuf::from("/opt/kvferry/bin")]
         );
-        assert!(plugin_dirs_from(None, None, None).is_empty());
+        assert!(plugin_dirs_from(None, &[], None).is_empty());
     }
 
     #[test]
@@ -1067,7 +1066,7 @@ mod tests {
         let exe = prefix.path().join("bin/kvferry");
         std::fs::create_dir_all(prefix.path().join(INSTALLED_PLANNERS)).unwrap();
         assert_eq!(
-            plugin_dirs_from(None, None, Some(&exe)),
+            plugin_dirs_from(None, &[], Some(&exe)),
             vec![
                 prefix.path().join("bin"),
                 prefix.path().join(INSTALLED_PLANNERS)

@@ -1,5 +1,15 @@
-//! The agent's configuration: one JSON object, versioned, read strictly — what the C API's
+//! The agent's configuration: one object, versioned, read strictly — what the C API's
 //! `kvferry_agent_start`, Python's `kvferry.Agent`, the examples and a Rust engine read alike.
+//! It is JSON (text whose first character, after white space, is `{`) or TOML (anything
+//! else): the same fields either way, `[rank]` and `[[rank.page_table.pools]]` being TOML's
+//! spelling of the nested objects. [`load_file`] reads a file, resolving a relative
+//! `plugin_dir` against the file's folder.
+//!
+//! Fields a configuration leaves out fall back to the environment, so one file can serve
+//! every host of a deployment and each host set what is its own: [`ENV_TRANSPORT`],
+//! [`ENV_NET_DEVICES`], [`ENV_ADVERTISE`], the secret from `KVFERRY_SECRET` (kept out of
+//! files and command lines) and `KVFERRY_PLANNER` / `KVFERRY_PLUGIN_DIR` (see
+//! [`crate::registry`]). A field the configuration gives always wins, as the CLI's flags do.
 //!
 //! The planner ABI's types ([`RankInfo`], [`PageTable`], ...) derive serde, but for bincode
 //! between hosts: their code sets (`MemoryType`, `GroupKind`, `LayoutKind`) serialise as bare
@@ -9,7 +19,10 @@
 //! typo is an error naming the field rather than a silent default. The C API's README
 //! (`host/capi/README.md`) lists every field.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+
+mod file;
+pub use file::{CONFIG_ENV, FileConfig, FileConfigError};
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -19,9 +32,17 @@ use kvferry_planner_abi::{
     BufferEntry, Deployment, GroupKind, LayerGroup, LayoutKind, LocalLayer, Mapping, MemoryType,
     PageTable, PhysicalPool, PoolView, RankInfo, RoleLayout,
 };
-use kvferry_transfer::agent::{AgentConfig, BounceMode, Secret};
+use kvferry_transfer::agent::{AgentConfig, BounceMode, SECRET_ENV, Secret};
 use kvferry_transfer::{Role, TransportSpec};
 use serde::Deserialize;
+
+/// The transport of a configuration without `transport` (`shm`, `tcp`, `auto` or a UCX_TLS
+/// list).
+pub const ENV_TRANSPORT: &str = "KVFERRY_TRANSPORT";
+/// The network devices of a configuration without `net_devices` (UCX_NET_DEVICES syntax).
+pub const ENV_NET_DEVICES: &str = "KVFERRY_NET_DEVICES";
+/// The address a prefill rank advertises when its configuration has no `advertise`.
+pub const ENV_ADVERTISE: &str = "KVFERRY_ADVERTISE";
 
 /// The configuration version this library reads (`"version": 1`).
 const CONFIG_VERSION: u64 = crate::CONFIG_VERSION as u64;
@@ -93,6 +114,15 @@ struct ConfigV1 {
 enum PlannerDirs {
     One(PathBuf),
     Many(Vec<PathBuf>),
+}
+
+impl PlannerDirs {
+    fn into_vec(self) -> Vec<PathBuf> {
+        match self {
+            PlannerDirs::One(p) => vec![p],
+            PlannerDirs::Many(v) => v,
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -227,16 +257,53 @@ pub fn load(text: &str) -> Result<(AgentConfig, BoundPlanner), ConfigError> {
     Ok((parsed.agent, bound))
 }
 
+/// [`load`] for a file (JSON or TOML by its content), naming the file in every error; a
+/// relative `plugin_dir` is taken relative to the file's folder.
+pub fn load_file(path: &Path) -> Result<(AgentConfig, BoundPlanner), ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        ConfigError::invalid(format!("cannot read config file {}: {e}", path.display()))
+    })?;
+    let named = |e: ConfigError| match e {
+        ConfigError::Invalid(m) => ConfigError::Invalid(format!("{}: {m}", path.display())),
+        other => other,
+    };
+    let mut parsed = parse(&text).map_err(named)?;
+    if let Some(dirs) = &mut parsed.binding.plugin_dirs {
+        let base = path.parent().unwrap_or(Path::new("."));
+        for dir in dirs.iter_mut().filter(|d| d.is_relative()) {
+            *dir = base.join(&*dir);
+        }
+    }
+    let bound = parsed.bind()?;
+    Ok((parsed.agent, bound))
+}
+
+/// Reads one environment variable; tests pass their own.
+type Env<'a> = &'a dyn Fn(&str) -> Option<String>;
+
+fn process_env(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
 /// Parses a configuration: the version first (so a newer one is refused as such, not for
-/// its new fields), then every field strictly.
+/// its new fields), then every field strictly, with the process's environment for the
+/// fields it leaves out.
 pub(crate) fn parse(text: &str) -> Result<Parsed, ConfigError> {
+    parse_with(text, &process_env)
+}
+
+fn parse_with(text: &str, env: Env<'_>) -> Result<Parsed, ConfigError> {
     let c = read(text)?;
     let RankConfig {
         role,
         rank,
         binding,
     } = rank_config(&c)?;
-    let mut secret = secret(c.secret.as_deref(), c.secret_hex.as_deref(), "secret")?;
+    let mut secret = match (&c.secret, &c.secret_hex, env(SECRET_ENV)) {
+        (None, None, Some(from_env)) => Secret::new(from_env.into_bytes())
+            .map_err(|e| ConfigError::invalid(format!("{SECRET_ENV}: {e}")))?,
+        _ => secret(c.secret.as_deref(), c.secret_hex.as_deref(), "secret")?,
+    };
     if c.previous_secret.is_some() || c.previous_secret_hex.is_some() {
         // During a change of secret: peers that still prove the previous one are accepted.
         let previous = self::secret(
@@ -248,12 +315,18 @@ pub(crate) fn parse(text: &str) -> Result<Parsed, ConfigError> {
     }
     let mut agent = AgentConfig::new(&c.instance, role, rank, secret);
     agent.label = c.label;
-    let mut transport = match &c.transport {
-        Some(t) => TransportSpec::from_str(t)
+    let mut transport = match (&c.transport, env(ENV_TRANSPORT)) {
+        (Some(t), _) => TransportSpec::from_str(t)
             .map_err(|e| ConfigError::invalid(format!("config: transport: {e}")))?,
-        None => agent.transport.clone(),
+        (None, Some(t)) => TransportSpec::from_str(t.trim())
+            .map_err(|e| ConfigError::invalid(format!("{ENV_TRANSPORT}: {e}")))?,
+        (None, None) => agent.transport.clone(),
     };
-    if let Some(devices) = c.net_devices.filter(|d| !d.is_empty()) {
+    if let Some(devices) = c
+        .net_devices
+        .filter(|d| !d.is_empty())
+        .or_else(|| env(ENV_NET_DEVICES).map(|d| d.trim().to_string()))
+    {
         transport.net_devices = Some(devices);
     }
     transport.ucx_peer_errors = c.ucx_peer_errors;
@@ -261,7 +334,9 @@ pub(crate) fn parse(text: &str) -> Result<Parsed, ConfigError> {
     if let Some(listen) = c.listen {
         agent.listen = listen;
     }
-    agent.advertise = c.advertise;
+    agent.advertise = c
+        .advertise
+        .or_else(|| env(ENV_ADVERTISE).map(|a| a.trim().to_string()));
     let ms = |field: &str, v: Option<u64>, default: Duration| match v {
         None => Ok(default),
         Some(0) => Err(ConfigError::invalid(format!(
@@ -342,21 +417,34 @@ fn rank_config(c: &ConfigV1) -> Result<RankConfig, ConfigError> {
                 mapping,
             },
             planner: c.planner.clone().filter(|p| !p.trim().is_empty()),
-            plugin_dirs: c.plugin_dir.clone().map(|d| match d {
-                PlannerDirs::One(p) => vec![p],
-                PlannerDirs::Many(v) => v,
-            }),
+            plugin_dirs: c.plugin_dir.clone().map(PlannerDirs::into_vec),
         },
     })
 }
 
+/// The text as a JSON value: JSON when it starts with `{` (after white space), else TOML.
+fn value_of(text: &str) -> Result<serde_json::Value, ConfigError> {
+    let trimmed = text.trim_start();
+    if trimmed.starts_with('{') || trimmed.starts_with('[') {
+        return serde_json::from_str(text)
+            .map_err(|e| ConfigError::invalid(format!("config is not JSON: {e}")));
+    }
+    let table: toml::Table = toml::from_str(text).map_err(|e| {
+        ConfigError::invalid(format!(
+            "config is neither JSON (it does not start with `{{`) nor TOML: {}",
+            e.to_string().trim_end()
+        ))
+    })?;
+    serde_json::to_value(table)
+        .map_err(|e| ConfigError::invalid(format!("config: TOML value has no JSON form: {e}")))
+}
+
 /// The version check, then the strict parse.
 fn read(text: &str) -> Result<ConfigV1, ConfigError> {
-    let value: serde_json::Value = serde_json::from_str(text)
-        .map_err(|e| ConfigError::invalid(format!("config is not JSON: {e}")))?;
+    let value = value_of(text)?;
     let object = value
         .as_object()
-        .ok_or_else(|| ConfigError::invalid("config must be a JSON object"))?;
+        .ok_or_else(|| ConfigError::invalid("config must be a JSON object or a TOML table"))?;
     match object.get("version") {
         None => {
             return Err(ConfigError::invalid(format!(
@@ -450,8 +538,13 @@ fn secret(text: Option<&str>, hex: Option<&str>, name: &str) -> Result<Secret, C
         }
         (None, None) => {
             return Err(ConfigError::invalid(format!(
-                "config: no \"{name}\" (or \"{name}_hex\"): every agent of a deployment \
-                 proves one shared secret"
+                "config: no \"{name}\" (or \"{name}_hex\"{}): every agent of a deployment \
+                 proves one shared secret",
+                if name == "secret" {
+                    format!(", or {SECRET_ENV} in the environment")
+                } else {
+                    String::new()
+                }
             )));
         }
         (Some(t), None) => t.as_bytes().to_vec(),
@@ -648,7 +741,7 @@ fn code<T: Copy>(field: &str, name: &str, known: &[(&str, T)]) -> Result<T, Conf
 mod tests {
     use super::*;
 
-    fn minimal(extra: &str) -> String {
+    pub(super) fn minimal(extra: &str) -> String {
         format!(
             r#"{{"version": 1, "instance": "p", "role": "context", "architecture": "llama",
                "secret": "0123456789abcdef", "rank": {{"mapping": "tp2", "instance_rank": 1,
@@ -769,6 +862,114 @@ mod tests {
             "{}",
             refusal(&dp)
         );
+    }
+
+    /// [`minimal`] in TOML.
+    const MINIMAL_TOML: &str = r#"
+version = 1
+instance = "p"
+role = "context"
+architecture = "llama"
+secret = "0123456789abcdef"
+
+[rank]
+mapping = "tp2"
+instance_rank = 1
+layers_per_pp = [1]
+
+[rank.page_table]
+tokens_per_block = 16
+pools = [{ base = 4096, slot_bytes = 1024, num_slots = 4 }]
+
+[[rank.page_table.groups]]
+layers = [{ local = 0, global = 0 }]
+
+[[rank.page_table.groups.views]]
+pool = 0
+entries = [{ local_layer = 0, offset = 0, size = 1024 }]
+roles = ["key"]
+layout = { kind = "hnd", dtype = "bf16", elem_bits = 16, num_shards = 2, shard_index = 1 }
+"#;
+
+    #[test]
+    fn toml_reads_as_json_does() {
+        let json = parse(&minimal("")).unwrap();
+        let toml = parse(MINIMAL_TOML).unwrap();
+        assert_eq!(format!("{:?}", toml.agent), format!("{:?}", json.agent));
+        let typo = refusal(&format!("timeout = 5\n{MINIMAL_TOML}"));
+        assert!(typo.contains("unknown field `timeout`"), "{typo}");
+        let broken = refusal("version = 1\ninstance = ");
+        assert!(
+            broken.contains("neither JSON") && broken.contains("TOML"),
+            "{broken}"
+        );
+        let v2 = refusal(&MINIMAL_TOML.replacen("version = 1", "version = 2", 1));
+        assert!(v2.contains("version 2 is not supported"), "{v2}");
+    }
+
+    #[test]
+    fn the_environment_fills_what_the_config_leaves_out() {
+        let env = |name: &str| match name {
+            ENV_TRANSPORT => Some("shm".to_string()),
+            ENV_NET_DEVICES => Some("eth1".to_string()),
+            ENV_ADVERTISE => Some("10.0.0.7".to_string()),
+            SECRET_ENV => Some("a secret from the environment".to_string()),
+            _ => None,
+        };
+        let no_secret = minimal("").replace(r#""secret": "0123456789abcdef","#, "");
+        let a = parse_with(&no_secret, &env).unwrap().agent;
+        assert_eq!(a.transport.to_string(), "shm on eth1");
+        assert_eq!(a.transport.net_devices.as_deref(), Some("eth1"));
+        assert_eq!(a.advertise.as_deref(), Some("10.0.0.7"));
+        let from_env = "a secret from the environment".len();
+        assert!(format!("{:?}", a.secret).contains(&format!("({from_env} bytes")));
+        // What the configuration gives wins.
+        let given =
+            minimal(r#", "transport": "tcp", "net_devices": "eth0", "advertise": "10.0.0.1""#);
+        let a = parse_with(&given, &env).unwrap().agent;
+        assert_eq!(a.transport.net_devices.as_deref(), Some("eth0"));
+        assert_eq!(a.advertise.as_deref(), Some("10.0.0.1"));
+        assert!(format!("{:?}", a.secret).contains("(16 bytes"));
+        // A bad value names the variable.
+        let bad = |name: &str| (name == ENV_TRANSPORT).then(|| "carrier-pigeon".to_string());
+        match parse_with(&minimal(""), &bad) {
+            Err(ConfigError::Invalid(m)) => assert!(m.starts_with(ENV_TRANSPORT), "{m}"),
+            other => panic!("not refused: {other:?}"),
+        }
+        let short = |name: &str| (name == SECRET_ENV).then(|| "short".to_string());
+        match parse_with(&no_secret, &short) {
+            Err(ConfigError::Invalid(m)) => {
+                assert!(m.starts_with(SECRET_ENV) && m.contains("16 bytes"), "{m}")
+            }
+            other => panic!("not refused: {other:?}"),
+        }
+        match parse_with(&no_secret, &|_| None) {
+            Err(ConfigError::Invalid(m)) => assert!(m.contains(SECRET_ENV), "{m}"),
+            other => panic!("not refused: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_file_is_named_in_its_errors_and_anchors_a_relative_plugin_dir() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("absent.toml");
+        let e = load_file(&missing).unwrap_err().to_string();
+        assert!(e.contains("absent.toml"), "{e}");
+        let bad = dir.path().join("bad.json");
+        std::fs::write(&bad, "{").unwrap();
+        let e = load_file(&bad).unwrap_err().to_string();
+        assert!(e.contains("bad.json") && e.contains("not JSON"), "{e}");
+        // No planner loads from the (empty) relative folder: the refusal names it, anchored.
+        std::fs::create_dir(dir.path().join("planners")).unwrap();
+        let file = dir.path().join("agent.toml");
+        std::fs::write(&file, format!("plugin_dir = \"planners\"\n{MINIMAL_TOML}")).unwrap();
+        match load_file(&file) {
+            Err(ConfigError::Planner(m)) => {
+                let anchored = dir.path().join("planners").display().to_string();
+                assert!(m.contains(&anchored), "{m}");
+            }
+            other => panic!("bound a planner from an empty folder: {other:?}"),
+        }
     }
 
     #[test]
