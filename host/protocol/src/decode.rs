@@ -284,6 +284,18 @@ impl DecodeMachine {
         self.actions.pop_front()
     }
 
+    /// No handler gives a request a deadline sooner than this after the `now` it is called
+    /// with (its timeout, a late-write grace, a cancel's answer limit): a driver whose timer
+    /// sleeps at most this long past the [`poll_timeout`](Self::poll_timeout) it last read
+    /// misses no deadline that a handler made in the meantime, without being woken for it.
+    /// The simulation checks it.
+    pub fn horizon(&self) -> Duration {
+        self.config
+            .timeout
+            .min(LATE_WRITE_GRACE)
+            .min(CANCEL_ANSWER_LIMIT)
+    }
+
     /// When [`handle_timeout`](Self::handle_timeout) is next due: a request's timeout, the
     /// end of a late-write grace (due at every call after it until the worker is quiet or
     /// the limit passed), or the end of the wait for a cancel's answers.

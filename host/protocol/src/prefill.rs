@@ -458,6 +458,18 @@ impl<T: Clone> PrefillMachine<T> {
         self.actions.pop_front()
     }
 
+    /// No handler gives anything a deadline sooner than this after the `now` it is called
+    /// with (a lease, a claimed request's timeout, a stash or memory's expiry; a hold only
+    /// moves a lease later): a driver whose timer sleeps at most this long past the
+    /// [`poll_timeout`](Self::poll_timeout) it last read misses no deadline that a handler
+    /// made in the meantime, without being woken for it. The simulation checks it.
+    pub fn horizon(&self) -> Duration {
+        self.config
+            .lease
+            .min(self.config.timeout)
+            .min(self.stash_ttl())
+    }
+
     /// When [`handle_timeout`](Self::handle_timeout) is next due, if anything waits on the
     /// clock: an unclaimed send's lease, a claimed request's timeout, a stashed claim, a
     /// remembered cancel or end expiring.

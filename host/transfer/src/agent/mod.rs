@@ -46,6 +46,7 @@
 //!   [`AgentConfig::peer_timeout`] (keep-alives flow when idle) fail only their requests;
 //!   planner calls run off the connection threads under [`AgentConfig::planner_timeout`].
 
+mod alarm;
 mod decode;
 mod dispatch;
 mod events;
@@ -92,8 +93,6 @@ pub const MAX_CONNECTIONS: usize = 256;
 /// How long a TCP connect to a peer's side channel may take.
 pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 pub(crate) use crate::conn::HANDSHAKE_TIMEOUT;
-/// How often deadlines, leases and wedged planner calls are checked.
-const REAPER_PERIOD: Duration = Duration::from_millis(20);
 
 /// What an agent is: its rank, its memory, its planner, its side channel, its limits.
 #[derive(Clone, Debug)]
@@ -398,6 +397,8 @@ pub(crate) struct Inner {
     pub(crate) thread: RankThread,
     pub(crate) metadata: kvferry_protocol::AgentMetadata,
     pub(crate) events: Events,
+    /// The reaper's alarm clock.
+    alarm: Arc<alarm::Alarm>,
     pub(crate) planning: Planning,
     pub(crate) dispatch: dispatch::Dispatch,
     /// Scatters bounced pieces (decode ranks with an arena).
@@ -535,6 +536,27 @@ impl Inner {
             Role::Prefill => prefill::reap(self),
             Role::Decode => decode::reap(self),
         }
+    }
+
+    /// The earliest deadline the reaper knows of (the request machine's, the planner
+    /// watchdog's), and how long it may sleep without missing one made meanwhile: the
+    /// machine's horizon, or a planner call's deadline when shorter.
+    fn deadlines(&self) -> (Option<Instant>, Duration) {
+        let (machine, horizon) = match self.config.role {
+            Role::Prefill => {
+                let state = lock(&self.prefill);
+                (state.machine.poll_timeout(), state.machine.horizon())
+            }
+            Role::Decode => {
+                let state = lock(&self.decode);
+                (state.machine.poll_timeout(), state.machine.horizon())
+            }
+        };
+        let next = machine
+            .into_iter()
+            .chain(self.planning.next_deadline())
+            .min();
+        (next, horizon.min(self.planning.deadline()))
     }
 }
 
@@ -717,6 +739,7 @@ impl Agent {
         let label = format!("{}-r{rank}", config.instance);
         let inner = Arc::new(Inner {
             events: Events::new()?,
+            alarm: Arc::new(alarm::Alarm::default()),
             planning: Planning::new(&label, config.planner_timeout)?,
             dispatch: dispatch::Dispatch::new(&label)?,
             scatter: match &arena {
@@ -758,12 +781,15 @@ impl Agent {
             _context: context,
         });
         let weak = Arc::downgrade(&inner);
+        let alarm = Arc::clone(&inner.alarm);
         thread::Builder::new()
             .name(format!("reap-{label}"))
             .spawn(move || {
-                // By the clock, not by counting loops: on a loaded host each 20 ms sleep
-                // overshoots, and a ping every N loops reached the peer after its timeout
-                // (measured: two vLLM CPU instances on 2 cores, keep-alives 10 s apart).
+                // It sleeps until the next deadline (alarm.rs says why none is missed) and
+                // holds no strong reference while it sleeps, so dropping the agent is not
+                // held up by it. Keep-alives go by the clock: on a loaded host a sleep
+                // overshoots, and keep-alives counted in turns reached the peer after its
+                // timeout (measured: two vLLM CPU instances on 2 cores, 10 s apart).
                 let mut last_ping: Option<Instant> = None;
                 let mut woke_due: Option<Instant> = None;
                 while let Some(inner) = weak.upgrade() {
@@ -782,7 +808,7 @@ impl Agent {
                         }
                     }
                     inner.reap();
-                    let ping_every = (inner.config.peer_timeout / 3).max(REAPER_PERIOD);
+                    let ping_every = (inner.config.peer_timeout / 3).max(alarm::DUE_AGAIN);
                     if last_ping.is_none_or(|at| at.elapsed() >= ping_every) {
                         last_ping = Some(Instant::now());
                         match inner.config.role {
@@ -790,9 +816,13 @@ impl Agent {
                             Role::Decode => decode::ping(&inner),
                         }
                     }
+                    let (next, horizon) = inner.deadlines();
+                    let next_ping = last_ping.map(|at| at + ping_every);
+                    let next = next.into_iter().chain(next_ping).min();
                     drop(inner);
-                    woke_due = Some(Instant::now() + REAPER_PERIOD);
-                    thread::sleep(REAPER_PERIOD);
+                    let until = alarm::Alarm::wake_time(Instant::now(), next, horizon);
+                    woke_due = Some(until);
+                    alarm.sleep_until(until);
                 }
             })?;
         if let Some(listener) = listener {
@@ -1211,6 +1241,7 @@ impl Drop for Agent {
     /// with it — is torn down before this returns and an engine may exit right after.
     fn drop(&mut self) {
         self.inner.stopped.store(true, Ordering::Release);
+        self.inner.alarm.ring();
         self.inner.dispatch.stop();
         if let Some(scatter) = &self.inner.scatter {
             scatter.stop();

@@ -2,7 +2,8 @@
 //!
 //! A planner is third-party code: a `pair` that never returns must fail the requests it was
 //! planning and leave everything else working. Calls run on a small pool of worker threads
-//! fed from one queue. The agent's reaper asks [`Planning::watch`] every few milliseconds;
+//! fed from one queue. The agent's reaper asks [`Planning::watch`] at each turn, and wakes
+//! for [`Planning::next_deadline`];
 //! a worker busy past the deadline is declared wedged: its task's `on_hang` runs (failing
 //! that request, naming the planner), a fresh worker takes its place so the queue keeps
 //! moving, and the wedged thread exits whenever the call returns (its result is discarded by
@@ -145,6 +146,20 @@ impl Planning {
         rx.recv_timeout(self.deadline * 2).map_err(|_| Hung {
             deadline: self.deadline,
         })
+    }
+
+    /// When [`watch`](Self::watch) will find the oldest running call past its deadline, if
+    /// a call runs. (A call that starts later has its deadline no sooner than the deadline's
+    /// length after it.)
+    pub(crate) fn next_deadline(&self) -> Option<Instant> {
+        let slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        slots
+            .iter()
+            .filter(|slot| !slot.wedged.load(Ordering::Acquire))
+            .filter_map(|slot| slot.busy.lock().unwrap_or_else(|e| e.into_inner()).since)
+            .min()
+            // `watch` wants a call busy for more than the deadline.
+            .map(|since| since + self.deadline + Duration::from_millis(1))
     }
 
     /// Declares workers busy past the deadline wedged, runs their tasks' `on_hang`, and
