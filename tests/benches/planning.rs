@@ -21,7 +21,7 @@ use kvferry_planner_abi::{
     LayerGroupRows, Mapping, PairRequest, PlannerPlugin, RankInfo, SlotTable, TransferPlanner, rows,
 };
 use kvferry_planner_default::DefaultPlanner;
-use kvferry_testkit::conformance::{PlannerUnderTest, plugin_dir_with};
+use kvferry_testkit::conform::{PlannerUnderTest, plugin_dir_with};
 use kvferry_testkit::layout::{self, ModelSpec, PoolOptions, Preset};
 use kvferry_testkit::oracle::LocalMemory;
 use kvferry_testkit::scenario::{SlotAssignment, slot_tables};

@@ -5,8 +5,8 @@
 //! Each case has a name; rerun one alone with `KVFERRY_CASE='<part of its name>'`.
 
 use kvferry_plan::bounce::BounceLimits;
+use kvferry_testkit::conform::{CASE_FILTER_ENV, PlannerUnderTest};
 use kvferry_testkit::conform::{CaseVerdict, ConformReport, DEFAULT_SEED, conform_with, matrix};
-use kvferry_testkit::conformance::{CASE_FILTER_ENV, PlannerUnderTest};
 
 #[test]
 fn default_planner_moves_every_byte_right() {

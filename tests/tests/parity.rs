@@ -14,7 +14,7 @@ use std::sync::Arc;
 use kvferry_plan::{RequestSide, plan_transfer};
 use kvferry_planner_abi::ffi::ROption;
 use kvferry_planner_abi::{Mapping, PairRequest, TokenRange, TransferPlanner};
-use kvferry_testkit::conformance::{PlannerUnderTest, canonical, plugin_dir_with};
+use kvferry_testkit::conform::{PlannerUnderTest, canonical, plugin_dir_with};
 use kvferry_testkit::error_chain;
 use kvferry_testkit::layout::{self, Dtype, ModelSpec, PoolOptions, Preset};
 use kvferry_testkit::oracle::LocalMemory;
@@ -59,7 +59,7 @@ fn pieces(prompt_len: u64, tpb: u64, chunk_blocks: Option<u64>) -> Vec<PairReque
 struct Planners {
     mla: PlannerUnderTest,
     default: PlannerUnderTest,
-    _dir: kvferry_testkit::conformance::tempdir::TempPlugins,
+    _dir: kvferry_testkit::conform::tempdir::TempPlugins,
 }
 
 fn planners() -> Planners {

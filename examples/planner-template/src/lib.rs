@@ -397,7 +397,7 @@ fn check_view_pair(
 mod tests {
     use kvferry_planner_abi::{ErrorKind, Mapping, SlotTable, TokenRange};
     use kvferry_testkit::builder::{Deploy, Model, rows_of};
-    use kvferry_testkit::request::Transfer;
+    use kvferry_testkit::scenario::Transfer;
     use kvferry_testkit::layout::{ModelSpec, Preset};
     use kvferry_testkit::scenario::Scenario;
 

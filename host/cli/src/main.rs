@@ -26,7 +26,7 @@ use kvferry_loader::{BoundPlanner, Candidate, Registry};
 use kvferry_plan::bounce::{self, BounceLimits};
 use kvferry_planner_abi::{Deployment, Mapping, PlanError, RankInfo, TokenRange, TransferPlanner};
 use kvferry_testkit::conform::CaseVerdict;
-use kvferry_testkit::conformance::PlannerUnderTest;
+use kvferry_testkit::conform::PlannerUnderTest;
 use kvferry_testkit::layout::{
     self, Dtype, LayoutError, ModelShape, ModelSpec, PoolOptions, Preset,
 };

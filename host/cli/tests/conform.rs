@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Output;
 use std::sync::OnceLock;
 
-use kvferry_testkit::conformance::build_out_of_tree;
+use kvferry_testkit::conform::build_out_of_tree;
 use serde_json::Value;
 use support::{Kvferry, build_dir};
 

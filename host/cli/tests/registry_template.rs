@@ -13,7 +13,7 @@ use std::sync::OnceLock;
 use kvferry_loader::{BindError, Registry};
 use kvferry_planner_abi::ffi::RVec;
 use kvferry_planner_abi::{DEFAULT_DESCRIBER_ID, Deployment, Mapping, PageTable, RankInfo};
-use kvferry_testkit::conformance::{build_out_of_tree, repo_root};
+use kvferry_testkit::conform::{build_out_of_tree, repo_root};
 use support::Kvferry;
 
 /// The template's planner id.

@@ -387,7 +387,7 @@ fn racing_submits_of_one_id_take_one_and_leak_nothing() {
 /// instead of reporting it received (`tests/fixtures/colliding-writers`).
 #[test]
 fn a_receiver_refuses_writers_whose_plans_overlap() {
-    let fixtures = kvferry_testkit::conformance::build_out_of_tree("tests/fixtures");
+    let fixtures = kvferry_testkit::conform::build_out_of_tree("tests/fixtures");
     let dir = tempfile::tempdir().unwrap();
     std::fs::copy(
         fixtures.join("libfixture_colliding_writers.so"),

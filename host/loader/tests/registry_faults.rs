@@ -16,7 +16,7 @@ use kvferry_planner_abi::ffi::{ROption, RVec};
 use kvferry_planner_abi::{
     Deployment, ErrorKind, Mapping, PageTable, PairRequest, RankInfo, TokenRange,
 };
-use kvferry_testkit::conformance::build_out_of_tree;
+use kvferry_testkit::conform::build_out_of_tree;
 use tempfile::TempDir;
 
 /// Builds the fixture workspace once per test binary; returns its output directory.

@@ -14,10 +14,10 @@
 //! - [`Model`] describes a small synthetic model (GQA in HND or NHD, MLA, sliding windows,
 //!   MTP layers, hybrid attention plus recurrent state) and [`Deploy`] an instance of it;
 //!   [`Deploy::rank`] builds any rank's [`RankInfo`] the way the cache managers of semantics
-//!   §2.3 lay it out. [`crate::request::Transfer`] moves one request between two deployments with any
+//!   §2.3 lay it out. [`crate::scenario::Transfer`] moves one request between two deployments with any
 //!   planner and checks every byte ([`crate::scenario::Exchange`]).
 //!
-//! Tests that call a planner directly use the small pieces: [`tables`] and [`crate::request::request_tables`]
+//! Tests that call a planner directly use the small pieces: [`tables`] and [`crate::scenario::request_tables`]
 //! (slot tables), [`scattered`] (a positional table with holes), [`rows_of`] and
 //! [`rows_excluding`] (the default describer's rows), [`piece`] (a [`PairRequest`]),
 //! [`local_layers`] and [`role_vec`] (page-table fields).

@@ -7,13 +7,13 @@
 //!   Qwen3-Next, DeepSeek-V2/V3, gpt-oss shapes), for the layouts [`layout`] builds.
 //! - [`builder`]: hand-built page tables and ranks of any shape (synthetic models, any
 //!   mapping), slot tables, rows and pieces.
-//! - [`request`]: one request between two such deployments, through the oracle.
 //! - [`oracle`]: tag-filled source pools, canary-primed destinations, every byte checked;
 //!   [`oracle::LocalMemory`] executes validated plans in process.
 //! - [`scenario`]: one request end to end in process (plan every pair, move, verify), from a
-//!   preset or from ranks given one by one.
-//! - [`conform`]: the oracle matrix every planner is proven against (`kvferry conform`).
-//! - [`conformance`]: a planner under test and the helpers the conformance tests share.
+//!   preset ([`scenario::Scenario`]), from hand-built deployments ([`scenario::Transfer`]) or
+//!   from ranks given one by one ([`scenario::Exchange`]).
+//! - [`conform`]: the oracle matrix every planner is proven against (`kvferry conform`), a
+//!   planner under test ([`conform::PlannerUnderTest`]) and what the conformance tests share.
 //! - [`units`]: byte counts with their size in binary units, for reports.
 //! - [`error_chain`]: an error and its causes on one line, for messages and assertions.
 //!
@@ -24,12 +24,25 @@
 
 pub mod builder;
 pub mod conform;
-pub mod conformance;
 pub mod hf_config;
 pub mod layout;
 pub mod oracle;
-pub mod request;
 pub mod scenario;
 pub mod units;
 
 pub use kvferry_plan::error_chain;
+
+/// The conformance kit's former path, for planners written against it: now [`conform`].
+#[doc(hidden)]
+pub mod conformance {
+    pub use crate::conform::{
+        CASE_FILTER_ENV, Case, OUT_OF_TREE_PROFILE, OUT_OF_TREE_TARGET, PlannerUnderTest,
+        build_dir, build_out_of_tree, canonical, plugin_dir_with, repo_root, selected, tempdir,
+    };
+}
+
+/// A hand-built request's former path, for planners written against it: now [`scenario`].
+#[doc(hidden)]
+pub mod request {
+    pub use crate::scenario::{Transfer, request_tables};
+}

@@ -5,7 +5,7 @@ use kvferry_testkit::builder::{
     Deploy, GroupSpec, Model, ViewSpec, local_layers, page_table, rank_info, scattered, tables,
 };
 use kvferry_testkit::layout::PoolOptions;
-use kvferry_testkit::request::request_tables;
+use kvferry_testkit::scenario::request_tables;
 
 const H: i64 = SlotTable::HOLE;
 

@@ -13,7 +13,7 @@ use kvferry_testkit::layout::{Dtype, ModelSpec, PoolOptions, Preset, build_rank}
 use kvferry_testkit::oracle::{
     Delivery, LocalMemory, Logical, MemoryError, Oracle, OracleError, Side,
 };
-use kvferry_testkit::request::Transfer;
+use kvferry_testkit::scenario::Transfer;
 use kvferry_testkit::scenario::{Exchange, MemoryBudget, Scenario, ScenarioError, ScenarioReport};
 use strum::IntoEnumIterator;
 

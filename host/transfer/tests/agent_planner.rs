@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use kvferry_loader::Registry;
 use kvferry_planner_abi::Mapping;
-use kvferry_testkit::conformance::build_out_of_tree;
+use kvferry_testkit::conform::build_out_of_tree;
 use kvferry_transfer::Role;
 use kvferry_transfer::agent::{Event, FailureKind};
 

@@ -1,7 +1,7 @@
 use kvferry_planner_abi::{ErrorKind, Mapping, SlotTable, TokenRange, ViewId, ffi::ROption};
 use kvferry_testkit::builder::{Deploy, Model, rows_excluding, rows_of};
 use kvferry_testkit::error_chain;
-use kvferry_testkit::request::Transfer;
+use kvferry_testkit::scenario::Transfer;
 
 use super::*;
 

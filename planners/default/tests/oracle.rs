@@ -11,8 +11,8 @@ use kvferry_planner_abi::{
 use kvferry_planner_default::DefaultPlanner;
 use kvferry_testkit::builder::{Deploy, Model};
 use kvferry_testkit::error_chain;
-use kvferry_testkit::request::Transfer;
 use kvferry_testkit::scenario::ScenarioError;
+use kvferry_testkit::scenario::Transfer;
 
 fn small_gqa(layout: LayoutKind) -> Model {
     Model {

@@ -7,7 +7,7 @@ use common::run;
 use kvferry_planner_abi::{PlannerPlugin, RankInfo, SlotTable, TransferPlan, TransferPlanner};
 use kvferry_planner_default::DefaultPlanner;
 use kvferry_testkit::builder::{Deploy, Model, StateSpec, piece, rows_of, tables};
-use kvferry_testkit::request::Transfer;
+use kvferry_testkit::scenario::Transfer;
 
 /// A hybrid model whose state splits over up to 8 ranks.
 fn wide_hybrid() -> Model {

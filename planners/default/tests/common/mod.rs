@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 
 use kvferry_planner_abi::PlannerPlugin;
 use kvferry_planner_default::DefaultPlanner;
-use kvferry_testkit::request::Transfer;
 use kvferry_testkit::scenario::ScenarioError;
+use kvferry_testkit::scenario::Transfer;
 
 /// What happened, per decode rank, over every decode DP group.
 #[derive(Debug, Default)]

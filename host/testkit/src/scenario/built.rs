@@ -8,15 +8,15 @@ use kvferry_planner_abi::{
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use crate::builder::{Deploy, Model, scattered};
-use crate::scenario::{
+use super::{
     Exchange, PlannerFactory, ScenarioError, ScenarioReport, SlotAssignment, check_chunks,
     slot_tables,
 };
+use crate::builder::{Deploy, Model, scattered};
 
 /// The slot tables of `info` for a request of `prompt` tokens in pools of `slots` slots.
 ///
-/// PAGED tables are positional over the rank's local ordinals ([`crate::scenario::slot_tables`]:
+/// PAGED tables are positional over the rank's local ordinals ([`super::slot_tables`]:
 /// helix strides, the stale front of windowed groups masked), local ordinal `j` in slot
 /// `(j × 3 + shift) % slots`, and every *global* ordinal in `holes` masked. STATE tables hold
 /// slot `(shift + 2) % slots`, or nothing without `state`.
@@ -60,7 +60,7 @@ pub fn request_tables(
 }
 
 /// One request moved from a context deployment to a generation deployment, checked by the
-/// oracle: the [`Deploy`] counterpart of [`crate::scenario::Scenario`].
+/// oracle: the [`Deploy`] counterpart of [`super::Scenario`].
 ///
 /// Slot tables come from [`request_tables`] (context shift 1, generation shift 2).
 #[derive(Clone, Debug, PartialEq, Eq)]

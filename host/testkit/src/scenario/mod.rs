@@ -22,8 +22,11 @@
 //!
 //! Steps 3 and 4 are [`Exchange::run`]: both instances' ranks, slot tables and pieces, of any
 //! shape. [`Scenario::exchange`] builds an [`Exchange`] from a preset,
-//! [`crate::request::Transfer::exchange`] from hand-built deployments, and a test may edit
+//! [`Transfer::exchange`] from hand-built deployments, and a test may edit
 //! one before running it.
+
+mod built;
+pub use built::{Transfer, request_tables};
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;

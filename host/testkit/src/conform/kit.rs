@@ -1,5 +1,5 @@
-//! The planner conformance kit: runs any planner through requests between real model
-//! layouts and checks every destination byte with the host's oracle.
+//! The kit the conformance tests share: a planner under test, building one out of tree,
+//! plugin folders, named cases, fragments in canonical form.
 //!
 //! A planner under test is a [`PlannerUnderTest`]: a root module, either linked statically
 //! (`my_planner::planner_module()`) or loaded from its `.so` ([`PlannerUnderTest::loaded`]). Cases name

@@ -26,6 +26,12 @@
 //! The matrix is deterministic for a seed, and every case's name carries its parameters, so
 //! a failure is rerun alone with the same seed and a name filter.
 
+mod kit;
+pub use kit::{
+    CASE_FILTER_ENV, Case, OUT_OF_TREE_PROFILE, OUT_OF_TREE_TARGET, PlannerUnderTest, build_dir,
+    build_out_of_tree, canonical, plugin_dir_with, repo_root, selected, tempdir,
+};
+
 use std::collections::BTreeSet;
 use std::fmt;
 
@@ -35,7 +41,6 @@ use rand::rngs::StdRng;
 use rand::{Rng, RngCore, SeedableRng};
 use strum::IntoEnumIterator;
 
-use crate::conformance::{Case, PlannerUnderTest};
 use crate::layout::{ModelSpec, Preset};
 use crate::oracle::Logical;
 use crate::scenario::{Scenario, ScenarioReport};
