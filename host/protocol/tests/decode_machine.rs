@@ -668,21 +668,9 @@ fn completion(
 
 impl Simulated for Sim {
     fn step(&mut self) {
-        // A driver's timer sleeps until the deadline it last read, or the machine's horizon
-        // at most: no handler may make a deadline it would miss.
         let (at, before) = (self.now, self.m.poll_timeout());
         Sim::step(self);
-        let bound = before.map_or(at + self.m.horizon(), |b| b.min(at + self.m.horizon()));
-        if let Some(after) = self.m.poll_timeout() {
-            assert!(
-                after >= bound,
-                "a new deadline {:?} after the step's start, inside the horizon {:?} (the \
-                 earliest before the step: {:?} after it)",
-                after.saturating_duration_since(at),
-                self.m.horizon(),
-                before.map(|b| b.saturating_duration_since(at)),
-            );
-        }
+        seeded::check_horizon(at, self.m.horizon(), before, self.m.poll_timeout());
     }
 
     fn finish(&mut self) {

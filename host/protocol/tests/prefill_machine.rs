@@ -863,23 +863,14 @@ fn planned(task: &PlanTask<u32>, pieces: usize) -> Planned {
 
 impl Simulated for Sim {
     fn step(&mut self) {
-        // A driver's timer sleeps until the deadline it last read, or the machine's horizon
-        // at most: no handler may make a deadline it would miss.
         let (at, before) = (self.now, self.machine.poll_timeout());
         Sim::step(self);
-        let bound = before.map_or(at + self.machine.horizon(), |b| {
-            b.min(at + self.machine.horizon())
-        });
-        if let Some(after) = self.machine.poll_timeout() {
-            assert!(
-                after >= bound,
-                "a new deadline {:?} after the step's start, inside the horizon {:?} (the \
-                 earliest before the step: {:?} after it)",
-                after.saturating_duration_since(at),
-                self.machine.horizon(),
-                before.map(|b| b.saturating_duration_since(at)),
-            );
-        }
+        seeded::check_horizon(
+            at,
+            self.machine.horizon(),
+            before,
+            self.machine.poll_timeout(),
+        );
     }
 
     fn finish(&mut self) {

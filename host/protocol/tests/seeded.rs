@@ -4,6 +4,7 @@
 //! tallied so a run that stops reaching some way a request ends fails too.
 
 use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
 
 /// splitmix64: small, fast, and the same on every machine.
 pub struct Rng(pub u64);
@@ -84,5 +85,26 @@ pub fn run<S: Simulated>(make: impl Fn(u64) -> S, steps: usize, kinds: &[&str]) 
                 "no request ended as {kind}: {tally:?}"
             );
         }
+    }
+}
+
+/// A driver's timer sleeps until the deadline it last read, or the machine's horizon at most:
+/// no handler may make a deadline it would miss. `at`: when the step began; `before` and
+/// `after`: the machine's `poll_timeout` around it.
+pub fn check_horizon(
+    at: Instant,
+    horizon: Duration,
+    before: Option<Instant>,
+    after: Option<Instant>,
+) {
+    let bound = before.map_or(at + horizon, |b| b.min(at + horizon));
+    if let Some(after) = after {
+        assert!(
+            after >= bound,
+            "a new deadline {:?} after the step's start, inside the horizon {horizon:?} (the \
+             earliest before the step: {:?} after it)",
+            after.saturating_duration_since(at),
+            before.map(|b| b.saturating_duration_since(at)),
+        );
     }
 }
