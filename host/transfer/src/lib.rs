@@ -67,7 +67,6 @@ pub fn cuda_driver_present() -> bool {
 #[doc(hidden)]
 pub mod harness {
     pub use crate::outcome::{BenchStats, PairFragments, PoolFragment};
-    pub use kvferry_platform::HostBudget;
 
     /// One connection's handshake, reader and writer.
     pub mod conn {

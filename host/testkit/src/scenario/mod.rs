@@ -176,7 +176,7 @@ impl ScenarioError {
 }
 
 /// What the pools a scenario backs may take in all, as the caller measured it (the CLI
-/// passes `kvferry_transfer::harness::HostBudget`, the figure `serve` checks its pools
+/// passes `kvferry_platform::HostBudget`, the figure `serve` checks its pools
 /// against; the testkit does not link UCX).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MemoryBudget {

@@ -15,19 +15,12 @@ pub(crate) const MAX_SLEEP: Duration = Duration::from_millis(100);
 /// How soon the reaper looks again at a deadline its turn left due.
 pub(crate) const DUE_AGAIN: Duration = Duration::from_millis(20);
 
-#[derive(Debug, Default)]
-struct State {
-    /// When the sleeping reaper means to wake; `None` while it is awake.
-    wake_at: Option<Instant>,
-    /// Rung since the reaper last went to sleep (or while it was awake).
-    rung: bool,
-}
-
 /// The reaper's alarm: shared by the reaper thread (which must not hold the agent while it
 /// sleeps) and the agent's drivers.
 #[derive(Debug, Default)]
 pub(crate) struct Alarm {
-    state: Mutex<State>,
+    /// Rung since the reaper last slept (or while it was awake).
+    rung: Mutex<bool>,
     bell: Condvar,
 }
 
@@ -46,27 +39,24 @@ impl Alarm {
     /// Sleeps until `until`, or until rung (a ring while the reaper was awake counts, so a
     /// stop is not lost between its check and its sleep).
     pub(crate) fn sleep_until(&self, until: Instant) {
-        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        state.wake_at = Some(until);
-        while !state.rung {
+        let mut rung = self.rung.lock().unwrap_or_else(|e| e.into_inner());
+        while !*rung {
             let now = Instant::now();
             if now >= until {
                 break;
             }
-            state = self
+            rung = self
                 .bell
-                .wait_timeout(state, until - now)
+                .wait_timeout(rung, until - now)
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
-        state.rung = false;
-        state.wake_at = None;
+        *rung = false;
     }
 
     /// Wakes the reaper now (the agent stops).
     pub(crate) fn ring(&self) {
-        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        state.rung = true;
+        *self.rung.lock().unwrap_or_else(|e| e.into_inner()) = true;
         self.bell.notify_one();
     }
 }
@@ -107,9 +97,8 @@ mod tests {
                 asleep.elapsed()
             })
         };
-        while alarm.state.lock().unwrap().wake_at.is_none() {
-            thread::yield_now();
-        }
+        // Most likely asleep by then; rung before it sleeps, it does not sleep at all.
+        thread::sleep(Duration::from_millis(20));
         alarm.ring();
         assert!(sleeper.join().unwrap() < Duration::from_secs(60));
         // Rung while awake: the next sleep ends at once, and the ring is spent.
