@@ -5,7 +5,8 @@
 //!
 //! - [`EventFd`]: a counter descriptor that is readable while it is non-zero (an agent's
 //!   wake-up descriptor, which engines poll beside their own);
-//! - [`wait_readable`]: poll one descriptor with a timeout;
+//! - [`wait_readable`], [`wait_any_readable`]: poll one descriptor, or a few, with a timeout
+//!   (a rank thread sleeps on its command descriptor and its UCX worker's);
 //! - [`first_interface_address`]: the first non-loopback address of an interface that is up
 //!   (what an agent advertises when it listens on every interface);
 //! - [`object_file_of`]: the file the object holding an address was loaded from (where an
@@ -28,4 +29,4 @@ pub use budget::{HostBudget, show_bytes};
 pub use dl::object_file_of;
 pub use eventfd::EventFd;
 pub use net::first_interface_address;
-pub use poll::wait_readable;
+pub use poll::{MAX_WAIT_FDS, wait_any_readable, wait_readable};

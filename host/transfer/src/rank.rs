@@ -79,9 +79,12 @@
 //! destroyed), before the endpoints are closed (forced once their flush times out) and the
 //! worker destroyed, all before the pools go (see `Executor`'s `Drop`).
 //!
-//! When idle the loop spins on `ucp_worker_progress` for a while, then sleeps in short,
-//! growing steps (at most [`MAX_IDLE_SLEEP`]) waiting for a command, so idle ranks cost little
-//! CPU on small machines while busy ones progress without pause. Every spin — this loop's,
+//! When idle the loop spins on `ucp_worker_progress` for a while ([`SPIN_ROUNDS`]), then arms
+//! the worker's wake-up descriptor (`ucp_worker_arm`) and sleeps in `poll` on it and on the
+//! thread's command eventfd (every command sent signals it), so an idle rank costs no CPU and
+//! wakes as soon as a command or a UCX event (bytes arriving over tcp, a completion) comes;
+//! the sleep is bounded ([`IDLE_SLEEP`], or [`STUCK_SLEEP`] while a quarantined window waits
+//! for its deadlines). Busy ranks progress without pause. Every spin — this loop's,
 //! and the waits for puts, flushes and the gather thread — gives up the rest of its time
 //! slice after [`kvferry_ucx::SPIN_BEFORE_YIELD`] progress calls in a row that did nothing
 //! ([`Worker::progress_or_yield`]): over `tcp` a sender waiting for its puts and a receiver
@@ -91,6 +94,7 @@
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
+use std::os::fd::AsRawFd;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -105,6 +109,8 @@ use kvferry_ucx::{
 use kvferry_plan::ValidatedPlan;
 use kvferry_protocol::PoolKey;
 
+use kvferry_platform::{EventFd, wait_any_readable};
+
 use crate::bounce::{GatherTask, Gatherer, Staging};
 use crate::memory::{BindError, RankPools};
 
@@ -112,10 +118,17 @@ use crate::memory::{BindError, RankPools};
 pub const PUT_WINDOW: usize = 32;
 /// Fragments are split into puts of at most this many bytes.
 pub(crate) const MAX_PUT_BYTES: u64 = 1 << 20;
-/// Idle progress rounds before the loop starts sleeping.
+/// Idle progress rounds before the loop sleeps.
 const SPIN_ROUNDS: u32 = 2000;
-/// The longest an idle rank sleeps between progress rounds.
-pub(crate) const MAX_IDLE_SLEEP: Duration = Duration::from_micros(200);
+/// The longest an idle rank sleeps on its descriptors: only a missed wake-up would make it
+/// matter (every command and UCX event wakes the thread at once).
+const IDLE_SLEEP: Duration = Duration::from_millis(100);
+/// The longest it sleeps while a quarantined window waits: its stall and drain deadlines are
+/// checked between sleeps.
+const STUCK_SLEEP: Duration = Duration::from_millis(5);
+/// The sleep between progress rounds of a worker whose transports cannot signal events (no
+/// wake-up descriptor): the thread then polls its commands at this pace.
+const FALLBACK_SLEEP: Duration = Duration::from_micros(200);
 /// How long a job blocked in its window waits before checking that its receiver is still
 /// registered.
 pub(crate) const ALIVE_CHECK: Duration = Duration::from_millis(20);
@@ -507,7 +520,7 @@ enum Command {
 pub struct RankThread {
     rank: u32,
     address: Vec<u8>,
-    tx: Sender<Command>,
+    tx: Commands,
     thread: Option<JoinHandle<()>>,
     activity: Arc<Activity>,
 }
@@ -522,6 +535,9 @@ struct Activity {
     busy: AtomicU64,
     /// The last time the loop went to sleep after a run of idle rounds.
     idle: AtomicU64,
+    /// Whether the loop is asleep on its armed worker's descriptor now: nothing can have
+    /// arrived since it went to sleep, or it would have woken.
+    asleep: AtomicBool,
 }
 
 impl Activity {
@@ -530,6 +546,7 @@ impl Activity {
             base: Instant::now(),
             busy: AtomicU64::new(0),
             idle: AtomicU64::new(0),
+            asleep: AtomicBool::new(false),
         }
     }
 
@@ -538,8 +555,25 @@ impl Activity {
     }
 }
 
-/// How recently the loop must have gone idle for [`RankThread::quiet_for`] to answer: a
-/// thread that has not reached its idle sleep since is busy, or not running at all.
+/// The sending side of a rank thread's commands: each send signals the eventfd the thread
+/// sleeps on.
+#[derive(Debug)]
+struct Commands {
+    tx: Sender<Command>,
+    wake: Arc<EventFd>,
+}
+
+impl Commands {
+    fn send(&self, command: Command) -> Result<(), mpsc::SendError<Command>> {
+        self.tx.send(command)?;
+        self.wake.signal();
+        Ok(())
+    }
+}
+
+/// How recently the loop must have gone idle for [`RankThread::quiet_for`] to answer, unless
+/// it is asleep on its armed worker: a thread that has not reached its idle sleep since is
+/// busy, or not running at all.
 const IDLE_FRESH: Duration = Duration::from_millis(50);
 
 impl Drop for RankThread {
@@ -551,7 +585,9 @@ impl Drop for RankThread {
     /// once that callback returns.
     fn drop(&mut self) {
         let (closed, _) = mpsc::channel();
-        drop(std::mem::replace(&mut self.tx, closed));
+        drop(std::mem::replace(&mut self.tx.tx, closed));
+        // Wake it from its sleep to find the channel closed.
+        self.tx.wake.signal();
         if let Some(thread) = self.thread.take() {
             if thread.thread().id() != thread::current().id() {
                 let _ = thread.join();
@@ -620,7 +656,12 @@ impl RankThread {
         let worker = worker
             .into_send()
             .map_err(|_| SpawnError::Shared { rank })?;
+        let wake = Arc::new(EventFd::new().map_err(|source| SpawnError::Wake { rank, source })?);
         let (tx, rx) = mpsc::channel();
+        let tx = Commands {
+            tx,
+            wake: Arc::clone(&wake),
+        };
         let (ready_tx, ready_rx) = mpsc::sync_channel(1);
         let activity = Arc::new(Activity::new());
         let thread_activity = Arc::clone(&activity);
@@ -648,7 +689,8 @@ impl RankThread {
                 };
                 let staging = staging.as_ref().zip(gatherer);
                 if ok {
-                    run(rank, worker, errors, &pools, staging, rx, &thread_activity);
+                    let commands = (rx, &*wake);
+                    run(rank, worker, errors, &pools, staging, commands, &thread_activity);
                 }
             })
             .map_err(|source| SpawnError::Thread { rank, source })?;
@@ -684,11 +726,17 @@ impl RankThread {
     /// reached its sockets.
     pub fn quiet_for(&self) -> Option<Duration> {
         let a = &self.activity;
-        let (busy, idle, now) = (
+        let (asleep, busy, idle, now) = (
+            a.asleep.load(Ordering::Acquire),
             a.busy.load(Ordering::Acquire),
             a.idle.load(Ordering::Acquire),
             a.now(),
         );
+        if asleep && idle > busy {
+            // Armed and asleep: anything arriving would have woken it, so it has been quiet
+            // since its last busy round.
+            return Some(Duration::from_nanos(now.saturating_sub(busy)));
+        }
         let fresh = Duration::from_nanos(now.saturating_sub(idle)) < IDLE_FRESH;
         (fresh && idle > busy).then(|| Duration::from_nanos(idle - busy))
     }
@@ -762,6 +810,14 @@ pub enum SpawnError {
         /// The rank.
         rank: u32,
     },
+    /// The OS refused the eventfd that wakes the thread for its commands.
+    #[error("rank {rank}: cannot create its thread's wake-up descriptor")]
+    Wake {
+        /// The rank.
+        rank: u32,
+        /// The OS error.
+        source: std::io::Error,
+    },
     /// The OS refused a thread.
     #[error("rank {rank}: cannot spawn its thread")]
     Thread {
@@ -797,7 +853,7 @@ fn run(
     errors: ErrorMode,
     pools: &RankPools,
     staging: Option<(&Staging, Gatherer)>,
-    rx: Receiver<Command>,
+    (rx, wake): (Receiver<Command>, &EventFd),
     activity: &Activity,
 ) {
     // Every event of this thread carries its rank.
@@ -832,10 +888,8 @@ fn run(
                 }
                 activity.idle.store(activity.now(), Ordering::Release);
                 exec.poll_stuck();
-                let step = (idle - SPIN_ROUNDS).min(16);
-                let sleep = Duration::from_micros(10 * u64::from(step + 1)).min(MAX_IDLE_SLEEP);
-                match rx.recv_timeout(sleep) {
-                    Ok(c) => Some(c),
+                match exec.sleep(&rx, wake, activity) {
+                    Ok(c) => c,
                     Err(RecvTimeoutError::Timeout) => None,
                     Err(RecvTimeoutError::Disconnected) => return,
                 }
@@ -1170,6 +1224,52 @@ impl<'a> Executor<'a> {
             self.challenges.push(send);
         }
         Ok(())
+    }
+
+    /// The idle loop's sleep, once a run of progress rounds found nothing: arms the worker
+    /// and sleeps until it or the command eventfd `wake` is readable (at most [`IDLE_SLEEP`],
+    /// or [`STUCK_SLEEP`] while a quarantined window waits). A command already queued is
+    /// returned without sleeping. A worker with events still to progress, or one whose
+    /// transports cannot signal them, gets the short timed wait for a command instead.
+    fn sleep(
+        &mut self,
+        rx: &Receiver<Command>,
+        wake: &EventFd,
+        activity: &Activity,
+    ) -> Result<Option<Command>, RecvTimeoutError> {
+        let armed = self
+            .worker
+            .event_fd()
+            .and_then(|efd| Ok((efd, self.worker.arm()?)));
+        let efd = match armed {
+            Ok((efd, true)) => efd,
+            Ok((_, false)) => return rx.recv_timeout(FALLBACK_SLEEP).map(Some),
+            Err(e) => {
+                tracing::debug!(error = %e, "no UCX wake-up descriptor; polling for commands");
+                return rx.recv_timeout(FALLBACK_SLEEP).map(Some);
+            }
+        };
+        // Cleared before the channel is looked at: a command sent after this look signals
+        // the descriptor again, so the poll below cannot miss it.
+        wake.clear();
+        match rx.try_recv() {
+            Ok(c) => return Ok(Some(c)),
+            Err(TryRecvError::Disconnected) => return Err(RecvTimeoutError::Disconnected),
+            Err(TryRecvError::Empty) => {}
+        }
+        let timeout = if self.stuck.is_empty() {
+            IDLE_SLEEP
+        } else {
+            STUCK_SLEEP
+        };
+        activity.asleep.store(true, Ordering::Release);
+        let woke = wait_any_readable(&[wake.as_raw_fd(), efd], timeout);
+        activity.asleep.store(false, Ordering::Release);
+        if let Err(e) = woke {
+            tracing::debug!(error = %e, "poll on the wake-up descriptors failed");
+            return rx.recv_timeout(FALLBACK_SLEEP).map(Some);
+        }
+        Ok(None)
     }
 
     fn poll_stuck(&mut self) {

@@ -11,7 +11,7 @@ use crate::ffi::check;
 use crate::status::WithOp;
 use crate::{Error, MemoryTypes, Op, Status};
 
-/// A UCP context (`ucp_context_h`) with the RMA and active-message features.
+/// A UCP context (`ucp_context_h`) with the RMA, active-message and wake-up features.
 ///
 /// Created through [`Context::builder`] (or [`Context::new`] for UCX's own configuration) and
 /// shared through `Arc`: workers and memory regions keep it alive.
@@ -146,7 +146,7 @@ impl ContextBuilder {
         let params = sys::ucp_params_t {
             field_mask: (sys::UCP_PARAM_FIELD_FEATURES | sys::UCP_PARAM_FIELD_MT_WORKERS_SHARED)
                 as u64,
-            features: (sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_AM) as u64,
+            features: (sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_AM | sys::UCP_FEATURE_WAKEUP) as u64,
             mt_workers_shared: 1,
             ..Default::default()
         };

@@ -144,6 +144,10 @@ pub enum Op {
     WorkerAddress,
     /// Creating a worker (`ucp_worker_create`).
     WorkerCreate,
+    /// Arming a worker's wake-up descriptor (`ucp_worker_arm`).
+    WorkerArm,
+    /// Getting a worker's wake-up descriptor (`ucp_worker_get_efd`).
+    WorkerEventFd,
 }
 
 impl Op {
@@ -168,6 +172,8 @@ impl Op {
             Op::SetAmHandler => "ucp_worker_set_am_recv_handler",
             Op::WorkerAddress => "ucp_worker_get_address",
             Op::WorkerCreate => "ucp_worker_create",
+            Op::WorkerArm => "ucp_worker_arm",
+            Op::WorkerEventFd => "ucp_worker_get_efd",
         }
     }
 }

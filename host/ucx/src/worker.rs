@@ -33,6 +33,7 @@ use std::any::Any;
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::fmt;
+use std::os::fd::RawFd;
 use std::os::raw::c_void;
 use std::ptr;
 use std::rc::Rc;
@@ -346,6 +347,44 @@ impl Worker {
             }
         });
         progressed
+    }
+
+    /// The descriptor that becomes readable when this worker has an event to progress, once
+    /// [`arm`](Worker::arm)ed: what a thread with nothing to do polls (beside its own
+    /// descriptors) instead of spinning on [`progress`](Worker::progress). The worker owns
+    /// it; it stays open while the worker lives.
+    ///
+    /// Wraps `ucp_worker_get_efd`.
+    ///
+    /// # Errors
+    ///
+    /// [`Op::WorkerEventFd`] if this worker's transports cannot signal events.
+    #[doc(alias = "ucp_worker_get_efd")]
+    pub fn event_fd(&self) -> Result<RawFd, Error> {
+        let mut fd: std::os::raw::c_int = -1;
+        // SAFETY: the worker is live (we hold it); `fd` is a valid out-pointer.
+        check(unsafe { sys::ucp_worker_get_efd(self.inner.handle, &mut fd) })
+            .op(Op::WorkerEventFd)?;
+        Ok(fd)
+    }
+
+    /// Arms [`event_fd`](Worker::event_fd) so the next event makes it readable: `true` when
+    /// armed (the caller may sleep on the descriptor), `false` when events are pending that
+    /// must be progressed first ([`Status::BUSY`]; no sleep until progress has drained them).
+    ///
+    /// Wraps `ucp_worker_arm`.
+    ///
+    /// # Errors
+    ///
+    /// [`Op::WorkerArm`] for any other failure.
+    #[doc(alias = "ucp_worker_arm")]
+    pub fn arm(&self) -> Result<bool, Error> {
+        // SAFETY: the worker is live (we hold it); UCX reads nothing else.
+        match check(unsafe { sys::ucp_worker_arm(self.inner.handle) }) {
+            Ok(()) => Ok(true),
+            Err(status) if status == Status::BUSY => Ok(false),
+            Err(status) => Err(Error::new(Op::WorkerArm, status)),
+        }
     }
 
     /// Installs `handler` for active messages with `id`, replacing any previous handler.

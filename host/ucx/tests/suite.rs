@@ -14,3 +14,4 @@ mod put_deadline;
 mod put_registered;
 mod rkey_fuzz;
 mod rkey_range;
+mod wakeup;

@@ -1,0 +1,92 @@
+//! A worker that sleeps on its wake-up descriptor (`ucp_worker_arm`, then `poll` on
+//! `ucp_worker_get_efd`) is woken by an active message arriving, over shared memory and tcp:
+//! how an idle rank thread sleeps instead of spinning.
+
+use crate::common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, mpsc};
+use std::thread;
+use std::time::Duration;
+
+use common::{DEADLINE, Transport, drive, pattern};
+use kvferry_platform::wait_readable;
+use kvferry_ucx::Worker;
+
+const ID: u16 = 9;
+
+fn woken_by_a_message(transport: Transport) {
+    let ctx = transport.context();
+    let (address_tx, address_rx) = mpsc::channel();
+    let (asleep_tx, asleep_rx) = mpsc::channel();
+    let (got_tx, got_rx) = mpsc::channel();
+    let stop = Arc::new(AtomicBool::new(false));
+    let stopping = Arc::clone(&stop);
+    let receiver_ctx = Arc::clone(&ctx);
+    let receiver = thread::spawn(move || {
+        let worker = Worker::new(&receiver_ctx).unwrap();
+        let (tx, inbox) = mpsc::channel();
+        worker
+            .set_am_handler(ID, move |_, data| tx.send(data.to_vec()).unwrap())
+            .unwrap();
+        address_tx.send(worker.address().unwrap()).unwrap();
+        let efd = worker.event_fd().unwrap();
+        // (message, sleeps before it came, whether the sleep it came in woke on the descriptor)
+        let (mut sleeps, mut woke) = (0u32, false);
+        while !stopping.load(Ordering::Acquire) {
+            while worker.progress() {}
+            if let Ok(message) = inbox.try_recv() {
+                got_tx.send((message, sleeps, woke)).unwrap();
+            }
+            if !worker.arm().unwrap() {
+                continue;
+            }
+            if sleeps == 0 {
+                asleep_tx.send(()).unwrap();
+            }
+            sleeps += 1;
+            woke = wait_readable(efd, Duration::from_millis(100)).unwrap();
+        }
+    });
+    let sender = Worker::new(&ctx).unwrap();
+    let address = address_rx.recv().unwrap();
+    // Sent only once the receiver sleeps on its descriptor with nothing to progress.
+    asleep_rx.recv_timeout(DEADLINE).unwrap();
+    thread::sleep(Duration::from_millis(20));
+    let ep = sender.connect(&address).unwrap();
+    let payload = pattern(64 << 10, 0x3c);
+    let send = ep.am_send_with(ID, b"", &payload, kvferry_ucx::AmProto::Auto);
+    drive(send.unwrap(), &[&sender]).unwrap();
+    let (message, sleeps, woke) = loop {
+        sender.progress();
+        match got_rx.try_recv() {
+            Ok(got) => break got,
+            Err(mpsc::TryRecvError::Empty) => {}
+            Err(e) => panic!("receiver ended: {e}"),
+        }
+    };
+    assert!(
+        message == payload,
+        "payload differs ({} bytes)",
+        message.len()
+    );
+    assert!(sleeps >= 1, "the receiver never slept before the message");
+    assert!(
+        woke,
+        "the message came without its descriptor waking the receiver"
+    );
+    // Its close needs the receiver's progress over tcp: the receiver still runs.
+    ep.close(DEADLINE).unwrap();
+    stop.store(true, Ordering::Release);
+    receiver.join().expect("receiver panicked");
+}
+
+#[test]
+fn shm_message_wakes_a_sleeping_worker() {
+    woken_by_a_message(Transport::Shm);
+}
+
+#[test]
+fn tcp_message_wakes_a_sleeping_worker() {
+    woken_by_a_message(Transport::Tcp);
+}
