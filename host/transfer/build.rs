@@ -1,0 +1,1 @@
+../ucx-sys/rpath.rs
