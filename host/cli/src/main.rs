@@ -424,6 +424,12 @@ struct BenchArgs {
     /// dst_offset, len]` per fragment (format `kvferry-fragments/1`; `scripts/bench-peers`).
     #[arg(long, value_name = "FILE")]
     export_fragments: Option<PathBuf>,
+    /// Write round 0's set as an engine holds it to FILE as JSON: every rank's configuration
+    /// (as its agent reads it) and each request's slot tables on both sides, with the counts
+    /// of kvferry's own plans per pair (format `kvferry-workload/1`): another transfer layer
+    /// plans it with kvferry's `PairPlanner` and moves the bytes (`scripts/bench-peers`).
+    #[arg(long, value_name = "FILE")]
+    export_workload: Option<PathBuf>,
     /// Measure layer-wise sends instead: both instances' agents in this process, each layer
     /// in a pool of its own (vLLM's layout), the prefill's compute simulated as US
     /// microseconds per model layer for the batch; reports the time from the last layer's
@@ -1380,6 +1386,7 @@ fn run_bench(config_file: Option<PathBuf>, a: BenchArgs) -> Result<ExitCode> {
         rounds: a.rounds,
         perftest: a.perftest,
         export_fragments: a.export_fragments,
+        export_workload: a.export_workload,
     };
     // JSON: ours_gbps, raw_gbps, memcpy_gbps, ratio, stages, perftest_gbps, fragments, bytes,
     // mean_fragment_bytes, transport, planner, and the per-round details; an array of those

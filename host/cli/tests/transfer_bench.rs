@@ -106,6 +106,155 @@ fn bench_exports_the_fragments_it_moves() {
     }
 }
 
+/// `--export-workload` writes round 0's set as an engine holds it, and kvferry's plan-only API
+/// (`kvferry::planning::PairPlanner`, what `scripts/bench-peers`' runners call through Python)
+/// plans it into exactly the fragments the prefill server recorded and moved: the same pairs,
+/// and per pair the same `(pool, offset)` fragments in the same order.
+#[test]
+fn workload_export_plans_to_the_fragments_it_moved() {
+    use kvferry::planning::{PairPlanner, Piece};
+    use kvferry_planner_abi::{SlotTable, TokenRange};
+    use std::collections::BTreeMap;
+
+    let dir = tempfile::tempdir().unwrap();
+    let plugins = support::build_dir();
+    for (model, ctx, decode, planner, transport) in [
+        ("deepseek-v3", "dep2", "dep2", MLA, "shm"),
+        ("llama-3-70b", "tp2", "tp4", "kvferry.default", "tcp"),
+    ] {
+        let fragments_file = dir.path().join(format!("{model}-fragments.json"));
+        let workload_file = dir.path().join(format!("{model}-workload.json"));
+        let v = bench(&[
+            "--model",
+            model,
+            "--ctx",
+            ctx,
+            "--gen",
+            decode,
+            "--prompt-len",
+            "96",
+            "--requests",
+            "2",
+            "--rounds",
+            "1",
+            "--transport",
+            transport,
+            "--planner",
+            planner,
+            "--export-fragments",
+            fragments_file.to_str().unwrap(),
+            "--export-workload",
+            workload_file.to_str().unwrap(),
+        ]);
+        check_common(&v, transport, planner);
+        let read = |path: &std::path::Path| -> Value {
+            serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+        };
+        let moved: Vec<PairFragments> =
+            serde_json::from_value(read(&fragments_file)["pairs"].clone()).unwrap();
+        let w = read(&workload_file);
+        assert_eq!(w["format"], kvferry_harness::bench::WORKLOAD_FORMAT);
+        assert_eq!(w["planner"], planner);
+        // Each rank's configuration, as an agent reads it, with the in-tree planners.
+        let config = |side: &str, rank: &str| -> String {
+            let mut c = w[side][rank].clone();
+            c["plugin_dir"] = Value::from(plugins.to_str().unwrap());
+            c.to_string()
+        };
+        let tables = |v: &Value| -> Vec<SlotTable> {
+            v.as_array()
+                .unwrap()
+                .iter()
+                .map(|t| SlotTable {
+                    slots: t
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|s| s.as_i64().unwrap())
+                        .collect(),
+                })
+                .collect()
+        };
+        // Pool of an address, from the rank's page table.
+        let locate = |side: &str, rank: &str, address: u64, len: u64| -> (u32, u64) {
+            let pools = w[side][rank]["rank"]["page_table"]["pools"]
+                .as_array()
+                .unwrap();
+            pools
+                .iter()
+                .enumerate()
+                .find_map(|(i, p)| {
+                    let base = p["base"].as_u64().unwrap();
+                    let size = (p["num_slots"].as_u64().unwrap() - 1)
+                        * p["slot_stride"].as_u64().unwrap()
+                        + p["slot_bytes"].as_u64().unwrap();
+                    (address >= base && address + len <= base + size)
+                        .then(|| (i as u32, address - base))
+                })
+                .unwrap_or_else(|| panic!("{side} {rank}: {address:#x} in no pool"))
+        };
+        let mut planned: BTreeMap<(u32, u32), Vec<PoolFragment>> = BTreeMap::new();
+        for request in w["requests"].as_array().unwrap() {
+            let prompt = request["prompt_len"].as_u64().unwrap();
+            for (p, p_tables) in request["prefill"].as_object().unwrap() {
+                for (d, d_tables) in request["decode"].as_object().unwrap() {
+                    let pair =
+                        PairPlanner::new(&config("prefill_ranks", p), &config("decode_ranks", d))
+                            .unwrap();
+                    assert_eq!(pair.planner_id(), planner);
+                    if !pair.writes() {
+                        continue;
+                    }
+                    let plan = pair
+                        .plan(&Piece {
+                            prefill_tables: tables(p_tables),
+                            decode_tables: tables(d_tables),
+                            tokens: TokenRange {
+                                start: 0,
+                                end: prompt,
+                            },
+                            prompt_len: prompt,
+                            dst_start_token: None,
+                            views: None,
+                        })
+                        .unwrap();
+                    let out = planned
+                        .entry((p.parse().unwrap(), d.parse().unwrap()))
+                        .or_default();
+                    for (src, dst, len) in plan.fragments() {
+                        let (sp, so) = locate("prefill_ranks", p, src, len);
+                        let (dp, d_off) = locate("decode_ranks", d, dst, len);
+                        out.push(PoolFragment(sp, so, dp, d_off, len));
+                    }
+                }
+            }
+        }
+        let moved: BTreeMap<(u32, u32), Vec<PoolFragment>> = moved
+            .into_iter()
+            .map(|p| ((p.ctx_rank, p.gen_rank), p.fragments))
+            .collect();
+        assert_eq!(
+            planned.keys().collect::<Vec<_>>(),
+            moved.keys().collect::<Vec<_>>()
+        );
+        for (pair, fragments) in &moved {
+            assert!(
+                !fragments.is_empty(),
+                "{model}: pair {pair:?} moved nothing"
+            );
+            assert_eq!(&planned[pair], fragments, "{model}: pair {pair:?}");
+        }
+        let counted: u64 = w["pairs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["fragments"].as_u64().unwrap())
+            .sum();
+        assert_eq!(counted, w["fragments"].as_u64().unwrap());
+        assert_eq!(counted, moved.values().map(|f| f.len() as u64).sum::<u64>());
+    }
+}
+
 /// `Fragments` needs a recording prefill server, like `Bench`.
 /// `kvferry bench ARGS --json` with no planner configuration from the environment.
 fn bench(args: &[&str]) -> Value {

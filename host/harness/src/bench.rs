@@ -59,6 +59,15 @@
 //! controller, so they cannot drift from what was measured; the export's fragment and byte
 //! counts are checked against that round's raw replay.
 //!
+//! With `--export-workload FILE`, round 0's set is written as what an engine holds instead
+//! ([`WORKLOAD_FORMAT`]): every rank's configuration as its agent reads it
+//! ([`kvferry::config::rank_config`], pools at the addresses the servers allocated) and each
+//! request's slot tables on both sides (the decode side's fetched with
+//! [`ControlMessage::Tables`](crate::control::ControlMessage::Tables)), with the fragment and
+//! byte counts of kvferry's own plans of each pair. Another transfer layer then plans the set
+//! itself with kvferry's planners (`PairPlanner` in Rust, C or Python) and must arrive at
+//! those counts: `scripts/bench-peers` drives NIXL and Mooncake that way.
+//!
 //! With `--perftest`, once the servers are down, `ucx_perftest -t ucp_put_bw` runs between two
 //! processes on a free port with the same `UCX_TLS`, puts of the mean fragment size, at most
 //! [`PUT_WINDOW`] outstanding (`-O`), and an explicit warm-up (`-w`).
@@ -92,6 +101,8 @@ pub const WARMUP_ROUNDS: u32 = 2;
 pub const PERFTEST: &str = "ucx_perftest";
 /// The `format` field of a `--export-fragments` file.
 pub const FRAGMENTS_FORMAT: &str = "kvferry-fragments/1";
+/// The `format` field of a `--export-workload` file.
+pub const WORKLOAD_FORMAT: &str = "kvferry-workload/1";
 
 /// The `ucx_perftest` of the UCX this binary links against (`bin/` beside its `lib/`, as the
 /// wheel in `.ucx/` and most prefixes have it), with the `LD_LIBRARY_PATH` it needs; else
@@ -127,6 +138,9 @@ pub struct BenchConfig {
     pub perftest: bool,
     /// Write round 0's fragments here (see the module docs).
     pub export_fragments: Option<PathBuf>,
+    /// Write round 0's workload here: both sides' rank configurations and every request's
+    /// slot tables (see the module docs).
+    pub export_workload: Option<PathBuf>,
 }
 
 /// Min, median and max of per-round values.
@@ -840,6 +854,15 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
                         }
                         report.export = Some(export);
                     }
+                    if let Some(path) = &config.export_workload {
+                        let pairs = pair.fragments(&set)?;
+                        let decode = set
+                            .submits
+                            .iter()
+                            .map(|s| pair.decode.tables(s))
+                            .collect::<Result<Vec<_>, _>>()?;
+                        write_workload(path, config, &report, &set, &decode, &pairs)?;
+                    }
                 }
                 let m = baseline(&pair, &set, &mut memcpy_refused)?;
                 if round + 1 < total {
@@ -1019,6 +1042,11 @@ pub fn sweep(config: &BenchConfig, requests: &[u64]) -> Result<Sweep, DemoError>
             "--export-fragments takes one --requests value, not a sweep".into(),
         ));
     }
+    if requests.len() > 1 && config.export_workload.is_some() {
+        return Err(DemoError::Invalid(
+            "--export-workload takes one --requests value, not a sweep".into(),
+        ));
+    }
     let mut reports = Vec::with_capacity(requests.len());
     for &n in requests {
         let one = BenchConfig {
@@ -1091,6 +1119,143 @@ fn write_fragments(
         bytes,
         ..ExportReport::default()
     })
+}
+
+/// A `--export-workload` file: what another transfer layer needs to move round 0's set with
+/// kvferry's plans, made by its own planner calls (`kvferry::planning::PairPlanner`, the
+/// Python and C `PairPlanner`): every rank's configuration as an agent reads it (its pools at
+/// the addresses the servers allocated: a runner maps plan addresses to pool offsets) and
+/// each request's slot tables on both sides. `pairs` holds kvferry's own plans' counts of the
+/// same set, for the runner to check its plans against.
+#[derive(Debug, Serialize)]
+struct WorkloadFile<'a> {
+    format: &'static str,
+    model: &'a str,
+    planner: &'a str,
+    planner_version: &'a str,
+    prefill: &'a str,
+    decode: &'a str,
+    transport: &'a str,
+    ucx_env: BTreeMap<String, String>,
+    memory: &'a str,
+    prompt_len: u64,
+    round: u32,
+    prefill_ranks: BTreeMap<u32, serde_json::Value>,
+    decode_ranks: BTreeMap<u32, serde_json::Value>,
+    requests: Vec<WorkloadRequest>,
+    fragments: u64,
+    bytes: u64,
+    pairs: Vec<WorkloadPair>,
+}
+
+/// One request of a workload: its slot tables (one per layer group) on each rank holding it.
+#[derive(Debug, Serialize)]
+struct WorkloadRequest {
+    request: u64,
+    prompt_len: u64,
+    prefill: BTreeMap<u32, Vec<Vec<i64>>>,
+    decode: BTreeMap<u32, Vec<Vec<i64>>>,
+}
+
+/// kvferry's plans of one (prefill rank, decode rank) pair over the set.
+#[derive(Debug, Serialize)]
+struct WorkloadPair {
+    ctx_rank: u32,
+    gen_rank: u32,
+    /// Fragments of each recorded plan, in the order they ran.
+    plans: Vec<u64>,
+    fragments: u64,
+    bytes: u64,
+}
+
+fn write_workload(
+    path: &std::path::Path,
+    config: &BenchConfig,
+    report: &BenchReport,
+    set: &Set,
+    decode: &[Vec<RankTables>],
+    pairs: &[PairFragments],
+) -> Result<(), DemoError> {
+    let architecture = config.pair.model.architecture();
+    let planner = Some(report.planner.as_str());
+    let tables = |ranks: &[RankTables]| -> BTreeMap<u32, Vec<Vec<i64>>> {
+        ranks
+            .iter()
+            .map(|r| (r.rank, r.tables.iter().map(|t| t.slots.to_vec()).collect()))
+            .collect()
+    };
+    let mut prefill_ranks = BTreeMap::new();
+    let mut decode_ranks = BTreeMap::new();
+    for (context, landed) in set.context.iter().zip(decode) {
+        for r in context {
+            prefill_ranks.entry(r.rank).or_insert_with(|| {
+                kvferry::config::rank_config(
+                    Role::Prefill,
+                    architecture,
+                    planner,
+                    &config.pair.prefill,
+                    &r.info,
+                )
+            });
+        }
+        for r in landed {
+            decode_ranks.entry(r.rank).or_insert_with(|| {
+                kvferry::config::rank_config(
+                    Role::Decode,
+                    architecture,
+                    planner,
+                    &config.pair.decode,
+                    &r.info,
+                )
+            });
+        }
+    }
+    let requests = set
+        .submits
+        .iter()
+        .zip(&set.context)
+        .zip(decode)
+        .map(|((s, context), landed)| WorkloadRequest {
+            request: s.request,
+            prompt_len: s.prompt_len,
+            prefill: tables(context),
+            decode: tables(landed),
+        })
+        .collect();
+    let file = WorkloadFile {
+        format: WORKLOAD_FORMAT,
+        model: &report.model,
+        planner: &report.planner,
+        planner_version: &report.planner_version,
+        prefill: &report.prefill,
+        decode: &report.decode,
+        transport: &report.transport,
+        ucx_env: ucx_env(&config.pair.transport).into_iter().collect(),
+        memory: &report.memory,
+        prompt_len: config.prompt_len,
+        round: 0,
+        prefill_ranks,
+        decode_ranks,
+        requests,
+        fragments: pairs.iter().map(|p| p.fragments.len() as u64).sum(),
+        bytes: pairs.iter().map(|p| p.bytes).sum(),
+        pairs: pairs
+            .iter()
+            .map(|p| WorkloadPair {
+                ctx_rank: p.ctx_rank,
+                gen_rank: p.gen_rank,
+                plans: p.plans.clone(),
+                fragments: p.fragments.len() as u64,
+                bytes: p.bytes,
+            })
+            .collect(),
+    };
+    let failed =
+        |e: &dyn fmt::Display| DemoError::Invalid(format!("cannot write {}: {e}", path.display()));
+    let mut out = BufWriter::new(File::create(path).map_err(|e| failed(&e))?);
+    serde_json::to_writer(&mut out, &file).map_err(|e| failed(&e))?;
+    out.write_all(b"\n").map_err(|e| failed(&e))?;
+    out.flush().map_err(|e| failed(&e))
 }
 
 fn path_report(samples: &[Sample], stages: &[StageSeconds]) -> PathReport {

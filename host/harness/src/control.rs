@@ -13,7 +13,7 @@
 //!
 //! A request belongs to the control connection that submitted it (its `Submit` made a record
 //! here): every other message naming it — `Release`, `Cancel`, `Verify`, `Stats`, `Bench`,
-//! `Fragments`, `Memcpy`, a second `Submit` of its id — is refused on any other connection,
+//! `Fragments`, `Memcpy`, `Tables`, a second `Submit` of its id — is refused on any other connection,
 //! naming the request and saying it belongs to another controller; in the message's own
 //! answer where it has a result, as [`ControlMessage::Refused`] for `Release` and `Cancel`.
 //! The refusal leaves the request and both connections as they were. A request outlives the
@@ -26,6 +26,7 @@
 //! | [`ControlMessage::InfoRequest`] | either | [`ControlMessage::Info`] |
 //! | [`ControlMessage::Submit`] | context, then generation | [`ControlMessage::Submitted`] (context) or [`ControlMessage::Done`] (generation) |
 //! | [`ControlMessage::Verify`] | generation | [`ControlMessage::Verified`] |
+//! | [`ControlMessage::Tables`] | generation | [`ControlMessage::TablesDone`] |
 //! | [`ControlMessage::Release`] | either | [`ControlMessage::Released`], or [`ControlMessage::Refused`] (another controller's) |
 //! | [`ControlMessage::Cancel`] | generation | none (the request's `Done` reports it), or [`ControlMessage::Refused`] (another controller's) |
 //! | [`ControlMessage::VerifyIdle`] | generation | [`ControlMessage::IdleVerified`] |
@@ -183,6 +184,20 @@ pub enum ControlMessage {
         /// The prefill DP group's slot tables (from [`ControlMessage::Submitted`]).
         context: Vec<RankTables>,
     },
+    /// Send the slot tables a completed request landed in, per rank served here (with the
+    /// rank's description): what another transfer layer, planning the same request with
+    /// kvferry's plans, writes to (`kvferry bench --export-workload`).
+    Tables {
+        /// The request.
+        request: u64,
+    },
+    /// A request's destination slot tables, or why not.
+    TablesDone {
+        /// The request.
+        request: u64,
+        /// Per rank served here that holds it.
+        result: Result<Vec<RankTables>, String>,
+    },
     /// The oracle's verdict on a request.
     Verified {
         /// The request.
@@ -299,6 +314,8 @@ impl Frame for ControlMessage {
             ControlMessage::Done { .. } => "Done",
             ControlMessage::Verify { .. } => "Verify",
             ControlMessage::Verified { .. } => "Verified",
+            ControlMessage::Tables { .. } => "Tables",
+            ControlMessage::TablesDone { .. } => "TablesDone",
             ControlMessage::Release { .. } => "Release",
             ControlMessage::Released { .. } => "Released",
             ControlMessage::Cancel { .. } => "Cancel",

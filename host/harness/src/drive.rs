@@ -295,6 +295,36 @@ impl Side {
         Ok(Ok(merged))
     }
 
+    /// Decode side: the slot tables a completed request landed in, per rank, from every
+    /// server holding it.
+    ///
+    /// # Errors
+    ///
+    /// A control call that fails, a server's refusal, or an answer out of protocol.
+    pub fn tables(&self, submit: &Submit) -> Result<Vec<RankTables>, DemoError> {
+        let mut ranks = Vec::new();
+        for client in self.holding(submit.gen_dp_rank) {
+            let request = submit.request;
+            match client.call(Message::Tables { request }, REPLY_TIMEOUT)? {
+                Message::TablesDone { result: Ok(t), .. } => ranks.extend(t),
+                Message::TablesDone { result: Err(e), .. } => {
+                    return Err(DemoError::Protocol(format!(
+                        "decode server {} tables of request {request}: {e}",
+                        client.addr()
+                    )));
+                }
+                other => {
+                    return Err(DemoError::Protocol(format!(
+                        "decode server {} answered {} to Tables",
+                        client.addr(),
+                        other.kind()
+                    )));
+                }
+            }
+        }
+        Ok(ranks)
+    }
+
     /// Releases a request on every server holding it.
     ///
     /// # Errors

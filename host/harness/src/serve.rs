@@ -733,6 +733,10 @@ impl Shared {
                 let result = self.verify(request, &context, controller);
                 ControlMessage::Verified { request, result }
             }
+            (ControlMessage::Tables { request }, Role::Decode) => ControlMessage::TablesDone {
+                request,
+                result: self.incoming_tables(request, controller),
+            },
             (ControlMessage::VerifyIdle, Role::Decode) => ControlMessage::IdleVerified {
                 result: self.verify_idle(),
             },
@@ -1336,6 +1340,33 @@ impl Shared {
         }
         self.settle_incoming(id);
         Ok(())
+    }
+
+    /// The slot tables `controller`'s completed request landed in, per rank here.
+    fn incoming_tables(
+        &self,
+        request: u64,
+        controller: ControllerId,
+    ) -> Result<Vec<RankTables>, String> {
+        let incoming = lock(&self.incoming);
+        let inc = incoming
+            .get(&request)
+            .ok_or_else(|| format!("request {request} is not held here"))?;
+        if inc.owner != controller {
+            return Err(self.foreign(request, inc.owner));
+        }
+        if !inc.pending.is_empty() {
+            return Err(format!("request {request} has not completed"));
+        }
+        Ok(inc
+            .tables
+            .iter()
+            .map(|(&rank, tables)| RankTables {
+                rank,
+                info: self.ranks[&rank].info.clone(),
+                tables: tables.clone(),
+            })
+            .collect())
     }
 
     /// Checks `controller`'s completed request's destination slots with the oracle.

@@ -298,7 +298,7 @@ fn parse_with(text: &str, env: Env<'_>) -> Result<Parsed, ConfigError> {
         role,
         rank,
         binding,
-    } = rank_config(&c)?;
+    } = read_rank(&c)?;
     let mut secret = match (&c.secret, &c.secret_hex, env(SECRET_ENV)) {
         (None, None, Some(from_env)) => Secret::new(from_env.into_bytes())
             .map_err(|e| ConfigError::invalid(format!("{SECRET_ENV}: {e}")))?,
@@ -394,10 +394,10 @@ fn parse_with(text: &str, env: Env<'_>) -> Result<Parsed, ConfigError> {
 /// The rank part of a configuration (strictly parsed): what planning needs, and all of it
 /// (a configuration without a secret is still a rank's description).
 pub(crate) fn parse_rank(text: &str) -> Result<RankConfig, ConfigError> {
-    rank_config(&read(text)?)
+    read_rank(&read(text)?)
 }
 
-fn rank_config(c: &ConfigV1) -> Result<RankConfig, ConfigError> {
+fn read_rank(c: &ConfigV1) -> Result<RankConfig, ConfigError> {
     if c.instance.is_empty() {
         return Err(ConfigError::invalid("config: \"instance\" is empty"));
     }
@@ -636,7 +636,7 @@ fn page_table(t: &PageTableJson) -> Result<PageTable, ConfigError> {
                 memory_type: code(
                     &format!("rank.page_table.pools[{p}].memory_type"),
                     &pool.memory_type,
-                    &[("dram", MemoryType::DRAM), ("vram", MemoryType::VRAM)],
+                    MEMORY_TYPES,
                 )?,
             })
         })
@@ -673,12 +673,7 @@ fn page_table(t: &PageTableJson) -> Result<PageTable, ConfigError> {
                             kind: code(
                                 &format!("{at}.views[{v}].layout.kind"),
                                 &l.kind,
-                                &[
-                                    ("hnd", LayoutKind::HND),
-                                    ("nhd", LayoutKind::NHD),
-                                    ("replicated", LayoutKind::REPLICATED),
-                                    ("sectioned", LayoutKind::SECTIONED),
-                                ],
+                                LAYOUT_KINDS,
                             )?,
                             dtype: RString::from(l.dtype.as_str()),
                             elem_bits: l.elem_bits,
@@ -693,11 +688,7 @@ fn page_table(t: &PageTableJson) -> Result<PageTable, ConfigError> {
                 })
                 .collect::<Result<RVec<_>, ConfigError>>()?;
             Ok(LayerGroup {
-                kind: code(
-                    &format!("{at}.kind"),
-                    &group.kind,
-                    &[("paged", GroupKind::PAGED), ("state", GroupKind::STATE)],
-                )?,
+                kind: code(&format!("{at}.kind"), &group.kind, GROUP_KINDS)?,
                 window: group.window.into(),
                 layers: group
                     .layers
@@ -720,6 +711,124 @@ fn page_table(t: &PageTableJson) -> Result<PageTable, ConfigError> {
         .validate()
         .map_err(|e| ConfigError::invalid(format!("config: rank.page_table: {e}")))?;
     Ok(table)
+}
+
+/// The spellings of the page table's codes, read by the parser and written by
+/// [`rank_config`].
+const MEMORY_TYPES: &[(&str, MemoryType)] =
+    &[("dram", MemoryType::DRAM), ("vram", MemoryType::VRAM)];
+const LAYOUT_KINDS: &[(&str, LayoutKind)] = &[
+    ("hnd", LayoutKind::HND),
+    ("nhd", LayoutKind::NHD),
+    ("replicated", LayoutKind::REPLICATED),
+    ("sectioned", LayoutKind::SECTIONED),
+];
+const GROUP_KINDS: &[(&str, GroupKind)] =
+    &[("paged", GroupKind::PAGED), ("state", GroupKind::STATE)];
+
+/// The name of `value` among `known`; a code this version does not spell is written as its
+/// number's debug form, which the parser refuses by name.
+fn name_of<T: PartialEq + std::fmt::Debug>(value: T, known: &[(&'static str, T)]) -> String {
+    known
+        .iter()
+        .find(|(_, c)| *c == value)
+        .map_or_else(|| format!("{value:?}"), |(n, _)| (*n).to_string())
+}
+
+/// One rank's configuration as [`load`] and [`crate::planning::PairPlanner::new`] read it:
+/// `version`, `instance`, `role` (`context` or `generation`), `architecture`, `planner` (when
+/// given) and `rank` — its place in `mapping` and its whole page table. Nothing else: an agent
+/// needs a secret (and takes its transport and timeouts) added to it. Reading it back gives
+/// `rank` again (its planner ids aside, which the agent fills in from the planner it binds).
+/// What an engine, or a benchmark, hands to another process that plans for this rank.
+pub fn rank_config(
+    role: Role,
+    architecture: &str,
+    planner: Option<&str>,
+    mapping: &Mapping,
+    rank: &RankInfo,
+) -> serde_json::Value {
+    use serde_json::json;
+    let t = &rank.page_table;
+    let pools: Vec<_> = t
+        .pools
+        .iter()
+        .map(|p| {
+            json!({
+                "base": p.base,
+                "slot_bytes": p.slot_bytes,
+                "slot_stride": p.slot_stride,
+                "num_slots": p.num_slots,
+                "memory_type": name_of(p.memory_type, MEMORY_TYPES),
+            })
+        })
+        .collect();
+    let groups: Vec<_> = t
+        .groups
+        .iter()
+        .map(|g| {
+            let views: Vec<_> = g
+                .views
+                .iter()
+                .map(|v| {
+                    let l = &v.layout;
+                    json!({
+                        "pool": v.pool,
+                        "entries": v.entries.iter().map(|e| json!({
+                            "local_layer": e.local_layer, "offset": e.offset, "size": e.size,
+                        })).collect::<Vec<_>>(),
+                        "roles": v.roles.iter().map(|r| r.as_str()).collect::<Vec<_>>(),
+                        "layout": {
+                            "kind": name_of(l.kind, LAYOUT_KINDS),
+                            "dtype": l.dtype.as_str(),
+                            "elem_bits": l.elem_bits,
+                            "num_shards": l.num_shards,
+                            "shard_index": l.shard_index,
+                            "num_replicas": l.num_replicas,
+                            "replica_index": l.replica_index,
+                            "shard_unit_bytes": l.shard_unit_bytes,
+                            "section_bytes": l.section_bytes.as_slice(),
+                        },
+                    })
+                })
+                .collect();
+            let mut group = json!({
+                "kind": name_of(g.kind, GROUP_KINDS),
+                "layers": g.layers.iter().map(|l| json!({"local": l.local, "global": l.global}))
+                    .collect::<Vec<_>>(),
+                "views": views,
+            });
+            if let Some(window) = g.window() {
+                group["window"] = json!(window);
+            }
+            group
+        })
+        .collect();
+    let mut config = json!({
+        "version": CONFIG_VERSION,
+        "instance": rank.instance_name.as_str(),
+        "role": match role { Role::Prefill => "context", Role::Decode => "generation" },
+        "architecture": architecture,
+        "rank": {
+            "mapping": mapping.to_string(),
+            "instance_rank": rank.instance_rank,
+            "tp_rank": rank.tp_rank,
+            "pp_rank": rank.pp_rank,
+            "cp_rank": rank.cp_rank,
+            "dp_size": rank.dp_size,
+            "dp_rank": rank.dp_rank,
+            "layers_per_pp": rank.layers_per_pp.as_slice(),
+            "page_table": {
+                "tokens_per_block": t.tokens_per_block,
+                "pools": pools,
+                "groups": groups,
+            },
+        },
+    });
+    if let Some(planner) = planner {
+        config["planner"] = json!(planner);
+    }
+    config
 }
 
 /// The code named `name` among `known`, or an error listing them.
@@ -752,6 +861,52 @@ mod tests {
                "size": 1024}}], "roles": ["key"], "layout": {{"kind": "hnd", "dtype": "bf16",
                "elem_bits": 16, "num_shards": 2, "shard_index": 1}}}}]}}]}}}}{extra}}}"#
         )
+    }
+
+    /// Every preset's rank, on deployments that give it every kind of group (PAGED, STATE,
+    /// windows, MLA latents, padding between slots), written by [`rank_config`] and read back.
+    #[test]
+    fn rank_config_reads_back_as_the_same_rank() {
+        use kvferry_testkit::layout::{ModelSpec, PoolOptions, Preset, build_rank};
+        let cases = [
+            (Preset::DeepseekV3, "dep4"),
+            (Preset::Llama3_70b, "tp4pp2"),
+            (Preset::Qwen3Next80bA3b, "tp2"),
+            (Preset::GptOss120b, "tp2cp2"),
+        ];
+        for (preset, deployment) in cases {
+            let mapping: Mapping = deployment.parse().unwrap();
+            let model = ModelSpec::new(preset);
+            let options = PoolOptions {
+                paged_slots: 8,
+                state_slots: 2,
+                slot_padding: 64,
+                memory_type: MemoryType::DRAM,
+            };
+            for r in 0..mapping.world_size() {
+                let mut next = 1u64 << 32;
+                let mut alloc = |_: u32, _: usize, bytes: u64| {
+                    let base = next;
+                    next += bytes.next_multiple_of(4096);
+                    base
+                };
+                let mut built =
+                    build_rank(&model, &mapping, "p", "any", r, &options, &mut alloc).unwrap();
+                for role in [Role::Prefill, Role::Decode] {
+                    let value =
+                        rank_config(role, model.architecture(), Some("any"), &mapping, &built);
+                    let read = parse_rank(&value.to_string())
+                        .unwrap_or_else(|e| panic!("{deployment} rank {r}: {e}\n{value:#}"));
+                    assert_eq!(read.role, role);
+                    assert_eq!(read.binding.planner.as_deref(), Some("any"));
+                    assert_eq!(read.binding.deployment.mapping, mapping);
+                    // The agent fills these in from the planner it binds.
+                    (built.planner_id, built.describer_id) =
+                        (read.rank.planner_id.clone(), read.rank.describer_id.clone());
+                    assert_eq!(read.rank, built, "{preset:?} {deployment} rank {r}");
+                }
+            }
+        }
     }
 
     #[test]
