@@ -1,5 +1,10 @@
 #!/usr/bin/env python3
-"""Moves the fragments `kvferry bench --export-fragments` wrote with NIXL, and times it.
+"""Moves kvferry's plans of a `kvferry bench --export-workload` set with NIXL, and times it.
+
+The descriptors come from kvferry's plan-only API: plans.py plans every request of the
+workload with `kvferry.PairPlanner` (in a child process: kvferry's UCX and NIXL's stay in
+different processes) and checks the plans against kvferry's own; a `--export-fragments`
+file (the recorded fragments themselves) is read as it is.
 
 Two processes on this machine, DRAM to DRAM, NIXL's UCX backend, used the way vLLM's
 NixlConnector uses it:
@@ -33,7 +38,7 @@ checks every destination byte of every fragment against the pattern, outside tim
 NIXL's UCX backend is created with `ucx_error_handling_mode=none`, like kvferry's endpoints
 (UCX's shared-memory transports cannot serve endpoints that ask for peer failure handling).
 
-Usage: nixl_bench.py FRAGMENTS.json [--warmup N] [--rounds N] [--unit plan|pair]
+Usage: nixl_bench.py WORKLOAD.json [--warmup N] [--rounds N] [--unit plan|pair]
        [--progress poll|thread] [--threads rank|one] [--target-sleep-us US] [--no-verify]
        [--json]
 """
@@ -467,6 +472,7 @@ def drive(doc: dict, pairs: list[dict], sock: socket.socket, args) -> dict:
         "prefill": doc["prefill"],
         "decode": doc["decode"],
         "transport": doc["transport"],
+        "descriptors": doc["planned_by"],
         "pairs": len(pairs),
         "units": len(units),
         "agents": {"initiator": len(agents), "target": len({p["gen_rank"] for p in pairs})},
@@ -490,9 +496,27 @@ def drive(doc: dict, pairs: list[dict], sock: socket.socket, args) -> dict:
     }
 
 
+def load_fragments(path: str) -> dict:
+    """The fragments to move: a `kvferry bench --export-workload` file, planned with kvferry's
+    plan-only API in a child process (plans.py: no UCX of kvferry's in this process), or a
+    `--export-fragments` file as it is."""
+    with open(path) as f:
+        doc = json.load(f)
+    if doc.get("format") == "kvferry-workload/1":
+        import plans
+
+        return plans.fetch(path)
+    if doc.get("format") != "kvferry-fragments/1":
+        raise SystemExit(f"{path}: neither a kvferry-workload/1 nor a kvferry-fragments/1 file")
+    doc.setdefault("planned_by", "kvferry bench --export-fragments")
+    return doc
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("fragments", help="a kvferry bench --export-fragments file")
+    ap.add_argument("fragments", metavar="WORKLOAD",
+                    help="a kvferry bench --export-workload file (planned with "
+                         "kvferry.PairPlanner) or --export-fragments file")
     ap.add_argument("--warmup", type=int, default=2, help="uncounted rounds first (default 2)")
     ap.add_argument("--rounds", type=int, default=5, help="counted rounds (default 5)")
     ap.add_argument("--unit", choices=["plan", "pair"], default="plan",
@@ -515,10 +539,7 @@ def main() -> int:
     if args.warmup < 1 or args.rounds < 1:
         ap.error("--warmup and --rounds must be at least 1")
 
-    with open(args.fragments) as f:
-        doc = json.load(f)
-    if doc.get("format") != "kvferry-fragments/1":
-        ap.error(f"{args.fragments}: not a kvferry-fragments/1 file")
+    doc = load_fragments(args.fragments)
     if doc.get("memory", "host") != "host":
         ap.error("only host-memory exports are supported (DRAM to DRAM)")
     # Before NIXL (and its UCX) load: the transport kvferry used for these fragments.

@@ -1,17 +1,26 @@
 #!/usr/bin/env python3
-"""Joins the `kvferry bench --json` and `nixl_bench.py --json` reports of one
-`scripts/bench-peers` sitting into its table (text) or one JSON object (`--json`).
+"""Joins the `kvferry bench --json`, `nixl_bench.py --json` and `mooncake_bench.py --json`
+reports of one `scripts/bench-peers` sitting into its table (text) or one JSON object
+(`--json`).
 
 Usage: table.py RUN_DIR [--json]
 
 RUN_DIR holds `runs.jsonl` (what ran, in order, one JSON object a line: workload,
-transport, pass, the report files and any NIXL error), the reports it names, and
-`meta.json` (versions, machine, settings).
+transport, pass, the report files and any peer's error; a peer that did not run has
+neither), the reports it names, and `meta.json` (versions, machine, settings).
+
+One table row per workload and transport. With several passes, every cell is the median
+over the passes with [min-max] beside it; a ratio is taken within each pass (kvferry and
+the peers ran back to back on the same fragments) and then summarised the same way. "best
+peer" is kvferry's rate over the faster of NIXL and Mooncake in that pass.
 """
 
 import json
 import os
+import statistics
 import sys
+
+PEERS = (("nixl", "NIXL"), ("mooncake", "Mooncake"))
 
 
 def load(path):
@@ -26,6 +35,108 @@ def human(nbytes):
     return f"{nbytes:.0f} B"
 
 
+def ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def summary(xs):
+    """Median, min and max of the values that exist; None if none does."""
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def cell(s, digits, passes):
+    """A summary as text: the median, and [min-max] when it summarises several passes."""
+    if s is None:
+        return None
+    text = f"{s['median']:.{digits}f}"
+    if passes > 1:
+        text += f" [{s['min']:.{digits}f}-{s['max']:.{digits}f}]"
+        if s["n"] < passes:
+            text += f" ({s['n']}/{passes})"
+    return text
+
+
+def row_of(run_dir, r):
+    """One run (a workload, transport and pass) as a flat dict."""
+    k = load(os.path.join(run_dir, r["kvferry"]))
+    export = k.get("export") or {}
+    fragments = export.get("fragments", k["fragments"])
+    nbytes = export.get("bytes", k["bytes"])
+    row = {
+        "workload": r["workload"],
+        "transport": r["transport"],
+        "pass": r["pass"],
+        "requests": k["requests"],
+        "prompt_len": k["prompt_len"],
+        "planner": k["planner"],
+        "fragments": fragments,
+        "bytes": nbytes,
+        "fragment_bytes": nbytes / max(fragments, 1),
+        "kvferry_gbps": k["ours_gbps"],
+        "raw_gbps": k["raw_gbps"],
+        "kvferry_raw_ratio": k["ratio"],
+        "kvferry_verified": k["verified"],
+        "kvferry_rounds": k["rounds"],
+        "kvferry_report": r["kvferry"],
+    }
+    best = None
+    for peer, _ in PEERS:
+        report = load(os.path.join(run_dir, r[peer])) if r.get(peer) else None
+        gbps = report["gbps"] if report else None
+        row[f"{peer}_ran"] = bool(report) or bool(r.get(f"{peer}_error"))
+        row[f"{peer}_gbps"] = gbps
+        row[f"{peer}_verified"] = report["verified"] if report else None
+        row[f"{peer}_rounds"] = report["rounds"] if report else None
+        row[f"kvferry_{peer}_ratio"] = ratio(k["ours_gbps"], gbps)
+        row[f"{peer}_error"] = r.get(f"{peer}_error")
+        row[f"{peer}_report"] = r.get(peer)
+        if gbps and (best is None or gbps > best[1]):
+            best = (peer, gbps)
+        if peer == "nixl":
+            row["nixl_gbps_with_make"] = report["gbps_with_make"] if report else None
+        if peer == "mooncake":
+            row["mooncake_transport"] = report["transport"] if report else None
+    row["best_peer"] = best[0] if best else None
+    row["best_peer_gbps"] = best[1] if best else None
+    row["kvferry_best_peer_ratio"] = ratio(k["ours_gbps"], best[1]) if best else None
+    return row
+
+
+def workloads_of(rows):
+    """The rows grouped by workload and transport (in the order they first ran), each
+    summarised over its passes."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["workload"], r["transport"]), []).append(r)
+    out = []
+    for (workload, transport), rs in groups.items():
+        w = {
+            "workload": workload,
+            "transport": transport,
+            "passes": len(rs),
+            "fragments": rs[0]["fragments"],
+            "bytes": rs[0]["bytes"],
+            "fragment_bytes": rs[0]["fragment_bytes"],
+            "verified": all(
+                r["kvferry_verified"] and r["nixl_verified"] is not False
+                and r["mooncake_verified"] is not False
+                for r in rs
+            ),
+        }
+        for key in ("kvferry_gbps", "raw_gbps", "nixl_gbps", "mooncake_gbps",
+                    "kvferry_nixl_ratio", "kvferry_mooncake_ratio", "kvferry_best_peer_ratio"):
+            w[key] = summary([r[key] for r in rs])
+        for peer, _ in PEERS:
+            w[f"{peer}_ran"] = any(r[f"{peer}_ran"] for r in rs)
+            w[f"{peer}_failed"] = sum(1 for r in rs if r[f"{peer}_error"])
+        w["best_peers"] = sorted({r["best_peer"] for r in rs if r["best_peer"]})
+        out.append(w)
+    return out
+
+
 def main():
     run_dir = sys.argv[1]
     as_json = "--json" in sys.argv[2:]
@@ -34,86 +145,80 @@ def main():
     if os.path.exists(end):
         with open(end) as f:
             meta["loadavg_end"] = f.read().strip()
-    rows = []
     with open(os.path.join(run_dir, "runs.jsonl")) as f:
         runs = [json.loads(line) for line in f if line.strip()]
-    for r in runs:
-        k = load(os.path.join(run_dir, r["kvferry"]))
-        n = load(os.path.join(run_dir, r["nixl"])) if r.get("nixl") else None
-        export = k.get("export") or {}
-        fragments = export.get("fragments", k["fragments"])
-        nbytes = export.get("bytes", k["bytes"])
-        row = {
-            "workload": r["workload"],
-            "transport": r["transport"],
-            "pass": r["pass"],
-            "requests": k["requests"],
-            "prompt_len": k["prompt_len"],
-            "planner": k["planner"],
-            "fragments": fragments,
-            "bytes": nbytes,
-            "fragment_bytes": nbytes / max(fragments, 1),
-            "kvferry_gbps": k["ours_gbps"],
-            "raw_gbps": k["raw_gbps"],
-            "kvferry_raw_ratio": k["ratio"],
-            "kvferry_verified": k["verified"],
-            "nixl_gbps": n["gbps"] if n else None,
-            "nixl_gbps_with_make": n["gbps_with_make"] if n else None,
-            "nixl_verified": n["verified"] if n else None,
-            "kvferry_nixl_ratio": (k["ours_gbps"] / n["gbps"]) if n and n["gbps"] > 0 else None,
-            "kvferry_rounds": k["rounds"],
-            "nixl_rounds": n["rounds"] if n else None,
-            "nixl_error": r.get("nixl_error"),
-            "kvferry_report": r["kvferry"],
-            "nixl_report": r.get("nixl"),
-        }
-        rows.append(row)
+    rows = [row_of(run_dir, r) for r in runs]
+    workloads = workloads_of(rows)
     if as_json:
-        print(json.dumps({"meta": meta, "rows": rows}, indent=2))
+        print(json.dumps({"meta": meta, "rows": rows, "workloads": workloads}, indent=2))
         return 0
 
+    ran = [(peer, label) for peer, label in PEERS if any(w[f"{peer}_ran"] for w in workloads)]
+    names = {
+        "nixl": f"{meta.get('nixl', 'NIXL')} (its own UCX {meta.get('nixl_ucx', '?')})",
+        "mooncake": meta.get("mooncake", "Mooncake"),
+    }
+    against = " and ".join(names[peer] for peer, _ in ran) or "no peer"
     print(
-        f"kvferry {meta['kvferry_commit']} (UCX {meta['kvferry_ucx']}) against "
-        f"{meta.get('nixl', 'NIXL')} (its own UCX {meta.get('nixl_ucx', '?')})\n"
+        f"kvferry {meta['kvferry_commit']} (UCX {meta['kvferry_ucx']}) against {against}\n"
         f"{meta['started']}, {meta['host']}, load average {meta.get('loadavg_start', '?')} "
         f"at the start, {meta.get('loadavg_end', '?')} at the end"
     )
-    head = (
-        "workload", "transport", "frags/round", "frag size", "kvferry GB/s",
-        "raw put GB/s", "NIXL GB/s", "kvferry/NIXL",
-    )
+    passes = max((w["passes"] for w in workloads), default=1)
+    head = ["workload", "transport", "frags/round", "frag size", "kvferry GB/s", "raw put GB/s"]
+    for peer, label in ran:
+        head += [f"{label} GB/s", f"kvferry/{label}"]
+    if len(ran) > 1:
+        head.append("kvferry/best peer")
     table = [head]
-    for r in rows:
-        name = r["workload"] + (f" #{r['pass']}" if len({x["pass"] for x in rows}) > 1 else "")
-        nixl = "failed" if r["nixl_gbps"] is None else f"{r['nixl_gbps']:.3f}"
-        ratio = "-" if r["kvferry_nixl_ratio"] is None else f"{r['kvferry_nixl_ratio']:.2f}"
-        flags = ""
-        if not r["kvferry_verified"] or r["nixl_verified"] is False:
-            flags = " (NOT VERIFIED)"
-        table.append((
-            name + flags,
-            r["transport"],
-            f"{r['fragments']:,}",
-            human(r["fragment_bytes"]),
-            f"{r['kvferry_gbps']:.3f}",
-            f"{r['raw_gbps']:.3f}",
-            nixl,
-            ratio,
-        ))
-    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
-    for i, row in enumerate(table):
-        cells = [c.ljust(widths[j]) if j < 2 else c.rjust(widths[j]) for j, c in enumerate(row)]
+    for w in workloads:
+        flags = "" if w["verified"] else " (NOT VERIFIED)"
+        line = [
+            w["workload"] + flags,
+            w["transport"],
+            f"{w['fragments']:,}",
+            human(w["fragment_bytes"]),
+            cell(w["kvferry_gbps"], 3, w["passes"]),
+            cell(w["raw_gbps"], 3, w["passes"]),
+        ]
+        for peer, _ in ran:
+            failed = "failed" if w[f"{peer}_failed"] else "-"
+            line.append(cell(w[f"{peer}_gbps"], 3, w["passes"]) or failed)
+            line.append(cell(w[f"kvferry_{peer}_ratio"], 2, w["passes"]) or "-")
+        if len(ran) > 1:
+            best = cell(w["kvferry_best_peer_ratio"], 2, w["passes"])
+            if best and w["best_peers"]:
+                best += " (" + "/".join(dict(PEERS)[p] for p in w["best_peers"]) + ")"
+            line.append(best or "-")
+        table.append(line)
+    widths = [max(len(line[i]) for line in table) for i in range(len(head))]
+    for i, line in enumerate(table):
+        cells = [c.ljust(widths[j]) if j < 2 else c.rjust(widths[j]) for j, c in enumerate(line)]
         print("  ".join(cells).rstrip())
         if i == 0:
             print("  ".join("-" * w for w in widths))
-    print(
-        "GB/s = 10^9 bytes/s, medians of the counted rounds; kvferry: its full transfer path, "
-        "raw put: a bare put loop over the same fragments (kvferry bench); NIXL: "
-        f"nixl_bench.py on round 0's exported fragments, {meta.get('nixl_mode', '')}."
-    )
+    over = f"; the medians over {passes} passes [min-max]" if passes > 1 else ""
+    notes = [
+        "GB/s = 10^9 bytes/s, medians of the counted rounds" + over + "; kvferry: its full "
+        "transfer path, raw put: a bare put loop over the same fragments (kvferry bench)"
+    ]
+    for peer, label in ran:
+        mode = meta.get(f"{peer}_mode", "")
+        source = meta.get("descriptors", "round 0's exported fragments")
+        notes.append(f"{label}: {peer}_bench.py on {source}, {mode}")
+    if len(ran) > 1:
+        notes.append("best peer: kvferry over the faster peer of each pass (named)")
+    print(".\n".join(notes) + ".")
+    shm_over_tcp = {r["mooncake_transport"] for r in rows
+                    if r["transport"] == "shm" and r["mooncake_transport"]}
+    for t in sorted(shm_over_tcp):
+        if not t.startswith("shm"):
+            print(f"Mooncake's shm rows ran over {t}.")
     for r in rows:
-        if r["nixl_error"]:
-            print(f"NIXL failed on {r['workload']} over {r['transport']}: {r['nixl_error']}")
+        for peer, label in PEERS:
+            if r[f"{peer}_error"]:
+                print(f"{label} failed on {r['workload']} over {r['transport']} (pass "
+                      f"{r['pass']}): {r[f'{peer}_error']}")
     return 0
 
 
