@@ -373,7 +373,9 @@ pub struct BenchReport {
     pub puts: u64,
     /// `--bounce` of both servers.
     pub bounce: String,
-    /// Puts of one round on kvferry's path (bounced pieces: one per MiB of packed image).
+    /// Writes of one round on kvferry's path: UCX puts (fragments split at the largest put;
+    /// bounced pieces: one per MiB of packed image), or over shared memory one copy per
+    /// fragment straight into the receiver's mapping.
     pub ours_puts: u64,
     /// Pieces of one round: (prefill rank, decode rank) pairs × chunks.
     pub pieces: u64,

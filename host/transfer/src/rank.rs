@@ -28,6 +28,13 @@
 //! can map (`tcp`) are not translated here and pass. [`RankThread::vet`] runs the same
 //! connection up front, so a caller can refuse such a peer before accepting it.
 //!
+//! Since a pool that passed lies, whole, inside one shared mapping of this process, a
+//! fragment from host memory into it is copied straight there (one `memmove` to the
+//! translated address, what UCX's shared-memory put does for each put, without a UCX
+//! request per fragment); the job's flush still follows, then its completion. The bare put
+//! loop ([`ReplayJob`]) keeps UCX's puts: it is the baseline the agent path is measured
+//! against.
+//!
 //! # Dead and hung receivers
 //!
 //! A sender waits on its receiver: over `tcp` (and into registered memory) every put and
@@ -95,6 +102,7 @@
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::os::fd::AsRawFd;
+use std::ptr::NonNull;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -190,7 +198,8 @@ pub struct WriteStats {
     pub bytes: u64,
     /// Fragments of the plan.
     pub fragments: u64,
-    /// Puts issued (fragments split at `MAX_PUT_BYTES`).
+    /// Writes issued: puts (fragments split at `MAX_PUT_BYTES`), or one direct copy per
+    /// fragment into a peer pool mapped here ([`Mapped`]).
     pub puts: u64,
     /// Nanoseconds spent issuing the puts (waits for a full window included).
     pub puts_ns: u64,
@@ -933,12 +942,20 @@ fn run(
 /// with the jobs that use them (each put in flight holds its own handle on its key).
 type Keys = Rc<[RemoteKey]>;
 
+/// Where each of a peer rank's pools lies in this process when its key maps it into a shared
+/// host mapping here (the shared-memory transports): the local address of the pool's declared
+/// base, valid for the whole declared range while the pool's key lives
+/// ([`RemoteKey::check_range`] found the range contiguous inside one shared, writable mapping).
+/// `None` for a pool only UCX's puts reach (tcp, device memory). In pool order, like [`Keys`].
+type Mapped = Rc<[Option<NonNull<u8>>]>;
+
 /// An endpoint to a peer rank and the keys of its pools, owned by the connection cache. When
 /// it is dropped (the peer forgotten), a quarantined window with puts to the peer still holds
 /// the endpoint and the keys those puts use, so the endpoint closes once the window drains.
 struct Conn {
     ep: Endpoint,
     keys: Keys,
+    mapped: Mapped,
 }
 
 /// What runs once a quarantined window has drained.
@@ -1121,7 +1138,7 @@ impl<'a> Executor<'a> {
             source,
         })?;
         // The bounce arena's key comes last, after the pools' (its index: the pool count).
-        let keys = dest
+        let (keys, mapped): (Vec<_>, Vec<_>) = dest
             .pools
             .iter()
             .chain(dest.bounce.iter())
@@ -1135,14 +1152,22 @@ impl<'a> Executor<'a> {
                         pool,
                         source,
                     })?;
-                check_key_range(dest, pool, k, &key)?;
-                Ok(key)
+                let local = check_key_range(dest, pool, k, &key)?;
+                Ok((key, local))
             })
-            .collect::<Result<Vec<_>, WriteError>>()?;
-        tracing::debug!(peer = %dest.instance, peer_rank = dest.rank, "connected");
+            .collect::<Result<Vec<_>, WriteError>>()?
+            .into_iter()
+            .unzip();
+        tracing::debug!(
+            peer = %dest.instance,
+            peer_rank = dest.rank,
+            mapped = mapped.iter().filter(|m| m.is_some()).count(),
+            "connected"
+        );
         Ok(slot.insert(Conn {
             ep,
             keys: Rc::from(keys),
+            mapped: Rc::from(mapped),
         }))
     }
 
@@ -1151,7 +1176,7 @@ impl<'a> Executor<'a> {
     ///
     /// A cached endpoint that UCX reported failed fails the job
     /// ([`WriteError::PeerFailed`]) and is dropped, so the next job connects afresh.
-    fn window(&mut self, dest: &RemoteRank) -> Result<(PutWindow<'a>, Keys), WriteError> {
+    fn window(&mut self, dest: &RemoteRank) -> Result<(PutWindow<'a>, Keys, Mapped), WriteError> {
         let key = (dest.peer, dest.rank);
         if let Some(status) = self.conns.get(&key).and_then(|c| c.ep.failure()) {
             self.drop_conn(key);
@@ -1159,7 +1184,7 @@ impl<'a> Executor<'a> {
         }
         let conn = self.connect(dest)?;
         let window = PutWindow::with_capacity(&conn.ep, PUT_WINDOW);
-        Ok((window, Rc::clone(&conn.keys)))
+        Ok((window, Rc::clone(&conn.keys), Rc::clone(&conn.mapped)))
     }
 
     /// Drops the connections to `peer` (see [`RankThread::forget`]).
@@ -1179,10 +1204,12 @@ impl<'a> Executor<'a> {
     /// close once the quarantined windows that hold it have drained.
     fn drop_conn(&mut self, key: (PeerId, u32)) {
         let (peer, peer_rank) = key;
-        let Some(Conn { ep, keys }) = self.conns.remove(&key) else {
+        let Some(Conn { ep, keys, mapped }) = self.conns.remove(&key) else {
             return;
         };
-        // The keys first: while they exist they keep the endpoint open.
+        // The keys first: while they exist they keep the endpoint open (and the local
+        // addresses of their mappings mean nothing without them).
+        drop(mapped);
         drop(keys);
         match ep.close(FORGET_CLOSE_TIMEOUT) {
             Ok(()) => tracing::debug!(peer, peer_rank, "endpoint closed"),
@@ -1481,7 +1508,7 @@ impl<'a> Executor<'a> {
     /// operations in flight, their window (which holds the endpoint and keys they use).
     fn write(&mut self, job: &WriteJob) -> Written<'a> {
         let taken = Instant::now();
-        let (window, keys) = match self.prepare(job) {
+        let (window, keys, mapped) = match self.prepare(job) {
             Ok(Some(conn)) => conn,
             Ok(None) => return (Ok(WriteStats::default()), None),
             Err(e) => return (Err(e), None),
@@ -1496,7 +1523,7 @@ impl<'a> Executor<'a> {
             deadline,
         };
         let result = self
-            .write_plan(&mut window, &mut waiter, &keys, job)
+            .write_plan(&mut window, &mut waiter, &keys, &mapped, job)
             .map(|mut stats| {
                 stats.busy_ns = nanos(taken.elapsed());
                 stats
@@ -1523,7 +1550,11 @@ impl<'a> Executor<'a> {
 
     /// The window and keys a job writes with, `None` for an empty plan (nothing to write, so
     /// nothing to flush: earlier pieces were flushed before their own completions).
-    fn prepare(&mut self, job: &WriteJob) -> Result<Option<(PutWindow<'a>, Keys)>, WriteError> {
+    #[allow(clippy::type_complexity)]
+    fn prepare(
+        &mut self,
+        job: &WriteJob,
+    ) -> Result<Option<(PutWindow<'a>, Keys, Mapped)>, WriteError> {
         let dest = &*job.dest;
         if !dest.alive.load(Ordering::Acquire) {
             return Err(gone(dest));
@@ -1535,11 +1566,16 @@ impl<'a> Executor<'a> {
         self.window(dest).map(Some)
     }
 
+    /// Writes `job`'s fragments: each with UCX puts, or — to a pool whose key maps it into this
+    /// process ([`Mapped`]) from host memory — with one copy straight into the peer's shared
+    /// mapping, which is what UCX's shared-memory put does for each put, without a request
+    /// per put. Then the flush, which also orders the puts' bytes before the completion.
     fn write_plan(
         &self,
         window: &mut PutWindow<'a>,
         waiter: &mut Waiter<'_>,
         keys: &[RemoteKey],
+        mapped: &[Option<NonNull<u8>>],
         job: &WriteJob,
     ) -> Result<WriteStats, WriteError> {
         if let Some(bounce) = &job.bounce {
@@ -1569,16 +1605,39 @@ impl<'a> Executor<'a> {
             };
             let (pool, offset) = pools.locate(src, len).ok_or_else(outside)?;
             let region = pools.region(pool).ok_or_else(outside)?;
-            let rkey = dest
-                .pool_of(dst, len)
-                .and_then(|p| keys.get(p))
-                .ok_or_else(|| WriteError::DestinationOutside {
-                    fragment: k,
-                    instance: dest.instance.clone(),
-                    rank: dest.rank,
-                    address: dst,
-                    len,
-                })?;
+            let outside = || WriteError::DestinationOutside {
+                fragment: k,
+                instance: dest.instance.clone(),
+                rank: dest.rank,
+                address: dst,
+                len,
+            };
+            let dst_pool = dest.pool_of(dst, len).ok_or_else(outside)?;
+            let rkey = keys.get(dst_pool).ok_or_else(outside)?;
+            if let (Some(Some(local)), true) =
+                (mapped.get(dst_pool), region.memory_type().is_host())
+            {
+                let declared = &dest.pools[dst_pool];
+                // `pool_of` put `[dst, dst + len)` inside the pool's declared range.
+                let at = usize::try_from(dst - declared.base).map_err(|_| outside())?;
+                let n = usize::try_from(len).map_err(|_| outside())?;
+                // SAFETY: the source is `n` bytes at `offset` of a host region of this rank's
+                // pools (`locate` put the fragment inside it), kept alive by `self.pools`. The
+                // destination is `n` bytes at `at` past the local address of the peer pool's
+                // declared base: `pool_of` put the fragment inside that declared range, and
+                // `check_key_range` found the whole range translated contiguously into one
+                // shared, writable mapping of this process, which stays mapped while the
+                // pool's key lives (`keys` holds it for this job). `copy` tolerates the two
+                // ranges overlapping (a peer in this process, or a key that names one of our
+                // own segments), so no aliasing assumption is made.
+                unsafe {
+                    std::ptr::copy(region.as_ptr().add(offset), local.as_ptr().add(at), n);
+                }
+                stats.puts += 1;
+                stats.fragments += 1;
+                stats.bytes += len;
+                continue;
+            }
             let mut done = 0;
             while done < len {
                 let n = (len - done).min(MAX_PUT_BYTES);
@@ -1591,6 +1650,9 @@ impl<'a> Executor<'a> {
             stats.bytes += len;
         }
         stats.puts_ns = nanos(issuing.elapsed());
+        // The copies' bytes before the flush's completion and the completion message that
+        // follows it (a no-op on x86; UCX's own copies are ordered by its flush).
+        std::sync::atomic::fence(Ordering::SeqCst);
         Self::flush_job(window, waiter, job, stats)
     }
 
@@ -1789,7 +1851,7 @@ impl<'a> Executor<'a> {
                 continue;
             }
             self.check_not_stuck(dest)?;
-            let (window, keys) = self.window(dest)?;
+            let (window, keys, _) = self.window(dest)?;
             let mut puts = Vec::with_capacity(plan.len());
             for (k, (src, dst, len)) in plan.fragments().enumerate() {
                 let outside = || WriteError::SourceOutside {
@@ -2015,13 +2077,14 @@ impl Waiter<'_> {
 
 /// Checks that pool `pool` of `dest`, declared as `declared`, lies inside what its unpacked
 /// `key` maps ([`RemoteKey::check_range`]); a device range (`cuda_ipc`) is checked with the
-/// CUDA driver, and refused in a build without the `cuda` feature.
+/// CUDA driver, and refused in a build without the `cuda` feature. Returns the local address of
+/// the declared base when the key maps the range into a shared host mapping here ([`Mapped`]).
 fn check_key_range(
     dest: &RemoteRank,
     pool: usize,
     declared: &PoolKey,
     key: &RemoteKey,
-) -> Result<(), WriteError> {
+) -> Result<Option<NonNull<u8>>, WriteError> {
     let refuse = |reason, source| WriteError::KeyRange {
         instance: dest.instance.clone(),
         rank: dest.rank,
@@ -2032,11 +2095,13 @@ fn check_key_range(
         source,
     };
     match key.check_range(declared.base, declared.len) {
-        Ok(RangeCheck::Mapped | RangeCheck::NotMappable) => Ok(()),
+        // The base translated when the range was checked; it translates alike again.
+        Ok(RangeCheck::Mapped) => Ok(key.ptr(declared.base).ok().and_then(NonNull::new)),
+        Ok(RangeCheck::NotMappable) => Ok(None),
         Ok(RangeCheck::Device { local }) => {
             #[cfg(feature = "cuda")]
             if crate::cuda::device_allocation_holds(local as u64, declared.len) {
-                return Ok(());
+                return Ok(None);
             }
             let _ = local;
             Err(refuse(
