@@ -5,6 +5,10 @@ reports of one `scripts/bench-peers` sitting into its table (text) or one JSON o
 
 Usage: table.py RUN_DIR [--json]
 
+A `--per-request` sitting (meta.json says so) prints the per-request table instead: one
+request at a time, by model, transport and prompt length, the median time of one request
+for kvferry, its bare put loop, the memcpy ceiling and each peer, in microseconds.
+
 RUN_DIR holds `runs.jsonl` (what ran, in order, one JSON object a line: workload,
 transport, pass, the report files and any peer's error; a peer that did not run has
 neither), the reports it names, and `meta.json` (versions, machine, settings).
@@ -65,8 +69,15 @@ def row_of(run_dir, r):
     export = k.get("export") or {}
     fragments = export.get("fragments", k["fragments"])
     nbytes = export.get("bytes", k["bytes"])
+    rounds_us = lambda seconds: statistics.median(seconds) * 1e6 / max(k["requests"], 1)  # noqa: E731
     row = {
         "workload": r["workload"],
+        "model": k["model"],
+        "prefill": k["prefill"],
+        "decode": k["decode"],
+        "kvferry_us": rounds_us(k["ours"]["rounds_seconds"]),
+        "raw_us": rounds_us(k["raw"]["rounds_seconds"]),
+        "memcpy_us": rounds_us(k["memcpy"]["rounds_seconds"]) if k["memcpy_gbps"] else None,
         "transport": r["transport"],
         "pass": r["pass"],
         "requests": k["requests"],
@@ -86,6 +97,9 @@ def row_of(run_dir, r):
     for peer, _ in PEERS:
         report = load(os.path.join(run_dir, r[peer])) if r.get(peer) else None
         gbps = report["gbps"] if report else None
+        row[f"{peer}_us"] = (
+            statistics.median(report["rounds_seconds"]) * 1e6 if report else None
+        )
         row[f"{peer}_ran"] = bool(report) or bool(r.get(f"{peer}_error"))
         row[f"{peer}_gbps"] = gbps
         row[f"{peer}_verified"] = report["verified"] if report else None
@@ -137,6 +151,56 @@ def workloads_of(rows):
     return out
 
 
+def per_request(meta, rows):
+    """The per-request table (see the module docs): medians over passes of each pass's
+    median, in microseconds per request."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["prefill"], r["decode"], r["transport"],
+                           r["prompt_len"]), []).append(r)
+    ran = [(p, label) for p, label in PEERS if any(r[f"{p}_ran"] for r in rows)]
+    head = ["model", "transport", "tokens", "KV bytes", "kvferry us", "raw us", "memcpy us"]
+    head += [f"{label} us" for _, label in ran]
+    head += ["kvferry-raw us", "kvferry GB/s", "kvferry/raw", "kvferry/memcpy"]
+    head += ["vs best peer"] if ran else []
+    table = [head]
+    out = []
+    for (model, prefill, decode, transport, tokens), rs in groups.items():
+        med = lambda key: summary([r[key] for r in rs])  # noqa: E731
+        m = {key: med(key) for key in ("kvferry_us", "raw_us", "memcpy_us", "nixl_us",
+                                       "mooncake_us", "kvferry_gbps")}
+        m["over_raw_us"] = summary([r["kvferry_us"] - r["raw_us"] for r in rs])
+        m["vs_best_peer"] = summary([
+            min(r[f"{p}_us"] for p, _ in ran if r[f"{p}_us"]) / r["kvferry_us"]
+            if any(r[f"{p}_us"] for p, _ in ran) else None
+            for r in rs
+        ])
+        get = lambda key: m[key]["median"] if m[key] else None  # noqa: E731
+        ratio_of = lambda a, b: f"{b / a:.2f}" if a and b else "-"  # noqa: E731
+        out.append({"model": model, "prefill": prefill, "decode": decode,
+                    "transport": transport, "tokens": tokens, "bytes": rs[0]["bytes"],
+                    "passes": len(rs), **m})
+        line = [f"{model} {prefill}->{decode}", transport, f"{tokens:,}", human(rs[0]["bytes"])]
+        line += [f"{get(k):,.0f}" if get(k) else "-" for k in ("kvferry_us", "raw_us", "memcpy_us")]
+        line += [f"{get(f'{p}_us'):,.0f}" if get(f"{p}_us") else "-" for p, _ in ran]
+        line += [f"{get('over_raw_us'):,.0f}", f"{get('kvferry_gbps'):.2f}",
+                 ratio_of(get("kvferry_us"), get("raw_us")),
+                 ratio_of(get("kvferry_us"), get("memcpy_us"))]
+        if ran:
+            line.append(f"{get('vs_best_peer'):.2f}x" if get("vs_best_peer") else "-")
+        table.append(line)
+    return head, table, out
+
+
+def print_table(table):
+    widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
+    for i, line in enumerate(table):
+        cells = [c.ljust(widths[j]) if j < 2 else c.rjust(widths[j]) for j, c in enumerate(line)]
+        print("  ".join(cells).rstrip())
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
 def main():
     run_dir = sys.argv[1]
     as_json = "--json" in sys.argv[2:]
@@ -148,6 +212,22 @@ def main():
     with open(os.path.join(run_dir, "runs.jsonl")) as f:
         runs = [json.loads(line) for line in f if line.strip()]
     rows = [row_of(run_dir, r) for r in runs]
+    if meta.get("per_request"):
+        _, table, out = per_request(meta, rows)
+        if as_json:
+            print(json.dumps({"meta": meta, "rows": rows, "per_request": out}, indent=2))
+            return 0
+        print(f"kvferry {meta['kvferry_commit']} (UCX {meta['kvferry_ucx']}), one request at "
+              f"a time; {meta['started']}, {meta['host']}, load average "
+              f"{meta.get('loadavg_start', '?')} at the start, {meta.get('loadavg_end', '?')} "
+              "at the end")
+        print_table(table)
+        print("us: microseconds per request, the median of the counted rounds (of the passes' "
+              "medians); kvferry: its full path (expect, claim, plan, puts, completion), raw: "
+              "its bare put loop over the same fragments, memcpy: the same fragments copied in "
+              "one process (the ceiling); ratios are time over kvferry's time; vs best peer: the "
+              "faster peer's time over kvferry's.")
+        return 0
     workloads = workloads_of(rows)
     if as_json:
         print(json.dumps({"meta": meta, "rows": rows, "workloads": workloads}, indent=2))
@@ -191,12 +271,7 @@ def main():
                 best += " (" + "/".join(dict(PEERS)[p] for p in w["best_peers"]) + ")"
             line.append(best or "-")
         table.append(line)
-    widths = [max(len(line[i]) for line in table) for i in range(len(head))]
-    for i, line in enumerate(table):
-        cells = [c.ljust(widths[j]) if j < 2 else c.rjust(widths[j]) for j, c in enumerate(line)]
-        print("  ".join(cells).rstrip())
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+    print_table(table)
     over = f"; the medians over {passes} passes [min-max]" if passes > 1 else ""
     notes = [
         "GB/s = 10^9 bytes/s, medians of the counted rounds" + over + "; kvferry: its full "
