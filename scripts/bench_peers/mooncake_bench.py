@@ -73,7 +73,6 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -85,14 +84,17 @@ import numpy as np
 sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from nixl_bench import (  # noqa: E402
-    load_fragments,
     SENTINEL,
+    check_totals,
     extents,
     fill_pattern,
+    load_fragments,
     now_ns,
     recv_msg,
     send_msg,
+    unit_spans,
     verify,
+    with_target,
 )
 
 HOST = "127.0.0.1"
@@ -226,32 +228,10 @@ def post_and_wait(engines, group: list[Unit], api: str, gate, results, k) -> Non
 
 
 def run_initiator(doc: dict, args) -> dict:
-    pairs = doc["pairs"]
-    script = os.path.abspath(__file__)
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(1)
-    port = listener.getsockname()[1]
-    child = subprocess.Popen(
-        [sys.executable, script, args.fragments, "--target", str(port),
-         "--tcp-pool", args.tcp_pool]
-        + (["--tcp-lanes", str(args.tcp_lanes)] if args.tcp_lanes else [])
-    )
-    listener.settimeout(120)
-    sock, _ = listener.accept()
-    sock.settimeout(None)
-    try:
-        return drive(doc, pairs, sock, args)
-    finally:
-        try:
-            send_msg(sock, ("quit",))
-            recv_msg(sock)
-        except (OSError, ConnectionError):
-            pass
-        try:
-            child.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            child.kill()
+    child_args = ["--tcp-pool", args.tcp_pool]
+    child_args += ["--tcp-lanes", str(args.tcp_lanes)] if args.tcp_lanes else []
+    return with_target(os.path.abspath(__file__), args.fragments, child_args,
+                       lambda sock: drive(doc, doc["pairs"], sock, args))
 
 
 def drive(doc: dict, pairs: list[dict], sock: socket.socket, args) -> dict:
@@ -288,25 +268,13 @@ def drive(doc: dict, pairs: list[dict], sock: socket.socket, args) -> dict:
         src = src_base[f[:, 0].astype(np.int64)] + f[:, 1]
         dst = dst_base[f[:, 2].astype(np.int64)] + f[:, 3]
         lengths = f[:, 4]
-        if args.unit == "pair":
-            spans = [(0, n)]
-        else:
-            spans, start = [], 0
-            for count in p["plans"]:
-                spans.append((start, start + count))
-                start += count
-        for a, b in spans:
-            if b > a:
-                units.append(Unit(c, g, segments[g], src[a:b], dst[a:b], lengths[a:b]))
+        for a, b in unit_spans(p, args.unit):
+            units.append(Unit(c, g, segments[g], src[a:b], dst[a:b], lengths[a:b]))
     prep_s = time.monotonic() - prep_start
     setup_s = time.monotonic() - setup_start
     total_bytes = sum(u.nbytes for u in units)
     total_fragments = sum(u.fragments for u in units)
-    if total_bytes != doc["bytes"] or total_fragments != doc["fragments"]:
-        raise SystemExit(
-            f"fragment file totals ({doc['fragments']} fragments, {doc['bytes']} bytes) do "
-            f"not match its pairs ({total_fragments}, {total_bytes})"
-        )
+    check_totals(doc, total_fragments, total_bytes)
 
     if args.threads == "rank":
         groups = [[u for u in units if u.c == c] for c in sorted(engines)]

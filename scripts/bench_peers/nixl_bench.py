@@ -302,22 +302,45 @@ def post_and_poll(agents, group, gate, results, k) -> None:
         results[k] = f"posting thread {k}: {e!r}"
 
 
-def run_initiator(doc: dict, args) -> dict:
-    pairs = doc["pairs"]
-    script = os.path.abspath(__file__)
+def unit_spans(pair: dict, unit: str) -> list[tuple[int, int]]:
+    """The fragment index ranges of a pair's transfer units: one per recorded plan (per
+    request and pair, as vLLM's connectors make them) or, with `unit == "pair"`, one."""
+    n = len(pair["fragments"])
+    if unit == "pair":
+        return [(0, n)] if n else []
+    spans, start = [], 0
+    for count in pair["plans"]:
+        if count:
+            spans.append((start, start + count))
+        start += count
+    return spans
+
+
+def check_totals(doc: dict, fragments: int, nbytes: int) -> None:
+    """The units cover exactly the document's fragments and bytes."""
+    if nbytes != doc["bytes"] or fragments != doc["fragments"]:
+        raise SystemExit(
+            f"fragment file totals ({doc['fragments']} fragments, {doc['bytes']} bytes) do "
+            f"not match its pairs ({fragments}, {nbytes})"
+        )
+
+
+def with_target(script: str, workload: str, child_args: list[str], body):
+    """Starts `script WORKLOAD --target PORT CHILD_ARGS...` (the target process), waits for
+    it to connect back, returns `body(socket)`, then tells the target to quit and waits for
+    it (killing it after 30 s)."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)
     port = listener.getsockname()[1]
     child = subprocess.Popen(
-        [sys.executable, script, args.fragments, "--target", str(port),
-         "--progress", args.progress, "--target-sleep-us", str(args.target_sleep_us)]
+        [sys.executable, script, workload, "--target", str(port)] + child_args
     )
     listener.settimeout(120)
     sock, _ = listener.accept()
     sock.settimeout(None)
     try:
-        return drive(doc, pairs, sock, args)
+        return body(sock)
     finally:
         try:
             send_msg(sock, ("quit",))
@@ -328,6 +351,12 @@ def run_initiator(doc: dict, args) -> dict:
             child.wait(timeout=30)
         except subprocess.TimeoutExpired:
             child.kill()
+
+
+def run_initiator(doc: dict, args) -> dict:
+    child_args = ["--progress", args.progress, "--target-sleep-us", str(args.target_sleep_us)]
+    return with_target(os.path.abspath(__file__), args.fragments, child_args,
+                       lambda sock: drive(doc, doc["pairs"], sock, args))
 
 
 def drive(doc: dict, pairs: list[dict], sock: socket.socket, args) -> dict:
@@ -375,27 +404,15 @@ def drive(doc: dict, pairs: list[dict], sock: socket.socket, args) -> dict:
         lh = agents[c].prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM", backends=["UCX"])
         rh = agents[c].prep_xfer_dlist(f"gen{g}", remote, "DRAM", backends=["UCX"])
         lengths = f[:, 4]
-        if args.unit == "pair":
-            spans = [(0, n)]
-        else:
-            spans, start = [], 0
-            for count in p["plans"]:
-                spans.append((start, start + count))
-                start += count
-        for a, b in spans:
-            if b > a:
-                u = Unit(c, g, np.arange(a, b, dtype=np.int32), int(lengths[a:b].sum()))
-                u.dlists = (lh, rh)
-                units.append(u)
+        for a, b in unit_spans(p, args.unit):
+            u = Unit(c, g, np.arange(a, b, dtype=np.int32), int(lengths[a:b].sum()))
+            u.dlists = (lh, rh)
+            units.append(u)
     prep_s = time.monotonic() - prep_start
     setup_s = time.monotonic() - setup_start
     total_bytes = sum(u.nbytes for u in units)
     total_fragments = sum(len(u.indices) for u in units)
-    if total_bytes != doc["bytes"] or total_fragments != doc["fragments"]:
-        raise SystemExit(
-            f"fragment file totals ({doc['fragments']} fragments, {doc['bytes']} bytes) do "
-            f"not match its pairs ({total_fragments}, {total_bytes})"
-        )
+    check_totals(doc, total_fragments, total_bytes)
 
     samples, makes = [], []
     verified = None
