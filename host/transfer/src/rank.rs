@@ -199,7 +199,7 @@ pub struct WriteStats {
     /// Fragments of the plan.
     pub fragments: u64,
     /// Writes issued: puts (fragments split at `MAX_PUT_BYTES`), or one direct copy per
-    /// fragment into a peer pool mapped here ([`Mapped`]).
+    /// fragment into a peer pool mapped into this process (shared memory).
     pub puts: u64,
     /// Nanoseconds spent issuing the puts (waits for a full window included).
     pub puts_ns: u64,
