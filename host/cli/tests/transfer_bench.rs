@@ -16,37 +16,56 @@ use support::transfer::{REPLY, Server, prefill, release, submit};
 
 const MLA: &str = "kvferry.deepseek_mla_latent";
 
+/// The two exports' cases: an MLA pair over shm, a GQA pair over tcp (model, ctx, gen,
+/// planner, transport).
+const EXPORT_CASES: [(&str, &str, &str, &str, &str); 2] = [
+    ("deepseek-v3", "dep2", "dep2", MLA, "shm"),
+    ("llama-3-70b", "tp2", "tp4", "kvferry.default", "tcp"),
+];
+
+/// A tiny bench of one export case: two 96-token requests, one counted round.
+fn export_args<'a>(
+    model: &'a str,
+    ctx: &'a str,
+    decode: &'a str,
+    planner: &'a str,
+    transport: &'a str,
+) -> Vec<&'a str> {
+    vec![
+        "--model",
+        model,
+        "--ctx",
+        ctx,
+        "--gen",
+        decode,
+        "--prompt-len",
+        "96",
+        "--requests",
+        "2",
+        "--rounds",
+        "1",
+        "--transport",
+        transport,
+        "--planner",
+        planner,
+    ]
+}
+
 /// `--export-fragments` writes round 0's set: every fragment inside its pair's pools, and the
 /// totals those of the bench (the bench itself fails the run when they differ from the raw
 /// replay of the same set).
 #[test]
 fn bench_exports_the_fragments_it_moves() {
     let dir = tempfile::tempdir().unwrap();
-    for (model, ctx, decode, planner, transport) in [
-        ("deepseek-v3", "dep2", "dep2", MLA, "shm"),
-        ("llama-3-70b", "tp2", "tp4", "kvferry.default", "tcp"),
-    ] {
+    for (model, ctx, decode, planner, transport) in EXPORT_CASES {
         let file = dir.path().join(format!("{model}-{transport}.json"));
-        let v = bench(&[
-            "--model",
-            model,
-            "--ctx",
-            ctx,
-            "--gen",
-            decode,
-            "--prompt-len",
-            "96",
-            "--requests",
-            "2",
-            "--rounds",
-            "1",
-            "--transport",
-            transport,
-            "--planner",
-            planner,
-            "--export-fragments",
-            file.to_str().unwrap(),
-        ]);
+        let v = bench(
+            &[
+                export_args(model, ctx, decode, planner, transport).as_slice(),
+                &["--export-fragments", file.to_str().unwrap()],
+            ]
+            .concat(),
+        );
         check_common(&v, transport, planner);
         let export = &v["export"];
         assert_eq!(export["path"], file.to_str().unwrap(), "{v}");
@@ -118,34 +137,21 @@ fn workload_export_plans_to_the_fragments_it_moved() {
 
     let dir = tempfile::tempdir().unwrap();
     let plugins = support::build_dir();
-    for (model, ctx, decode, planner, transport) in [
-        ("deepseek-v3", "dep2", "dep2", MLA, "shm"),
-        ("llama-3-70b", "tp2", "tp4", "kvferry.default", "tcp"),
-    ] {
+    for (model, ctx, decode, planner, transport) in EXPORT_CASES {
         let fragments_file = dir.path().join(format!("{model}-fragments.json"));
         let workload_file = dir.path().join(format!("{model}-workload.json"));
-        let v = bench(&[
-            "--model",
-            model,
-            "--ctx",
-            ctx,
-            "--gen",
-            decode,
-            "--prompt-len",
-            "96",
-            "--requests",
-            "2",
-            "--rounds",
-            "1",
-            "--transport",
-            transport,
-            "--planner",
-            planner,
-            "--export-fragments",
-            fragments_file.to_str().unwrap(),
-            "--export-workload",
-            workload_file.to_str().unwrap(),
-        ]);
+        let v = bench(
+            &[
+                export_args(model, ctx, decode, planner, transport).as_slice(),
+                &[
+                    "--export-fragments",
+                    fragments_file.to_str().unwrap(),
+                    "--export-workload",
+                    workload_file.to_str().unwrap(),
+                ],
+            ]
+            .concat(),
+        );
         check_common(&v, transport, planner);
         let read = |path: &std::path::Path| -> Value {
             serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
