@@ -68,7 +68,6 @@ Usage: mooncake_bench.py WORKLOAD.json [--warmup N] [--rounds N] [--unit plan|pa
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -90,6 +89,7 @@ from nixl_bench import (  # noqa: E402
     fill_pattern,
     load_fragments,
     now_ns,
+    runner_arguments,
     recv_msg,
     send_msg,
     unit_spans,
@@ -369,31 +369,17 @@ def set_env(doc: dict, tcp_pool: str, tcp_lanes: int | None) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("fragments", metavar="WORKLOAD",
-                    help="a kvferry bench --export-workload file (planned with "
-                         "kvferry.PairPlanner) or --export-fragments file")
-    ap.add_argument("--warmup", type=int, default=2, help="uncounted rounds first (default 2)")
-    ap.add_argument("--rounds", type=int, default=5, help="counted rounds (default 5)")
-    ap.add_argument("--unit", choices=["plan", "pair"], default="plan",
-                    help="one Mooncake batch per recorded plan (per request and pair; "
-                         "default) or per pair")
+    ap = runner_arguments(__doc__, "Mooncake batch", "waiting")
     ap.add_argument("--api", choices=["async", "sync"], default="async",
                     help="async: batch_transfer_async_write for every unit, then "
                          "get_batch_transfer_status (default); sync: "
                          "batch_transfer_sync_write per unit, as vLLM's connector does")
-    ap.add_argument("--threads", choices=["rank", "one"], default="rank",
-                    help="rank: one posting and waiting thread per prefill rank, like "
-                         "kvferry's rank threads (default); one: a single thread for all")
     ap.add_argument("--tcp-pool", choices=["on", "off"], default="on",
                     help="on: Mooncake's TCP connection pool (long-lived connections per "
                          "peer; default); off: Mooncake's default, a connection per entry")
     ap.add_argument("--tcp-lanes", type=int, metavar="N",
                     help="connections per peer with the pool (MC_TCP_LANES_PER_PEER; "
                          "Mooncake's default 4)")
-    ap.add_argument("--no-verify", action="store_true", help="skip the byte check")
-    ap.add_argument("--json", action="store_true", help="print one JSON object")
-    ap.add_argument("--target", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.warmup < 1 or args.rounds < 1:
         ap.error("--warmup and --rounds must be at least 1")

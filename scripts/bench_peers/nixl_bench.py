@@ -529,29 +529,36 @@ def load_fragments(path: str) -> dict:
     return doc
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def runner_arguments(doc: str, unit: str, waits: str) -> argparse.ArgumentParser:
+    """The options both runners take: the workload, rounds, the transfer unit (`unit`: what
+    one is called), posting threads (`waits`: what they do besides posting), the check,
+    JSON, and the hidden --target PORT of the target process."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("fragments", metavar="WORKLOAD",
                     help="a kvferry bench --export-workload file (planned with "
                          "kvferry.PairPlanner) or --export-fragments file")
     ap.add_argument("--warmup", type=int, default=2, help="uncounted rounds first (default 2)")
     ap.add_argument("--rounds", type=int, default=5, help="counted rounds (default 5)")
     ap.add_argument("--unit", choices=["plan", "pair"], default="plan",
-                    help="one transfer request per recorded plan (per request and pair, as "
-                         "vLLM does; default) or per pair")
-    ap.add_argument("--progress", choices=["poll", "thread"], default="poll",
-                    help="poll: no NIXL progress thread, the runner's polling progresses "
-                         "(default); thread: one NIXL progress thread per agent")
+                    help=f"one {unit} per recorded plan (per request and pair, as vLLM's "
+                         "connectors make them; default) or per pair")
     ap.add_argument("--threads", choices=["rank", "one"], default="rank",
-                    help="rank: one posting and polling thread per prefill rank, like "
+                    help=f"rank: one posting and {waits} thread per prefill rank, like "
                          "kvferry's rank threads (default); one: a single thread for all")
-    ap.add_argument("--target-sleep-us", type=float, default=100.0, metavar="US",
-                    help="the target's pause between notification polls (default 100; "
-                         "kvferry's idle ranks sleep up to 200 us), so that on a small machine "
-                         "it leaves the cores to the transfer")
     ap.add_argument("--no-verify", action="store_true", help="skip the byte check")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--target", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    return ap
+
+
+def main() -> int:
+    ap = runner_arguments(__doc__, "transfer request", "polling")
+    ap.add_argument("--progress", choices=["poll", "thread"], default="poll",
+                    help="poll: no NIXL progress thread, the runner's polling progresses "
+                         "(default); thread: one NIXL progress thread per agent")
+    ap.add_argument("--target-sleep-us", type=float, default=100.0, metavar="US",
+                    help="the target's pause between notification polls (default 100), so "
+                         "that on a small machine it leaves the cores to the transfer")
     args = ap.parse_args()
     if args.warmup < 1 or args.rounds < 1:
         ap.error("--warmup and --rounds must be at least 1")

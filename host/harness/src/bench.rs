@@ -321,11 +321,9 @@ pub struct ExportReport {
     pub replay_bytes: u64,
 }
 
-/// A `--export-fragments` file: one round's set of every (prefill rank, decode rank)
-/// pair, each fragment `[src_pool, src_offset, dst_pool, dst_offset, len]` relative to the
-/// pools of its pair's ranks (`src_pools` and `dst_pools` give their sizes).
+/// What both export files say of the run they come from.
 #[derive(Debug, Serialize)]
-struct FragmentFile<'a> {
+struct ExportHeader<'a> {
     format: &'static str,
     model: &'a str,
     planner: &'a str,
@@ -337,8 +335,54 @@ struct FragmentFile<'a> {
     ucx_env: BTreeMap<String, String>,
     memory: &'a str,
     prompt_len: u64,
-    requests: Vec<u64>,
+    /// The round whose set it holds (always 0: the one the oracle checks).
     round: u32,
+}
+
+impl<'a> ExportHeader<'a> {
+    fn new(format: &'static str, config: &BenchConfig, report: &'a BenchReport) -> Self {
+        ExportHeader {
+            format,
+            model: &report.model,
+            planner: &report.planner,
+            planner_version: &report.planner_version,
+            prefill: &report.prefill,
+            decode: &report.decode,
+            transport: &report.transport,
+            ucx_env: ucx_env(&config.pair.transport).into_iter().collect(),
+            memory: &report.memory,
+            prompt_len: config.prompt_len,
+            round: 0,
+        }
+    }
+}
+
+/// Fragments and bytes over `pairs`.
+fn totals(pairs: &[PairFragments]) -> (u64, u64) {
+    (
+        pairs.iter().map(|p| p.fragments.len() as u64).sum(),
+        pairs.iter().map(|p| p.bytes).sum(),
+    )
+}
+
+/// Writes `value` to `path` as one line of JSON.
+fn write_json(path: &std::path::Path, value: &impl Serialize) -> Result<(), DemoError> {
+    let failed =
+        |e: &dyn fmt::Display| DemoError::Invalid(format!("cannot write {}: {e}", path.display()));
+    let mut out = BufWriter::new(File::create(path).map_err(|e| failed(&e))?);
+    serde_json::to_writer(&mut out, value).map_err(|e| failed(&e))?;
+    out.write_all(b"\n").map_err(|e| failed(&e))?;
+    out.flush().map_err(|e| failed(&e))
+}
+
+/// A `--export-fragments` file: one round's set of every (prefill rank, decode rank)
+/// pair, each fragment `[src_pool, src_offset, dst_pool, dst_offset, len]` relative to the
+/// pools of its pair's ranks (`src_pools` and `dst_pools` give their sizes).
+#[derive(Debug, Serialize)]
+struct FragmentFile<'a> {
+    #[serde(flatten)]
+    header: ExportHeader<'a>,
+    requests: Vec<u64>,
     fragments: u64,
     bytes: u64,
     pairs: &'a [PairFragments],
@@ -1088,31 +1132,15 @@ fn write_fragments(
     set: &Set,
     pairs: &[PairFragments],
 ) -> Result<ExportReport, DemoError> {
-    let fragments = pairs.iter().map(|p| p.fragments.len() as u64).sum();
-    let bytes = pairs.iter().map(|p| p.bytes).sum();
+    let (fragments, bytes) = totals(pairs);
     let file = FragmentFile {
-        format: FRAGMENTS_FORMAT,
-        model: &report.model,
-        planner: &report.planner,
-        planner_version: &report.planner_version,
-        prefill: &report.prefill,
-        decode: &report.decode,
-        transport: &report.transport,
-        ucx_env: ucx_env(&config.pair.transport).into_iter().collect(),
-        memory: &report.memory,
-        prompt_len: config.prompt_len,
+        header: ExportHeader::new(FRAGMENTS_FORMAT, config, report),
         requests: set.ids(),
-        round: 0,
         fragments,
         bytes,
         pairs,
     };
-    let failed =
-        |e: &dyn fmt::Display| DemoError::Invalid(format!("cannot write {}: {e}", path.display()));
-    let mut out = BufWriter::new(File::create(path).map_err(|e| failed(&e))?);
-    serde_json::to_writer(&mut out, &file).map_err(|e| failed(&e))?;
-    out.write_all(b"\n").map_err(|e| failed(&e))?;
-    out.flush().map_err(|e| failed(&e))?;
+    write_json(path, &file)?;
     Ok(ExportReport {
         path: path.display().to_string(),
         round: 0,
@@ -1131,17 +1159,8 @@ fn write_fragments(
 /// same set, for the runner to check its plans against.
 #[derive(Debug, Serialize)]
 struct WorkloadFile<'a> {
-    format: &'static str,
-    model: &'a str,
-    planner: &'a str,
-    planner_version: &'a str,
-    prefill: &'a str,
-    decode: &'a str,
-    transport: &'a str,
-    ucx_env: BTreeMap<String, String>,
-    memory: &'a str,
-    prompt_len: u64,
-    round: u32,
+    #[serde(flatten)]
+    header: ExportHeader<'a>,
     prefill_ranks: BTreeMap<u32, serde_json::Value>,
     decode_ranks: BTreeMap<u32, serde_json::Value>,
     requests: Vec<WorkloadRequest>,
@@ -1224,23 +1243,14 @@ fn write_workload(
             decode: tables(landed),
         })
         .collect();
+    let (fragments, bytes) = totals(pairs);
     let file = WorkloadFile {
-        format: WORKLOAD_FORMAT,
-        model: &report.model,
-        planner: &report.planner,
-        planner_version: &report.planner_version,
-        prefill: &report.prefill,
-        decode: &report.decode,
-        transport: &report.transport,
-        ucx_env: ucx_env(&config.pair.transport).into_iter().collect(),
-        memory: &report.memory,
-        prompt_len: config.prompt_len,
-        round: 0,
+        header: ExportHeader::new(WORKLOAD_FORMAT, config, report),
         prefill_ranks,
         decode_ranks,
         requests,
-        fragments: pairs.iter().map(|p| p.fragments.len() as u64).sum(),
-        bytes: pairs.iter().map(|p| p.bytes).sum(),
+        fragments,
+        bytes,
         pairs: pairs
             .iter()
             .map(|p| WorkloadPair {
@@ -1252,12 +1262,7 @@ fn write_workload(
             })
             .collect(),
     };
-    let failed =
-        |e: &dyn fmt::Display| DemoError::Invalid(format!("cannot write {}: {e}", path.display()));
-    let mut out = BufWriter::new(File::create(path).map_err(|e| failed(&e))?);
-    serde_json::to_writer(&mut out, &file).map_err(|e| failed(&e))?;
-    out.write_all(b"\n").map_err(|e| failed(&e))?;
-    out.flush().map_err(|e| failed(&e))
+    write_json(path, &file)
 }
 
 fn path_report(samples: &[Sample], stages: &[StageSeconds]) -> PathReport {

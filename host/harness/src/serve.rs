@@ -1342,13 +1342,13 @@ impl Shared {
         Ok(())
     }
 
-    /// The slot tables `controller`'s completed request landed in, per rank here.
-    fn incoming_tables(
+    /// `controller`'s request in `incoming`, once every writer has reported, or why not.
+    fn completed<'m>(
         &self,
+        incoming: &'m HashMap<u64, Incoming>,
         request: u64,
         controller: ControllerId,
-    ) -> Result<Vec<RankTables>, String> {
-        let incoming = lock(&self.incoming);
+    ) -> Result<&'m Incoming, String> {
         let inc = incoming
             .get(&request)
             .ok_or_else(|| format!("request {request} is not held here"))?;
@@ -1358,7 +1358,18 @@ impl Shared {
         if !inc.pending.is_empty() {
             return Err(format!("request {request} has not completed"));
         }
-        Ok(inc
+        Ok(inc)
+    }
+
+    /// The slot tables `controller`'s completed request landed in, per rank here.
+    fn incoming_tables(
+        &self,
+        request: u64,
+        controller: ControllerId,
+    ) -> Result<Vec<RankTables>, String> {
+        let incoming = lock(&self.incoming);
+        Ok(self
+            .completed(&incoming, request, controller)?
             .tables
             .iter()
             .map(|(&rank, tables)| RankTables {
@@ -1380,15 +1391,7 @@ impl Shared {
         // must not wait for it.
         let (tables, pieces) = {
             let incoming = lock(&self.incoming);
-            let inc = incoming
-                .get(&request)
-                .ok_or_else(|| format!("request {request} is not held here"))?;
-            if inc.owner != controller {
-                return Err(self.foreign(request, inc.owner));
-            }
-            if !inc.pending.is_empty() {
-                return Err(format!("request {request} has not completed"));
-            }
+            let inc = self.completed(&incoming, request, controller)?;
             if !inc.errors.is_empty() {
                 return Err(format!(
                     "request {request} failed: {}",
