@@ -273,9 +273,10 @@ struct ServeArgs {
 #[derive(Debug, clap::Args)]
 struct PairArgs {
     /// Model: a preset (deepseek-v3, llama-3-70b, qwen3-next-80b-a3b, gpt-oss-120b) or the
-    /// path of a Hugging Face config.json (or of its folder).
+    /// path of a Hugging Face config.json (or of its folder). Required, except by `bench
+    /// --sweep`, which brings its own.
     #[arg(long, value_name = "PRESET|CONFIG", value_parser = parse_model)]
-    model: ModelShape,
+    model: Option<ModelShape>,
     /// The prefill instance's deployment.
     #[arg(long = "ctx", visible_alias = "prefill", value_name = "SPEC")]
     prefill: String,
@@ -312,6 +313,11 @@ impl PairArgs {
     /// Checks the options and resolves the deployments and the executable.
     fn resolve(self, config_file: Option<PathBuf>) -> Result<LoopbackPair> {
         self.memory.check()?;
+        let model = self
+            .model
+            .as_ref()
+            .ok_or_else(|| anyhow!("--model is required (a preset or a config.json)"))?;
+        let (model, gen_tokens_per_block) = self.sides.models(&self.shape, model);
         let prefill = self
             .prefill
             .parse::<Mapping>()
@@ -325,8 +331,8 @@ impl PairArgs {
         Ok(LoopbackPair {
             exe: std::env::current_exe().context("locating the kvferry executable")?,
             config_file,
-            model: self.sides.models(&self.shape, &self.model).0,
-            gen_tokens_per_block: self.sides.models(&self.shape, &self.model).1,
+            model,
+            gen_tokens_per_block,
             ctx_spec: self.prefill,
             gen_spec: self.decode,
             prefill,
@@ -396,9 +402,28 @@ struct DemoArgs {
 struct BenchArgs {
     #[command(flatten)]
     pair: PairArgs,
-    /// Tokens of every request.
+    /// Tokens of every request (required, except with --sweep).
     #[arg(long, value_name = "N")]
-    prompt_len: u64,
+    prompt_len: Option<u64>,
+    /// nixlbench's grid instead of one model: for every fragment size and batch size, one
+    /// request of BATCH fragments of that size at a time, on a one-layer model whose blocks
+    /// are those fragments (one KV head of 128, bf16; use --ctx tp1 --gen tp1), fresh
+    /// servers per cell; GB/s of kvferry, the bare put loop and memcpy, and the average and
+    /// p99 of each request's time, preparation and posting. With --export-workload DIR,
+    /// every cell's workload goes to DIR/SIZE-BATCH.json (`scripts/bench-peers --sweep`).
+    #[arg(long, conflicts_with_all = ["layer_compute_us", "export_fragments", "perftest", "prompt_len", "requests"])]
+    sweep: bool,
+    /// With --sweep: the fragment sizes (bytes; k and m suffixes are KiB and MiB; multiples
+    /// of 512; default 4k,16k,64k,256k,1m,4m).
+    #[arg(long, value_name = "SIZE[,SIZE...]", value_delimiter = ',', value_parser = parse_size)]
+    fragment_sizes: Option<Vec<u64>>,
+    /// With --sweep: fragments per request (default 1,4,16,64,256,1024).
+    #[arg(long, value_name = "N[,N...]", value_delimiter = ',')]
+    batches: Option<Vec<u64>>,
+    /// With --sweep: skip the cells whose request would move more than this (k, m and g
+    /// suffixes: KiB, MiB, GiB; default 256m).
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    max_request_bytes: Option<u64>,
     /// Requests per round, all in flight at once (spread over the DP groups). A comma list
     /// (`1,2,4,8`) runs the bench once per value and adds a table of how the per-request
     /// overhead grows; with `--json` it prints an array of reports instead of one.
@@ -1369,7 +1394,9 @@ fn run_bench(config_file: Option<PathBuf>, a: BenchArgs) -> Result<ExitCode> {
             decode: (pair.decode, host.bind(&id, &pair.model, pair.decode)?),
             model: pair.model,
             transport: pair.transport,
-            prompt_len: a.prompt_len,
+            prompt_len: a
+                .prompt_len
+                .ok_or_else(|| anyhow!("--prompt-len is required"))?,
             requests: a.requests.first().copied().unwrap_or(0),
             rounds: a.rounds,
             layer_compute: Duration::from_micros(us),
@@ -1379,9 +1406,18 @@ fn run_bench(config_file: Option<PathBuf>, a: BenchArgs) -> Result<ExitCode> {
         progress.finish();
         return print_report(&report?, a.json, true);
     }
+    if a.sweep {
+        return run_grid(config_file, a);
+    }
+    if a.fragment_sizes.is_some() || a.batches.is_some() || a.max_request_bytes.is_some() {
+        bail!("--fragment-sizes, --batches and --max-request-bytes shape the grid of --sweep");
+    }
+    let prompt_len = a
+        .prompt_len
+        .ok_or_else(|| anyhow!("--prompt-len is required (except with --sweep)"))?;
     let config = BenchConfig {
         pair: a.pair.resolve(config_file)?,
-        prompt_len: a.prompt_len,
+        prompt_len,
         requests: a.requests.first().copied().unwrap_or(0),
         rounds: a.rounds,
         perftest: a.perftest,
@@ -1408,6 +1444,82 @@ fn run_bench(config_file: Option<PathBuf>, a: BenchArgs) -> Result<ExitCode> {
     progress.finish();
     let sweep = sweep?;
     print_report(&sweep, a.json, sweep.verified())
+}
+
+/// `kvferry bench --sweep`: the grid of [`kvferry_harness::grid`].
+fn run_grid(config_file: Option<PathBuf>, mut a: BenchArgs) -> Result<ExitCode> {
+    if a.pair.model.is_some() {
+        bail!("--sweep brings its own one-layer model; leave out --model");
+    }
+    if a.pair.shape.dtype.is_some()
+        || a.pair.sides.ctx_tokens_per_block.is_some()
+        || a.pair.sides.gen_tokens_per_block.is_some()
+    {
+        bail!(
+            "--sweep sets the dtype and block size of its model; leave out --dtype and --*-tokens-per-block"
+        );
+    }
+    use kvferry_harness::grid;
+    let sizes = a
+        .fragment_sizes
+        .take()
+        .unwrap_or_else(|| grid::DEFAULT_SIZES.to_vec());
+    let batches = a
+        .batches
+        .take()
+        .unwrap_or_else(|| grid::DEFAULT_BATCHES.to_vec());
+    a.pair.model =
+        Some(ModelShape::from_hf_config(grid::GRID_MODEL, "grid").context("the grid's model")?);
+    let config = grid::GridConfig {
+        base: BenchConfig {
+            pair: a.pair.resolve(config_file)?,
+            prompt_len: 1,
+            requests: 1,
+            rounds: a.rounds,
+            perftest: false,
+            export_fragments: None,
+            export_workload: None,
+        },
+        sizes,
+        batches,
+        max_request_bytes: a
+            .max_request_bytes
+            .unwrap_or(grid::DEFAULT_MAX_REQUEST_BYTES),
+        export_dir: a.export_workload,
+    };
+    if let Some(dir) = &config.export_dir {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let progress = Progress::spinner(
+        !a.json,
+        format!(
+            "sweeping {} -> {} over {} ({} rounds per cell)",
+            config.base.pair.ctx_spec,
+            config.base.pair.gen_spec,
+            config.base.pair.transport,
+            a.rounds
+        ),
+    );
+    let report = grid::run(&config);
+    progress.finish();
+    let report = report?;
+    print_report(&report, a.json, report.verified())
+}
+
+/// A byte count with an optional `k`, `m` or `g` suffix (KiB, MiB, GiB).
+fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (digits, shift) = match t.char_indices().last() {
+        Some((i, 'k' | 'K')) => (&t[..i], 10),
+        Some((i, 'm' | 'M')) => (&t[..i], 20),
+        Some((i, 'g' | 'G')) => (&t[..i], 30),
+        _ => (t, 0),
+    };
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("`{s}` is not a byte count (such as 4096, 64k or 4m)"))?;
+    n.checked_mul(1 << shift)
+        .ok_or_else(|| format!("`{s}` overflows 64 bits"))
 }
 
 /// Prints a demo or bench report as text or one JSON object; fails the exit code unless every

@@ -911,3 +911,60 @@ fn demo_and_bench_refuse_pools_the_two_servers_cannot_hold_before_starting_them(
         assert!(!stderr.contains("server:"), "{command}: {stderr}");
     }
 }
+
+/// `bench --sweep` brings its own model and moves one request at a time; its grid options
+/// belong to it; a grid size that is not whole tokens of its model is named; and `demo`,
+/// whose model is no longer a clap-required option, still asks for one.
+#[test]
+fn bench_sweep_arguments_are_checked_before_anything_starts() {
+    let pair = ["--ctx", "tp1", "--gen", "tp1"];
+    for (args, wanted) in [
+        (
+            &["bench", "--sweep", "--model", "llama-3-70b"][..],
+            "--sweep brings its own one-layer model; leave out --model",
+        ),
+        (
+            &["bench", "--sweep", "--prompt-len", "64"][..],
+            "cannot be used with",
+        ),
+        (
+            &["bench", "--sweep", "--requests", "2"][..],
+            "cannot be used with",
+        ),
+        (
+            &[
+                "bench",
+                "--model",
+                "llama-3-70b",
+                "--prompt-len",
+                "64",
+                "--batches",
+                "4",
+            ][..],
+            "--fragment-sizes, --batches and --max-request-bytes shape the grid of --sweep",
+        ),
+        (
+            &["bench", "--sweep", "--fragment-sizes", "1000"][..],
+            "fragment size 1000: the grid's blocks are whole tokens of 512 bytes",
+        ),
+        (
+            &["bench", "--sweep", "--fragment-sizes", "4x"][..],
+            "`4x` is not a byte count",
+        ),
+        (
+            &["bench", "--model", "llama-3-70b"][..],
+            "--prompt-len is required (except with --sweep)",
+        ),
+        (
+            &["demo", "--requests", "1"][..],
+            "--model is required (a preset or a config.json)",
+        ),
+    ] {
+        let stderr = Kvferry::new()
+            .quiet()
+            .args(args)
+            .args(pair)
+            .stderr_of_failure();
+        assert!(stderr.contains(wanted), "{args:?}: {stderr}");
+    }
+}

@@ -465,6 +465,91 @@ fn bench_llama_tcp_bounce_on_puts_fewer_and_scatters() {
     assert_eq!(v["bounce"], "on", "{v}");
 }
 
+/// `--sweep` runs nixlbench's grid: one cell per fragment size and batch within the byte
+/// limit, each one request of BATCH fragments of that size at a time, verified by the oracle,
+/// with latencies per round and the cell's workload exported for the peers' runners.
+#[test]
+fn bench_sweep_runs_the_grid_one_request_at_a_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("grid");
+    let v = Kvferry::new()
+        .quiet()
+        .args([
+            "bench",
+            "--sweep",
+            "--ctx",
+            "tp1",
+            "--gen",
+            "tp1",
+            "--fragment-sizes",
+            "4k,64k",
+            "--batches",
+            "1,16",
+            "--max-request-bytes",
+            "512k",
+            "--rounds",
+            "3",
+            "--transport",
+            "shm",
+            "--export-workload",
+        ])
+        .arg(&out)
+        .arg("--json")
+        .json();
+    // 64 KiB x 16 is 1 MiB, over the limit.
+    assert_eq!(v["skipped"], serde_json::json!([[65536, 16]]), "{v}");
+    let cells = v["cells"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no cells: {v}"));
+    let shapes: Vec<(u64, u64)> = cells
+        .iter()
+        .map(|c| {
+            (
+                c["fragment_bytes"].as_u64().unwrap(),
+                c["batch"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(shapes, [(4096, 1), (4096, 16), (65536, 1)], "{v}");
+    for c in cells {
+        let (size, batch) = (
+            c["fragment_bytes"].as_u64().unwrap(),
+            c["batch"].as_u64().unwrap(),
+        );
+        assert_eq!(c["verified"], true, "{c}");
+        assert_eq!(c["bytes"].as_u64().unwrap(), size * batch, "{c}");
+        assert_eq!(c["tokens_per_block"].as_u64().unwrap(), size / 512, "{c}");
+        // One fragment per block, fewer only where two ordinals landed on adjacent slots on
+        // both sides and coalesced.
+        let fragments = c["fragments"].as_u64().unwrap();
+        assert!((1..=batch).contains(&fragments), "{c}");
+        assert_eq!(c["report"]["requests"], 1, "{c}");
+        assert_eq!(
+            c["report"]["ours"]["rounds_stages"]
+                .as_array()
+                .unwrap()
+                .len(),
+            3,
+            "{c}"
+        );
+        for key in ["ours", "agent", "raw", "prepare", "post"] {
+            let avg = c[key]["avg_us"].as_f64().unwrap();
+            let p99 = c[key]["p99_us"].as_f64().unwrap();
+            // Posting one 4 KiB copy may read as 0 ns.
+            assert!(avg >= 0.0 && p99 >= avg, "{key}: {c}");
+            assert!(key == "post" || avg > 0.0, "{key}: {c}");
+        }
+        positive(c, "ours_gbps");
+        positive(c, "raw_gbps");
+        let workload = out.join(format!("{size}-{batch}.json"));
+        assert_eq!(c["workload"], workload.display().to_string(), "{c}");
+        let w: Value = serde_json::from_slice(&std::fs::read(&workload).unwrap()).unwrap();
+        assert_eq!(w["format"], "kvferry-workload/1");
+        assert_eq!(w["prompt_len"].as_u64().unwrap(), batch * (size / 512));
+    }
+    assert!(out.join("model").join("config.json").is_file());
+}
+
 /// `--requests 1,2` runs the bench once per value: an array of two full reports, in order.
 #[test]
 fn bench_requests_sweep_reports_one_result_per_value() {

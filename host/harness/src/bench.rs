@@ -193,6 +193,10 @@ pub struct PathReport {
     /// median over the round's requests, (raw, memcpy) the round's time in that stage over
     /// its requests.
     pub stages: StageSeconds,
+    /// Every counted round's stages, in round order (ours: the median over the round's
+    /// requests, which is the request's own with one request per round, as
+    /// [`crate::grid`] runs it; raw, memcpy: per request on average).
+    pub rounds_stages: Vec<StageSeconds>,
 }
 
 /// [`Stages`] in seconds, as the report prints them (see [`Stages`] for what each counts:
@@ -1276,6 +1280,7 @@ fn path_report(samples: &[Sample], stages: &[StageSeconds]) -> PathReport {
         stages: StageSeconds::median(stages),
         rounds_gbps: gbps,
         rounds_seconds: seconds,
+        rounds_stages: stages.to_vec(),
     }
 }
 

@@ -18,6 +18,7 @@ pub mod client;
 pub mod control;
 pub mod demo;
 pub mod drive;
+pub mod grid;
 pub mod metrics_http;
 pub mod overlap;
 pub mod serve;
