@@ -197,7 +197,9 @@ class Unit:
 
 def post_and_wait(engines, group: list[Unit], api: str, gate, results, k) -> None:
     """Submits every unit of `group` (after all posting threads are ready) and waits for
-    them; leaves (first submission, last completion) in `results[k]`, or an error text."""
+    them; leaves (first submission, last submission returned, last completion) in
+    `results[k]`, or an error text (with `--api sync` a submission returns when its batch
+    is done)."""
     try:
         gate.wait()
         started = now_ns()
@@ -217,12 +219,16 @@ def post_and_wait(engines, group: list[Unit], api: str, gate, results, k) -> Non
                     results[k] = f"batch_transfer_async_write ctx{u.c} -> gen{u.g} failed"
                     return
                 ids.setdefault(u.c, []).append(bid)
+            posted = now_ns()
             # Waits (spinning, GIL released) until every batch of the engine has completed.
             for c, batch_ids in ids.items():
                 if engines[c].get_batch_transfer_status(batch_ids) != 0:
                     results[k] = f"a batch of ctx{c} failed or timed out"
                     return
-        results[k] = (started, now_ns())
+            results[k] = (started, posted, now_ns())
+            return
+        done = now_ns()
+        results[k] = (started, done, done)
     except Exception as e:  # reported by the main thread
         results[k] = f"posting thread {k}: {e!r}"
 
@@ -280,7 +286,7 @@ def drive(doc: dict, pairs: list[dict], sock: socket.socket, args) -> dict:
         groups = [[u for u in units if u.c == c] for c in sorted(engines)]
     else:
         groups = [units]
-    samples = []
+    samples, posts = [], []
     verified = None
     for rnd in range(args.warmup + args.rounds):
         results: list = [None] * len(groups)
@@ -298,7 +304,8 @@ def drive(doc: dict, pairs: list[dict], sock: socket.socket, args) -> dict:
             if isinstance(r, str):
                 raise SystemExit(f"round {rnd}: {r}")
         started = min(r[0] for r in results)
-        finished = max(r[1] for r in results)
+        posted = max(r[1] for r in results)
+        finished = max(r[2] for r in results)
         seconds = (finished - started) / 1e9
         log(
             f"round {rnd}{' (warm-up)' if rnd < args.warmup else ''}: "
@@ -306,6 +313,7 @@ def drive(doc: dict, pairs: list[dict], sock: socket.socket, args) -> dict:
         )
         if rnd >= args.warmup:
             samples.append(seconds)
+            posts.append((posted - started) / 1e9)
         if rnd == 0 and not args.no_verify:
             send_msg(sock, ("verify",))
             verified = recv_msg(sock)[1]
@@ -341,6 +349,9 @@ def drive(doc: dict, pairs: list[dict], sock: socket.socket, args) -> dict:
         "fragments_per_s": statistics.median([total_fragments / s for s in samples]),
         "rounds_gbps": gbps,
         "rounds_seconds": samples,
+        # Per counted round: from the first submission to the last one returned (inside
+        # rounds_seconds). Mooncake has no per-round preparation step (prep_s: once).
+        "rounds_post_seconds": posts,
         "prep_s": prep_s,
         "setup_s": setup_s,
         "verified": (verified is not None and verified["mismatched_bytes"] == 0

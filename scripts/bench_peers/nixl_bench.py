@@ -272,7 +272,8 @@ class Unit:
 
 def post_and_poll(agents, group, gate, results, k) -> None:
     """Posts every unit of `group` (after all posting threads are ready), then polls them
-    until done; leaves (first post, last completion) in `results[k]`, or an error text.
+    until done; leaves (first post, last post returned, last completion) in `results[k]`,
+    or an error text.
     NIXL's bindings release the GIL while posting and checking, so one such thread per
     prefill rank posts and progresses like one rank thread each."""
     try:
@@ -282,6 +283,7 @@ def post_and_poll(agents, group, gate, results, k) -> None:
             if agents[u.c].transfer(u.handle, u.note) == "ERR":
                 results[k] = f"NIXL refused to post ctx{u.c} -> gen{u.g}"
                 return
+        posted = now_ns()
         pending = list(group)
         deadline = time.monotonic() + NOTIF_TIMEOUT_S
         while pending:
@@ -297,7 +299,7 @@ def post_and_poll(agents, group, gate, results, k) -> None:
             if time.monotonic() > deadline:
                 results[k] = f"{len(pending)} NIXL transfers not done in {NOTIF_TIMEOUT_S} s"
                 return
-        results[k] = (started, now_ns())
+        results[k] = (started, posted, now_ns())
     except Exception as e:  # reported by the main thread
         results[k] = f"posting thread {k}: {e!r}"
 
@@ -414,7 +416,7 @@ def drive(doc: dict, pairs: list[dict], sock: socket.socket, args) -> dict:
     total_fragments = sum(len(u.indices) for u in units)
     check_totals(doc, total_fragments, total_bytes)
 
-    samples, makes = [], []
+    samples, makes, posts = [], [], []
     verified = None
     for rnd in range(args.warmup + args.rounds):
         t = time.monotonic()
@@ -450,7 +452,8 @@ def drive(doc: dict, pairs: list[dict], sock: socket.socket, args) -> dict:
             if isinstance(r, str):
                 raise SystemExit(r)
         started = min(r[0] for r in results)
-        done = max(r[1] for r in results)
+        posted = max(r[1] for r in results)
+        done = max(r[2] for r in results)
         reply = recv_msg(sock)
         if reply[0] != "notified":
             raise SystemExit(f"target: {reply[1]}")
@@ -468,6 +471,7 @@ def drive(doc: dict, pairs: list[dict], sock: socket.socket, args) -> dict:
         if rnd >= args.warmup:
             samples.append(seconds)
             makes.append(make_s)
+            posts.append((posted - started) / 1e9)
         if rnd == 0 and not args.no_verify:
             send_msg(sock, ("verify",))
             verified = recv_msg(sock)[1]
@@ -503,6 +507,10 @@ def drive(doc: dict, pairs: list[dict], sock: socket.socket, args) -> dict:
         "fragments_per_s": statistics.median([total_fragments / s for s in samples]),
         "rounds_gbps": gbps,
         "rounds_seconds": samples,
+        # Per counted round: make_prepped_xfer of every unit (before the clock), and the
+        # time from the first transfer() to the last one returned (inside it).
+        "rounds_prepare_seconds": makes,
+        "rounds_post_seconds": posts,
         "gbps_with_make": statistics.median(with_make),
         "make_prepped_xfer_ms": statistics.median(makes) * 1e3,
         "prep_xfer_dlist_s": prep_s,

@@ -4,6 +4,9 @@ the time of one request (microseconds, log scale) against its prompt length (tok
 scale) for kvferry, its bare put loop, the memcpy ceiling, NIXL and Mooncake — the same
 numbers table.py prints (medians over the passes).
 
+A `--sweep` sitting: one panel per transport and fragment size, GB/s (log scale) against
+the batch (fragments per request, log scale) for the same five.
+
 Usage: plot.py RUN_DIR OUT.png
 
 Needs matplotlib (scripts/bench-peers installs it into its virtual environment).
@@ -25,6 +28,47 @@ SERIES = (
 )
 
 
+GRID_SERIES = (
+    ("kvferry_gbps", "kvferry", "tab:blue", "o", "-"),
+    ("raw_gbps", "raw put loop", "tab:blue", "", ":"),
+    ("memcpy_gbps", "memcpy (ceiling)", "tab:gray", "", "--"),
+    ("nixl_gbps", "NIXL", "tab:orange", "s", "-"),
+    ("mooncake_gbps", "Mooncake", "tab:green", "^", "-"),
+)
+
+
+def draw_sweep(plt, meta, rows):
+    _, cells = table.sweep_table(rows)
+    transports = sorted({c["transport"] for c in cells})
+    sizes = sorted({c["fragment_bytes"] for c in cells})
+    fig, axes = plt.subplots(len(transports), len(sizes), squeeze=False, sharey=True,
+                             figsize=(3.1 * len(sizes), 3.0 * len(transports)))
+    for i, transport in enumerate(transports):
+        for j, size in enumerate(sizes):
+            ax = axes[i][j]
+            here = sorted((c for c in cells if c["transport"] == transport
+                           and c["fragment_bytes"] == size), key=lambda c: c["batch"])
+            for key, label, color, marker, style in GRID_SERIES:
+                xs = [c["batch"] for c in here if c[key]]
+                ys = [c[key]["median"] for c in here if c[key]]
+                if xs:
+                    ax.plot(xs, ys, label=label, color=color, marker=marker, linestyle=style,
+                            markersize=4)
+            ax.set_xscale("log", base=4)
+            ax.set_yscale("log")
+            ax.set_title(f"{table.human(size)} fragments, {transport}", fontsize=9)
+            ax.set_xlabel("batch (fragments per request)", fontsize=8)
+            if j == 0:
+                ax.set_ylabel("GB/s", fontsize=8)
+            ax.tick_params(labelsize=7)
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"kvferry {meta['kvferry_commit']}, {meta['started'][:10]}, {meta['host']}: "
+                 "nixlbench's grid, one request at a time (tp1 -> tp1)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def main() -> int:
     if len(sys.argv) != 3:
         print("usage: plot.py RUN_DIR OUT.png", file=sys.stderr)
@@ -39,6 +83,10 @@ def main() -> int:
     with open(os.path.join(run_dir, "runs.jsonl")) as f:
         runs = [table.json.loads(line) for line in f if line.strip()]
     rows = [table.row_of(run_dir, r) for r in runs]
+    if meta.get("sweep"):
+        draw_sweep(plt, meta, rows).savefig(out, dpi=110)
+        print(out)
+        return 0
     _, _, points = table.per_request(meta, rows)
     panels = sorted({(p["model"], p["prefill"], p["decode"], p["transport"]) for p in points})
     models = sorted({p[:3] for p in panels})

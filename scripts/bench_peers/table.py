@@ -9,6 +9,12 @@ A `--per-request` sitting (meta.json says so) prints the per-request table inste
 request at a time, by model, transport and prompt length, the median time of one request
 for kvferry, its bare put loop, the memcpy ceiling and each peer, in microseconds.
 
+A `--sweep` sitting prints nixlbench's grid: by transport, fragment size and batch, GB/s
+(medians of the rounds) of kvferry, its put loop and each peer, and the average and p99 over
+the rounds of one request's time, its preparation (kvferry: planning and validation; NIXL:
+make_prepped_xfer; Mooncake has no per-round step) and its posting (kvferry: issuing the
+puts or copies; NIXL: transfer(); Mooncake: batch_transfer_async_write).
+
 RUN_DIR holds `runs.jsonl` (what ran, in order, one JSON object a line: workload,
 transport, pass, the report files and any peer's error; a peer that did not run has
 neither), the reports it names, and `meta.json` (versions, machine, settings).
@@ -63,9 +69,22 @@ def cell(s, digits, passes):
     return text
 
 
+def latency(seconds):
+    """Average and p99 (nearest rank) of per-round seconds, in microseconds; None if none."""
+    if not seconds:
+        return None
+    v = sorted(seconds)
+    rank = max(1, -(-len(v) * 99 // 100))
+    return {"avg_us": sum(v) / len(v) * 1e6, "p99_us": v[rank - 1] * 1e6}
+
+
 def row_of(run_dir, r):
-    """One run (a workload, transport and pass) as a flat dict."""
+    """One run (a workload, transport and pass; a sweep's cell) as a flat dict."""
     k = load(os.path.join(run_dir, r["kvferry"]))
+    grid_cell = None
+    if "cell" in r:
+        grid_cell = k["cells"][r["cell"]]
+        k = grid_cell["report"]
     export = k.get("export") or {}
     fragments = export.get("fragments", k["fragments"])
     nbytes = export.get("bytes", k["bytes"])
@@ -113,6 +132,18 @@ def row_of(run_dir, r):
             row["nixl_gbps_with_make"] = report["gbps_with_make"] if report else None
         if peer == "mooncake":
             row["mooncake_transport"] = report["transport"] if report else None
+        if grid_cell is not None:
+            row[f"{peer}_time"] = latency(report["rounds_seconds"]) if report else None
+            row[f"{peer}_post"] = latency(report.get("rounds_post_seconds")) if report else None
+            row[f"{peer}_prepare"] = (
+                latency(report.get("rounds_prepare_seconds")) if report else None
+            )
+    if grid_cell is not None:
+        row["size"] = grid_cell["fragment_bytes"]
+        row["batch"] = grid_cell["batch"]
+        row["memcpy_gbps"] = grid_cell["memcpy_gbps"] or None
+        for key in ("ours", "agent", "raw", "prepare", "post"):
+            row[f"kvferry_{key}"] = grid_cell[key]
     row["best_peer"] = best[0] if best else None
     row["best_peer_gbps"] = best[1] if best else None
     row["kvferry_best_peer_ratio"] = ratio(k["ours_gbps"], best[1]) if best else None
@@ -192,6 +223,62 @@ def per_request(meta, rows):
     return head, table, out
 
 
+def sweep_table(rows):
+    """The grid (see the module docs): one line per transport, fragment size and batch;
+    GB/s medians over the passes, times the passes' median of each pass's avg and p99."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["transport"], r["size"], r["batch"]), []).append(r)
+    ran = [(p, label) for p, label in PEERS if any(r[f"{p}_ran"] for r in rows)]
+    head = ["transport", "fragment", "batch", "kvferry GB/s", "raw GB/s"]
+    head += [f"{label} GB/s" for _, label in ran]
+    head += ["kvferry us avg/p99"] + [f"{label} us avg/p99" for _, label in ran]
+    head += ["prepare us kvferry/NIXL" if any(p == "nixl" for p, _ in ran) else "prepare us"]
+    head += ["post us " + "/".join(["kvferry"] + [label for _, label in ran])]
+    head += ["vs best peer"] if ran else []
+    table = [head]
+    out = []
+
+    def mid(rs, key, field=None):
+        xs = [(r[key] or {}).get(field) if field else r[key] for r in rs]
+        s = summary(xs)
+        return s["median"] if s else None
+
+    def us(rs, key):
+        a, p = mid(rs, key, "avg_us"), mid(rs, key, "p99_us")
+        return f"{a:,.0f}/{p:,.0f}" if a is not None else "-"
+
+    def avg(rs, key):
+        a = mid(rs, key, "avg_us")
+        return f"{a:,.0f}" if a is not None else "-"
+
+    for (transport, size, batch), rs in sorted(groups.items()):
+        m = {key: summary([r[key] for r in rs])
+             for key in ("kvferry_gbps", "raw_gbps", "memcpy_gbps", "nixl_gbps", "mooncake_gbps",
+                         "kvferry_best_peer_ratio")}
+        for key in ["kvferry_ours", "kvferry_agent", "kvferry_raw", "kvferry_prepare",
+                    "kvferry_post"] + [f"{p}_{x}" for p, _ in PEERS
+                                        for x in ("time", "post", "prepare")]:
+            m[key] = {f: mid(rs, key, f) for f in ("avg_us", "p99_us")}
+        out.append({"transport": transport, "fragment_bytes": size, "batch": batch,
+                    "bytes": rs[0]["bytes"], "fragments": rs[0]["fragments"],
+                    "passes": len(rs), **m})
+        gb = lambda key: f"{m[key]['median']:.3f}" if m[key] else "-"  # noqa: E731
+        line = [transport, human(size), str(batch), gb("kvferry_gbps"), gb("raw_gbps")]
+        line += [gb(f"{p}_gbps") for p, _ in ran]
+        line += [us(rs, "kvferry_ours")] + [us(rs, f"{p}_time") for p, _ in ran]
+        prepare = [avg(rs, "kvferry_prepare")]
+        if any(p == "nixl" for p, _ in ran):
+            prepare.append(avg(rs, "nixl_prepare"))
+        line.append("/".join(prepare))
+        line.append("/".join([avg(rs, "kvferry_post")] + [avg(rs, f"{p}_post") for p, _ in ran]))
+        if ran:
+            best = m["kvferry_best_peer_ratio"]
+            line.append(f"{best['median']:.2f}x" if best else "-")
+        table.append(line)
+    return table, out
+
+
 def print_table(table):
     widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
     for i, line in enumerate(table):
@@ -212,6 +299,28 @@ def main():
     with open(os.path.join(run_dir, "runs.jsonl")) as f:
         runs = [json.loads(line) for line in f if line.strip()]
     rows = [row_of(run_dir, r) for r in runs]
+    if meta.get("sweep"):
+        table, out = sweep_table(rows)
+        if as_json:
+            print(json.dumps({"meta": meta, "rows": rows, "sweep": out}, indent=2))
+            return 0
+        passes = max((c["passes"] for c in out), default=1)
+        print(f"kvferry {meta['kvferry_commit']} (UCX {meta['kvferry_ucx']}), nixlbench's grid "
+              f"(kvferry bench --sweep: one request of BATCH fragments at a time, tp1 -> tp1), "
+              f"{meta['rounds']} counted rounds per cell; {meta['started']}, {meta['host']}, "
+              f"load average {meta.get('loadavg_start', '?')} at the start, "
+              f"{meta.get('loadavg_end', '?')} at the end")
+        print_table(table)
+        over = f" (medians over {passes} passes)" if passes > 1 else ""
+        print("GB/s: medians of the rounds" + over + "; us: microseconds per request, average "
+              "and p99 (nearest rank) over the rounds. kvferry: its full path timed by the "
+              "controller (Submit to Done: control round trips, claim, plan, puts, completion); "
+              "NIXL: first transfer() to the last completion and notification; Mooncake: first "
+              "submission to the last batch done. prepare: kvferry's planning and validation, "
+              "NIXL's make_prepped_xfer (before its clock); post: issuing the puts or copies, "
+              "transfer(), batch_transfer_async_write. vs best peer: kvferry's GB/s over the "
+              "faster peer's. Mooncake runs over TCP in the shm rows too.")
+        return 0
     if meta.get("per_request"):
         _, table, out = per_request(meta, rows)
         if as_json:
