@@ -232,7 +232,8 @@ def sweep_table(rows):
     ran = [(p, label) for p, label in PEERS if any(r[f"{p}_ran"] for r in rows)]
     head = ["transport", "fragment", "batch", "kvferry GB/s", "raw GB/s"]
     head += [f"{label} GB/s" for _, label in ran]
-    head += ["kvferry us avg/p99"] + [f"{label} us avg/p99" for _, label in ran]
+    head += ["kvferry us avg/p99", "agent us avg/p99"]
+    head += [f"{label} us avg/p99" for _, label in ran]
     head += ["prepare us kvferry/NIXL" if any(p == "nixl" for p, _ in ran) else "prepare us"]
     head += ["post us " + "/".join(["kvferry"] + [label for _, label in ran])]
     head += ["vs best peer"] if ran else []
@@ -266,7 +267,8 @@ def sweep_table(rows):
         gb = lambda key: f"{m[key]['median']:.3f}" if m[key] else "-"  # noqa: E731
         line = [transport, human(size), str(batch), gb("kvferry_gbps"), gb("raw_gbps")]
         line += [gb(f"{p}_gbps") for p, _ in ran]
-        line += [us(rs, "kvferry_ours")] + [us(rs, f"{p}_time") for p, _ in ran]
+        line += [us(rs, "kvferry_ours"), us(rs, "kvferry_agent")]
+        line += [us(rs, f"{p}_time") for p, _ in ran]
         prepare = [avg(rs, "kvferry_prepare")]
         if any(p == "nixl" for p, _ in ran):
             prepare.append(avg(rs, "nixl_prepare"))
@@ -314,7 +316,10 @@ def main():
         over = f" (medians over {passes} passes)" if passes > 1 else ""
         print("GB/s: medians of the rounds" + over + "; us: microseconds per request, average "
               "and p99 (nearest rank) over the rounds. kvferry: its full path timed by the "
-              "controller (Submit to Done: control round trips, claim, plan, puts, completion); "
+              "controller (Submit to Done: the controller's round trip to the decode server, expect, "
+              "claim, plan, puts, completion); agent: the same request as the decode agent "
+              "times it, first claim to last completion (what an engine embedding it sees, "
+              "without the harness's hop); "
               "NIXL: first transfer() to the last completion and notification; Mooncake: first "
               "submission to the last batch done. prepare: kvferry's planning and validation, "
               "NIXL's make_prepped_xfer (before its clock); post: issuing the puts or copies, "
