@@ -142,6 +142,10 @@ def row_of(run_dir, r):
         row["size"] = grid_cell["fragment_bytes"]
         row["batch"] = grid_cell["batch"]
         row["memcpy_gbps"] = grid_cell["memcpy_gbps"] or None
+        row["agent_gbps"] = grid_cell["agent_gbps"]
+        row["agent_best_peer_ratio"] = (
+            ratio(grid_cell["agent_gbps"], best[1]) if best else None
+        )
         for key in ("ours", "agent", "raw", "prepare", "post"):
             row[f"kvferry_{key}"] = grid_cell[key]
     row["best_peer"] = best[0] if best else None
@@ -236,7 +240,7 @@ def sweep_table(rows):
     head += [f"{label} us avg/p99" for _, label in ran]
     head += ["prepare us kvferry/NIXL" if any(p == "nixl" for p, _ in ran) else "prepare us"]
     head += ["post us " + "/".join(["kvferry"] + [label for _, label in ran])]
-    head += ["vs best peer"] if ran else []
+    head += ["vs best peer", "agent vs best"] if ran else []
     table = [head]
     out = []
 
@@ -256,7 +260,7 @@ def sweep_table(rows):
     for (transport, size, batch), rs in sorted(groups.items()):
         m = {key: summary([r[key] for r in rs])
              for key in ("kvferry_gbps", "raw_gbps", "memcpy_gbps", "nixl_gbps", "mooncake_gbps",
-                         "kvferry_best_peer_ratio")}
+                         "kvferry_best_peer_ratio", "agent_gbps", "agent_best_peer_ratio")}
         for key in ["kvferry_ours", "kvferry_agent", "kvferry_raw", "kvferry_prepare",
                     "kvferry_post"] + [f"{p}_{x}" for p, _ in PEERS
                                         for x in ("time", "post", "prepare")]:
@@ -275,8 +279,8 @@ def sweep_table(rows):
         line.append("/".join(prepare))
         line.append("/".join([avg(rs, "kvferry_post")] + [avg(rs, f"{p}_post") for p, _ in ran]))
         if ran:
-            best = m["kvferry_best_peer_ratio"]
-            line.append(f"{best['median']:.2f}x" if best else "-")
+            for key in ("kvferry_best_peer_ratio", "agent_best_peer_ratio"):
+                line.append(f"{m[key]['median']:.2f}x" if m[key] else "-")
         table.append(line)
     return table, out
 
@@ -324,7 +328,8 @@ def main():
               "submission to the last batch done. prepare: kvferry's planning and validation, "
               "NIXL's make_prepped_xfer (before its clock); post: issuing the puts or copies, "
               "transfer(), batch_transfer_async_write. vs best peer: kvferry's GB/s over the "
-              "faster peer's. Mooncake runs over TCP in the shm rows too.")
+              "faster peer's; agent vs best: the same with kvferry's agent-timed GB/s. Mooncake "
+              "runs over TCP in the shm rows too.")
         return 0
     if meta.get("per_request"):
         _, table, out = per_request(meta, rows)

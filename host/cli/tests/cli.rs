@@ -952,6 +952,10 @@ fn bench_sweep_arguments_are_checked_before_anything_starts() {
             "`4x` is not a byte count",
         ),
         (
+            &["bench", "--sweep", "--max-request-bytes", "2k"][..],
+            "every cell is over the limit of 2048 bytes per request (the smallest moves 4096 x 1)",
+        ),
+        (
             &["bench", "--model", "llama-3-70b"][..],
             "--prompt-len is required (except with --sweep)",
         ),

@@ -173,6 +173,8 @@ impl Cell {
 pub struct Grid {
     /// The grid's model, in words.
     pub model: String,
+    /// Its `config.json`, when it was written to the export folder.
+    pub model_config: Option<String>,
     /// Context deployment.
     pub prefill: String,
     /// Generation deployment.
@@ -317,6 +319,14 @@ fn check(config: &GridConfig) -> Result<(), DemoError> {
     if let Some(0) = config.batches.iter().min() {
         return invalid("batch sizes must be positive".into());
     }
+    let smallest = config.sizes.iter().min().copied().unwrap_or(0);
+    let fewest = config.batches.iter().min().copied().unwrap_or(0);
+    if smallest.saturating_mul(fewest) > config.max_request_bytes {
+        return invalid(format!(
+            "every cell is over the limit of {} bytes per request (the smallest moves {} x {})",
+            config.max_request_bytes, smallest, fewest
+        ));
+    }
     if config.base.rounds == 0 {
         return invalid("--rounds must be positive".into());
     }
@@ -351,11 +361,11 @@ pub fn run(config: &GridConfig) -> Result<Grid, DemoError> {
 
     let base = &config.base;
     let mut grid = Grid {
-        model: format!(
-            "one layer, one KV head x 128, bf16 ({} bytes per token; {})",
-            BYTES_PER_TOKEN,
-            model_dir.join("config.json").display()
-        ),
+        model: format!("one layer, one KV head x 128, bf16 ({BYTES_PER_TOKEN} bytes per token)"),
+        model_config: config
+            .export_dir
+            .as_ref()
+            .map(|_| model_dir.join("config.json").display().to_string()),
         prefill: base.pair.ctx_spec.clone(),
         decode: base.pair.gen_spec.clone(),
         transport: base.pair.transport.to_string(),
