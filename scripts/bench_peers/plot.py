@@ -38,6 +38,8 @@ GRID_SERIES = (
 
 
 def draw_sweep(plt, meta, rows):
+    from matplotlib import ticker
+
     _, cells = table.sweep_table(rows)
     transports = sorted({c["transport"] for c in cells})
     sizes = sorted({c["fragment_bytes"] for c in cells})
@@ -55,6 +57,7 @@ def draw_sweep(plt, meta, rows):
                     ax.plot(xs, ys, label=label, color=color, marker=marker, linestyle=style,
                             markersize=4)
             ax.set_xscale("log", base=4)
+            ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: f"{x:g}"))
             ax.set_yscale("log")
             ax.set_title(f"{table.human(size)} fragments, {transport}", fontsize=9)
             ax.set_xlabel("batch (fragments per request)", fontsize=8)
