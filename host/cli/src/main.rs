@@ -474,7 +474,7 @@ struct AgentBounceArgs {
     /// Gather each piece into a staging buffer and put it into the receiver's bounce arena
     /// in large puts, which scatters it by its own plan: `on` for every request that fits,
     /// `auto` where it pays (transports that leave the node, requests of 96 blocks or more,
-    /// fragments under 256 KiB on average), `off` never. Both servers of a pair should agree.
+    /// fragments under 16 KiB on average), `off` never. Both servers of a pair should agree.
     #[arg(long, default_value = "auto", value_name = "on|off|auto")]
     bounce: BounceMode,
     /// Decode side: MiB of each rank's bounce arena (allocated at start when bouncing).

@@ -48,14 +48,19 @@ pub enum BounceMode {
     On,
     /// Where it pays: transports that leave the node, requests of at least
     /// [`BounceConfig::min_blocks`] blocks, pieces whose mean fragment is below
-    /// 256 KiB (`AUTO_MAX_MEAN_FRAGMENT`).
+    /// 16 KiB (`AUTO_MAX_MEAN_FRAGMENT`).
     #[default]
     Auto,
 }
 
 /// Pieces whose fragments average this many bytes or more are not bounced under
-/// [`BounceMode::Auto`]: their puts are few and large already.
-pub(crate) const AUTO_MAX_MEAN_FRAGMENT: u64 = 256 << 10;
+/// [`BounceMode::Auto`]. It was 256 KiB, a guess; measured over tcp on the 2-core machine
+/// (`kvferry bench --sweep --transport tcp`, 256 and 1,024 fragments a request, the two
+/// thresholds alternating, two passes; docs/BENCHMARKS.md, "Bounce transfers"), bouncing paid
+/// at 4 KiB (1.56–1.80 GB/s against 0.94–1.12 for the put loop), broke even at 8 KiB, and lost
+/// from 16 KiB up: 16, 32 and 128 KiB fragments ran 1.2–1.8× faster per fragment, 64 KiB
+/// (where UCX's tcp puts are slow) 0.8–0.9×.
+pub(crate) const AUTO_MAX_MEAN_FRAGMENT: u64 = 16 << 10;
 
 impl std::str::FromStr for BounceMode {
     type Err = String;

@@ -61,10 +61,15 @@ fn a_chunked_request_bounces_byte_for_byte_over_tcp_and_shm() {
 }
 
 #[test]
-fn auto_bounces_over_tcp_and_not_within_the_node() {
-    for (transport, bounced) in [(Transport::Tcp, true), (Transport::Shm, false)] {
-        // Small blocks (16 KiB slots), so the mean fragment is below auto's threshold.
-        let model = kvferry_testkit::builder::Model::gqa(2, 2, 64, 16);
+fn auto_bounces_small_fragments_over_tcp_and_not_within_the_node() {
+    // Head dims 32 and 64: 8 KiB and 16 KiB slots, below and at auto's 16 KiB threshold on
+    // the mean fragment.
+    for (transport, head_dim, bounced) in [
+        (Transport::Tcp, 32, true),
+        (Transport::Tcp, 64, false),
+        (Transport::Shm, 32, false),
+    ] {
+        let model = kvferry_testkit::builder::Model::gqa(2, 2, head_dim, 16);
         let src = Engine::new("prefill", &model, pattern);
         let dst = Engine::new("decode", &model, |_, _| CANARY);
         let auto = BounceConfig {
@@ -80,7 +85,7 @@ fn auto_bounces_over_tcp_and_not_within_the_node() {
         assert_eq!(
             stats.stages.scatter_ns > 0,
             bounced,
-            "{transport}: {stats:?}"
+            "{transport}, head dim {head_dim}: {stats:?}"
         );
         drop(decode);
         drop(prefill);
