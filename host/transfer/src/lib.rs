@@ -45,6 +45,7 @@ mod memory;
 pub mod metrics;
 mod outcome;
 mod rank;
+mod streaming;
 mod sync;
 mod transport;
 

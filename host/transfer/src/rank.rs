@@ -29,9 +29,10 @@
 //! connection up front, so a caller can refuse such a peer before accepting it.
 //!
 //! Since a pool that passed lies, whole, inside one shared mapping of this process, a
-//! fragment from host memory into it is copied straight there (one `memmove` to the
-//! translated address, what UCX's shared-memory put does for each put, without a UCX
-//! request per fragment); the job's flush still follows, then its completion. The bare put
+//! fragment from host memory into it is copied straight there (one copy to the translated
+//! address, what UCX's shared-memory put does for each put, without a UCX request per
+//! fragment; in jobs from 16 MiB, fragments from 16 KiB with streaming stores,
+//! `crate::streaming`); the job's flush still follows, then its completion. The bare put
 //! loop ([`ReplayJob`]) keeps UCX's puts: it is the baseline the agent path is measured
 //! against.
 //!
@@ -121,6 +122,7 @@ use kvferry_platform::{EventFd, wait_any_readable};
 
 use crate::bounce::{GatherTask, Gatherer, Staging};
 use crate::memory::{BindError, RankPools};
+use crate::streaming::{STREAM_MIN_JOB_BYTES, copy_to_peer};
 
 /// Puts kept in flight per job (platform-notes §2: bound them, or tcp's final flush collapses).
 pub const PUT_WINDOW: usize = 32;
@@ -1592,6 +1594,7 @@ impl<'a> Executor<'a> {
         let dest = &*job.dest;
         let pools: &'a RankPools = self.pools;
         let mut stats = WriteStats::default();
+        let stream = job.plan.total_bytes() >= STREAM_MIN_JOB_BYTES;
         let issuing = Instant::now();
         for (k, (src, dst, len)) in job.plan.fragments().enumerate() {
             if !dest.alive.load(Ordering::Acquire) {
@@ -1627,11 +1630,16 @@ impl<'a> Executor<'a> {
                 // declared base: `pool_of` put the fragment inside that declared range, and
                 // `check_key_range` found the whole range translated contiguously into one
                 // shared, writable mapping of this process, which stays mapped while the
-                // pool's key lives (`keys` holds it for this job). `copy` tolerates the two
-                // ranges overlapping (a peer in this process, or a key that names one of our
-                // own segments), so no aliasing assumption is made.
+                // pool's key lives (`keys` holds it for this job). `copy_to_peer` tolerates
+                // the two ranges overlapping (a peer in this process, or a key that names one
+                // of our own segments), as `ptr::copy` does, so no aliasing assumption is made.
                 unsafe {
-                    std::ptr::copy(region.as_ptr().add(offset), local.as_ptr().add(at), n);
+                    copy_to_peer(
+                        region.as_ptr().add(offset),
+                        local.as_ptr().add(at),
+                        n,
+                        stream,
+                    );
                 }
                 stats.puts += 1;
                 stats.fragments += 1;
