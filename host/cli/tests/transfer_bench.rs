@@ -437,6 +437,33 @@ fn bench_deepseek_shm_reports_both_paths() {
     assert!(v["perftest_gbps"].is_null(), "{v}");
 }
 
+/// Llama-3-70B TP1 -> TP1 over shm, 64 tokens: one 20 MiB job per request, past the
+/// streaming copies' 16 MiB job threshold (`kvferry_transfer`'s `streaming`), so its fragments
+/// go into the peer's mapping with non-temporal stores; the oracle checks every byte.
+#[test]
+fn bench_llama_shm_streams_a_large_job_and_every_byte_lands() {
+    let v = bench(&[
+        "--model",
+        "llama-3-70b",
+        "--ctx",
+        "tp1",
+        "--gen",
+        "tp1",
+        "--prompt-len",
+        "64",
+        "--requests",
+        "1",
+        "--rounds",
+        "1",
+        "--transport",
+        "shm",
+        "--planner",
+        "kvferry.default",
+    ]);
+    assert_eq!(v["verified"], true, "{v}");
+    assert_eq!(v["bytes"], 64 * 80 * 2 * 8 * 128 * 2, "{v}");
+}
+
 /// Llama-3-70B TP2 -> TP4 over tcp with `--bounce on`: each piece is gathered and put in a
 /// few large puts, scattered on the receiver, and every byte still verified.
 #[test]
