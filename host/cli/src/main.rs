@@ -1487,9 +1487,7 @@ fn run_grid(config_file: Option<PathBuf>, mut a: BenchArgs) -> Result<ExitCode> 
             .unwrap_or(grid::DEFAULT_MAX_REQUEST_BYTES),
         export_dir: a.export_workload,
     };
-    if let Some(dir) = &config.export_dir {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
+    // The grid makes the export folder itself (it writes its model there first).
     let progress = Progress::spinner(
         !a.json,
         format!(
