@@ -9,6 +9,8 @@
 //!   (a rank thread sleeps on its command descriptor and its UCX worker's);
 //! - [`first_interface_address`]: the first non-loopback address of an interface that is up
 //!   (what an agent advertises when it listens on every interface);
+//! - [`send_now`]: what a blocking socket takes without waiting (a connection's outbox writes
+//!   a message at once from the thread that sends it when nothing is queued before it);
 //! - [`object_file_of`]: the file the object holding an address was loaded from (where an
 //!   installed library finds its planners);
 //! - [`HostBudget`]: the host memory this process may still allocate.
@@ -28,5 +30,5 @@ mod poll;
 pub use budget::{HostBudget, show_bytes};
 pub use dl::object_file_of;
 pub use eventfd::EventFd;
-pub use net::first_interface_address;
+pub use net::{first_interface_address, send_now};
 pub use poll::{MAX_WAIT_FDS, wait_any_readable, wait_readable};

@@ -555,6 +555,29 @@ impl<W: Write> SecureWriter<W> {
         &self.inner
     }
 
+    /// Seals `plaintext` (a whole frame) into the records that `write` and `flush` would send
+    /// for it, and returns them without writing anything: for a caller that writes the
+    /// connection itself (part now, the rest later). The records take this writer's next
+    /// nonces, so they must reach the connection in the order they were sealed, and before
+    /// anything this writer writes itself.
+    ///
+    /// # Errors
+    ///
+    /// Sealing failed (the cipher refused; the writer is then unusable), or bytes written
+    /// but not yet flushed are pending (they would have to go first).
+    pub fn seal_frame(&mut self, plaintext: &[u8]) -> io::Result<Vec<u8>> {
+        if !self.pending.is_empty() || !self.out.is_empty() {
+            return Err(io::Error::other(
+                "sealing a frame while another is written but not flushed",
+            ));
+        }
+        for record in plaintext.chunks(MAX_RECORD_PLAINTEXT) {
+            self.pending.extend_from_slice(record);
+            self.seal(record.len())?;
+        }
+        Ok(std::mem::take(&mut self.out))
+    }
+
     fn seal(&mut self, upto: usize) -> io::Result<()> {
         let start = self.out.len();
         self.out.resize(start + 2 + upto + TAG_LEN, 0);
@@ -689,6 +712,44 @@ mod tests {
         ar.read_exact(&mut back).unwrap();
         assert_eq!(back, big);
         assert_eq!(ar.records_opened(), 4);
+    }
+
+    #[test]
+    fn frames_sealed_apart_are_the_records_written_and_open_in_order() {
+        let channels = || {
+            let (acc, dial) = handshake(&secret(1), &secret(1));
+            (acc.unwrap().0, dial.unwrap())
+        };
+        let frames = [vec![1u8; 10], vec![2u8; 200_000], vec![3u8; 1]];
+        // Twin channels: the same keys and nonces, one writing, one sealing.
+        let (ac, dc) = channels();
+        let (_dr, mut dw) = dc.split(End::default(), End::default());
+        for f in &frames {
+            dw.write_all(f).unwrap();
+            dw.flush().unwrap();
+        }
+        let (ac2, dc2) = channels();
+        let (_dr2, mut sealer) = dc2.split(End::default(), End::default());
+        let mut sealed = Vec::new();
+        for f in &frames {
+            sealed.extend(sealer.seal_frame(f).unwrap());
+        }
+        assert!(sealer.get_ref().output.is_empty(), "sealing writes nothing");
+        // Other keys, the same records: as many bytes, cut the same way, opening in order.
+        assert_eq!(sealed.len(), dw.get_ref().output.len());
+        let total = frames.iter().map(Vec::len).sum();
+        for (acceptor, wire) in [(ac, dw.get_ref().output.clone()), (ac2, sealed)] {
+            let (mut ar, _) = acceptor.split(End::default(), End::default());
+            ar.get_mut().input.extend(wire.iter());
+            let mut back = vec![0u8; total];
+            ar.read_exact(&mut back).unwrap();
+            assert_eq!(back, frames.concat());
+            assert_eq!(ar.records_opened(), 6);
+        }
+        // A frame written but not flushed would go after records sealed later: refused.
+        sealer.write_all(b"half").unwrap();
+        let e = sealer.seal_frame(b"next").unwrap_err();
+        assert!(e.to_string().contains("not flushed"), "{e}");
     }
 
     #[test]
