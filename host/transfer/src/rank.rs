@@ -130,6 +130,16 @@ pub const PUT_WINDOW: usize = 32;
 pub(crate) const MAX_PUT_BYTES: u64 = 1 << 20;
 /// Idle progress rounds before the loop sleeps.
 const SPIN_ROUNDS: u32 = 2000;
+/// How long a rank thread stays awake, progressing its worker, after its agent says bytes
+/// are about to move through it ([`RankThread::keep_awake`]): a decode rank from the moment
+/// its claims go out, a prefill rank from the moment a claim is planned. Bytes that reach
+/// an awake receiver are taken in by a thread already running on its own core; a receiver
+/// asleep on its worker's descriptor is woken by the sender's bytes and, on a loaded
+/// machine, placed on the sender's core, where the two take turns (one 4.5 MB request over
+/// tcp on the 2-core machine: 0.5–0.8 ms on two cores, 1.7–1.9 ms on one; ARCHITECTURE "Rank
+/// threads stay awake while bytes are due"). Long enough for a claim's round trip and its planning on a
+/// small request; a request whose bytes come later finds the thread asleep, as before.
+pub(crate) const KEEP_AWAKE: Duration = Duration::from_millis(5);
 /// The longest an idle rank sleeps on its descriptors: only a missed wake-up would make it
 /// matter (every command and UCX event wakes the thread at once).
 const IDLE_SLEEP: Duration = Duration::from_millis(100);
@@ -544,11 +554,14 @@ struct Activity {
     base: Instant,
     /// The last progress round that found work.
     busy: AtomicU64,
-    /// The last time the loop went to sleep after a run of idle rounds.
+    /// The last time a run of idle rounds ended in the loop going to sleep, or staying
+    /// awake ([`RankThread::keep_awake`]) with nothing to do.
     idle: AtomicU64,
     /// Whether the loop is asleep on its armed worker's descriptor now: nothing can have
     /// arrived since it went to sleep, or it would have woken.
     asleep: AtomicBool,
+    /// Until when the loop does not go to sleep when idle ([`RankThread::keep_awake`]).
+    awake_until: AtomicU64,
 }
 
 impl Activity {
@@ -558,6 +571,7 @@ impl Activity {
             busy: AtomicU64::new(0),
             idle: AtomicU64::new(0),
             asleep: AtomicBool::new(false),
+            awake_until: AtomicU64::new(0),
         }
     }
 
@@ -757,6 +771,21 @@ impl RankThread {
         &self.address
     }
 
+    /// Bytes are about to move through this rank (its claims went out, or a claim is being
+    /// planned): its loop keeps progressing its worker instead of going to sleep when idle,
+    /// for [`KEEP_AWAKE`] from now (or longer, if an earlier call asked for longer).
+    pub fn keep_awake(&self) {
+        let a = &self.activity;
+        let until = a
+            .now()
+            .saturating_add(u64::try_from(KEEP_AWAKE.as_nanos()).unwrap_or(u64::MAX));
+        a.awake_until.fetch_max(until, Ordering::AcqRel);
+        if a.asleep.load(Ordering::Acquire) {
+            // Asleep on its descriptors: woken now, so it is running before the bytes come.
+            self.tx.wake.signal();
+        }
+    }
+
     /// Queues a job; if the thread is gone, fails it at once.
     pub fn write(&self, job: WriteJob) {
         if let Err(mpsc::SendError(Command::Write(job))) = self.tx.send(Command::Write(job)) {
@@ -897,8 +926,13 @@ fn run(
                 if idle < SPIN_ROUNDS {
                     continue;
                 }
-                activity.idle.store(activity.now(), Ordering::Release);
+                let now = activity.now();
+                // A run of idle rounds: quiet as of now, whether it sleeps or stays awake.
+                activity.idle.store(now, Ordering::Release);
                 exec.poll_stuck();
+                if now < activity.awake_until.load(Ordering::Acquire) {
+                    continue;
+                }
                 match exec.sleep(&rx, wake, activity) {
                     Ok(c) => c,
                     Err(RecvTimeoutError::Timeout) => None,
@@ -2263,6 +2297,46 @@ mod tests {
         let thread = RankThread::spawn("test", 0, worker, pools, ErrorMode::None).expect("start");
         assert_eq!(thread.rank(), 0);
         assert!(!thread.address().is_empty());
+    }
+
+    /// Polls `what` every millisecond for up to 10 s; whether it came true.
+    fn within_10s(what: impl Fn() -> bool) -> bool {
+        let until = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < until {
+            if what() {
+                return true;
+            }
+            thread::sleep(Duration::from_millis(1));
+        }
+        false
+    }
+
+    /// An idle thread sleeps; `keep_awake` wakes it and keeps it progressing (quiet, not
+    /// asleep) while it is asked again within `KEEP_AWAKE`, after which it sleeps again.
+    #[test]
+    fn keep_awake_wakes_a_sleeping_rank_for_a_while() {
+        let (worker, pools) = rank_parts();
+        let thread = RankThread::spawn("test", 0, worker, pools, ErrorMode::None).expect("start");
+        let asleep = || thread.activity.asleep.load(Ordering::Acquire);
+        assert!(within_10s(asleep), "an idle rank never went to sleep");
+        let awake = || {
+            thread.keep_awake();
+            !asleep()
+        };
+        assert!(within_10s(awake), "keep_awake did not wake it");
+        // Awake with nothing to do: its idle rounds still say it is quiet.
+        assert!(within_10s(|| {
+            thread.keep_awake();
+            thread.quiet_for().is_some() && !asleep()
+        }));
+        let asked = Instant::now();
+        thread.keep_awake();
+        assert!(within_10s(asleep), "it never went back to sleep");
+        assert!(
+            asked.elapsed() >= KEEP_AWAKE,
+            "asleep again {:?} after keep_awake, before KEEP_AWAKE",
+            asked.elapsed()
+        );
     }
 }
 

@@ -638,6 +638,8 @@ fn dispatch(inner: &Arc<Inner>, e: Expect) {
         }
     };
     let offer = offer_region(inner, &e, &writers);
+    // The claims go out below: this rank's worker is awake when their bytes arrive.
+    inner.thread.keep_awake();
     let linked = with_machine(inner, |state, now| {
         let mut ids = BTreeMap::new();
         let mut gone = Vec::new();

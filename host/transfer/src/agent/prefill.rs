@@ -817,6 +817,8 @@ fn request_data(inner: &Arc<Inner>, conn: &Arc<DecodeConn>, data: RequestData) {
 /// Submits a claim's planning task to the planner pool; a call that outlives the planner's
 /// deadline fails the request.
 fn submit(inner: &Arc<Inner>, conn: Arc<DecodeConn>, task: PlanTask<Tables>) {
+    // Its write jobs follow the plan: the rank thread is awake to take them.
+    inner.thread.keep_awake();
     let (id, g, peer) = (task.request, task.rank, task.peer);
     let worker = Arc::clone(inner);
     let hung = Arc::clone(inner);
