@@ -779,8 +779,9 @@ impl RankThread {
         let until = a
             .now()
             .saturating_add(u64::try_from(KEEP_AWAKE.as_nanos()).unwrap_or(u64::MAX));
-        a.awake_until.fetch_max(until, Ordering::AcqRel);
-        if a.asleep.load(Ordering::Acquire) {
+        a.awake_until.fetch_max(until, Ordering::SeqCst);
+        // Paired with the loop's store of `asleep` and load of the deadline (`sleep`).
+        if a.asleep.load(Ordering::SeqCst) {
             // Asleep on its descriptors: woken now, so it is running before the bytes come.
             self.tx.wake.signal();
         }
@@ -1325,7 +1326,14 @@ impl<'a> Executor<'a> {
         } else {
             STUCK_SLEEP
         };
-        activity.asleep.store(true, Ordering::Release);
+        activity.asleep.store(true, Ordering::SeqCst);
+        // `keep_awake` stores its deadline, then reads `asleep` (both sequentially
+        // consistent): either it sees this thread asleep and signals `wake`, or this load
+        // sees its deadline and the thread does not sleep.
+        if activity.now() < activity.awake_until.load(Ordering::SeqCst) {
+            activity.asleep.store(false, Ordering::Release);
+            return Ok(None);
+        }
         let woke = wait_any_readable(&[wake.as_raw_fd(), efd], timeout);
         activity.asleep.store(false, Ordering::Release);
         if let Err(e) = woke {
