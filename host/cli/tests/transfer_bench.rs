@@ -439,7 +439,8 @@ fn bench_deepseek_shm_reports_both_paths() {
 
 /// Llama-3-70B TP1 -> TP1 over shm, 64 tokens: one 20 MiB job per request, past the
 /// streaming copies' 16 MiB job threshold (`kvferry_transfer`'s `streaming`), so its fragments
-/// go into the peer's mapping with non-temporal stores; the oracle checks every byte.
+/// go into the peer's mapping with non-temporal stores, half of them by the rank's copy helper
+/// on a machine with two cores or more (one job at a time); the oracle checks every byte.
 #[test]
 fn bench_llama_shm_streams_a_large_job_and_every_byte_lands() {
     let v = bench(&[

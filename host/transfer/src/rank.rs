@@ -122,7 +122,7 @@ use kvferry_platform::{EventFd, wait_any_readable};
 
 use crate::bounce::{GatherTask, Gatherer, Staging};
 use crate::memory::{BindError, RankPools};
-use crate::streaming::{STREAM_MIN_JOB_BYTES, copy_to_peer};
+use crate::streaming::{CopyHelper, Halves, STREAM_MIN_JOB_BYTES, Streaming, copy_to_peer};
 
 /// Puts kept in flight per job (platform-notes §2: bound them, or tcp's final flush collapses).
 pub const PUT_WINDOW: usize = 32;
@@ -910,6 +910,7 @@ fn run(
         conns: HashMap::new(),
         stuck: Vec::new(),
         challenges: Vec::new(),
+        copier: std::cell::OnceCell::new(),
     };
     let mut idle = 0u32;
     loop {
@@ -1115,6 +1116,9 @@ struct Executor<'a> {
     stuck: Vec<Stuck<'a>>,
     /// Worker challenges still being sent (each owns its payload).
     challenges: Vec<Request<'static>>,
+    /// The thread that copies half of a streaming job's direct copies, started with the
+    /// first such job (`None` inside if it could not start: this thread copies alone).
+    copier: std::cell::OnceCell<Option<CopyHelper>>,
 }
 
 /// One put of a replay, resolved before the clock starts.
@@ -1637,6 +1641,8 @@ impl<'a> Executor<'a> {
         let pools: &'a RankPools = self.pools;
         let mut stats = WriteStats::default();
         let stream = job.plan.total_bytes() >= STREAM_MIN_JOB_BYTES;
+        // A streaming job's direct copies, made after the loop by this thread and a helper.
+        let mut halves = Halves::default();
         let issuing = Instant::now();
         for (k, (src, dst, len)) in job.plan.fragments().enumerate() {
             if !dest.alive.load(Ordering::Acquire) {
@@ -1675,13 +1681,15 @@ impl<'a> Executor<'a> {
                 // pool's key lives (`keys` holds it for this job). `copy_to_peer` tolerates
                 // the two ranges overlapping (a peer in this process, or a key that names one
                 // of our own segments), as `ptr::copy` does, so no aliasing assumption is made.
+                // A streaming job only computes the two addresses here (inside the same
+                // ranges); its copies are made below, under the same promise.
                 unsafe {
-                    copy_to_peer(
-                        region.as_ptr().add(offset),
-                        local.as_ptr().add(at),
-                        n,
-                        stream,
-                    );
+                    let (from, to) = (region.as_ptr().add(offset), local.as_ptr().add(at));
+                    if stream {
+                        halves.push(from, to, n);
+                    } else {
+                        copy_to_peer(from, to, n, false);
+                    }
                 }
                 stats.puts += 1;
                 stats.fragments += 1;
@@ -1698,6 +1706,25 @@ impl<'a> Executor<'a> {
             }
             stats.fragments += 1;
             stats.bytes += len;
+        }
+        if stream {
+            let (_streaming, helped) = Streaming::start();
+            let copier = self.copier.get_or_init(|| {
+                CopyHelper::spawn(&format!("r{}", self.rank))
+                    .inspect_err(|e| {
+                        tracing::warn!(error = %e, "no copy helper thread: streaming jobs copy on the rank thread alone");
+                    })
+                    .ok()
+            });
+            // SAFETY: every run was pushed above with the promise stated there: a source
+            // inside this rank's host pools (alive with `self.pools`) and a destination inside
+            // a peer pool's shared mapping, mapped while `keys` (this job's) holds the pool's
+            // key, which outlives this call; `run` returns only once every byte is copied.
+            unsafe {
+                halves.run(copier.as_ref().filter(|_| helped), || {
+                    self.worker.progress_or_yield();
+                });
+            }
         }
         stats.puts_ns = nanos(issuing.elapsed());
         // The copies' bytes before the flush's completion and the completion message that
