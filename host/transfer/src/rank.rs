@@ -136,9 +136,10 @@ const SPIN_ROUNDS: u32 = 2000;
 /// an awake receiver are taken in by a thread already running on its own core; a receiver
 /// asleep on its worker's descriptor is woken by the sender's bytes and, on a loaded
 /// machine, placed on the sender's core, where the two take turns (one 4.5 MB request over
-/// tcp on the 2-core machine: 0.5–0.8 ms on two cores, 1.7–1.9 ms on one; ARCHITECTURE "Rank
-/// threads stay awake while bytes are due"). Long enough for a claim's round trip and its planning on a
-/// small request; a request whose bytes come later finds the thread asleep, as before.
+/// tcp on the 2-core machine: 0.5–0.8 ms on two cores, 1.7–1.9 ms on one; ARCHITECTURE
+/// "Rank threads stay awake while bytes are due"). Long enough for a claim's round trip and
+/// its planning on a small request; a request whose bytes come later finds the thread
+/// asleep, as before.
 pub(crate) const KEEP_AWAKE: Duration = Duration::from_millis(5);
 /// The longest an idle rank sleeps on its descriptors: only a missed wake-up would make it
 /// matter (every command and UCX event wakes the thread at once).
@@ -1707,7 +1708,7 @@ impl<'a> Executor<'a> {
             stats.fragments += 1;
             stats.bytes += len;
         }
-        if stream {
+        if !halves.is_empty() {
             let (_streaming, helped) = Streaming::start();
             let copier = self.copier.get_or_init(|| {
                 CopyHelper::spawn(&format!("r{}", self.rank))

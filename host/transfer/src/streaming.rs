@@ -160,6 +160,11 @@ pub(crate) struct Halves {
 }
 
 impl Halves {
+    /// Whether no copy was added (a job whose fragments all go as UCX puts).
+    pub(crate) fn is_empty(&self) -> bool {
+        self.runs.is_empty()
+    }
+
     /// Adds a copy of `n` bytes from `src` to `dst`.
     pub(crate) fn push(&mut self, src: *const u8, dst: *mut u8, n: usize) {
         if n > 0 {
