@@ -98,7 +98,10 @@
 //! ([`Worker::progress_or_yield`]): over `tcp` a sender waiting for its puts and a receiver
 //! waiting for the next bytes would otherwise take turns burning the cores the kernel's
 //! copies and the other side's progress need (on a 2-core machine, 1.1–1.35× faster tcp
-//! transfers when 4–8 share the cores; README "Measured").
+//! transfers when 4–8 share the cores; README "Measured"). The waits for puts and flushes,
+//! which wait on the worker alone, then sleep on its wake-up descriptor in short naps
+//! ([`Worker::progress_or_nap`]); the gather wait and this loop's spin, which also wait on
+//! another thread or on commands, only yield.
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;

@@ -122,7 +122,7 @@ pub use request::Request;
 pub use rkey_format::{KeyFormatError, KeyLayout};
 pub use status::{Error, Op, Status};
 pub use window::PutWindow;
-pub use worker::{SPIN_BEFORE_YIELD, SendWorker, Worker};
+pub use worker::{NAP, SPIN_BEFORE_YIELD, SendWorker, Worker, YIELDS_BEFORE_NAP};
 
 /// The version of the loaded UCX library, e.g. `"1.22.0"` ([`library`] says which file).
 #[doc(alias = "ucp_get_version_string")]

@@ -132,7 +132,7 @@ impl<'a> Request<'a> {
             if let Some(result) = self.poll() {
                 return result;
             }
-            self.worker().progress_or_yield();
+            self.worker().progress_or_nap();
         }
     }
 
@@ -152,7 +152,8 @@ impl<'a> Request<'a> {
     }
 
     /// Progresses the worker until the operation finishes or `deadline` passes (with
-    /// [`crate::Worker::progress_or_yield`]: a long wait yields the thread between polls).
+    /// [`crate::Worker::progress_or_nap`]: a long wait yields the thread between polls, then
+    /// sleeps on the worker's wake-up descriptor).
     ///
     /// Returns `Ok(true)` if it finished successfully, `Ok(false)` if it is still in flight (it
     /// is checked once more after the deadline, so a deadline in the past still polls). A
@@ -174,7 +175,7 @@ impl<'a> Request<'a> {
             if Instant::now() >= deadline {
                 return Ok(false);
             }
-            self.worker().progress_or_yield();
+            self.worker().progress_or_nap();
         }
     }
 
@@ -184,7 +185,7 @@ impl<'a> Request<'a> {
             if let Some(result) = self.poll() {
                 return result.map(|()| true);
             }
-            self.worker().progress_or_yield();
+            self.worker().progress_or_nap();
         }
     }
 

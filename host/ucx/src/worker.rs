@@ -55,6 +55,21 @@ use crate::{Context, Error, Op, Status};
 /// noise) and the 1.1–1.35× of yielding when 4–8 transfers share two cores.
 pub const SPIN_BEFORE_YIELD: u32 = 64;
 
+/// Yields in a row, after [`SPIN_BEFORE_YIELD`] idle calls, before
+/// [`Worker::progress_or_nap`] sleeps on the worker's wake-up descriptor instead (on every
+/// further idle call, until one progresses something). On the 2-core machine, where four tcp
+/// streams and their receivers share two cores, senders yielding in their put windows still
+/// took CPU time the kernel's copies needed: napping there moved DeepSeek-V3 dep4 → dep4
+/// over tcp from 4.02–4.52 to 4.48–4.87 GB/s, while one stream with a core to itself and
+/// the shared-memory workloads stayed within their noise (docs/BENCHMARKS.md "Napping in
+/// put and flush waits"). Napping after 8 or 128 yields measured alike.
+pub const YIELDS_BEFORE_NAP: u32 = 32;
+
+/// The longest one nap lasts: every event of the worker's transports ends it at once, so
+/// only a transport that cannot signal its completions would wait this long (and then
+/// only this long before the next progress call).
+pub const NAP: std::time::Duration = std::time::Duration::from_micros(100);
+
 /// A boxed active-message handler: `(header, data)`.
 type AmHandler = Box<dyn FnMut(&[u8], &[u8]) + Send>;
 
@@ -324,29 +339,78 @@ impl Worker {
     /// nothing gives the rest of the thread's time slice to another runnable thread
     /// (`sched_yield`). A thread waiting on its peer then does not take the CPU from the
     /// threads that peer's progress needs when there are fewer cores than busy threads, and
-    /// a short wait still spins.
+    /// a short wait still spins. For a loop that waits on something besides this worker
+    /// (another thread, a channel); one that waits only on this worker's own operations uses
+    /// [`progress_or_nap`](Worker::progress_or_nap).
     ///
     /// # Panics
     ///
     /// As [`Worker::progress`].
     pub fn progress_or_yield(&self) -> bool {
+        self.progress_waiting(false)
+    }
+
+    /// [`progress_or_yield`](Worker::progress_or_yield) for a loop that waits only on this
+    /// worker's own operations (puts, flushes, sends): after [`YIELDS_BEFORE_NAP`] yields in
+    /// a row it arms the worker and sleeps on its wake-up descriptor, for at most [`NAP`],
+    /// on every further call until one progresses something. The thread then takes no CPU at
+    /// all while its transport is blocked (a full socket, bytes still on the way), and wakes
+    /// as soon as any of the worker's transports has an event. A worker without a descriptor
+    /// only yields.
+    ///
+    /// # Panics
+    ///
+    /// As [`Worker::progress`].
+    pub fn progress_or_nap(&self) -> bool {
+        self.progress_waiting(true)
+    }
+
+    fn progress_waiting(&self, nap: bool) -> bool {
         thread_local! {
             /// Calls in a row on this thread that progressed nothing.
-            static IDLE: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+            static IDLE: Cell<u32> = const { Cell::new(0) };
         }
         let progressed = self.progress();
         IDLE.with(|idle| {
             if progressed {
                 idle.set(0);
-            } else {
-                let n = idle.get().saturating_add(1);
-                idle.set(n);
-                if n > SPIN_BEFORE_YIELD {
-                    std::thread::yield_now();
-                }
+                return;
+            }
+            let n = idle.get().saturating_add(1);
+            idle.set(n);
+            if nap && n > SPIN_BEFORE_YIELD + YIELDS_BEFORE_NAP {
+                self.nap();
+            } else if n > SPIN_BEFORE_YIELD {
+                std::thread::yield_now();
             }
         });
         progressed
+    }
+
+    /// Arms the worker and sleeps until its descriptor is readable or [`NAP`] passes; returns
+    /// at once when events are already pending (the caller progresses them) or the worker has
+    /// no descriptor.
+    fn nap(&self) {
+        let Ok(fd) = self.event_fd() else {
+            std::thread::yield_now();
+            return;
+        };
+        if !matches!(self.arm(), Ok(true)) {
+            return;
+        }
+        let mut entry = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let timeout = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: NAP.subsec_nanos().into(),
+        };
+        // SAFETY: one live, writable pollfd and its count; the timeout is a valid timespec and
+        // no signal mask is passed. `ppoll` reads the descriptor number only (the worker owns
+        // it and keeps it open while it lives); an error or EINTR just ends the nap early.
+        unsafe { libc::ppoll(&mut entry, 1, &timeout, ptr::null()) };
     }
 
     /// The descriptor that becomes readable when this worker has an event to progress, once

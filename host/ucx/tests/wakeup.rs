@@ -1,6 +1,7 @@
 //! A worker that sleeps on its wake-up descriptor (`ucp_worker_arm`, then `poll` on
 //! `ucp_worker_get_efd`) is woken by an active message arriving, over shared memory and tcp:
-//! how an idle rank thread sleeps instead of spinning.
+//! how an idle rank thread sleeps instead of spinning; and a flush waiting on a stalled
+//! target naps on that descriptor (`Worker::progress_or_nap`) instead of spinning.
 
 use crate::common;
 
@@ -89,4 +90,64 @@ fn shm_message_wakes_a_sleeping_worker() {
 #[test]
 fn tcp_message_wakes_a_sleeping_worker() {
     woken_by_a_message(Transport::Tcp);
+}
+
+/// CPU time this thread has used.
+fn thread_cpu() -> Duration {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `now` is a valid, writable timespec; the clock id is a constant libc defines.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) };
+    assert_eq!(rc, 0, "clock_gettime(CLOCK_THREAD_CPUTIME_ID) failed");
+    Duration::new(now.tv_sec as u64, now.tv_nsec as u32)
+}
+
+/// A flush over tcp whose target does not progress waits for it asleep on the worker's
+/// descriptor (`Worker::progress_or_nap`): its thread uses a small share of one core while
+/// it waits, instead of all of it, and the flush still finishes, every byte in place, as
+/// soon as the target progresses again.
+#[test]
+fn a_flush_waiting_on_its_target_naps_until_it_answers_tcp() {
+    const LEN: usize = 64 << 10;
+    const STALL: Duration = Duration::from_millis(400);
+    let ctx = Transport::Tcp.context();
+    let t = common::Target::start(&ctx, LEN);
+    let sender = Worker::new(&ctx).unwrap();
+    let (ep, rkey) = t.connect(&sender, kvferry_ucx::ErrorMode::None);
+    let src = pattern(LEN, 0x5a);
+    // The target stops reading its socket: the put's bytes wait in the kernel, and the flush
+    // for its acknowledgement.
+    t.progressor.pause();
+    let mut window = kvferry_ucx::PutWindow::with_capacity(&ep, 4)
+        .with_deadline(std::time::Instant::now() + DEADLINE);
+    window.put(&src, t.base, &rkey).unwrap();
+    let (cpu, wall) = thread::scope(|s| {
+        s.spawn(|| {
+            thread::sleep(STALL);
+            t.progressor.resume();
+        });
+        let (cpu, wall) = (thread_cpu(), std::time::Instant::now());
+        window.flush().unwrap();
+        (thread_cpu() - cpu, wall.elapsed())
+    });
+    assert!(
+        wall >= STALL / 2,
+        "the flush finished in {wall:?}, before the target progressed"
+    );
+    assert!(
+        cpu < wall / 4,
+        "the waiting thread used {cpu:?} of CPU in {wall:?}: it spun instead of sleeping"
+    );
+    drop(window);
+    drop(rkey);
+    drop(ep);
+    let common::Target {
+        progressor, region, ..
+    } = t;
+    let _target = progressor.stop();
+    let mut landed = vec![0; LEN];
+    region.read_at(0, &mut landed);
+    assert!(landed == src, "the put's bytes differ at the target");
 }
