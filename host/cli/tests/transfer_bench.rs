@@ -465,6 +465,39 @@ fn bench_llama_shm_streams_a_large_job_and_every_byte_lands() {
     assert_eq!(v["bytes"], 64 * 80 * 2 * 8 * 128 * 2, "{v}");
 }
 
+/// DeepSeek-V3 dep1 -> dep1 over shm, 128 tokens: one 4.3 MiB job per request, under the
+/// streaming threshold but past the one where a job shares its copies
+/// (`SHARE_MIN_JOB_BYTES`, 2 MiB), so its fragments are copied with `memmove`, half of them
+/// by the rank's copy helper on a machine with two cores or more; the oracle checks every
+/// byte.
+#[test]
+fn bench_deepseek_shm_shares_a_cache_sized_job_and_every_byte_lands() {
+    let v = bench(&[
+        "--model",
+        "deepseek-v3",
+        "--ctx",
+        "dep1",
+        "--gen",
+        "dep1",
+        "--prompt-len",
+        "128",
+        "--requests",
+        "1",
+        "--rounds",
+        "1",
+        "--transport",
+        "shm",
+        "--planner",
+        MLA,
+    ]);
+    assert_eq!(v["verified"], true, "{v}");
+    let bytes = v["bytes"].as_u64().expect("bytes");
+    assert!(
+        (2 << 20..16 << 20).contains(&bytes),
+        "{bytes} bytes: not one job between the two thresholds"
+    );
+}
+
 /// Llama-3-70B TP2 -> TP4 over tcp with `--bounce on`: each piece is gathered and put in a
 /// few large puts, scattered on the receiver, and every byte still verified.
 #[test]

@@ -125,7 +125,9 @@ use kvferry_platform::{EventFd, wait_any_readable};
 
 use crate::bounce::{GatherTask, Gatherer, Staging};
 use crate::memory::{BindError, RankPools};
-use crate::streaming::{CopyHelper, Halves, STREAM_MIN_JOB_BYTES, Streaming, copy_to_peer};
+use crate::streaming::{
+    CopyHelper, Halves, SHARE_MIN_JOB_BYTES, STREAM_MIN_JOB_BYTES, Sharing, copy_to_peer,
+};
 
 /// Puts kept in flight per job (platform-notes §2: bound them, or tcp's final flush collapses).
 pub const PUT_WINDOW: usize = 32;
@@ -1645,8 +1647,9 @@ impl<'a> Executor<'a> {
         let pools: &'a RankPools = self.pools;
         let mut stats = WriteStats::default();
         let stream = job.plan.total_bytes() >= STREAM_MIN_JOB_BYTES;
-        // A streaming job's direct copies, made after the loop by this thread and a helper.
-        let mut halves = Halves::default();
+        let shared = job.plan.total_bytes() >= SHARE_MIN_JOB_BYTES;
+        // A large job's direct copies, made after the loop by this thread and a helper.
+        let mut halves = Halves::new(stream);
         let issuing = Instant::now();
         for (k, (src, dst, len)) in job.plan.fragments().enumerate() {
             if !dest.alive.load(Ordering::Acquire) {
@@ -1685,11 +1688,11 @@ impl<'a> Executor<'a> {
                 // pool's key lives (`keys` holds it for this job). `copy_to_peer` tolerates
                 // the two ranges overlapping (a peer in this process, or a key that names one
                 // of our own segments), as `ptr::copy` does, so no aliasing assumption is made.
-                // A streaming job only computes the two addresses here (inside the same
-                // ranges); its copies are made below, under the same promise.
+                // A job that shares its copies only computes the two addresses here (inside
+                // the same ranges); its copies are made below, under the same promise.
                 unsafe {
                     let (from, to) = (region.as_ptr().add(offset), local.as_ptr().add(at));
-                    if stream {
+                    if shared {
                         halves.push(from, to, n);
                     } else {
                         copy_to_peer(from, to, n, false);
@@ -1712,11 +1715,11 @@ impl<'a> Executor<'a> {
             stats.bytes += len;
         }
         if !halves.is_empty() {
-            let (_streaming, helped) = Streaming::start();
+            let (_sharing, helped) = Sharing::start();
             let copier = self.copier.get_or_init(|| {
                 CopyHelper::spawn(&format!("r{}", self.rank))
                     .inspect_err(|e| {
-                        tracing::warn!(error = %e, "no copy helper thread: streaming jobs copy on the rank thread alone");
+                        tracing::warn!(error = %e, "no copy helper thread: jobs copy on the rank thread alone");
                     })
                     .ok()
             });

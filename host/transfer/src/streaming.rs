@@ -10,8 +10,8 @@
 //! alternating, two passes) ran 1.2–1.6× faster with `memmove` up to 8 MiB a request and
 //! 1.05–1.30× faster streaming from 16 MiB. So a job streams from [`STREAM_MIN_JOB_BYTES`],
 //! its fragments from [`STREAM_MIN_BYTES`]; everything else (and off x86-64, and ranges that
-//! overlap) is `memmove`, as before. A streaming job's copies are shared with a helper
-//! thread ([`CopyHelper`], [`Halves`]).
+//! overlap) is `memmove`, as before. A job's copies, streaming or not, are shared with a
+//! helper thread from [`SHARE_MIN_JOB_BYTES`] ([`CopyHelper`], [`Halves`]).
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -22,6 +22,13 @@ use std::thread;
 pub(crate) const STREAM_MIN_JOB_BYTES: u64 = 16 << 20;
 /// Fragments of a streaming job of at least this many bytes are copied with streaming stores.
 pub(crate) const STREAM_MIN_BYTES: usize = 16 << 10;
+/// Jobs of at least this many bytes share their direct copies with a helper thread
+/// ([`Halves`]), streaming or not. One 128-token DeepSeek-V3 request over shm (4.3 MiB in
+/// one job, dep1 → dep1) went from 0.60–0.62 ms to 0.44–0.68 (median 0.48) with it, a
+/// 64-token one (2.2 MiB) from 0.42 to 0.35–0.41; at 32 tokens (1.1 MiB, about 55 µs of
+/// copying) the helper's wake-up ate the gain (docs/BENCHMARKS.md "Two threads for
+/// cache-sized copies").
+pub(crate) const SHARE_MIN_JOB_BYTES: u64 = 2 << 20;
 
 /// Copies `n` bytes from `src` to `dst`, as [`std::ptr::copy`] does; with `stream` (the job
 /// is at least [`STREAM_MIN_JOB_BYTES`]), ranges of at least [`STREAM_MIN_BYTES`] that do not
@@ -97,29 +104,29 @@ unsafe fn stream_copy(mut src: *const u8, mut dst: *mut u8, n: usize) {
 /// list of them crosses to the helper thread).
 pub(crate) type Run = (usize, usize, usize);
 
-/// A streaming job's copies, split between the rank thread and a helper thread: on the
+/// A job's copies, split between the rank thread and a helper thread: on the
 /// 2-core machine one thread streams 8.2–8.8 GB/s into a shared mapping and two 10.6 GB/s
 /// (4 MiB) to 14.2–16.1 GB/s (16–128 MiB; a C loop, 2 threads each copying half).
 /// [`Halves::run`] hands the helper the second half of the bytes, copies the first itself,
 /// and returns only once the helper has finished, so the memory behind every run need only
 /// outlive that call.
 pub(crate) struct CopyHelper {
-    tasks: Sender<(Vec<Run>, Sender<()>)>,
+    tasks: Sender<(Vec<Run>, bool, Sender<()>)>,
 }
 
 impl CopyHelper {
     /// Starts the helper thread (`copy-LABEL`); it ends when the helper is dropped.
     pub(crate) fn spawn(label: &str) -> std::io::Result<Self> {
-        let (tasks, rx) = mpsc::channel::<(Vec<Run>, Sender<()>)>();
+        let (tasks, rx) = mpsc::channel::<(Vec<Run>, bool, Sender<()>)>();
         thread::Builder::new()
             .name(format!("copy-{label}"))
             .spawn(move || {
-                for (runs, done) in rx {
+                for (runs, stream, done) in rx {
                     for (src, dst, n) in runs {
                         // SAFETY: `Halves::run` sent these runs with its caller's promise
                         // (valid ranges until it returns) and does not return before the
                         // `done` below is sent or this thread is gone.
-                        unsafe { copy_to_peer(src as *const u8, dst as *mut u8, n, true) };
+                        unsafe { copy_to_peer(src as *const u8, dst as *mut u8, n, stream) };
                     }
                     let _ = done.send(());
                 }
@@ -128,14 +135,15 @@ impl CopyHelper {
     }
 }
 
-/// Streaming jobs being copied in this process now (by rank threads, helpers not counted).
-static STREAMING: AtomicUsize = AtomicUsize::new(0);
+/// Jobs sharing their copies being copied in this process now (by rank threads, helpers
+/// not counted).
+static SHARING: AtomicUsize = AtomicUsize::new(0);
 
-/// A streaming job counted in [`STREAMING`] while it lives.
-pub(crate) struct Streaming(());
+/// A job that may share its copies, counted in [`SHARING`] while it lives.
+pub(crate) struct Sharing(());
 
-impl Streaming {
-    /// Counts one more streaming job; whether it may take a helper: only while the jobs
+impl Sharing {
+    /// Counts one more such job; whether it may take a helper: only while the jobs
     /// copying at once, each with a helper, need no more threads than the machine has cores
     /// (on the 2-core machine, a job alone). Where every core already has a rank thread
     /// copying, a helper adds only switching: Llama-3-70B tp4 → tp8, four rank threads each
@@ -145,25 +153,35 @@ impl Streaming {
         static CORES: OnceLock<usize> = OnceLock::new();
         let cores = *CORES
             .get_or_init(|| thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get));
-        let copying = STREAMING.fetch_add(1, Ordering::AcqRel) + 1;
+        let copying = SHARING.fetch_add(1, Ordering::AcqRel) + 1;
         (Self(()), copying.saturating_mul(2) <= cores)
     }
 }
 
-impl Drop for Streaming {
+impl Drop for Sharing {
     fn drop(&mut self) {
-        STREAMING.fetch_sub(1, Ordering::AcqRel);
+        SHARING.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
-/// A streaming job's copies, gathered before any is made (see [`CopyHelper`]).
-#[derive(Default)]
+/// A job's copies, gathered before any is made (see [`CopyHelper`]).
 pub(crate) struct Halves {
     runs: Vec<Run>,
     bytes: usize,
+    /// Whether the job streams ([`copy_to_peer`]'s `stream`).
+    stream: bool,
 }
 
 impl Halves {
+    /// No copies yet, for a job that streams (`stream`) or not.
+    pub(crate) fn new(stream: bool) -> Self {
+        Self {
+            runs: Vec::new(),
+            bytes: 0,
+            stream,
+        }
+    }
+
     /// Whether no copy was added (a job whose fragments all go as UCX puts).
     pub(crate) fn is_empty(&self) -> bool {
         self.runs.is_empty()
@@ -203,7 +221,11 @@ impl Halves {
     /// until this returns (each pair may overlap, as for [`std::ptr::copy`]).
     pub(crate) unsafe fn run(self, helper: Option<&CopyHelper>, mut idle: impl FnMut()) {
         let apart = self.sources_apart_from_destinations();
-        let Self { runs, bytes } = self;
+        let Self {
+            runs,
+            bytes,
+            stream,
+        } = self;
         let split = (bytes / 2) & !4095;
         // Two threads copy at once only where no byte one writes is a byte the other reads
         // (a peer's mapping apart from this rank's pools, as it always is but for a key that
@@ -211,7 +233,7 @@ impl Halves {
         let Some(helper) = helper.filter(|_| split >= 4096 && apart) else {
             for (src, dst, n) in runs {
                 // SAFETY: the caller's contract.
-                unsafe { copy_to_peer(src as *const u8, dst as *mut u8, n, true) };
+                unsafe { copy_to_peer(src as *const u8, dst as *mut u8, n, stream) };
             }
             return;
         };
@@ -235,10 +257,10 @@ impl Halves {
         let (done_tx, done) = mpsc::channel();
         // Kept to copy here if the helper cannot (its task holds the other list).
         let fallback = theirs.clone();
-        let handed = helper.tasks.send((theirs, done_tx)).is_ok();
+        let handed = helper.tasks.send((theirs, stream, done_tx)).is_ok();
         for (src, dst, n) in mine {
             // SAFETY: the caller's contract.
-            unsafe { copy_to_peer(src as *const u8, dst as *mut u8, n, true) };
+            unsafe { copy_to_peer(src as *const u8, dst as *mut u8, n, stream) };
         }
         if handed {
             loop {
@@ -254,7 +276,7 @@ impl Halves {
         }
         for (src, dst, n) in fallback {
             // SAFETY: the caller's contract.
-            unsafe { copy_to_peer(src as *const u8, dst as *mut u8, n, true) };
+            unsafe { copy_to_peer(src as *const u8, dst as *mut u8, n, stream) };
         }
     }
 }
@@ -321,10 +343,13 @@ mod tests {
         let lengths = [1usize, 4096, 100_003, 3 << 20, 64, 7 << 20, 12_345];
         let total: usize = lengths.iter().sum();
         let src = pattern(total);
-        for which in [Some(&helper), None, Some(&gone)] {
+        let cases = [Some(&helper), None, Some(&gone)]
+            .into_iter()
+            .flat_map(|which| [(which, true), (which, false)]);
+        for (which, stream) in cases {
             // Every run lands 17 bytes further along its own gap in the destination.
             let mut dst = vec![0xA5u8; total + lengths.len() * 64];
-            let mut halves = Halves::default();
+            let mut halves = Halves::new(stream);
             let (mut from, mut to) = (0, 0);
             for &n in &lengths {
                 to += 17;
@@ -361,7 +386,7 @@ mod tests {
         let original = pattern(3 * n);
         let mut buf = original.clone();
         let p = buf.as_mut_ptr();
-        let mut halves = Halves::default();
+        let mut halves = Halves::new(true);
         // SAFETY: every run lies inside `buf`, which lives past `run`; overlap is allowed.
         unsafe {
             halves.push(p.add(n), p, n); // [n, 2n) -> [0, n)
