@@ -1122,8 +1122,9 @@ struct Executor<'a> {
     stuck: Vec<Stuck<'a>>,
     /// Worker challenges still being sent (each owns its payload).
     challenges: Vec<Request<'static>>,
-    /// The thread that copies half of a streaming job's direct copies, started with the
-    /// first such job (`None` inside if it could not start: this thread copies alone).
+    /// The thread that copies half of a large job's direct copies
+    /// ([`SHARE_MIN_JOB_BYTES`]), started with the first such job (`None` inside if it could
+    /// not start: this thread copies alone).
     copier: std::cell::OnceCell<Option<CopyHelper>>,
 }
 
@@ -1695,7 +1696,7 @@ impl<'a> Executor<'a> {
                     if shared {
                         halves.push(from, to, n);
                     } else {
-                        copy_to_peer(from, to, n, false);
+                        copy_to_peer(from, to, n, stream);
                     }
                 }
                 stats.puts += 1;

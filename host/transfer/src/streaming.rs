@@ -13,9 +13,9 @@
 //! overlap) is `memmove`, as before. A job's copies, streaming or not, are shared with a
 //! helper thread from [`SHARE_MIN_JOB_BYTES`] ([`CopyHelper`], [`Halves`]).
 
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Sender, TryRecvError};
+use std::sync::{Arc, OnceLock};
 use std::thread;
 
 /// Jobs (one piece to one receiver) of at least this many bytes stream their fragments.
@@ -104,6 +104,19 @@ unsafe fn stream_copy(mut src: *const u8, mut dst: *mut u8, n: usize) {
 /// list of them crosses to the helper thread).
 pub(crate) type Run = (usize, usize, usize);
 
+/// Makes every copy of `runs` in order, as [`copy_to_peer`] with `stream`.
+///
+/// # Safety
+///
+/// As [`Halves::run`]: every run's source valid for reads and destination valid for writes
+/// of its bytes for the duration of the call.
+unsafe fn copy_runs(runs: &[Run], stream: bool) {
+    for &(src, dst, n) in runs {
+        // SAFETY: the caller's contract.
+        unsafe { copy_to_peer(src as *const u8, dst as *mut u8, n, stream) };
+    }
+}
+
 /// A job's copies, split between the rank thread and a helper thread: on the
 /// 2-core machine one thread streams 8.2–8.8 GB/s into a shared mapping and two 10.6 GB/s
 /// (4 MiB) to 14.2–16.1 GB/s (16–128 MiB; a C loop, 2 threads each copying half).
@@ -111,23 +124,21 @@ pub(crate) type Run = (usize, usize, usize);
 /// and returns only once the helper has finished, so the memory behind every run need only
 /// outlive that call.
 pub(crate) struct CopyHelper {
-    tasks: Sender<(Vec<Run>, bool, Sender<()>)>,
+    tasks: Sender<(Arc<[Run]>, bool, Sender<()>)>,
 }
 
 impl CopyHelper {
     /// Starts the helper thread (`copy-LABEL`); it ends when the helper is dropped.
     pub(crate) fn spawn(label: &str) -> std::io::Result<Self> {
-        let (tasks, rx) = mpsc::channel::<(Vec<Run>, bool, Sender<()>)>();
+        let (tasks, rx) = mpsc::channel::<(Arc<[Run]>, bool, Sender<()>)>();
         thread::Builder::new()
             .name(format!("copy-{label}"))
             .spawn(move || {
                 for (runs, stream, done) in rx {
-                    for (src, dst, n) in runs {
-                        // SAFETY: `Halves::run` sent these runs with its caller's promise
-                        // (valid ranges until it returns) and does not return before the
-                        // `done` below is sent or this thread is gone.
-                        unsafe { copy_to_peer(src as *const u8, dst as *mut u8, n, stream) };
-                    }
+                    // SAFETY: `Halves::run` sent these runs with its caller's promise (valid
+                    // ranges until it returns) and does not return before the `done` below
+                    // is sent or this thread is gone.
+                    unsafe { copy_runs(&runs, stream) };
                     let _ = done.send(());
                 }
             })?;
@@ -231,10 +242,8 @@ impl Halves {
         // (a peer's mapping apart from this rank's pools, as it always is but for a key that
         // names memory of this process): otherwise the copies go one after another, in order.
         let Some(helper) = helper.filter(|_| split >= 4096 && apart) else {
-            for (src, dst, n) in runs {
-                // SAFETY: the caller's contract.
-                unsafe { copy_to_peer(src as *const u8, dst as *mut u8, n, stream) };
-            }
+            // SAFETY: the caller's contract.
+            unsafe { copy_runs(&runs, stream) };
             return;
         };
         // The first `split` bytes stay here, the rest go to the helper; the run that
@@ -255,13 +264,15 @@ impl Halves {
             seen += n;
         }
         let (done_tx, done) = mpsc::channel();
-        // Kept to copy here if the helper cannot (its task holds the other list).
-        let fallback = theirs.clone();
-        let handed = helper.tasks.send((theirs, stream, done_tx)).is_ok();
-        for (src, dst, n) in mine {
-            // SAFETY: the caller's contract.
-            unsafe { copy_to_peer(src as *const u8, dst as *mut u8, n, stream) };
-        }
+        // Shared with the helper's task, so this thread can still copy it if the helper
+        // cannot.
+        let theirs: Arc<[Run]> = theirs.into();
+        let handed = helper
+            .tasks
+            .send((Arc::clone(&theirs), stream, done_tx))
+            .is_ok();
+        // SAFETY: the caller's contract.
+        unsafe { copy_runs(&mine, stream) };
         if handed {
             loop {
                 match done.try_recv() {
@@ -274,10 +285,8 @@ impl Halves {
                 }
             }
         }
-        for (src, dst, n) in fallback {
-            // SAFETY: the caller's contract.
-            unsafe { copy_to_peer(src as *const u8, dst as *mut u8, n, stream) };
-        }
+        // SAFETY: the caller's contract.
+        unsafe { copy_runs(&theirs, stream) };
     }
 }
 
