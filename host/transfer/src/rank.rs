@@ -511,6 +511,11 @@ impl std::fmt::Debug for ReplayJob {
 /// before it gets to the command.
 pub(crate) type VetDone = Box<dyn FnOnce(Result<(), WriteError>) + Send>;
 
+/// Run once [`RankThread::forget_then`] has closed a peer's endpoints (or left those that
+/// quarantined windows hold to close once they drain); dropped unrun, on whichever thread
+/// drops it, if the rank thread ends first.
+pub(crate) type Forgotten = Box<dyn FnOnce() + Send>;
+
 /// A [`VetDone`] that is called exactly once: with [`WriteError::Stopped`] if it is dropped
 /// unanswered (its command was still queued when the thread ended).
 struct VetReply {
@@ -539,7 +544,7 @@ enum Command {
     #[cfg_attr(not(feature = "harness"), allow(dead_code))]
     Replay(ReplayJob),
     Vet(Arc<RemoteRank>, Option<Vec<u8>>, VetReply),
-    Forget(PeerId),
+    Forget(PeerId, Option<Forgotten>),
 }
 
 /// The handle of one rank's progress thread.
@@ -836,7 +841,14 @@ impl RankThread {
     /// Drops the endpoints and keys kept for `peer`: each endpoint is closed then, or, while a
     /// quarantined window still has puts to it in flight, once that window has drained.
     pub fn forget(&self, peer: PeerId) {
-        let _ = self.tx.send(Command::Forget(peer));
+        let _ = self.tx.send(Command::Forget(peer, None));
+    }
+
+    /// [`forget`](Self::forget), then `then` on the rank thread: what must wait until this
+    /// rank no longer has an endpoint to the peer's worker (a departing peer's side channel,
+    /// held open until then, see `agent::prefill`).
+    pub(crate) fn forget_then(&self, peer: PeerId, then: Forgotten) {
+        let _ = self.tx.send(Command::Forget(peer, Some(then)));
     }
 }
 
@@ -915,6 +927,7 @@ fn run(
         staging,
         conns: HashMap::new(),
         stuck: Vec::new(),
+        departing: Vec::new(),
         challenges: Vec::new(),
         copier: std::cell::OnceCell::new(),
     };
@@ -951,7 +964,12 @@ fn run(
         let Some(command) = command else { continue };
         idle = 0;
         match command {
-            Command::Forget(peer) => exec.forget(peer),
+            Command::Forget(peer, then) => {
+                exec.forget(peer);
+                if let Some(then) = then {
+                    exec.once_released(peer, then);
+                }
+            }
             Command::Vet(dest, challenge, reply) => {
                 let result = exec
                     .connect(&dest)
@@ -1120,6 +1138,9 @@ struct Executor<'a> {
     conns: HashMap<(PeerId, u32), Conn>,
     /// Quarantined windows (see the module docs); never dropped while not idle.
     stuck: Vec<Stuck<'a>>,
+    /// What [`RankThread::forget_then`] asked to run once the forgotten peer's quarantined
+    /// windows are released (and with them its last endpoints closed).
+    departing: Vec<(PeerId, Forgotten)>,
     /// Worker challenges still being sent (each owns its payload).
     challenges: Vec<Request<'static>>,
     /// The thread that copies half of a large job's direct copies
@@ -1357,6 +1378,7 @@ impl<'a> Executor<'a> {
     fn poll_stuck(&mut self) {
         self.challenges.retain_mut(|send| !send.is_done());
         if self.stuck.is_empty() {
+            self.release_departing();
             return;
         }
         let mut closed = Vec::new();
@@ -1401,6 +1423,34 @@ impl<'a> Executor<'a> {
                 true
             }
         });
+        // After the released windows were dropped, so their endpoints have closed.
+        self.release_departing();
+    }
+
+    /// Runs `then` once no quarantined window of `peer` is left: at once, or when
+    /// [`poll_stuck`](Self::poll_stuck) has released (and dropped) the last of them.
+    fn once_released(&mut self, peer: PeerId, then: Forgotten) {
+        if self.stuck.iter().any(|s| s.peer == peer) {
+            self.departing.push((peer, then));
+        } else {
+            then();
+        }
+    }
+
+    /// Runs what [`once_released`](Self::once_released) kept for peers whose last quarantined
+    /// window has gone (released, or cut with the worker).
+    fn release_departing(&mut self) {
+        if self.departing.is_empty() {
+            return;
+        }
+        let stuck = &self.stuck;
+        let (ready, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.departing)
+            .into_iter()
+            .partition(|(peer, _)| !stuck.iter().any(|s| s.peer == *peer));
+        self.departing = waiting;
+        for (_, then) in ready {
+            then();
+        }
     }
 
     /// Cuts every quarantined window by replacing the worker, for windows whose endpoints

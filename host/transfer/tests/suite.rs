@@ -6,6 +6,7 @@
 mod agent;
 mod agent_bounce;
 mod agent_bounds;
+mod agent_departure;
 mod agent_hold;
 mod agent_keepalive;
 mod agent_layers;

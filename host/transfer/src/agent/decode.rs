@@ -21,7 +21,7 @@ use std::net::TcpStream;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvferry_plan::error_chain;
 use kvferry_planner_abi::{SlotTable, TokenRange, ViewId};
@@ -67,9 +67,24 @@ struct Link {
     identity: PeerIdentity,
     outbox: Outbox<AgentMessage>,
     alive: AtomicBool,
+    /// Its reader has ended (at its function's end, however it ends).
+    ended: AtomicBool,
     /// The link's socket, to end its reader at shutdown.
     socket: TcpStream,
 }
+
+/// Sets [`Link::ended`] when the reader's function returns.
+struct ReaderEnds<'a>(&'a Link);
+
+impl Drop for ReaderEnds<'_> {
+    fn drop(&mut self) {
+        self.0.ended.store(true, Ordering::Release);
+    }
+}
+
+/// How long a stopping decode rank waits for its prefill ranks to close their ends of the
+/// side channel before it closes them itself (and its UCX worker goes).
+const LEAVE_GRACE: Duration = Duration::from_millis(500);
 
 impl Link {
     fn name(&self) -> String {
@@ -303,6 +318,7 @@ fn dial(inner: &Arc<Inner>, endpoint: &str) -> Result<Arc<Link>, (FailureKind, S
         identity: identity.clone(),
         outbox: spawn_writer(writer, format!("ctx-{identity}")),
         alive: AtomicBool::new(true),
+        ended: AtomicBool::new(false),
         socket,
     });
     {
@@ -331,6 +347,7 @@ fn read_link(
     mut session: AgentSession,
     mut reader: Reader,
 ) {
+    let _ends = ReaderEnds(link);
     let why = loop {
         let message: AgentMessage = match read_frame(&mut reader) {
             Ok(m) => m,
@@ -348,6 +365,11 @@ fn read_link(
         };
         let Some(inner) = weak.upgrade() else { return };
         if !link.alive.load(Ordering::Acquire) {
+            if inner.stopped.load(Ordering::Acquire) {
+                // This agent is leaving: what the prefill rank still says is moot, but its
+                // end must close first (see `shutdown`).
+                continue;
+            }
             break "was dropped by this rank".to_string();
         }
         match session.receive(message) {
@@ -416,10 +438,36 @@ pub(crate) fn ping(inner: &Arc<Inner>) {
     }
 }
 
+/// Ends every link, the prefill ranks' ends first. A link is half-closed, and its reader
+/// reads on until the prefill rank closes its end, which it does once it has closed its UCX
+/// endpoint to this rank's worker (`prefill::lost`): an endpoint closed after the worker it
+/// writes to has gone fails its flush, and UCX logs that as an error for an endpoint without
+/// peer error handling ("error during flush: Connection reset by remote peer"). A prefill rank
+/// that does not close its end within [`LEAVE_GRACE`] (stopped, or busy) is cut off then.
 pub(crate) fn shutdown(inner: &Arc<Inner>) {
-    let links: Vec<Arc<Link>> = lock(&inner.decode).links.drain().map(|(_, l)| l).collect();
-    for l in links {
+    let links: Vec<Arc<Link>> = {
+        let mut guard = lock(&inner.decode);
+        let state = &mut *guard;
+        let mut by_id: BTreeMap<PeerId, Arc<Link>> = BTreeMap::new();
+        for l in state
+            .links
+            .drain()
+            .map(|(_, l)| l)
+            .chain(state.by_id.values().cloned())
+        {
+            by_id.entry(l.id).or_insert(l);
+        }
+        by_id.into_values().collect()
+    };
+    for l in &links {
         l.alive.store(false, Ordering::Release);
+        let _ = l.socket.shutdown(std::net::Shutdown::Write);
+    }
+    let deadline = Instant::now() + LEAVE_GRACE;
+    while links.iter().any(|l| !l.ended.load(Ordering::Acquire)) && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(1));
+    }
+    for l in links {
         let _ = l.socket.shutdown(std::net::Shutdown::Both);
     }
 }

@@ -498,10 +498,16 @@ fn admit(
     Ok(conn)
 }
 
-/// A decode rank's connection ended: its claims fail, nothing more is written to it.
+/// A decode rank's connection ended: its claims fail, nothing more is written to it. The
+/// connection stays open until the rank thread has closed its endpoint to the decode rank's
+/// worker: a decode rank that is leaving waits for that (`decode::shutdown`) before its worker
+/// goes, so the endpoint's closing flush does not fail against a worker already destroyed.
 fn lost(inner: &Arc<Inner>, conn: &Arc<DecodeConn>, why: &str) {
     conn.alive.store(false, Ordering::Release);
-    inner.thread.forget(conn.id);
+    let held = Arc::clone(conn);
+    inner
+        .thread
+        .forget_then(conn.id, Box::new(move || drop(held)));
     let mut state = lock(&inner.prefill);
     state.machine.handle_lost(Instant::now(), conn.id, why);
     run(inner, &mut state);
