@@ -17,6 +17,7 @@
 //! lock is let go).
 
 use std::collections::{BTreeMap, HashMap};
+use std::io::Read as _;
 use std::net::TcpStream;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -348,20 +349,29 @@ fn read_link(
     mut reader: Reader,
 ) {
     let _ends = ReaderEnds(link);
+    // Whether the prefill rank's end may still be open (the read neither saw it close nor
+    // failed nor timed out): the prefill closes it once its endpoint to this rank's worker is
+    // closed, and this reader waits for that (below).
+    let mut open = true;
     let why = loop {
         let message: AgentMessage = match read_frame(&mut reader) {
             Ok(m) => m,
-            Err(e) if e.is_disconnect() => break "closed its connection".to_string(),
-            Err(e) if super::is_timeout(&e) => {
-                break match weak.upgrade() {
-                    Some(inner) => format!(
-                        "sent nothing for {} ms (not even a keep-alive): stopped, or cut off",
-                        inner.config.peer_timeout.as_millis()
-                    ),
-                    None => "went silent".to_string(),
-                };
+            Err(e) => {
+                open = false;
+                if e.is_disconnect() {
+                    break "closed its connection".to_string();
+                }
+                if super::is_timeout(&e) {
+                    break match weak.upgrade() {
+                        Some(inner) => format!(
+                            "sent nothing for {} ms (not even a keep-alive): stopped, or cut off",
+                            inner.config.peer_timeout.as_millis()
+                        ),
+                        None => "went silent".to_string(),
+                    };
+                }
+                break format!("connection failed: {}", error_chain(&e));
             }
-            Err(e) => break format!("connection failed: {}", error_chain(&e)),
         };
         let Some(inner) = weak.upgrade() else { return };
         if !link.alive.load(Ordering::Acquire) {
@@ -406,6 +416,13 @@ fn read_link(
             state.by_id.remove(&link.id);
             state.machine.handle_link_lost(now, link.id, &why);
         });
+        if open {
+            // The link ended on a word (the prefill rank's goodbye or refusal, a message out
+            // of place): half-close it and hold the agent, and so this rank's worker, until
+            // the prefill rank has closed its end (see `shutdown`), at most `LEAVE_GRACE`.
+            let _ = link.socket.shutdown(std::net::Shutdown::Write);
+            await_close(&link.socket, Instant::now() + LEAVE_GRACE);
+        }
     }
 }
 
@@ -442,8 +459,11 @@ pub(crate) fn ping(inner: &Arc<Inner>) {
 /// reads on until the prefill rank closes its end, which it does once it has closed its UCX
 /// endpoint to this rank's worker (`prefill::lost`): an endpoint closed after the worker it
 /// writes to has gone fails its flush, and UCX logs that as an error for an endpoint without
-/// peer error handling ("error during flush: Connection reset by remote peer"). A prefill rank
-/// that does not close its end within [`LEAVE_GRACE`] (stopped, or busy) is cut off then.
+/// peer error handling ("error during flush: Connection reset by remote peer"). A link whose
+/// reader ended before (on the prefill rank's goodbye: it is stopping too) has left the
+/// directory, and its reader waits for the close itself, holding the agent (`read_link`), so
+/// `Drop for Agent` waits for it. A prefill rank that does not close its end within
+/// [`LEAVE_GRACE`] (stopped, or busy) is cut off then.
 pub(crate) fn shutdown(inner: &Arc<Inner>) {
     let links: Vec<Arc<Link>> = {
         let mut guard = lock(&inner.decode);
@@ -469,6 +489,24 @@ pub(crate) fn shutdown(inner: &Arc<Inner>) {
     }
     for l in links {
         let _ = l.socket.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+/// Reads `socket`, whose reader has ended, until its peer closes it or `deadline` passes,
+/// discarding what comes (at once if the socket was shut).
+fn await_close(mut socket: &TcpStream, deadline: Instant) {
+    let mut scratch = [0u8; 4096];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() || socket.set_read_timeout(Some(left)).is_err() {
+            return;
+        }
+        match socket.read(&mut scratch) {
+            Ok(0) => return,
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return,
+        }
     }
 }
 
