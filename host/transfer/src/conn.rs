@@ -501,8 +501,10 @@ pub(crate) fn dial(
     Ok(stream)
 }
 
-/// Reads and discards what a refused peer still sends, for at most `limit` (so the error
-/// frame sent to it is not lost to a reset caused by unread input).
+/// Reads and discards what a peer still sends until it closes its end, for about `limit` (each
+/// read waits at most the stream's own timeout): so the error frame sent to a refused peer is
+/// not lost to a reset caused by unread input, and a decode rank whose link ended keeps its
+/// worker until the prefill rank has closed its end (`agent::decode`).
 pub fn drain(stream: &mut impl Read, limit: Duration) {
     let deadline = Instant::now() + limit;
     let mut buf = [0u8; 16 << 10];

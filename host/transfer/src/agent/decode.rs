@@ -17,7 +17,6 @@
 //! lock is let go).
 
 use std::collections::{BTreeMap, HashMap};
-use std::io::Read as _;
 use std::net::TcpStream;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -36,7 +35,7 @@ use kvferry_protocol::{
 use super::events::{Event, FailureKind};
 use super::{CONNECT_TIMEOUT, CallError, Inner, lock};
 use crate::bounce::Region;
-use crate::conn::{Outbox, Reader, Secured, secure_dial, spawn_writer};
+use crate::conn::{Outbox, Reader, Secured, drain, secure_dial, spawn_writer};
 use crate::rank::{PeerId, nanos};
 
 /// A request this decode rank expects ([`super::Agent::expect`]).
@@ -421,7 +420,9 @@ fn read_link(
             // of place): half-close it and hold the agent, and so this rank's worker, until
             // the prefill rank has closed its end (see `shutdown`), at most `LEAVE_GRACE`.
             let _ = link.socket.shutdown(std::net::Shutdown::Write);
-            await_close(&link.socket, Instant::now() + LEAVE_GRACE);
+            if link.socket.set_read_timeout(Some(LEAVE_GRACE)).is_ok() {
+                drain(&mut &link.socket, LEAVE_GRACE);
+            }
         }
     }
 }
@@ -489,24 +490,6 @@ pub(crate) fn shutdown(inner: &Arc<Inner>) {
     }
     for l in links {
         let _ = l.socket.shutdown(std::net::Shutdown::Both);
-    }
-}
-
-/// Reads `socket`, whose reader has ended, until its peer closes it or `deadline` passes,
-/// discarding what comes (at once if the socket was shut).
-fn await_close(mut socket: &TcpStream, deadline: Instant) {
-    let mut scratch = [0u8; 4096];
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() || socket.set_read_timeout(Some(left)).is_err() {
-            return;
-        }
-        match socket.read(&mut scratch) {
-            Ok(0) => return,
-            Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(_) => return,
-        }
     }
 }
 
