@@ -1,12 +1,13 @@
 //! kvferry-platform: what kvferry asks of the operating system, beneath safe interfaces. As
 //! quinn-udp holds quinn's socket calls, this crate holds the system calls of the host crates
-//! (`kvferry-transfer`, the `kvferry` facade, `kvferry-harness`), each `unsafe` block with a
+//! (`kvferry-ucx`, `kvferry-transfer`, the `kvferry` facade, `kvferry-harness`), each `unsafe` block with a
 //! `// SAFETY:` comment, so that no caller needs one to:
 //!
 //! - [`EventFd`]: a counter descriptor that is readable while it is non-zero (an agent's
 //!   wake-up descriptor, which engines poll beside their own);
 //! - [`wait_readable`], [`wait_any_readable`]: poll one descriptor, or a few, with a timeout
-//!   (a rank thread sleeps on its command descriptor and its UCX worker's);
+//!   to the nanosecond (a rank thread sleeps on its command descriptor and its UCX worker's;
+//!   a UCX worker waiting on its own puts naps 100 µs on its descriptor);
 //! - [`first_interface_address`]: the first non-loopback address of an interface that is up
 //!   (what an agent advertises when it listens on every interface);
 //! - [`send_now`]: what a blocking socket takes without waiting (a connection's outbox writes

@@ -4,9 +4,10 @@ use std::io;
 use std::os::fd::RawFd;
 use std::time::Duration;
 
-/// Waits up to `timeout` (at most `i32::MAX` milliseconds; rounded down) for `fd` to be
-/// readable; whether it is. A signal that interrupts the wait counts as a timeout. A
-/// descriptor that is not open is an error, not undefined behaviour: poll reports it.
+/// Waits up to `timeout` (to the nanosecond, as `ppoll` takes it: a worker's 100 µs nap is
+/// one) for `fd` to be readable; whether it is. A signal that interrupts the wait counts as a
+/// timeout. A descriptor that is not open is an error, not undefined behaviour: poll reports
+/// it.
 ///
 /// # Errors
 ///
@@ -41,11 +42,21 @@ pub fn wait_any_readable(fds: &[RawFd], timeout: Duration) -> io::Result<bool> {
         entry.fd = fd;
     }
     let entries = &mut entries[..fds.len()];
-    let millis = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
+    let timeout = libc::timespec {
+        tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
+        tv_nsec: timeout.subsec_nanos().into(),
+    };
     // SAFETY: `entries` is a live, writable slice of pollfds and the count is its length
-    // (at most MAX_WAIT_FDS); poll reads the descriptor numbers only (an invalid one comes
-    // back as POLLNVAL).
-    let ready = unsafe { libc::poll(entries.as_mut_ptr(), entries.len() as libc::nfds_t, millis) };
+    // (at most MAX_WAIT_FDS); the timeout is a valid timespec and no signal mask is passed;
+    // ppoll reads the descriptor numbers only (an invalid one comes back as POLLNVAL).
+    let ready = unsafe {
+        libc::ppoll(
+            entries.as_mut_ptr(),
+            entries.len() as libc::nfds_t,
+            &timeout,
+            std::ptr::null(),
+        )
+    };
     if ready < 0 {
         let error = io::Error::last_os_error();
         return if error.kind() == io::ErrorKind::Interrupted {

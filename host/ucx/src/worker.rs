@@ -398,19 +398,9 @@ impl Worker {
         if !matches!(self.arm(), Ok(true)) {
             return;
         }
-        let mut entry = libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        let timeout = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: NAP.subsec_nanos().into(),
-        };
-        // SAFETY: one live, writable pollfd and its count; the timeout is a valid timespec and
-        // no signal mask is passed. `ppoll` reads the descriptor number only (the worker owns
-        // it and keeps it open while it lives); an error or EINTR just ends the nap early.
-        unsafe { libc::ppoll(&mut entry, 1, &timeout, ptr::null()) };
+        // An error (the descriptor is the worker's own and open while it lives) or a signal
+        // just ends the nap early.
+        let _ = kvferry_platform::wait_readable(fd, NAP);
     }
 
     /// The descriptor that becomes readable when this worker has an event to progress, once
