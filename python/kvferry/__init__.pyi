@@ -141,8 +141,9 @@ class Agent:
         views: Sequence[tuple[int, int]] | None = ...,
     ) -> None:
         """Prefill ranks: makes tokens ``[token_start, token_end)`` of a ``prompt_len``-token
-        prompt available from the slots of ``tables`` (one per layer group, covering every
-        token up to ``token_end``). Chunked prefill is a sequence of sends, the last with
+        prompt available from the slots of ``tables`` (one per layer group, with an entry, or
+        -1 for a block this rank does not hold, for every block up to ``token_end``: a shorter
+        table is refused, kind ``invalid``). Chunked prefill is a sequence of sends, the last with
         ``is_last``. ``to``: only this decode instance may claim it. ``views``: a layer-wise
         send carries only these ``(group, view)`` pairs (the layers computed so far); the next
         sends repeat its tokens with the views not sent yet, ``is_last`` on the one that ends
@@ -181,7 +182,9 @@ class Agent:
         excluded_views: Sequence[tuple[int, int]] = ...,
     ) -> None:
         """Decode ranks: expects request ``request`` from prefill instance ``peer`` (whose
-        ranks listen on ``endpoints``; may be empty after :meth:`add_peer`) into ``tables``.
+        ranks listen on ``endpoints``; may be empty after :meth:`add_peer`) into ``tables``
+        (one per layer group, with an entry, or -1, for every block of the prompt: a shorter
+        table is refused, kind ``invalid``, before anything moves).
         ``cached_prefix``: tokens already here (block-aligned), never written.
         ``excluded_views``: ``(group, view)`` pairs of this rank not to write. Ends in
         ``received``, ``cancelled`` or ``failed``."""
@@ -243,7 +246,8 @@ class PairPlanner:
     ) -> Plan:
         """Plans tokens ``[token_start, token_end)`` of a ``prompt_len``-token prompt from the
         prefill rank's slots to the decode rank's (one slot table per layer group on each
-        side) and validates the plan as the agent does before a byte moves: every source
+        side, with an entry, or -1, for every block up to ``token_end``: a shorter table is
+        refused, kind ``invalid``) and validates the plan as the agent does before a byte moves: every source
         inside the prefill rank's slots for the request, every destination inside the decode
         rank's, no destination byte written twice. ``dst_start_token``: where the decode copy
         starts (a cached prefix). ``views``: the prefill rank's ``(group, view)`` pairs this

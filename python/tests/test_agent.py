@@ -372,6 +372,18 @@ def test_call_refusals(pair):
     e = error_of(ctx.send, 9, [[99]], 0, 16, 16, True)
     assert e.kind == "invalid", e
 
+    # Tables short of the tokens (issue 42): 40 tokens of 16-token blocks take three
+    # entries; two used to move 32 tokens and report the request whole. Refused at the
+    # call, on either side, as the engine's own error.
+    two = [np.array([0, 1], dtype=np.int32)]
+    e = error_of(gen.expect, 12, "prefill-py", [endpoint], 0, 40, two)
+    assert e.kind == "invalid" and "2 entries of 16 tokens" in e.detail, e
+    assert "run to 40" in e.detail and "takes 3 entries" in e.detail, e
+    e = error_of(ctx.send, 12, two, 0, 40, 40, True)
+    assert e.kind == "invalid" and "takes 3 entries" in e.detail, e
+    e = error_of(ctx.send, 12, [np.array([2, 2, 3], dtype=np.int32)], 0, 40, 40, True)
+    assert e.kind == "invalid" and "slot 2 is named for blocks 0 and 1" in e.detail, e
+
     # Layer-wise sends name views of the rank's page table (it has one: group 0, view 0).
     table = [np.array([3], dtype=np.int32)]
     e = error_of(ctx.send, 11, table, 0, 16, 16, True, views=[(4, 0)])

@@ -106,12 +106,21 @@ def test_refusals_name_what_is_wrong(plugin_dir):  # noqa: F811
     assert e.value.kind == "config"
     planner = kvferry.PairPlanner(prefill, decode)
     table = np.array([0], dtype=np.int32)
-    with pytest.raises(kvferry.Error, match=r"2 decode slot table\(s\) for 1 layer group") as e:
+    with pytest.raises(kvferry.Error, match=r"the decode side: 2 slot table\(s\) for 1 layer group") as e:
         planner.plan([table], [table, table], 0, 16, 16)
     assert e.value.kind == "invalid"
     with pytest.raises(kvferry.Error, match="the prefill side.*slot 6") as e:
         planner.plan([np.array([6], dtype=np.int32)], [table], 0, 16, 16)
     assert e.value.kind == "invalid"
+    # Tables short of the tokens (issue 42): 40 tokens of 16-token blocks need three
+    # entries; two used to plan 32 tokens as if they were the request.
+    two, three = np.array([0, 1], dtype=np.int32), np.array([0, 1, 2], dtype=np.int32)
+    for p, d, side in [(two, three, "prefill"), (three, two, "decode")]:
+        with pytest.raises(kvferry.Error, match=f"the {side} side.*2 entries of 16 tokens") as e:
+            planner.plan([p], [d], 0, 40, 40)
+        assert e.value.kind == "invalid" and "run to 40" in str(e.value)
+    with pytest.raises(kvferry.Error, match="slot 1 is named for blocks 1 and 2"):
+        planner.plan([three], [np.array([0, 1, 1], dtype=np.int32)], 0, 40, 40)
     with pytest.raises(kvferry.Error, match=r"view \(group 0, view 9\) is not a view"):
         planner.plan([table], [table], 0, 16, 16, views=[(0, 9)])
     with pytest.raises(TypeError, match="int32"):

@@ -675,8 +675,9 @@ pub unsafe extern "C" fn kvferry_agent_add_peer(
 
 /// Prefill ranks: makes (a chunk of) request `request` available: tokens
 /// `[token_start, token_end)` of a `prompt_len`-token prompt, in the slots of `tables` (one
-/// per layer group of this rank's page table, covering every token up to `token_end`).
-/// Chunked prefill is a sequence of sends, each starting where the previous ended, the last
+/// per layer group of this rank's page table, each with an entry, or -1 for a block this
+/// rank does not hold, for every block up to `token_end`: a shorter table is refused with
+/// `KVFERRY_ERR_INVALID_REQUEST`, as is a slot past its pool or named twice). Chunked prefill is a sequence of sends, each starting where the previous ended, the last
 /// with `is_last`. `to`: only this decode instance may claim it (NULL: the first to claim it
 /// owns it). Ends in `SENT`, `CANCELLED` or `FAILED`. The same as `kvferry_agent_send_views`
 /// with no views named.
@@ -806,7 +807,9 @@ unsafe fn send_views(
 }
 
 /// Decode ranks: expects request `request` from prefill instance `peer` into this rank's
-/// slots `tables` (one per layer group). `endpoints`: the side-channel endpoints of that
+/// slots `tables` (one per layer group, each with an entry, or -1, for every block of the
+/// prompt: a shorter table is refused with `KVFERRY_ERR_INVALID_REQUEST`, before anything
+/// moves). `endpoints`: the side-channel endpoints of that
 /// instance's ranks, any order (`n_endpoints` may be 0 when their metadata was added with
 /// `kvferry_agent_add_peer`). `ctx_dp_rank`: the prefill DP group that holds it.
 /// `cached_prefix`: tokens already cached here (block-aligned; 0 = none), which nothing
@@ -1177,7 +1180,8 @@ pub unsafe extern "C" fn kvferry_pair_planner_writes(
 /// the decode rank's, no destination byte written twice): `prefill_tables` and
 /// `decode_tables` are each side's slot tables (one per layer group), `token_start` ..
 /// `token_end` the piece's tokens of a `prompt_len`-token prompt, `dst_start_token` where the
-/// decode side's copy starts (a cached prefix; `UINT64_MAX`: none), `views` the prefill
+/// decode side's copy starts (a cached prefix; `UINT64_MAX`: none; each side's tables must
+/// have an entry, or -1, for every block up to `token_end`), `views` the prefill
 /// rank's views the piece carries (layer-wise; NULL with 0: every view). `*out` gets the plan.
 ///
 /// Returns `KVFERRY_OK`, `KVFERRY_ERR_INVALID_REQUEST` (tables, tokens, views, a pair the

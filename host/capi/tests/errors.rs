@@ -296,6 +296,30 @@ fn calls_on_a_live_agent_check_every_pointer_role_and_request() {
         );
         assert_eq!(rc, status(KVFERRY_ERR_INVALID_REQUEST), "{}", last_error());
         assert!(last_error().contains("99"), "{}", last_error());
+        // A table short of the tokens (issue 42): two 16-token blocks for 40 tokens. It used
+        // to be taken, and the request reported received with its last 8 tokens unmoved.
+        let rc = kvferry_agent_expect(
+            agent,
+            1,
+            peer.as_ptr(),
+            null(),
+            0,
+            0,
+            40,
+            0,
+            &table,
+            1,
+            null(),
+            0,
+        );
+        assert_eq!(rc, status(KVFERRY_ERR_INVALID_REQUEST), "{}", last_error());
+        assert!(
+            last_error().contains("2 entries of 16 tokens")
+                && last_error().contains("run to 40")
+                && last_error().contains("takes 3 entries"),
+            "{}",
+            last_error()
+        );
     }
 
     // Metadata: size query, too small, then the bytes.
@@ -424,6 +448,12 @@ fn events_that_do_not_fit_wait_for_the_next_poll() {
         slots: slots.as_ptr(),
         len: 2,
     };
+    // A table short of the tokens (issue 42) is refused at the call, as the engine's error:
+    // two 16-token blocks for a 40-token prompt.
+    // SAFETY: a live handle and a valid (short) table.
+    let rc = unsafe { kvferry_agent_send(agent, 9, &table, 1, 0, 40, 40, true, null()) };
+    assert_eq!(rc, status(KVFERRY_ERR_INVALID_REQUEST), "{}", last_error());
+    assert!(last_error().contains("takes 3 entries"), "{}", last_error());
     for request in 1..=3 {
         // SAFETY: a live handle and a valid table.
         let rc = unsafe { kvferry_agent_send(agent, request, &table, 1, 0, 32, 32, true, null()) };

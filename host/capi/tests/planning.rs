@@ -353,7 +353,7 @@ fn refusals_name_what_is_wrong() {
     let (status, text) = plan(planner, &[vec![0]], &[vec![0], vec![1]], 16).unwrap_err();
     assert_eq!(status, KVFERRY_ERR_INVALID_REQUEST as c_int);
     assert!(
-        text.contains("2 decode slot table(s) for 1 layer group(s)"),
+        text.contains("the decode side: 2 slot table(s) for 1 layer group(s)"),
         "{text}"
     );
     // A slot past the pool's four.
@@ -361,6 +361,27 @@ fn refusals_name_what_is_wrong() {
     assert_eq!(status, KVFERRY_ERR_INVALID_REQUEST as c_int);
     assert!(
         text.contains("the prefill side") && text.contains("slot 4"),
+        "{text}"
+    );
+    // Tables short of the tokens (issue 42: two entries for 40 tokens of 16-token blocks
+    // planned 32 tokens as if whole), on either side, and a slot named twice.
+    for (p, d, side) in [
+        (vec![0, 1], vec![0, 1, 2], "the prefill side"),
+        (vec![0, 1, 2], vec![0, 1], "the decode side"),
+    ] {
+        let (status, text) = plan(planner, &[p], &[d], 40).unwrap_err();
+        assert_eq!(status, KVFERRY_ERR_INVALID_REQUEST as c_int);
+        assert!(
+            text.contains(side)
+                && text.contains("2 entries of 16 tokens")
+                && text.contains("run to 40"),
+            "{text}"
+        );
+    }
+    let (status, text) = plan(planner, &[vec![0, 1, 2]], &[vec![3, 1, 3]], 40).unwrap_err();
+    assert_eq!(status, KVFERRY_ERR_INVALID_REQUEST as c_int);
+    assert!(
+        text.contains("slot 3 is named for blocks 0 and 2"),
         "{text}"
     );
     // Tokens past the prompt (the plan call takes 0..prompt_len; a zero-token prompt).

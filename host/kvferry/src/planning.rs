@@ -202,23 +202,25 @@ impl PairPlanner {
                 piece.prompt_len
             )));
         }
-        for (side, info, tables) in [
-            ("prefill", &self.prefill, &piece.prefill_tables),
-            ("decode", &self.decode, &piece.decode_tables),
-        ] {
-            let groups = info.page_table.groups.len();
-            if tables.len() != groups {
-                return Err(PlanningError::Invalid(format!(
-                    "{} {side} slot table(s) for {groups} layer group(s)",
-                    tables.len()
-                )));
-            }
-        }
         let excluded = match piece.views.as_deref() {
             None => Vec::new(),
             Some(views) => kvferry_plan::excluded_views(&self.prefill, views)
                 .map_err(|e| PlanningError::Invalid(format!("the prefill side: {e}")))?,
         };
+        // Both sides' tables cover the piece's tokens (a short table would plan a partial
+        // piece that looks whole to whatever moves it).
+        for (side, info, tables, excluded) in [
+            (
+                "prefill",
+                &self.prefill,
+                &piece.prefill_tables,
+                &excluded[..],
+            ),
+            ("decode", &self.decode, &piece.decode_tables, &[][..]),
+        ] {
+            kvferry_plan::check_slot_tables(info, tables, excluded, t.end)
+                .map_err(|e| PlanningError::Invalid(format!("the {side} side: {e}")))?;
+        }
         let request = PairRequest {
             token_range: t,
             prompt_len: piece.prompt_len,

@@ -41,8 +41,10 @@
 
 pub mod bounce;
 mod compressed;
+mod tables;
 
 pub use compressed::{WriterOverlap, overlapping_writers, validate_compressed};
+pub use tables::{blocks_needed, check_slot_tables};
 
 use std::collections::BTreeSet;
 use std::fmt;

@@ -490,6 +490,11 @@ mod hostile {
         write_frame(&mut s, &claim(1, tables(&dst, &[0, 1]), 33, 32)).unwrap();
         let reason = refusal(&mut s, &mut session);
         assert!(reason.contains("32-token prompt"), "{reason}");
+        // A table one block short of the tokens it claims: the prefill would write a partial
+        // request and the claimant's own plan would vouch for it.
+        write_frame(&mut s, &claim(1, tables(&dst, &[0]), 32, 32)).unwrap();
+        let reason = refusal(&mut s, &mut session);
+        assert!(reason.contains("takes 2 entries"), "{reason}");
         let mut other = claim(1, tables(&dst, &[0, 1]), 32, 32);
         if let AgentMessage::RequestData(d) = &mut other {
             d.receiver_instance = "victim".into();

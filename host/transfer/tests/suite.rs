@@ -11,6 +11,7 @@ mod agent_hold;
 mod agent_keepalive;
 mod agent_layers;
 mod agent_planner;
+mod coverage;
 mod integrity;
 mod key_range;
 mod namespaces;

@@ -594,10 +594,11 @@ pub(crate) fn expect(inner: &Arc<Inner>, e: Expect) -> Result<(), CallError> {
         request: id,
         reason,
     };
-    super::prefill::check_tables(&inner.info, &e.tables).map_err(invalid)?;
     if e.prompt_len == 0 {
         return Err(invalid("an empty prompt".into()));
     }
+    kvferry_plan::check_slot_tables(&inner.info, &e.tables, &e.excluded_views, e.prompt_len)
+        .map_err(invalid)?;
     let tpb = u64::from(inner.info.page_table.tokens_per_block.max(1));
     if let Some(p) = e.cached_prefix {
         if p > e.prompt_len || p % tpb != 0 {

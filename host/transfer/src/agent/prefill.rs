@@ -562,7 +562,6 @@ pub(crate) fn send(inner: &Arc<Inner>, mut s: SendChunk) -> Result<(), CallError
         request: id,
         reason,
     };
-    check_tables(&inner.info, &s.tables).map_err(invalid)?;
     if s.prompt_len == 0 || s.tokens.start >= s.tokens.end || s.tokens.end > s.prompt_len {
         return Err(invalid(format!(
             "tokens {}..{} of a {}-token prompt",
@@ -583,6 +582,13 @@ pub(crate) fn send(inner: &Arc<Inner>, mut s: SendChunk) -> Result<(), CallError
         Some(views) => Some(kvferry_plan::carried_views(&all, views).map_err(invalid)?),
         None => None,
     };
+    // The views a layer-wise part leaves out need not be covered: nothing of them moves.
+    let excluded: Vec<ViewId> = match &carried {
+        Some(carried) => all.difference(carried).copied().collect(),
+        None => Vec::new(),
+    };
+    kvferry_plan::check_slot_tables(&inner.info, &s.tables, &excluded, s.tokens.end)
+        .map_err(invalid)?;
     let call = SendCall {
         request: id,
         to: s.to.take(),
@@ -601,44 +607,6 @@ pub(crate) fn send(inner: &Arc<Inner>, mut s: SendChunk) -> Result<(), CallError
 /// Every view of `info`'s page table.
 fn all_views(info: &RankInfo) -> BTreeSet<ViewId> {
     info.page_table.view_ids().collect()
-}
-
-/// One table per layer group of `info`'s page table, every slot inside its pools.
-pub(crate) fn check_tables(info: &RankInfo, tables: &[SlotTable]) -> Result<(), String> {
-    let groups = info.page_table.groups.len();
-    if tables.len() != groups {
-        return Err(format!(
-            "{} slot tables for {groups} layer groups",
-            tables.len()
-        ));
-    }
-    check_slots(info, tables)
-}
-
-/// Every slot named is inside its pool, for every view of every group.
-pub(crate) fn check_slots(info: &RankInfo, tables: &[SlotTable]) -> Result<(), String> {
-    let pt = &info.page_table;
-    for (g, (group, table)) in pt.groups.iter().zip(tables).enumerate() {
-        for view in group.views.iter() {
-            let Some(pool) = pt.pools.get(view.pool as usize) else {
-                return Err(format!(
-                    "layer group {g} names pool {}, which does not exist",
-                    view.pool
-                ));
-            };
-            if let Some(&bad) = table
-                .slots
-                .iter()
-                .find(|&&s| s != SlotTable::HOLE && (s < 0 || s as u64 >= pool.num_slots))
-            {
-                return Err(format!(
-                    "layer group {g}: slot {bad} is outside pool {} ({} slots)",
-                    view.pool, pool.num_slots
-                ));
-            }
-        }
-    }
-    Ok(())
 }
 
 /// The digest of `plan`'s source bytes in the order of their destinations (the piece's
@@ -782,7 +750,15 @@ fn request_data(inner: &Arc<Inner>, conn: &Arc<DecodeConn>, data: RequestData) {
             data.receiver_instance
         ));
     }
-    if let Err(e) = check_tables(&conn.info, &data.slot_tables) {
+    // The receiver's tables cover what it wants, or its own plan would vouch for a partial
+    // request (an honest agent checked this at `expect`; a peer's word is checked again).
+    // Tokens past the prompt are refused by name further on.
+    if let Err(e) = kvferry_plan::check_slot_tables(
+        &conn.info,
+        &data.slot_tables,
+        &data.excluded_views,
+        data.token_range.end.min(data.prompt_len),
+    ) {
         return refuse(e);
     }
     if let Some(offer) = data.bounce {
