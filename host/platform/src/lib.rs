@@ -14,7 +14,9 @@
 //!   a message at once from the thread that sends it when nothing is queued before it);
 //! - [`object_file_of`]: the file the object holding an address was loaded from (where an
 //!   installed library finds its planners);
-//! - [`HostBudget`]: the host memory this process may still allocate.
+//! - [`HostBudget`]: the host memory this process may still allocate;
+//! - [`sysv_segment_creator`]: the process that created a System V shared-memory segment (a
+//!   peer's `sysv` key is accepted only when its segment is the peer's own).
 //!
 //! UCX's calls are `kvferry-ucx`'s, and the memory an engine lends an agent (registered with
 //! UCX, read and written at checked offsets) is `kvferry-transfer`'s: those calls carry the
@@ -27,9 +29,11 @@ mod dl;
 mod eventfd;
 mod net;
 mod poll;
+mod shm;
 
 pub use budget::{HostBudget, show_bytes};
 pub use dl::object_file_of;
 pub use eventfd::EventFd;
 pub use net::{first_interface_address, send_now};
 pub use poll::{MAX_WAIT_FDS, wait_any_readable, wait_readable};
+pub use shm::sysv_segment_creator;

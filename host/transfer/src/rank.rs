@@ -115,7 +115,8 @@ use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use kvferry_ucx::{
-    Endpoint, ErrorMode, MemRegion, Op, PutWindow, RangeCheck, RemoteKey, Request, Status, Worker,
+    Endpoint, ErrorMode, MemRegion, Op, PeerProcess, PutWindow, RangeCheck, RemoteKey, Request,
+    Status, Worker,
 };
 
 use kvferry_plan::ValidatedPlan;
@@ -277,6 +278,20 @@ pub enum WriteError {
         /// UCX's refusal (none where the CUDA driver refused a device range).
         #[source]
         source: Option<kvferry_ucx::Error>,
+    },
+    /// The peer's worker address or a pool's key names memory that is not the peer's own:
+    /// a shared-memory key of another process, or its transports naming two processes
+    /// ([`kvferry_ucx::PeerProcess`]); or a key that maps memory of this rank itself.
+    #[error("{instance} rank {rank}{}: {reason}", pool_of(.pool))]
+    KeyOwner {
+        /// Peer instance.
+        instance: String,
+        /// Peer rank.
+        rank: u32,
+        /// The pool whose key is refused (`None`: the worker address is).
+        pool: Option<usize>,
+        /// Why.
+        reason: String,
     },
     /// A fragment's source is not inside one local pool.
     #[error(
@@ -929,6 +944,7 @@ fn run(
         stuck: Vec::new(),
         departing: Vec::new(),
         challenges: Vec::new(),
+        own_files: std::cell::OnceCell::new(),
         copier: std::cell::OnceCell::new(),
     };
     let mut idle = 0u32;
@@ -1143,6 +1159,9 @@ struct Executor<'a> {
     departing: Vec<(PeerId, Forgotten)>,
     /// Worker challenges still being sent (each owns its payload).
     challenges: Vec<Request<'static>>,
+    /// The shared files this rank's own pools and staging buffer are mappings of (a peer's
+    /// key that maps one of them is refused), read once.
+    own_files: std::cell::OnceCell<Vec<(String, u64)>>,
     /// The thread that copies half of a large job's direct copies
     /// ([`SHARE_MIN_JOB_BYTES`]), started with the first such job (`None` inside if it could
     /// not start: this thread copies alone).
@@ -1187,6 +1206,26 @@ impl<'a> Executor<'a> {
             Entry::Occupied(e) => return Ok(e.into_mut()),
             Entry::Vacant(slot) => slot,
         };
+        // Whose memory the peer's keys may name: the process its worker address names
+        // (checked before UCX maps anything the address or a key names).
+        let owner_refused = |pool, reason: String| WriteError::KeyOwner {
+            instance: dest.instance.clone(),
+            rank: dest.rank,
+            pool,
+            reason,
+        };
+        let peer = PeerProcess::of_address(&dest.worker_address)
+            .map_err(|e| owner_refused(None, e.to_string()))?;
+        for (pool, k) in dest.pools.iter().chain(dest.bounce.iter()).enumerate() {
+            // A malformed key is refused by name where it is unpacked, below.
+            let layout = kvferry_ucx::KeyLayout::loaded();
+            if kvferry_ucx::rkey_format::check_packed_rkey(&k.rkey, layout).is_ok() {
+                peer.check_key(&k.rkey)
+                    .map_err(|e| owner_refused(Some(pool), e.to_string()))?;
+            }
+        }
+        let (pools, staging) = (self.pools, self.staging.as_ref().map(|(s, _)| *s));
+        let own_files = self.own_files.get_or_init(|| own_files(pools, staging));
         let connect = |mode| worker.connect_with(&dest.worker_address, mode);
         let ep = match connect(errors) {
             Err(e) if errors != ErrorMode::None => {
@@ -1222,6 +1261,11 @@ impl<'a> Executor<'a> {
                         source,
                     })?;
                 let local = check_key_range(dest, pool, k, &key)?;
+                if let Some(at) = local {
+                    refuse_own_file(own_files, at)
+                        .and_then(|()| in_own_segment(&peer, &k.rkey, &key, at))
+                        .map_err(|reason| owner_refused(Some(pool), reason))?;
+                }
                 Ok((key, local))
             })
             .collect::<Result<Vec<_>, WriteError>>()?
@@ -2210,6 +2254,68 @@ impl Waiter<'_> {
     }
 }
 
+/// The shared files ([`kvferry_ucx::library::shared_file_at`]) this rank's pools and staging
+/// buffer map: what no peer's key may map here.
+fn own_files(pools: &RankPools, staging: Option<&Staging>) -> Vec<(String, u64)> {
+    let staging = staging.map(Staging::region);
+    let mut files: Vec<(String, u64)> = (0..pools.len())
+        .filter_map(|p| pools.region(p))
+        .chain(staging)
+        .filter_map(|r| {
+            kvferry_ucx::library::shared_file_at(r.as_ptr() as usize)
+                .ok()
+                .flatten()
+        })
+        .collect();
+    files.sort();
+    files.dedup();
+    files
+}
+
+/// Refuses a peer's pool that `local` (where its key translated its base here) shows to be a
+/// mapping of one of `own` — this rank's own memory, which a peer may name only to have a
+/// rank overwrite its own sources.
+fn refuse_own_file(own: &[(String, u64)], local: NonNull<u8>) -> Result<(), String> {
+    match kvferry_ucx::library::shared_file_at(local.as_ptr() as usize) {
+        Ok(Some(file)) if own.contains(&file) => Err(format!(
+            "its key maps this rank's own memory (file {} inode {}): a peer's key may name              only its own",
+            file.0, file.1
+        )),
+        Ok(_) => Ok(()),
+        Err(e) => Err(format!(
+            "/proc/self/maps cannot be read to tell whose memory its key maps: {e}"
+        )),
+    }
+}
+
+/// Refuses a pool whose base, translated by its key to `local`, lies in another shared file
+/// than the segment the key itself names (UCX translates every address by one offset, so a
+/// key whose address field is forged can reach another peer's segment mapped here).
+fn in_own_segment(
+    peer: &PeerProcess,
+    packed: &[u8],
+    key: &RemoteKey,
+    local: NonNull<u8>,
+) -> Result<(), String> {
+    let file = |at: usize| kvferry_ucx::library::shared_file_at(at).ok().flatten();
+    let found = file(local.as_ptr() as usize);
+    let own: Vec<_> = peer
+        .segment_starts(packed)
+        .into_iter()
+        .filter_map(|start| key.ptr(start).ok())
+        .filter_map(|p| file(p as usize))
+        .collect();
+    match found {
+        Some(f) if own.contains(&f) => Ok(()),
+        // A key no shared-memory entry of which UCX unpacks here maps nothing this names.
+        _ if own.is_empty() => Ok(()),
+        _ => Err(
+            "its key translates that range into another mapping than the segment the key              names"
+                .into(),
+        ),
+    }
+}
+
 /// Checks that pool `pool` of `dest`, declared as `declared`, lies inside what its unpacked
 /// `key` maps ([`RemoteKey::check_range`]); a device range (`cuda_ipc`) is checked with the
 /// CUDA driver, and refused in a build without the `cuda` feature. Returns the local address of
@@ -2264,6 +2370,11 @@ fn check_key_range(
             Some(e),
         )),
     }
+}
+
+/// " declares pool N", for a [`WriteError::KeyOwner`] about one pool.
+fn pool_of(pool: &Option<usize>) -> String {
+    pool.map_or_else(String::new, |p| format!(" declares pool {p}, but"))
 }
 
 /// What a window that timed out with `e` was waiting for.

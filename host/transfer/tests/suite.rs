@@ -13,6 +13,7 @@ mod agent_layers;
 mod agent_planner;
 mod coverage;
 mod integrity;
+mod key_owner;
 mod key_range;
 mod namespaces;
 mod peer_failure;

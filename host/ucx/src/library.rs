@@ -128,6 +128,27 @@ pub(crate) fn shared_rw_mapping_covers(start: usize, len: usize) -> std::io::Res
     Ok(maps_cover(&read_maps()?, start, len))
 }
 
+/// The file a shared mapping of this process that holds `address` maps: its device
+/// (`major:minor`) and inode, per `/proc/self/maps`. Two mappings of one `posix` segment or
+/// one `sysv` segment (device `00:01`, inode its id) name the same file wherever they are
+/// mapped; `None` for an address in no mapping, a private one, or anonymous memory (inode 0),
+/// which no peer's key can name.
+///
+/// # Errors
+///
+/// `/proc/self/maps` cannot be read.
+pub fn shared_file_at(address: usize) -> std::io::Result<Option<(String, u64)>> {
+    Ok(file_at(&read_maps()?, address))
+}
+
+fn file_at(maps: &str, address: usize) -> Option<(String, u64)> {
+    maps.lines()
+        .filter_map(Mapping::parse)
+        .find(|m| m.start <= address && address < m.end)
+        .filter(|m| m.perms.ends_with('s') && m.inode != 0)
+        .map(|m| (m.dev.to_string(), m.inode))
+}
+
 /// [`shared_rw_mapping_covers`] over the text of a maps file.
 fn maps_cover(maps: &str, start: usize, len: usize) -> bool {
     let Some(end) = start.checked_add(len) else {
@@ -360,6 +381,18 @@ mod tests {
         assert!(!cover(0x7ffd_0000_0000, 16));
         assert!(!cover(0x7f00_0040_0000, 16));
         assert!(!cover(usize::MAX, 2));
+    }
+
+    #[test]
+    fn a_shared_file_is_named_by_device_and_inode_wherever_it_is_mapped() {
+        let at = |a: usize| file_at(MAPS, a);
+        assert_eq!(at(0x7f00_0000_0010), Some(("00:01".into(), 6651954)));
+        assert_eq!(at(0x7f00_0038_0000), Some(("00:1b".into(), 4793)));
+        assert_eq!(at(0x7f00_0030_0000), at(0x7f00_003f_ffff));
+        // Private or anonymous memory, and no mapping at all: no file a key could name.
+        assert_eq!(at(0x55d0_c0a0_0000), None);
+        assert_eq!(at(0x7ffd_0000_0000), None);
+        assert_eq!(at(0x1000), None);
     }
 
     #[test]

@@ -14,4 +14,5 @@ mod put_deadline;
 mod put_registered;
 mod rkey_fuzz;
 mod rkey_range;
+mod shm_owner;
 mod wakeup;
