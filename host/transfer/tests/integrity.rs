@@ -121,7 +121,17 @@ fn a_writer_that_writes_nothing_but_reports_every_byte_fails_as_integrity() {
             }
             other => panic!("{algorithm}: bytes that never came were received: {other:?}"),
         }
-        // A writer that leaves the digest out is refused too, by name.
+        // A writer that leaves the digest out is refused too, by name. To a decode rank of
+        // its own: a second liar under `real`'s identity is refused by one that holds a live
+        // link to the first (see `squatting.rs`).
+        drop(decode);
+        let decode = with_integrity(
+            Role::Decode,
+            &dst,
+            Transport::Tcp,
+            BounceConfig::off(),
+            Some(algorithm),
+        );
         let endpoint = lying_with_a_digest(&real, None);
         decode
             .expect(expecting(10, &endpoint, tables(&dst, &[0, 1]), 32))

@@ -19,4 +19,5 @@ mod namespaces;
 mod peer_failure;
 mod rank_bounds;
 mod security;
+mod squatting;
 mod support;

@@ -4,8 +4,9 @@
 //! `expect` checks the request against this rank's own pools at once, reserves its id, and
 //! hands the rest to the agent's dispatch pool: find the prefill instance (metadata added with
 //! `add_peer`, or fetched through the endpoints passed with the request), ask the planner
-//! which prefill ranks write this rank, link to each (dial, prove the secret, vet), and send
-//! each its `RequestData`. Completions arrive on the links. A request ends in exactly one
+//! which prefill ranks write this rank, link to each (dial, prove the secret, vet; a rank that
+//! claims one already linked is held to that link, see `Claim`), and send each its
+//! `RequestData`. Completions arrive on the links. A request ends in exactly one
 //! terminal event, and a failed or cancelled one only once every writer that may still
 //! write has answered the `Cancel` with its last piece or its link is gone.
 //!
@@ -16,7 +17,7 @@
 //! role's lock (non-blocking steps only; a scatter that cannot go to its pool runs after the
 //! lock is let go).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::TcpStream;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -65,6 +66,12 @@ pub struct Expect {
 struct Link {
     id: PeerId,
     identity: PeerIdentity,
+    /// The endpoint it was dialled at.
+    endpoint: String,
+    /// The metadata the rank presented on it, having proved the secret and had this rank's
+    /// worker answer its challenge: what a second claimant of its identity is held to
+    /// ([`claim`]).
+    metadata: AgentMetadata,
     outbox: Outbox<AgentMessage>,
     alive: AtomicBool,
     /// Its reader has ended (at its function's end, however it ends).
@@ -119,7 +126,14 @@ pub(crate) struct State {
     by_id: HashMap<LinkId, Arc<Link>>,
     directory: HashMap<String, BTreeMap<u32, AgentMetadata>>,
     links: HashMap<(String, u32), Arc<Link>>,
-    refused: HashMap<PeerIdentity, String>,
+    /// Why a start was refused, by its identity, with the metadata refused: a refusal holds
+    /// for that metadata only, so a claimant of another rank's identity cannot have that
+    /// rank refused.
+    refused: HashMap<PeerIdentity, (AgentMetadata, String)>,
+    /// Per prefill rank (instance, rank), the epochs of its starts that a start filed later
+    /// replaced here, the latest last (at most [`SUPERSEDED_KEPT`]): epochs are random, so
+    /// this is how a start is told to be older than another ([`claim`]).
+    superseded: HashMap<(String, u32), VecDeque<u64>>,
     /// One gate per endpoint dialed: requests expected together wait for one dial and
     /// share its link instead of each opening its own.
     dialing: HashMap<String, Arc<std::sync::Mutex<()>>>,
@@ -150,6 +164,7 @@ impl State {
             directory: HashMap::new(),
             links: HashMap::new(),
             refused: HashMap::new(),
+            superseded: HashMap::new(),
             dialing: HashMap::new(),
             writer_planners: HashMap::new(),
             writer_targets: HashMap::new(),
@@ -157,9 +172,16 @@ impl State {
     }
 
     /// Files a prefill rank's metadata, replacing an older start of that rank (whose
-    /// planner, instantiated for the byte check, goes with it).
+    /// planner, instantiated for the byte check, goes with it, and whose epoch is kept as
+    /// superseded).
     fn record(&mut self, m: AgentMetadata) {
         let identity = m.identity();
+        let filed = self
+            .directory
+            .get(&identity.instance)
+            .and_then(|ranks| ranks.get(&identity.rank))
+            .map(|m| m.epoch);
+        self.supersede(&identity, filed);
         let current = |id: &PeerIdentity| {
             id.instance != identity.instance
                 || id.rank != identity.rank
@@ -172,6 +194,136 @@ impl State {
             .or_default()
             .insert(identity.rank, m);
     }
+
+    /// `identity`'s start of its rank is taken after the start of epoch `old`: `old`, when
+    /// another, is kept as superseded (the oldest kept goes past [`SUPERSEDED_KEPT`]), and
+    /// `identity`'s own epoch is current again if it was superseded before.
+    fn supersede(&mut self, identity: &PeerIdentity, old: Option<u64>) {
+        let key = (identity.instance.clone(), identity.rank);
+        match old.filter(|&old| old != identity.epoch) {
+            Some(old) => {
+                let kept = self.superseded.entry(key).or_default();
+                kept.retain(|&e| e != old && e != identity.epoch);
+                kept.push_back(old);
+                if kept.len() > SUPERSEDED_KEPT {
+                    kept.pop_front();
+                }
+            }
+            None => {
+                if let Some(kept) = self.superseded.get_mut(&key) {
+                    kept.retain(|&e| e != identity.epoch);
+                }
+            }
+        }
+    }
+}
+
+/// Superseded epochs kept per prefill rank ([`State::superseded`]).
+const SUPERSEDED_KEPT: usize = 8;
+
+/// What this rank makes of a prefill rank that presents metadata `m` (when dialled, or to
+/// `add_peer`), by the live link it holds to the rank `m` names (instance and rank), if any.
+///
+/// A rank's identity is its instance, rank and epoch, and the epoch is random per start: a
+/// restart is a new epoch, and of two epochs the newer is the one this rank filed later
+/// ([`State::supersede`]). So: a claimant of a live start (its epoch) must present, byte for
+/// byte, the metadata that start proved on the live link, or it is refused and the live link,
+/// its directory entry and its requests stay as they were; a start that this rank saw
+/// superseded is refused as older while a newer start's link lives; any other epoch is a
+/// restart and replaces the live link. There are no per-rank keys, so a holder of the secret
+/// can still present a fresh epoch of a live rank and displace its link (its requests end,
+/// and the start it displaced is refused as older until the displacing link ends): the rule
+/// keeps it from claiming a live start, not from claiming to be a restart.
+#[derive(Debug)]
+enum Claim {
+    /// No live link to that rank: vet the claimant, then link it.
+    Free,
+    /// A live link to that very start, with the same metadata (the rank reached at another
+    /// address of its host, or a copy of its metadata): the live link serves, and the new
+    /// connection is closed without a word (a refusal would make the prefill rank fail what
+    /// it holds for this rank).
+    Same(Arc<Link>),
+    /// A live link to another start of the rank, not one filed after the claimant's: the
+    /// claimant is a restart and replaces it (the live link's requests end).
+    Newer(Arc<Link>),
+    /// Refused, in these words (what is live, and where).
+    Refused(String),
+}
+
+/// See [`Claim`].
+fn claim(state: &State, m: &AgentMetadata) -> Claim {
+    let identity = m.identity();
+    let key = (identity.instance.clone(), identity.rank);
+    let Some(live) = state
+        .links
+        .get(&key)
+        .filter(|l| l.alive.load(Ordering::Acquire))
+    else {
+        return Claim::Free;
+    };
+    if live.identity.epoch == identity.epoch {
+        if live.metadata == *m {
+            return Claim::Same(Arc::clone(live));
+        }
+        return Claim::Refused(format!(
+            "a live link to it exists at {}, and this claim of it differs from the metadata \
+             that link proved ({}): a second claimant of a live rank is refused",
+            live.endpoint,
+            differences(&live.metadata, m).join(", ")
+        ));
+    }
+    if state
+        .superseded
+        .get(&key)
+        .is_some_and(|kept| kept.contains(&identity.epoch))
+    {
+        return Claim::Refused(format!(
+            "an older start of that rank: a live link to its newer start (epoch {:016x}) \
+             exists at {}",
+            live.identity.epoch, live.endpoint
+        ));
+    }
+    Claim::Newer(Arc::clone(live))
+}
+
+/// What differs between two metadata of one identity, in words.
+fn differences(proven: &AgentMetadata, claimed: &AgentMetadata) -> Vec<&'static str> {
+    let (a, b) = (proven, claimed);
+    let planner = (&a.planner_id, &a.describer_id, &a.planner_version)
+        != (&b.planner_id, &b.describer_id, &b.planner_version);
+    let named: Vec<&'static str> = [
+        (
+            a.rank.worker_address != b.rank.worker_address,
+            "its UCX worker address",
+        ),
+        (a.endpoint != b.endpoint, "its advertised endpoint"),
+        (a.rank.info != b.rank.info, "its rank description"),
+        (a.rank.pools != b.rank.pools, "its pool keys"),
+        (a.rank.bounce != b.rank.bounce, "its bounce arena's key"),
+        (a.role != b.role, "its role"),
+        (planner, "its planner"),
+        (a.label != b.label, "its label"),
+    ]
+    .into_iter()
+    .filter_map(|(differs, what)| differs.then_some(what))
+    .collect();
+    if named.is_empty() {
+        vec!["its metadata"]
+    } else {
+        named
+    }
+}
+
+/// Takes `link` out of use for a newer start of its rank, `why`: its requests end now, and
+/// its reader at its next message. Returns the scatters to run once the lock is let go.
+fn retire(inner: &Arc<Inner>, state: &mut State, link: &Link, why: &str) -> Vec<Deferred> {
+    link.alive.store(false, Ordering::Release);
+    let key = (link.identity.instance.clone(), link.identity.rank);
+    if state.links.get(&key).is_some_and(|l| l.id == link.id) {
+        state.links.remove(&key);
+    }
+    state.machine.handle_link_lost(Instant::now(), link.id, why);
+    run(inner, state)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -191,20 +343,17 @@ pub(crate) fn add_peer(inner: &Arc<Inner>, m: AgentMetadata) -> Result<PeerIdent
         .map_err(CallError::Metadata)?;
     let identity = m.identity();
     let mut state = lock(&inner.decode);
+    // Held to the live link to that rank, as a rank that is dialled is (see `Claim`).
+    if let Claim::Refused(reason) = claim(&state, &m) {
+        return Err(CallError::Metadata(format!("{identity}: {reason}")));
+    }
     let rank = m.rank.info.instance_rank;
     state.record(m);
     // A link to an older start of that rank is stale.
     if let Some(link) = state.links.get(&(identity.instance.clone(), rank)).cloned() {
         if link.identity.epoch != identity.epoch {
-            link.alive.store(false, Ordering::Release);
-            state.links.remove(&(identity.instance.clone(), rank));
             // Its requests end now; its reader ends at its next message.
-            state.machine.handle_link_lost(
-                Instant::now(),
-                link.id,
-                "was replaced by a newer start",
-            );
-            let deferred = run(inner, &mut state);
+            let deferred = retire(inner, &mut state, &link, "was replaced by a newer start");
             drop(state);
             deferred.into_iter().for_each(|job| job());
         }
@@ -212,9 +361,30 @@ pub(crate) fn add_peer(inner: &Arc<Inner>, m: AgentMetadata) -> Result<PeerIdent
     Ok(identity)
 }
 
+/// Why no link came of an endpoint.
+#[derive(Debug)]
+struct NoLink {
+    kind: FailureKind,
+    detail: String,
+    /// The rank there claimed the identity of a rank this one holds a live link to, and was
+    /// refused ([`Claim::Refused`]): a request that named the endpoint fails, even where the
+    /// live link could serve it.
+    claim: bool,
+}
+
+impl From<(FailureKind, String)> for NoLink {
+    fn from((kind, detail): (FailureKind, String)) -> Self {
+        NoLink {
+            kind,
+            detail,
+            claim: false,
+        }
+    }
+}
+
 /// The live link to the rank advertising `endpoint`, or a new one: one dial at a time per
 /// endpoint, so concurrent requests share a link.
-fn link_to(inner: &Arc<Inner>, endpoint: &str) -> Result<Arc<Link>, (FailureKind, String)> {
+fn link_to(inner: &Arc<Inner>, endpoint: &str) -> Result<Arc<Link>, NoLink> {
     let gate = Arc::clone(
         lock(&inner.decode)
             .dialing
@@ -241,7 +411,9 @@ fn link_to(inner: &Arc<Inner>, endpoint: &str) -> Result<Arc<Link>, (FailureKind
 }
 
 /// Dials a prefill rank's side channel, runs the secure handshake, vets the rank, links it.
-fn dial(inner: &Arc<Inner>, endpoint: &str) -> Result<Arc<Link>, (FailureKind, String)> {
+/// A rank that claims the identity of one this rank holds a live link to is held to that
+/// link ([`Claim`]): refused, or served by the live link, or (a restart) it replaces it.
+fn dial(inner: &Arc<Inner>, endpoint: &str) -> Result<Arc<Link>, NoLink> {
     let unreachable = |problem: String| (FailureKind::Peer, format!("{endpoint}: {problem}"));
     let handshake = inner.config.handshake_timeout;
     let stream = crate::conn::dial(endpoint, CONNECT_TIMEOUT, handshake).map_err(unreachable)?;
@@ -279,18 +451,42 @@ fn dial(inner: &Arc<Inner>, endpoint: &str) -> Result<Arc<Link>, (FailureKind, S
                     .map_err(|e| unreachable(error_chain(&e)))?;
             }
             Ok(AgentEvent::Nothing) => {}
-            Ok(other) => return Err(unreachable(format!("handshake: unexpected {other:?}"))),
+            Ok(other) => {
+                return Err(unreachable(format!("handshake: unexpected {other:?}")).into());
+            }
             Err(e @ kvferry_protocol::AgentError::Refused { .. }) => {
                 return Err((
                     FailureKind::Refused,
                     format!("{endpoint} refused this rank: {e}"),
-                ));
+                )
+                    .into());
             }
-            Err(e) => return Err(unreachable(e.to_string())),
+            Err(e) => return Err(unreachable(e.to_string()).into()),
         }
     };
     let identity = metadata.identity();
-    let cached = lock(&inner.decode).refused.get(&identity).cloned();
+    // Held to a live link to that rank before it is vetted; a refusal of a claim is not
+    // cached (the identity is the live rank's).
+    let early = claim(&lock(&inner.decode), &metadata);
+    match early {
+        Claim::Same(live) => {
+            tracing::debug!(peer = %identity, %endpoint, linked = %live.endpoint,
+                "the rank at this endpoint is one this rank is linked to: using that link");
+            let _ = socket.shutdown(std::net::Shutdown::Both);
+            return Ok(live);
+        }
+        Claim::Refused(reason) => {
+            let refused = claim_refused(&identity, endpoint, &reason);
+            let _ = write_frame(&mut writer, &session.refuse(refused.detail.clone()));
+            return Err(refused);
+        }
+        Claim::Free | Claim::Newer(_) => {}
+    }
+    let cached = lock(&inner.decode)
+        .refused
+        .get(&identity)
+        .filter(|(refused, _)| *refused == metadata)
+        .map(|(_, reason)| reason.clone());
     let verdict = match cached {
         Some(reason) => Err(reason),
         None => inner
@@ -301,11 +497,12 @@ fn dial(inner: &Arc<Inner>, endpoint: &str) -> Result<Arc<Link>, (FailureKind, S
         let _ = write_frame(&mut writer, &session.refuse(reason.clone()));
         lock(&inner.decode)
             .refused
-            .insert(identity.clone(), reason.clone());
+            .insert(identity.clone(), (metadata.clone(), reason.clone()));
         return Err((
             FailureKind::Refused,
             format!("{identity} at {endpoint}: {reason}"),
-        ));
+        )
+            .into());
     }
     session.ready().map_err(|e| unreachable(e.to_string()))?;
     reader
@@ -316,21 +513,51 @@ fn dial(inner: &Arc<Inner>, endpoint: &str) -> Result<Arc<Link>, (FailureKind, S
     let link = Arc::new(Link {
         id: inner.next_peer.fetch_add(1, Ordering::Relaxed),
         identity: identity.clone(),
+        endpoint: endpoint.to_string(),
+        metadata: metadata.clone(),
         outbox: spawn_writer(writer, format!("ctx-{identity}")),
         alive: AtomicBool::new(true),
         ended: AtomicBool::new(false),
         socket,
     });
-    {
-        let mut state = lock(&inner.decode);
-        let rank = identity.rank;
-        state.record(metadata);
-        state
-            .links
-            .insert((identity.instance.clone(), rank), Arc::clone(&link));
-        state.by_id.insert(link.id, Arc::clone(&link));
-        state.machine.handle_link_up(link.id, link.name());
-    }
+    let mut state = lock(&inner.decode);
+    // Again, under the lock it is linked under: another dial may have linked that rank
+    // while this one vetted it.
+    let deferred = match claim(&state, &metadata) {
+        Claim::Free => Vec::new(),
+        Claim::Newer(old) => {
+            state.supersede(&identity, Some(old.identity.epoch));
+            let why = format!(
+                "was replaced by a newer start (epoch {:016x}) at {endpoint}",
+                identity.epoch
+            );
+            tracing::info!(peer = %old.name(), newer = %identity, %endpoint,
+                "a newer start of a linked prefill rank replaces its link");
+            retire(inner, &mut state, &old, &why)
+        }
+        Claim::Same(live) => {
+            drop(state);
+            link.alive.store(false, Ordering::Release);
+            let _ = link.socket.shutdown(std::net::Shutdown::Both);
+            return Ok(live);
+        }
+        Claim::Refused(reason) => {
+            drop(state);
+            let refused = claim_refused(&identity, endpoint, &reason);
+            link.alive.store(false, Ordering::Release);
+            let _ = link.outbox.send(session.refuse(refused.detail.clone()));
+            return Err(refused);
+        }
+    };
+    let rank = identity.rank;
+    state.record(metadata);
+    state
+        .links
+        .insert((identity.instance.clone(), rank), Arc::clone(&link));
+    state.by_id.insert(link.id, Arc::clone(&link));
+    state.machine.handle_link_up(link.id, link.name());
+    drop(state);
+    deferred.into_iter().for_each(|job| job());
     let weak = Arc::downgrade(inner);
     let reading = Arc::clone(&link);
     thread::Builder::new()
@@ -339,6 +566,17 @@ fn dial(inner: &Arc<Inner>, endpoint: &str) -> Result<Arc<Link>, (FailureKind, S
         .map_err(|e| unreachable(format!("cannot spawn its reader: {e}")))?;
     tracing::info!(peer = %identity, %endpoint, "linked to prefill rank");
     Ok(link)
+}
+
+/// The failure of the requests that dialled a claimant refused by [`claim`], in words that
+/// name the identity it claimed and where it was reached.
+fn claim_refused(identity: &PeerIdentity, endpoint: &str, reason: &str) -> NoLink {
+    tracing::warn!(peer = %identity, %endpoint, %reason, "claimant of a linked prefill rank refused");
+    NoLink {
+        kind: FailureKind::Refused,
+        detail: format!("{identity} at {endpoint}: {reason}"),
+        claim: true,
+    }
 }
 
 fn read_link(
@@ -679,7 +917,11 @@ pub(crate) fn hold(
                     %peer, %endpoint, found = %link.identity,
                     "holding requests: the endpoint is another instance's"
                 ),
-                Err((kind, reason)) => tracing::warn!(
+                Err(NoLink {
+                    kind,
+                    detail: reason,
+                    ..
+                }) => tracing::warn!(
                     %peer, %endpoint, %kind, %reason,
                     "holding requests: cannot reach the rank"
                 ),
@@ -851,8 +1093,12 @@ fn link_writers(inner: &Arc<Inner>, e: &Expect) -> Result<BTreeMap<u32, Arc<Link
         .iter()
         .filter(|ep| !known_endpoints.contains(ep))
     {
-        if let Err((kind, detail)) = link_to(inner, endpoint) {
-            last_error = Some((Some(endpoint.clone()), kind, detail));
+        match link_to(inner, endpoint) {
+            Ok(_) => {}
+            // The engine named an endpoint whose rank claims a live rank's identity: the
+            // request does not go on as if it had not.
+            Err(no) if no.claim => return Err((Some(endpoint.clone()), no.kind, no.detail)),
+            Err(no) => last_error = Some((Some(endpoint.clone()), no.kind, no.detail)),
         }
     }
     let any = {
@@ -892,9 +1138,8 @@ fn link_writers(inner: &Arc<Inner>, e: &Expect) -> Result<BTreeMap<u32, Arc<Link
         };
         let link = match existing {
             (Some(link), _) => link,
-            (None, Some((Some(endpoint), _))) => {
-                link_to(inner, &endpoint).map_err(|(k, d)| (Some(endpoint.clone()), k, d))?
-            }
+            (None, Some((Some(endpoint), _))) => link_to(inner, &endpoint)
+                .map_err(|no| (Some(endpoint.clone()), no.kind, no.detail))?,
             (None, _) => {
                 return Err((
                     None,
