@@ -257,7 +257,8 @@ struct ServeArgs {
     /// Fault injection, prefill side: sleep this long before every flush.
     #[arg(long, default_value_t = 0, hide = true)]
     debug_stall_ms: u64,
-    /// Prefill side: peer connections each rank serves at once; one more is refused.
+    /// Prefill side: peer connections each rank serves at once; one more closes the oldest
+    /// that has not proven the secret (refused only when every one has).
     #[arg(long, default_value_t = 256, value_name = "N")]
     max_peer_connections: usize,
     /// Prefill side: keep every written plan until its request is released, so `kvferry

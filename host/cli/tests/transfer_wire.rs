@@ -458,9 +458,10 @@ fn bad_control_input_closes_only_that_connection() {
 }
 
 /// A prefill rank serves `--max-peer-connections` side-channel connections at once; one more
-/// is closed at once, before it may say anything, and a freed place is reused.
+/// closes the oldest that has not proven the secret (strangers cannot hold the places), and
+/// is itself kept open, waiting for its handshake.
 #[test]
-fn peer_connections_past_the_cap_are_refused_and_a_freed_place_is_reused() {
+fn a_peer_connection_past_the_cap_closes_the_oldest_unproven_one() {
     let ctx = Server::start(
         "context",
         "deepseek-v3",
@@ -476,32 +477,155 @@ fn peer_connections_past_the_cap_are_refused_and_a_freed_place_is_reused() {
     let ep = endpoint(&ctx);
     // Two connections that say nothing take both places (until the handshake deadline).
     let first = TcpStream::connect(&ep).unwrap();
-    let _second = TcpStream::connect(&ep).unwrap();
+    let second = TcpStream::connect(&ep).unwrap();
     std::thread::sleep(Duration::from_millis(200));
     let third = TcpStream::connect(&ep).unwrap();
-    assert!(closed_silently(third), "a third connection was served");
-    // Closing one frees its place for the next: that one is kept open (waiting for its
-    // handshake) instead of closed at once.
-    drop(first);
-    let deadline = std::time::Instant::now() + REPLY;
-    loop {
-        let mut s = TcpStream::connect(&ep).unwrap();
-        s.set_read_timeout(Some(Duration::from_millis(500)))
-            .unwrap();
-        let mut byte = [0u8; 1];
-        match s.read(&mut byte) {
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) =>
-            {
-                break;
-            }
-            _ if std::time::Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            other => panic!("the freed place was not reused: {other:?}"),
+    assert!(waiting(&third), "the third connection was closed");
+    assert!(waiting(&second), "the second connection was closed");
+    assert!(closed_silently(first), "the oldest connection was answered");
+}
+
+/// Whether `s` is still open, its peer silent (waiting for the handshake).
+fn waiting(mut s: &TcpStream) -> bool {
+    s.set_read_timeout(Some(Duration::from_millis(500)))
+        .unwrap();
+    let mut byte = [0u8; 1];
+    matches!(
+        s.read(&mut byte),
+        Err(e) if matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        )
+    )
+}
+
+/// A TCP connection to `to` from the local IPv4 address `from` (`std` cannot bind a socket
+/// before it connects).
+fn connect_from(from: std::net::Ipv4Addr, to: std::net::SocketAddr) -> std::io::Result<TcpStream> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let std::net::SocketAddr::V4(to) = to else {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("{to} is not an IPv4 address"),
+        ));
+    };
+    let sockaddr = |ip: std::net::Ipv4Addr, port: u16| libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: port.to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from_ne_bytes(ip.octets()),
+        },
+        sin_zero: [0; 8],
+    };
+    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: socket(2) takes no pointers; a negative result is an error, checked below.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is the socket just opened, owned by nothing else: it is closed once, by
+    // the `OwnedFd` (or the stream made of it).
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let local = sockaddr(from, 0);
+    // SAFETY: `local` is a `sockaddr_in` of `len` bytes, alive for the call, which only reads
+    // it; `fd` is an open socket.
+    let bound = unsafe { libc::bind(fd.as_raw_fd(), (&raw const local).cast(), len) };
+    if bound != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let remote = sockaddr(*to.ip(), to.port());
+    // SAFETY: as for `bind`: `remote` is a `sockaddr_in` of `len` bytes, only read.
+    let connected = unsafe { libc::connect(fd.as_raw_fd(), (&raw const remote).cast(), len) };
+    if connected != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(TcpStream::from(fd))
+}
+
+/// `per_host` connections to `addr` from each of 127.0.0.`hosts`, each holding the first
+/// byte of a preamble and nothing more.
+fn stalled_from(
+    addr: &str,
+    hosts: std::ops::RangeInclusive<u8>,
+    per_host: usize,
+) -> Vec<TcpStream> {
+    let to: std::net::SocketAddr = addr.parse().unwrap();
+    let mut stalled = Vec::new();
+    for host in hosts {
+        let from = std::net::Ipv4Addr::new(127, 0, 0, host);
+        for _ in 0..per_host {
+            let mut s = connect_from(from, to)
+                .unwrap_or_else(|e| panic!("connect from {from} to {to}: {e}"));
+            // A connection the listener already closed may refuse it.
+            let _ = s.write_all(b"K");
+            stalled.push(s);
         }
+    }
+    stalled
+}
+
+/// A controller's question, answered.
+fn answers(client: &kvferry_harness::Client) -> bool {
+    matches!(
+        client.call(ControlMessage::InfoRequest, REPLY),
+        Ok(ControlMessage::Info(_))
+    )
+}
+
+/// Any local user can bind every loopback address: 64 stalled handshakes on a server's
+/// control listener, 16 from each of 127.0.0.2 to 127.0.0.5 (as many as it serves), held
+/// open, do not keep an honest controller out.
+#[test]
+fn stalled_control_connections_from_many_loopback_addresses_cannot_keep_a_controller_out() {
+    let ctx = Server::start(
+        "context",
+        "deepseek-v3",
+        "dep2",
+        "tcp",
+        &["--planner", "kvferry.deepseek_mla_latent"],
+    );
+    let stalled = stalled_from(&ctx.control, 2..=5, 16);
+    let secret = Secret::new(support::SECRET).unwrap();
+    let client = kvferry_harness::Client::connect(&ctx.control, &secret)
+        .unwrap_or_else(|e| panic!("the controller was kept out: {e}"));
+    assert!(answers(&client), "the controller got no answer");
+    drop(stalled);
+}
+
+/// A full control listener (64 connections) closes the oldest unproven connection for a
+/// newer one, and turns a newcomer away only when every connection it serves is a proven
+/// controller.
+#[test]
+fn a_full_control_listener_closes_an_unproven_connection_and_refuses_only_proven_ones() {
+    let ctx = Server::start(
+        "context",
+        "deepseek-v3",
+        "dep2",
+        "tcp",
+        &["--planner", "kvferry.deepseek_mla_latent"],
+    );
+    let secret = Secret::new(support::SECRET).unwrap();
+    let connect = || kvferry_harness::Client::connect(&ctx.control, &secret);
+    // 48 proven controllers and 16 strangers from one address take every place.
+    let mut controllers: Vec<_> = (0..48)
+        .map(|k| {
+            let c = connect().unwrap_or_else(|e| panic!("controller {k}: {e}"));
+            assert!(answers(&c), "controller {k} got no answer");
+            c
+        })
+        .collect();
+    let mut strangers = stalled_from(&ctx.control, 1..=1, 16).into_iter();
+    // Each new controller closes the oldest stranger, until only controllers are left.
+    for k in 48..64 {
+        let c = connect().unwrap_or_else(|e| panic!("controller {k} was kept out: {e}"));
+        assert!(answers(&c), "controller {k} got no answer");
+        controllers.push(c);
+        let oldest = strangers.next().unwrap();
+        assert!(closed_silently(oldest), "a stranger was answered");
+    }
+    // Every place is a proven controller's: a newcomer is turned away, unanswered.
+    assert!(connect().is_err(), "a 65th controller was served");
+    for (k, c) in controllers.iter().enumerate() {
+        assert!(answers(c), "controller {k} lost its connection");
     }
 }

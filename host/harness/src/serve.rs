@@ -102,7 +102,8 @@ pub struct ServeOptions {
     pub seed: u64,
     /// Fault injection, prefill side: sleep this long before every flush.
     pub stall: Duration,
-    /// Prefill side: side-channel connections each agent serves at once.
+    /// Prefill side: side-channel connections each agent serves at once (one more closes the
+    /// oldest unproven one, or, when all are proven, is refused).
     pub max_peer_connections: usize,
     /// Prefill side: keep every written plan until its request is released, so
     /// [`ControlMessage::Bench`] can replay it (`kvferry bench`).
@@ -269,7 +270,8 @@ struct Shared {
     repriming: AtomicUsize,
 }
 
-/// The most control connections a server serves at once; one more is closed unanswered.
+/// The most control connections a server serves at once; one more closes the oldest unproven
+/// one, or, when every one is a proven controller, is closed unanswered.
 const MAX_CONTROL_CONNECTIONS: usize = 64;
 
 /// A started server: the agents run, the control listener is bound.
@@ -578,16 +580,19 @@ impl Running {
                             continue;
                         }
                     };
-                    if accept_shared.open.fetch_add(1, Ordering::AcqRel) >= MAX_CONTROL_CONNECTIONS
-                    {
-                        accept_shared.open.fetch_sub(1, Ordering::AcqRel);
+                    // Full, it closes the oldest unproven connection for this one; only when
+                    // every connection is a proven controller is this one turned away.
+                    let Some(pending) = accept_shared.unproven.admit_counted(
+                        &stream,
+                        &accept_shared.open,
+                        MAX_CONTROL_CONNECTIONS,
+                    ) else {
                         tracing::warn!(
                             limit = MAX_CONTROL_CONNECTIONS,
-                            "control listener full: connection refused"
+                            "control listener full of proven or closing connections: connection refused"
                         );
                         continue;
-                    }
-                    let pending = accept_shared.unproven.admit(&stream);
+                    };
                     let shared = Arc::clone(&accept_shared);
                     let spawned = thread::Builder::new()
                         .name("control".into())
@@ -596,6 +601,8 @@ impl Running {
                             shared.open.fetch_sub(1, Ordering::AcqRel);
                         });
                     if let Err(e) = spawned {
+                        // The connection (and its place) went with the closure.
+                        accept_shared.open.fetch_sub(1, Ordering::AcqRel);
                         tracing::warn!(error = %e, "cannot spawn a connection thread");
                     }
                 }

@@ -8,7 +8,8 @@
 
 use std::io::{self, BufReader, ErrorKind, Read, Write};
 use std::marker::PhantomData;
-use std::net::{IpAddr, Shutdown, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, Ipv6Addr, Shutdown, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread;
@@ -142,12 +143,16 @@ pub fn secure_accept<M: Frame>(
 /// Connections whose peer has not proven the secret yet, oldest first (one registry per
 /// listener; clones share it).
 ///
-/// At most `MAX_UNPROVEN` in all and `MAX_UNPROVEN_PER_ADDRESS` from one address: a new
+/// At most `MAX_UNPROVEN` in all and `MAX_UNPROVEN_PER_ADDRESS` from one source: a new
 /// one past either cap closes the oldest instead of being turned away, so connections that
 /// stall or dribble (each also bounded by the handshake's deadline) cannot keep an honest
-/// peer out, whose handshake takes a round trip. Each costs at most one handshake message
+/// peer out, whose handshake takes a round trip. A source is the peer's address, except that
+/// every loopback address (`127.0.0.0/8`, `::1`, and either as an IPv4-mapped address) is one
+/// source: any local user can bind any of them. Each costs at most one handshake message
 /// ([`secure::MAX_HELLO`]) and one record ([`secure::MAX_RECORD`]) of buffers before it is
-/// proven.
+/// proven. A listener that serves a bounded number of connections admits through
+/// [`Unproven::admit_counted`], so that a full listener, too, closes an unproven connection
+/// for a newer one and refuses only when every connection it serves is proven.
 #[derive(Clone, Debug, Default)]
 pub struct Unproven(Arc<Mutex<UnprovenConns>>);
 
@@ -159,8 +164,25 @@ struct UnprovenConns {
 
 /// The most connections not yet proven at once, per listener.
 pub(crate) const MAX_UNPROVEN: usize = 64;
-/// The most connections not yet proven from one address at once, per listener.
+/// The most connections not yet proven from one source at once, per listener (every
+/// loopback address is one source, see [`Unproven`]).
 pub(crate) const MAX_UNPROVEN_PER_ADDRESS: usize = 16;
+
+/// The source a connection from `addr` is counted under in [`Unproven`]: every loopback
+/// address (IPv4, IPv6, or IPv4-mapped) is one, `::1`; an IPv4-mapped address is its IPv4
+/// address; any other address is itself.
+fn source(addr: IpAddr) -> IpAddr {
+    let v4 = match addr {
+        IpAddr::V4(a) => Some(a),
+        IpAddr::V6(a) => a.to_ipv4_mapped(),
+    };
+    match v4 {
+        Some(a) if a.is_loopback() => IpAddr::V6(Ipv6Addr::LOCALHOST),
+        Some(a) => IpAddr::V4(a),
+        None if addr.is_loopback() => IpAddr::V6(Ipv6Addr::LOCALHOST),
+        None => addr,
+    }
+}
 
 /// A connection's place in [`Unproven`], left when dropped (proven, or gone).
 #[derive(Debug)]
@@ -172,6 +194,50 @@ pub struct Pending {
 impl Drop for Pending {
     fn drop(&mut self) {
         self.registry.lock().conns.retain(|(id, ..)| *id != self.id);
+    }
+}
+
+impl UnprovenConns {
+    /// Closes the oldest unproven connection when a newcomer from `from` would pass a cap,
+    /// or, when `full` (its listener serves all it may), in any case; returns whether the
+    /// newcomer may be admitted: `false` only when `full` and no unproven connection is left
+    /// to close.
+    fn make_room(&mut self, from: Option<IpAddr>, full: bool) -> bool {
+        let from_source = self.conns.iter().filter(|(_, a, _)| *a == from).count();
+        let evict = if from_source >= MAX_UNPROVEN_PER_ADDRESS {
+            self.conns.iter().position(|(_, a, _)| *a == from)
+        } else if (full || self.conns.len() >= MAX_UNPROVEN) && !self.conns.is_empty() {
+            Some(0)
+        } else {
+            None
+        };
+        let Some(i) = evict else { return !full };
+        let (_, old, socket) = self.conns.remove(i);
+        tracing::info!(
+            source = ?old,
+            listener_full = full,
+            "an unproven connection closed for a newer one"
+        );
+        // Its thread's next read or write fails at once: the thread ends and frees its place.
+        let _ = socket.shutdown(Shutdown::Both);
+        true
+    }
+
+    fn register(
+        &mut self,
+        registry: &Unproven,
+        stream: &TcpStream,
+        from: Option<IpAddr>,
+    ) -> Pending {
+        let id = self.next;
+        self.next += 1;
+        if let Ok(socket) = stream.try_clone() {
+            self.conns.push((id, from, socket));
+        }
+        Pending {
+            registry: registry.clone(),
+            id,
+        }
     }
 }
 
@@ -188,30 +254,40 @@ impl Unproven {
     /// Registers a connection just accepted, closing the oldest unproven one first when a
     /// cap is reached. Drop the returned [`Pending`] once the peer is proven (or gone).
     pub fn admit(&self, stream: &TcpStream) -> Pending {
-        let addr = stream.peer_addr().ok().map(|a| a.ip());
+        self.admit_from(stream, stream.peer_addr().ok().map(|a| source(a.ip())))
+    }
+
+    /// [`Unproven::admit`] for a connection from the source `from`.
+    fn admit_from(&self, stream: &TcpStream, from: Option<IpAddr>) -> Pending {
         let mut this = self.lock();
-        let from_addr = this.conns.iter().filter(|(_, a, _)| *a == addr).count();
-        let evict = if from_addr >= MAX_UNPROVEN_PER_ADDRESS {
-            this.conns.iter().position(|(_, a, _)| *a == addr)
-        } else if this.conns.len() >= MAX_UNPROVEN {
-            Some(0)
-        } else {
-            None
-        };
-        if let Some(i) = evict {
-            let (_, old, socket) = this.conns.remove(i);
-            tracing::info!(addr = ?old, "an unproven connection closed for a newer one");
-            let _ = socket.shutdown(Shutdown::Both);
+        this.make_room(from, false);
+        this.register(self, stream, from)
+    }
+
+    /// Registers a connection just accepted by a listener that serves at most `max`
+    /// connections, `open` of which are open, and counts it in `open`. Past `max`, an
+    /// unproven connection is closed for it (the oldest from its source when that source's
+    /// cap is reached, else the oldest); `None` (nothing counted: close the newcomer) only
+    /// when none is left to close, every connection served being proven, or when connections
+    /// closed for newer ones that have not ended yet would take `open` past twice `max`.
+    /// The caller takes one from `open` once the connection it admitted has ended (a closed
+    /// one's thread ends at its next read or write); drop the [`Pending`] once its peer is
+    /// proven (or gone).
+    pub fn admit_counted(
+        &self,
+        stream: &TcpStream,
+        open: &AtomicUsize,
+        max: usize,
+    ) -> Option<Pending> {
+        let from = stream.peer_addr().ok().map(|a| source(a.ip()));
+        let mut this = self.lock();
+        let before = open.fetch_add(1, Ordering::AcqRel);
+        let full = before >= max;
+        if before >= max.saturating_mul(2) || !this.make_room(from, full) {
+            open.fetch_sub(1, Ordering::AcqRel);
+            return None;
         }
-        let id = this.next;
-        this.next += 1;
-        if let Ok(socket) = stream.try_clone() {
-            this.conns.push((id, addr, socket));
-        }
-        Pending {
-            registry: self.clone(),
-            id,
-        }
+        Some(this.register(self, stream, from))
     }
 }
 
@@ -618,6 +694,126 @@ mod tests {
             Err(Closed),
             "and every send after it"
         );
+    }
+
+    #[test]
+    fn every_loopback_address_is_one_source() {
+        let ip = |a: &str| source(a.parse().unwrap());
+        let lo = ip("127.0.0.1");
+        for a in [
+            "127.0.0.2",
+            "127.1.2.3",
+            "127.255.255.254",
+            "::1",
+            "::ffff:127.0.0.5",
+        ] {
+            assert_eq!(ip(a), lo, "{a}");
+        }
+        assert_eq!(ip("::ffff:10.0.0.1"), ip("10.0.0.1"));
+        for a in [
+            "10.0.0.1",
+            "::ffff:10.0.0.2",
+            "fe80::1",
+            "2001:db8::1",
+            "0.0.0.0",
+        ] {
+            assert_ne!(ip(a), lo, "{a}");
+        }
+        assert_ne!(ip("10.0.0.1"), ip("10.0.0.2"));
+    }
+
+    /// Whether the peer closed `s` (an end of stream or a reset), not just stayed silent.
+    fn closed(s: &mut TcpStream) -> bool {
+        s.set_read_timeout(Some(Duration::from_millis(100)))
+            .unwrap();
+        match s.read(&mut [0u8; 1]) {
+            Ok(0) => true,
+            Ok(_) => false,
+            Err(e) => !matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut),
+        }
+    }
+
+    #[test]
+    fn connections_from_many_loopback_addresses_share_one_source_cap() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let registry = Unproven::new();
+        let mut clients = Vec::new();
+        let mut pending = Vec::new();
+        // One more than a source may hold, each from another loopback address.
+        for k in 0..=MAX_UNPROVEN_PER_ADDRESS {
+            clients.push(TcpStream::connect(addr).unwrap());
+            let (accepted, _) = listener.accept().unwrap();
+            let from = IpAddr::V4(std::net::Ipv4Addr::new(127, 0, 0, 2 + k as u8));
+            pending.push(registry.admit_from(&accepted, Some(source(from))));
+        }
+        assert_eq!(registry.lock().conns.len(), MAX_UNPROVEN_PER_ADDRESS);
+        let (oldest, newer) = clients.split_first_mut().unwrap();
+        oldest
+            .set_read_timeout(Some(Duration::from_secs(60)))
+            .unwrap();
+        assert!(
+            matches!(oldest.read(&mut [0u8; 1]), Ok(0) | Err(_)),
+            "the oldest stayed open"
+        );
+        assert!(!newer.iter_mut().any(closed), "a newer one was closed");
+    }
+
+    #[test]
+    fn a_full_listener_closes_the_oldest_unproven_connection_and_refuses_only_when_all_are_proven()
+    {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let connect = || {
+            let client = TcpStream::connect(addr).unwrap();
+            let (accepted, _) = listener.accept().unwrap();
+            (client, accepted)
+        };
+        let registry = Unproven::new();
+        let open = AtomicUsize::new(0);
+        let (mut c0, s0) = connect();
+        let p0 = registry.admit_counted(&s0, &open, 2).unwrap();
+        let (mut c1, s1) = connect();
+        let p1 = registry.admit_counted(&s1, &open, 2).unwrap();
+        assert_eq!(open.load(Ordering::Acquire), 2);
+        // Full: a third closes the oldest unproven connection, not itself; it counts until
+        // the closed one's thread ends.
+        let (mut c2, s2) = connect();
+        let p2 = registry
+            .admit_counted(&s2, &open, 2)
+            .expect("the third was refused");
+        assert_eq!(open.load(Ordering::Acquire), 3);
+        c0.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        assert!(
+            matches!(c0.read(&mut [0u8; 1]), Ok(0) | Err(_)),
+            "the oldest stayed open"
+        );
+        assert!(
+            !closed(&mut c1) && !closed(&mut c2),
+            "a newer one was closed"
+        );
+        // Its thread ends; the other two are proven.
+        drop(p0);
+        open.fetch_sub(1, Ordering::AcqRel);
+        drop((p1, p2));
+        // Every connection served is proven: a newcomer is refused, and not counted.
+        let (_c3, s3) = connect();
+        assert!(registry.admit_counted(&s3, &open, 2).is_none());
+        assert_eq!(open.load(Ordering::Acquire), 2);
+        assert!(
+            !closed(&mut c1) && !closed(&mut c2),
+            "a proven one was closed"
+        );
+        // Below the cap, one is admitted again.
+        open.fetch_sub(1, Ordering::AcqRel);
+        let (_c4, s4) = connect();
+        let _p4 = registry.admit_counted(&s4, &open, 2).unwrap();
+        // With as many closed ones still ending as it serves, none is admitted, even for an
+        // unproven one.
+        open.store(4, Ordering::Release);
+        let (_c5, s5) = connect();
+        assert!(registry.admit_counted(&s5, &open, 2).is_none());
+        assert_eq!(open.load(Ordering::Acquire), 4);
     }
 
     fn bincode_eq(a: &AgentMessage, b: &AgentMessage) -> bool {

@@ -581,7 +581,7 @@ fn requests_expected_together_share_one_link_to_their_prefill_rank() {
 }
 
 #[test]
-fn a_full_side_channel_turns_strangers_away_and_serves_honest_peers_once_they_leave() {
+fn a_full_side_channel_closes_its_oldest_stranger_for_a_newcomer_and_serves_honest_peers() {
     let model = model();
     let src = Engine::new("prefill", &model, pattern);
     let dst = Engine::new("decode", &model, |_, _| CANARY);
@@ -591,20 +591,29 @@ fn a_full_side_channel_turns_strangers_away_and_serves_honest_peers_once_they_le
     let decode = agent(Role::Decode, &dst, secret(), Transport::Tcp);
     let endpoint = prefill.endpoint().unwrap().to_string();
     // Two strangers hold both places (they never say a word).
-    let strangers: Vec<_> = (0..2)
+    let mut strangers: Vec<_> = (0..2)
         .map(|_| std::net::TcpStream::connect(&endpoint).unwrap())
         .collect();
     std::thread::sleep(Duration::from_millis(100));
-    // A third is closed at once.
-    let mut third = std::net::TcpStream::connect(&endpoint).unwrap();
-    third
-        .set_read_timeout(Some(Duration::from_secs(5)))
+    // A third takes the place of the oldest, which is closed at once (not at its handshake
+    // deadline): a full listener turns nobody away while a connection of it is unproven.
+    let third = std::net::TcpStream::connect(&endpoint).unwrap();
+    strangers[0]
+        .set_read_timeout(Some(Duration::from_secs(4)))
         .unwrap();
     let mut buf = [0u8; 8];
-    assert!(matches!(
-        std::io::Read::read(&mut third, &mut buf),
-        Ok(0) | Err(_)
-    ));
+    let closed = std::io::Read::read(&mut strangers[0], &mut buf);
+    assert!(
+        match &closed {
+            Ok(n) => *n == 0,
+            Err(e) => !matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ),
+        },
+        "the oldest stranger is still open: {closed:?}"
+    );
+    drop(third);
     drop(strangers);
     std::thread::sleep(Duration::from_millis(100));
     prefill.send(whole(1, tables(&src, &[0]), 16)).unwrap();

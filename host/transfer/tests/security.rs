@@ -225,6 +225,110 @@ fn stalled_and_dribbling_connections_cannot_keep_an_honest_peer_out() {
     check(&src, &dst, &[0, 1], &[0, 1], None);
 }
 
+/// A TCP connection to `to` from the local IPv4 address `from` (the port the kernel's
+/// choice): `std` cannot bind a socket before it connects, and this crate's tests link no
+/// socket library, so the three calls are declared here (Linux's `sockaddr_in`).
+fn connect_from(from: std::net::Ipv4Addr, to: std::net::SocketAddr) -> std::io::Result<TcpStream> {
+    use std::ffi::c_int;
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+    #[repr(C)]
+    struct SockaddrIn {
+        family: u16,
+        port: [u8; 2],
+        addr: [u8; 4],
+        zero: [u8; 8],
+    }
+    unsafe extern "C" {
+        fn socket(domain: c_int, kind: c_int, protocol: c_int) -> c_int;
+        fn bind(fd: c_int, addr: *const SockaddrIn, len: u32) -> c_int;
+        fn connect(fd: c_int, addr: *const SockaddrIn, len: u32) -> c_int;
+    }
+    const AF_INET: c_int = 2;
+    const SOCK_STREAM: c_int = 1;
+    const SOCK_CLOEXEC: c_int = 0o2_000_000;
+    let std::net::SocketAddr::V4(to) = to else {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("{to} is not an IPv4 address"),
+        ));
+    };
+    let sockaddr = |ip: std::net::Ipv4Addr, port: u16| SockaddrIn {
+        family: AF_INET as u16,
+        port: port.to_be_bytes(),
+        addr: ip.octets(),
+        zero: [0; 8],
+    };
+    let len = std::mem::size_of::<SockaddrIn>() as u32;
+    // SAFETY: socket(2) takes no pointers; a negative result is an error, checked below.
+    let fd = unsafe { socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is the socket just opened, owned by nothing else: it is closed once, by
+    // the `OwnedFd` (or the stream made of it).
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let local = sockaddr(from, 0);
+    // SAFETY: `local` is a `sockaddr_in` of `len` bytes, alive for the call, which only reads
+    // it; `fd` is an open socket.
+    if unsafe { bind(fd.as_raw_fd(), &local, len) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let remote = sockaddr(*to.ip(), to.port());
+    // SAFETY: as for `bind`: `remote` is a `sockaddr_in` of `len` bytes, only read.
+    if unsafe { connect(fd.as_raw_fd(), &remote, len) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(TcpStream::from(fd))
+}
+
+/// Any local user can bind every loopback address: 64 stalled handshakes, 16 from each of
+/// 127.0.0.2 to 127.0.0.5 (as many as a listener keeps unproven, and here as many as the side
+/// channel serves), held open, cannot keep an honest peer out: loopback counts as one source,
+/// and a full side channel closes the oldest unproven connection for a newer one.
+#[test]
+fn stalled_connections_from_many_loopback_addresses_cannot_keep_an_honest_peer_out() {
+    let model = model();
+    let src = Engine::new("prefill", &model, pattern);
+    let dst = Engine::new("decode", &model, |_, _| CANARY);
+    let prefill = start(Role::Prefill, &src, secret(), bound(), |c| {
+        c.transport = Transport::Tcp.into();
+        c.max_connections = 64;
+        // No stalled connection ends at its deadline while the honest peer dials.
+        c.handshake_timeout = Duration::from_secs(60);
+    });
+    let decode = agent(Role::Decode, &dst, secret(), Transport::Tcp);
+    let endpoint = prefill.endpoint().unwrap().to_string();
+    let to: std::net::SocketAddr = endpoint.parse().unwrap();
+
+    let mut stalled = Vec::new();
+    for host in 2..=5u8 {
+        let from = std::net::Ipv4Addr::new(127, 0, 0, host);
+        for _ in 0..16 {
+            let mut s = connect_from(from, to)
+                .unwrap_or_else(|e| panic!("connect from {from} to {to}: {e}"));
+            // A byte of a preamble, then nothing. (A connection the listener already
+            // closed may refuse it.)
+            let _ = s.write_all(b"K");
+            stalled.push(s);
+        }
+    }
+    for s in &stalled {
+        let from = s.local_addr().unwrap().ip();
+        assert!(from != to.ip() && from.is_loopback(), "{from}");
+    }
+    decode
+        .expect(expecting(1, &endpoint, tables(&dst, &[0, 1]), 32))
+        .unwrap();
+    prefill.send(whole(1, tables(&src, &[0, 1]), 32)).unwrap();
+    let got = wait(&decode, 1, Duration::from_secs(20));
+    assert!(matches!(got, Event::Received { .. }), "{got:?}");
+    drop(stalled);
+    drop(decode);
+    drop(prefill);
+    check(&src, &dst, &[0, 1], &[0, 1], None);
+}
+
 /// A cancel on the prefill side reaches the decode side at once, as a cancel by that peer
 /// (not as a failed write, nor at a lease or timeout).
 #[test]

@@ -182,22 +182,27 @@ pub(crate) fn listen(inner: &Arc<Inner>, listener: TcpListener) -> std::io::Resu
                         continue;
                     }
                 };
-                if open.fetch_add(1, Ordering::AcqRel) >= max {
-                    open.fetch_sub(1, Ordering::AcqRel);
+                // Full, it closes the oldest unproven connection for this one; only when every
+                // connection is proven is this one turned away.
+                let Some(pending) = unproven.admit_counted(&stream, &open, max) else {
                     // Unauthenticated: it learns nothing but that it was turned away.
-                    tracing::warn!(limit = max, "side channel full: connection refused");
+                    tracing::warn!(
+                        limit = max,
+                        "side channel full of proven or closing connections: connection refused"
+                    );
                     drop(stream);
                     continue;
-                }
-                let open = Arc::clone(&open);
-                let pending = unproven.admit(&stream);
+                };
+                let counted = Arc::clone(&open);
                 let spawned = thread::Builder::new()
                     .name(format!("gen-conn-{}", inner.info.instance_rank))
                     .spawn(move || {
                         serve_connection(&inner, stream, pending);
-                        open.fetch_sub(1, Ordering::AcqRel);
+                        counted.fetch_sub(1, Ordering::AcqRel);
                     });
                 if let Err(e) = spawned {
+                    // The connection (and its place) went with the closure.
+                    open.fetch_sub(1, Ordering::AcqRel);
                     tracing::warn!(error = %e, "cannot spawn a connection thread");
                 }
             }
