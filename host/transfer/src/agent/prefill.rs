@@ -14,14 +14,14 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use kvferry_plan::{PlanFailure, RequestSide, ValidatedPlan, error_chain};
 use kvferry_planner_abi::ffi::ROption;
-use kvferry_planner_abi::{PairRequest, RankInfo, SlotTable, TransferPlanner, ViewId};
+use kvferry_planner_abi::{PairRequest, RankInfo, SlotTable, TokenRange, TransferPlanner, ViewId};
 use kvferry_protocol::prefill::{
     self, Action, ClaimFate, Outcome, Peer, PlanTask, Planned, PrefillConfig, PrefillMachine,
     SendCall, SendRefused, WriteCounts, Written,
@@ -614,54 +614,112 @@ fn all_views(info: &RankInfo) -> BTreeSet<ViewId> {
     info.page_table.view_ids().collect()
 }
 
-/// The digest of `plan`'s source bytes in the order of their destinations (the piece's
-/// packed image, see [`kvferry_protocol::Integrity`]), and the nanoseconds it took; or why it
-/// cannot be made (device pools: the CPU reads the bytes).
-fn piece_digest(
-    inner: &Arc<Inner>,
-    algorithm: Integrity,
-    piece: &PairRequest,
-    plan: &ValidatedPlan,
-) -> Result<(PieceDigest, u64), String> {
-    let started = Instant::now();
+/// Why this rank cannot digest its pieces with `algorithm` (device pools: the CPU reads the
+/// bytes), if it cannot.
+fn cannot_digest(inner: &Inner, algorithm: Integrity) -> Option<String> {
     let device = inner
         .info
         .page_table
         .pools
         .iter()
         .any(|p| p.memory_type == kvferry_planner_abi::MemoryType::VRAM);
-    if device {
-        return Err(format!(
+    device.then(|| {
+        format!(
             "the receiver asked for an {algorithm} digest of each piece, which the CPU computes, \
              and this rank's pools are device memory"
-        ));
-    }
+        )
+    })
+}
+
+/// The digest of `plan`'s source bytes in the order of their destinations (the piece's
+/// packed image, see [`kvferry_protocol::Integrity`]), and the nanoseconds it took. Only for a
+/// rank of host pools ([`cannot_digest`]).
+fn piece_digest(
+    algorithm: Integrity,
+    tokens: TokenRange,
+    plan: &ValidatedPlan,
+) -> (PieceDigest, u64) {
+    let started = Instant::now();
     let runs = kvferry_plan::bounce::gather_list(plan)
         .into_iter()
         .map(|(src, _, len)| (src, len));
     // SAFETY: every source of this rank's validated plan lies inside its pools, host memory
-    // of this process (checked above) live for the agent's life; they are the request's
-    // source slots, which the engine leaves unchanged from `send` to the terminal event
-    // (`Agent::start`'s contract), and kvferry only reads.
+    // of this process (checked by the caller, `cannot_digest`) live for the agent's life;
+    // they are the request's source slots, which the engine leaves unchanged from `send` to
+    // the terminal event (`Agent::start`'s contract; the piece's completion, which waits for
+    // this digest, comes before it), and kvferry only reads.
     let value = unsafe { crate::integrity::digest_runs(algorithm, runs) };
-    let digest = PieceDigest {
-        tokens: piece.token_range,
-        value,
-    };
-    Ok((digest, nanos(started.elapsed())))
+    (PieceDigest { tokens, value }, nanos(started.elapsed()))
+}
+
+/// A piece's write and its digest, which the planner thread computes while the rank thread
+/// puts the bytes (the sources are the same either way): whichever ends second hands the
+/// piece to the machine, so its completion carries the digest and the digest costs the piece
+/// only what it takes beyond the write. Pieces keep their order: writes end in order, and the
+/// digests are made in order.
+#[derive(Default)]
+struct DigestJoin(Mutex<Join>);
+
+#[derive(Default)]
+enum Join {
+    #[default]
+    Neither,
+    Written(Written),
+    Digested(PieceDigest, u64),
+    Done,
+}
+
+impl DigestJoin {
+    /// The write ended: the piece, to go to the machine once its digest is in.
+    fn written(&self, written: Written) -> Option<Written> {
+        let mut join = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        match std::mem::take(&mut *join) {
+            Join::Digested(digest, ns) => {
+                *join = Join::Done;
+                Some(with_digest(written, digest, ns))
+            }
+            _ => {
+                *join = Join::Written(written);
+                None
+            }
+        }
+    }
+
+    /// The digest is made: the piece, if its write already ended.
+    fn digested(&self, digest: PieceDigest, ns: u64) -> Option<Written> {
+        let mut join = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        match std::mem::take(&mut *join) {
+            Join::Written(written) => {
+                *join = Join::Done;
+                Some(with_digest(written, digest, ns))
+            }
+            _ => {
+                *join = Join::Digested(digest, ns);
+                None
+            }
+        }
+    }
+}
+
+fn with_digest(mut written: Written, digest: PieceDigest, ns: u64) -> Written {
+    written.digest = Some(digest);
+    written.stages.digest_ns += ns;
+    written
 }
 
 /// A planned piece, ready for the rank thread.
 struct Queued {
     piece: u32,
+    /// Its tokens.
+    tokens: TokenRange,
     is_last: bool,
     /// The views it carries, when only some.
     views: Option<Arc<Vec<ViewId>>>,
     plan: Arc<ValidatedPlan>,
     /// Its bounce job and what its completion says about it, if it bounces.
     bounce: Option<(BounceJob, BouncedPiece)>,
-    /// Its digest, when the receiver asked for one.
-    digest: Option<PieceDigest>,
+    /// The digest the receiver asked for, made while the piece is written.
+    digest: Option<Integrity>,
 }
 
 /// Whether `plan` (piece `piece` of the claim `data`) goes through the receiver's bounce
@@ -865,22 +923,15 @@ fn plan_and_queue(
         };
         match plan_timed(inner.planner.as_ref(), me, them, &piece, &mut stages) {
             Ok(plan) => {
-                let digest = match data.integrity {
-                    None => None,
-                    Some(algorithm) => match piece_digest(inner, algorithm, &piece, &plan) {
-                        Ok((digest, ns)) => {
-                            stages.digest_ns += ns;
-                            Some(digest)
-                        }
-                        Err(reason) => {
-                            error = Some((*k, format!("piece {k}: {reason}")));
-                            break;
-                        }
-                    },
-                };
+                let digest = data.integrity;
+                if let Some(reason) = digest.and_then(|a| cannot_digest(inner, a)) {
+                    error = Some((*k, format!("piece {k}: {reason}")));
+                    break;
+                }
                 let bounce = bounce_piece(inner, conn, id, &data, &piece, &plan, &mut cursor);
                 plans.push(Queued {
                     piece: *k,
+                    tokens: piece.token_range,
                     is_last: chunk.last,
                     views: chunk.views.clone(),
                     plan: Arc::new(plan),
@@ -903,16 +954,33 @@ fn plan_and_queue(
     if !with_machine(inner, |m, now| m.handle_planned(now, id, g, peer, planned)) {
         return;
     }
+    let mut digests = Vec::new();
     for q in plans {
-        queue(inner, id, g, conn, q);
+        let pending = q.digest.map(|a| (a, q.tokens, Arc::clone(&q.plan)));
+        let join = queue(inner, id, g, conn, q);
+        digests.extend(pending.zip(join));
     }
     if let Some((_, reason)) = &error {
         tracing::warn!(request = id, %reason, "cannot plan");
     }
     with_machine(inner, |m, now| m.handle_queued(now, id, g, peer, error));
+    // The digests, in piece order, while the rank thread writes the pieces.
+    for ((algorithm, tokens, plan), join) in digests {
+        let (digest, ns) = piece_digest(algorithm, tokens, &plan);
+        if let Some(written) = join.digested(digest, ns) {
+            with_machine(inner, |m, now| m.handle_written(now, id, g, written));
+        }
+    }
 }
 
-fn queue(inner: &Arc<Inner>, id: u64, g: u32, conn: &Arc<DecodeConn>, q: Queued) {
+/// Hands piece `q` to the rank thread; the join its digest goes to, when it has one to make.
+fn queue(
+    inner: &Arc<Inner>,
+    id: u64,
+    g: u32,
+    conn: &Arc<DecodeConn>,
+    q: Queued,
+) -> Option<Arc<DigestJoin>> {
     let Queued {
         piece,
         is_last,
@@ -920,7 +988,10 @@ fn queue(inner: &Arc<Inner>, id: u64, g: u32, conn: &Arc<DecodeConn>, q: Queued)
         plan,
         bounce,
         digest,
+        tokens: _,
     } = q;
+    let join = digest.map(|_| Arc::new(DigestJoin::default()));
+    let done_join = join.clone();
     let (bounce, bounced_piece) = bounce.unzip();
     let done_inner = Arc::clone(inner);
     let done_conn = Arc::clone(conn);
@@ -962,7 +1033,7 @@ fn queue(inner: &Arc<Inner>, id: u64, g: u32, conn: &Arc<DecodeConn>, q: Queued)
                 is_last,
                 result,
                 bounce,
-                digest,
+                digest: None,
                 views,
                 stages,
                 // A registration that ended (the peer lost, or given up for not draining)
@@ -971,9 +1042,16 @@ fn queue(inner: &Arc<Inner>, id: u64, g: u32, conn: &Arc<DecodeConn>, q: Queued)
                 // the receiver wait for them (`decode::LATE_WRITE_GRACE`).
                 registered: done_conn.alive.load(Ordering::Acquire),
             };
-            with_machine(&done_inner, |m, now| m.handle_written(now, id, g, written));
+            let written = match &done_join {
+                Some(join) => join.written(written),
+                None => Some(written),
+            };
+            if let Some(written) = written {
+                with_machine(&done_inner, |m, now| m.handle_written(now, id, g, written));
+            }
         }),
     });
+    join
 }
 
 /// The receiver cancels: its claim stops being written; the failed last piece goes out once
