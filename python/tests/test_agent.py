@@ -372,7 +372,7 @@ def test_call_refusals(pair):
     e = error_of(ctx.send, 9, [[99]], 0, 16, 16, True)
     assert e.kind == "invalid", e
 
-    # Tables short of the tokens (issue 42): 40 tokens of 16-token blocks take three
+    # Tables short of the tokens: 40 tokens of 16-token blocks take three
     # entries; two used to move 32 tokens and report the request whole. Refused at the
     # call, on either side, as the engine's own error.
     two = [np.array([0, 1], dtype=np.int32)]

@@ -112,7 +112,7 @@ def test_refusals_name_what_is_wrong(plugin_dir):  # noqa: F811
     with pytest.raises(kvferry.Error, match="the prefill side.*slot 6") as e:
         planner.plan([np.array([6], dtype=np.int32)], [table], 0, 16, 16)
     assert e.value.kind == "invalid"
-    # Tables short of the tokens (issue 42): 40 tokens of 16-token blocks need three
+    # Tables short of the tokens: 40 tokens of 16-token blocks need three
     # entries; two used to plan 32 tokens as if they were the request.
     two, three = np.array([0, 1], dtype=np.int32), np.array([0, 1, 2], dtype=np.int32)
     for p, d, side in [(two, three, "prefill"), (three, two, "decode")]:

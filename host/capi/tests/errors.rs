@@ -296,7 +296,7 @@ fn calls_on_a_live_agent_check_every_pointer_role_and_request() {
         );
         assert_eq!(rc, status(KVFERRY_ERR_INVALID_REQUEST), "{}", last_error());
         assert!(last_error().contains("99"), "{}", last_error());
-        // A table short of the tokens (issue 42): two 16-token blocks for 40 tokens. It used
+        // A table short of the tokens: two 16-token blocks for 40 tokens. It used
         // to be taken, and the request reported received with its last 8 tokens unmoved.
         let rc = kvferry_agent_expect(
             agent,
@@ -448,7 +448,7 @@ fn events_that_do_not_fit_wait_for_the_next_poll() {
         slots: slots.as_ptr(),
         len: 2,
     };
-    // A table short of the tokens (issue 42) is refused at the call, as the engine's error:
+    // A table short of the tokens is refused at the call, as the engine's error:
     // two 16-token blocks for a 40-token prompt.
     // SAFETY: a live handle and a valid (short) table.
     let rc = unsafe { kvferry_agent_send(agent, 9, &table, 1, 0, 40, 40, true, null()) };

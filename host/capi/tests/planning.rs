@@ -363,7 +363,7 @@ fn refusals_name_what_is_wrong() {
         text.contains("the prefill side") && text.contains("slot 4"),
         "{text}"
     );
-    // Tables short of the tokens (issue 42: two entries for 40 tokens of 16-token blocks
+    // Tables short of the tokens (two entries for 40 tokens of 16-token blocks
     // planned 32 tokens as if whole), on either side, and a slot named twice.
     for (p, d, side) in [
         (vec![0, 1], vec![0, 1, 2], "the prefill side"),

@@ -1,5 +1,5 @@
 //! Slot tables that do not cover a request's tokens are refused where the request enters,
-//! before any byte moves (issue 42): a short table used to read as holes past its end, so a
+//! before any byte moves: a short table used to read as holes past its end, so a
 //! 40-token request with 16-token blocks and two-entry tables moved 32 tokens and was
 //! reported `Received` and `Sent`. Repeated slots are refused too; a table longer than the
 //! range is allowed and only its covered blocks move.

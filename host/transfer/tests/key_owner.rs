@@ -1,5 +1,5 @@
-//! A peer may only have a rank write into memory of the process whose worker it declared
-//! (issue 42): over shared memory UCX copies into whatever segment a key names, so a holder of
+//! A peer may only have a rank write into memory of the process whose worker it declared:
+//! over shared memory UCX copies into whatever segment a key names, so a holder of
 //! the secret who proved its own worker and declared another process's pool key had a prefill
 //! rank overwrite that process (35.8 MB, 4 runs of 4), and one that declared the prefill
 //! rank's own key had it overwrite other requests' source slots. Both are refused at vet,

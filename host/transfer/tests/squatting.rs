@@ -1,4 +1,4 @@
-//! Identity squatting (issue 42, item 5): a holder of the secret that presents a live
+//! Identity squatting: a holder of the secret that presents a live
 //! prefill rank's identity — its instance, rank and epoch — when a decode rank dials it
 //! (an `expect` named its endpoint) is refused, and the decode rank's live link to the real
 //! rank, its directory entry and the requests on it go on as they were: the next honest

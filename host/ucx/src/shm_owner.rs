@@ -11,7 +11,7 @@
 //! whoever it belongs to. A worker proof shows that the peer owns the worker its address
 //! names, and nothing about its keys: a peer holding the deployment's secret proved its own
 //! worker and declared another decode process's pool key, and the prefill rank copied into
-//! that process (issue 42). Lanes are chosen per transport (1.22.0
+//! that process. Lanes are chosen per transport (1.22.0
 //! `src/ucp/wireup/select.c`), so even one worker address can name the `posix` receive FIFO
 //! of one process and the `cma` target of another.
 //!
