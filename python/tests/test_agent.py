@@ -261,10 +261,13 @@ def test_transfer_checks_every_byte(plugin_dir, transport):
         assert loads["latency_sum_us"] > 0
         # And the same numbers for Prometheus.
         text = gen.metrics_text()
-        labels = 'instance="decode-py",rank="0",role="decode"'
+        labels = 'kvferry_instance="decode-py",rank="0",role="decode"'
         assert f'kvferry_requests_total{{{labels},outcome="received"}} {len(REQUESTS)}' in text
         assert f"kvferry_transfer_bytes_total{{{labels}}} {loads['bytes']}" in text
         assert f"kvferry_transfer_duration_seconds_count{{{labels}}} {len(REQUESTS)}" in text
+        assert 'kvferry_build_info{version="' in text
+        # Prometheus keeps the label `instance` for the scraped target.
+        assert '{instance="' not in text and ',instance="' not in text
     assert ctx.closed and gen.closed
 
     # Every byte of the decode pool: received rows hold the prefill's pattern, cached rows

@@ -583,7 +583,7 @@ fn layer_wise_sends_name_views_and_holds_are_for_decode_ranks() {
     assert_eq!(rc, status(KVFERRY_OK));
     assert_eq!(text[len], 0);
     let text = String::from_utf8(text[..len].to_vec()).unwrap();
-    let labels = r#"instance="context-t",rank="0",role="prefill""#;
+    let labels = r#"kvferry_instance="context-t",rank="0",role="prefill""#;
     for line in [
         format!("kvferry_requests_in_flight{{{labels}}} 2"),
         format!(r#"kvferry_requests_total{{{labels},outcome="sent"}} 0"#),
@@ -591,6 +591,12 @@ fn layer_wise_sends_name_views_and_holds_are_for_decode_ranks() {
     ] {
         assert!(text.lines().any(|l| l == line), "no `{line}` in\n{text}");
     }
+    // Which kvferry (and UCX, and planner) made them.
+    let build = format!(
+        r#"kvferry_build_info{{version="{}",ucx=""#,
+        env!("CARGO_PKG_VERSION")
+    );
+    assert!(text.lines().any(|l| l.starts_with(&build)), "{text}");
     // SAFETY: a live handle, destroyed once.
     unsafe { kvferry_agent_destroy(agent) };
 }

@@ -218,8 +218,9 @@ struct ServeArgs {
     /// `control on HOST:PORT`. Keep it on loopback: it can shut the server down.
     #[arg(long, default_value = "127.0.0.1:0", value_name = "HOST:PORT")]
     control: String,
-    /// Serve the agents' numbers for Prometheus at `http://HOST:PORT/metrics` (port 0: a free
-    /// one), printed on stdout as `metrics on HOST:PORT`.
+    /// Serve the agents' numbers for Prometheus at `http://HOST:PORT/metrics`, and the probes
+    /// `/healthz` and `/readyz` (port 0: a free one), printed on stdout as
+    /// `metrics on HOST:PORT`.
     #[arg(long, value_name = "HOST:PORT")]
     metrics_listen: Option<String>,
     #[command(flatten)]

@@ -1,5 +1,6 @@
 //! `kvferry serve --metrics-listen`: Prometheus scrapes the servers while `kvferry demo` drives
-//! them, and the numbers they serve are the demo's own.
+//! them, and the numbers they serve are the demo's own; the listener's probes (`/healthz`,
+//! `/readyz`) and what names the series (`kvferry_instance`, `kvferry_build_info`).
 
 use crate::support;
 
@@ -113,4 +114,89 @@ fn metrics_during_a_demo_count_what_the_demo_reports() {
     let addr = decode.metrics.as_deref().unwrap();
     assert_eq!(get(addr, "/").unwrap().0, 404);
     assert_eq!(get(addr, "/metrics?x=1").unwrap().0, 200);
+}
+
+/// The label names of one sample line (`name{a="x",b="y"} v`), quoted values skipped.
+fn label_names(line: &str) -> Vec<String> {
+    let Some((_, rest)) = line.split_once('{') else {
+        return Vec::new();
+    };
+    let mut names = Vec::new();
+    let mut name = String::new();
+    let (mut quoted, mut escaped) = (false, false);
+    for c in rest.chars() {
+        if quoted {
+            match (escaped, c) {
+                (true, _) => escaped = false,
+                (false, '\\') => escaped = true,
+                (false, '"') => quoted = false,
+                _ => {}
+            }
+            continue;
+        }
+        match c {
+            '"' => quoted = true,
+            '=' => names.push(std::mem::take(&mut name)),
+            ',' => name.clear(),
+            '}' => break,
+            c => name.push(c),
+        }
+    }
+    names
+}
+
+#[test]
+fn a_running_server_answers_its_probes_and_names_itself_for_prometheus() {
+    let extra = ["--metrics-listen", "127.0.0.1:0", "--name", "probed-ctx"];
+    let ctx = Server::start("context", "llama-3-70b", "tp2", "tcp", &extra);
+    let addr = ctx
+        .metrics
+        .as_deref()
+        .expect("serve printed its metrics address");
+    // Alive, and its agents (started before serve printed its addresses) take requests.
+    assert_eq!(get(addr, "/healthz").unwrap(), (200, "ok\n".to_string()));
+    assert_eq!(get(addr, "/readyz").unwrap(), (200, "ready\n".to_string()));
+    assert_eq!(get(addr, "/nope").unwrap().0, 404);
+
+    let (status, text) = get(addr, "/metrics").unwrap();
+    assert_eq!(status, 200, "{text}");
+    // Prometheus sets `instance` to the scraped target: ours is `kvferry_instance`.
+    let samples: Vec<&str> = text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .collect();
+    assert!(!samples.is_empty(), "{text}");
+    for line in &samples {
+        let names = label_names(line);
+        assert!(!names.iter().any(|n| n == "instance"), "`{line}`");
+        if !line.starts_with("kvferry_build_info") {
+            assert_eq!(names[..3], ["kvferry_instance", "rank", "role"], "`{line}`");
+        }
+    }
+    for rank in 0..2 {
+        let line = format!(
+            r#"kvferry_peers{{kvferry_instance="probed-ctx",rank="{rank}",role="prefill"}} 0"#
+        );
+        assert!(samples.contains(&line.as_str()), "no `{line}` in\n{text}");
+    }
+    // Which kvferry, UCX and planner: one line for the two ranks of one planner.
+    assert_eq!(
+        text.matches("# TYPE kvferry_build_info gauge").count(),
+        1,
+        "{text}"
+    );
+    let build: Vec<&&str> = samples
+        .iter()
+        .filter(|l| l.starts_with("kvferry_build_info{"))
+        .collect();
+    assert_eq!(build.len(), 1, "{text}");
+    let version = format!(r#"version="{}""#, env!("CARGO_PKG_VERSION"));
+    assert!(build[0].contains(&version), "{text}");
+    for label in ["ucx", "planner"] {
+        let set = format!(r#"{label}=""#);
+        assert!(build[0].contains(&set), "{text}");
+        assert!(!build[0].contains(&format!("{set}\"")), "{text}");
+    }
+    assert!(!build[0].contains(r#"ucx="unknown""#), "{text}");
+    assert!(build[0].ends_with("} 1"), "{text}");
 }

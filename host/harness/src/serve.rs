@@ -284,6 +284,53 @@ pub struct Running {
     pumps: Vec<JoinHandle<()>>,
 }
 
+/// A server's side of `--metrics-listen` ([`Running::metrics_source`]): its agents' numbers
+/// (`/metrics`) and whether they take requests (`/readyz`), until the server stops.
+///
+/// Every agent is started before [`start`] returns, so before a listener can be handed this,
+/// and the agents are taken out only when the server stops: ready means the server has not
+/// begun to stop and holds an agent for each of its ranks.
+#[derive(Debug)]
+pub struct MetricsSource {
+    shared: std::sync::Weak<Shared>,
+}
+
+impl MetricsSource {
+    /// The server, unless it has stopped or is stopping.
+    fn live(&self) -> Option<Arc<Shared>> {
+        let shared = self.shared.upgrade()?;
+        (!shared.stopping.load(Ordering::Acquire)).then_some(shared)
+    }
+}
+
+impl crate::metrics_http::Source for MetricsSource {
+    fn render(&self) -> Option<String> {
+        let shared = self.live()?;
+        let samples: Vec<_> = shared
+            .agents_now()
+            .iter()
+            .map(|(_, a)| kvferry_transfer::metrics::Sample::of(a))
+            .collect();
+        Some(kvferry_transfer::metrics::encode(&samples))
+    }
+
+    fn readiness(&self) -> crate::metrics_http::Readiness {
+        use crate::metrics_http::Readiness;
+        let Some(shared) = self.live() else {
+            return Readiness::Stopped;
+        };
+        let agents = shared.agents_now();
+        match shared
+            .ranks
+            .keys()
+            .find(|r| !agents.iter().any(|(a, _)| a == *r))
+        {
+            Some(r) => Readiness::NotReady(format!("rank {r} has no agent")),
+            None => Readiness::Ready,
+        }
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -530,21 +577,12 @@ impl Running {
         self.shared.ranks.keys().copied().collect()
     }
 
-    /// Its agents' numbers in the Prometheus text format, each time it is called, until the
-    /// server stops (`None` from then on): what `--metrics-listen` serves.
-    pub fn metrics_source(&self) -> impl Fn() -> Option<String> + Send + Sync + 'static {
-        let shared = Arc::downgrade(&self.shared);
-        move || {
-            let shared = shared.upgrade()?;
-            if shared.stopping.load(Ordering::Acquire) {
-                return None;
-            }
-            let samples: Vec<_> = shared
-                .agents_now()
-                .iter()
-                .map(|(_, a)| kvferry_transfer::metrics::Sample::of(a))
-                .collect();
-            Some(kvferry_transfer::metrics::encode(&samples))
+    /// Its agents' numbers in the Prometheus text format and whether they take requests,
+    /// until the server stops: what `--metrics-listen` serves
+    /// ([`metrics_http::spawn`](crate::metrics_http::spawn)).
+    pub fn metrics_source(&self) -> MetricsSource {
+        MetricsSource {
+            shared: Arc::downgrade(&self.shared),
         }
     }
 

@@ -3,11 +3,14 @@
 //! (`kvferry_agent_metrics`) and Python (`Agent.metrics_text()`) hand an engine to fold into
 //! its own.
 //!
-//! Every series carries the agent's `instance`, `rank` and `role` (`context` or `generation`).
-//! Names and units follow Prometheus' conventions:
+//! Every series but `kvferry_build_info` carries the agent's `kvferry_instance` (its instance's
+//! name; not `instance`, which Prometheus sets to the scraped target and would rename ours to
+//! `exported_instance`), `rank` and `role` (`prefill` or `decode`). Names and units follow
+//! Prometheus' conventions:
 //!
 //! | series | type | what |
 //! |---|---|---|
+//! | `kvferry_build_info{version,ucx,planner}` | gauge | always 1: kvferry's version, the loaded UCX library's, the planner the agents bound (a line per planner; no `planner` label without agents) |
 //! | `kvferry_requests_total{outcome}` | counter | requests ended: `sent`, `received`, `cancelled`, `failed` |
 //! | `kvferry_request_failures_total{kind}` | counter | failed requests by kind (`peer`, `timeout`, `lease`, ...) |
 //! | `kvferry_transfer_bytes_total` | counter | bytes of the requests that ended well |
@@ -40,6 +43,13 @@ use crate::agent::{Agent, AgentStats, FAILURE_KINDS, LATENCY_BUCKETS};
 /// The `Content-Type` of [`encode`]'s text.
 pub const CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
 
+/// The label naming an agent's instance on every series (Prometheus keeps `instance` for the
+/// scraped target).
+pub const INSTANCE_LABEL: &str = "kvferry_instance";
+
+/// The version `kvferry_build_info` reports: this crate's, which every kvferry crate shares.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
 /// One agent's numbers and who it is.
 #[derive(Clone, Debug)]
 pub struct Sample {
@@ -49,6 +59,8 @@ pub struct Sample {
     pub rank: u32,
     /// Its role.
     pub role: Role,
+    /// The id of the planner it bound.
+    pub planner: String,
     /// What it did so far.
     pub stats: AgentStats,
 }
@@ -61,13 +73,14 @@ impl Sample {
             instance: me.instance,
             rank: me.rank,
             role: agent.role(),
+            planner: agent.rank_info().planner_id.to_string(),
             stats: agent.stats(),
         }
     }
 
     fn labels(&self) -> Vec<(&'static str, String)> {
         vec![
-            ("instance", self.instance.clone()),
+            (INSTANCE_LABEL, self.instance.clone()),
             ("rank", self.rank.to_string()),
             ("role", self.role.to_string()),
         ]
@@ -162,6 +175,30 @@ impl Samples {
 impl Collector for Samples {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
         let e = &mut encoder;
+        {
+            let mut metric = e.encode_descriptor(
+                "kvferry_build_info",
+                "Always 1: kvferry's version, the loaded UCX library's, and the planner the \
+                 agents bound.",
+                None,
+                MetricType::Gauge,
+            )?;
+            let build = [
+                ("version", VERSION.to_string()),
+                ("ucx", kvferry_ucx::version().to_string()),
+            ];
+            let mut planners: Vec<&str> = self.0.iter().map(|s| s.planner.as_str()).collect();
+            planners.sort_unstable();
+            planners.dedup();
+            if planners.is_empty() {
+                ConstGauge::new(1i64).encode(metric.encode_family(&build.to_vec())?)?;
+            }
+            for planner in planners {
+                let mut labels = build.to_vec();
+                labels.push(("planner", planner.to_string()));
+                ConstGauge::new(1i64).encode(metric.encode_family(&labels)?)?;
+            }
+        }
         {
             let mut metric = e.encode_descriptor(
                 "kvferry_requests",
@@ -270,8 +307,99 @@ mod tests {
             instance: "ctx-\"a\"".into(),
             rank,
             role,
+            planner: "default".into(),
             stats,
         }
+    }
+
+    /// The label names of one sample line (`name{a="x",b="y"} v`), quoted values skipped.
+    fn label_names(line: &str) -> Vec<String> {
+        let Some((_, rest)) = line.split_once('{') else {
+            return Vec::new();
+        };
+        let mut names = Vec::new();
+        let mut name = String::new();
+        let (mut quoted, mut escaped) = (false, false);
+        for c in rest.chars() {
+            if quoted {
+                match (escaped, c) {
+                    (true, _) => escaped = false,
+                    (false, '\\') => escaped = true,
+                    (false, '"') => quoted = false,
+                    _ => {}
+                }
+                continue;
+            }
+            match c {
+                '"' => quoted = true,
+                '=' => names.push(std::mem::take(&mut name)),
+                ',' => name.clear(),
+                '}' => break,
+                c => name.push(c),
+            }
+        }
+        names
+    }
+
+    #[test]
+    fn the_instance_label_is_kvferry_instance_never_prometheus_instance() {
+        let text = encode(&[
+            sample(0, Role::Prefill, AgentStats::default()),
+            sample(1, Role::Decode, AgentStats::default()),
+        ]);
+        let samples: Vec<&str> = text
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+            .collect();
+        assert!(samples.len() > 20, "{text}");
+        for line in samples {
+            let names = label_names(line);
+            // Prometheus sets `instance` to the scraped target: ours would be renamed.
+            assert!(!names.iter().any(|n| n == "instance"), "`{line}`");
+            if !line.starts_with("kvferry_build_info") {
+                assert_eq!(names[..3], ["kvferry_instance", "rank", "role"], "`{line}`");
+            }
+        }
+        assert!(
+            text.contains(
+                r#"kvferry_peers{kvferry_instance="ctx-\"a\"",rank="1",role="decode"} 0"#
+            ),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn build_info_says_which_kvferry_ucx_and_planner_once_per_text() {
+        let text = encode(&[
+            sample(0, Role::Prefill, AgentStats::default()),
+            sample(1, Role::Prefill, AgentStats::default()),
+        ]);
+        assert_eq!(
+            text.matches("# TYPE kvferry_build_info gauge").count(),
+            1,
+            "{text}"
+        );
+        assert_eq!(
+            text.matches("# HELP kvferry_build_info ").count(),
+            1,
+            "{text}"
+        );
+        let ucx = kvferry_ucx::version();
+        assert!(!ucx.is_empty() && ucx != "unknown", "{ucx}");
+        let line =
+            format!(r#"kvferry_build_info{{version="{VERSION}",ucx="{ucx}",planner="default"}} 1"#);
+        // Two agents of one planner: one line.
+        let lines: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("kvferry_build_info"))
+            .collect();
+        assert_eq!(lines, [line.as_str()], "{text}");
+        assert_eq!(VERSION, env!("CARGO_PKG_VERSION"));
+        assert!(!VERSION.is_empty());
+        // Without agents (nothing to name a planner): kvferry and UCX still.
+        let none = encode(&[]);
+        let line = format!(r#"kvferry_build_info{{version="{VERSION}",ucx="{ucx}"}} 1"#);
+        assert!(none.lines().any(|l| l == line), "{none}");
     }
 
     #[test]
@@ -303,8 +431,8 @@ mod tests {
         };
         let text = encode(&[sample(0, Role::Prefill, a), sample(1, Role::Decode, b)]);
         let has = |line: &str| assert!(text.lines().any(|l| l == line), "no `{line}` in\n{text}");
-        let ctx = r#"instance="ctx-\"a\"",rank="0",role="prefill""#;
-        let generation = r#"instance="ctx-\"a\"",rank="1",role="decode""#;
+        let ctx = r#"kvferry_instance="ctx-\"a\"",rank="0",role="prefill""#;
+        let generation = r#"kvferry_instance="ctx-\"a\"",rank="1",role="decode""#;
         has("# TYPE kvferry_requests_total counter");
         has(&format!(
             r#"kvferry_requests_total{{{ctx},outcome="sent"}} 3"#
