@@ -37,8 +37,8 @@ per token), not the 576-element latent (``kv_lora_rank`` 512 + rope 64) that ser
 store and that ``kvferry.deepseek_mla_latent`` and the default planner move for it. Moving
 its per-head cache would exercise the GQA path again (already proven above), not the latent
 layout; rebuilding the latent from the model would mean re-implementing its attention. The
-latent path is proven by the oracle instead: ``kvferry conform`` and ``kvferry plan --model
-deepseek-v3`` check every destination byte of tagged latent pools.
+latent path is proven by the oracle instead: ``kvferry conform`` and ``kvferry plan --verify
+--model deepseek-v3`` check every destination byte of tagged latent pools.
 """
 
 from __future__ import annotations

@@ -454,7 +454,8 @@ fn llama_plan_with(ctx: &str, decode: &str, prompt: &str, extra: &[&str]) -> Val
     plan_json("llama-3-70b", ctx, decode, prompt, extra)
 }
 
-/// Runs `kvferry plan --json` (plus `extra`), checks it succeeded and returns the report.
+/// Runs `kvferry plan --verify --json` (plus `extra`): every byte moved and checked by the
+/// oracle; checks it succeeded and returns the report.
 fn plan_json(model: &str, ctx: &str, decode: &str, prompt: &str, extra: &[&str]) -> Value {
     let mut args = vec![
         "plan",
@@ -466,6 +467,7 @@ fn plan_json(model: &str, ctx: &str, decode: &str, prompt: &str, extra: &[&str])
         decode,
         "--prompt-len",
         prompt,
+        "--verify",
         "--json",
     ];
     args.extend_from_slice(extra);
@@ -784,11 +786,13 @@ fn plan_refuses_a_prompt_whose_pools_exceed_the_host_with_the_numbers() {
             "tp1",
             "--prompt-len",
             "100000000",
+            "--verify",
         ],
         &[
             "kvferry: --prompt-len 100000000 with --tokens-per-block 32 cannot fit: backing the \
              pools of 1 receiving decode rank needs 34816.02 GB (34816015728640 bytes); ",
             " available (",
+            "; drop --verify to plan it from the page tables alone, with no pools",
         ],
     );
     println!("seen: {}", stderr.trim());
@@ -971,4 +975,324 @@ fn bench_sweep_arguments_are_checked_before_anything_starts() {
             .stderr_of_failure();
         assert!(stderr.contains(wanted), "{args:?}: {stderr}");
     }
+}
+
+/// The longest a `kvferry plan` of these tests may run before it counts as hung: far past what
+/// any of them takes, on the slowest CI machine.
+const PLAN_HANG_LIMIT: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// Runs `run` to its end, or kills it and fails the test once it has run past
+/// [`PLAN_HANG_LIMIT`]; both streams are read as it runs.
+fn output_unless_hung(mut run: std::process::Command) -> Output {
+    use std::io::Read;
+    use std::process::Stdio;
+    let mut child = run
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run kvferry");
+    let drain = |mut pipe: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            let _ = pipe.read_to_end(&mut bytes);
+            bytes
+        })
+    };
+    let stdout = drain(Box::new(child.stdout.take().unwrap()));
+    let stderr = drain(Box::new(child.stderr.take().unwrap()));
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait for kvferry") {
+            break status;
+        }
+        if started.elapsed() > PLAN_HANG_LIMIT {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("kvferry ran past {PLAN_HANG_LIMIT:?}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    Output {
+        status,
+        stdout: stdout.join().unwrap(),
+        stderr: stderr.join().unwrap(),
+    }
+}
+
+/// `kvferry plan ARGS`, which must succeed (unless hung), its standard output.
+fn plan_stdout(args: &[&str]) -> String {
+    let out = output_unless_hung(Kvferry::new().quiet().arg("plan").args(args).command());
+    let (stdout, stderr) = text(&out);
+    assert!(
+        out.status.success(),
+        "kvferry plan {args:?} ({}):\n{stdout}\n{stderr}",
+        out.status
+    );
+    stdout
+}
+
+/// `kvferry plan ARGS --json`, which must succeed, parsed.
+fn plan_report(args: &[&str]) -> Value {
+    let stdout = plan_stdout(&[args, &["--json"]].concat());
+    serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("no JSON ({e}):\n{stdout}"))
+}
+
+/// Each pair's traffic as `--verify` reports it: (sender, receiver, fragments, planned
+/// fragments, bytes, bounced pieces).
+fn pair_counts(v: &Value) -> Vec<[u64; 6]> {
+    v["pairs"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no pairs: {v}"))
+        .iter()
+        .map(|p| {
+            [
+                "src_rank",
+                "dst_rank",
+                "fragments",
+                "planned_fragments",
+                "bytes",
+                "bounced_pieces",
+            ]
+            .map(|k| p[k].as_u64().unwrap_or_else(|| panic!("{k} in {p}")))
+        })
+        .collect()
+}
+
+const DRY_RUN: &str =
+    "dry run: plans validated, bytes not moved; --verify to move and check every byte";
+
+/// Issue 46 (3): 131,072 tokens of Llama-3-70B, tp4 -> tp8, whose receivers' pools alone
+/// (42.9 GB) are past what the oracle may back on most hosts, plan from the page tables
+/// alone, inside a GiB of address space; each pair moves 256 times what `--verify` moves and
+/// checks at 512 tokens (4,096 blocks against 16: bytes and planned fragments scale with
+/// blocks), 5 GiB per pair, one 8,192-byte head of every K and V buffer of every block.
+#[test]
+fn plan_dry_runs_128k_llama_tokens_from_the_page_tables_in_a_gib() {
+    let big = [
+        "plan",
+        "--model",
+        "llama-3-70b",
+        "--ctx",
+        "tp4",
+        "--gen",
+        "tp8",
+        "--prompt-len",
+        "131072",
+        "--json",
+    ];
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Kvferry::new().quiet().args(big).command();
+    // SAFETY: as in `refused_within_a_gib`: setrlimit only, in the forked child.
+    unsafe {
+        cmd.pre_exec(limit_address_space);
+    }
+    let out = output_unless_hung(cmd);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{big:?}:\n{stdout}\n{stderr}");
+    let v: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(v["dry_run"], true, "{v}");
+    assert_eq!(v["verified"], false, "{v}");
+    assert_eq!(v["verify"], DRY_RUN, "{v}");
+    assert_eq!(v["overlapping_writes"], 0, "{v}");
+
+    let small = plan_report(&[
+        "--model",
+        "llama-3-70b",
+        "--ctx",
+        "tp4",
+        "--gen",
+        "tp8",
+        "--prompt-len",
+        "512",
+        "--verify",
+    ]);
+    assert_eq!(small["verified"], true, "{small}");
+    let (big_pairs, small_pairs) = (pair_counts(&v), pair_counts(&small));
+    assert_eq!(big_pairs.len(), 8, "{v}");
+    assert_eq!(big_pairs.len(), small_pairs.len());
+    for (b, s) in big_pairs.iter().zip(&small_pairs) {
+        assert_eq!((b[0], b[1]), (s[0], s[1]), "same pairs");
+        assert_eq!(
+            b[0],
+            b[1] / 2,
+            "decode rank g is written by prefill rank g / 2"
+        );
+        assert_eq!(b[4], 256 * s[4], "bytes scale with blocks: {b:?} vs {s:?}");
+        assert_eq!(b[3], 256 * s[3], "planned fragments scale: {b:?} vs {s:?}");
+        assert_eq!(b[4], 4096 * 160 * 8192);
+    }
+    let total: u64 = big_pairs.iter().map(|p| p[4]).sum();
+    assert_eq!(v["total_bytes"], total, "{v}");
+    for p in v["pairs"].as_array().unwrap() {
+        // The default planner answers with compressed plans; the mean fragment is one head.
+        assert!(p["patterns"].as_u64().is_some_and(|n| n > 0), "{p}");
+        let fragments = p["fragments"].as_u64().unwrap();
+        let mean = p["mean_fragment_bytes"].as_u64().unwrap();
+        assert_eq!(mean, p["bytes"].as_u64().unwrap() / fragments, "{p}");
+    }
+}
+
+/// Without `--verify` the counts are the ones `--verify` moves and checks, field by field,
+/// across the planners' shapes: one writer and two, re-blocking, duplicated heads, chunks
+/// over a cached prefix with recurrent state, bounced pieces, MLA under attention DP.
+#[test]
+fn plan_dry_run_counts_what_verify_moves() {
+    for args in [
+        &[
+            "--model",
+            "llama-3-70b",
+            "--ctx",
+            "tp8",
+            "--gen",
+            "tp4",
+            "--prompt-len",
+            "1000",
+        ][..],
+        &[
+            "--model",
+            "llama-3-70b",
+            "--ctx",
+            "tp16",
+            "--gen",
+            "tp8",
+            "--prompt-len",
+            "100",
+        ],
+        &[
+            "--model",
+            "llama-3-70b",
+            "--ctx",
+            "tp2",
+            "--gen",
+            "tp4",
+            "--prompt-len",
+            "300",
+            "--ctx-tokens-per-block",
+            "16",
+            "--gen-tokens-per-block",
+            "64",
+        ],
+        &[
+            "--model",
+            "qwen3-next-80b-a3b",
+            "--ctx",
+            "tp2",
+            "--gen",
+            "tp4",
+            "--prompt-len",
+            "4000",
+            "--chunk",
+            "1024",
+            "--cached",
+            "512",
+        ],
+        &[
+            "--model",
+            "gpt-oss-120b",
+            "--ctx",
+            "tp2",
+            "--gen",
+            "tp1",
+            "--prompt-len",
+            "5000",
+            "--chunk",
+            "640",
+            "--bounce",
+            "on",
+        ],
+        &[
+            "--model",
+            "deepseek-v3",
+            "--ctx",
+            "dep2",
+            "--gen",
+            "dep4",
+            "--prompt-len",
+            "3000",
+            "--gen-dp-rank",
+            "3",
+            "--planner",
+            "kvferry.deepseek_mla_latent",
+        ],
+    ] {
+        let dry = plan_report(args);
+        let verified = plan_report(&[args, &["--verify"]].concat());
+        assert_eq!(verified["verified"], true, "{args:?}: {verified}");
+        assert_eq!(verified["dry_run"], false, "{args:?}: {verified}");
+        assert_eq!(dry["dry_run"], true, "{args:?}: {dry}");
+        assert_eq!(dry["verify"], DRY_RUN, "{args:?}: {dry}");
+        assert_eq!(pair_counts(&dry), pair_counts(&verified), "{args:?}");
+        assert_eq!(dry["receivers"], verified["receivers"], "{args:?}");
+        for total in ["total_fragments", "total_planned_fragments", "total_bytes"] {
+            assert_eq!(dry[total], verified[total], "{args:?}: {total}");
+        }
+    }
+}
+
+/// In text: the dry run says that no byte moved and never claims a verdict; `--verify` still
+/// moves every byte and checks each one.
+#[test]
+fn plan_says_whether_the_bytes_were_moved_and_checked() {
+    let args = [
+        "--model",
+        "llama-3-70b",
+        "--ctx",
+        "tp4",
+        "--gen",
+        "tp8",
+        "--prompt-len",
+        "512",
+    ];
+    let dry = plan_stdout(&args);
+    assert!(dry.trim_end().ends_with(DRY_RUN), "{dry}");
+    assert!(!dry.contains("verified"), "{dry}");
+    assert!(
+        dry.contains(
+            "ctx 0 -> gen 1: 1 pieces, 2560 fragments (2560 planned, 1 patterns), 20971520 \
+             bytes (20 MiB), mean fragment 8192 bytes (8 KiB)"
+        ),
+        "{dry}"
+    );
+    let verified = plan_stdout(&[&args[..], &["--verify"]].concat());
+    assert!(
+        verified.contains(
+            "verify: 199229440 destination bytes checked (160 MiB covered), 199229440 source \
+             bytes checked: all match"
+        ),
+        "{verified}"
+    );
+    assert!(
+        verified.trim_end().ends_with("verified: true"),
+        "{verified}"
+    );
+    assert!(!verified.contains("bytes not moved"), "{verified}");
+}
+
+/// A dry run sizes what it will hold (slot tables, the rows the planner reads) and refuses,
+/// inside a GiB, a request past the host's memory: a billion one-token blocks on 1,024 ranks
+/// a side, 16.5 TB of tables.
+#[test]
+fn plan_dry_run_refuses_a_request_whose_tables_exceed_the_host() {
+    let stderr = refused_within_a_gib(
+        &[
+            "plan",
+            "--model",
+            "llama-3-70b",
+            "--ctx",
+            "tp1024",
+            "--gen",
+            "tp1024",
+            "--prompt-len",
+            "1000000000",
+            "--tokens-per-block",
+            "1",
+        ],
+        &[
+            "kvferry: --prompt-len 1000000000 with --tokens-per-block 1 cannot be planned here: \
+             its slot tables and the rows the planner reads would take about ",
+            " available (",
+        ],
+    );
+    assert!(!stderr.contains("backing the pools"), "{stderr}");
 }

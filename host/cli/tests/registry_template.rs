@@ -147,6 +147,7 @@ fn the_cli_lists_the_template_and_plans_with_it() {
             "tp2",
             "--prompt-len",
             "100",
+            "--verify",
             "--json",
         ])
         .output();
