@@ -9,120 +9,21 @@ use crate::support;
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::sync::mpsc;
-use std::sync::{Arc, atomic::AtomicBool};
-use std::time::Duration;
 
-use kvferry_plan::{ValidatedPlan, error_chain, validate};
-use kvferry_planner_abi::ffi::RVec;
-use kvferry_planner_abi::{GroupKind, LayerGroupRows, TransferPlan, ViewId};
+use kvferry_plan::error_chain;
 use kvferry_protocol::PoolKey;
-use kvferry_transfer::harness::memory::{PoolAllocator, RankPools};
-use kvferry_transfer::harness::rank::{RankThread, RemoteRank, WriteError, WriteJob};
-use kvferry_transfer::{Transport, TransportSpec};
-use kvferry_ucx::{Context, MemRegion, Worker};
+use kvferry_transfer::Transport;
+use kvferry_transfer::harness::rank::WriteError;
+use kvferry_ucx::{Context, MemRegion};
 
-const POOL: u64 = 2 << 20;
-const WAIT: Duration = Duration::from_secs(20);
+use support::ranks::{POOL, WAIT, one_fragment, rank, rank_on, remote, vet, write};
+
 const VICTIM_BYTE: u8 = 0x5a;
 const SOURCE_BYTE: u8 = 0xc3;
 
-struct Rank {
-    thread: RankThread,
-    pools: Arc<RankPools>,
-    keys: Vec<PoolKey>,
-    _ctx: Arc<Context>,
-}
-
-fn rank(label: &str) -> Rank {
-    rank_on(label, Transport::Shm.context().expect("UCX context"))
-}
-
-fn rank_on(label: &str, ctx: Arc<Context>) -> Rank {
-    let mut allocator = PoolAllocator::with_host_budget(&ctx, None);
-    allocator.alloc(0, 0, POOL);
-    let pools = allocator.finish(1).expect("pool").remove(0);
-    let keys = pools.keys().expect("keys");
-    let pools = Arc::new(pools);
-    let worker = Worker::new(&ctx).expect("worker");
-    let errors = TransportSpec::from(Transport::Shm).error_mode();
-    let thread =
-        RankThread::spawn(label, 0, worker, Arc::clone(&pools), errors).expect("rank thread");
-    Rank {
-        thread,
-        pools,
-        keys,
-        _ctx: ctx,
-    }
-}
-
-/// A decode rank as a sender sees it: `receiver`'s worker (which it proves), declaring
-/// `pools`.
-fn remote(receiver: &Rank, peer: u64, pools: Vec<PoolKey>) -> Arc<RemoteRank> {
-    Arc::new(RemoteRank {
-        peer,
-        instance: "decode".into(),
-        rank: 0,
-        worker_address: receiver.thread.address().to_vec(),
-        pools,
-        alive: Arc::new(AtomicBool::new(true)),
-        bounce: None,
-    })
-}
-
-fn vet(sender: &Rank, dest: Arc<RemoteRank>) -> Result<(), WriteError> {
-    let (tx, rx) = mpsc::channel();
-    sender.thread.vet(
-        dest,
-        None,
-        Box::new(move |result| {
-            let _ = tx.send(result);
-        }),
-    );
-    rx.recv_timeout(WAIT).expect("vet replied")
-}
-
-fn row(address: u64, bytes: u64) -> LayerGroupRows {
-    LayerGroupRows {
-        view: ViewId { group: 0, view: 0 },
-        kind: GroupKind::PAGED,
-        ordinals: RVec::from(vec![0]),
-        addresses: RVec::from(vec![address]),
-        row_bytes: bytes,
-        row_stride: bytes,
-        span_start: 0,
-        span_end: 1,
-    }
-}
-
-/// A job of one fragment of `len` bytes from `src` to `dst`; its outcome.
-fn write(
-    sender: &Rank,
-    dest: Arc<RemoteRank>,
-    src: u64,
-    dst: u64,
-    len: u64,
-) -> Result<(), WriteError> {
-    let mut plan = TransferPlan::new();
-    plan.push(src, dst, len);
-    let plan: ValidatedPlan = validate(plan, &[row(src, len)], &[row(dst, len)]).expect("plan");
-    let (tx, rx) = mpsc::channel();
-    sender.thread.write(WriteJob {
-        request: 1,
-        dest,
-        plan: Arc::new(plan),
-        timeout: Duration::from_secs(10),
-        hook: None,
-        done: Box::new(move |result| {
-            let _ = tx.send(result);
-        }),
-        bounce: None,
-        release: None,
-    });
-    rx.recv_timeout(WAIT).expect("job reported").map(|_| ())
-}
-
-fn key_owner(result: Result<(), WriteError>) -> String {
+fn key_owner<T: std::fmt::Debug>(result: Result<T, WriteError>) -> String {
     match result {
         Err(e @ WriteError::KeyOwner { .. }) => error_chain(&e),
         other => panic!("expected a refused key owner, got {other:?}"),
@@ -131,8 +32,8 @@ fn key_owner(result: Result<(), WriteError>) -> String {
 
 #[test]
 fn a_peer_declaring_the_prefill_rank_s_own_key_is_refused_and_nothing_is_written() {
-    let receiver = rank("decode");
-    let sender = rank("prefill");
+    let receiver = rank("decode", Transport::Shm);
+    let sender = rank("prefill", Transport::Shm);
     // The sender's pool: half "sources" (SOURCE_BYTE), half other requests' slots (0).
     let half = (POOL / 2) as usize;
     // SAFETY: no job reads or writes the sender's pool yet.
@@ -146,7 +47,8 @@ fn a_peer_declaring_the_prefill_rank_s_own_key_is_refused_and_nothing_is_written
     );
     // A job to it, planned from the first half into the second: refused, nothing copied.
     let base = sender.keys[0].base;
-    let why = key_owner(write(&sender, dest, base, base + half as u64, half as u64));
+    let job = one_fragment(base, base + half as u64, half as u64);
+    let why = key_owner(write(&sender, dest, job).0);
     assert!(why.contains("this rank's own memory"), "{why}");
     let mut second = vec![1; half];
     sender.pools.read(0, half, &mut second).unwrap();
@@ -171,11 +73,9 @@ fn another_process_s_key(tls: &str) {
     let mut victim = Victim::spawn(tls);
     // The declared worker numbers its memory domains as the victim does, so the sender's UCX
     // reads the key's entry as the victim's transport.
-    let receiver = rank_on(
-        "decode",
-        Context::builder().tls(tls).build().expect("context"),
-    );
-    let sender = rank("prefill");
+    let ctx = Context::builder().tls(tls).build().expect("context");
+    let receiver = rank_on("decode", ctx, Transport::Shm);
+    let sender = rank("prefill", Transport::Shm);
     // SAFETY: no job reads or writes the sender's pool yet.
     unsafe { sender.pools.write(0, 0, &vec![SOURCE_BYTE; POOL as usize]) }.unwrap();
     // The receiver proves its own worker (this process) and declares the victim's region.
@@ -188,7 +88,8 @@ fn another_process_s_key(tls: &str) {
         "{tls}: {why}"
     );
     let at = victim.key.base;
-    let why = key_owner(write(&sender, dest, sender.keys[0].base, at, POOL));
+    let job = one_fragment(sender.keys[0].base, at, POOL);
+    let why = key_owner(write(&sender, dest, job).0);
     assert!(why.contains(&names), "{why}");
     // The victim's memory is as it left it.
     assert_eq!(victim.changed(), 0, "bytes of the victim process changed");

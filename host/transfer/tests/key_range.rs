@@ -2,64 +2,19 @@
 //! through them: a receiver that declares pool 0 at `0x1000` with the real key of its pool
 //! would otherwise make the sender write at a wild address over shared memory (and crash).
 
-use std::sync::mpsc;
-use std::sync::{Arc, atomic::AtomicBool};
+use crate::support;
+
+use std::sync::Arc;
 use std::time::Duration;
 
-use kvferry_plan::{ValidatedPlan, error_chain, validate};
-use kvferry_planner_abi::ffi::RVec;
-use kvferry_planner_abi::{GroupKind, LayerGroupRows, TransferPlan, ViewId};
+use kvferry_plan::{ValidatedPlan, error_chain};
 use kvferry_protocol::PoolKey;
-use kvferry_transfer::harness::memory::{PoolAllocator, RankPools};
-use kvferry_transfer::harness::rank::{RankThread, RemoteRank, WriteError, WriteJob, WriteStats};
-use kvferry_transfer::{Transport, TransportSpec};
-use kvferry_ucx::{Context, Worker};
+use kvferry_transfer::Transport;
+use kvferry_transfer::harness::rank::{RemoteRank, WriteError, WriteJob};
 
-/// One pool per rank, a multiple of 2 MiB so its segment ends where the pool does whether or
-/// not UCX backs it with huge pages.
-const POOL: u64 = 2 << 20;
-const WAIT: Duration = Duration::from_secs(20);
+use support::ranks::{POOL, Rank, WAIT, one_fragment, rank, remote, vet, write};
+
 const WILD: u64 = 0x1000;
-
-/// A rank of one pool with its thread: a receiver only progresses, a sender also writes.
-struct Rank {
-    thread: RankThread,
-    pools: Arc<RankPools>,
-    keys: Vec<PoolKey>,
-    _ctx: Arc<Context>,
-}
-
-fn rank(label: &str, transport: Transport) -> Rank {
-    let ctx = transport.context().expect("UCX context");
-    let mut allocator = PoolAllocator::with_host_budget(&ctx, None);
-    allocator.alloc(0, 0, POOL);
-    let pools = allocator.finish(1).expect("pool").remove(0);
-    let keys = pools.keys().expect("keys");
-    let pools = Arc::new(pools);
-    let worker = Worker::new(&ctx).expect("worker");
-    let errors = TransportSpec::from(transport).error_mode();
-    let thread =
-        RankThread::spawn(label, 0, worker, Arc::clone(&pools), errors).expect("rank thread");
-    Rank {
-        thread,
-        pools,
-        keys,
-        _ctx: ctx,
-    }
-}
-
-/// `receiver` as a sender sees it, declaring `pools`.
-fn remote(receiver: &Rank, peer: u64, pools: Vec<PoolKey>) -> Arc<RemoteRank> {
-    Arc::new(RemoteRank {
-        peer,
-        instance: "decode".into(),
-        rank: 0,
-        worker_address: receiver.thread.address().to_vec(),
-        pools,
-        alive: Arc::new(AtomicBool::new(true)),
-        bounce: None,
-    })
-}
 
 /// The receiver's real pool 0 key, declared at `base`.
 fn declared_at(receiver: &Rank, base: u64) -> Vec<PoolKey> {
@@ -68,64 +23,9 @@ fn declared_at(receiver: &Rank, base: u64) -> Vec<PoolKey> {
     vec![pool]
 }
 
-fn vet(sender: &Rank, dest: Arc<RemoteRank>) -> Result<(), WriteError> {
-    let (tx, rx) = mpsc::channel();
-    sender.thread.vet(
-        dest,
-        None,
-        Box::new(move |result| {
-            let _ = tx.send(result);
-        }),
-    );
-    rx.recv_timeout(WAIT).expect("vet replied")
-}
-
-/// One row of `bytes` at `address`.
-fn row(address: u64, bytes: u64) -> LayerGroupRows {
-    LayerGroupRows {
-        view: ViewId { group: 0, view: 0 },
-        kind: GroupKind::PAGED,
-        ordinals: RVec::from(vec![0]),
-        addresses: RVec::from(vec![address]),
-        row_bytes: bytes,
-        row_stride: bytes,
-        span_start: 0,
-        span_end: 1,
-    }
-}
-
 /// A plan of one fragment from the sender's pool to `dst`.
 fn plan(sender: &Rank, dst: u64, len: u64) -> ValidatedPlan {
-    let src = sender.keys[0].base;
-    let mut plan = TransferPlan::new();
-    plan.push(src, dst, len);
-    validate(plan, &[row(src, POOL)], &[row(dst, POOL)]).expect("valid plan")
-}
-
-/// Runs one job and returns its outcome, and whether its release ran first.
-fn write(
-    sender: &Rank,
-    dest: Arc<RemoteRank>,
-    plan: ValidatedPlan,
-) -> (Result<WriteStats, WriteError>, bool) {
-    let (tx, rx) = mpsc::channel();
-    let (released_tx, released_rx) = mpsc::channel();
-    sender.thread.write(WriteJob {
-        request: 1,
-        dest,
-        plan: Arc::new(plan),
-        timeout: Duration::from_secs(10),
-        hook: None,
-        done: Box::new(move |result| {
-            let _ = tx.send(result);
-        }),
-        bounce: None,
-        release: Some(Box::new(move || {
-            let _ = released_tx.send(());
-        })),
-    });
-    let result = rx.recv_timeout(WAIT).expect("job reported");
-    (result, released_rx.try_recv().is_ok())
+    one_fragment(sender.keys[0].base, dst, len)
 }
 
 fn assert_key_range(result: Result<(), WriteError>, base: u64, len: u64) {

@@ -17,6 +17,8 @@ use kvferry_transfer::Transport;
 use kvferry_transfer::agent::{Agent, AgentConfig, Event, Expect, Secret, SendChunk};
 use kvferry_transfer::harness::rank::{RemoteRank, WriteHook};
 
+pub mod ranks;
+
 pub const CANARY: u8 = 0xA5;
 
 /// The default planner, linked, bound for a tp1 Llama-shaped deployment.
