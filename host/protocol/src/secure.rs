@@ -202,12 +202,17 @@ pub enum HandshakeError {
     },
     /// The peer's handshake message does not open under this side's secret: it does not
     /// hold the deployment's secret (or holds one where this side has none, or the reverse).
-    #[error("the peer did not prove the shared secret (a different secret, or one side has none)")]
+    #[error(
+        "the peer did not prove the shared secret (a different secret, or one side has none: \
+         check KVFERRY_SECRET, the configuration's `secret` or `secret_hex`, or \
+         `--secret-file`, on both sides)"
+    )]
     Unauthenticated,
     /// The acceptor could not open the dialer's first message (it holds another secret).
     #[error(
         "the peer refused this side's proof of the shared secret (a different secret, or one \
-         side has none)"
+         side has none: check KVFERRY_SECRET, the configuration's `secret` or `secret_hex`, \
+         or `--secret-file`, on both sides)"
     )]
     Refused,
     /// The dialer's intent does not decode, or is too long.
@@ -765,6 +770,10 @@ mod tests {
                 "{acc:?}"
             );
             assert!(matches!(dial, Err(HandshakeError::Refused)), "{dial:?}");
+            // Both sides' errors say where a secret comes from.
+            for e in [acc.err(), dial.err()].into_iter().flatten() {
+                assert!(e.to_string().contains("check KVFERRY_SECRET"), "{e}");
+            }
         }
         let (acc, dial) = handshake(&Secret::unauthenticated(), &Secret::unauthenticated());
         assert!(acc.is_ok() && dial.is_ok());
