@@ -14,7 +14,8 @@
 //!    receivers' with the canary; for every receiver rank (the decode ranks of `gen_dp_rank`'s DP group, over PP and
 //!    CP): runs the generation planner's `check_peer` and `targets` against prefill rank 0,
 //!    then for every target prefill rank its `check_peer` and `targets` back (which must name
-//!    the receiver), and for every piece [`plan_transfer`] and [`LocalMemory::execute`];
+//!    the receiver), and for every piece [`kvferry_plan::plan_transfer`] and
+//!    [`LocalMemory::execute`];
 //! 4. checks every byte with [`Oracle::verify`], and that no two writes into a receiver
 //!    overlap (each destination byte has one writer over the whole request).
 //!
@@ -23,17 +24,20 @@
 //! Steps 3 and 4 are [`Exchange::run`]: both instances' ranks, slot tables and pieces, of any
 //! shape. [`Scenario::exchange`] builds an [`Exchange`] from a preset,
 //! [`Transfer::exchange`] from hand-built deployments, and a test may edit
-//! one before running it.
+//! one before running it. Step 3 up to the first plan (planners, `check_peer` and `targets`
+//! both ways) is [`Exchange::handshake`], which planning without memory shares
+//! ([`Handshake`]: `kvferry plan` without `--verify`).
 
 mod built;
+mod handshake;
 pub use built::{Transfer, request_tables};
+pub use handshake::Handshake;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvferry_planner_abi::ffi::RVec;
 use kvferry_planner_abi::{
     GroupKind, Mapping, PairRequest, PlanError, RankInfo, SlotTable, TokenRange, TransferPlanner,
     ViewId,
@@ -45,7 +49,7 @@ use rand::seq::SliceRandom;
 use crate::layout::{LayoutError, ModelSpec, PoolOptions, build_instance};
 use crate::oracle::{Delivery, LocalMemory, Oracle, OracleError, VerifyReport};
 use kvferry_plan::bounce::{self, BounceLimits, BounceSkip, Reservation};
-use kvferry_plan::{PlanFailure, RequestSide, plan_transfer};
+use kvferry_plan::{PlanFailure, RequestSide};
 
 /// Instance name of the prefill side.
 pub const PREFILL_INSTANCE: &str = "prefill";
@@ -201,6 +205,14 @@ impl MemoryBudget {
     }
 }
 
+/// PAGED slots of every pool of a side whose blocks hold `tokens_per_block` tokens, for a
+/// prompt of `prompt_len` tokens: the prompt's blocks and slack (2, and one in 16), as
+/// [`Scenario::lay_out`] sizes them.
+pub fn paged_slots(prompt_len: u64, tokens_per_block: u32) -> u64 {
+    let blocks = prompt_len.div_ceil(u64::from(tokens_per_block.max(1)));
+    blocks.saturating_add(2 + blocks / 16)
+}
+
 /// Bytes of every pool of `ranks` (saturating: the layout keeps each rank's pools under
 /// [`crate::layout::MAX_RANK_BYTES`]).
 fn pool_bytes<'r>(ranks: impl IntoIterator<Item = &'r RankInfo>) -> u64 {
@@ -329,35 +341,9 @@ impl Scenario {
     pub fn exchange(&self) -> Result<Exchange, ScenarioError> {
         self.check()?;
         let pieces = self.pieces()?;
-        let gen_model = self.gen_model();
-        let side_options = |model: &ModelSpec| {
-            let blocks = self.prompt_len.div_ceil(u64::from(model.tokens_per_block));
-            let options = PoolOptions {
-                paged_slots: blocks.saturating_add(2 + blocks / 16),
-                state_slots: STATE_SLOTS,
-                slot_padding: if self.padded { PADDING_BYTES } else { 0 },
-                ..PoolOptions::default()
-            };
-            (blocks, options)
-        };
-        let (ctx_blocks, ctx_options) = side_options(&self.model);
-        let (gen_blocks, gen_options) = side_options(&gen_model);
-        // Addresses only: the exchange backs the pools of the ranks that take part.
-        let mut space = LocalMemory::new();
-        let ctx = self.instance(
-            &self.model,
-            &self.ctx_mapping,
-            PREFILL_INSTANCE,
-            &ctx_options,
-            &mut space,
-        )?;
-        let generation = self.instance(
-            &gen_model,
-            &self.gen_mapping,
-            DECODE_INSTANCE,
-            &gen_options,
-            &mut space,
-        )?;
+        let (ctx_blocks, ctx_options) = self.side_options(&self.model);
+        let (gen_blocks, gen_options) = self.side_options(&self.gen_model());
+        let (ctx, generation) = self.lay_out()?;
         // The receivers' pools are backed whatever the planner targets: refused here, before
         // the slot lists and tables (sized by the prompt, like the pools) are made.
         if let Some(budget) = &self.memory_budget {
@@ -409,6 +395,44 @@ impl Scenario {
         }
     }
 
+    /// Both instances laid out as [`Scenario::exchange`] lays them out, at addresses only
+    /// (nothing is backed): pools sized to the request, [`paged_slots`] PAGED slots and 2
+    /// STATE slots each, padded when [`Scenario::padded`]. What a caller sizes before the
+    /// slot tables (sized by the prompt) are made.
+    ///
+    /// # Errors
+    ///
+    /// A block size of 0 ([`ScenarioError::Invalid`]) or a layout refusal.
+    pub fn lay_out(&self) -> Result<(Vec<RankInfo>, Vec<RankInfo>), ScenarioError> {
+        if self.model.tokens_per_block == 0 || self.gen_tokens_per_block == Some(0) {
+            return Err(ScenarioError::Invalid("tokens_per_block is 0".to_string()));
+        }
+        let gen_model = self.gen_model();
+        let mut space = LocalMemory::new();
+        let mut instance = |model: &ModelSpec, mapping: &Mapping, name: &str| {
+            let (_, options) = self.side_options(model);
+            let mut alloc = |rank: u32, pool: usize, bytes: u64| {
+                space.reserve(bytes, format!("{name} rank {rank} pool {pool}"))
+            };
+            build_instance(model, mapping, name, &self.planner_id, &options, &mut alloc)
+        };
+        let ctx = instance(&self.model, &self.ctx_mapping, PREFILL_INSTANCE)?;
+        let generation = instance(&gen_model, &self.gen_mapping, DECODE_INSTANCE)?;
+        Ok((ctx, generation))
+    }
+
+    /// The prompt's blocks on a side of `model`, and the options of that side's pools.
+    fn side_options(&self, model: &ModelSpec) -> (u64, PoolOptions) {
+        let blocks = self.prompt_len.div_ceil(u64::from(model.tokens_per_block));
+        let options = PoolOptions {
+            paged_slots: paged_slots(self.prompt_len, model.tokens_per_block),
+            state_slots: STATE_SLOTS,
+            slot_padding: if self.padded { PADDING_BYTES } else { 0 },
+            ..PoolOptions::default()
+        };
+        (blocks, options)
+    }
+
     fn check(&self) -> Result<(), ScenarioError> {
         let invalid = |m: String| Err(ScenarioError::Invalid(m));
         if self.prompt_len == 0 {
@@ -435,28 +459,6 @@ impl Scenario {
             }
         }
         Ok(())
-    }
-
-    /// Lays out one instance, reserving (not backing) its pools.
-    fn instance(
-        &self,
-        model: &ModelSpec,
-        mapping: &Mapping,
-        name: &str,
-        options: &PoolOptions,
-        memory: &mut LocalMemory,
-    ) -> Result<Vec<RankInfo>, ScenarioError> {
-        let mut alloc = |rank: u32, pool: usize, bytes: u64| {
-            memory.reserve(bytes, format!("{name} rank {rank} pool {pool}"))
-        };
-        Ok(build_instance(
-            model,
-            mapping,
-            name,
-            &self.planner_id,
-            options,
-            &mut alloc,
-        )?)
     }
 }
 
@@ -519,112 +521,9 @@ impl Exchange {
         gen_planner: PlannerFactory<'_>,
     ) -> Result<ScenarioReport, ScenarioError> {
         let started = Instant::now();
-        let mut ctx_infos = self.ctx.clone();
-        let mut gen_infos = self.generation.clone();
-        let ctx_group: Vec<u32> = dp_group(&ctx_infos, self.ctx_dp_rank);
-        let receivers: Vec<u32> = dp_group(&gen_infos, self.gen_dp_rank);
-        if ctx_group.is_empty() || receivers.is_empty() {
-            return Err(ScenarioError::Invalid(format!(
-                "ctx dp group {} has {} ranks, gen dp group {} has {}",
-                self.ctx_dp_rank,
-                ctx_group.len(),
-                self.gen_dp_rank,
-                receivers.len()
-            )));
-        }
-        fn table<'t>(
-            tables: &'t BTreeMap<u32, Vec<SlotTable>>,
-            side: &str,
-            rank: u32,
-        ) -> Result<&'t [SlotTable], ScenarioError> {
-            tables.get(&rank).map(Vec::as_slice).ok_or_else(|| {
-                ScenarioError::Invalid(format!("no slot tables for {side} rank {rank}"))
-            })
-        }
-        let ctx_tables: BTreeMap<u32, &[SlotTable]> = ctx_group
-            .iter()
-            .map(|&r| Ok((r, table(&self.ctx_tables, PREFILL_INSTANCE, r)?)))
-            .collect::<Result<_, ScenarioError>>()?;
-        let gen_tables: BTreeMap<u32, &[SlotTable]> = receivers
-            .iter()
-            .map(|&r| Ok((r, table(&self.gen_tables, DECODE_INSTANCE, r)?)))
-            .collect::<Result<_, ScenarioError>>()?;
-        let excluded = |g: u32| self.gen_excluded.get(&g).map_or(&[][..], Vec::as_slice);
-
-        // Planners: prefill rank 0 (what a receiver bootstraps from) and every receiver first.
-        let mut ctx_planners = Planners::new(PREFILL_INSTANCE, ctx_planner);
-        let mut gen_planners = Planners::new(DECODE_INSTANCE, gen_planner);
-        ctx_planners.ensure(&mut ctx_infos, 0)?;
-        for &g in &receivers {
-            gen_planners.ensure(&mut gen_infos, g)?;
-        }
-        // Per receiver: its targets, and what it would reserve to have the request bounced.
-        let mut receiving: BTreeMap<u32, ReceiverReport> = BTreeMap::new();
-        for &g in &receivers {
-            let (me, peer) = (&gen_infos[g as usize], &ctx_infos[0]);
-            let planner = gen_planners.get(g);
-            planner
-                .check_peer(me, peer)
-                .map_err(|e| gen_planners.error(g, "check_peer of prefill rank 0", e))?;
-            let t = planner
-                .targets(me, peer, self.ctx_dp_rank)
-                .map_err(|e| gen_planners.error(g, "targets", e))?;
-            let payload_bytes = planner
-                .receiver_payload_bytes(me, peer, gen_tables[&g])
-                .map_err(|e| gen_planners.error(g, "receiver_payload_bytes", e))?;
-            let bounce = bounce::reserve(
-                &me.page_table,
-                gen_tables[&g],
-                payload_bytes,
-                u32::try_from(t.ranks.len()).unwrap_or(u32::MAX),
-                t.uniform,
-                &self.bounce_limits,
-            );
-            if let Some(&c) = t.ranks.iter().find(|c| !ctx_group.contains(c)) {
-                return Err(ScenarioError::TargetOutsideGroup {
-                    gen_rank: g,
-                    ctx_rank: c,
-                    dp: self.ctx_dp_rank,
-                });
-            }
-            receiving.insert(
-                g,
-                ReceiverReport {
-                    rank: g,
-                    expected_transfers: t.ranks.len(),
-                    targets: t.ranks.to_vec(),
-                    uniform: t.uniform,
-                    payload_bytes,
-                    bounce,
-                },
-            );
-        }
-        let senders: BTreeSet<u32> = receiving
-            .values()
-            .flat_map(|r| r.targets.iter().copied())
-            .collect();
-        for &c in &senders {
-            ctx_planners.ensure(&mut ctx_infos, c)?;
-        }
-        for (&g, r) in &receiving {
-            for &c in &r.targets {
-                let (me, peer) = (&ctx_infos[c as usize], &gen_infos[g as usize]);
-                let planner = ctx_planners.get(c);
-                planner.check_peer(me, peer).map_err(|e| {
-                    ctx_planners.error(c, &format!("check_peer of decode rank {g}"), e)
-                })?;
-                let back = planner.targets(me, peer, self.gen_dp_rank).map_err(|e| {
-                    ctx_planners.error(c, &format!("targets of decode rank {g}"), e)
-                })?;
-                if !back.ranks.contains(&g) {
-                    return Err(ScenarioError::Asymmetric {
-                        ctx_rank: c,
-                        gen_rank: g,
-                        targets: back.ranks.to_vec(),
-                    });
-                }
-            }
-        }
+        let agreed = self.handshake(ctx_planner, gen_planner)?;
+        let (ctx_infos, gen_infos) = (&agreed.ctx, &agreed.generation);
+        let (senders, receivers) = (&agreed.senders, &agreed.receivers);
 
         // Memory for the ranks that take part, once it is known to fit, then tags and
         // canaries.
@@ -646,62 +545,37 @@ impl Exchange {
             budget.check(ranks, needed)?;
         }
         let mut memory = LocalMemory::new();
-        for &c in &senders {
+        for &c in senders {
             map_pools(&mut memory, &ctx_infos[c as usize])?;
         }
-        for &g in &receivers {
+        for &g in receivers {
             map_pools(&mut memory, &gen_infos[g as usize])?;
         }
         let setup = started.elapsed();
         let oracle = Oracle::new(self.seed);
         let clock = Instant::now();
-        for &c in &senders {
-            let side = RequestSide::new(&ctx_infos[c as usize], ctx_tables[&c]);
-            oracle.fill_source(&mut memory, side)?;
+        for &c in senders {
+            oracle.fill_source(&mut memory, agreed.sender(c))?;
         }
-        for &g in &receivers {
+        for &g in receivers {
             oracle.prime_destination(&mut memory, &gen_infos[g as usize])?;
         }
         let fill = clock.elapsed();
 
         let mut report = ScenarioReport::default();
         let (mut plan_time, mut execute_time) = (Duration::ZERO, Duration::ZERO);
-        for (&g, r) in &receiving {
+        for (&g, r) in &agreed.receiving {
             report.receivers.push(r.clone());
-            let receiver = RequestSide {
-                excluded: excluded(g),
-                ..RequestSide::new(&gen_infos[g as usize], gen_tables[&g])
-            };
             let mut writes: Vec<(u64, u64, u32)> = Vec::new();
             for &c in &r.targets {
-                let sender = RequestSide::new(&ctx_infos[c as usize], ctx_tables[&c]);
-                let mut pair = PairReport {
-                    src_rank: c,
-                    dst_rank: g,
-                    ..PairReport::default()
-                };
-                for (k, piece) in self.pieces.iter().enumerate() {
+                let mut pair = PairReport::new(c, g);
+                for k in 0..self.pieces.len() {
                     let clock = Instant::now();
-                    let plan_from = |sender: RequestSide<'_>| {
-                        plan_transfer(ctx_planners.get(c).as_ref(), sender, receiver, piece)
-                            .map_err(|source| ScenarioError::Plan {
-                                ctx_rank: c,
-                                gen_rank: g,
-                                piece: k,
-                                source,
-                            })
-                    };
-                    let plan = plan_from(sender)?;
+                    let plan = agreed.plan(c, g, k)?;
                     plan_time += clock.elapsed();
                     let clock = Instant::now();
-                    let bounced = self.bounce && r.bounce.is_ok() && r.targets.len() == 1;
-                    if bounced {
-                        let stand_in = bounce::stand_in_tables(
-                            &ctx_infos[c as usize].page_table,
-                            piece.prompt_len,
-                        );
-                        let own = plan_from(RequestSide::new(&ctx_infos[c as usize], &stand_in))?;
-                        let runs = bounce::scatter_runs(&own);
+                    if agreed.bounces(g) {
+                        let runs = agreed.scatter_runs(c, g, k, &plan)?;
                         bounce_piece(&mut memory, &plan, &runs).map_err(|detail| {
                             ScenarioError::Bounce {
                                 ctx_rank: c,
@@ -722,10 +596,7 @@ impl Exchange {
                     }
                     execute_time += clock.elapsed();
                     writes.extend(plan.fragments().map(|(_, d, n)| (d, n, c)));
-                    pair.pieces += 1;
-                    pair.fragments += plan.len();
-                    pair.planned_fragments += plan.planned_fragments();
-                    pair.bytes += plan.total_bytes();
+                    pair.count(&plan);
                 }
                 report.fragments += pair.fragments;
                 report.planned_fragments += pair.planned_fragments;
@@ -736,17 +607,10 @@ impl Exchange {
         }
 
         let clock = Instant::now();
-        let context: Vec<RequestSide<'_>> = ctx_group
-            .iter()
-            .map(|&c| RequestSide::new(&ctx_infos[c as usize], ctx_tables[&c]))
-            .collect();
-        let receiver_sides: Vec<RequestSide<'_>> = receivers
-            .iter()
-            .map(|&g| RequestSide {
-                excluded: excluded(g),
-                ..RequestSide::new(&gen_infos[g as usize], gen_tables[&g])
-            })
-            .collect();
+        let context: Vec<RequestSide<'_>> =
+            agreed.ctx_group.iter().map(|&c| agreed.sender(c)).collect();
+        let receiver_sides: Vec<RequestSide<'_>> =
+            receivers.iter().map(|&g| agreed.receiver(g)).collect();
         report.verification = oracle.verify(
             &memory,
             &Delivery {
@@ -784,11 +648,7 @@ fn bounce_piece(
     }
     let want: u64 = runs.iter().map(|&(_, n)| n).sum();
     if want != image.len() as u64 {
-        return Err(format!(
-            "the sender's plan packs {} bytes, the receiver's own plan of the piece scatters \
-             {want}",
-            image.len()
-        ));
+        return Err(packs_and_scatters(image.len() as u64, want));
     }
     let mut at = 0usize;
     for &(dst, len) in runs {
@@ -800,6 +660,15 @@ fn bounce_piece(
         at += n;
     }
     Ok(())
+}
+
+/// Why a bounced piece cannot move: the sender's plan packs `packs` bytes, the receiver's own
+/// plan of the piece scatters `scatters`.
+fn packs_and_scatters(packs: u64, scatters: u64) -> String {
+    format!(
+        "the sender's plan packs {packs} bytes, the receiver's own plan of the piece scatters \
+         {scatters}"
+    )
 }
 
 /// Which slot holds which ordinal, shared by every rank of one side.
@@ -916,51 +785,6 @@ fn map_pools(memory: &mut LocalMemory, info: &RankInfo) -> Result<(), OracleErro
     Ok(())
 }
 
-/// Planners of one instance, built on first use; building stamps the rank's planner blob.
-struct Planners<'a> {
-    instance: &'static str,
-    factory: PlannerFactory<'a>,
-    built: BTreeMap<u32, Arc<dyn TransferPlanner>>,
-}
-
-impl<'a> Planners<'a> {
-    fn new(instance: &'static str, factory: PlannerFactory<'a>) -> Self {
-        Self {
-            instance,
-            factory,
-            built: BTreeMap::new(),
-        }
-    }
-
-    fn ensure(&mut self, infos: &mut [RankInfo], rank: u32) -> Result<(), ScenarioError> {
-        if self.built.contains_key(&rank) {
-            return Ok(());
-        }
-        let info = &mut infos[rank as usize];
-        let planner =
-            (self.factory)(info).map_err(|e| self.error(rank, "building the planner", e))?;
-        let blob = planner
-            .describe()
-            .map_err(|e| self.error(rank, "describe", e))?;
-        info.planner_blob = RVec::from(blob);
-        self.built.insert(rank, planner);
-        Ok(())
-    }
-
-    fn get(&self, rank: u32) -> &Arc<dyn TransferPlanner> {
-        &self.built[&rank]
-    }
-
-    fn error(&self, rank: u32, what: &str, source: PlanError) -> ScenarioError {
-        ScenarioError::Planner {
-            instance: self.instance,
-            rank,
-            what: what.to_string(),
-            source,
-        }
-    }
-}
-
 /// Records writes into receiver `rank` that overlap: `(dst, len, sender)` over all pieces.
 fn find_overlaps(rank: u32, mut writes: Vec<(u64, u64, u32)>, report: &mut ScenarioReport) {
     writes.sort_unstable();
@@ -1003,6 +827,26 @@ pub struct PairReport {
     pub bounced: usize,
 }
 
+impl PairReport {
+    /// Prefill rank `src_rank` into decode rank `dst_rank`, nothing counted yet.
+    pub fn new(src_rank: u32, dst_rank: u32) -> Self {
+        Self {
+            src_rank,
+            dst_rank,
+            ..Self::default()
+        }
+    }
+
+    /// Counts one more piece, planned as `plan` (its fragments, before and after coalescing,
+    /// and its bytes).
+    pub fn count(&mut self, plan: &kvferry_plan::ValidatedPlan) {
+        self.pieces += 1;
+        self.fragments += plan.len();
+        self.planned_fragments += plan.planned_fragments();
+        self.bytes += plan.total_bytes();
+    }
+}
+
 /// What one receiver waited for.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ReceiverReport {
@@ -1018,6 +862,32 @@ pub struct ReceiverReport {
     pub payload_bytes: u64,
     /// The bounce region it would reserve under [`Scenario::bounce_limits`], or why not.
     pub bounce: Result<Reservation, BounceSkip>,
+}
+
+/// One line: `decode rank 3: 2 expected transfers from [0, 1] (uniform), 0 bytes of state;
+/// bounce: ...` (the region's size, with each writer's share when several share it, or
+/// `no, ` and why not).
+impl fmt::Display for ReceiverReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "decode rank {}: {} expected transfers from {:?}{}, {} of state; bounce: {}",
+            self.rank,
+            self.expected_transfers,
+            self.targets,
+            if self.uniform { " (uniform)" } else { "" },
+            crate::units::bytes(self.payload_bytes),
+            match &self.bounce {
+                Ok(b) if b.writers > 1 => format!(
+                    "{} ({} per writer)",
+                    crate::units::bytes(b.total),
+                    crate::units::size(b.share())
+                ),
+                Ok(b) => crate::units::bytes(b.total),
+                Err(skip) => format!("no, {skip}"),
+            }
+        )
+    }
 }
 
 /// Two writes into one receiver that cover the same bytes.
@@ -1098,24 +968,7 @@ impl ScenarioReport {
 impl fmt::Display for ScenarioReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         for r in &self.receivers {
-            writeln!(
-                f,
-                "decode rank {}: {} expected transfers from {:?}{}, {} of state; bounce: {}",
-                r.rank,
-                r.expected_transfers,
-                r.targets,
-                if r.uniform { " (uniform)" } else { "" },
-                crate::units::bytes(r.payload_bytes),
-                match &r.bounce {
-                    Ok(b) if b.writers > 1 => format!(
-                        "{} ({} per writer)",
-                        crate::units::bytes(b.total),
-                        crate::units::size(b.share())
-                    ),
-                    Ok(b) => crate::units::bytes(b.total),
-                    Err(skip) => format!("no, {skip}"),
-                }
-            )?;
+            writeln!(f, "{r}")?;
         }
         for p in &self.pairs {
             writeln!(
