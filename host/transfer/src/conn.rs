@@ -251,13 +251,10 @@ impl Unproven {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Registers a connection just accepted, closing the oldest unproven one first when a
-    /// cap is reached. Drop the returned [`Pending`] once the peer is proven (or gone).
-    pub fn admit(&self, stream: &TcpStream) -> Pending {
-        self.admit_from(stream, stream.peer_addr().ok().map(|a| source(a.ip())))
-    }
-
-    /// [`Unproven::admit`] for a connection from the source `from`.
+    /// Registers a connection just accepted from the source `from` on a listener that
+    /// counts nothing else, closing the oldest unproven one first when a cap is reached (the
+    /// tests' way in; listeners use [`Unproven::admit_counted`]).
+    #[cfg(test)]
     fn admit_from(&self, stream: &TcpStream, from: Option<IpAddr>) -> Pending {
         let mut this = self.lock();
         this.make_room(from, false);
