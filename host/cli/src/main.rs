@@ -38,7 +38,8 @@ use serde_json::json;
 #[command(name = "kvferry", version, about)]
 struct Cli {
     /// Config file, TOML or JSON: `planner` and `plugin_dir`, or an agent's whole configuration
-    /// (its `planner` and `plugin_dir` are used); default `$KVFERRY_CONFIG`.
+    /// (its `planner` and `plugin_dir` are used; `serve` refuses one that sets anything else,
+    /// naming the keys); default `$KVFERRY_CONFIG`.
     #[arg(long, global = true, value_name = "FILE")]
     config: Option<PathBuf>,
     #[command(subcommand)]
@@ -913,6 +914,22 @@ fn stop_with_stdin(stop: std::sync::mpsc::Sender<()>) -> Result<()> {
 }
 
 fn serve(host: &Host, a: ServeArgs) -> Result<ExitCode> {
+    if !host.config.unread.is_empty() {
+        // An agent's whole configuration names a transport, an instance, a secret...: serve
+        // takes those from its flags, and running without them would look like obeying.
+        bail!(
+            "serve takes only `planner` and `plugin_dir` from --config; this file is an agent's \
+             whole configuration and also sets {}, which serve does not read from it: give \
+             them as flags (serve --help: --transport, --name, --secret-file, ...) or remove \
+             them",
+            host.config
+                .unread
+                .iter()
+                .map(|k| format!("`{k}`"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
     a.memory.check()?;
     let secret = kvferry::agent::load_secret(a.secret_file.as_deref())?;
     let id = host.planner_id(a.planner.as_deref());

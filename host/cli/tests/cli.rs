@@ -445,6 +445,85 @@ fn a_config_file_names_the_planner_and_the_flag_wins() {
     );
 }
 
+/// An agent's whole configuration given to `serve --config` is refused by its keys, not run
+/// with its transport, name and secret silently ignored (a file saying `transport = "tcp"` ran
+/// over shm under another name); `check` takes its planner from the same file.
+#[test]
+fn serve_refuses_an_agents_whole_configuration_naming_what_it_would_ignore() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("agent.toml");
+    std::fs::write(
+        &config,
+        r#"version = 1
+instance = "mine"
+role = "context"
+architecture = "llama"
+transport = "tcp"
+planner = "kvferry.default"
+secret = "0123456789abcdef"
+
+[rank]
+mapping = "tp1"
+instance_rank = 0
+layers_per_pp = [1]
+
+[rank.page_table]
+tokens_per_block = 16
+pools = [{ base = 4096, slot_bytes = 1024, num_slots = 4 }]
+
+[[rank.page_table.groups]]
+layers = [{ local = 0, global = 0 }]
+views = [{ pool = 0, roles = ["key"], entries = [{ local_layer = 0, offset = 0, size = 1024 }], layout = { kind = "hnd", dtype = "bf16", elem_bits = 16 } }]
+"#,
+    )
+    .unwrap();
+    // Run with the keys ignored, serve would serve until stopped: bounded, it fails instead.
+    let mut serve = Kvferry::new()
+        .config(&config)
+        .args([
+            "serve",
+            "--role",
+            "prefill",
+            "--model",
+            "llama-3-70b",
+            "--deployment",
+            "tp1",
+        ])
+        .command()
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = serve.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = serve.kill();
+            let _ = serve.wait();
+            panic!("serve started with the file's transport, name and secret ignored");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let mut why = String::new();
+    std::io::Read::read_to_string(&mut serve.stderr.take().unwrap(), &mut why).unwrap();
+    assert!(!status.success(), "{why}");
+    assert!(
+        why.contains("serve takes only `planner` and `plugin_dir` from --config")
+            && why.contains("`transport`")
+            && why.contains("`instance`")
+            && why.contains("`secret`"),
+        "{why}"
+    );
+    let out = Kvferry::new()
+        .config(&config)
+        .args(["check", "--model", "llama-3-70b", "--deployment", "tp1"])
+        .output();
+    assert!(out.status.success(), "{:?}", text(&out));
+}
+
 /// Runs `kvferry plan --json` for Llama-3-70B and returns the parsed report.
 fn llama_plan(ctx: &str, decode: &str, prompt: &str) -> Value {
     llama_plan_with(ctx, decode, prompt, &[])

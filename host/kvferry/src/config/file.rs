@@ -28,6 +28,10 @@ pub struct FileConfig {
     /// Directories to load planners from, in order (relative ones are taken relative to the
     /// file's folder).
     pub plugin_dirs: Vec<PathBuf>,
+    /// When the file is an agent's whole configuration: its other top-level keys, sorted
+    /// (`transport`, `instance`, ...), which the command line does not take from it — a
+    /// command that would otherwise run without them refuses them by name.
+    pub unread: Vec<String>,
 }
 
 /// The two keys alone.
@@ -93,17 +97,24 @@ impl FileConfig {
     /// What is wrong, naming the field.
     pub fn parse(text: &str) -> Result<Self, super::ConfigError> {
         let value = super::value_of(text)?;
-        let (planner, dirs) = if value.get("version").is_some() {
+        let (planner, dirs, unread) = if value.get("version").is_some() {
             let c = super::read(text)?;
-            (c.planner, c.plugin_dir)
+            let mut unread: Vec<String> = value
+                .as_object()
+                .map(|o| o.keys().cloned().collect())
+                .unwrap_or_default();
+            unread.retain(|k| !matches!(k.as_str(), "version" | "planner" | "plugin_dir"));
+            unread.sort();
+            (c.planner, c.plugin_dir, unread)
         } else {
             let keys: Keys = serde_json::from_value(value)
                 .map_err(|e| super::ConfigError::Invalid(format!("config: {e}")))?;
-            (keys.planner, keys.plugin_dir)
+            (keys.planner, keys.plugin_dir, Vec::new())
         };
         Ok(Self {
             planner: planner.filter(|p| !p.trim().is_empty()),
             plugin_dirs: dirs.map(super::PlannerDirs::into_vec).unwrap_or_default(),
+            unread,
         })
     }
 
@@ -148,6 +159,17 @@ mod tests {
         let c = FileConfig::parse(&agent).unwrap();
         assert_eq!(c.planner.as_deref(), Some("auto"));
         assert_eq!(c.plugin_dirs, vec![PathBuf::from("/a"), PathBuf::from("b")]);
+        // What the command line does not take from it, for a command to refuse by name.
+        assert_eq!(
+            c.unread,
+            ["architecture", "instance", "rank", "role", "secret"]
+        );
+        assert!(
+            FileConfig::parse("planner = \"x.y\"")
+                .unwrap()
+                .unread
+                .is_empty()
+        );
         // Read as strictly as an agent reads it.
         let typo = super::super::tests::minimal(r#", "planer": "auto""#);
         let err = FileConfig::parse(&typo).unwrap_err().to_string();
