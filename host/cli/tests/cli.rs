@@ -478,7 +478,7 @@ views = [{ pool = 0, roles = ["key"], entries = [{ local_layer = 0, offset = 0, 
     )
     .unwrap();
     // Run with the keys ignored, serve would serve until stopped: bounded, it fails instead.
-    let mut serve = Kvferry::new()
+    let serve = Kvferry::new()
         .config(&config)
         .args([
             "serve",
@@ -489,27 +489,10 @@ views = [{ pool = 0, roles = ["key"], entries = [{ local_layer = 0, offset = 0, 
             "--deployment",
             "tp1",
         ])
-        .command()
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    let status = loop {
-        if let Some(status) = serve.try_wait().unwrap() {
-            break status;
-        }
-        if std::time::Instant::now() > deadline {
-            let _ = serve.kill();
-            let _ = serve.wait();
-            panic!("serve started with the file's transport, name and secret ignored");
-        }
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    };
-    let mut why = String::new();
-    std::io::Read::read_to_string(&mut serve.stderr.take().unwrap(), &mut why).unwrap();
-    assert!(!status.success(), "{why}");
+        .command();
+    let out = output_unless_hung(serve, std::time::Duration::from_secs(30));
+    let why = text(&out).1;
+    assert!(!out.status.success(), "{why}");
     assert!(
         why.contains("serve takes only `planner` and `plugin_dir` from --config")
             && why.contains("`transport`")
@@ -1060,9 +1043,9 @@ fn bench_sweep_arguments_are_checked_before_anything_starts() {
 /// any of them takes, on the slowest CI machine.
 const PLAN_HANG_LIMIT: std::time::Duration = std::time::Duration::from_secs(600);
 
-/// Runs `run` to its end, or kills it and fails the test once it has run past
-/// [`PLAN_HANG_LIMIT`]; both streams are read as it runs.
-fn output_unless_hung(mut run: std::process::Command) -> Output {
+/// Runs `run` to its end, or kills it and fails the test once it has run past `limit`; both
+/// streams are read as it runs.
+fn output_unless_hung(mut run: std::process::Command, limit: std::time::Duration) -> Output {
     use std::io::Read;
     use std::process::Stdio;
     let mut child = run
@@ -1085,10 +1068,10 @@ fn output_unless_hung(mut run: std::process::Command) -> Output {
         if let Some(status) = child.try_wait().expect("wait for kvferry") {
             break status;
         }
-        if started.elapsed() > PLAN_HANG_LIMIT {
+        if started.elapsed() > limit {
             let _ = child.kill();
             let _ = child.wait();
-            panic!("kvferry ran past {PLAN_HANG_LIMIT:?}");
+            panic!("kvferry ran past {limit:?}");
         }
         std::thread::sleep(std::time::Duration::from_millis(20));
     };
@@ -1101,7 +1084,10 @@ fn output_unless_hung(mut run: std::process::Command) -> Output {
 
 /// `kvferry plan ARGS`, which must succeed (unless hung), its standard output.
 fn plan_stdout(args: &[&str]) -> String {
-    let out = output_unless_hung(Kvferry::new().quiet().arg("plan").args(args).command());
+    let out = output_unless_hung(
+        Kvferry::new().quiet().arg("plan").args(args).command(),
+        PLAN_HANG_LIMIT,
+    );
     let (stdout, stderr) = text(&out);
     assert!(
         out.status.success(),
@@ -1166,7 +1152,7 @@ fn plan_dry_runs_128k_llama_tokens_from_the_page_tables_in_a_gib() {
     unsafe {
         cmd.pre_exec(limit_address_space);
     }
-    let out = output_unless_hung(cmd);
+    let out = output_unless_hung(cmd, PLAN_HANG_LIMIT);
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{big:?}:\n{stdout}\n{stderr}");
     let v: Value = serde_json::from_str(&stdout).unwrap();
