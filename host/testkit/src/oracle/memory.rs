@@ -75,6 +75,18 @@ thread_local! {
 
 /// `len` zero bytes, in the smallest spare buffer that holds them if there is one.
 fn zeroed(len: usize) -> Vec<u8> {
+    let mut buf = spare(len);
+    buf.fill(0);
+    buf
+}
+
+/// `len` bytes of scratch, whatever they hold, in the smallest spare buffer that holds them if
+/// there is one; give it back with [`recycle`].
+pub(super) fn scratch(len: usize) -> Vec<u8> {
+    spare(len)
+}
+
+fn spare(len: usize) -> Vec<u8> {
     let reused = SPARE.with_borrow_mut(|spare| {
         let best = spare
             .iter()
@@ -86,7 +98,7 @@ fn zeroed(len: usize) -> Vec<u8> {
     });
     match reused {
         Some(mut buf) => {
-            buf.clear();
+            buf.truncate(len);
             buf.resize(len, 0);
             buf
         }
@@ -94,8 +106,8 @@ fn zeroed(len: usize) -> Vec<u8> {
     }
 }
 
-/// Keeps `bufs` for [`zeroed`], the largest first, up to [`SPARE_LIMIT`] bytes per thread.
-fn recycle(bufs: impl Iterator<Item = Vec<u8>>) {
+/// Keeps `bufs` for [`zeroed`] and [`scratch`], the largest first, up to [`SPARE_LIMIT`] bytes per thread.
+pub(super) fn recycle(bufs: impl Iterator<Item = Vec<u8>>) {
     SPARE.with_borrow_mut(|spare| {
         spare.extend(bufs);
         spare.sort_by_key(|b| std::cmp::Reverse(b.capacity()));
