@@ -399,6 +399,10 @@ struct DemoArgs {
         requires = "ctx_at"
     )]
     gen_at: Vec<String>,
+    /// The secret of the servers --ctx-at and --gen-at name (the file their `serve
+    /// --secret-file` reads); else $KVFERRY_SECRET.
+    #[arg(long, value_name = "FILE", requires = "ctx_at")]
+    secret_file: Option<PathBuf>,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -1020,6 +1024,7 @@ fn run_demo(config_file: Option<PathBuf>, a: DemoArgs) -> Result<ExitCode> {
         in_flight: a.in_flight,
         ctx_at: a.ctx_at,
         gen_at: a.gen_at,
+        secret_file: a.secret_file,
     };
     let progress = Progress::spinner(
         !a.json,

@@ -352,6 +352,64 @@ fn demo_refuses_servers_that_are_not_one_whole_instance() {
     assert!(stderr.contains("rank 1 of prefill instance"), "{stderr}");
 }
 
+/// Servers holding a secret from `--secret-file` (not the environment's) are driven by
+/// `demo --ctx-at/--gen-at --secret-file` with the same file, and refused without it, the
+/// refusal naming where a secret comes from.
+#[test]
+fn demo_ctx_at_gen_at_proves_the_secret_of_its_secret_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("deployment.secret");
+    std::fs::write(
+        &file,
+        "a deployment secret only this file holds, 56 bytes long.\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&file, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let file = file.to_str().unwrap();
+    let flags = ["--secret-file", file];
+    let ctx = Server::start("context", "llama-3-70b", "tp1", "tcp", &flags);
+    let gen_ = Server::start("generation", "llama-3-70b", "tp1", "tcp", &flags);
+    let args = |with_file: bool| {
+        let mut args = vec![
+            "demo",
+            "--model",
+            "llama-3-70b",
+            "--ctx",
+            "tp1",
+            "--gen",
+            "tp1",
+            "--ctx-at",
+            &ctx.control,
+            "--gen-at",
+            &gen_.control,
+            "--requests",
+            "2",
+            "--prompt-len",
+            "64",
+        ];
+        if with_file {
+            args.extend(flags);
+        }
+        args.into_iter().map(str::to_owned).collect::<Vec<_>>()
+    };
+    // The environment holds the tests' other secret.
+    let out = support::Kvferry::new().quiet().args(args(false)).output();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("KVFERRY_SECRET") && stderr.contains("--secret-file"),
+        "{stderr}"
+    );
+    let v = demo_ok(
+        &args(true)[1..]
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
+        2,
+    );
+    assert_eq!(v["planner"], "kvferry.default");
+}
+
 /// Differing block sizes between the two sides (semantics §3.2 rule 4), end to end: the
 /// prefill side's 16-token blocks re-blocked into the decode side's 32-token ones,
 /// chunked with a cached prefix, every byte verified; and the other way round over tcp.

@@ -827,7 +827,7 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport, DemoError> {
     children.0.push(ctx_child);
     let (gen_child, gen_addr) = spawn_server(&config.pair.exe, &gen_args, "decode")?;
     children.0.push(gen_child);
-    let secret = crate::demo::controller_secret()?;
+    let secret = crate::demo::controller_secret(None)?;
     let prefill = Side::connect(Role::Prefill, &[ctx_addr.control], &secret)?;
     let decode = Side::connect(Role::Decode, &[gen_addr.control], &secret)?;
     let mut pair = Pair {

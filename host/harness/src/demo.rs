@@ -23,7 +23,7 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
@@ -74,21 +74,27 @@ pub fn session_secret() -> String {
         .clone()
 }
 
-/// The secret a controller proves to the servers it drives: [`SECRET_ENV`] when set (servers
-/// it did not start hold the deployment's), else the [`session_secret`] of the servers it
-/// starts itself.
+/// The secret a controller proves to the servers it drives: the one in `file` when given, else
+/// [`SECRET_ENV`] when set (servers it did not start hold the deployment's), else the
+/// [`session_secret`] of the servers it starts itself.
 ///
 /// # Errors
 ///
-/// [`SECRET_ENV`] holds an unusable secret.
-pub fn controller_secret() -> Result<kvferry_protocol::Secret, DemoError> {
-    let secret = if std::env::var_os(SECRET_ENV).is_some() {
-        kvferry_transfer::agent::load_secret(None)
+/// `file` cannot be read or holds an unusable secret, or [`SECRET_ENV`] does.
+pub fn controller_secret(file: Option<&Path>) -> Result<kvferry_protocol::Secret, DemoError> {
+    let (secret, source) = if let Some(file) = file {
+        let secret = kvferry_transfer::agent::load_secret(Some(file));
+        (secret, format!("--secret-file {}", file.display()))
+    } else if std::env::var_os(SECRET_ENV).is_some() {
+        (
+            kvferry_transfer::agent::load_secret(None),
+            SECRET_ENV.to_string(),
+        )
     } else {
-        kvferry_protocol::Secret::new(session_secret()).map_err(Into::into)
+        let secret = kvferry_protocol::Secret::new(session_secret()).map_err(Into::into);
+        (secret, "the session's secret".to_string())
     };
-    secret
-        .map_err(|e| DemoError::Invalid(format!("{SECRET_ENV}: {}", kvferry_plan::error_chain(&e))))
+    secret.map_err(|e| DemoError::Invalid(format!("{source}: {}", kvferry_plan::error_chain(&e))))
 }
 
 /// The addresses a `kvferry serve` process listens on.
@@ -272,6 +278,9 @@ pub struct DemoConfig {
     pub ctx_at: Vec<String>,
     /// Control addresses of running decode servers (with `ctx_at`).
     pub gen_at: Vec<String>,
+    /// The file holding the secret of the servers `ctx_at` and `gen_at` name (else
+    /// [`SECRET_ENV`]); see [`controller_secret`].
+    pub secret_file: Option<PathBuf>,
 }
 
 /// Latency percentiles in milliseconds.
@@ -751,7 +760,7 @@ pub fn run(config: &DemoConfig) -> Result<DemoReport, DemoError> {
             ));
         }
     };
-    let secret = controller_secret()?;
+    let secret = controller_secret(config.secret_file.as_deref())?;
     let prefill = Side::connect(Role::Prefill, &ctx_at, &secret)?;
     let decode = Side::connect(Role::Decode, &gen_at, &secret)?;
     check_side(&prefill, &config.pair.prefill)?;
