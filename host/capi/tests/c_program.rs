@@ -215,8 +215,9 @@ fn move_over_tcp(exe: &Path, dir: &Path, plugins: &Path) -> String {
 
 /// `scripts/install --prefix` from this build: a C program compiled with nothing but
 /// `pkg-config --cflags --libs kvferry` moves bytes with the planners the library finds beside
-/// itself, and nothing installed refers back to the build (the command finds its planners and
-/// UCX under the prefix too).
+/// itself, the same program linked with `kvferry-static` needs no libkvferry.so, and nothing
+/// installed refers back to the build (the command finds its planners and UCX under the
+/// prefix too).
 #[test]
 fn an_installed_prefix_builds_with_pkg_config_and_moves_bytes() {
     let Some(cc) = compiler() else { return };
@@ -248,24 +249,44 @@ fn an_installed_prefix_builds_with_pkg_config_and_moves_bytes() {
         .args(["--debug", "--no-build"]));
 
     let pc = prefix.join("lib/pkgconfig");
-    let flags = run(Command::new("pkg-config")
-        .args(["--cflags", "--libs", "kvferry"])
-        .env("PKG_CONFIG_PATH", &pc));
-    let flags = String::from_utf8(flags.stdout).unwrap();
+    let build_with = |package: &str, exe: &Path| {
+        let flags = run(Command::new("pkg-config")
+            .args(["--cflags", "--libs", package])
+            .env("PKG_CONFIG_PATH", &pc));
+        let flags = String::from_utf8(flags.stdout).unwrap();
+        run(Command::new(&cc)
+            .args([
+                "-std=c11",
+                "-D_POSIX_C_SOURCE=200809L",
+                "-Wall",
+                "-Werror",
+                "-O1",
+            ])
+            .arg(crate_dir().join("tests/c/transfer.c"))
+            .arg("-o")
+            .arg(exe)
+            .args(flags.split_whitespace()));
+        let ldd = run(Command::new("ldd").arg(exe));
+        String::from_utf8_lossy(&ldd.stdout).into_owned()
+    };
     let exe = dir.path().join("transfer");
-    run(Command::new(&cc)
-        .args([
-            "-std=c11",
-            "-D_POSIX_C_SOURCE=200809L",
-            "-Wall",
-            "-Werror",
-            "-O1",
-        ])
-        .arg(crate_dir().join("tests/c/transfer.c"))
-        .arg("-o")
-        .arg(&exe)
-        .args(flags.split_whitespace()));
+    let needs = build_with("kvferry", &exe);
+    assert!(needs.contains("libkvferry.so.0"), "{needs}");
     let line = move_over_tcp(&exe, dir.path(), Path::new("-"));
+    assert!(
+        line.starts_with("decode: verified 3 requests, every byte"),
+        "{line}"
+    );
+
+    // `kvferry-static`: the library linked in, only UCX (and libc's) loaded at run time; a
+    // static program has no library beside which to find the planners, so it names them.
+    let static_dir = dir.path().join("static");
+    std::fs::create_dir(&static_dir).unwrap();
+    let exe = static_dir.join("transfer");
+    let needs = build_with("kvferry-static", &exe);
+    assert!(!needs.contains("libkvferry"), "{needs}");
+    assert!(needs.contains("libucp.so"), "{needs}");
+    let line = move_over_tcp(&exe, &static_dir, &prefix.join("lib/kvferry/planners"));
     assert!(
         line.starts_with("decode: verified 3 requests, every byte"),
         "{line}"
