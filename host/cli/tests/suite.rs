@@ -12,6 +12,7 @@ mod control_ownership;
 mod doctor;
 mod gpu_check;
 mod metrics;
+mod models;
 mod registry_template;
 mod serve_memory;
 mod support;

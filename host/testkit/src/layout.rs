@@ -276,6 +276,7 @@ impl Preset {
             attention,
             sliding_window,
             linear,
+            mamba: None,
             default_dtype: self.default_dtype(),
         }
     }
@@ -317,6 +318,13 @@ pub enum LayerKind {
     Sliding,
     /// Linear attention (Gated DeltaNet): recurrent state, no per-token cache.
     Linear,
+    /// A Mamba layer (Jamba, Nemotron-H): recurrent conv and SSM state ([`ModelShape::mamba`]),
+    /// no per-token cache.
+    Mamba,
+    /// A layer that keeps nothing between steps: an MLP or MoE block of a hybrid stack
+    /// (Nemotron-H's `-` and `E`). It counts in the layer numbering and the PP split, and
+    /// belongs to no group.
+    NoCache,
 }
 
 /// The attention cache of a model's attention layers.
@@ -353,6 +361,34 @@ pub struct LinearAttention {
     pub conv_kernel: u32,
 }
 
+/// A Mamba layer's recurrent state per sequence, as vLLM's `MambaStateShapeCalculator` sizes it
+/// (`vllm/model_executor/layers/mamba/mamba_utils.py`): the short convolution's last
+/// `conv_kernel - 1` inputs over `heads × head_dim` channels of x (Mamba-2 adds `groups ×
+/// state_size` channels each of B and C), and the SSM state, `head_dim × state_size` per head.
+///
+/// Mamba-2 (Nemotron-H) reads as named. Mamba-1 (Jamba) is the case `head_dim` 1, `groups` 0:
+/// its `d_inner` channels are each a "head" of one channel, so the conv state is
+/// `d_inner × (conv_kernel - 1)` and the SSM state `d_inner × state_size`, vLLM's
+/// `mamba1_state_shape`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MambaState {
+    /// SSM heads (Mamba-2 `mamba_num_heads`; Mamba-1: the `d_inner` channels).
+    pub heads: u32,
+    /// Channels per head (Mamba-2 `mamba_head_dim`; 1 for Mamba-1).
+    pub head_dim: u32,
+    /// Groups of B and C (Mamba-2 `n_groups`); 0 for Mamba-1, whose convolution runs over x
+    /// alone.
+    pub groups: u32,
+    /// SSM state size per channel (`ssm_state_size`, Jamba's `mamba_d_state`).
+    pub state_size: u32,
+    /// The short convolution's kernel (its state keeps `kernel - 1` steps).
+    pub conv_kernel: u32,
+    /// Element type of the conv state (vLLM: the model's dtype).
+    pub conv_dtype: Dtype,
+    /// Element type of the SSM state.
+    pub ssm_dtype: Dtype,
+}
+
 /// A model's KV-cache shape: everything a rank's layout depends on besides the deployment,
 /// from a [`Preset`] or from the model's Hugging Face `config.json`
 /// ([`ModelShape::from_hf_config`]).
@@ -373,6 +409,8 @@ pub struct ModelShape {
     pub sliding_window: Option<u32>,
     /// The [`LayerKind::Linear`] layers' state.
     pub linear: Option<LinearAttention>,
+    /// The [`LayerKind::Mamba`] layers' state.
+    pub mamba: Option<MambaState>,
     /// The KV dtype it is served with unless told otherwise.
     pub default_dtype: Dtype,
 }
@@ -824,7 +862,8 @@ const KV: &[&str] = &["key", "value"];
 
 /// The layer groups of one PP stage of `model`: the sliding-window attention layers, then the
 /// full-attention ones (each a PAGED group, when the stage has any), then the linear-attention
-/// layers' recurrent state (a STATE group).
+/// layers' recurrent state and the Mamba layers' (each a STATE group). [`LayerKind::NoCache`]
+/// layers are in none.
 fn groups(model: &ModelShape, g: &Geometry, stage: &Stage) -> Result<Vec<GroupSpec>, LayoutError> {
     let kind_of = |global: u32| model.layers[global as usize];
     let view = match model.attention {
@@ -862,7 +901,96 @@ fn groups(model: &ModelShape, g: &Geometry, stage: &Stage) -> Result<Vec<GroupSp
             views: linear_state(model, &spec, g)?,
         });
     }
+    if let (true, Some(spec)) = (model.layers.contains(&LayerKind::Mamba), model.mamba) {
+        groups.push(GroupSpec {
+            kind: GroupKind::STATE,
+            window: None,
+            layers: stage.layers(|l| kind_of(l) == LayerKind::Mamba),
+            views: mamba_state(model, &spec, g)?,
+        });
+    }
     Ok(groups)
+}
+
+/// A Mamba layer's state views: `conv` (the convolution's last `kernel - 1` inputs,
+/// channel-major `[channel][step]`, sectioned x | B | C, or x alone for Mamba-1, so a shard of
+/// each section is one run of channels) and `ssm` (`head_dim × state_size` per head, HND),
+/// both sharded over TP × CP by head and group as vLLM shards them. vLLM replicates B and C
+/// groups when a TP width does not divide them; that is not described here, such a width is
+/// refused.
+fn mamba_state(
+    model: &ModelShape,
+    spec: &MambaState,
+    g: &Geometry,
+) -> Result<Vec<ViewSpec>, LayoutError> {
+    let (w, i) = (g.state_width, g.state_index);
+    let mut counts = vec![(
+        if spec.groups == 0 {
+            "mamba channels"
+        } else {
+            "mamba heads"
+        },
+        spec.heads,
+    )];
+    if spec.groups > 0 {
+        counts.push(("mamba groups", spec.groups));
+    }
+    for (what, count) in counts {
+        if count == 0 || count % w != 0 {
+            return Err(LayoutError::Sharding {
+                model: model.name.clone(),
+                what,
+                count,
+                width: w,
+            });
+        }
+    }
+    let per_channel = u64::from(spec.conv_kernel.saturating_sub(1)) * spec.conv_dtype.bytes();
+    let x = u64::from(spec.heads) * u64::from(spec.head_dim);
+    let b_c = u64::from(spec.groups) * u64::from(spec.state_size);
+    let channels: &[u64] = if spec.groups == 0 {
+        &[x]
+    } else {
+        &[x, b_c, b_c]
+    };
+    let sections: Vec<u64> = channels
+        .iter()
+        .map(|c| c / u64::from(w) * per_channel)
+        .collect();
+    let conv = ViewSpec {
+        roles: vec!["conv".to_string()],
+        layout: RoleLayout {
+            kind: LayoutKind::SECTIONED,
+            dtype: RString::from(spec.conv_dtype.layout_name()),
+            elem_bits: spec.conv_dtype.bits(),
+            num_shards: w,
+            shard_index: i,
+            num_replicas: 1,
+            replica_index: 0,
+            shard_unit_bytes: 0,
+            section_bytes: RVec::from(sections.clone()),
+        },
+        buffers: 1,
+        buffer_bytes: sections.iter().sum(),
+    };
+    let ssm_head = u64::from(spec.head_dim) * u64::from(spec.state_size) * spec.ssm_dtype.bytes();
+    let ssm = ViewSpec {
+        roles: vec!["ssm".to_string()],
+        layout: RoleLayout {
+            kind: LayoutKind::HND,
+            dtype: RString::from(spec.ssm_dtype.layout_name()),
+            elem_bits: spec.ssm_dtype.bits(),
+            num_shards: w,
+            shard_index: i,
+            num_replicas: 1,
+            replica_index: 0,
+            shard_unit_bytes: ssm_head,
+            section_bytes: RVec::new(),
+        },
+        buffers: 1,
+        buffer_bytes: u64::from(spec.heads / w) * ssm_head,
+    };
+    Ok(vec![conv, ssm])
 }
 
 /// Gated DeltaNet's state views: `conv` (the short convolution's last `kernel - 1` inputs,

@@ -4,7 +4,8 @@
 //! - [`layout`]: model presets with real dimensions (DeepSeek-V3, Llama-3-70B, Qwen3-Next,
 //!   gpt-oss) and the per-rank page tables a deployment of them advertises.
 //! - [`hf_config`]: models from their Hugging Face `config.json` (Llama, Mistral, Qwen2/3,
-//!   Qwen3-Next, DeepSeek-V2/V3, gpt-oss shapes), for the layouts [`layout`] builds.
+//!   Qwen2.5-VL, Qwen3-Next, DeepSeek-V2/V3, gpt-oss, Phi-3, Gemma-2/3, Llama-4, Jamba and
+//!   Nemotron-H shapes), for the layouts [`layout`] builds.
 //! - [`builder`]: hand-built page tables and ranks of any shape (synthetic models, any
 //!   mapping), slot tables, rows and pieces.
 //! - [`oracle`]: tag-filled source pools, canary-primed destinations, every byte checked;
