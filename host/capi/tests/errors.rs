@@ -502,6 +502,41 @@ fn events_that_do_not_fit_wait_for_the_next_poll() {
     unsafe { kvferry_agent_destroy(agent) };
 }
 
+/// A send that starts a request again while one of that id is in flight (its last send in,
+/// not ended) is a duplicate, as a second expect of an id is on a decode rank; a send after
+/// the last that does not start over is still refused as a request that takes no more.
+#[test]
+fn a_second_send_of_a_request_in_flight_is_a_duplicate() {
+    let pool = Pool::new(8 * 2048);
+    let plugins = support::plugin_dir();
+    let agent = start(&config("context", &pool, plugins.path(), "")).unwrap();
+    let slots = [0i32, 1];
+    let table = kvferry_slot_table {
+        slots: slots.as_ptr(),
+        len: 2,
+    };
+    let send = |start: u64, end: u64| {
+        // SAFETY: a live handle and a valid table of two blocks.
+        unsafe { kvferry_agent_send(agent, 7, &table, 1, start, end, 32, true, null()) }
+    };
+    assert_eq!(send(0, 32), status(KVFERRY_OK), "{}", last_error());
+    assert_eq!(
+        send(0, 32),
+        status(KVFERRY_ERR_DUPLICATE),
+        "{}",
+        last_error()
+    );
+    assert_eq!(last_error(), "kvferry_agent_send: request 7 already exists");
+    assert_eq!(
+        send(16, 32),
+        status(KVFERRY_ERR_UNKNOWN_REQUEST),
+        "{}",
+        last_error()
+    );
+    // SAFETY: a live handle, destroyed once.
+    unsafe { kvferry_agent_destroy(agent) };
+}
+
 #[test]
 fn layer_wise_sends_name_views_and_holds_are_for_decode_ranks() {
     let pool = Pool::new(8 * 2048);

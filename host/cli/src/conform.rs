@@ -137,28 +137,25 @@ pub(crate) enum ConformOutput {
     Json,
 }
 
-/// `conform`'s table of verdicts by model, then the most frequent refusals (their numbers
-/// written `N`: the same cause with other sizes counts once).
+/// `conform`'s table of verdicts by model, then the most frequent refusals: refusals that
+/// differ only in their numbers count as one cause, shown by the text of its first refusal
+/// as the planner wrote it.
 fn by_model(report: &kvferry_testkit::conform::ConformReport) -> String {
     use std::collections::BTreeMap;
     let mut rows: BTreeMap<&str, [usize; 3]> = BTreeMap::new();
-    let mut causes: BTreeMap<String, usize> = BTreeMap::new();
-    for case in &report.cases {
+    // Per cause: how many refusals, the first one's text, and its place in the matrix.
+    let mut causes: BTreeMap<String, (usize, &str, usize)> = BTreeMap::new();
+    for (index, case) in report.cases.iter().enumerate() {
         let row = rows.entry(case.model.as_str()).or_default();
         match &case.verdict {
             CaseVerdict::Passed => row[0] += 1,
             CaseVerdict::Failed { .. } => row[1] += 1,
             CaseVerdict::Refused { reason } => {
                 row[2] += 1;
-                let mut cause = String::with_capacity(reason.len());
-                for c in reason.chars() {
-                    if !c.is_ascii_digit() {
-                        cause.push(c);
-                    } else if !cause.ends_with('N') {
-                        cause.push('N');
-                    }
-                }
-                *causes.entry(cause).or_default() += 1;
+                causes
+                    .entry(numbers_masked(reason))
+                    .or_insert((0, reason.as_str(), index))
+                    .0 += 1;
             }
             _ => {}
         }
@@ -172,14 +169,28 @@ fn by_model(report: &kvferry_testkit::conform::ConformReport) -> String {
             "{model:<24} {passed:>7} {failed:>7} {refused:>8}\n"
         ));
     }
-    let mut causes: Vec<(String, usize)> = causes.into_iter().collect();
-    causes.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    let mut causes: Vec<(usize, &str, usize)> = causes.into_values().collect();
+    causes.sort_by_key(|&(n, _, first)| (std::cmp::Reverse(n), first));
     if !causes.is_empty() {
-        out.push_str("most frequent refusals:\n");
-        for (cause, n) in causes.iter().take(3) {
-            out.push_str(&format!("  {n:>4} x {cause}\n"));
+        out.push_str("most frequent refusals (each counts those that differ only in numbers):\n");
+        for (n, example, _) in causes.iter().take(3) {
+            out.push_str(&format!("  {n:>4} x {example}\n"));
         }
     }
     out.push_str("(--verbose prints every case)\n");
     out
+}
+
+/// `text` with every run of digits written `#`: the key under which refusals that differ
+/// only in their sizes, ranks and widths count as one cause.
+fn numbers_masked(text: &str) -> String {
+    let mut key = String::with_capacity(text.len());
+    for c in text.chars() {
+        if !c.is_ascii_digit() {
+            key.push(c);
+        } else if !key.ends_with('#') {
+            key.push('#');
+        }
+    }
+    key
 }

@@ -95,6 +95,9 @@ pub struct TransportReport {
     pub memory_types: Vec<String>,
     /// Why the context could not be created.
     pub error: Option<String>,
+    /// Why a CUDA row has nothing to offer on a host without a GPU: expected there, so not
+    /// an error (and not a problem).
+    pub note: Option<String>,
 }
 
 impl TransportReport {
@@ -108,7 +111,19 @@ impl TransportReport {
             resources: Vec::new(),
             memory_types: Vec::new(),
             error: None,
+            note: None,
         }
+    }
+
+    /// On a host without a GPU, a CUDA row that failed is expected to: its error becomes a
+    /// note.
+    fn expected_without_gpu(mut self, gpus: usize) -> Self {
+        if gpus == 0 && self.memory == MemoryKind::Cuda.to_string() {
+            if let Some(error) = self.error.take() {
+                self.note = Some(format!("no GPU on this host: {error}"));
+            }
+        }
+        self
     }
 }
 
@@ -118,6 +133,8 @@ pub fn diagnose(net_devices: Option<&str>) -> Report {
     let mut problems = Vec::new();
     let mut transports = Vec::new();
     let mut multi_threaded = true;
+    // GPUs the kernel lists: without one, CUDA rows that fail are expected to.
+    let gpus = fs::read_dir("/proc/driver/nvidia/gpus").map_or(0, |d| d.count());
     // UCX warns on stdout about every transport `UCX_TLS` names that it lacks; without a
     // loaded CUDA component the CUDA rows are answered without asking it.
     let cuda_components = Context::builder()
@@ -143,12 +160,12 @@ pub fn diagnose(net_devices: Option<&str>) -> Report {
                      not load)"
                         .into(),
                 );
-                transports.push(row);
+                transports.push(row.expected_without_gpu(gpus));
                 continue;
             }
             let (report, single_threaded) = probe(transport, memory, devices);
             multi_threaded &= !single_threaded;
-            transports.push(report);
+            transports.push(report.expected_without_gpu(gpus));
         }
     }
     // After the contexts: UCX has loaded (or failed to load) its CUDA module by now.
@@ -173,7 +190,7 @@ pub fn diagnose(net_devices: Option<&str>) -> Report {
         driver: fs::read_to_string("/proc/driver/nvidia/version")
             .ok()
             .and_then(|v| v.lines().next().map(str::to_string)),
-        gpus: fs::read_dir("/proc/driver/nvidia/gpus").map_or(0, |d| d.count()),
+        gpus,
         libcuda: mapped("libcuda.so"),
         libcuda_loadable: libcuda_loadable(),
     };
@@ -217,6 +234,22 @@ pub fn diagnose(net_devices: Option<&str>) -> Report {
                 "--transport {} cannot start (UCX_TLS={}): {error}",
                 t.transport, t.ucx_tls
             ));
+        }
+    }
+    // A CUDA row that fails on a host with GPUs is a problem too: the problems below name
+    // the cause when no row registers CUDA memory; here, a row that fails beside one that
+    // does.
+    if cuda.gpus > 0 && registers_cuda(&transports) {
+        for t in transports
+            .iter()
+            .filter(|t| t.memory == MemoryKind::Cuda.to_string())
+        {
+            if let Some(error) = &t.error {
+                problems.push(format!(
+                    "--transport {} --memory cuda cannot start (UCX_TLS={}): {error}",
+                    t.transport, t.ucx_tls
+                ));
+            }
         }
     }
     if !multi_threaded {
@@ -439,9 +472,10 @@ impl Report {
                 .map(|d| format!(" UCX_NET_DEVICES={d}"))
                 .unwrap_or_default();
             let label = format!("{} {}", t.transport, t.memory);
-            let what = match &t.error {
-                Some(e) => format!("error: {e}"),
-                None => format!(
+            let what = match (&t.error, &t.note) {
+                (Some(e), _) => format!("error: {e}"),
+                (None, Some(note)) => format!("note: {note}"),
+                (None, None) => format!(
                     "{}; registers: {}",
                     if t.resources.is_empty() {
                         "no resources".to_string()

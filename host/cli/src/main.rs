@@ -24,12 +24,13 @@ use kvferry::{MemoryKind, Role, TransportSpec};
 use kvferry_harness::bench::{self, BenchConfig};
 use kvferry_harness::demo::{self, DemoConfig, LoopbackPair};
 use kvferry_harness::serve::{InstanceConfig, ServeOptions};
-use kvferry_loader::{BoundPlanner, Candidate, Registry};
+use kvferry_loader::{BindError, BoundPlanner, Candidate, LoadError, Registry, SkippedFile};
 use kvferry_plan::bounce::{self, BounceLimits};
 use kvferry_planner_abi::{Deployment, Mapping, RankInfo};
 use kvferry_testkit::layout::{self, Dtype, ModelShape, ModelSpec, PoolOptions, Preset};
 use kvferry_testkit::oracle::LocalMemory;
 use kvferry_testkit::scenario::MemoryBudget;
+use kvferry_testkit::units;
 use progress::Progress;
 use serde_json::json;
 
@@ -564,8 +565,8 @@ struct Shape {
     /// config.json's torch_dtype).
     #[arg(long, value_name = "fp8|bf16|fp16|fp32")]
     dtype: Option<Dtype>,
-    /// Tokens per cache block.
-    #[arg(long, default_value_t = 32, value_name = "N")]
+    /// Tokens per cache block (at least 1).
+    #[arg(long, default_value_t = 32, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     tokens_per_block: u32,
 }
 
@@ -584,10 +585,10 @@ impl Shape {
 #[derive(Debug, clap::Args)]
 struct Sides {
     /// Tokens per block of the prefill instance (default: --tokens-per-block).
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     ctx_tokens_per_block: Option<u32>,
     /// Tokens per block of the decode instance (default: --tokens-per-block).
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     gen_tokens_per_block: Option<u32>,
 }
 
@@ -686,11 +687,12 @@ fn check_width(flag: &str, mapping: &Mapping) -> Result<()> {
 }
 
 /// What this process may still allocate, as `serve` checks its pools against it
-/// ([`kvferry_harness::HostBudget`]), for the testkit's in-process pools.
+/// ([`kvferry_harness::HostBudget`]), for the testkit's in-process pools; the figure in
+/// binary units, as the CLI writes every size ([`units::bytes`]).
 fn memory_budget() -> Option<MemoryBudget> {
     kvferry_harness::HostBudget::measure().map(|b| MemoryBudget {
         bytes: b.bytes,
-        available: b.to_string(),
+        available: format!("{} available ({})", units::bytes(b.bytes), b.limit),
     })
 }
 
@@ -720,7 +722,36 @@ impl Host {
             architecture: model.architecture().into(),
             mapping,
         };
-        Ok(self.registry.bind(id, &deployment)?)
+        self.registry.bind(id, &deployment).map_err(bind_error)
+    }
+}
+
+/// A planner that could not be bound, as the CLI says it: an id no planner on the plugin
+/// path has is named as not found, with the planners that were found.
+fn bind_error(e: BindError) -> anyhow::Error {
+    match e {
+        BindError::UnknownPlanner {
+            id,
+            known,
+            dirs,
+            skipped,
+        } => {
+            let found = if known.is_empty() {
+                format!("no planner was found in {}", display_dirs(&dirs))
+            } else {
+                format!(
+                    "the planners found are {} (in {})",
+                    known.join(", "),
+                    display_dirs(&dirs)
+                )
+            };
+            let skipped = match skipped {
+                0 => String::new(),
+                n => format!("; {n} file(s) skipped, `kvferry planners --all` says why"),
+            };
+            anyhow!("planner `{id}` not found: {found}{skipped}")
+        }
+        e => e.into(),
     }
 }
 
@@ -757,7 +788,19 @@ fn planners(host: &Host, all: bool, json: bool) -> Result<ExitCode> {
     if json {
         let mut out = json!({ "dirs": r.dirs(), "planners": r.planners() });
         if all {
-            out["skipped"] = serde_json::to_value(r.skipped())?;
+            let mut skipped = serde_json::to_value(r.skipped())?;
+            for (entry, s) in skipped
+                .as_array_mut()
+                .into_iter()
+                .flatten()
+                .zip(r.skipped())
+            {
+                if matches!(s.reason, LoadError::NotAPlanner { .. }) {
+                    entry["message"] =
+                        json!(format!("{}: {}", s.path.display(), skipped_reason(s)));
+                }
+            }
+            out["skipped"] = skipped;
         }
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(found(r));
@@ -779,7 +822,7 @@ fn planners(host: &Host, all: bool, json: bool) -> Result<ExitCode> {
     }
     if all {
         for s in r.skipped() {
-            println!("skipped {}: {}", s.path.display(), s.reason);
+            println!("skipped {}: {}", s.path.display(), skipped_reason(s));
         }
     } else if !r.skipped().is_empty() {
         eprintln!(
@@ -788,6 +831,85 @@ fn planners(host: &Host, all: bool, json: bool) -> Result<ExitCode> {
         );
     }
     Ok(found(r))
+}
+
+/// Why a file was skipped, after its path (which the reason's text starts with too): a
+/// library without a planner's root module is named with abi_stable's readable name of the
+/// symbol it lacks, not the mangled one the ELF file carries.
+fn skipped_reason(s: &SkippedFile) -> String {
+    if let LoadError::NotAPlanner { symbol, .. } = &s.reason {
+        return format!(
+            "not a planner: it exports no abi_stable root module (symbol `{}`)",
+            abi_stable_demangled(symbol)
+        );
+    }
+    let text = s.reason.to_string();
+    let prefix = format!("{}: ", s.path.display());
+    match text.strip_prefix(&prefix) {
+        Some(rest) => rest.to_string(),
+        None => text,
+    }
+}
+
+/// An abi_stable symbol name as it was written before mangling: the mangler keeps
+/// alphanumeric characters and writes every other as `_` and a code
+/// (`_1as_0lib_1header_0root_bmodule_bloader` is `_as.lib_header.root module loader`). A
+/// code it does not have is kept as it is.
+fn abi_stable_demangled(symbol: &str) -> String {
+    const CODES: &[(char, char)] = &[
+        ('0', '.'),
+        ('1', '_'),
+        ('2', '-'),
+        ('3', '<'),
+        ('4', '>'),
+        ('5', '('),
+        ('6', ')'),
+        ('7', '['),
+        ('8', ']'),
+        ('9', '{'),
+        ('a', '}'),
+        ('b', ' '),
+        ('c', ','),
+        ('d', ':'),
+        ('e', ';'),
+        ('f', '!'),
+        ('g', '#'),
+        ('h', '$'),
+        ('i', '%'),
+        ('j', '/'),
+        ('k', '='),
+        ('l', '?'),
+        ('m', '¿'),
+        ('o', '¡'),
+        ('p', '*'),
+        ('q', '+'),
+        ('r', '~'),
+        ('s', '|'),
+        ('t', '°'),
+        ('u', '¬'),
+        ('x', '\''),
+        ('y', '"'),
+        ('z', '`'),
+    ];
+    let mut out = String::with_capacity(symbol.len());
+    let mut chars = symbol.chars();
+    while let Some(c) = chars.next() {
+        if c != '_' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some(code) => match CODES.iter().find(|(k, _)| *k == code) {
+                Some((_, plain)) => out.push(*plain),
+                None => {
+                    out.push('_');
+                    out.push(code);
+                }
+            },
+            None => out.push('_'),
+        }
+    }
+    out
 }
 
 /// `planners` fails when it found none: nothing could be bound from that plugin path.
@@ -852,17 +974,33 @@ fn check(
     }
     let id = host.planner_id(planner);
     let candidates = host.registry.candidates(&deployment);
-    let auto = host.registry.bind_auto(&deployment);
-    let bound = host
-        .bind(&id, model, mapping)
+    let asked_auto = id == kvferry_loader::AUTO_PLANNER_ID;
+    let binding = host.registry.bind(&id, &deployment);
+    // What `auto` binds (its planner id, or why none): the binding itself when `auto` was
+    // asked, else a what-if beside the planner asked for, which logs nothing (the log names
+    // the planner bound, once).
+    let id_or_why = |r: Result<&BoundPlanner, &BindError>| {
+        r.map(|b| b.id().to_string())
+            .map_err(|e| kvferry_plan::error_chain(e))
+    };
+    let auto = if asked_auto {
+        id_or_why(binding.as_ref())
+    } else {
+        tracing::subscriber::with_default(tracing::subscriber::NoSubscriber::default(), || {
+            id_or_why(host.registry.bind_auto(&deployment).as_ref())
+        })
+    };
+    let not_found = matches!(binding, Err(BindError::UnknownPlanner { .. }));
+    let bound = binding
+        .map_err(bind_error)
         .and_then(|bound| instantiate_all(&bound, model, &mapping).map(|ranks| (bound, ranks)));
     if json {
         let out = json!({
             "deployment": deployment.to_string(),
             "selected": id,
             "bound": bound.as_ref().ok().map(|(b, _)| b.id()),
-            "auto": auto.as_ref().ok().map(|b| b.id()),
-            "auto_error": auto.as_ref().err().map(|e| kvferry_plan::error_chain(e)),
+            "auto": auto.as_ref().ok(),
+            "auto_error": auto.as_ref().err(),
             "candidates": candidates.iter().map(candidate_json).collect::<Vec<_>>(),
             "error": bound.as_ref().err().map(|e| format!("{e:#}")),
         });
@@ -885,9 +1023,13 @@ fn check(
             c.info.specificity.name()
         );
     }
+    // What `auto` does is the answer when it was asked; beside a named planner it is a hint,
+    // and none beside one that does not exist (the error names it and the planners found).
+    let verb = if asked_auto { "binds" } else { "would bind" };
     match &auto {
-        Ok(b) => println!("auto binds {}", b.id()),
-        Err(e) => println!("auto binds nothing: {}", kvferry_plan::error_chain(e)),
+        _ if not_found => {}
+        Ok(auto) => println!("auto {verb} {auto}"),
+        Err(why) => println!("auto {verb} nothing: {why}"),
     }
     let (bound, ranks) = bound?;
     println!(

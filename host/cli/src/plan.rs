@@ -75,7 +75,6 @@ fn plan_error(e: ScenarioError, a: &PlanArgs) -> anyhow::Error {
     if !too_large {
         return e.into();
     }
-    let backing = matches!(e, ScenarioError::Memory { .. });
     let context = format!(
         "{} cannot fit",
         sized_by(
@@ -84,11 +83,19 @@ fn plan_error(e: ScenarioError, a: &PlanArgs) -> anyhow::Error {
             a.gen_tokens_per_block
         )
     );
-    if backing {
-        // The hint goes after the numbers, which tests and people read first.
+    if let ScenarioError::Memory {
+        ranks,
+        needed,
+        budget,
+    } = &e
+    {
+        // In binary units beside the budget ([`crate::memory_budget`]); the hint goes after
+        // the numbers, which tests and people read first.
         return anyhow!(
-            "{context}: {e}; drop --verify to plan it from the page tables alone, with no \
-             pools"
+            "{context}: backing the pools of {ranks} needs {}; {}; drop --verify to plan it \
+             from the page tables alone, with no pools",
+            units::bytes(*needed),
+            budget.available
         );
     }
     anyhow::Error::new(e).context(context)
@@ -132,9 +139,14 @@ pub(crate) fn plan(host: &Host, a: PlanArgs) -> Result<ExitCode> {
     let ctx_bound = host
         .bind(&id, &scenario.model, a.prefill)
         .context("prefill instance")?;
-    let gen_bound = host
-        .bind(&id, &scenario.gen_model(), a.decode)
-        .context("decode instance")?;
+    // A deployment is the architecture and the mapping: the same on both sides, it is bound
+    // (and logged) once.
+    let gen_bound = if a.decode == a.prefill {
+        ctx_bound.clone()
+    } else {
+        host.bind(&id, &scenario.gen_model(), a.decode)
+            .context("decode instance")?
+    };
     if ctx_bound.id() != gen_bound.id() {
         bail!(
             "the prefill instance binds {} and the decode instance binds {}: two servers \

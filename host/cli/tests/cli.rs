@@ -852,12 +852,25 @@ fn plan_refuses_a_prompt_whose_pools_exceed_the_host_with_the_numbers() {
         ],
         &[
             "kvferry: --prompt-len 100000000 with --tokens-per-block 32 cannot fit: backing the \
-             pools of 1 receiving decode rank needs 34816.02 GB (34816015728640 bytes); ",
+             pools of 1 receiving decode rank needs 34816015728640 bytes (31.7 TiB); ",
             " available (",
             "; drop --verify to plan it from the page tables alone, with no pools",
         ],
     );
     println!("seen: {}", stderr.trim());
+    // The budget beside it in the same binary units: no decimal GB anywhere.
+    assert_sizes_in_binary_units(&stderr);
+}
+
+/// Every size in `text` is written in binary units (`KiB`, `MiB`, `GiB`, `TiB`), none in
+/// decimal ones (`kB`, `MB`, `GB`, `TB`); throughput (`GB/s`) is not a size.
+fn assert_sizes_in_binary_units(text: &str) {
+    let words: Vec<&str> = text
+        .split(|c: char| c.is_whitespace() || c == '(' || c == ')' || c == ';' || c == ',')
+        .collect();
+    for unit in ["kB", "KB", "MB", "GB", "TB"] {
+        assert!(!words.contains(&unit), "a size in {unit}: {text}");
+    }
 }
 
 #[test]
@@ -878,7 +891,7 @@ fn plan_refuses_a_block_size_whose_pools_no_rank_can_hold() {
         ],
         &[
             "kvferry: --prompt-len 1000 with --tokens-per-block 4000000000 cannot fit: prefill rank \
-             0 (tp1): its pools would take 3932160.00 GB (3932160000000000 bytes)",
+             0 (tp1): its pools would take 3932160000000000 bytes (3.49 PiB)",
             "one rank may hold at most 64 TiB (70368744177664 bytes)",
         ],
     );
@@ -1360,4 +1373,238 @@ fn plan_dry_run_refuses_a_request_whose_tables_exceed_the_host() {
         ],
     );
     assert!(!stderr.contains("backing the pools"), "{stderr}");
+    assert_sizes_in_binary_units(&stderr);
+}
+
+/// How many lines of `stderr` log a bound planner.
+fn bound_logs(stderr: &str) -> usize {
+    stderr
+        .lines()
+        .filter(|l| l.contains("bound planner"))
+        .count()
+}
+
+/// `check` binds (and logs) the planner once, whether it was named or `auto`; what `auto`
+/// would bind beside a named planner is a hint, not a second binding.
+#[test]
+fn check_logs_the_bound_planner_once() {
+    for (planner, auto_line) in [
+        (
+            "kvferry.deepseek_mla_latent",
+            "auto would bind kvferry.deepseek_mla_latent",
+        ),
+        ("auto", "auto binds kvferry.deepseek_mla_latent"),
+    ] {
+        let out = Kvferry::new()
+            .log("kvferry=info")
+            .args(["check", "--model", "deepseek-v3", "--deployment", "dep8"])
+            .args(["--planner", planner])
+            .output();
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "{stderr}");
+        assert_eq!(bound_logs(&stderr), 1, "--planner {planner}:\n{stderr}");
+        assert!(stdout.contains(auto_line), "--planner {planner}:\n{stdout}");
+    }
+}
+
+/// A named planner that is not on the plugin path is named as not found, with the planners
+/// that were found; nothing says what `auto` binds, which was not asked.
+#[test]
+fn check_says_a_named_planner_is_not_found_naming_the_planners_found() {
+    let out = Kvferry::new()
+        .log("kvferry=info")
+        .args(["check", "--model", "llama-3-70b", "--deployment", "tp4"])
+        .args(["--planner", "kvferry.nope"])
+        .output();
+    let (stdout, stderr) = text(&out);
+    assert!(!out.status.success(), "{stdout}");
+    assert!(!stdout.contains("auto "), "{stdout}");
+    let error = stderr
+        .lines()
+        .find(|l| l.starts_with("kvferry: "))
+        .unwrap_or_else(|| panic!("no error line: {stderr}"));
+    assert!(
+        error.starts_with("kvferry: planner `kvferry.nope` not found: the planners found are "),
+        "{error}"
+    );
+    for id in ["kvferry.default", "kvferry.deepseek_mla_latent"] {
+        assert!(error.contains(id), "{error}");
+    }
+    assert_eq!(bound_logs(&stderr), 0, "{stderr}");
+}
+
+/// A block size of 0 is refused by the flag that gave it, before anything else reads it.
+#[test]
+fn a_block_size_of_zero_is_refused_naming_its_flag() {
+    let check = ["check", "--model", "llama-3-70b", "--deployment", "tp4"];
+    let plan = [
+        "plan",
+        "--model",
+        "llama-3-70b",
+        "--ctx",
+        "tp4",
+        "--gen",
+        "tp4",
+        "--prompt-len",
+        "100",
+    ];
+    for (command, flag) in [
+        (&check[..], "--tokens-per-block"),
+        (&plan[..], "--tokens-per-block"),
+        (&plan[..], "--ctx-tokens-per-block"),
+        (&plan[..], "--gen-tokens-per-block"),
+    ] {
+        let stderr = Kvferry::new()
+            .quiet()
+            .args(command)
+            .args([flag, "0"])
+            .stderr_of_failure();
+        assert!(
+            stderr.contains(&format!("invalid value '0' for '{flag} <N>'")),
+            "{flag}: {stderr}"
+        );
+        assert!(!stderr.contains("--deployment"), "{flag}: {stderr}");
+    }
+}
+
+/// `conform`'s most frequent refusals are shown as the planner wrote them: architecture
+/// names and sizes keep their digits.
+#[test]
+fn conform_shows_the_most_frequent_refusals_in_the_planners_words() {
+    let summary = |planner: &str, case: &str| {
+        Kvferry::new()
+            .quiet()
+            .args(["conform", "--planner", planner, "--case", case])
+            .output()
+    };
+    // The MLA planner refuses Llama by architecture (no case runs, so the run fails).
+    let out = summary("kvferry.deepseek_mla_latent", "llama-3-70b tp1->tp1");
+    let (stdout, _) = text(&out);
+    assert!(
+        stdout.contains("(supports DeepseekV3ForCausalLM)"),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("DeepseekVN"), "{stdout}");
+    // Block sizes that do not divide: the numbers of the refusal, not `N`.
+    let out = summary("kvferry.default", "refused llama-3-70b tp1->tp1 tpb 16->24");
+    let (stdout, _) = text(&out);
+    assert!(
+        stdout.contains("x decode rank 0: check_peer of prefill rank 0 failed"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("(24 is not a multiple of 16)"), "{stdout}");
+    assert!(!stdout.contains("N is not a multiple of N"), "{stdout}");
+}
+
+/// The path of this process's C library, an ELF shared object that is no planner.
+fn libc_path() -> std::path::PathBuf {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    maps.lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .find(|p| {
+            std::path::Path::new(p)
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("libc.so") || n.starts_with("libc-"))
+        })
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| panic!("no libc mapped:\n{maps}"))
+}
+
+/// `planners --all` names the root module a library lacks by its readable name, as text and
+/// as JSON, not by the mangled symbol of the ELF file.
+#[test]
+fn planners_all_names_a_missing_root_module_readably() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(libc_path(), dir.path().join("libnotaplanner.so")).unwrap();
+    let out = Kvferry::new()
+        .plugin_dir(dir.path())
+        .args(["planners", "--all"])
+        .output();
+    let (stdout, _) = text(&out);
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("skipped ") && l.contains("libnotaplanner.so"))
+        .unwrap_or_else(|| panic!("no skipped line: {stdout}"));
+    assert!(
+        line.ends_with(
+            "libnotaplanner.so: not a planner: it exports no abi_stable root module (symbol \
+             `_as.lib_header.root module loader`)"
+        ),
+        "{line}"
+    );
+    let out = Kvferry::new()
+        .plugin_dir(dir.path())
+        .args(["planners", "--all", "--json"])
+        .output();
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let message = v["skipped"][0]["message"].as_str().unwrap();
+    assert!(
+        message.ends_with(
+            "libnotaplanner.so: not a planner: it exports no abi_stable root module (symbol \
+             `_as.lib_header.root module loader`)"
+        ),
+        "{message}"
+    );
+    assert!(!message.contains("_1as_0"), "{message}");
+}
+
+/// `doctor`'s summary agrees with its rows: a row that says `error:` comes with a problem,
+/// and on a host without a GPU the CUDA rows are notes, not errors.
+#[test]
+fn doctor_reports_no_error_beside_no_problems() {
+    let out = Kvferry::new().quiet().arg("doctor").output();
+    let (stdout, stderr) = text(&out);
+    let errors: Vec<&str> = stdout.lines().filter(|l| l.contains(": error: ")).collect();
+    let problems = stdout
+        .lines()
+        .filter(|l| l.starts_with("problem  "))
+        .count();
+    assert!(
+        errors.is_empty() || problems > 0,
+        "errors beside no problem:\n{stdout}{stderr}"
+    );
+    assert_eq!(stdout.contains("problems none"), problems == 0, "{stdout}");
+    let gpus = std::fs::read_dir("/proc/driver/nvidia/gpus").map_or(0, |d| d.count());
+    if gpus == 0 {
+        let cuda_rows: Vec<&str> = stdout
+            .lines()
+            .filter(|l| l.starts_with("shm cuda ") || l.starts_with("tcp cuda "))
+            .collect();
+        assert_eq!(cuda_rows.len(), 2, "{stdout}");
+        for row in cuda_rows {
+            assert!(
+                row.contains(": note: no GPU on this host: ") || row.contains("registers: "),
+                "{row}"
+            );
+        }
+    }
+}
+
+/// Logs print an optional field's value, never a Rust `Some(...)`.
+#[test]
+fn logs_print_an_optional_value_not_a_rust_option() {
+    let out = Kvferry::new()
+        .log("kvferry=info")
+        .args([
+            "serve",
+            "--role",
+            "prefill",
+            "--model",
+            "llama-3-70b",
+            "--deployment",
+            "tp1",
+            "--slots",
+            "4",
+            "--exit-with-stdin",
+        ])
+        .output();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let started = stderr
+        .lines()
+        .find(|l| l.contains("agent started"))
+        .unwrap_or_else(|| panic!("no `agent started`: {stderr}"));
+    assert!(started.contains(" endpoint=127.0.0.1:"), "{started}");
+    assert!(!stderr.contains("Some("), "{stderr}");
 }

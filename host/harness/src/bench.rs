@@ -494,10 +494,9 @@ impl fmt::Display for BenchReport {
         )?;
         writeln!(
             f,
-            "transfer    {} bytes ({:.1} MB) in {} fragments / {} puts per round; mean \
-             fragment {:.0} B, mean put {:.0} B",
-            self.bytes,
-            self.bytes as f64 / 1e6,
+            "transfer    {} in {} fragments / {} puts per round; mean fragment {:.0} B, mean \
+             put {:.0} B",
+            kvferry_platform::units::bytes(self.bytes),
             self.fragments,
             self.puts,
             self.mean_fragment_bytes,

@@ -405,14 +405,14 @@ impl std::fmt::Display for OverlapReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "overlap {} {} over {}: {} requests x {} tokens, {:.1} MB per round, {} layers x \
-             {} us of compute ({:.1} ms)",
+            "overlap {} {} over {}: {} requests x {} tokens, {} per round, {} layers x {} us \
+             of compute ({:.1} ms)",
             self.model,
             self.pair,
             self.transport,
             self.requests,
             self.prompt_len,
-            self.bytes_per_round as f64 / 1e6,
+            kvferry_platform::units::size(self.bytes_per_round),
             self.layers,
             self.layer_compute_us,
             self.compute_ms

@@ -1052,7 +1052,8 @@ impl Shared {
                     peer, kind, detail, ..
                 } = &event
                 {
-                    tracing::warn!(request = id, rank, ?peer, %kind, %detail, "send failed");
+                    let peer = peer.as_deref().map(tracing::field::display);
+                    tracing::warn!(request = id, rank, peer, %kind, %detail, "send failed");
                 }
                 let recorded = self.recorded(id);
                 let mut outgoing = lock(&self.outgoing);

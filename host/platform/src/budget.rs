@@ -22,13 +22,13 @@ pub struct HostBudget {
 
 impl fmt::Display for HostBudget {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} available ({})", show_bytes(self.bytes), self.limit)
+        write!(
+            f,
+            "{} available ({})",
+            crate::units::bytes(self.bytes),
+            self.limit
+        )
     }
-}
-
-/// Bytes as GB (10^9) with two decimals, and the exact count (`1.50 GB (1500000000 bytes)`).
-pub fn show_bytes(n: u64) -> String {
-    format!("{:.2} GB ({n} bytes)", n as f64 / 1e9)
 }
 
 impl HostBudget {

@@ -30,8 +30,9 @@ mod eventfd;
 mod net;
 mod poll;
 mod shm;
+pub mod units;
 
-pub use budget::{HostBudget, show_bytes};
+pub use budget::HostBudget;
 pub use dl::object_file_of;
 pub use eventfd::EventFd;
 pub use net::{first_interface_address, send_now};

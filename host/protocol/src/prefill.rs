@@ -113,6 +113,9 @@ pub struct SendCall<T> {
 pub enum SendRefused {
     /// The request ended here, or was cancelled or failed.
     Unknown,
+    /// The id is in use: a request of that id took its last send and has not ended, and this
+    /// send starts a request again (at token 0).
+    Duplicate,
     /// It does not follow the request's earlier sends; why.
     Invalid(String),
 }
@@ -514,6 +517,9 @@ impl<T: Clone> PrefillMachine<T> {
         let id = call.request;
         let stashed = match self.requests.get_mut(&id) {
             Some(req) => {
+                if req.finished && !req.ending() && call.tokens.start == 0 {
+                    return Err(SendRefused::Duplicate);
+                }
                 if req.finished || req.ending() {
                     return Err(SendRefused::Unknown);
                 }

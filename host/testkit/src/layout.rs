@@ -119,10 +119,13 @@ pub const MAX_INSTANCE_RANKS: u32 = 65_536;
 /// never be allocated, and sums over the ranks of an instance stay far from `u64::MAX`.
 pub const MAX_RANK_BYTES: u64 = 1 << 46;
 
-/// Bytes as GB (10^9) with two decimals and the exact count, as the transfer library's host
-/// budget prints them.
+/// The exact count and its size in binary units ([`crate::units::bytes`]), as the transfer
+/// library's host budget prints them.
 pub fn bytes_text(n: u128) -> String {
-    format!("{:.2} GB ({n} bytes)", n as f64 / 1e9)
+    match u64::try_from(n) {
+        Ok(n) => crate::units::bytes(n),
+        Err(_) => format!("{n} bytes (more than 16 EiB)"),
+    }
 }
 
 /// A rank whose pools would hold more than [`MAX_RANK_BYTES`]: what it would take.

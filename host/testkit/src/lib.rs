@@ -29,7 +29,7 @@ pub mod hf_config;
 pub mod layout;
 pub mod oracle;
 pub mod scenario;
-pub mod units;
+pub use kvferry_platform::units;
 
 pub use kvferry_plan::error_chain;
 

@@ -432,7 +432,7 @@ fn a_rank_whose_pools_exceed_what_one_rank_may_hold_is_refused_before_allocating
         text.starts_with("prefill rank 0 (tp1): its pools would take "),
         "{text}"
     );
-    assert!(text.contains("(3932160000000000 bytes)"), "{text}");
+    assert!(text.contains("3932160000000000 bytes (3.49 PiB)"), "{text}");
     assert!(text.contains(&format!("{MAX_RANK_BYTES} bytes")), "{text}");
 
     // Slots past u64 are measured, not overflowed.

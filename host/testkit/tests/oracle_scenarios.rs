@@ -228,9 +228,8 @@ fn pools_past_the_memory_budget_are_refused_before_any_is_backed() {
     assert_eq!(
         err.to_string(),
         format!(
-            "backing the pools of 1 receiving decode rank needs {:.2} GB ({pool} bytes); \
-             {} bytes available (test)",
-            pool as f64 / 1e9,
+            "backing the pools of 1 receiving decode rank needs {}; {} bytes available (test)",
+            kvferry_testkit::units::bytes(pool),
             pool - 1
         )
     );

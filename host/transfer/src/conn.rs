@@ -214,7 +214,7 @@ impl UnprovenConns {
         let Some(i) = evict else { return !full };
         let (_, old, socket) = self.conns.remove(i);
         tracing::info!(
-            source = ?old,
+            source = old.map(tracing::field::display),
             listener_full = full,
             "an unproven connection closed for a newer one"
         );

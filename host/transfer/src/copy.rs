@@ -21,7 +21,8 @@ use std::time::Instant;
 
 use crate::outcome::PairFragments;
 use crate::rank::nanos;
-use kvferry_platform::{HostBudget, show_bytes};
+use kvferry_platform::HostBudget;
+use kvferry_platform::units::bytes as show_bytes;
 
 /// Why the memcpy baseline did not run. Nothing was copied.
 #[derive(Debug, thiserror::Error)]

@@ -91,8 +91,8 @@ pub enum MemoryError {
     #[error(
         "rank {rank} pool {pool}: host pools would not fit: {} asked for in all (this pool {}), \
          {budget}",
-        kvferry_platform::show_bytes(*total),
-        kvferry_platform::show_bytes(*bytes)
+        kvferry_platform::units::bytes(*total),
+        kvferry_platform::units::bytes(*bytes)
     )]
     HostMemory {
         /// The rank.
@@ -792,8 +792,8 @@ mod tests {
         );
         let text = err.to_string();
         assert!(
-            text.contains("host pools would not fit: 0.00 GB (4194304 bytes) asked for in all")
-                && text.contains("0.00 GB (3145728 bytes) available (test)"),
+            text.contains("host pools would not fit: 4194304 bytes (4 MiB) asked for in all")
+                && text.contains("3145728 bytes (3 MiB) available (test)"),
             "{text}"
         );
     }

@@ -14,10 +14,10 @@
 use anyhow::{Result, bail};
 use kvferry_plan::{ValidatedPlan, overlapping_writers};
 use kvferry_planner_abi::{GroupKind, RankInfo};
-use kvferry_testkit::layout::bytes_text;
 use kvferry_testkit::scenario::{
     Exchange, MemoryBudget, PairReport, PlannerFactory, ReceiverReport, Scenario, paged_slots,
 };
+use kvferry_testkit::units;
 
 /// What the output says in place of the oracle's verdict.
 pub const NOT_MOVED: &str =
@@ -167,7 +167,7 @@ fn check_budget(budget: Option<&MemoryBudget>, needed: u64, s: &Scenario) -> Res
             s.model.tokens_per_block,
             s.gen_tokens_per_block
         ),
-        bytes_text(u128::from(needed)),
+        units::bytes(needed),
         budget.available
     )
 }

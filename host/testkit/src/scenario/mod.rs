@@ -186,8 +186,8 @@ impl ScenarioError {
 pub struct MemoryBudget {
     /// Bytes.
     pub bytes: u64,
-    /// The figure as a person reads it, with what limits it: `23.90 GB (... bytes) available
-    /// (MemAvailable)`.
+    /// The figure as a person reads it, with what limits it: `25662619648 bytes (23.9 GiB)
+    /// available (MemAvailable)`.
     pub available: String,
 }
 

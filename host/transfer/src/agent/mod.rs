@@ -832,7 +832,7 @@ impl Agent {
             agent = %inner.me(),
             role = %inner.config.role,
             planner = inner.bound.id(),
-            endpoint = ?endpoint,
+            endpoint = endpoint.as_deref().map(tracing::field::display),
             pools = inner.info.page_table.pools.len(),
             "agent started"
         );
@@ -886,7 +886,8 @@ impl Agent {
     ///
     /// # Errors
     ///
-    /// Invalid parameters (the request is then untouched), or a decode rank.
+    /// Invalid parameters (the request is then untouched), a request started again (from token
+    /// 0) while one of its id is in flight ([`CallError::Duplicate`]), or a decode rank.
     pub fn send(&self, send: SendChunk) -> Result<(), CallError> {
         self.need(Role::Prefill, "send")?;
         prefill::send(&self.inner, send)

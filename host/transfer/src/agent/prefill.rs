@@ -605,6 +605,7 @@ pub(crate) fn send(inner: &Arc<Inner>, mut s: SendChunk) -> Result<(), CallError
     };
     with_machine(inner, |m, now| m.handle_send(now, call, &all)).map_err(|e| match e {
         SendRefused::Unknown => CallError::Unknown { request: id },
+        SendRefused::Duplicate => CallError::Duplicate { request: id },
         SendRefused::Invalid(reason) => invalid(reason),
     })
 }
