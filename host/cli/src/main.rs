@@ -10,6 +10,7 @@ mod conform;
 mod doctor;
 mod plan;
 mod progress;
+mod shape;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -1003,6 +1004,10 @@ fn check(
             "auto_error": auto.as_ref().err(),
             "candidates": candidates.iter().map(candidate_json).collect::<Vec<_>>(),
             "error": bound.as_ref().err().map(|e| format!("{e:#}")),
+            "cache": shape::model_line(model),
+            "ranks": bound.as_ref().ok().map(|(_, ranks)| {
+                ranks.iter().map(|r| shape::rank_groups(r).1).collect::<Vec<_>>()
+            }),
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(if bound.is_ok() {
@@ -1043,6 +1048,26 @@ fn check(
         model.dtype,
         model.tokens_per_block,
     );
+    println!("cache: {}", shape::model_line(model));
+    // Ranks that hold the same groups (every rank but where PP stages differ) are one entry.
+    let mut runs: Vec<(usize, usize, Vec<String>)> = Vec::new();
+    for (i, rank) in ranks.iter().enumerate() {
+        let (lines, _) = shape::rank_groups(rank);
+        match runs.last_mut() {
+            Some((_, last, held)) if *held == lines => *last = i,
+            _ => runs.push((i, i, lines)),
+        }
+    }
+    for (first, last, lines) in runs {
+        let who = if first == last {
+            format!("rank {first}")
+        } else {
+            format!("ranks {first}-{last}")
+        };
+        for line in lines {
+            println!("  {who}: {line}");
+        }
+    }
     Ok(ExitCode::SUCCESS)
 }
 

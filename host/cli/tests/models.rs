@@ -112,3 +112,74 @@ fn plan_moves_what_each_families_cache_shape_holds() {
         assert_eq!(v["receivers"][0]["payload_bytes"], state, "{file}: {v}");
     }
 }
+
+/// `check` prints each family's cache: its layers by kind, then what one rank's groups hold
+/// per block (or per sequence), here worked out from the published dimensions at tp2, 32
+/// tokens per block, BF16.
+#[test]
+fn check_prints_each_familys_cache_shape() {
+    let per_layer = |kv_heads: u64| 32 * kv_bytes(kv_heads / 2, 128);
+    for (file, model_line, groups) in [
+        (
+            "gemma-3-27b.json",
+            "62 layers: 10 full attention, 52 sliding window of 1024 tokens",
+            // 16 KV heads; 52 sliding layers then 10 global ones.
+            vec![
+                ("paged", Some(1024), 52, 52 * per_layer(16)),
+                ("paged", None, 10, 10 * per_layer(16)),
+            ],
+        ),
+        (
+            "jamba-1.5-mini.json",
+            "32 layers: 4 full attention, 28 Mamba (recurrent state)",
+            // 8 KV heads on 4 layers; per Mamba layer and sequence, d_inner 8192 / 2 channels
+            // of conv state (kernel 4: 3 steps) and SSM state (16), BF16.
+            vec![
+                ("paged", None, 4, 4 * per_layer(8)),
+                ("state", None, 28, 28 * 4096 * (3 + 16) * 2),
+            ],
+        ),
+    ] {
+        let text = Kvferry::new()
+            .quiet()
+            .args(["check", "--model", &hf_config(file), "--deployment", "tp2"])
+            .stdout();
+        assert!(
+            text.contains(&format!("cache: {model_line}")),
+            "{file}:\n{text}"
+        );
+        let v = Kvferry::new()
+            .quiet()
+            .args([
+                "check",
+                "--model",
+                &hf_config(file),
+                "--deployment",
+                "tp2",
+                "--json",
+            ])
+            .json();
+        for rank in 0..2 {
+            let got = &v["ranks"][rank];
+            assert_eq!(
+                got.as_array().map(Vec::len),
+                Some(groups.len()),
+                "{file}: {v}"
+            );
+            for (g, (kind, window, layers, bytes)) in groups.iter().enumerate() {
+                assert_eq!(got[g]["kind"], *kind, "{file} group {g}: {v}");
+                assert_eq!(
+                    got[g]["window"],
+                    serde_json::json!(window),
+                    "{file} group {g}: {v}"
+                );
+                assert_eq!(got[g]["layers"], *layers, "{file} group {g}: {v}");
+                assert_eq!(got[g]["bytes_per_slot"], *bytes, "{file} group {g}: {v}");
+            }
+        }
+        assert!(
+            text.contains("ranks 0-1: group 0: paged"),
+            "{file}:\n{text}"
+        );
+    }
+}
