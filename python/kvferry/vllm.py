@@ -1,11 +1,10 @@
 """kvferry as a vLLM KV connector: disaggregated prefill with vLLM's own request flow.
 
-Load it by module path (needs ``pip install kvferry[vllm]``, i.e. vLLM itself)::
+Load it by module path (vLLM installed beside kvferry)::
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvferryConnector",
         "kv_connector_module_path": "kvferry.vllm", "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"plugin_dir": "/opt/kvferry/planners",
-                                      "secret_file": "/etc/kvferry/secret"}}'
+        "kv_connector_extra_config": {"secret_file": "/etc/kvferry/secret"}}'
 
 and the same with ``"kv_role": "kv_consumer"`` on the decode instance (``kv_both``: either,
 per request). The flow is vLLM's disaggregated prefill, as its NIXL connector has it, so
@@ -37,7 +36,8 @@ blocks freed only after kvferry's terminal event (nothing lands after that).
 ``kv_connector_extra_config`` (unknown keys are refused at start):
 
 ==================  ====================================================================
-``plugin_dir``      where planner ``.so`` files are (default ``KVFERRY_PLUGIN_DIR``)
+``plugin_dir``      where planner ``.so`` files are (default ``KVFERRY_PLUGIN_DIR``, else
+                    the planners inside the package, ``kvferry.PLUGIN_DIR``)
 ``secret``,         the deployment's shared secret (text, hex, or a file holding it);
 ``secret_hex``,     default ``KVFERRY_SECRET``. At least 16 bytes, the same on every
 ``secret_file``     instance of a deployment.
@@ -106,7 +106,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from . import CONFIG_VERSION, Agent, Error, describe_paged_cache
+from . import CONFIG_VERSION, PLUGIN_DIR, Agent, Error, describe_paged_cache
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -251,11 +251,15 @@ class _Settings:
         if parallel.data_parallel_size > 1:
             instance = f"{instance}-dp{parallel.data_parallel_rank}"
         self.instance = instance
-        self.plugin_dir = extra.get("plugin_dir") or os.environ.get("KVFERRY_PLUGIN_DIR")
+        self.plugin_dir = (
+            extra.get("plugin_dir")
+            or os.environ.get("KVFERRY_PLUGIN_DIR")
+            or (PLUGIN_DIR if os.path.isdir(PLUGIN_DIR) else None)
+        )
         if not self.plugin_dir:
             raise ValueError(
-                "kvferry: no planner directory: set kv_connector_extra_config plugin_dir "
-                "or KVFERRY_PLUGIN_DIR"
+                "kvferry: no planner directory: this kvferry package carries none (built in "
+                "place?); set kv_connector_extra_config plugin_dir or KVFERRY_PLUGIN_DIR"
             )
         self.secret = self._secret(extra)
         architectures = getattr(vllm_config.model_config.hf_config, "architectures", None) or []
