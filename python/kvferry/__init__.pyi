@@ -2,9 +2,9 @@
 
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, Final, Literal, Protocol, Self, final
+from typing import Any, Final, Literal, Protocol, final
 
-from typing_extensions import Buffer
+from typing_extensions import Buffer, Self
 
 __all__ = [
     "Agent",
@@ -40,7 +40,7 @@ _SlotTable = Buffer | _NumpyArray | Sequence[int]
 
 class _NumpyArray(Protocol):
     # numpy declares ndarray's __buffer__ for Python >= 3.12 only; this lets checkers targeting
-    # 3.11 take an ndarray too (its dtype is checked at run time).
+    # 3.9 to 3.11 take an ndarray too (its dtype is checked at run time).
     def __array__(self, *args: Any, **kwargs: Any) -> Any: ...
 
 _ErrorKind = Literal[

@@ -4,9 +4,10 @@
 //!
 //! It takes the versioned configuration, JSON or TOML (`kvferry::config::load`, the same
 //! parser `kvferry_agent_start` calls), releases the GIL around every agent call, reads slot
-//! tables through the buffer protocol without converting them to Python lists, and turns
-//! every refusal, and any panic, into a `kvferry.Error` carrying `kind`, `peer` and `detail`.
-//! Nothing here exits the process.
+//! tables through the buffer protocol (a `memoryview`, copied once: the stable ABI of CPython
+//! 3.9, which the extension targets, has no `Py_buffer`) without converting them to Python
+//! lists, and turns every refusal, and any panic, into a `kvferry.Error` carrying `kind`,
+//! `peer` and `detail`. Nothing here exits the process.
 
 mod logs;
 
@@ -19,10 +20,9 @@ use kvferry::agent::{
 };
 use kvferry::config::{ConfigError, error_chain, load};
 use kvferry::planning::{PairPlanner as PlannerCore, Piece, PlanningError};
-use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyString};
+use pyo3::types::{PyBytes, PyDict, PyMemoryView, PyString};
 
 pyo3::create_exception!(
     kvferry,
@@ -131,11 +131,15 @@ fn slot_tables(tables: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<SlotTable>
             tables.get_type().name()?
         )));
     }
-    if PyUntypedBuffer::get(tables).is_ok_and(|b| b.dimensions() <= 1) {
-        return Err(PyTypeError::new_err(format!(
-            "{what}: expected a sequence of slot tables (one per layer group), got one buffer \
-             (wrap a single table in a list: [table])"
-        )));
+    if let Ok(view) = PyMemoryView::from(tables) {
+        let one_buffer = view.getattr("ndim")?.extract::<usize>()? <= 1;
+        view.call_method0("release")?;
+        if one_buffer {
+            return Err(PyTypeError::new_err(format!(
+                "{what}: expected a sequence of slot tables (one per layer group), got one \
+                 buffer (wrap a single table in a list: [table])"
+            )));
+        }
     }
     let iter = tables.try_iter().map_err(|_| {
         PyTypeError::new_err(format!(
@@ -153,7 +157,7 @@ fn slot_tables(tables: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<SlotTable>
 }
 
 fn slot_table(table: &Bound<'_, PyAny>, what: &str) -> PyResult<SlotTable> {
-    let Ok(buffer) = PyUntypedBuffer::get(table) else {
+    let Ok(view) = PyMemoryView::from(table) else {
         if table.is_instance_of::<PyString>() {
             return Err(PyTypeError::new_err(format!(
                 "{what}: a str is not a slot table"
@@ -172,34 +176,66 @@ fn slot_table(table: &Bound<'_, PyAny>, what: &str) -> PyResult<SlotTable> {
         })?;
         return Ok(SlotTable::new(slots.into_iter().map(i64::from)));
     };
-    let format = buffer.format().to_string_lossy().into_owned();
-    if buffer.dimensions() != 1 {
+    let slots = buffer_slots(&view, what);
+    // Unlocks the exporter (a bytearray cannot be resized while a view holds it).
+    view.call_method0("release")?;
+    Ok(SlotTable::new(slots?.into_iter().map(i64::from)))
+}
+
+/// The native int32 items of a 1-D, C-contiguous buffer, read through a `memoryview` (the
+/// stable ABI before CPython 3.11 has no `Py_buffer`): one copy, `memoryview.tobytes()`.
+fn buffer_slots(view: &Bound<'_, PyMemoryView>, what: &str) -> PyResult<Vec<i32>> {
+    let ndim: usize = view.getattr("ndim")?.extract()?;
+    if ndim != 1 {
+        let shape: Vec<usize> = view.getattr("shape")?.extract()?;
         return Err(PyTypeError::new_err(format!(
-            "{what}: a slot table must be 1-dimensional, this buffer has {} dimensions \
-             (shape {:?})",
-            buffer.dimensions(),
-            buffer.shape()
+            "{what}: a slot table must be 1-dimensional, this buffer has {ndim} dimensions \
+             (shape {shape:?})"
         )));
     }
-    let typed = buffer.into_typed::<i32>().map_err(|_| {
-        PyTypeError::new_err(format!(
+    let format: String = view.getattr("format")?.extract()?;
+    let itemsize: usize = view.getattr("itemsize")?.extract()?;
+    if itemsize != size_of::<i32>() || !is_native_i32(&format) {
+        return Err(PyTypeError::new_err(format!(
             "{what}: a slot table must hold native int32 items (numpy dtype int32, buffer \
              format 'i'); this buffer's format is {format:?}"
-        ))
-    })?;
-    let Some(ptr) = typed.as_slice_ptr() else {
+        )));
+    }
+    if !view.getattr("c_contiguous")?.is_truthy()? {
+        let strides: Vec<isize> = view.getattr("strides")?.extract()?;
         return Err(PyTypeError::new_err(format!(
             "{what}: a slot table must be C-contiguous (numpy: np.ascontiguousarray(table)); \
-             this buffer's strides are {:?}",
-            typed.strides()
+             this buffer's strides are {strides:?}"
         )));
+    }
+    let bytes = view.call_method0("tobytes")?;
+    let bytes = bytes.cast::<PyBytes>()?.as_bytes();
+    Ok(bytes
+        .chunks_exact(size_of::<i32>())
+        .map(|b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
+        .collect())
+}
+
+/// Whether a buffer format (`struct` syntax) names one native-endian 4-byte signed integer:
+/// `i` (or `l` where a C `long` is 4 bytes) in native size, or `i`/`l` in standard size
+/// with native byte order.
+fn is_native_i32(format: &str) -> bool {
+    let native_char = |c: char| match c {
+        'i' => size_of::<std::ffi::c_int>() == 4,
+        'l' => size_of::<std::ffi::c_long>() == 4,
+        _ => false,
     };
-    // SAFETY: pyo3 checked the buffer holds `item_count` native i32 items, contiguous and
-    // aligned, at `ptr`; the exporter keeps that memory alive while `typed` holds the buffer
-    // (until the end of this function), and we hold the GIL and run no Python code while
-    // reading, so nothing can resize or free it meanwhile.
-    let slots = unsafe { ptr.as_ref() };
-    Ok(SlotTable::new(slots.iter().map(|&s| i64::from(s))))
+    let native_order = |c: char| {
+        c == '='
+            || (cfg!(target_endian = "little") && c == '<')
+            || (cfg!(target_endian = "big") && (c == '>' || c == '!'))
+    };
+    let mut chars = format.chars();
+    match (chars.next(), chars.next(), chars.next()) {
+        (Some(c), None, None) | (Some('@'), Some(c), None) => native_char(c),
+        (Some(order), Some('i' | 'l'), None) => native_order(order),
+        _ => false,
+    }
 }
 
 /// What happened to a request: one terminal event per request and side.
@@ -617,7 +653,20 @@ impl Agent {
             .unwrap_or_else(PoisonError::into_inner)
             .as_ref()
         {
-            Some(a) => format!("<kvferry.Agent {a:?}>"),
+            Some(a) => {
+                // The endpoint when there is one (prefill ranks), never a Rust `Some(...)`.
+                let me = a.identity();
+                let endpoint = a
+                    .endpoint()
+                    .map(|e| format!(" endpoint='{e}'"))
+                    .unwrap_or_default();
+                format!(
+                    "<kvferry.Agent instance='{}' rank={} role='{}'{endpoint}>",
+                    me.instance,
+                    me.rank,
+                    a.role()
+                )
+            }
             None => "<kvferry.Agent closed>".into(),
         }
     }

@@ -366,11 +366,13 @@ def test_call_refusals(pair):
     assert event.kind == "cancelled" and event.request == 8
     assert "cancelled" in repr(event)
 
-    # A prefill rank has no duplicate: once a request's last chunk is in, another send of
-    # its id is a chunk of a request it no longer takes chunks for.
+    # A prefill rank refuses a second send of an id in flight (its last chunk in, not ended)
+    # as a duplicate too; a later chunk of it is one of a request that takes no more.
     ctx.send(10, [np.array([1], dtype=np.int32)], 0, 16, 16, True)
     e = error_of(ctx.send, 10, [np.array([2], dtype=np.int32)], 0, 16, 16, True)
-    assert e.kind == "unknown" and "10" in e.detail
+    assert e.kind == "duplicate" and "request 10 already exists" in e.detail, e
+    e = error_of(ctx.send, 10, [np.array([2], dtype=np.int32)], 8, 16, 16, True)
+    assert e.kind == "unknown" and "10" in e.detail, e
 
     e = error_of(ctx.send, 9, [[99]], 0, 16, 16, True)
     assert e.kind == "invalid", e
@@ -394,6 +396,19 @@ def test_call_refusals(pair):
     e = error_of(ctx.send, 11, table, 0, 16, 16, True, views=[])
     assert e.kind == "invalid" and "names no view" in e.detail, e
     ctx.send(11, table, 0, 16, 16, True, views=[(0, 0)])
+
+
+def test_reprs_print_values_not_rust_options(pair):
+    """An agent's repr names it, with the endpoint a prefill rank listens on, and nothing for
+    the decode rank's (it has none): no Rust `Some(...)` or `None`."""
+    ctx, gen = pair
+    endpoint = ctx.endpoint()
+    assert endpoint.startswith("127.0.0.1:"), endpoint
+    assert repr(ctx) == (
+        f"<kvferry.Agent instance='prefill-py' rank=0 role='prefill' endpoint='{endpoint}'>"
+    )
+    assert gen.endpoint() is None
+    assert repr(gen) == "<kvferry.Agent instance='decode-py' rank=0 role='decode'>"
 
 
 def test_tables_must_be_int32(pair):
@@ -553,6 +568,10 @@ def test_logs_reach_python_logging(plugin_dir, tmp_path, env_filter):
         stopped = [m for name, _, m in got["info"] if m.startswith("agent stopped")]
         assert len(stopped) == 1 and "open_requests=0" in stopped[0], got
         assert "agent=prefill-py" in stopped[0], got
+        # Optional fields print their value, never a Rust `Some(...)`.
+        started = [m for name, _, m in got["info"] if m.startswith("agent started")]
+        assert len(started) == 1 and " endpoint=127.0.0.1:" in started[0], got
+        assert not any("Some(" in m for _, _, m in got["quiet"] + got["info"]), got
     else:
         # The bad filter is named in a warning each start, and the default ("warn") applies
         # whatever the kvferry logger's level.
