@@ -420,8 +420,13 @@ fn a_config_file_names_the_planner_and_the_flag_wins() {
     let args = ["check", "--model", "deepseek-v3", "--deployment", "dep2"];
     let out = Kvferry::new().config(&config).args(args).output();
     assert!(out.status.success(), "{:?}", text(&out));
-    // The last line names the bound planner (candidates and the auto verdict come first).
-    let bound_line = |out: &Output| text(out).0.lines().last().unwrap_or_default().to_string();
+    // The line that names the bound planner (after the candidates and the auto verdict,
+    // before the cache it plans).
+    let bound_line = |out: &Output| {
+        let stdout = text(out).0;
+        let line = stdout.lines().find(|l| l.contains(" plans "));
+        line.unwrap_or_default().to_string()
+    };
     assert!(
         bound_line(&out).starts_with("kvferry.deepseek_mla_latent "),
         "{:?}",
