@@ -926,7 +926,6 @@ fn mamba_state(
     spec: &MambaState,
     g: &Geometry,
 ) -> Result<Vec<ViewSpec>, LayoutError> {
-    let (w, i) = (g.state_width, g.state_index);
     let mut counts = vec![(
         if spec.groups == 0 {
             "mamba channels"
@@ -938,17 +937,7 @@ fn mamba_state(
     if spec.groups > 0 {
         counts.push(("mamba groups", spec.groups));
     }
-    for (what, count) in counts {
-        if count == 0 || count % w != 0 {
-            return Err(LayoutError::Sharding {
-                model: model.name.clone(),
-                what,
-                count,
-                width: w,
-            });
-        }
-    }
-    let per_channel = u64::from(spec.conv_kernel.saturating_sub(1)) * spec.conv_dtype.bytes();
+    check_state_shards(model, g.state_width, &counts)?;
     let x = u64::from(spec.heads) * u64::from(spec.head_dim);
     let b_c = u64::from(spec.groups) * u64::from(spec.state_size);
     let channels: &[u64] = if spec.groups == 0 {
@@ -956,44 +945,12 @@ fn mamba_state(
     } else {
         &[x, b_c, b_c]
     };
-    let sections: Vec<u64> = channels
-        .iter()
-        .map(|c| c / u64::from(w) * per_channel)
-        .collect();
-    let conv = ViewSpec {
-        roles: vec!["conv".to_string()],
-        layout: RoleLayout {
-            kind: LayoutKind::SECTIONED,
-            dtype: RString::from(spec.conv_dtype.layout_name()),
-            elem_bits: spec.conv_dtype.bits(),
-            num_shards: w,
-            shard_index: i,
-            num_replicas: 1,
-            replica_index: 0,
-            shard_unit_bytes: 0,
-            section_bytes: RVec::from(sections.clone()),
-        },
-        buffers: 1,
-        buffer_bytes: sections.iter().sum(),
-    };
     let ssm_head = u64::from(spec.head_dim) * u64::from(spec.state_size) * spec.ssm_dtype.bytes();
-    let ssm = ViewSpec {
-        roles: vec!["ssm".to_string()],
-        layout: RoleLayout {
-            kind: LayoutKind::HND,
-            dtype: RString::from(spec.ssm_dtype.layout_name()),
-            elem_bits: spec.ssm_dtype.bits(),
-            num_shards: w,
-            shard_index: i,
-            num_replicas: 1,
-            replica_index: 0,
-            shard_unit_bytes: ssm_head,
-            section_bytes: RVec::new(),
-        },
-        buffers: 1,
-        buffer_bytes: u64::from(spec.heads / w) * ssm_head,
-    };
-    Ok(vec![conv, ssm])
+    Ok(state_views(
+        g,
+        (spec.conv_dtype, spec.conv_kernel, channels),
+        (spec.ssm_dtype, spec.heads, ssm_head),
+    ))
 }
 
 /// Gated DeltaNet's state views: `conv` (the short convolution's last `kernel - 1` inputs,
@@ -1005,57 +962,92 @@ fn linear_state(
     spec: &LinearAttention,
     g: &Geometry,
 ) -> Result<Vec<ViewSpec>, LayoutError> {
-    let (w, i) = (g.state_width, g.state_index);
-    for (what, count) in [
-        ("gated deltanet key heads", spec.key_heads),
-        ("gated deltanet value heads", spec.value_heads),
-    ] {
-        if count == 0 || count % w != 0 {
+    check_state_shards(
+        model,
+        g.state_width,
+        &[
+            ("gated deltanet key heads", spec.key_heads),
+            ("gated deltanet value heads", spec.value_heads),
+        ],
+    )?;
+    let keys = u64::from(spec.key_heads) * u64::from(spec.key_head_dim);
+    let values = u64::from(spec.value_heads) * u64::from(spec.value_head_dim);
+    let ssm_head = u64::from(spec.key_head_dim) * u64::from(spec.value_head_dim) * 4;
+    Ok(state_views(
+        g,
+        (Dtype::Bf16, spec.conv_kernel, &[keys, keys, values]),
+        (Dtype::Fp32, spec.value_heads, ssm_head),
+    ))
+}
+
+/// Refuses a recurrent state whose `counts` (heads, groups) do not split evenly over the
+/// `width` ranks that share it.
+fn check_state_shards(
+    model: &ModelShape,
+    width: u32,
+    counts: &[(&'static str, u32)],
+) -> Result<(), LayoutError> {
+    for &(what, count) in counts {
+        if count == 0 || count % width != 0 {
             return Err(LayoutError::Sharding {
                 model: model.name.clone(),
                 what,
                 count,
-                width: w,
+                width,
             });
         }
     }
-    let conv_elem = Dtype::Bf16;
-    let per_channel = u64::from(spec.conv_kernel.saturating_sub(1)) * conv_elem.bytes();
-    let keys = u64::from(spec.key_heads) * u64::from(spec.key_head_dim);
-    let values = u64::from(spec.value_heads) * u64::from(spec.value_head_dim);
-    let sections = [keys, keys, values].map(|channels| channels / u64::from(w) * per_channel);
-    let conv = ViewSpec {
-        roles: vec!["conv".to_string()],
-        layout: RoleLayout {
-            kind: LayoutKind::SECTIONED,
-            dtype: RString::from(conv_elem.layout_name()),
-            elem_bits: conv_elem.bits(),
-            num_shards: w,
-            shard_index: i,
-            num_replicas: 1,
-            replica_index: 0,
-            shard_unit_bytes: 0,
-            section_bytes: RVec::from(sections.to_vec()),
-        },
-        buffers: 1,
-        buffer_bytes: sections.iter().sum(),
-    };
-    let ssm_head = u64::from(spec.key_head_dim) * u64::from(spec.value_head_dim) * 4;
-    let ssm = ViewSpec {
-        roles: vec!["ssm".to_string()],
-        layout: RoleLayout {
-            kind: LayoutKind::HND,
-            dtype: RString::from("fp32"),
-            elem_bits: 32,
-            num_shards: w,
-            shard_index: i,
-            num_replicas: 1,
-            replica_index: 0,
-            shard_unit_bytes: ssm_head,
-            section_bytes: RVec::new(),
-        },
-        buffers: 1,
-        buffer_bytes: u64::from(spec.value_heads / w) * ssm_head,
-    };
-    Ok(vec![conv, ssm])
+    Ok(())
+}
+
+/// A recurrent state's two views on this rank, sharded over the state's ranks: `conv`, the
+/// short convolution's last `kernel - 1` inputs channel-major in sections of `channels`
+/// (each section split over the ranks, so a shard of each is one run of channels), and `ssm`,
+/// `heads` matrices of `ssm_head` bytes split by head (HND).
+fn state_views(
+    g: &Geometry,
+    (conv_dtype, conv_kernel, channels): (Dtype, u32, &[u64]),
+    (ssm_dtype, heads, ssm_head): (Dtype, u32, u64),
+) -> Vec<ViewSpec> {
+    let (w, i) = (g.state_width, g.state_index);
+    let per_channel = u64::from(conv_kernel.saturating_sub(1)) * conv_dtype.bytes();
+    let sections: Vec<u64> = channels
+        .iter()
+        .map(|c| c / u64::from(w) * per_channel)
+        .collect();
+    let view =
+        |role: &str, kind, dtype: Dtype, shard_unit_bytes, section_bytes: &[u64], bytes| ViewSpec {
+            roles: vec![role.to_string()],
+            layout: RoleLayout {
+                kind,
+                dtype: RString::from(dtype.layout_name()),
+                elem_bits: dtype.bits(),
+                num_shards: w,
+                shard_index: i,
+                num_replicas: 1,
+                replica_index: 0,
+                shard_unit_bytes,
+                section_bytes: RVec::from(section_bytes.to_vec()),
+            },
+            buffers: 1,
+            buffer_bytes: bytes,
+        };
+    vec![
+        view(
+            "conv",
+            LayoutKind::SECTIONED,
+            conv_dtype,
+            0,
+            &sections,
+            sections.iter().sum(),
+        ),
+        view(
+            "ssm",
+            LayoutKind::HND,
+            ssm_dtype,
+            ssm_head,
+            &[],
+            u64::from(heads / w) * ssm_head,
+        ),
+    ]
 }
