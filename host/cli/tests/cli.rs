@@ -6,7 +6,7 @@ use crate::support;
 use std::process::Output;
 
 use serde_json::Value;
-use support::{Kvferry, build_dir, text};
+use support::{Kvferry, build_dir, hf_config, text};
 
 fn listed_ids(out: &Output) -> Vec<String> {
     let v: Value = serde_json::from_slice(&out.stdout).expect("planners --json prints JSON");
@@ -259,15 +259,6 @@ fn conform_prints_a_summary_by_model_unless_asked_for_every_case() {
         3,
         "{every}"
     );
-}
-
-/// A Hugging Face config from the testkit's fixtures.
-fn hf_config(name: &str) -> String {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../testkit/tests/fixtures/hf")
-        .join(name)
-        .display()
-        .to_string()
 }
 
 #[test]

@@ -6,16 +6,7 @@
 use crate::support;
 
 use serde_json::Value;
-use support::Kvferry;
-
-/// A Hugging Face config from the testkit's fixtures.
-fn hf_config(name: &str) -> String {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../testkit/tests/fixtures/hf")
-        .join(name)
-        .display()
-        .to_string()
-}
+use support::{Kvferry, hf_config};
 
 /// `kvferry plan --json` of one `prompt`-token request from `ctx` to `decode`, dry run.
 fn plan(file: &str, ctx: &str, decode: &str, prompt: u64) -> Value {
@@ -31,6 +22,21 @@ fn plan(file: &str, ctx: &str, decode: &str, prompt: u64) -> Value {
             decode,
             "--prompt-len",
             &prompt.to_string(),
+            "--json",
+        ])
+        .json()
+}
+
+/// `kvferry check --json` of `file` on `deployment`.
+fn check_json(file: &str, deployment: &str) -> Value {
+    Kvferry::new()
+        .quiet()
+        .args([
+            "check",
+            "--model",
+            &hf_config(file),
+            "--deployment",
+            deployment,
             "--json",
         ])
         .json()
@@ -58,17 +64,7 @@ fn check_accepts_the_published_configs_of_more_model_families() {
         ),
         ("jamba-1.5-mini.json", "tp2", "JambaForCausalLM"),
     ] {
-        let v = Kvferry::new()
-            .quiet()
-            .args([
-                "check",
-                "--model",
-                &hf_config(file),
-                "--deployment",
-                deployment,
-                "--json",
-            ])
-            .json();
+        let v = check_json(file, deployment);
         assert_eq!(
             v["deployment"],
             format!("{architecture} {deployment}"),
@@ -148,17 +144,7 @@ fn check_prints_each_familys_cache_shape() {
             text.contains(&format!("cache: {model_line}")),
             "{file}:\n{text}"
         );
-        let v = Kvferry::new()
-            .quiet()
-            .args([
-                "check",
-                "--model",
-                &hf_config(file),
-                "--deployment",
-                "tp2",
-                "--json",
-            ])
-            .json();
+        let v = check_json(file, "tp2");
         for rank in 0..2 {
             let got = &v["ranks"][rank];
             assert_eq!(

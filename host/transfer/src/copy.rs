@@ -22,7 +22,7 @@ use std::time::Instant;
 use crate::outcome::PairFragments;
 use crate::rank::nanos;
 use kvferry_platform::HostBudget;
-use kvferry_platform::units::bytes as show_bytes;
+use kvferry_platform::units;
 
 /// Why the memcpy baseline did not run. Nothing was copied.
 #[derive(Debug, thiserror::Error)]
@@ -79,7 +79,7 @@ pub enum CopyError {
         second: Vec<u64>,
     },
     /// The buffers would not fit in the memory this process may still take.
-    #[error("the memcpy baseline needs {} more for buffers shaped like the pools; {budget}", show_bytes(*.needed))]
+    #[error("the memcpy baseline needs {} more for buffers shaped like the pools; {budget}", units::bytes(*.needed))]
     Memory {
         /// Bytes to allocate.
         needed: u64,

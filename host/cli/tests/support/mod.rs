@@ -148,6 +148,15 @@ impl Kvferry {
     }
 }
 
+/// The path of a Hugging Face config among the testkit's fixtures.
+pub fn hf_config(name: &str) -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../testkit/tests/fixtures/hf")
+        .join(name)
+        .display()
+        .to_string()
+}
+
 /// Standard output and standard error of `out`, as text.
 pub fn text(out: &Output) -> (String, String) {
     (
