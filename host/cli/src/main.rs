@@ -253,6 +253,10 @@ struct ServeArgs {
     /// Fail the requests of a peer that sent nothing (keep-alives included) for this long.
     #[arg(long, default_value_t = 10_000, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     peer_timeout_ms: u64,
+    /// Prefill side: give up a receiver, still registered, whose puts left in flight by a
+    /// failed write finished nothing for this long (its endpoint is closed by force).
+    #[arg(long, default_value_t = 10_000, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    stall_limit_ms: u64,
     /// Decode side: ask every writer for a digest of each piece (`xxh3` or `crc32c`) and
     /// check the bytes that landed before a request is received (host memory only).
     #[arg(long, value_name = "DIGEST")]
@@ -1051,6 +1055,7 @@ fn serve(host: &Host, a: ServeArgs) -> Result<ExitCode> {
         timeout: Duration::from_millis(a.timeout_ms),
         lease: Duration::from_millis(a.lease_ms),
         peer_timeout: Duration::from_millis(a.peer_timeout_ms),
+        stall_limit: Duration::from_millis(a.stall_limit_ms),
         integrity: a.integrity,
         seed: a.seed,
         stall: Duration::from_millis(a.debug_stall_ms),

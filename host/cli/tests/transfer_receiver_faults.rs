@@ -185,7 +185,7 @@ fn hung_receiver_times_out_and_the_context_moves_on_tcp() {
 }
 
 /// A receiver that stays stopped: the context declares it gone at the peer timeout, cuts the
-/// puts stuck on it `rank::GONE_DRAIN_GRACE` later — under UCX's peer error mode
+/// puts stuck on it `ExecConfig::gone_drain_grace` later — under UCX's peer error mode
 /// (`--ucx-peer-errors`) by closing that endpoint by force, in the default mode (where UCX
 /// allows no forced close) by replacing the rank's worker — and the send fails, its source
 /// slots back, within the peer timeout plus that grace, while the receiver is still stopped
@@ -258,13 +258,16 @@ fn stopped_receiver_gives_the_context_slots_back_at_the_peer_timeout_peer_errors
 
 /// A receiver that stopped draining while its registration stays up (modelled, as above, by
 /// a peer timeout longer than the test), under peer error mode: once nothing in the stuck
-/// window finished for `rank::STALL_LIMIT` (10 s) after the write's own deadline, the context
-/// gives the receiver up, closes the endpoint by force and the send fails, its source slots
-/// back, while the receiver is still stopped. When it runs again its next keep-alive is
-/// answered with an error naming why, and it is served afresh.
+/// window finished for the stall limit (`--stall-limit-ms`, `ExecConfig::stall_limit`; 10 s
+/// by default, 2 s here) after the write's own deadline, the context gives the receiver up,
+/// closes the endpoint by force and the send fails, its source slots back, while the receiver
+/// is still stopped. When it runs again its next keep-alive is answered with an error naming
+/// why, and it is served afresh. The rule itself is checked on a simulated clock in
+/// `kvferry-protocol`'s `exec_machine` tests.
 #[test]
 fn stalled_receiver_is_given_up_after_the_stall_limit_tcp() {
     const TIMEOUT_MS: u64 = 1000;
+    const STALL_MS: u64 = 2000;
     let Frozen {
         ctx,
         decode: stalled,
@@ -277,6 +280,8 @@ fn stalled_receiver_is_given_up_after_the_stall_limit_tcp() {
         &TIMEOUT_MS.to_string(),
         "--peer-timeout-ms",
         "120000",
+        "--stall-limit-ms",
+        &STALL_MS.to_string(),
         "--ucx-peer-errors",
     ]);
     let forced = ctx.wait_for(
@@ -290,9 +295,9 @@ fn stalled_receiver_is_given_up_after_the_stall_limit_tcp() {
     let waited = frozen.elapsed();
     assert!(forced.contains("not draining"), "{forced}");
     assert!(
-        waited >= Duration::from_secs(10) && waited < Duration::from_secs(25),
+        waited >= Duration::from_millis(STALL_MS) && waited < Duration::from_secs(15),
         "the send ended {waited:?} after the receiver stopped (deadline {TIMEOUT_MS} ms, \
-         stall limit 10 s)"
+         stall limit {STALL_MS} ms)"
     );
     eprintln!("send failed {waited:?} after the receiver stopped draining");
     release(&c, 1);

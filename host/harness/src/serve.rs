@@ -96,6 +96,9 @@ pub struct ServeOptions {
     pub lease: Duration,
     /// How long a peer may stay silent before its requests fail.
     pub peer_timeout: Duration,
+    /// Prefill side: how long a receiver may leave stuck puts unfinished before it is given
+    /// up (`ExecConfig::stall_limit`).
+    pub stall_limit: Duration,
     /// Decode side: the integrity digest asked of every piece (`AgentConfig::integrity`).
     pub integrity: Option<kvferry_transfer::agent::Integrity>,
     /// Salt of the oracle's tags and canaries; both servers of a pair must agree.
@@ -451,6 +454,7 @@ pub fn start(
         agent_config.timeout = options.timeout;
         agent_config.lease = options.lease;
         agent_config.peer_timeout = options.peer_timeout;
+        agent_config.executor.stall_limit = options.stall_limit;
         agent_config.max_connections = options.max_peer_connections;
         agent_config.cuda_device = config.cuda_device;
         agent_config.harness.hook = hook.clone();

@@ -43,6 +43,7 @@
 
 pub mod agent;
 pub mod decode;
+pub mod exec;
 pub mod outcome;
 pub mod prefill;
 pub mod secure;

@@ -4,6 +4,7 @@
 //! they link once; run one file's tests with `cargo test -p <crate> --test suite <file>::`.
 
 mod decode_machine;
+mod exec_machine;
 mod fuzz;
 mod prefill_machine;
 mod seeded;

@@ -41,7 +41,7 @@
 //! A sender waits on its receiver: over `tcp` (and into registered memory) every put and
 //! flush completes only while the receiver's worker progresses. So every job runs under a
 //! deadline, [`WriteJob::timeout`] after it starts, and its window also gives up within
-//! [`ALIVE_CHECK`] once the receiver's registration ends (its control connection closed). The
+//! [`ExecConfig::alive_check`] once the receiver's registration ends (its control connection closed). The
 //! job then fails with an error naming the peer rank ([`WriteError::TimedOut`],
 //! [`WriteError::PeerGone`]) and the thread moves on to its other jobs.
 //!
@@ -71,9 +71,9 @@
 //! jobs for that peer rank fail at once ([`WriteError::Stuck`]) instead of queueing behind the
 //! stuck puts, and are reported after the quarantined job, in order.
 //! A quarantined window whose receiver cannot drain it is cut, in peer error mode: once the
-//! receiver's registration has ended for [`GONE_DRAIN_GRACE`] (a stopped receiver is declared
+//! receiver's registration has ended for [`ExecConfig::gone_drain_grace`] (a stopped receiver is declared
 //! gone at the agent's peer timeout), or while it is still registered once nothing in the
-//! window finished for [`STALL_LIMIT`] (a peer that keeps its session alive but stopped
+//! window finished for [`ExecConfig::stall_limit`] (a peer that keeps its session alive but stopped
 //! reading its UCX socket; its registration is then ended here), the endpoint is closed by
 //! force ([`Endpoint::force_close`]): UCX completes the puts with errors, the window drains,
 //! and the job reports, its slots back — within the peer timeout plus the grace for a stopped
@@ -82,7 +82,9 @@
 //! peer error mode UCX forbids a forced close, so such a window is marked due to be cut and,
 //! once every quarantined window's receiver is gone, the thread replaces its worker
 //! (`Executor::replace_worker`): destroying the old one destroys its endpoints and ends
-//! their puts.
+//! their puts. These rules are decided by [`ExecMachine`], sans I/O and tested on a
+//! simulated clock (`kvferry_protocol::exec`); this thread looks at its windows, tells the
+//! machine what it saw, and carries out what it asks.
 //! When the thread ends, windows still quarantined are abandoned (their keys are then never
 //! destroyed), before the endpoints are closed (forced once their flush times out) and the
 //! worker destroyed, all before the pools go (see `Executor`'s `Drop`).
@@ -91,7 +93,7 @@
 //! the worker's wake-up descriptor (`ucp_worker_arm`) and sleeps in `poll` on it and on the
 //! thread's command eventfd (every command sent signals it), so an idle rank costs no CPU and
 //! wakes as soon as a command or a UCX event (bytes arriving over tcp, a completion) comes;
-//! the sleep is bounded ([`IDLE_SLEEP`], or [`STUCK_SLEEP`] while a quarantined window waits
+//! the sleep is bounded ([`IDLE_SLEEP`], or [`ExecConfig::look_every`] while a quarantined window waits
 //! for its deadlines). Busy ranks progress without pause. Every spin — this loop's,
 //! and the waits for puts, flushes and the gather thread — gives up the rest of its time
 //! slice after [`kvferry_ucx::SPIN_BEFORE_YIELD`] progress calls in a row that did nothing
@@ -120,6 +122,9 @@ use kvferry_ucx::{
 
 use kvferry_plan::ValidatedPlan;
 use kvferry_protocol::PoolKey;
+use kvferry_protocol::exec::{
+    Action as ExecAction, Admit, ExecConfig, ExecMachine, JobEnd, Look, Target, WindowId,
+};
 
 use kvferry_platform::{EventFd, wait_any_readable};
 
@@ -149,31 +154,13 @@ pub(crate) const KEEP_AWAKE: Duration = Duration::from_millis(5);
 /// The longest an idle rank sleeps on its descriptors: only a missed wake-up would make it
 /// matter (every command and UCX event wakes the thread at once).
 const IDLE_SLEEP: Duration = Duration::from_millis(100);
-/// The longest it sleeps while a quarantined window waits: its stall and drain deadlines are
-/// checked between sleeps.
-const STUCK_SLEEP: Duration = Duration::from_millis(5);
 /// The sleep between progress rounds of a worker whose transports cannot signal events (no
 /// wake-up descriptor): the thread then polls its commands at this pace.
 const FALLBACK_SLEEP: Duration = Duration::from_micros(200);
-/// How long a job blocked in its window waits before checking that its receiver is still
-/// registered.
-pub(crate) const ALIVE_CHECK: Duration = Duration::from_millis(20);
 /// How long closing a forgotten peer's endpoint may flush before it is closed by force: every
 /// job on it was flushed already (or is quarantined, which keeps the endpoint open), so the
 /// flush has nothing to wait for unless the peer is gone.
 const FORGET_CLOSE_TIMEOUT: Duration = Duration::from_millis(100);
-
-/// How long a quarantined window to a peer whose registration ended may still drain on its
-/// own before its endpoint is closed by force (peer error mode only): long enough for puts
-/// that were about to complete when the registration ended (a receiver that closed its
-/// session, a newer start) to finish cleanly, short against the peer timeout that declares
-/// a stopped receiver gone.
-pub(crate) const GONE_DRAIN_GRACE: Duration = Duration::from_millis(500);
-/// How long a quarantined window to a peer that is still registered may go without any of its
-/// operations finishing before the peer is given up: its registration is ended (the agent
-/// closes its session at the next keep-alive) and the endpoint closed by force. Its job gave
-/// up at its own deadline before the window was quarantined.
-pub(crate) const STALL_LIMIT: Duration = Duration::from_secs(10);
 
 /// Identifies one registration of a peer instance (a new connection gets a new id).
 pub(crate) type PeerId = u64;
@@ -666,11 +653,12 @@ impl RankThread {
         pools: Arc<RankPools>,
         errors: ErrorMode,
     ) -> Result<RankThread, SpawnError> {
-        Self::spawn_bouncing(label, rank, worker, pools, errors, None)
+        let config = ExecConfig::default();
+        Self::spawn_bouncing(label, rank, worker, pools, errors, None, config)
     }
 
     /// [`spawn`](Self::spawn) with a staging buffer for bounced pieces ([`BounceJob`]),
-    /// which the thread owns from now on.
+    /// which the thread owns from now on, and the executor's timing rules.
     pub fn spawn_bouncing(
         label: &str,
         rank: u32,
@@ -678,14 +666,13 @@ impl RankThread {
         pools: Arc<RankPools>,
         errors: ErrorMode,
         staging: Option<Staging>,
+        config: ExecConfig,
     ) -> Result<RankThread, SpawnError> {
         Self::spawn_with(
             label,
             rank,
             worker,
-            pools,
-            errors,
-            staging,
+            (pools, errors, staging, config),
             RankPools::bind_device_to_thread,
         )
     }
@@ -695,9 +682,7 @@ impl RankThread {
         label: &str,
         rank: u32,
         worker: Worker,
-        pools: Arc<RankPools>,
-        errors: ErrorMode,
-        staging: Option<Staging>,
+        (pools, errors, staging, config): (Arc<RankPools>, ErrorMode, Option<Staging>, ExecConfig),
         bind: impl FnOnce(&RankPools) -> Result<(), BindError> + Send + 'static,
     ) -> Result<RankThread, SpawnError> {
         let address = worker
@@ -740,7 +725,8 @@ impl RankThread {
                 let staging = staging.as_ref().zip(gatherer);
                 if ok {
                     let commands = (rx, &*wake);
-                    run(rank, worker, errors, &pools, staging, commands, &thread_activity);
+                    let setup = (errors, config);
+                    run(rank, worker, setup, &pools, staging, commands, &thread_activity);
                 }
             })
             .map_err(|source| SpawnError::Thread { rank, source })?;
@@ -923,7 +909,7 @@ pub enum SpawnError {
 fn run(
     rank: u32,
     worker: Worker,
-    errors: ErrorMode,
+    (errors, config): (ErrorMode, ExecConfig),
     pools: &RankPools,
     staging: Option<(&Staging, Gatherer)>,
     (rx, wake): (Receiver<Command>, &EventFd),
@@ -940,8 +926,9 @@ fn run(
         pools,
         staging,
         conns: HashMap::new(),
-        stuck: Vec::new(),
-        departing: Vec::new(),
+        machine: ExecMachine::new(config),
+        parked: HashMap::new(),
+        next_window: 0,
         challenges: Vec::new(),
         own_files: std::cell::OnceCell::new(),
         copier: std::cell::OnceCell::new(),
@@ -1035,108 +1022,25 @@ struct Conn {
     mapped: Mapped,
 }
 
-/// What runs once a quarantined window has drained.
-type OnDrain = Box<dyn FnOnce()>;
-
 /// A job's outcome, and the window it left in flight, if any.
 type Written<'a> = (Result<WriteStats, WriteError>, Option<PutWindow<'a>>);
 
-/// A window that gave up with operations in flight. It holds the endpoint and the remote keys
-/// those use, and borrows their sources from the pools.
-struct Stuck<'a> {
-    /// Dropped only once idle (and settled, or its endpoint broken).
+/// A window that gave up with operations in flight, parked until the executor's machine
+/// releases it or the worker is replaced. It holds the endpoint and the remote keys those use,
+/// and borrows their sources from the pools.
+struct Parked<'a> {
+    /// Dropped only once settled (or its endpoint broken), or abandoned with the worker.
     window: PutWindow<'a>,
-    /// Called, in order, once the window drains.
-    on_drain: Vec<OnDrain>,
-    peer: PeerId,
     instance: String,
     rank: u32,
     since: Instant,
-    /// Its job bounced: its puts may still read the staging buffer.
-    bounced: bool,
     /// The peer's registration flag ([`RemoteRank::alive`]).
     alive: Arc<AtomicBool>,
-    /// When the registration was first seen ended.
-    gone_since: Option<Instant>,
-    /// When an operation of the window last finished (or the window was parked), and how
-    /// many were in flight then.
-    progressed: (Instant, usize),
-    /// Its endpoint cannot be closed by force (no peer error mode) and its peer cannot drain
-    /// it: it waits for the worker to be replaced.
-    cut_due: bool,
 }
 
-impl Stuck<'_> {
-    /// Closes the window's endpoint by force (see [`Endpoint::force_close`]) once its peer
-    /// cannot drain it: the registration ended [`GONE_DRAIN_GRACE`] ago, or nothing finished
-    /// for [`STALL_LIMIT`] while it is still registered (then its registration is ended here,
-    /// so the agent drops the peer). UCX then completes what is in flight with errors, the
-    /// window drains, and its job reports. Returns the connection to drop when it closed one.
-    ///
-    /// Only an endpoint in peer error mode can be closed so (UCX refuses a forced close
-    /// otherwise: it "requires" peer mode "to avoid undefined behavior"). The others are
-    /// marked due to be cut ([`cut_due`](Self::cut_due)): the executor replaces its worker
-    /// once every quarantined window's peer is gone ([`Executor::replace_worker`]).
-    fn close_if_stalled(&mut self) -> Option<(PeerId, u32)> {
-        let ep = self.window.endpoint();
-        if ep.is_closed() || self.cut_due {
-            return None;
-        }
-        let now = Instant::now();
-        let in_flight = self.window.in_flight() + usize::from(self.window.is_flushing());
-        if in_flight < self.progressed.1 {
-            self.progressed = (now, in_flight);
-        }
-        let why = if self.alive.load(Ordering::Acquire) {
-            let stalled = now.duration_since(self.progressed.0);
-            if stalled < STALL_LIMIT {
-                return None;
-            }
-            self.alive.store(false, Ordering::Release);
-            format!(
-                "nothing finished for {} ms: the receiver is not draining; giving it up",
-                stalled.as_millis()
-            )
-        } else {
-            let gone = *self.gone_since.get_or_insert(now);
-            if now.duration_since(gone) < GONE_DRAIN_GRACE {
-                return None;
-            }
-            format!(
-                "its registration ended {} ms ago",
-                now.duration_since(gone).as_millis()
-            )
-        };
-        let forced = ep.error_mode() == ErrorMode::Peer;
-        tracing::warn!(
-            peer = %self.instance,
-            peer_rank = self.rank,
-            in_flight,
-            quarantined_ms = self.since.elapsed().as_millis(),
-            reason = %why,
-            "{}",
-            if forced {
-                "closing the endpoint of a quarantined window by force"
-            } else {
-                "a quarantined window cannot be closed by force without peer error mode: the \
-                 worker is replaced once every quarantined window's peer is gone"
-            }
-        );
-        if !forced {
-            self.cut_due = true;
-            return None;
-        }
-        if let Err(e) = ep.force_close() {
-            tracing::warn!(
-                peer = %self.instance,
-                peer_rank = self.rank,
-                error = %e,
-                "forced endpoint close failed"
-            );
-        }
-        Some((self.peer, self.rank))
-    }
-}
+/// What the executor's machine runs when its rules say: a job's report, or a forgotten
+/// peer's follow-up.
+type Then = Box<dyn FnOnce()>;
 
 /// A rank thread's executor state. `'a` is the life of the worker value and of the pools,
 /// which puts borrow their sources from.
@@ -1151,11 +1055,14 @@ struct Executor<'a> {
     /// The staging buffer and its gather thread, if the rank bounces.
     staging: Option<(&'a Staging, Gatherer)>,
     conns: HashMap<(PeerId, u32), Conn>,
-    /// Quarantined windows (see the module docs); never dropped while not idle.
-    stuck: Vec<Stuck<'a>>,
-    /// What [`RankThread::forget_then`] asked to run once the forgotten peer's quarantined
-    /// windows are released (and with them its last endpoints closed).
-    departing: Vec<(PeerId, Forgotten)>,
+    /// The decisions: which jobs write, when parked windows are released or cut, in which
+    /// order jobs report (see [`kvferry_protocol::exec`]).
+    machine: ExecMachine<Then>,
+    /// Quarantined windows (see the module docs), by the machine's number; never dropped
+    /// while not idle.
+    parked: HashMap<WindowId, Parked<'a>>,
+    /// The number of the next parked window.
+    next_window: WindowId,
     /// Worker challenges still being sent (each owns its payload).
     challenges: Vec<Request<'static>>,
     /// The shared files this rank's own pools and staging buffer are mappings of (a peer's
@@ -1396,11 +1303,10 @@ impl<'a> Executor<'a> {
             Err(TryRecvError::Disconnected) => return Err(RecvTimeoutError::Disconnected),
             Err(TryRecvError::Empty) => {}
         }
-        let timeout = if self.stuck.is_empty() {
-            IDLE_SLEEP
-        } else {
-            STUCK_SLEEP
-        };
+        // Parked windows are looked at again when the machine asks.
+        let timeout = self.machine.poll_timeout().map_or(IDLE_SLEEP, |at| {
+            at.saturating_duration_since(Instant::now()).min(IDLE_SLEEP)
+        });
         activity.asleep.store(true, Ordering::SeqCst);
         // `keep_awake` stores its deadline, then reads `asleep` (both sequentially
         // consistent): either it sees this thread asleep and signals `wake`, or this load
@@ -1418,182 +1324,218 @@ impl<'a> Executor<'a> {
         Ok(None)
     }
 
+    /// Looks at every parked window (has it settled, how much is in flight, is its receiver
+    /// still registered) and carries out what the machine decides.
     fn poll_stuck(&mut self) {
         self.challenges.retain_mut(|send| !send.is_done());
-        if self.stuck.is_empty() {
-            self.release_departing();
+        if !self.machine.is_quarantining() {
             return;
         }
-        let mut closed = Vec::new();
-        for s in &mut self.stuck {
-            if let Some(key) = s.close_if_stalled() {
-                closed.push(key);
-            }
-        }
-        // Connect afresh next time: the cached endpoint may be the one closed.
-        for key in closed {
-            self.drop_conn(key);
-        }
-        let due = self.stuck.iter().any(|s| s.cut_due);
-        if due && self.stuck.iter().all(|s| !s.alive.load(Ordering::Acquire)) {
-            self.replace_worker();
-            return;
-        }
-        self.stuck.retain_mut(|s| {
+        let now = Instant::now();
+        for (&id, p) in &mut self.parked {
             // Settled, not merely idle: a put completes locally, and over tcp its bytes may
             // still be on the way; reporting the failure before a flush proves they landed
             // would let the receiver reuse slots those bytes are about to overwrite. A failed
             // flush means the endpoint is broken and delivers nothing more.
-            let settled = match s.window.settle() {
+            let settled = match p.window.settle() {
                 Ok(settled) => settled,
                 Err(e) => {
-                    tracing::debug!(peer = %s.instance, peer_rank = s.rank, error = %e, "quarantined operation failed");
-                    s.window.is_idle()
+                    tracing::debug!(peer = %p.instance, peer_rank = p.rank, error = %e, "quarantined operation failed");
+                    p.window.is_idle()
                 }
             };
-            if settled {
-                tracing::info!(
-                    peer = %s.instance,
-                    peer_rank = s.rank,
-                    after_ms = s.since.elapsed().as_millis(),
-                    "quarantined operations finished; released"
-                );
-                for on_drain in s.on_drain.drain(..) {
-                    on_drain();
+            let look = Look {
+                in_flight: p.window.in_flight() + usize::from(p.window.is_flushing()),
+                settled,
+                alive: p.alive.load(Ordering::Acquire),
+            };
+            self.machine.handle_look(now, id, look);
+        }
+        self.machine.handle_tick(now);
+        self.drive();
+    }
+
+    /// Carries out what the machine asked, in order.
+    fn drive(&mut self) {
+        while let Some(action) = self.machine.poll_action() {
+            match action {
+                ExecAction::Run(then) => then(),
+                ExecAction::Release { window } => {
+                    if let Some(p) = self.parked.remove(&window) {
+                        tracing::info!(
+                            peer = %p.instance,
+                            peer_rank = p.rank,
+                            after_ms = p.since.elapsed().as_millis(),
+                            "quarantined operations finished; released"
+                        );
+                    }
                 }
-                false
-            } else {
-                true
+                ExecAction::EndRegistration { window } => {
+                    if let Some(p) = self.parked.get(&window) {
+                        p.alive.store(false, Ordering::Release);
+                    }
+                }
+                ExecAction::ForceClose {
+                    window,
+                    target,
+                    reason,
+                } => {
+                    let Some(p) = self.parked.get(&window) else {
+                        continue;
+                    };
+                    tracing::warn!(
+                        peer = %p.instance,
+                        peer_rank = p.rank,
+                        in_flight = p.window.in_flight(),
+                        quarantined_ms = p.since.elapsed().as_millis(),
+                        reason = %reason,
+                        "closing the endpoint of a quarantined window by force"
+                    );
+                    if let Err(e) = p.window.endpoint().force_close() {
+                        tracing::warn!(
+                            peer = %p.instance,
+                            peer_rank = p.rank,
+                            error = %e,
+                            "forced endpoint close failed"
+                        );
+                    }
+                    // Connect afresh next time: the cached endpoint may be the one closed.
+                    self.drop_conn((target.peer, target.rank));
+                }
+                ExecAction::CutDue { window, reason } => {
+                    if let Some(p) = self.parked.get(&window) {
+                        tracing::warn!(
+                            peer = %p.instance,
+                            peer_rank = p.rank,
+                            in_flight = p.window.in_flight(),
+                            quarantined_ms = p.since.elapsed().as_millis(),
+                            reason = %reason,
+                            "a quarantined window cannot be closed by force without peer error \
+                             mode: the worker is replaced once every quarantined window's peer \
+                             is gone"
+                        );
+                    }
+                }
+                ExecAction::ReplaceWorker { windows } => {
+                    let replaced = self.replace_worker(&windows);
+                    self.machine.handle_replaced(replaced);
+                }
             }
-        });
-        // After the released windows were dropped, so their endpoints have closed.
-        self.release_departing();
+        }
     }
 
-    /// Runs `then` once no quarantined window of `peer` is left: at once, or when
-    /// [`poll_stuck`](Self::poll_stuck) has released (and dropped) the last of them.
+    /// Runs `then` once no quarantined window of `peer` is left: at once, or when the last of
+    /// them is released or cut.
     fn once_released(&mut self, peer: PeerId, then: Forgotten) {
-        if self.stuck.iter().any(|s| s.peer == peer) {
-            self.departing.push((peer, then));
-        } else {
-            then();
-        }
+        self.machine.forget_then(peer, then);
+        self.drive();
     }
 
-    /// Runs what [`once_released`](Self::once_released) kept for peers whose last quarantined
-    /// window has gone (released, or cut with the worker).
-    fn release_departing(&mut self) {
-        if self.departing.is_empty() {
-            return;
-        }
-        let stuck = &self.stuck;
-        let (ready, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.departing)
-            .into_iter()
-            .partition(|(peer, _)| !stuck.iter().any(|s| s.peer == *peer));
-        self.departing = waiting;
-        for (_, then) in ready {
-            then();
-        }
-    }
-
-    /// Cuts every quarantined window by replacing the worker, for windows whose endpoints
-    /// cannot be closed by force (no peer error mode) and whose peers are all gone: every
-    /// endpoint of the old worker is left to it ([`Endpoint::leave_to_worker`]), the windows
-    /// and worker challenges abandoned, the connection cache emptied (live peers are
-    /// connected afresh by their next job), and the old worker destroyed, which closes its
-    /// connections and ends what was in flight; then the quarantined jobs report, in order.
-    /// Receivers never dial a sender's worker, so its new address matters to no one.
-    fn replace_worker(&mut self) {
+    /// Cuts the quarantined `windows` (every parked one) by replacing the worker, for windows
+    /// whose endpoints cannot be closed by force (no peer error mode) and whose peers are all
+    /// gone: every endpoint of the old worker is left to it ([`Endpoint::leave_to_worker`]),
+    /// the windows and worker challenges abandoned, the connection cache emptied (live peers
+    /// are connected afresh by their next job), and the old worker destroyed, which closes its
+    /// connections and ends what was in flight. Returns whether it did; the machine then
+    /// reports the quarantined jobs, in order. Receivers never dial a sender's worker, so its
+    /// new address matters to no one.
+    fn replace_worker(&mut self, windows: &[WindowId]) -> bool {
         let fresh = match Worker::new(self.worker.context()) {
             Ok(w) => w,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot make a new worker: quarantined puts stay");
-                for s in &mut self.stuck {
-                    s.cut_due = false;
-                }
-                return;
+                return false;
             }
         };
         for conn in self.conns.values() {
             let _ = conn.ep.leave_to_worker();
         }
-        for s in &self.stuck {
-            let _ = s.window.endpoint().leave_to_worker();
+        let parked: Vec<Parked<'a>> = windows
+            .iter()
+            .filter_map(|id| self.parked.remove(id))
+            .collect();
+        for p in &parked {
+            let _ = p.window.endpoint().leave_to_worker();
         }
         self.conns.clear();
         for send in self.challenges.drain(..) {
             send.forget();
         }
-        let stuck = std::mem::take(&mut self.stuck);
         let old = std::mem::replace(&mut self.worker, fresh);
-        let mut reports = Vec::new();
-        for s in stuck {
+        for p in parked {
             tracing::warn!(
-                peer = %s.instance,
-                peer_rank = s.rank,
-                puts = s.window.in_flight(),
-                quarantined_ms = s.since.elapsed().as_millis(),
+                peer = %p.instance,
+                peer_rank = p.rank,
+                puts = p.window.in_flight(),
+                quarantined_ms = p.since.elapsed().as_millis(),
                 "cutting quarantined puts: replacing this rank's worker"
             );
-            reports.extend(s.on_drain);
             // SAFETY: the abandoned puts read this rank's pools or its staging buffer, which
             // outlive this thread. The worker they were issued on is destroyed just below,
             // before this thread does anything else: its last handles are this window's
             // (released by `abandon`), the cached connections' (dropped above; every endpoint
             // left to the worker, so none is closed on its own) and `old`. Its destruction
             // destroys the endpoints and ends the operations.
-            unsafe { s.window.abandon() };
+            unsafe { p.window.abandon() };
         }
         drop(old);
-        for report in reports {
-            report();
-        }
+        true
     }
 
-    /// Fails fast if an earlier job to `dest` is still quarantined.
-    fn check_not_stuck(&mut self, dest: &RemoteRank) -> Result<(), WriteError> {
+    /// Looks at the parked windows, then asks the machine whether a job to `dest` writes:
+    /// `Ok(None)` when it has nothing to write, an error when it may not.
+    fn admit(&mut self, dest: &RemoteRank, empty: bool) -> Result<Option<()>, WriteError> {
         self.poll_stuck();
-        match self.stuck_on(dest) {
-            Some(s) => Err(WriteError::Stuck {
+        let alive = dest.alive.load(Ordering::Acquire);
+        match self.machine.admit(target_of(dest), alive, empty) {
+            Admit::Gone => Err(gone(dest)),
+            Admit::Nothing => Ok(None),
+            Admit::Behind { in_flight, since } => Err(WriteError::Stuck {
                 instance: dest.instance.clone(),
                 rank: dest.rank,
-                in_flight: s.window.in_flight() + usize::from(s.window.is_flushing()),
-                stuck_ms: s.since.elapsed().as_millis(),
+                in_flight,
+                stuck_ms: since.elapsed().as_millis(),
             }),
-            None => Ok(()),
+            Admit::Write => Ok(Some(())),
         }
     }
 
-    /// Parks `window`, which has operations in flight, in the quarantine; `on_drain` runs
-    /// once they have all finished.
+    /// Parks `window`, which has operations in flight, in the quarantine, and tells the
+    /// machine; `report` runs once they have all finished (or were cut).
     fn quarantine(
         &mut self,
         window: PutWindow<'a>,
         dest: &RemoteRank,
         bounced: bool,
-        on_drain: OnDrain,
+        report: Then,
     ) {
         tracing::warn!(
-                        peer = %dest.instance,
+            peer = %dest.instance,
             peer_rank = dest.rank,
             puts = window.in_flight(),
             "quarantining a window with operations in flight"
         );
-        let now = Instant::now();
-        let in_flight = window.in_flight() + usize::from(window.is_flushing());
-        self.stuck.push(Stuck {
-            window,
-            on_drain: vec![on_drain],
-            peer: dest.peer,
-            instance: dest.instance.clone(),
-            rank: dest.rank,
-            since: now,
+        let id = self.next_window;
+        self.next_window += 1;
+        let end = JobEnd::Left {
+            window: id,
+            in_flight: window.in_flight() + usize::from(window.is_flushing()),
             bounced,
-            alive: Arc::clone(&dest.alive),
-            gone_since: None,
-            progressed: (now, in_flight),
-            cut_due: false,
-        });
+            forcible: window.endpoint().error_mode() == ErrorMode::Peer,
+        };
+        self.parked.insert(
+            id,
+            Parked {
+                window,
+                instance: dest.instance.clone(),
+                rank: dest.rank,
+                since: Instant::now(),
+                alive: Arc::clone(&dest.alive),
+            },
+        );
+        self.machine
+            .handle_job(Instant::now(), target_of(dest), end, report);
+        self.drive();
     }
 
     /// Runs one job and reports it: release (its sources are free) then done, at once; or,
@@ -1624,32 +1566,27 @@ impl<'a> Executor<'a> {
             tracing::warn!(error = %kvferry_plan::error_chain(&e), reported, "write job failed");
         }
         let done = job.done;
-        let report = move || {
+        let report: Then = Box::new(move || {
             if let Some(release) = release {
                 release();
             }
             done(result);
-        };
+        });
         match stuck {
             Some(window) => {
                 let bounced = job.bounce.is_some();
-                self.quarantine(window, &job.dest, bounced, Box::new(report));
+                self.quarantine(window, &job.dest, bounced, report);
             }
-            // Refused behind a quarantined window: reported after it, so the receiver does not
-            // hear of this piece's failure while an earlier piece's bytes may still land.
-            None if behind => match self.stuck_on(&job.dest) {
-                Some(s) => s.on_drain.push(Box::new(report)),
-                None => report(),
-            },
-            None => report(),
+            // Refused behind a quarantined window (or nothing written while one is parked):
+            // reported after it, so the receiver does not hear of this piece's end while an
+            // earlier piece's bytes may still land.
+            None => {
+                let end = if behind { JobEnd::Behind } else { JobEnd::Done };
+                self.machine
+                    .handle_job(Instant::now(), target_of(&job.dest), end, report);
+                self.drive();
+            }
         }
-    }
-
-    /// The quarantined window of `dest`, if any.
-    fn stuck_on(&mut self, dest: &RemoteRank) -> Option<&mut Stuck<'a>> {
-        self.stuck
-            .iter_mut()
-            .find(|s| s.peer == dest.peer && s.rank == dest.rank)
     }
 
     /// Writes one job's plan and flushes. Returns the outcome and, if it gave up with
@@ -1664,11 +1601,13 @@ impl<'a> Executor<'a> {
         let dest = &*job.dest;
         let started = Instant::now();
         let deadline = started + job.timeout;
-        let mut window = window.with_deadline(deadline.min(started + ALIVE_CHECK));
+        let alive_check = self.machine.config().alive_check;
+        let mut window = window.with_deadline(deadline.min(started + alive_check));
         let mut waiter = Waiter {
             dest,
             started,
             deadline,
+            alive_check,
         };
         let result = self
             .write_plan(&mut window, &mut waiter, &keys, &mapped, job)
@@ -1704,14 +1643,10 @@ impl<'a> Executor<'a> {
         job: &WriteJob,
     ) -> Result<Option<(PutWindow<'a>, Keys, Mapped)>, WriteError> {
         let dest = &*job.dest;
-        if !dest.alive.load(Ordering::Acquire) {
-            return Err(gone(dest));
+        match self.admit(dest, job.plan.is_empty())? {
+            Some(()) => self.window(dest).map(Some),
+            None => Ok(None),
         }
-        if job.plan.is_empty() {
-            return Ok(None);
-        }
-        self.check_not_stuck(dest)?;
-        self.window(dest).map(Some)
     }
 
     /// Writes `job`'s fragments: each with UCX puts, or — to a pool whose key maps it into this
@@ -1727,7 +1662,7 @@ impl<'a> Executor<'a> {
         job: &WriteJob,
     ) -> Result<WriteStats, WriteError> {
         if let Some(bounce) = &job.bounce {
-            if self.stuck.iter().any(|s| s.bounced) {
+            if self.machine.staging_busy() {
                 tracing::info!(
                     request = job.request,
                     "an earlier bounced window is quarantined and may still read the staging \
@@ -2028,7 +1963,7 @@ impl<'a> Executor<'a> {
             if plan.is_empty() {
                 continue;
             }
-            self.check_not_stuck(dest)?;
+            self.admit(dest, false)?;
             let (window, keys, _) = self.window(dest)?;
             let mut puts = Vec::with_capacity(plan.len());
             for (k, (src, dst, len)) in plan.fragments().enumerate() {
@@ -2117,7 +2052,7 @@ impl<'a> Executor<'a> {
             }
             if !window.is_idle() {
                 let release = release.take();
-                let on_drain: OnDrain = Box::new(move || {
+                let on_drain: Then = Box::new(move || {
                     if let Some(release) = release {
                         release();
                     }
@@ -2154,13 +2089,13 @@ impl Drop for Executor<'_> {
                 std::mem::forget(send);
             }
         }
-        for stuck in self.stuck.drain(..) {
-            let Stuck {
+        for (_, parked) in self.parked.drain() {
+            let Parked {
                 mut window,
                 instance,
                 rank,
                 ..
-            } = stuck;
+            } = parked;
             let _ = window.poll();
             if window.is_idle() {
                 drop(window);
@@ -2208,11 +2143,13 @@ pub(crate) fn nanos(d: Duration) -> u64 {
 }
 
 /// Runs window operations under a job's deadline, rechecking the receiver's registration
-/// every [`ALIVE_CHECK`].
+/// every [`ExecConfig::alive_check`].
 struct Waiter<'d> {
     dest: &'d RemoteRank,
     started: Instant,
     deadline: Instant,
+    /// How often the receiver's registration is rechecked ([`ExecConfig::alive_check`]).
+    alive_check: Duration,
 }
 
 impl Waiter<'_> {
@@ -2245,7 +2182,7 @@ impl Waiter<'_> {
                             in_flight: window.in_flight() + usize::from(window.is_flushing()),
                         });
                     }
-                    window.set_deadline(Some(self.deadline.min(now + ALIVE_CHECK)));
+                    window.set_deadline(Some(self.deadline.min(now + self.alive_check)));
                 }
                 Err(e) => return Err(ucx_error(self.dest, window.endpoint(), e)),
             }
@@ -2261,6 +2198,14 @@ fn pool_of(pool: &Option<usize>) -> String {
 /// What a window that timed out with `e` was waiting for.
 fn waiting_for(e: &kvferry_ucx::Error) -> &'static str {
     if e.op() == Op::Flush { "flush" } else { "puts" }
+}
+
+/// The machine's name for a receiver rank.
+fn target_of(dest: &RemoteRank) -> Target {
+    Target {
+        peer: dest.peer,
+        rank: dest.rank,
+    }
 }
 
 fn gone(dest: &RemoteRank) -> WriteError {
@@ -2327,6 +2272,12 @@ mod tests {
     use crate::Transport;
     use crate::memory::PoolAllocator;
 
+    /// What a rank thread runs with: `pools`, no peer error mode, no staging, the default
+    /// timing rules.
+    fn parts(pools: Arc<RankPools>) -> (Arc<RankPools>, ErrorMode, Option<Staging>, ExecConfig) {
+        (pools, ErrorMode::None, None, ExecConfig::default())
+    }
+
     fn rank_parts() -> (Worker, Arc<RankPools>) {
         let ctx = Transport::Shm.context().expect("create UCX context");
         let worker = Worker::new(&ctx).expect("create UCX worker");
@@ -2342,7 +2293,7 @@ mod tests {
     #[test]
     fn a_failed_context_bind_fails_the_start() {
         let (worker, pools) = rank_parts();
-        let err = RankThread::spawn_with("test", 3, worker, pools, ErrorMode::None, None, |_| {
+        let err = RankThread::spawn_with("test", 3, worker, parts(pools), |_| {
             Err(BindError {
                 device: 1,
                 source: "cuCtxSetCurrent failed: CUDA_ERROR_INVALID_CONTEXT".into(),
@@ -2363,10 +2314,8 @@ mod tests {
     #[test]
     fn a_thread_that_dies_before_it_starts_is_an_error() {
         let (worker, pools) = rank_parts();
-        let err = RankThread::spawn_with("test", 0, worker, pools, ErrorMode::None, None, |_| {
-            panic!("injected")
-        })
-        .unwrap_err();
+        let err = RankThread::spawn_with("test", 0, worker, parts(pools), |_| panic!("injected"))
+            .unwrap_err();
         assert!(
             matches!(
                 err,

@@ -293,7 +293,7 @@ fn a_quarantined_window_drains_once_its_receiver_dies_tcp() {
         other => panic!("expected Stuck, got {other:?}"),
     }
     // The next job finds the endpoint failed — or, when the window sat stalled for
-    // `STALL_LIMIT` before the receiver died (a loaded machine: seen once in CI), the
+    // `ExecConfig::stall_limit` before the receiver died (a loaded machine: seen once in CI), the
     // registration given up. Either way nothing is written.
     match write(&sender, dest, to_hung) {
         Err(WriteError::PeerGone {

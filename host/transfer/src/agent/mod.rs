@@ -59,6 +59,7 @@ mod worker_proof;
 pub use crate::bounce::{BounceConfig, BounceMode};
 pub use decode::Expect;
 pub use events::{AgentStats, Event, FAILURE_KINDS, FailureKind, LATENCY_BUCKETS};
+pub use kvferry_protocol::exec::ExecConfig;
 pub use kvferry_protocol::{AgentMetadata, Integrity, PeerIdentity, Secret};
 pub use typed::{DecodeAgent, PrefillAgent};
 
@@ -149,6 +150,10 @@ pub struct AgentConfig {
     /// [`FailureKind::Integrity`]). Prefill ranks compute what their receivers ask whatever
     /// this says. Host pools only. Default: off.
     pub integrity: Option<kvferry_protocol::Integrity>,
+    /// A prefill rank's executor timing rules: when a window of puts left in flight to a
+    /// receiver that stopped draining is given up, and how often a blocked job rechecks its
+    /// receiver ([`ExecConfig`]). The defaults suit every deployment; tests shorten them.
+    pub executor: ExecConfig,
 }
 
 impl AgentConfig {
@@ -175,6 +180,7 @@ impl AgentConfig {
             harness: record::HarnessOptions::default(),
             bounce: BounceConfig::default(),
             integrity: None,
+            executor: ExecConfig::default(),
         }
     }
 }
@@ -705,6 +711,7 @@ impl Agent {
             Arc::clone(&pools),
             config.transport.error_mode(),
             staging,
+            config.executor,
         )?;
 
         let (listener, endpoint) = match config.role {

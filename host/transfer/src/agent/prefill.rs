@@ -332,7 +332,7 @@ fn serve_connection(inner: &Arc<Inner>, stream: TcpStream, pending: Pending) {
         let read = read_frame::<AgentMessage>(&mut reader);
         if !conn.alive.load(Ordering::Acquire) && !inner.stopped.load(Ordering::Acquire) {
             // While this loop runs only the rank thread ends a registration: puts to the
-            // peer's worker stalled (see `rank::STALL_LIMIT`). The reaper then cuts this read
+            // peer's worker stalled (see `ExecConfig::stall_limit`). The reaper then cuts this read
             // short, so the peer hears of it now, not at its next message.
             let why = "stopped draining this rank's puts: given up";
             let _ = conn.outbox.send(AgentMessage::Error {

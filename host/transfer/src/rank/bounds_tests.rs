@@ -49,6 +49,7 @@ fn rank(label: &str, staging: bool) -> Rank {
         Arc::clone(&pools),
         ErrorMode::None,
         staging,
+        kvferry_protocol::exec::ExecConfig::default(),
     )
     .expect("rank thread");
     Rank {
