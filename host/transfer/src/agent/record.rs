@@ -9,14 +9,18 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
+#[cfg(feature = "harness")]
 use std::sync::mpsc;
+#[cfg(feature = "harness")]
 use std::time::Duration;
 
 use kvferry_plan::ValidatedPlan;
 
 use crate::memory::RankPools;
 use crate::outcome::{PairFragments, PoolFragment};
-use crate::rank::{PeerId, RankThread, RemoteRank, ReplayJob, ReplayStats, WriteError};
+use crate::rank::{PeerId, RemoteRank};
+#[cfg(feature = "harness")]
+use crate::rank::{RankThread, ReplayJob, ReplayStats, WriteError};
 
 /// What the harness sets on an agent ([`super::AgentConfig::harness`]); the default, for an
 /// engine, sets nothing.
@@ -74,6 +78,7 @@ impl Recorder {
 }
 
 /// Queues the bare replay of `plans` on `thread`; its outcome arrives on the receiver.
+#[cfg(feature = "harness")]
 pub(crate) fn replay(
     thread: &RankThread,
     plans: Vec<Recorded>,

@@ -8,7 +8,9 @@ use std::ptr::NonNull;
 use kvferry_protocol::PoolKey;
 use kvferry_ucx::{PeerProcess, RangeCheck, RemoteKey, Status};
 
-use super::{RankPools, RemoteRank, Staging, WriteError};
+use super::{RemoteRank, WriteError};
+use crate::bounce::Staging;
+use crate::memory::RankPools;
 
 /// The shared files ([`kvferry_ucx::library::shared_file_at`]) this rank's pools and staging
 /// buffer map: what no peer's key may map here.
