@@ -419,6 +419,7 @@ impl<'a> Executor<'a> {
         let timeout = self.machine.poll_timeout().map_or(IDLE_SLEEP, |at| {
             at.saturating_duration_since(Instant::now()).min(IDLE_SLEEP)
         });
+        activity.efd.store(efd, Ordering::Release);
         activity.asleep.store(true, Ordering::SeqCst);
         // `keep_awake` stores its deadline, then reads `asleep` (both sequentially
         // consistent): either it sees this thread asleep and signals `wake`, or this load
