@@ -12,6 +12,7 @@
 //! - [`registry`]: the planners found in plugin directories, and binding one.
 //! - [`metrics`] and [`logging`]: the Prometheus text and the one logging setup.
 //! - [`abi`]: the planner ABI's types (rank descriptions, page tables, slot tables).
+//! - [`ucx`]: the UCX types kvferry's calls and errors name.
 
 #![deny(missing_docs)]
 
@@ -20,7 +21,8 @@ mod install;
 pub mod planning;
 
 pub use install::{default_plugin_dirs, installed_planners, library_file};
-pub use kvferry_transfer::{MemoryKind, Role, Transport, TransportSpec, logging, metrics};
+pub use kvferry_transfer::{MemoryKind, Role, Transport, TransportSpec, Transports};
+pub use kvferry_transfer::{logging, metrics};
 /// Which UCX library this process loaded, and from where (what `kvferry doctor` reports).
 pub use kvferry_ucx::library as ucx_library;
 
@@ -34,20 +36,40 @@ pub fn cuda_driver_present() -> bool {
 /// The configuration version [`config::load`] reads (`"version": 1`).
 pub const CONFIG_VERSION: u32 = 1;
 
-/// The per-rank agent (see [`kvferry_transfer::agent`]).
+/// The per-rank agent (see [`kvferry_transfer::agent`]), and every type its calls, events
+/// and errors name.
 pub mod agent {
+    pub use kvferry_platform::HostBudget;
+    #[cfg(feature = "cuda")]
+    pub use kvferry_transfer::CudaError;
+    /// The type of [`AgentConfig::harness`](kvferry_transfer::agent::AgentConfig::harness),
+    /// which the test harness sets.
+    #[doc(hidden)]
+    pub use kvferry_transfer::agent::HarnessOptions;
     pub use kvferry_transfer::agent::{
         Agent, AgentConfig, AgentMetadata, AgentStats, BounceConfig, BounceMode, CallError,
-        DecodeAgent, Event, Expect, FAILURE_KINDS, FailureKind, Integrity, LATENCY_BUCKETS,
-        PeerIdentity, PrefillAgent, Secret, SendChunk, StartError, load_secret,
+        DecodeAgent, Event, ExecConfig, Expect, FAILURE_KINDS, FailureKind, Integrity,
+        LATENCY_BUCKETS, LoadSecretError, PeerIdentity, PoolKey, PrefillAgent, RankDescriptor,
+        Secret, SecretError, SendChunk, StartError, WireError, load_secret,
     };
+    pub use kvferry_transfer::{BindError, MemoryError, RequestStats, SpawnError, Stages};
 }
 
 /// Planners in plugin directories, and binding one to a deployment.
 pub mod registry {
     pub use kvferry_loader::{
-        BindError, BoundPlanner, LoadError, PLANNER_ENV, PLUGIN_DIR_ENV, Registry, SkippedFile,
-        plugin_dirs, select_planner_id,
+        BindError, BoundPlanner, Candidate, CandidateRefusal, LoadError, PLANNER_ENV,
+        PLUGIN_DIR_ENV, PlannerInfo, Registry, SkippedFile, plugin_dirs, select_planner_id,
+    };
+}
+
+/// The UCX types that kvferry's calls and errors name: UCX's errors ([`ucx::Error`], in
+/// [`agent::StartError`] and [`agent::MemoryError`]) and the contexts and error modes a
+/// [`Transport`] makes.
+pub mod ucx {
+    pub use kvferry_ucx::{
+        Context, ContextBuilder, Error, ErrorMode, KeyFormatError, KeyLayout, MemoryType,
+        MemoryTypes, Op, Status,
     };
 }
 

@@ -17,7 +17,7 @@
 use std::sync::Arc;
 
 use kvferry_loader::BoundPlanner;
-pub use kvferry_plan::{Pattern, ValidatedPlan};
+pub use kvferry_plan::{Fragments, Pattern, ValidatedPlan};
 use kvferry_plan::{PlanFailure, RequestSide};
 use kvferry_planner_abi::ffi::{ROption, RVec};
 use kvferry_planner_abi::{PairRequest, RankInfo, SlotTable, TokenRange, TransferPlanner, ViewId};

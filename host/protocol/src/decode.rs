@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use kvferry_planner_abi::{SlotTable, TokenRange, ViewId};
 
-use crate::outcome::{FailureKind, RequestStats, Stages};
+use crate::outcome::{FailureKind, RequestOutcome, RequestStats, Stages};
 use crate::{
     AgentMessage, BounceOffer, Completion, CompletionStatus, Integrity, RequestData,
     RequestTracker, Tracked,
@@ -55,7 +55,7 @@ pub const LATE_WRITE_GRACE: Duration = Duration::from_secs(1);
 /// See [`LATE_WRITE_GRACE`].
 pub const LATE_WRITE_QUIET: Duration = Duration::from_millis(250);
 /// See [`LATE_WRITE_GRACE`]: past it the outcome goes out (with
-/// [`Outcome`]'s `clean` false) even if the worker is still busy.
+/// [`Action::Ended`]'s `clean` false) even if the worker is still busy.
 pub const LATE_WRITE_LIMIT: Duration = Duration::from_secs(10);
 /// How long a writer whose link is up may leave a request's `Cancel` unanswered (no last
 /// piece) before its link is dropped: a writer that keeps its link alive with keep-alives but
@@ -107,27 +107,6 @@ pub struct Writer {
     pub name: String,
 }
 
-/// How a request ended on this rank.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Outcome {
-    /// Every writer's last piece landed, and their bytes match this rank's own plan.
-    Received {
-        /// What it moved.
-        stats: RequestStats,
-    },
-    /// The engine cancelled it.
-    Cancelled,
-    /// It failed.
-    Failed {
-        /// The peer it failed with, if one.
-        peer: Option<String>,
-        /// Why, in a word.
-        kind: FailureKind,
-        /// Why, in a sentence.
-        detail: String,
-    },
-}
-
 /// What the machine asks its driver to do, in order.
 #[derive(Clone, Debug)]
 pub enum Action {
@@ -159,8 +138,8 @@ pub enum Action {
     Ended {
         /// The request.
         request: u64,
-        /// How.
-        outcome: Outcome,
+        /// How: `Received`, `Cancelled` or `Failed`.
+        outcome: RequestOutcome,
         /// Every writer answered with its last piece (or none was asked).
         clean: bool,
     },
@@ -479,7 +458,7 @@ impl DecodeMachine {
                 stats.stages.control_ns += req
                     .completed_at
                     .map_or(0, |at| nanos(now.saturating_duration_since(at)));
-                self.end(id, Outcome::Received { stats }, true);
+                self.end(id, RequestOutcome::Received { stats }, true);
                 true
             }
             Some((peer, detail)) => {
@@ -686,7 +665,7 @@ impl DecodeMachine {
         None
     }
 
-    fn end(&mut self, id: u64, outcome: Outcome, clean: bool) {
+    fn end(&mut self, id: u64, outcome: RequestOutcome, clean: bool) {
         if let Some(req) = self.requests.remove(&id) {
             // A lost link this was the last request of is forgotten.
             for link in req.writers.into_values() {
@@ -766,9 +745,9 @@ impl DecodeMachine {
             }
         }
         let outcome = match req.failure.take() {
-            _ if req.cancelled => Outcome::Cancelled,
-            Some((peer, kind, detail)) => Outcome::Failed { peer, kind, detail },
-            None => Outcome::Cancelled,
+            _ if req.cancelled => RequestOutcome::Cancelled,
+            Some((peer, kind, detail)) => RequestOutcome::Failed { peer, kind, detail },
+            None => RequestOutcome::Cancelled,
         };
         self.end(id, outcome, clean);
     }

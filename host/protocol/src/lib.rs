@@ -53,7 +53,7 @@ pub mod tracker;
 pub use agent::{
     AgentError, AgentEvent, AgentMessage, AgentMetadata, AgentSession, AgentState, PeerIdentity,
 };
-pub use outcome::{FailureKind, RequestStats, Stages};
+pub use outcome::{FailureKind, RequestOutcome, RequestStats, Stages};
 pub use secure::{Secret, SecretError};
 pub use tracker::{Pair, Phase, PieceFailure, RequestTracker, Totals, Tracked, Violation};
 

@@ -1,7 +1,41 @@
-//! How a request ended and where its time went: what the request machines report and the
-//! agents hand on to their engines.
+//! How a request ended and where its time went: what the request machines report
+//! ([`RequestOutcome`]) and the agents hand on to their engines.
 
 use serde::{Deserialize, Serialize};
+
+/// How a request ended on a rank: the one terminal outcome the request machines report
+/// (`Action::Ended` of [`crate::prefill`] and [`crate::decode`]), which the agent hands on
+/// to its engine as the event of the same name. A prefill rank's requests end `Sent`,
+/// `Cancelled` or `Failed`; a decode rank's `Received`, `Cancelled` or `Failed`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RequestOutcome {
+    /// Prefill side: every expected receiver has its bytes.
+    Sent {
+        /// Bytes written to all receivers.
+        bytes: u64,
+        /// Puts issued for it.
+        puts: u64,
+        /// Where the time of its claims that ended well went.
+        stages: Stages,
+    },
+    /// Decode side: every writer's last piece landed, and their bytes match this rank's own
+    /// plan.
+    Received {
+        /// What it moved.
+        stats: RequestStats,
+    },
+    /// The engine cancelled it.
+    Cancelled,
+    /// It failed.
+    Failed {
+        /// The peer it failed with, if one.
+        peer: Option<String>,
+        /// Why, in a word.
+        kind: FailureKind,
+        /// Why, in a sentence.
+        detail: String,
+    },
+}
 
 /// Why a request failed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, strum::Display, strum::AsRefStr)]

@@ -27,8 +27,8 @@
 //! pieces can never overtake them. The request is `Sent` once every expected receiver has
 //! its last piece; a failure, a cancel (either side's), the lease or the timeout end it once
 //! no job reads its slots, answering every claim still open with a failed (or cancelled)
-//! last piece. Exactly one [`Outcome`] per request, and none while a job may still read its
-//! slots.
+//! last piece. Exactly one [`RequestOutcome`] per request, and none while a job may still
+//! read its slots.
 //!
 //! [`poll_action`]: PrefillMachine::poll_action
 //! [`poll_timeout`]: PrefillMachine::poll_timeout
@@ -42,7 +42,7 @@ use std::time::{Duration, Instant};
 use kvferry_planner_abi::ffi::ROption;
 use kvferry_planner_abi::{PairRequest, TokenRange, ViewId};
 
-use crate::outcome::{FailureKind, Stages};
+use crate::outcome::{FailureKind, RequestOutcome, Stages};
 use crate::stash::{Stash, request_data_bytes};
 use crate::{AgentMessage, BouncedPiece, Completion, CompletionStatus, PieceDigest, RequestData};
 
@@ -154,31 +154,6 @@ pub struct PlanTask<T> {
     pub bounce_cursor: u64,
 }
 
-/// How a request ended on this rank.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Outcome {
-    /// Every expected receiver has its bytes.
-    Sent {
-        /// Bytes written to all receivers.
-        bytes: u64,
-        /// Puts issued for it.
-        puts: u64,
-        /// Where the time of its claims that ended well went.
-        stages: Stages,
-    },
-    /// The engine cancelled it.
-    Cancelled,
-    /// It failed.
-    Failed {
-        /// The peer it failed with, if one.
-        peer: Option<String>,
-        /// Why, in a word.
-        kind: FailureKind,
-        /// Why, in a sentence.
-        detail: String,
-    },
-}
-
 /// What the machine asks its driver to do, in order.
 #[derive(Clone, Debug)]
 pub enum Action<T> {
@@ -197,8 +172,8 @@ pub enum Action<T> {
     Ended {
         /// The request.
         request: u64,
-        /// How.
-        outcome: Outcome,
+        /// How: `Sent`, `Cancelled` or `Failed`.
+        outcome: RequestOutcome,
     },
 }
 
@@ -1038,22 +1013,22 @@ impl<T: Clone> PrefillMachine<T> {
         let outcome = if busy {
             None
         } else if req.cancelled {
-            Some(Outcome::Cancelled)
+            Some(RequestOutcome::Cancelled)
         } else if let Some((peer, kind, detail)) = &req.failure {
-            Some(Outcome::Failed {
+            Some(RequestOutcome::Failed {
                 peer: peer.clone(),
                 kind: *kind,
                 detail: detail.clone(),
             })
         } else if req.finished && expected_done && all_ended {
-            Some(Outcome::Sent {
+            Some(RequestOutcome::Sent {
                 bytes: req.bytes,
                 puts: req.puts,
                 stages: req.stages,
             })
         } else if all_ended && !req.claims.is_empty() && req.claims.values().any(|c| !c.ok) {
             let peer = req.claims.values().find(|c| !c.ok).map(|c| c.name.clone());
-            Some(Outcome::Failed {
+            Some(RequestOutcome::Failed {
                 peer: peer.clone(),
                 kind: if req.claims.values().any(|c| c.cancelled) {
                     FailureKind::CancelledByPeer
@@ -1076,9 +1051,10 @@ impl<T: Clone> PrefillMachine<T> {
         };
         if let Some(req) = self.requests.remove(&id) {
             let how = match &outcome {
-                Outcome::Sent { .. } => "it was sent".to_string(),
-                Outcome::Cancelled => "the engine cancelled it".to_string(),
-                Outcome::Failed { kind, detail, .. } => format!("failed[{kind}]: {detail}"),
+                RequestOutcome::Sent { .. } => "it was sent".to_string(),
+                RequestOutcome::Received { .. } => "it was received".to_string(),
+                RequestOutcome::Cancelled => "the engine cancelled it".to_string(),
+                RequestOutcome::Failed { kind, detail, .. } => format!("failed[{kind}]: {detail}"),
             };
             let ended = Ended {
                 instance: req.owner.or(req.to),

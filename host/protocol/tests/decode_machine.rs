@@ -21,11 +21,10 @@ use std::time::{Duration, Instant};
 use kvferry_planner_abi::TokenRange;
 use kvferry_protocol::decode::{
     Action, CANCEL_ANSWER_LIMIT, DecodeConfig, DecodeMachine, ExpectCall, LATE_WRITE_LIMIT, LinkId,
-    Outcome,
 };
 use kvferry_protocol::{
     AgentMessage, BounceOffer, BouncedPiece, Completion, CompletionStatus, FailureKind, Integrity,
-    PieceDigest,
+    PieceDigest, RequestOutcome,
 };
 
 use crate::seeded::{self, Rng, Simulated, Tally};
@@ -45,7 +44,7 @@ struct Req {
     pieces: u32,
     /// This rank's plan was handed over (`Some(mismatch)`: one writer's total is off).
     planned: Option<bool>,
-    outcomes: Vec<(Outcome, bool)>,
+    outcomes: Vec<(RequestOutcome, bool)>,
     /// Scatters issued and not answered.
     scattering: u32,
 }
@@ -234,7 +233,7 @@ impl Sim {
         }
     }
 
-    fn ended(&mut self, id: u64, outcome: Outcome, clean: bool) {
+    fn ended(&mut self, id: u64, outcome: RequestOutcome, clean: bool) {
         self.log
             .push(format!("ended {id}: {outcome:?} clean {clean}"));
         let r = self
@@ -247,8 +246,12 @@ impl Sim {
             "a second outcome for request {id}: {outcome:?}"
         );
         assert_eq!(r.scattering, 0, "request {id} ended under a scatter");
+        assert!(
+            !matches!(outcome, RequestOutcome::Sent { .. }),
+            "request {id} ended Sent on a decode rank"
+        );
         let writers: Vec<(u32, LinkId)> = r.writers.iter().map(|(&c, &l)| (c, l)).collect();
-        if let Outcome::Received { stats } = &outcome {
+        if let RequestOutcome::Received { stats } = &outcome {
             assert!(
                 !r.cancelled,
                 "request {id} Received after the engine's cancel"
@@ -688,9 +691,10 @@ impl Simulated for Sim {
         for r in self.reqs.values() {
             for (outcome, clean) in &r.outcomes {
                 let kind = match outcome {
-                    Outcome::Received { .. } => "received".to_string(),
-                    Outcome::Cancelled => "cancelled".to_string(),
-                    Outcome::Failed { kind, .. } => kind.to_string(),
+                    RequestOutcome::Sent { .. } => "sent".to_string(),
+                    RequestOutcome::Received { .. } => "received".to_string(),
+                    RequestOutcome::Cancelled => "cancelled".to_string(),
+                    RequestOutcome::Failed { kind, .. } => kind.to_string(),
                 };
                 *tally.entry(kind).or_default() += 1;
                 if !clean {
@@ -781,7 +785,7 @@ fn a_cancel_with_every_writer_idle_ends_once_they_answer_without_the_clock() {
             ended.as_slice(),
             [Action::Ended {
                 request: 5,
-                outcome: Outcome::Cancelled,
+                outcome: RequestOutcome::Cancelled,
                 clean: true
             }]
         ),
@@ -808,7 +812,7 @@ fn a_lost_writer_holds_the_slots_for_the_late_write_grace_then_ends_unclean() {
             ended.as_slice(),
             [Action::Ended {
                 request: 5,
-                outcome: Outcome::Failed {
+                outcome: RequestOutcome::Failed {
                     kind: FailureKind::Peer,
                     ..
                 },
@@ -873,7 +877,7 @@ fn a_piece_repeated_after_the_last_is_scattered_before_the_request_may_end() {
                 Action::DropLink { link: 1 },
                 Action::Ended {
                     request: 5,
-                    outcome: Outcome::Failed {
+                    outcome: RequestOutcome::Failed {
                         kind: FailureKind::Protocol,
                         ..
                     },
@@ -918,7 +922,7 @@ fn a_writer_that_leaves_a_cancel_unanswered_is_dropped_and_waited_out() {
             ended.as_slice(),
             [Action::Ended {
                 request: 5,
-                outcome: Outcome::Cancelled,
+                outcome: RequestOutcome::Cancelled,
                 clean: false
             }]
         ),

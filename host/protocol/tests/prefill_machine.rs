@@ -26,10 +26,12 @@ use std::time::{Duration, Instant};
 
 use kvferry_planner_abi::{TokenRange, ViewId};
 use kvferry_protocol::prefill::{
-    Action, ClaimFate, Outcome, Peer, PeerId, PlanTask, Planned, PrefillConfig, PrefillMachine,
-    SendCall, WriteCounts, Written,
+    Action, ClaimFate, Peer, PeerId, PlanTask, Planned, PrefillConfig, PrefillMachine, SendCall,
+    WriteCounts, Written,
 };
-use kvferry_protocol::{AgentMessage, CompletionStatus, FailureKind, RequestData, Stages};
+use kvferry_protocol::{
+    AgentMessage, CompletionStatus, FailureKind, RequestData, RequestOutcome, Stages,
+};
 
 use crate::seeded::{self, Rng, Simulated, Tally};
 
@@ -87,7 +89,7 @@ struct EngineReq {
     first_send: Option<Instant>,
     /// When something ended it by an event (not the clock), first.
     cause: Option<(Instant, &'static str)>,
-    outcomes: Vec<Outcome>,
+    outcomes: Vec<RequestOutcome>,
 }
 
 /// A decode rank's connection.
@@ -325,7 +327,7 @@ impl Sim {
         }
     }
 
-    fn end(&mut self, id: u64, outcome: Outcome) {
+    fn end(&mut self, id: u64, outcome: RequestOutcome) {
         self.log.push(format!("ended {id}: {outcome:?}"));
         assert!(
             !self.jobs.iter().any(|j| j.request == id),
@@ -349,7 +351,7 @@ impl Sim {
             "a second outcome for request {id}: {outcome:?}"
         );
         match &outcome {
-            Outcome::Sent { .. } => {
+            RequestOutcome::Sent { .. } => {
                 assert!(r.last_sent, "request {id} Sent before its last send");
                 assert!(!r.cancelled, "request {id} Sent after the engine's cancel");
                 let owners: BTreeSet<&str> = delivered
@@ -366,10 +368,13 @@ impl Sim {
                     );
                 }
             }
-            Outcome::Cancelled => {
+            RequestOutcome::Received { .. } => {
+                panic!("request {id} ended Received on a prefill rank")
+            }
+            RequestOutcome::Cancelled => {
                 assert!(r.cancelled, "request {id} Cancelled, never by the engine")
             }
-            Outcome::Failed { kind, .. } => {
+            RequestOutcome::Failed { kind, .. } => {
                 if let (FailureKind::Lease | FailureKind::Timeout, Some((at, what))) =
                     (kind, r.cause)
                 {
@@ -885,9 +890,10 @@ impl Simulated for Sim {
         for r in self.engine.values() {
             for outcome in &r.outcomes {
                 let kind = match outcome {
-                    Outcome::Sent { .. } => "sent".to_string(),
-                    Outcome::Cancelled => "cancelled".to_string(),
-                    Outcome::Failed { kind, .. } => kind.to_string(),
+                    RequestOutcome::Sent { .. } => "sent".to_string(),
+                    RequestOutcome::Received { .. } => "received".to_string(),
+                    RequestOutcome::Cancelled => "cancelled".to_string(),
+                    RequestOutcome::Failed { kind, .. } => kind.to_string(),
                 };
                 *tally.entry(kind).or_default() += 1;
             }
@@ -963,7 +969,7 @@ fn completions(actions: &[Action<u32>], peer: PeerId) -> Vec<(u32, bool, Complet
         .collect()
 }
 
-fn outcome(actions: &[Action<u32>], id: u64) -> Option<Outcome> {
+fn outcome(actions: &[Action<u32>], id: u64) -> Option<RequestOutcome> {
     actions.iter().find_map(|a| match a {
         Action::Ended { request, outcome } if *request == id => Some(outcome.clone()),
         _ => None,
@@ -1082,7 +1088,7 @@ fn the_engines_cancel_reaches_every_claim_at_once_not_at_the_lease() {
     );
     written(&mut m, 1);
     let done = actions(&mut m);
-    assert_eq!(outcome(&done, 7), Some(Outcome::Cancelled));
+    assert_eq!(outcome(&done, 7), Some(RequestOutcome::Cancelled));
     let answers = completions(&done, 2);
     assert!(
         matches!(
@@ -1110,7 +1116,7 @@ fn a_hung_planner_fails_the_request_and_answers_its_claim_at_once() {
     let failed = actions(&mut m);
     assert!(matches!(
         outcome(&failed, 7),
-        Some(Outcome::Failed {
+        Some(RequestOutcome::Failed {
             kind: FailureKind::Planner,
             ..
         })
@@ -1129,7 +1135,7 @@ fn a_refused_receiver_ends_the_sends_bound_to_it_at_once() {
     m.handle_receiver_refused(now, "d1", 0, "d1 rank 0", "planner mismatch");
     let done = actions(&mut m);
     assert!(
-        matches!(&outcome(&done, 7), Some(Outcome::Failed { kind: FailureKind::Refused, detail, .. }) if detail.contains("planner mismatch")),
+        matches!(&outcome(&done, 7), Some(RequestOutcome::Failed { kind: FailureKind::Refused, detail, .. }) if detail.contains("planner mismatch")),
         "{done:?}"
     );
     assert_eq!(
@@ -1164,7 +1170,7 @@ fn a_lost_claimer_ends_the_request_when_its_last_job_reports_not_at_the_timeout(
     write(&mut m, now, 7, 0, 1, false);
     let done = actions(&mut m);
     assert!(
-        matches!(&outcome(&done, 7), Some(Outcome::Failed { kind: FailureKind::Peer, detail, .. }) if detail.contains("closed its connection")),
+        matches!(&outcome(&done, 7), Some(RequestOutcome::Failed { kind: FailureKind::Peer, detail, .. }) if detail.contains("closed its connection")),
         "{done:?}"
     );
     assert!(
@@ -1191,7 +1197,7 @@ fn stashed_claims_of_a_request_that_fails_while_binding_are_each_answered() {
     let done = actions(&mut m);
     assert!(matches!(
         outcome(&done, 7),
-        Some(Outcome::Failed {
+        Some(RequestOutcome::Failed {
             kind: FailureKind::Planner,
             ..
         })

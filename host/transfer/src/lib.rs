@@ -49,11 +49,15 @@ mod streaming;
 mod sync;
 mod transport;
 
+#[cfg(feature = "cuda")]
+pub use cuda::CudaError;
 pub use kvferry_protocol::Role;
-pub use memory::MemoryKind;
+pub use memory::{BindError, MemoryError, MemoryKind};
 pub use transport::{Transport, TransportSpec, Transports};
 
 pub use outcome::{RequestStats, Stages};
+
+pub use rank::SpawnError;
 
 /// Whether this process can load the CUDA driver (`libcuda`), as VRAM pools need.
 #[cfg(feature = "cuda")]

@@ -118,8 +118,7 @@ mod exec;
 mod keys;
 mod thread;
 
-pub(crate) use error::SpawnError;
-pub use error::WriteError;
+pub use error::{SpawnError, WriteError};
 pub(crate) use exec::nanos;
 pub use thread::RankThread;
 

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use kvferry_plan::error_chain;
 use kvferry_planner_abi::{SlotTable, TokenRange, ViewId};
-use kvferry_protocol::decode::{Action, DecodeConfig, DecodeMachine, ExpectCall, LinkId, Outcome};
+use kvferry_protocol::decode::{Action, DecodeConfig, DecodeMachine, ExpectCall, LinkId};
 use kvferry_protocol::secure::HandshakeError;
 use kvferry_protocol::{
     AgentEvent, AgentMessage, AgentMetadata, AgentSession, BounceOffer, Completion, Integrity,
@@ -796,16 +796,7 @@ fn run(inner: &Arc<Inner>, state: &mut State) -> Vec<Deferred> {
                          out of use"
                     );
                 }
-                inner.events.push(match outcome {
-                    Outcome::Received { stats } => Event::Received { request, stats },
-                    Outcome::Cancelled => Event::Cancelled { request },
-                    Outcome::Failed { peer, kind, detail } => Event::Failed {
-                        request,
-                        peer,
-                        kind,
-                        detail,
-                    },
-                });
+                inner.events.push(Event::ended(request, outcome));
             }
         }
     }

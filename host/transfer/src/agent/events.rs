@@ -7,6 +7,7 @@ use std::sync::Mutex;
 use kvferry_platform::EventFd;
 
 pub use kvferry_protocol::FailureKind;
+use kvferry_protocol::RequestOutcome;
 
 use crate::outcome::{RequestStats, Stages};
 
@@ -53,6 +54,31 @@ pub enum Event {
 }
 
 impl Event {
+    /// The event of a request's end as its machine reported it: both roles' agents hand
+    /// every [`RequestOutcome`] on through this, variant for variant and field for field.
+    pub(crate) fn ended(request: u64, outcome: RequestOutcome) -> Event {
+        match outcome {
+            RequestOutcome::Sent {
+                bytes,
+                puts,
+                stages,
+            } => Event::Sent {
+                request,
+                bytes,
+                puts,
+                stages,
+            },
+            RequestOutcome::Received { stats } => Event::Received { request, stats },
+            RequestOutcome::Cancelled => Event::Cancelled { request },
+            RequestOutcome::Failed { peer, kind, detail } => Event::Failed {
+                request,
+                peer,
+                kind,
+                detail,
+            },
+        }
+    }
+
     /// The request the event is about.
     pub fn request(&self) -> u64 {
         match self {
@@ -240,5 +266,80 @@ impl Events {
 
     pub(crate) fn raw_fd(&self) -> RawFd {
         self.fd.as_raw_fd()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_outcome_becomes_the_event_of_the_same_name_with_the_same_fields() {
+        let stages = Stages {
+            plan_ns: 1,
+            puts_ns: 2,
+            flush_ns: 3,
+            ..Stages::default()
+        };
+        let stats = RequestStats {
+            bytes: 10,
+            fragments: 2,
+            writers: 1,
+            pieces: 1,
+            latency_us: 50,
+            puts: 0,
+            stages,
+        };
+        let cases = [
+            (
+                RequestOutcome::Sent {
+                    bytes: 10,
+                    puts: 4,
+                    stages,
+                },
+                Event::Sent {
+                    request: 7,
+                    bytes: 10,
+                    puts: 4,
+                    stages,
+                },
+            ),
+            (
+                RequestOutcome::Received {
+                    stats: stats.clone(),
+                },
+                Event::Received { request: 7, stats },
+            ),
+            (RequestOutcome::Cancelled, Event::Cancelled { request: 7 }),
+            (
+                RequestOutcome::Failed {
+                    peer: Some("d0 rank 1".into()),
+                    kind: FailureKind::Integrity,
+                    detail: "a digest differs".into(),
+                },
+                Event::Failed {
+                    request: 7,
+                    peer: Some("d0 rank 1".into()),
+                    kind: FailureKind::Integrity,
+                    detail: "a digest differs".into(),
+                },
+            ),
+            (
+                RequestOutcome::Failed {
+                    peer: None,
+                    kind: FailureKind::Timeout,
+                    detail: String::new(),
+                },
+                Event::Failed {
+                    request: 7,
+                    peer: None,
+                    kind: FailureKind::Timeout,
+                    detail: String::new(),
+                },
+            ),
+        ];
+        for (outcome, event) in cases {
+            assert_eq!(Event::ended(7, outcome), event);
+        }
     }
 }

@@ -60,7 +60,13 @@ pub use crate::bounce::{BounceConfig, BounceMode};
 pub use decode::Expect;
 pub use events::{AgentStats, Event, FAILURE_KINDS, FailureKind, LATENCY_BUCKETS};
 pub use kvferry_protocol::exec::ExecConfig;
-pub use kvferry_protocol::{AgentMetadata, Integrity, PeerIdentity, Secret};
+pub use kvferry_protocol::{
+    AgentMetadata, Integrity, PeerIdentity, PoolKey, RankDescriptor, Secret, SecretError, WireError,
+};
+/// The type of [`AgentConfig::harness`], named for the harness (its fields are of use only
+/// with the `harness` feature).
+#[doc(hidden)]
+pub use record::HarnessOptions;
 pub use typed::{DecodeAgent, PrefillAgent};
 
 use std::net::{IpAddr, SocketAddr, TcpListener};
@@ -73,7 +79,7 @@ use std::time::{Duration, Instant};
 use kvferry_loader::BoundPlanner;
 use kvferry_planner_abi::ffi::RVec;
 use kvferry_planner_abi::{PlanError, RankInfo, SlotTable, TokenRange, ViewId};
-use kvferry_protocol::{RankDescriptor, Role};
+use kvferry_protocol::Role;
 use kvferry_ucx::{Context, Worker};
 
 use crate::bounce::{Arena, Staging};

@@ -23,8 +23,8 @@ use kvferry_plan::{PlanFailure, RequestSide, ValidatedPlan, error_chain};
 use kvferry_planner_abi::ffi::ROption;
 use kvferry_planner_abi::{PairRequest, RankInfo, SlotTable, TokenRange, TransferPlanner, ViewId};
 use kvferry_protocol::prefill::{
-    self, Action, ClaimFate, Outcome, Peer, PlanTask, Planned, PrefillConfig, PrefillMachine,
-    SendCall, SendRefused, WriteCounts, Written,
+    self, Action, ClaimFate, Peer, PlanTask, Planned, PrefillConfig, PrefillMachine, SendCall,
+    SendRefused, WriteCounts, Written,
 };
 use kvferry_protocol::{
     AgentError, AgentEvent, AgentMessage, AgentSession, BouncedPiece, CompletionStatus, Integrity,
@@ -111,26 +111,7 @@ fn run(inner: &Arc<Inner>, state: &mut State) {
                 }
             },
             Action::Ended { request, outcome } => {
-                let event = match outcome {
-                    Outcome::Sent {
-                        bytes,
-                        puts,
-                        stages,
-                    } => Event::Sent {
-                        request,
-                        bytes,
-                        puts,
-                        stages,
-                    },
-                    Outcome::Cancelled => Event::Cancelled { request },
-                    Outcome::Failed { peer, kind, detail } => Event::Failed {
-                        request,
-                        peer,
-                        kind,
-                        detail,
-                    },
-                };
-                inner.events.push(event);
+                inner.events.push(Event::ended(request, outcome));
             }
         }
     }
