@@ -292,6 +292,10 @@ struct Claim {
     ok: bool,
     /// The receiver cancelled it.
     cancelled: bool,
+    /// A piece failed while later pieces of it were still queued: nothing more of it is
+    /// reported piece by piece; the failure goes out as its last piece once those jobs
+    /// reported (they may still write into the receiver's slots until then).
+    withheld: bool,
     /// When its `RequestData` was taken up (after the send, if it came first).
     arrived: Instant,
     /// Bytes of the offered bounce region that pieces have been given so far.
@@ -709,6 +713,7 @@ impl<T: Clone> PrefillMachine<T> {
                 ended: false,
                 ok: false,
                 cancelled: false,
+                withheld: false,
                 arrived: now,
                 bounce_cursor: 0,
                 stages: Stages::default(),
@@ -858,9 +863,21 @@ impl<T: Clone> PrefillMachine<T> {
         let Some(claim) = req.claims.get_mut(&g) else {
             return;
         };
-        if claim.ended {
-            // Ended without this piece (its peer lost): nothing to report, but this job may
-            // have been the last thing the request waited on.
+        if claim.ended || claim.withheld {
+            // Ended without this piece (its peer lost), or an earlier piece failed: nothing
+            // to report, but this job may have been the last thing the request waited on.
+            return self.settle(now, id);
+        }
+        if let (Err(reason), true) = (&written.result, claim.jobs > 0) {
+            // Later pieces of this claim are still queued and may write into the receiver's
+            // slots: were this failure its last piece now, the receiver could end the request
+            // and give its slots to another while they land. It goes out as the last piece
+            // once they reported (`settle`, the request failing), and they report nothing.
+            claim.withheld = true;
+            let detail = format!("writing piece {} to {}: {reason}", written.piece, claim.name);
+            if req.failure.is_none() {
+                req.failure = Some((Some(claim.name.clone()), FailureKind::Write, detail));
+            }
             return self.settle(now, id);
         }
         let (counts, status) = match &written.result {

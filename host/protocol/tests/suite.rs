@@ -6,6 +6,7 @@
 mod decode_machine;
 mod exec_machine;
 mod fuzz;
+mod joint;
 mod prefill_machine;
 mod seeded;
 mod simulated;
