@@ -386,7 +386,7 @@ impl<'a> Executor<'a> {
 
     /// The idle loop's sleep, once a run of progress rounds found nothing: arms the worker
     /// and sleeps until it or the command eventfd `wake` is readable (at most [`IDLE_SLEEP`],
-    /// or [`STUCK_SLEEP`] while a quarantined window waits). A command already queued is
+    /// or until the machine next looks at a quarantined window). A command already queued is
     /// returned without sleeping. A worker with events still to progress, or one whose
     /// transports cannot signal them, gets the short timed wait for a command instead.
     fn sleep(
