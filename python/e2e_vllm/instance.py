@@ -2,8 +2,9 @@
 
     python instance.py SPEC_JSON
 
-SPEC_JSON names the model, tokenizer, TP size, role, the prompts (in waves, each generated
-after the one before, so later waves meet earlier ones in the prefix cache) and files:
+SPEC_JSON names the model, tokenizer, TP size (and optionally ``pp``, the PP size, and
+``block_size``, 32 unless given), role, the prompts (in waves, each generated after the one
+before, so later waves meet earlier ones in the prefix cache) and files:
 ``colocated`` generates every prompt here; ``prefill`` (``kv_producer``) prefills each
 prompt with ``do_remote_decode``, writes the ``kv_transfer_params`` its outputs carry, then
 keeps serving the transfers until the ``release`` file appears; ``decode`` (``kv_consumer``)
@@ -36,15 +37,20 @@ def main() -> None:
             kv_load_failure_policy=spec.get("failure_policy", "fail"),
             kv_connector_extra_config=spec["extra"],
         )
+    pp = spec.get("pp", 1)
     llm = LLM(
         model=spec["model"],
         tokenizer=spec["tokenizer"],
         dtype="float32",
         block_size=spec.get("block_size", 32),
-        enforce_eager=True,
+        # vLLM's CPU model runner makes the buffers a later PP stage receives its input in only
+        # in its compile warm-up, which enforce_eager skips: eager PP 2 fails its first step
+        # ("assert self.intermediate_tensors is not None" in the second stage's worker).
+        enforce_eager=pp == 1,
         max_model_len=2048,
         tensor_parallel_size=spec["tp"],
-        distributed_executor_backend="mp" if spec["tp"] > 1 else None,
+        pipeline_parallel_size=pp,
+        distributed_executor_backend="mp" if spec["tp"] * pp > 1 else None,
         enable_prefix_caching=True,
         disable_log_stats=False,
         seed=0,

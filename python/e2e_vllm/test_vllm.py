@@ -6,9 +6,12 @@ hit; vLLM counts at admission, before it replays the last prompt token to sample
 
 Models: tiny random GQA models (``models.py``): Llama (4 layers) and Qwen3 (3 layers, q/k
 norms, tied embeddings), 2 KV heads of 64, blocks of 32 tokens. TP pairs 1 -> 1, 2 -> 1 and
-1 -> 2 (the planner re-shards KV heads). Prompts in two waves: the second shares prefixes with
-the first, so the decode instance meets them in its own prefix cache and loads only the rest
-(``cached_prefix``), and the prefill instance reuses its own cached blocks.
+1 -> 2 (the planner re-shards KV heads); blocks of 64 tokens on both sides; PP 2 -> TP 1,
+PP 2 -> TP 2 and TP 1 -> PP 2 (each stage's workers send or load their own layers); and
+blocks of 32 on one side and 64 on the other, which vLLM's CPU cache cannot be re-blocked
+for: the decode prefills those prompts itself. Prompts in two waves: the second shares
+prefixes with the first, so the decode instance meets them in its own prefix cache and loads
+only the rest (``cached_prefix``), and the prefill instance reuses its own cached blocks.
 
 Run by ``scripts/e2e-vllm`` (its venv, the planner, the package); each case prints its time.
 """
@@ -118,37 +121,54 @@ def connector_config(env: dict[str, str]) -> dict:
 _COLOCATED: dict[str, list] = {}
 
 
-def colocated(name: str, root: Path, tmp: Path, env: dict[str, str]) -> list:
-    """The co-located instance's tokens for model ``name`` (computed once)."""
-    if name not in _COLOCATED:
+def colocated(
+    name: str, root: Path, tmp: Path, env: dict[str, str], block_size: int = 32
+) -> list:
+    """The co-located instance's tokens for model ``name`` at TP 1 with blocks of
+    ``block_size`` tokens (computed once)."""
+    key = f"{name}-bs{block_size}"
+    if key not in _COLOCATED:
         model, tokenizer = models.make(root, name)
         spec = {
             "role": "colocated",
             "model": str(model),
             "tokenizer": str(tokenizer),
             "tp": 1,
+            "block_size": block_size,
             "waves": WAVES,
             "max_tokens": MAX_TOKENS,
-            "out": str(tmp / f"{name}-colocated.json"),
+            "out": str(tmp / f"{key}-colocated.json"),
         }
-        log = tmp / f"{name}-colocated.log"
-        _wait(_run(spec, tmp / f"{name}-colocated.spec", env, log), "colocated", log)
-        _COLOCATED[name] = json.loads(Path(spec["out"]).read_text())["outputs"]
-    return _COLOCATED[name]
+        log = tmp / f"{key}-colocated.log"
+        _wait(_run(spec, tmp / f"{key}-colocated.spec", env, log), "colocated", log)
+        _COLOCATED[key] = json.loads(Path(spec["out"]).read_text())["outputs"]
+    return _COLOCATED[key]
 
 
-@pytest.mark.parametrize("tp_prefill,tp_decode", [(1, 1), (2, 1), (1, 2)])
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
-def test_disaggregated_equals_colocated(name, tp_prefill, tp_decode, env, model_root, tmp_path):
-    t0 = time.monotonic()
-    want = colocated(name, model_root, tmp_path, env)
+def _shape(spec: dict) -> str:
+    """An instance's parallelism and block size, for the report line."""
+    text = f"TP {spec['tp']}" + (f" PP {spec['pp']}" if spec.get("pp", 1) > 1 else "")
+    return text + f", blocks of {spec.get('block_size', 32)}"
+
+
+def _disaggregate(
+    name: str,
+    prefill_shape: dict,
+    decode_shape: dict,
+    env: dict[str, str],
+    model_root: Path,
+    tmp_path: Path,
+) -> tuple[dict, dict, dict]:
+    """Runs ``WAVES`` through a prefill instance of ``prefill_shape`` (``tp``, and ``pp``,
+    ``block_size`` if given) and a decode instance of ``decode_shape``; returns what the
+    decode wrote and the two instances' specs."""
     model, tokenizer = models.make(model_root, name)
     extra = connector_config(env)
     common = {"model": str(model), "tokenizer": str(tokenizer), "waves": WAVES}
     prefill = {
         **common,
+        **prefill_shape,
         "role": "prefill",
-        "tp": tp_prefill,
         "extra": {**extra, "instance": f"prefill-{name}"},
         "out": str(tmp_path / "params.json"),
         "out_after": str(tmp_path / "prefill-after.json"),
@@ -156,43 +176,166 @@ def test_disaggregated_equals_colocated(name, tp_prefill, tp_decode, env, model_
     }
     decode = {
         **common,
+        **decode_shape,
         "role": "decode",
-        "tp": tp_decode,
         "max_tokens": MAX_TOKENS,
         "extra": {**extra, "instance": f"decode-{name}"},
         "params": prefill["out"],
         "out": str(tmp_path / "decode.json"),
     }
-    got = _run_pair(prefill, decode, tmp_path, env)
+    return _run_pair(prefill, decode, tmp_path, env), prefill, decode
+
+
+def _assert_tokens(want: list, got: dict) -> None:
+    """Every prompt's tokens are the co-located instance's."""
     for w, (want_wave, got_wave) in enumerate(zip(want, got["outputs"], strict=True)):
         for i, (a, b) in enumerate(zip(want_wave, got_wave, strict=True)):
             assert b["tokens"] == a["tokens"], (
                 f"wave {w} prompt {i} ({a['prompt_tokens']} tokens): decode gave {b['tokens']}, "
                 f"co-located {a['tokens']}"
             )
+
+
+def _sources(got: dict) -> tuple[float | None, float | None, float, int]:
+    """vLLM's counts of the decode's prompt tokens: (computed, loaded, prefix-cache hits,
+    total)."""
     metrics = got["metrics"]
-    prompts = sum(len(w) for w in WAVES)
-    total = sum(o["prompt_tokens"] for wave in got["outputs"] for o in wave)
-    computed = metrics.get("vllm:prompt_tokens_by_source{source=local_compute}")
-    loaded = metrics.get("vllm:prompt_tokens_by_source{source=external_kv_transfer}")
-    hits = metrics.get("vllm:prompt_tokens_by_source{source=local_cache_hit}", 0)
+    return (
+        metrics.get("vllm:prompt_tokens_by_source{source=local_compute}"),
+        metrics.get("vllm:prompt_tokens_by_source{source=external_kv_transfer}"),
+        metrics.get("vllm:prompt_tokens_by_source{source=local_cache_hit}", 0),
+        sum(o["prompt_tokens"] for wave in got["outputs"] for o in wave),
+    )
+
+
+def _layer_parts(prefill: dict) -> float:
+    """The layer-wise sends the prefill instance's workers made."""
     sent = json.loads(Path(prefill["out"]).read_text())["metrics"]
-    parts = sum(v for k, v in sent.items() if k.startswith("vllm:kvferry_layer_parts"))
+    return sum(v for k, v in sent.items() if k.startswith("vllm:kvferry_layer_parts"))
+
+
+def _disaggregated_equals_colocated(
+    name: str,
+    prefill_shape: dict,
+    decode_shape: dict,
+    env: dict[str, str],
+    model_root: Path,
+    tmp_path: Path,
+) -> None:
+    """Runs ``WAVES`` through a prefill and a decode instance (:func:`_disaggregate`) and
+    asserts: every prompt's tokens are the co-located instance's (TP 1, at the decode's block
+    size), the decode computed no prompt token, the second wave met the first in the decode's
+    prefix cache, and every prefill worker sent every prompt layer by layer."""
+    t0 = time.monotonic()
+    want = colocated(name, model_root, tmp_path, env, decode_shape.get("block_size", 32))
+    got, prefill, decode = _disaggregate(
+        name, prefill_shape, decode_shape, env, model_root, tmp_path
+    )
+    _assert_tokens(want, got)
+    computed, loaded, hits, total = _sources(got)
+    prompts = sum(len(w) for w in WAVES)
+    parts = _layer_parts(prefill)
+    workers = prefill["tp"] * prefill.get("pp", 1)
     print(
-        f"\n{name} TP {tp_prefill} -> TP {tp_decode}: {prompts} prompts identical; decode "
-        f"prompt tokens: {loaded} loaded, {hits} prefix-cache hits, {computed} computed, "
-        f"of {total}; prefill: {parts:.0f} layer-wise sends over {tp_prefill} worker(s); "
-        f"{time.monotonic() - t0:.0f} s"
+        f"\n{name} {_shape(prefill)} -> {_shape(decode)}: {prompts} prompts identical; "
+        f"decode prompt tokens: {loaded} loaded, {hits} prefix-cache hits, {computed} "
+        f"computed, of {total}; prefill: {parts:.0f} layer-wise sends over {workers} "
+        f"worker(s); {time.monotonic() - t0:.0f} s"
     )
     # Layer-wise sends are on: every prefill worker handed each prompt over layer by layer,
     # as its forward pass computed the layers (every prompt is prefilled in one step here).
+    # A worker holds its PP stage's layers: the stages' layers sum to the model's, once per
+    # TP rank.
     layers = models.MODELS[name][2]["num_hidden_layers"]
-    assert parts == prompts * layers * tp_prefill, sent
+    assert parts == prompts * layers * prefill["tp"], parts
     # vLLM counts at admission, before it replays each prompt's last token to sample the
     # next one: every prompt token came from the prefix cache or from the prefill instance.
+    metrics = got["metrics"]
     assert computed == 0, metrics
     assert loaded + hits == total, metrics
     assert hits > 0, metrics  # the second wave met the first in the decode's prefix cache
+
+
+@pytest.mark.parametrize("tp_prefill,tp_decode", [(1, 1), (2, 1), (1, 2)])
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_disaggregated_equals_colocated(name, tp_prefill, tp_decode, env, model_root, tmp_path):
+    _disaggregated_equals_colocated(
+        name, {"tp": tp_prefill}, {"tp": tp_decode}, env, model_root, tmp_path
+    )
+
+
+def test_blocks_of_64(env, model_root, tmp_path):
+    """Both instances with blocks of 64 tokens: the page tables say 64, whole blocks move,
+    and the decode's prefix-cache hits (whole blocks of 64) leave loads that start at its
+    block boundaries."""
+    _disaggregated_equals_colocated(
+        "llama", {"tp": 1, "block_size": 64}, {"tp": 1, "block_size": 64},
+        env, model_root, tmp_path,
+    )
+
+
+@pytest.mark.parametrize("bs_prefill,bs_decode", [(32, 64), (64, 32)])
+def test_different_block_sizes_prefill_on_the_decode(
+    bs_prefill, bs_decode, env, model_root, tmp_path
+):
+    """Blocks of 32 tokens on one instance and 64 on the other cannot be mapped: vLLM's CPU
+    cache stores each head's K transposed (``[dim][token]``) before its V, and kvferry's
+    planner re-blocks only heads whose tokens are contiguous (moved anyway, every prompt's
+    tokens came out wrong from the first, 5-token prompt on). The decode instance sees the
+    prefill's block size in ``kv_transfer_params``, says why once, and prefills every prompt
+    itself: the tokens are still the co-located instance's, nothing is loaded. Greedy tokens
+    do not depend on the block size: the co-located instance gives the same with blocks of 32
+    and of 64 (asserted)."""
+    t0 = time.monotonic()
+    want = colocated("llama", model_root, tmp_path, env, bs_decode)
+    other = colocated("llama", model_root, tmp_path, env, bs_prefill)
+    assert other == want, (
+        f"the co-located tokens differ between blocks of {bs_prefill} and {bs_decode}"
+    )
+    got, prefill, decode = _disaggregate(
+        "llama",
+        {"tp": 1, "block_size": bs_prefill},
+        {"tp": 1, "block_size": bs_decode},
+        env,
+        model_root,
+        tmp_path,
+    )
+    _assert_tokens(want, got)
+    computed, loaded, hits, total = _sources(got)
+    log = (tmp_path / "decode.log").read_text(errors="replace")
+    said = [line for line in log.splitlines() if "cannot be re-blocked" in line]
+    print(
+        f"\nllama {_shape(prefill)} -> {_shape(decode)}: tokens identical, prefilled on the "
+        f"decode: {loaded} loaded, {hits} prefix-cache hits, {computed} computed, of {total}; "
+        f"{time.monotonic() - t0:.0f} s\n{said[0].strip()[:300] if said else ''}"
+    )
+    assert len(said) == 1, said  # once per prefill instance
+    assert f"has blocks of {bs_prefill} tokens, this instance {bs_decode}" in said[0]
+    assert not loaded, got["metrics"]
+    assert computed + hits == total and computed > 0, got["metrics"]
+
+
+@pytest.mark.parametrize(
+    "prefill_shape,decode_shape",
+    [
+        ({"tp": 1, "pp": 2}, {"tp": 1}),
+        ({"tp": 1, "pp": 2}, {"tp": 2}),
+        ({"tp": 1}, {"tp": 1, "pp": 2}),
+    ],
+    ids=["pp2-tp1", "pp2-tp2", "tp1-pp2"],
+)
+def test_pipeline_parallel(prefill_shape, decode_shape, env, model_root, tmp_path):
+    """An instance at PP 2 (Llama's 4 layers, 2 a stage): each stage's worker describes only
+    its own layers (rank ``pp_rank * tp + tp_rank`` of ``tp1pp2``). A PP prefill's workers
+    send their layers layer-wise and the decode's request carries both workers' endpoints,
+    so a decode worker takes layers 0-1 from one and 2-3 from the other (and at TP 2, its
+    KV head of each); a PP decode's workers each load their own stage's layers. vLLM's CPU
+    build runs PP only compiled (``instance.py``): the PP instance computes with
+    torch.compile, the other and the co-located reference eagerly, and the tokens must still
+    match."""
+    _disaggregated_equals_colocated(
+        "llama", prefill_shape, decode_shape, env, model_root, tmp_path
+    )
 
 
 @pytest.mark.parametrize(

@@ -18,13 +18,14 @@ vLLM's proxies and clients work unchanged:
    it finishes, :meth:`KvferryConnector.request_finished` keeps its blocks (``delay_free``),
    and the request's output carries the ``kv_transfer_params`` for the decode: this
    instance's name, its ranks' side-channel endpoints, kvferry's id of the transfer, the
-   prompt's length and a digest of its tokens.
+   prompt's length and a digest of its tokens, and its block size.
 2. The decode instance gets the request with those ``kv_transfer_params``. The scheduler
    reports the prompt's tokens beyond its own prefix-cache hits as loadable asynchronously;
    once vLLM allocated their blocks, every worker's agent ``expect``\\ s them (the planner maps
    the prefill's ranks, layout and head shards onto this worker's); the prefill ranks write
    them with UCX; the request runs once every worker reported it received. A prompt whose
-   tokens differ from the prefill's (digest) is prefilled locally instead.
+   tokens differ from the prefill's (digest), or whose prefill ran with another block size,
+   is prefilled locally instead.
 3. The prefill instance frees the blocks once kvferry no longer reads them (``sent``, or the
    send failed, was cancelled, or its lease ran out unclaimed).
 
@@ -62,14 +63,20 @@ blocks freed only after kvferry's terminal event (nothing lands after that).
                     request whole when its prefill ends
 ==================  ====================================================================
 
-Supported: one KV cache group of full attention (Llama, Qwen, Mistral and the like), in vLLM's
-CPU backend's layout (``LBHNC``: each block holds ``[head][token][K|V]``) or ``LBNHC``
-(``[token][head][K|V]``; described, but untested: the CPU backend uses ``LBHNC``), host
-memory; TP on both sides, different TP sizes included; layer-wise sends; decode requests
-queued longer than the prefill's ``lease_ms`` keep their data (the decode holds them every
-third of ``lease_ms``, its own setting, so both instances should agree on it; up to ten
-leases). Not yet: pipeline parallelism, hybrid models (several KV cache groups), CUDA
-tensors.
+Supported: one KV cache group of full attention (Llama, Qwen, Mistral and the like), host
+memory, in vLLM's CPU backend's layout (``LBHNC``: a block holds, head after head, the head's
+K stored ``[dim][token]`` and then its V ``[token][dim]``; kvferry moves whole heads' blocks)
+or ``LBNHC`` (described, but untested: the CPU backend uses ``LBHNC``); TP on both sides,
+different TP sizes included; pipeline parallelism on either side (each PP stage's workers
+describe their own layers as ranks ``pp_rank * tp_size + tp_rank`` of ``tpXppY`` and send or
+load only those; a prefill's ``remote_endpoints`` list all its workers in that order);
+layer-wise sends; decode requests queued longer than the prefill's ``lease_ms`` keep their
+data (the decode holds them every third of ``lease_ms``, its own setting, so both instances
+should agree on it; up to ten leases). Both instances need the same ``block_size``: kvferry
+re-blocks only heads whose tokens are contiguous, which the CPU backend's K is not, so a
+decode instance given the KV of a prefill with other blocks (``kv_transfer_params`` say
+their size) logs why, once per prefill instance, and prefills those prompts itself. Not yet:
+hybrid models (several KV cache groups), CUDA tensors.
 
 Metrics (vLLM's ``/metrics``, from the agents' terminal events): ``vllm:kvferry_transfers_total``
 (``side``: ``send`` or ``load``; ``outcome``: ``sent``, ``received``, ``cancelled``,
@@ -239,12 +246,8 @@ class _Settings:
                 f"kvferry: kv_role must be kv_producer, kv_consumer or kv_both, not {self.role!r}"
             )
         parallel = vllm_config.parallel_config
-        if parallel.pipeline_parallel_size != 1:
-            raise ValueError(
-                "kvferry: pipeline parallelism is not supported by the vLLM connector yet "
-                f"(pipeline_parallel_size={parallel.pipeline_parallel_size})"
-            )
         self.tp_size = parallel.tensor_parallel_size
+        self.pp_size = parallel.pipeline_parallel_size
         instance = extra.get("instance", transfer.engine_id)
         if not isinstance(instance, str) or not instance:
             raise ValueError(f"kvferry: instance must be a non-empty string, not {instance!r}")
@@ -302,6 +305,17 @@ class _Settings:
         return {key: str(extra[key])}
 
     @property
+    def mapping(self) -> str:
+        """The instance's deployment in kvferry's shorthand (``tp2``, ``tp1pp2``)."""
+        return f"tp{self.tp_size}" + (f"pp{self.pp_size}" if self.pp_size > 1 else "")
+
+    def instance_rank(self, pp_rank: int, tp_rank: int) -> int:
+        """kvferry's number of the worker at (``pp_rank``, ``tp_rank``): TP fastest, then PP
+        (``pp_rank * tp_size + tp_rank``, as kvferry's ``Mapping::coords`` and vLLM's own
+        ranks of one instance count)."""
+        return pp_rank * self.tp_size + tp_rank
+
+    @property
     def sends(self) -> bool:
         return self.role in ("kv_producer", "kv_both")
 
@@ -312,10 +326,12 @@ class _Settings:
 
 @dataclass
 class KvferryHandshake(KVConnectorHandshakeMetadata):
-    """What a worker tells its scheduler at start: its prefill agent's side-channel endpoint."""
+    """What a worker tells its scheduler at start: its prefill agent's side-channel endpoint,
+    and where the worker sits (its TP and PP rank)."""
 
     tp_rank: int
     endpoint: str | None
+    pp_rank: int = 0
 
 
 @dataclass
@@ -547,6 +563,8 @@ class KvferryConnector(KVConnectorBase_V1):
         self._loading: set[str] = set()  # handed to the workers, not finished yet
         self._may_send_layer_wise: dict[str, int] = {}  # request id -> prompt length
         self._sent_layer_wise: set[str] = set()
+        # Prefill instances whose block size this one refused, logged once: (instance, size).
+        self._block_size_refused: set[tuple[str, int]] = set()
         # Decode requests queued before their load: request id -> (instance, endpoints, id).
         self._queued: dict[str, tuple[str, tuple[str, ...], int]] = {}
         self._next_hold = 0.0
@@ -556,6 +574,8 @@ class KvferryConnector(KVConnectorBase_V1):
         self._sender: Agent | None = None
         self._receiver: Agent | None = None
         self._tp_rank = 0
+        self._pp_rank = 0
+        self._rank = 0  # kvferry's instance rank of this worker
         self._in_flight: dict[int, tuple[str, str]] = {}  # transfer id -> (request id, role)
         self._recv_ids: dict[str, int] = {}  # request id -> transfer id, loading
         self._done_sending: set[str] = set()
@@ -573,9 +593,11 @@ class KvferryConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Describes vLLM's paged caches to kvferry (one pool per layer, slot = block, in
         place: nothing is copied) and starts this worker's agents."""
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
         self._tp_rank = get_tensor_model_parallel_rank()
+        self._pp_rank = get_pp_group().rank_in_group if self._settings.pp_size > 1 else 0
+        self._rank = self._settings.instance_rank(self._pp_rank, self._tp_rank)
         rank = self._describe(kv_caches)
         base = {
             "version": CONFIG_VERSION,
@@ -583,7 +605,7 @@ class KvferryConnector(KVConnectorBase_V1):
             "architecture": self._settings.architecture,
             "plugin_dir": self._settings.plugin_dir,
             "rank": rank,
-            "label": f"vllm {self._settings.instance} tp rank {self._tp_rank}",
+            "label": f"vllm {self._settings.instance} {self._who()}",
             **self._settings.secret,
         }
         for key in _AGENT_KEYS:
@@ -599,17 +621,43 @@ class KvferryConnector(KVConnectorBase_V1):
                     json.dumps({**base, "role": "generation"}), keep_alive=keep
                 )
         logger.info(
-            "kvferry: %s tp rank %d: %s over %d layers%s",
+            "kvferry: %s %s: %s over %d layers%s",
             self._settings.instance,
-            self._tp_rank,
+            self._who(),
             self._settings.role,
             len(kv_caches),
             f", listening on {self._sender.endpoint()}" if self._sender else "",
         )
 
+    def _who(self) -> str:
+        """This worker, for logs and the agent's label."""
+        if self._settings.pp_size == 1:
+            return f"tp rank {self._tp_rank}"
+        return f"rank {self._rank} (tp rank {self._tp_rank}, pp rank {self._pp_rank})"
+
+    def _layers_per_pp(self, layers: list[int]) -> list[int]:
+        """The layers vLLM gives each PP stage (its ``get_pp_indices``, which
+        ``VLLM_PP_LAYER_PARTITION`` may set), checked against the layers this worker
+        registered: every one must be in its own stage."""
+        from vllm.distributed.utils import get_pp_indices
+
+        model = self._vllm_config.model_config
+        total = model.get_total_num_hidden_layers()
+        pp = self._settings.pp_size
+        ranges = [get_pp_indices(total, r, pp) for r in range(pp)]
+        start, end = ranges[self._pp_rank]
+        outside = [layer for layer in layers if not start <= layer < end]
+        if outside:
+            raise ValueError(
+                f"kvferry: {self._who()} registered KV caches of layers {outside}, outside its "
+                f"PP stage {self._pp_rank} of {pp} (layers {start}..{end - 1} of {total})"
+            )
+        return [e - s for s, e in ranges]
+
     def _describe(self, kv_caches: dict[str, torch.Tensor]) -> dict[str, Any]:
         """This worker's rank description (kvferry.describe_paged_cache): one pool per layer,
-        the layer group and its views, sharded as vLLM shards the KV heads."""
+        the layer group and its views, sharded as vLLM shards the KV heads; under PP, rank
+        ``pp_rank * tp_size + tp_rank`` of ``tpXppY``, holding its stage's layers."""
         config = self._kv_cache_config
         spec = config.kv_cache_groups[0].kv_cache_spec
         layout = str(getattr(config, "kv_cache_layout", "LBHNC"))
@@ -628,8 +676,12 @@ class KvferryConnector(KVConnectorBase_V1):
             )
         # vLLM's view is [block, head, token, K|V] whatever the layout; NHD keeps the token
         # dimension outside the head's, so its [block, token, head, K|V] view is contiguous.
+        # (The CPU backend's bytes in a head's block are K as [dim][token], then V as
+        # [token][dim]: whole heads move right, whatever their interior; re-blocking would
+        # not, and get_num_new_matched_tokens refuses another block size.)
         tensors = [cache if kind == "hnd" else cache.transpose(1, 2) for _, cache in layers]
         self._layer_of = {name: local for local, (name, _) in enumerate(layers)}
+        layers_per_pp = self._layers_per_pp([layer_index(name) for name, _ in layers])
         try:
             return describe_paged_cache(
                 tensors,
@@ -643,11 +695,9 @@ class KvferryConnector(KVConnectorBase_V1):
                 tp_rank=self._tp_rank,
                 total_kv_heads=self._vllm_config.model_config.get_total_num_kv_heads(),
                 layers=[layer_index(name) for name, _ in layers],
-                layers_per_pp=[
-                    self._vllm_config.model_config.get_num_layers(
-                        self._vllm_config.parallel_config
-                    )
-                ],
+                mapping=self._settings.mapping,
+                instance_rank=self._rank,
+                layers_per_pp=layers_per_pp,
                 names=[name for name, _ in layers],
             )
         except ValueError as e:
@@ -657,6 +707,7 @@ class KvferryConnector(KVConnectorBase_V1):
         return KvferryHandshake(
             tp_rank=self._tp_rank,
             endpoint=self._sender.endpoint() if self._sender is not None else None,
+            pp_rank=self._pp_rank,
         )
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -672,7 +723,7 @@ class KvferryConnector(KVConnectorBase_V1):
                     self._receiver.cancel(tid)
                 except Error as e:  # it ended already; its event reports it
                     logger.debug("kvferry: cancel %s: %s", request_id, e)
-        if meta.hold and self._receiver is not None and self._tp_rank == 0:
+        if meta.hold and self._receiver is not None and self._rank == 0:
             for instance, endpoints, tids in meta.hold:
                 try:
                     self._receiver.hold(instance, endpoints, tids)
@@ -865,7 +916,7 @@ class KvferryConnector(KVConnectorBase_V1):
         for side, agent in (("send", self._sender), ("load", self._receiver)):
             if agent is not None and not agent.closed:
                 now = agent.stats()
-                stats.data["agents"][f"{side}/{self._tp_rank}"] = {
+                stats.data["agents"][f"{side}/{self._rank}"] = {
                     "in_flight": now["in_flight"],
                     "peers": now["peers"],
                     "plan_ns": now["plan_ns"],
@@ -896,15 +947,27 @@ class KvferryConnector(KVConnectorBase_V1):
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
     ) -> None:
+        """The workers' endpoints by TP rank (PP 1)."""
+        self.set_xfer_handshake_metadata_pp_aware(
+            {(getattr(meta, "pp_rank", 0), tp): meta for tp, meta in metadata.items()}
+        )
+
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        """The workers' endpoints by (PP rank, TP rank), as vLLM's engine core collects them:
+        kept in kvferry's rank order (``pp_rank * tp_size + tp_rank``), the order the decode
+        instance gets them in ``remote_endpoints``."""
         endpoints = {
-            rank: meta.endpoint
-            for rank, meta in metadata.items()
+            self._settings.instance_rank(pp, tp): meta.endpoint
+            for (pp, tp), meta in metadata.items()
             if isinstance(meta, KvferryHandshake) and meta.endpoint
         }
-        if self._settings.sends and sorted(endpoints) != list(range(self._settings.tp_size)):
+        world = self._settings.tp_size * self._settings.pp_size
+        if self._settings.sends and sorted(endpoints) != list(range(world)):
             raise RuntimeError(
-                f"kvferry: endpoints of TP ranks {sorted(endpoints)} reached the scheduler, "
-                f"not all {self._settings.tp_size}"
+                f"kvferry: endpoints of ranks {sorted(endpoints)} ({self._settings.mapping}) "
+                f"reached the scheduler, not all {world}"
             )
         self._endpoints = [endpoints[r] for r in sorted(endpoints)]
 
@@ -956,6 +1019,25 @@ class KvferryConnector(KVConnectorBase_V1):
                 request.request_id, len(prompt), params.get("remote_instance"),
                 params.get("prompt_len"),
             )
+            params["do_remote_prefill"] = False
+            self._queued.pop(request.request_id, None)
+            return 0, False
+        theirs = params.get("block_size", self._block_size)
+        if theirs != self._block_size:
+            # vLLM's CPU cache keeps each head's K transposed ([dim][token]) before its V
+            # ([token][dim]); kvferry re-blocks only heads whose tokens are contiguous, so
+            # blocks of another size cannot be mapped onto these (whole heads of equal blocks
+            # can, whatever their interior).
+            key = (str(params.get("remote_instance")), int(theirs))
+            if key not in self._block_size_refused:
+                self._block_size_refused.add(key)
+                logger.error(
+                    "kvferry: prefill instance %s has blocks of %s tokens, this instance %d: "
+                    "vLLM's CPU cache cannot be re-blocked (each head's K is stored "
+                    "[dim][token]), so its prompts are prefilled here; give both instances "
+                    "the same block_size",
+                    key[0], theirs, self._block_size,
+                )
             params["do_remote_prefill"] = False
             self._queued.pop(request.request_id, None)
             return 0, False
@@ -1070,4 +1152,5 @@ class KvferryConnector(KVConnectorBase_V1):
             "kvferry_request": tid,
             "prompt_len": len(prompt),
             "prompt_digest": prompt_digest(prompt),
+            "block_size": self._block_size,
         }
