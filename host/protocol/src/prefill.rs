@@ -874,7 +874,10 @@ impl<T: Clone> PrefillMachine<T> {
             // and give its slots to another while they land. It goes out as the last piece
             // once they reported (`settle`, the request failing), and they report nothing.
             claim.withheld = true;
-            let detail = format!("writing piece {} to {}: {reason}", written.piece, claim.name);
+            let detail = format!(
+                "writing piece {} to {}: {reason}",
+                written.piece, claim.name
+            );
             if req.failure.is_none() {
                 req.failure = Some((Some(claim.name.clone()), FailureKind::Write, detail));
             }
