@@ -865,10 +865,15 @@ impl<T: Clone> PrefillMachine<T> {
         };
         if claim.ended || claim.withheld {
             // Ended without this piece (its peer lost), or an earlier piece failed: nothing
-            // to report, but this job may have been the last thing the request waited on.
+            // to report, but this job may have been the last thing the request waited on. A
+            // registration that ended meanwhile hears nothing more, the held-back failure
+            // included (see `Written::registered`).
+            if !written.registered {
+                claim.ended = true;
+            }
             return self.settle(now, id);
         }
-        if let (Err(reason), true) = (&written.result, claim.jobs > 0) {
+        if let (Err(reason), true, true) = (&written.result, claim.jobs > 0, written.registered) {
             // Later pieces of this claim are still queued and may write into the receiver's
             // slots: were this failure its last piece now, the receiver could end the request
             // and give its slots to another while they land. It goes out as the last piece

@@ -123,6 +123,9 @@ struct World {
     next_conn: u64,
     /// The decode rank's receiver is stopped: nothing reaches it or leaves it.
     stalled: bool,
+    /// Connections whose registration the executor ended: the agent closes their session at
+    /// its next keep-alive (the next tick of the clock), not at once.
+    closing: Vec<u64>,
     planning: Vec<PlanTask<u32>>,
     to_queue: Vec<(PlanTask<u32>, usize)>,
     jobs: VecDeque<Job>,
@@ -190,6 +193,7 @@ impl World {
             conns: Vec::new(),
             next_conn: 1,
             stalled: false,
+            closing: Vec::new(),
             planning: Vec::new(),
             to_queue: Vec::new(),
             jobs: VecDeque::new(),
@@ -440,8 +444,9 @@ impl World {
                     if let Some(c) = self.conn_mut(peer) {
                         c.registered = false;
                     }
-                    // The agent closes the session at its next keep-alive.
-                    self.cut(peer, "the receiver stopped draining");
+                    // The agent closes the session at its next keep-alive: messages sent
+                    // meanwhile still go out.
+                    self.closing.push(peer);
                 }
                 exec::Action::ForceClose { window, .. } => {
                     self.count("force closed");
@@ -871,6 +876,9 @@ impl World {
     }
 
     fn timeouts(&mut self) {
+        for peer in std::mem::take(&mut self.closing) {
+            self.cut(peer, "given up for not draining");
+        }
         let now = self.now;
         if self.prefill.poll_timeout().is_some_and(|at| at <= now) {
             self.prefill.handle_timeout(now);

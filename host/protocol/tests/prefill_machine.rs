@@ -1275,3 +1275,44 @@ fn a_failed_piece_is_the_pairs_last_only_once_its_later_jobs_reported() {
         "{a:?}"
     );
 }
+
+/// The same with the receiver's registration ended (given up for not draining): it hears
+/// nothing more, the held-back failure included, so it waits out the bytes the network may
+/// still hold instead of ending at a last piece. Found when the hold-back above first sent it
+/// (`joint`, seed 991 on that logic; and the oracle in `transfer_receiver_faults`, late bytes
+/// in a resumed receiver's reused slots).
+#[test]
+fn a_registration_that_ended_hears_nothing_of_a_held_back_failure() {
+    let now = Instant::now();
+    let mut m = machine(false);
+    send_all(&mut m, now, 9, 2, Some("d0"));
+    claimed_and_queued(&mut m, now, 9);
+    let written = |piece: u32, registered: bool| Written {
+        piece,
+        is_last: piece == 1,
+        result: Err("timed out with puts in flight".into()),
+        bounce: None,
+        digest: None,
+        views: None,
+        stages: Stages::default(),
+        registered,
+    };
+    // Piece 0 fails while piece 1 is queued; by piece 1's report the registration ended.
+    m.handle_released(9, 0);
+    m.handle_written(now, 9, 0, written(0, true));
+    m.handle_released(9, 0);
+    m.handle_written(now, 9, 0, written(1, false));
+    let a = actions(&mut m);
+    assert_eq!(completions(&a, 1), [], "{a:?}");
+    // Piece 0 fails with the registration already ended: nothing goes out either.
+    m.handle_released(9, 1);
+    m.handle_written(now, 9, 1, written(0, false));
+    m.handle_released(9, 1);
+    m.handle_written(now, 9, 1, written(1, false));
+    let a = actions(&mut m);
+    assert_eq!(completions(&a, 2), [], "{a:?}");
+    assert!(
+        matches!(outcome(&a, 9), Some(RequestOutcome::Failed { .. })),
+        "{a:?}"
+    );
+}
