@@ -11,7 +11,6 @@ use super::super::{
     JobRelease, MAX_PUT_BYTES, RemoteRank, ReplayJob, ReplayStats, WriteError, WriteStats,
 };
 use super::{Executor, Keys, Then, nanos};
-use crate::memory::RankPools;
 
 /// One put of a replay, resolved before the clock starts.
 struct ResolvedPut<'a> {
@@ -50,7 +49,6 @@ impl<'a> Executor<'a> {
         job: &ReplayJob,
         release: &mut Option<JobRelease>,
     ) -> Result<ReplayStats, WriteError> {
-        let pools: &'a RankPools = self.pools;
         let mut resolved = Vec::with_capacity(job.plans.len());
         for (dest, plan) in &job.plans {
             if plan.is_empty() {
@@ -60,14 +58,7 @@ impl<'a> Executor<'a> {
             let (window, keys, _) = self.window(dest)?;
             let mut puts = Vec::with_capacity(plan.len());
             for (k, (src, dst, len)) in plan.fragments().enumerate() {
-                let outside = || WriteError::SourceOutside {
-                    fragment: k,
-                    rank: self.rank,
-                    address: src,
-                    len,
-                };
-                let (pool, offset) = pools.locate(src, len).ok_or_else(outside)?;
-                let region = pools.region(pool).ok_or_else(outside)?;
+                let (region, offset) = self.source(k, src, len)?;
                 let key = dest
                     .pool_of(dst, len)
                     .filter(|&p| p < keys.len())

@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc::TryRecvError;
 use std::time::{Duration, Instant};
 
-use kvferry_ucx::{PutWindow, RemoteKey, Status};
+use kvferry_ucx::{MemRegion, PutWindow, RemoteKey, Status};
 
 use super::super::error::{gone, peer_failed, ucx_error, waiting_for};
 use super::super::{BounceJob, MAX_PUT_BYTES, RemoteRank, WriteError, WriteJob, WriteStats};
@@ -19,6 +19,21 @@ use crate::streaming::{
 };
 
 impl<'a> Executor<'a> {
+    /// Fragment `k`'s source `[src, src + len)`: the region of this rank's pools that holds it
+    /// whole, and its offset there.
+    pub(super) fn source(
+        &self,
+        k: usize,
+        src: u64,
+        len: u64,
+    ) -> Result<(&'a MemRegion, usize), WriteError> {
+        let pools: &'a RankPools = self.pools;
+        pools
+            .locate(src, len)
+            .and_then(|(pool, offset)| Some((pools.region(pool)?, offset)))
+            .ok_or_else(|| source_outside(self.rank, k, src, len))
+    }
+
     /// Writes `job`'s fragments: each with UCX puts, or — to a pool whose key maps it into this
     /// process ([`Mapped`]) from host memory — with one copy straight into the peer's shared
     /// mapping, which is what UCX's shared-memory put does for each put, without a request
@@ -43,7 +58,6 @@ impl<'a> Executor<'a> {
             }
         }
         let dest = &*job.dest;
-        let pools: &'a RankPools = self.pools;
         let mut stats = WriteStats::default();
         let stream = job.plan.total_bytes() >= STREAM_MIN_JOB_BYTES;
         let shared = job.plan.total_bytes() >= SHARE_MIN_JOB_BYTES;
@@ -54,14 +68,7 @@ impl<'a> Executor<'a> {
             if !dest.alive.load(Ordering::Acquire) {
                 return Err(gone(dest));
             }
-            let outside = || WriteError::SourceOutside {
-                fragment: k,
-                rank: self.rank,
-                address: src,
-                len,
-            };
-            let (pool, offset) = pools.locate(src, len).ok_or_else(outside)?;
-            let region = pools.region(pool).ok_or_else(outside)?;
+            let (region, offset) = self.source(k, src, len)?;
             let outside = || WriteError::DestinationOutside {
                 fragment: k,
                 instance: dest.instance.clone(),
@@ -177,17 +184,10 @@ impl<'a> Executor<'a> {
         // Every source, resolved to this process's address, before anything moves.
         let mut sources = Vec::with_capacity(bounce.gather.len());
         for (k, &(src, _, len)) in bounce.gather.iter().enumerate() {
-            let outside = || WriteError::SourceOutside {
-                fragment: k,
-                rank: self.rank,
-                address: src,
-                len,
-            };
-            let (pool, offset) = self.pools.locate(src, len).ok_or_else(outside)?;
-            let region = self.pools.region(pool).ok_or_else(outside)?;
+            let (region, offset) = self.source(k, src, len)?;
             // The gather copies one kind of memory: the staging buffer's.
             if region.memory_type().is_host() != staging.copier().is_host() {
-                return Err(outside());
+                return Err(source_outside(self.rank, k, src, len));
             }
             sources.push((region.as_ptr() as u64 + offset as u64, len));
             stats.bytes += len;
@@ -374,5 +374,15 @@ impl Waiter<'_> {
                 Err(e) => return Err(ucx_error(self.dest, window.endpoint(), e)),
             }
         }
+    }
+}
+
+/// [`WriteError::SourceOutside`] for fragment `fragment` of rank `rank`.
+fn source_outside(rank: u32, fragment: usize, address: u64, len: u64) -> WriteError {
+    WriteError::SourceOutside {
+        fragment,
+        rank,
+        address,
+        len,
     }
 }
