@@ -98,8 +98,8 @@ pub enum Admit {
     Gone,
     /// Its plan is empty: nothing to write or flush; it reports at once.
     Nothing,
-    /// An earlier job to the same receiver rank is parked: it fails without writing and
-    /// reports after that one ([`JobEnd::Behind`]).
+    /// An earlier job to the same receiver rank is parked: it fails without writing and,
+    /// told as [`JobEnd::Done`], reports after that one.
     Behind {
         /// Operations of the parked window in flight when it was last looked at.
         in_flight: usize,
@@ -114,8 +114,8 @@ pub enum Admit {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum JobEnd {
     /// Nothing of it is in flight: it reports now, or after a window of its receiver rank
-    /// that is parked (an empty plan, or a receiver gone: nothing was written), so a
-    /// receiver rank's reports keep the order of its jobs.
+    /// that is parked (refused behind it, an empty plan, a receiver gone: nothing was
+    /// written), so a receiver rank's reports keep the order of its jobs.
     Done,
     /// It gave up with operations in flight, left in window `window`, which is parked.
     Left {
@@ -128,8 +128,6 @@ pub enum JobEnd {
         /// Whether its endpoint can be closed by force (UCX's peer error mode).
         forcible: bool,
     },
-    /// It was refused behind a parked window ([`Admit::Behind`]): it reports after it.
-    Behind,
 }
 
 /// What the driver saw of a parked window when it looked.
@@ -315,12 +313,10 @@ impl<F> ExecMachine<F> {
     /// docs).
     pub fn handle_job(&mut self, now: Instant, target: Target, end: JobEnd, report: F) {
         match end {
-            JobEnd::Done | JobEnd::Behind => {
-                match self.parked.iter_mut().find(|p| p.target == target) {
-                    Some(p) => p.on_drain.push(report),
-                    None => self.actions.push_back(Action::Run(report)),
-                }
-            }
+            JobEnd::Done => match self.parked.iter_mut().find(|p| p.target == target) {
+                Some(p) => p.on_drain.push(report),
+                None => self.actions.push_back(Action::Run(report)),
+            },
             JobEnd::Left {
                 window,
                 in_flight,

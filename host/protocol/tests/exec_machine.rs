@@ -269,7 +269,7 @@ impl World {
             Admit::Gone | Admit::Nothing => (JobEnd::Done, None),
             Admit::Behind { .. } => {
                 *self.tally.entry("behind".into()).or_default() += 1;
-                (JobEnd::Behind, None)
+                (JobEnd::Done, None)
             }
             Admit::Write if self.rng.chance(70) => (JobEnd::Done, None),
             Admit::Write => {
@@ -433,7 +433,7 @@ fn a_stalled_receiver_is_given_up_at_the_stall_limit() {
         m.admit(target, true, false),
         Admit::Behind { in_flight: 3, .. }
     ));
-    m.handle_job(t0, target, JobEnd::Behind, "second");
+    m.handle_job(t0, target, JobEnd::Done, "second");
     let stuck = Look {
         in_flight: 3,
         settled: false,

@@ -330,7 +330,7 @@ impl World {
             Admit::Nothing => unreachable!("no empty plans here"),
             Admit::Behind { .. } => {
                 self.count("behind a quarantine");
-                (JobEnd::Behind, Err("stuck behind a quarantine".into()))
+                (JobEnd::Done, Err("stuck behind a quarantine".into()))
             }
             Admit::Write => {
                 let counts = WriteCounts {

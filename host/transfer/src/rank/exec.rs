@@ -596,20 +596,20 @@ impl<'a> Executor<'a> {
     }
 
     /// Looks at the parked windows, then asks the machine whether a job to `dest` writes:
-    /// `Ok(None)` when it has nothing to write, an error when it may not.
-    fn admit(&mut self, dest: &RemoteRank, empty: bool) -> Result<Option<()>, WriteError> {
+    /// `Ok(false)` when it has nothing to write, an error when it may not.
+    fn admit(&mut self, dest: &RemoteRank, empty: bool) -> Result<bool, WriteError> {
         self.poll_stuck();
         let alive = dest.alive.load(Ordering::Acquire);
         match self.machine.admit(target_of(dest), alive, empty) {
             Admit::Gone => Err(gone(dest)),
-            Admit::Nothing => Ok(None),
+            Admit::Nothing => Ok(false),
             Admit::Behind { in_flight, since } => Err(WriteError::Stuck {
                 instance: dest.instance.clone(),
                 rank: dest.rank,
                 in_flight,
                 stuck_ms: since.elapsed().as_millis(),
             }),
-            Admit::Write => Ok(Some(())),
+            Admit::Write => Ok(true),
         }
     }
 
@@ -628,7 +628,7 @@ impl<'a> Executor<'a> {
             puts = window.in_flight(),
             "quarantining a window with operations in flight"
         );
-        let id = self.next_window;
+        let (id, now) = (self.next_window, Instant::now());
         self.next_window += 1;
         let end = JobEnd::Left {
             window: id,
@@ -642,12 +642,11 @@ impl<'a> Executor<'a> {
                 window,
                 instance: dest.instance.clone(),
                 rank: dest.rank,
-                since: Instant::now(),
+                since: now,
                 alive: Arc::clone(&dest.alive),
             },
         );
-        self.machine
-            .handle_job(Instant::now(), target_of(dest), end, report);
+        self.machine.handle_job(now, target_of(dest), end, report);
         self.drive();
     }
 
@@ -694,9 +693,8 @@ impl<'a> Executor<'a> {
             // reported after it, so the receiver does not hear of this piece's end while an
             // earlier piece's bytes may still land.
             None => {
-                let end = if behind { JobEnd::Behind } else { JobEnd::Done };
                 self.machine
-                    .handle_job(Instant::now(), target_of(&job.dest), end, report);
+                    .handle_job(Instant::now(), target_of(&job.dest), JobEnd::Done, report);
                 self.drive();
             }
         }
@@ -756,9 +754,10 @@ impl<'a> Executor<'a> {
         job: &WriteJob,
     ) -> Result<Option<(PutWindow<'a>, Keys, Mapped)>, WriteError> {
         let dest = &*job.dest;
-        match self.admit(dest, job.plan.is_empty())? {
-            Some(()) => self.window(dest).map(Some),
-            None => Ok(None),
+        if self.admit(dest, job.plan.is_empty())? {
+            self.window(dest).map(Some)
+        } else {
+            Ok(None)
         }
     }
 }
